@@ -1,0 +1,39 @@
+"""gradcomp: gradient compression for distributed PyTorch training.
+
+``import gradcomp as gc``; see README.md and the public names below. Importing
+gradcomp does not load the native module, Triton or CuPy, nor initialise CUDA.
+"""
+
+from gradcomp.errors import BackendUnavailable, PayloadError
+from gradcomp import kernels
+from gradcomp.wire import Payload, decode
+from gradcomp.compressors import (
+    BF16,
+    FP16,
+    Compressor,
+    ErrorFeedback,
+    Int8Quantizer,
+    NoCompression,
+    Threshold,
+    TopK,
+)
+from gradcomp.meter import TrafficMeter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailable",
+    "PayloadError",
+    "Payload",
+    "decode",
+    "kernels",
+    "Compressor",
+    "NoCompression",
+    "FP16",
+    "BF16",
+    "Int8Quantizer",
+    "TopK",
+    "Threshold",
+    "ErrorFeedback",
+    "TrafficMeter",
+]

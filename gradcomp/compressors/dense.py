@@ -1,0 +1,107 @@
+"""Dense casts: NoCompression (raw), FP16 (with overflow-safe scaling), BF16."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradcomp import wire as W
+from gradcomp.compressors.base import Compressor, new_wire
+
+__all__ = ["NoCompression", "FP16", "BF16"]
+
+_FP16_MAX = 65504.0
+
+
+class NoCompression(Compressor):
+    """Sends the tensor's own bytes (original dtype): the uncompressed baseline.
+
+    Wire size: ``header + n * itemsize`` bytes.
+    """
+
+    codec = "raw"
+    lossy = False
+
+    def _encode(self, x, dtype, shape):
+        x = x.to(dtype)
+        h = W.build_header("raw", dtype, shape)
+        w = new_wire(h, x.numel() * x.element_size(), x.device)
+        data = w[len(h):].view(dtype)
+        if x.numel():
+            data.copy_(x)
+        return W.Payload(wire=w, codec="raw", dtype=dtype, shape=torch.Size(shape), data=data)
+
+    def _decode_flat(self, p):
+        return p.data
+
+    def wire_nbytes(self, shape, dtype=torch.float32):
+        return W.dense_nbytes("raw", shape, dtype)
+
+
+class FP16(Compressor):
+    """IEEE half precision on the wire (2 bytes per element).
+
+    Finite values stay finite: when ``max |x|`` exceeds 65504 the tensor is
+    multiplied by ``2**-e`` with the smallest ``e >= 0`` that fits, and ``e`` is
+    stored in the header (a power of two: exact to undo). Values below float16's
+    range flush towards zero as in a plain cast. NaN/Inf pass through.
+
+    Wire size: ``header + 2 n`` bytes.
+    """
+
+    codec = "fp16"
+
+    def _encode(self, x, dtype, shape):
+        e = 0
+        if x.numel():
+            amax = float(x.abs().max().to(torch.float64))
+            if math.isfinite(amax) and amax > _FP16_MAX:
+                e = max(0, math.ceil(math.log2(amax / _FP16_MAX)))
+                while math.ldexp(amax, -e) > _FP16_MAX:
+                    e += 1
+        h = W.build_header("fp16", dtype, shape, param=e)
+        w = new_wire(h, 2 * x.numel(), x.device)
+        data = w[len(h):].view(torch.float16)
+        if x.numel():
+            if e:
+                src = x.to(torch.float64) if x.dtype == torch.float64 else x.to(torch.float32)
+                data.copy_(src * (2.0 ** -e))
+            else:
+                data.copy_(x)
+        return W.Payload(wire=w, codec="fp16", dtype=dtype, shape=torch.Size(shape),
+                         exponent=e, data=data)
+
+    def _decode_flat(self, p):
+        out = p.data.to(torch.float32)
+        if p.exponent:
+            if p.dtype == torch.float64:
+                return p.data.to(torch.float64) * (2.0 ** p.exponent)
+            out = out * (2.0 ** p.exponent)
+        return out
+
+    def wire_nbytes(self, shape, dtype=torch.float32):
+        return W.dense_nbytes("fp16", shape, dtype)
+
+
+class BF16(Compressor):
+    """bfloat16 on the wire (2 bytes per element, float32's exponent range): a cast.
+
+    Wire size: ``header + 2 n`` bytes.
+    """
+
+    codec = "bf16"
+
+    def _encode(self, x, dtype, shape):
+        h = W.build_header("bf16", dtype, shape)
+        w = new_wire(h, 2 * x.numel(), x.device)
+        data = w[len(h):].view(torch.bfloat16)
+        if x.numel():
+            data.copy_(x)
+        return W.Payload(wire=w, codec="bf16", dtype=dtype, shape=torch.Size(shape), data=data)
+
+    def _decode_flat(self, p):
+        return p.data.to(torch.float32)
+
+    def wire_nbytes(self, shape, dtype=torch.float32):
+        return W.dense_nbytes("bf16", shape, dtype)

@@ -1,0 +1,194 @@
+"""Sparsifiers: TopK (exact or sampled-threshold) and Threshold."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from gradcomp import _validate as v
+from gradcomp import kernels
+from gradcomp import wire as W
+from gradcomp.compressors.base import Compressor, _check_acc
+from gradcomp.compressors.dense import NoCompression
+
+__all__ = ["TopK", "Threshold"]
+
+
+class _Sparse(Compressor):
+    """Shared encoding of (indices, values) payloads.
+
+    Kept values travel as a nested dense payload: raw in the original dtype, or
+    compressed by ``values`` (any dense compressor, e.g. ``Int8Quantizer()``).
+    """
+
+    sparse = True
+
+    def __init__(self, values: Compressor | None, backend: str | None):
+        if values is not None:
+            if not isinstance(values, Compressor):
+                raise TypeError(f"values must be a gradcomp compressor or None, got {type(values).__name__}")
+            if values.sparse or getattr(values, "wraps", None) is not None:
+                raise ValueError(f"values must be a dense compressor (e.g. Int8Quantizer()), got {values!r}")
+        self.values = values
+        self.backend = backend
+        self._raw = NoCompression()
+
+    def _select(self, x: torch.Tensor):
+        raise NotImplementedError
+
+    def _encode(self, x, dtype, shape):
+        idx, vals = self._select(x)
+        nnz = idx.numel()
+        n = x.numel()
+        inner = self.values if self.values is not None else self._raw
+        vp = inner._encode(vals, dtype, (nnz,))
+        flags = W.FLAG_INDEX64 if n >= 2**31 else 0
+        idx = idx.to(torch.int64 if flags else torch.int32)
+        h = W.build_header(self.codec, dtype, shape, nnz=nnz, flags=flags)
+        ib = nnz * idx.element_size()
+        pad = (-ib) % 8
+        parts = [W.header_tensor(h, x.device), idx.view(torch.uint8)]
+        if pad:
+            parts.append(torch.zeros(pad, dtype=torch.uint8, device=x.device))
+        parts.append(vp.wire)
+        w = torch.cat(parts)
+        off = len(h) + ib + pad
+        vp.wire = w[off:]
+        return W.Payload(wire=w, codec=self.codec, dtype=dtype, shape=torch.Size(shape), nnz=nnz,
+                         indices=w[len(h): len(h) + ib].view(idx.dtype), values=vp)
+
+    def _values_f32(self, p):
+        vp = p.values
+        inner = self.values if (self.values is not None and vp.codec == self.values.codec) else None
+        if inner is None:
+            if vp.codec == "raw":
+                return vp.data.to(torch.float32)
+            from gradcomp.compressors import compressor_for_codec
+
+            inner = compressor_for_codec(vp.codec)
+        return inner._decode_flat(vp).to(torch.float32)
+
+    def _decode_flat(self, p):
+        out = torch.zeros(p.numel, dtype=torch.float32, device=p.device)
+        if p.nnz:
+            kernels.scatter_add_(out, p.indices, self._values_f32(p), backend=self.backend)
+        return out
+
+    def decompress_add_(self, p, acc):
+        """``acc[indices] += values`` in place (float32)."""
+        p = self._payload(p)
+        _check_acc(acc, p)
+        if p.nnz:
+            kernels.scatter_add_(acc.view(-1), p.indices, self._values_f32(p), backend=self.backend)
+        return acc
+
+    def state_dict(self):
+        return {"values": self.values.state_dict()} if self.values is not None else {}
+
+    def load_state_dict(self, state):
+        if self.values is not None and "values" in state:
+            self.values.load_state_dict(state["values"])
+
+
+class TopK(_Sparse):
+    """Keeps the k elements of largest magnitude (a large negative beats a small
+    positive): Aji & Heafield 2017, Stich et al. 2018 (with error feedback).
+
+    ``k = max(1, ceil(ratio * n))`` for ``ratio`` in (0, 1], or the given ``k``
+    (``k <= n`` required). ``exact=True`` uses an exact radix select (ties: lower
+    index first); ``exact=False`` the sampled threshold of Deep Gradient
+    Compression (Lin et al. 2018), which keeps between 0.9 k and 1.1 k elements.
+
+    Wire: header, ascending indices (int32 when n < 2**31, else int64), padded
+    to 8 bytes, then the values as a nested payload (raw, or ``values``-compressed).
+    Size ``header + pad8(4 k) + values_payload`` bytes.
+
+    Args:
+        ratio: density k / n in (0, 1]. k: number of kept elements (>= 1).
+            Exactly one of ``ratio`` and ``k`` must be given.
+        values: optional dense compressor for the kept values, e.g. ``Int8Quantizer()``.
+        exact: exact select (True) or sampled threshold (False).
+        backend: force a kernel backend.
+    """
+
+    codec = "topk"
+
+    def __init__(self, ratio: float | None = None, k: int | None = None,
+                 values: Compressor | None = None, exact: bool = True, backend: str | None = None):
+        if (ratio is None) == (k is None):
+            raise ValueError("exactly one of ratio and k must be given")
+        if ratio is not None:
+            ratio = v.real("ratio", ratio)
+            if not 0.0 < ratio <= 1.0:
+                raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+        if k is not None:
+            k = v.integer("k", k, 1)
+        if not isinstance(exact, bool):
+            raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
+        self.ratio, self.k, self.exact = ratio, k, exact
+        super().__init__(values, backend)
+
+    def k_for(self, n: int) -> int:
+        """Elements kept from a tensor of n elements.
+
+        Raises:
+            ValueError: a fixed ``k`` larger than ``n``.
+        """
+        if n == 0:
+            return 0
+        if self.ratio is not None:
+            return max(1, math.ceil(self.ratio * n))
+        if self.k > n:
+            raise ValueError(f"k must be <= the tensor's numel {n}, got {self.k}")
+        return self.k
+
+    def _select(self, x):
+        k = self.k_for(x.numel())
+        if self.exact:
+            return kernels.topk(x, k, backend=self.backend)
+        return kernels.approx_topk(x, k, backend=self.backend)
+
+    def wire_nbytes(self, shape, dtype=torch.float32):
+        if not self.exact:
+            return None
+        n = 1
+        for d in shape:
+            n *= d
+        k = self.k_for(n)
+        inner = self.values if self.values is not None else self._raw
+        return W.sparse_nbytes(shape, k, inner.wire_nbytes((k,), dtype))
+
+    def __repr__(self):
+        sel = f"ratio={self.ratio}" if self.ratio is not None else f"k={self.k}"
+        return f"TopK({sel}, values={self.values!r}, exact={self.exact})"
+
+
+class Threshold(_Sparse):
+    """Keeps every element with ``|x| >= threshold`` (Strom 2015); NaN is always
+    kept so a non-finite gradient is never silently dropped. Zero kept elements
+    is a valid payload.
+
+    Args:
+        threshold: finite number >= 0 (compared in float32; float64 for float64 input).
+        values: optional dense compressor for the kept values.
+        backend: force a kernel backend.
+    """
+
+    codec = "threshold"
+
+    def __init__(self, threshold: float, values: Compressor | None = None, backend: str | None = None):
+        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
+            raise TypeError(f"threshold must be a real number, got {type(threshold).__name__}")
+        threshold = float(threshold)
+        if not (threshold >= 0 and math.isfinite(threshold)):
+            raise ValueError(f"threshold must be a finite number >= 0, got {threshold}")
+        self.threshold = threshold
+        super().__init__(values, backend)
+
+    def _select(self, x):
+        return kernels.threshold(x, self.threshold, backend=self.backend)
+
+    def __repr__(self):
+        return f"Threshold({self.threshold}, values={self.values!r})"

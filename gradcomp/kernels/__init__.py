@@ -1,0 +1,255 @@
+"""Compression kernels with one public signature per op and several backends.
+
+Every op validates its arguments, flattens its input (non-contiguous input is
+copied to a contiguous one first, so it gives the same result as its
+contiguous copy) and dispatches through :mod:`gradcomp.kernels.registry` to the
+fastest usable backend for the tensor's device, or to the one named by
+``backend=`` / ``GRADCOMP_BACKEND``. The numerics of every op are defined by
+:mod:`gradcomp.kernels.reference`; all backends match it bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradcomp import _validate as v
+from gradcomp.kernels.registry import available_backends, resolve
+
+__all__ = [
+    "available_backends",
+    "quantize_int8",
+    "dequantize_int8",
+    "dequantize_int8_add_",
+    "quantize_int8_ef",
+    "topk",
+    "approx_topk",
+    "threshold",
+    "scatter_add_",
+]
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1) if x.is_contiguous() else x.contiguous().view(-1)
+
+
+def _nblocks(n: int, block_size: int) -> int:
+    return -(-n // block_size)
+
+
+def _check_out(name, out, numel, dtype, device):
+    if out is None:
+        return None
+    v.tensor(name, out, None)
+    if out.dtype != dtype or out.numel() != numel or out.device != device or not out.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous {dtype} tensor of {numel} elements on {device}, "
+            f"got {out.dtype} with {out.numel()} elements on {out.device}"
+        )
+    return out.view(-1)
+
+
+def quantize_int8(
+    x: torch.Tensor,
+    block_size: int = 256,
+    rounding: str = "nearest",
+    seed: int = 0,
+    counter: int = 0,
+    *,
+    out_q: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """Blockwise symmetric absmax int8 quantization (Dettmers et al. 2022).
+
+    Args:
+        x: float32/float16/bfloat16/float64 tensor of any shape and device, n elements.
+        block_size: elements per absmax block, a power of two in [32, 65536].
+        rounding: ``"nearest"`` (half to even) or ``"stochastic"`` (unbiased, QSGD).
+        seed, counter: the random stream ``(seed, counter)`` for stochastic rounding.
+        out_q, out_scales: optional preallocated int8 ``[n]`` / float32 ``[ceil(n/block_size)]``.
+        backend: force a backend (``"reference"``, ``"cpu"``, ``"triton"``, ``"cuda"``).
+
+    Returns:
+        ``(q, scales)``: int8 codes in [-127, 127] ``[n]`` and float32 scales
+        ``[ceil(n / block_size)]`` on x's device. A block with NaN/Inf has scale NaN.
+
+    Raises:
+        TypeError: x not a floating tensor. ValueError: bad block_size / rounding / outputs.
+        BackendUnavailable: the forced backend cannot run here.
+    """
+    v.tensor("x", x)
+    block_size = v.block_size(block_size)
+    rounding = v.rounding(rounding)
+    seed = v.integer("seed", seed)
+    counter = v.integer("counter", counter)
+    n = x.numel()
+    out_q = _check_out("out_q", out_q, n, torch.int8, x.device)
+    out_scales = _check_out("out_scales", out_scales, _nblocks(n, block_size), torch.float32, x.device)
+    fn = resolve("quantize_int8", x.device.type, backend)
+    return fn(_flat(x), block_size, rounding, seed, counter, out_q, out_scales)
+
+
+def _check_codes(q, scales, block_size):
+    v.tensor("q", q, (torch.int8,))
+    v.tensor("scales", scales, (torch.float32,))
+    block_size = v.block_size(block_size)
+    if scales.numel() != _nblocks(q.numel(), block_size):
+        raise ValueError(
+            f"scales must have ceil(q.numel() / block_size) = {_nblocks(q.numel(), block_size)} "
+            f"elements, got {scales.numel()}"
+        )
+    if scales.device != q.device:
+        raise ValueError(f"q and scales must be on one device, got {q.device} and {scales.device}")
+    return block_size
+
+
+def dequantize_int8(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int = 256,
+    out: torch.Tensor | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``code * scale`` per element.
+
+    Args:
+        q: int8 ``[n]``; scales: float32 ``[ceil(n / block_size)]``, same device.
+        out: optional contiguous float tensor of n elements (float32/16/bf16/64) to write.
+
+    Returns:
+        float32 ``[n]`` (or ``out``).
+    """
+    block_size = _check_codes(q, scales, block_size)
+    if out is not None:
+        v.tensor("out", out)
+        if out.numel() != q.numel() or not out.is_contiguous() or out.device != q.device:
+            raise ValueError(
+                f"out must be a contiguous tensor of {q.numel()} elements on {q.device}, "
+                f"got {out.numel()} elements on {out.device}"
+            )
+    fn = resolve("dequantize_int8", q.device.type, backend)
+    return fn(_flat(q), _flat(scales), block_size, out)
+
+
+def dequantize_int8_add_(
+    acc: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int = 256,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``acc += code * scale`` in place. acc: contiguous float32 with ``q.numel()`` elements."""
+    block_size = _check_codes(q, scales, block_size)
+    _check_out("acc", acc, q.numel(), torch.float32, q.device)
+    fn = resolve("dequantize_int8_add_", q.device.type, backend)
+    return fn(acc, _flat(q), _flat(scales), block_size)
+
+
+def quantize_int8_ef(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    block_size: int = 256,
+    rounding: str = "nearest",
+    seed: int = 0,
+    counter: int = 0,
+    *,
+    out_q: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
+    backend: str | None = None,
+):
+    """Fused error-feedback quantization in one pass (Seide et al. 2014;
+    Karimireddy et al. 2019): ``p = x + residual; (q, s) = Q(p);
+    residual <- p - D(q, s)``.
+
+    Args:
+        x: floating tensor, n elements. residual: contiguous float32, n elements,
+            same device; updated in place.
+        Others as :func:`quantize_int8`.
+
+    Returns:
+        ``(q, scales)`` as :func:`quantize_int8`.
+    """
+    v.tensor("x", x)
+    _check_out("residual", residual, x.numel(), torch.float32, x.device)
+    block_size = v.block_size(block_size)
+    rounding = v.rounding(rounding)
+    seed = v.integer("seed", seed)
+    counter = v.integer("counter", counter)
+    n = x.numel()
+    out_q = _check_out("out_q", out_q, n, torch.int8, x.device)
+    out_scales = _check_out("out_scales", out_scales, _nblocks(n, block_size), torch.float32, x.device)
+    fn = resolve("quantize_int8_ef", x.device.type, backend)
+    return fn(_flat(x), residual, block_size, rounding, seed, counter, out_q, out_scales)
+
+
+def _check_k(x, k):
+    k = v.integer("k", k, 0)
+    if k > x.numel():
+        raise ValueError(f"k must be <= x.numel() = {x.numel()}, got {k}")
+    return k
+
+
+def topk(x: torch.Tensor, k: int, *, backend: str | None = None):
+    """Exact top-k by magnitude: the k elements with the largest ``|x|`` (ties:
+    lower index first; NaN counts as largest), by radix select in the native backends.
+
+    Returns:
+        ``(indices, values)``: ascending indices (int32 if n < 2**31 else int64)
+        and the values there in x's dtype, on x's device.
+    """
+    v.tensor("x", x)
+    k = _check_k(x, k)
+    return resolve("topk", x.device.type, backend)(_flat(x), k)
+
+
+def approx_topk(x: torch.Tensor, k: int, *, backend: str | None = None):
+    """Approximate top-k by a sampled threshold (Deep Gradient Compression, Lin
+    et al. 2018): a top set of size in ``[ceil(0.9 k), floor(1.1 k)]``.
+
+    Returns:
+        ``(indices, values)`` as :func:`topk`.
+    """
+    v.tensor("x", x)
+    k = _check_k(x, k)
+    return resolve("approx_topk", x.device.type, backend)(_flat(x), k)
+
+
+def threshold(x: torch.Tensor, tau: float, *, backend: str | None = None):
+    """Every element with ``|x| >= tau`` (and every NaN), by stream compaction.
+
+    Args:
+        tau: non-negative threshold (compared in float32, float64 for float64 x).
+
+    Returns:
+        ``(indices, values)`` as :func:`topk`; zero kept elements is valid.
+    """
+    v.tensor("x", x)
+    tau = v.real("tau", tau)
+    if not tau >= 0 or tau == float("inf"):
+        raise ValueError(f"tau must be a finite number >= 0, got {tau}")
+    return resolve("threshold", x.device.type, backend)(_flat(x), tau)
+
+
+def scatter_add_(
+    acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, backend: str | None = None
+) -> torch.Tensor:
+    """``acc.view(-1)[indices] += values`` in place (float32 accumulate).
+
+    Args:
+        acc: contiguous float32 tensor. indices: int32/int64 in [0, acc.numel()).
+        values: floating tensor with ``indices.numel()`` elements, same device.
+    """
+    v.tensor("acc", acc, (torch.float32,))
+    v.tensor("indices", indices, (torch.int32, torch.int64))
+    v.tensor("values", values)
+    if not acc.is_contiguous():
+        raise ValueError("acc must be contiguous")
+    if indices.numel() != values.numel():
+        raise ValueError(
+            f"indices and values must have the same numel, got {indices.numel()} and {values.numel()}"
+        )
+    if indices.device != acc.device or values.device != acc.device:
+        raise ValueError("acc, indices and values must be on one device")
+    return resolve("scatter_add_", acc.device.type, backend)(acc, _flat(indices), _flat(values))

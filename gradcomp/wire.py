@@ -1,0 +1,349 @@
+"""Wire format: a compressed tensor as one self-describing ``torch.uint8`` tensor.
+
+Only these bytes travel between ranks; a payload decodes from them alone.
+All integers are little-endian. Layout (offsets in bytes)::
+
+    0   4  magic            b"GCMP"
+    4   1  version          1
+    5   1  codec            1 raw, 2 fp16, 3 bf16, 4 int8, 5 topk, 6 threshold
+    6   1  dtype            original dtype: 1 float32, 2 float16, 3 bfloat16, 4 float64
+    7   1  ndim             0 .. 8
+    8   1  flags            bit 0: stochastic rounding (int8); bit 1: int64 indices (sparse)
+    9   3  reserved         zero
+    12  4  param            int8: block size; fp16: power-of-two exponent e (int32, >= 0)
+    16  8  numel            n = product of shape
+    24  8  nnz              sparse: kept elements; dense: 0
+    32  8*ndim shape        int64 each, >= 0
+    ..  4  header crc32     zlib CRC-32 of every header byte before it
+    ..  4  zero padding     (the header is a multiple of 8 bytes: 40 + 8 * ndim)
+
+Sections after the header (``H = 40 + 8 * ndim``):
+
+* raw:       n elements of the original dtype                 size H + n * itemsize
+* fp16:      n float16 values; decoded value = v * 2**e       size H + 2 n
+* bf16:      n bfloat16 values                                size H + 2 n
+* int8:      ceil(n / B) float32 absmax scales, then n int8 codes in [-127, 127]
+                                                              size H + 4 ceil(n / B) + n
+* topk / threshold: nnz indices (int32, or int64 when n >= 2**31 or flag bit 1),
+  strictly ascending in [0, n); zero padding to a multiple of 8; then the kept
+  values as a nested dense payload of shape ``(nnz,)`` and the same dtype
+  (raw unless a values compressor such as int8 was given)
+                                                              size H + pad8(nnz * isz) + nested
+
+Decoding validates the header (magic, version, known codes, reserved bytes,
+CRC, shape against numel, parameters) and every section against the byte
+length, and the data where a bad value could cause harm (codes of -128,
+negative or infinite scales, indices out of range or not ascending). Any
+inconsistency raises :class:`gradcomp.PayloadError`; decoding never reads
+out of bounds. Bit flips in the header are caught by the CRC; a flip inside a
+data section that still yields valid values decodes to those values (use the
+transport's own integrity checks for data at rest).
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+
+from gradcomp.errors import PayloadError
+
+__all__ = [
+    "MAGIC",
+    "VERSION",
+    "CODECS",
+    "Payload",
+    "decode",
+    "header_nbytes",
+    "dense_nbytes",
+    "sparse_nbytes",
+    "build_header",
+]
+
+MAGIC = b"GCMP"
+VERSION = 1
+MAX_NDIM = 8
+_FIXED = struct.Struct("<4sBBBBB3sIQQ")  # 32 bytes
+assert _FIXED.size == 32
+
+CODECS = {"raw": 1, "fp16": 2, "bf16": 3, "int8": 4, "topk": 5, "threshold": 6}
+_CODEC_NAMES = {v: k for k, v in CODECS.items()}
+SPARSE_CODECS = ("topk", "threshold")
+DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
+_DTYPE_OF = {v: k for k, v in DTYPES.items()}
+FLAG_STOCHASTIC = 1
+FLAG_INDEX64 = 2
+_MAX_NUMEL = 1 << 48
+
+
+def header_nbytes(ndim: int) -> int:
+    """Header size in bytes for a tensor of ``ndim`` dimensions."""
+    return 40 + 8 * ndim
+
+
+def _pad8(nbytes: int) -> int:
+    return (nbytes + 7) & ~7
+
+
+def dense_nbytes(codec: str, shape, dtype: torch.dtype = torch.float32, block_size: int = 256) -> int:
+    """Exact wire size in bytes of a dense payload (raw, fp16, bf16, int8)."""
+    shape = tuple(shape)
+    n = 1
+    for d in shape:
+        n *= d
+    h = header_nbytes(len(shape))
+    if codec == "raw":
+        return h + n * torch.empty(0, dtype=dtype).element_size()
+    if codec in ("fp16", "bf16"):
+        return h + 2 * n
+    if codec == "int8":
+        return h + 4 * (-(-n // block_size)) + n
+    raise ValueError(f"codec must be one of ('raw', 'fp16', 'bf16', 'int8'), got {codec!r}")
+
+
+def sparse_nbytes(shape, nnz: int, values_nbytes: int) -> int:
+    """Exact wire size in bytes of a top-k/threshold payload whose nested values
+    payload has ``values_nbytes`` bytes."""
+    shape = tuple(shape)
+    n = 1
+    for d in shape:
+        n *= d
+    isz = 4 if n < 2**31 else 8
+    return header_nbytes(len(shape)) + _pad8(nnz * isz) + values_nbytes
+
+
+def build_header(
+    codec: str,
+    dtype: torch.dtype,
+    shape,
+    *,
+    param: int = 0,
+    nnz: int = 0,
+    flags: int = 0,
+) -> bytes:
+    """The header bytes (see the module docstring)."""
+    shape = tuple(int(d) for d in shape)
+    if len(shape) > MAX_NDIM:
+        raise ValueError(f"tensors of at most {MAX_NDIM} dimensions are supported, got {len(shape)}")
+    n = 1
+    for d in shape:
+        n *= d
+    fixed = _FIXED.pack(
+        MAGIC, VERSION, CODECS[codec], DTYPES[dtype], len(shape), flags, b"\0\0\0",
+        param & 0xFFFFFFFF, n, nnz,
+    )
+    body = fixed + struct.pack(f"<{len(shape)}q", *shape)
+    return body + struct.pack("<I", zlib.crc32(body)) + b"\0\0\0\0"
+
+
+def header_tensor(header: bytes, device) -> torch.Tensor:
+    return torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
+
+
+@dataclass
+class Payload:
+    """A decoded (or freshly encoded) compressed tensor.
+
+    Attributes:
+        wire: 1-D ``torch.uint8`` tensor, exactly the bytes that travel.
+        codec: ``"raw" | "fp16" | "bf16" | "int8" | "topk" | "threshold"``.
+        dtype: the original tensor's dtype; shape: its shape.
+        block_size: int8 block size (elements); exponent: fp16 power-of-two exponent.
+        stochastic: int8 codes were drawn with stochastic rounding.
+        nnz: kept elements (sparse codecs).
+        data: raw/fp16/bf16 values (views into ``wire``).
+        scales, codes: int8 sections (float32 ``[ceil(n/B)]``, int8 ``[n]``).
+        indices: sparse indices (int32/int64 ``[nnz]``); values: nested dense Payload.
+    """
+
+    wire: torch.Tensor
+    codec: str
+    dtype: torch.dtype
+    shape: torch.Size
+    block_size: int = 0
+    exponent: int = 0
+    stochastic: bool = False
+    nnz: int = 0
+    data: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    codes: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
+    values: "Payload | None" = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Wire size in bytes (``== wire.numel()``)."""
+        return self.wire.numel()
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def device(self) -> torch.device:
+        return self.wire.device
+
+    @property
+    def sparse(self) -> bool:
+        return self.codec in SPARSE_CODECS
+
+    def __repr__(self) -> str:
+        return (
+            f"Payload(codec={self.codec!r}, dtype={self.dtype}, shape={tuple(self.shape)}, "
+            f"nbytes={self.nbytes}, nnz={self.nnz}, block_size={self.block_size})"
+        )
+
+
+def _view(wire: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` elements of ``dtype`` at byte offset ``start`` (copied if misaligned)."""
+    isz = torch.empty(0, dtype=dtype).element_size()
+    seg = wire[start : start + count * isz]
+    if count == 0:
+        return torch.empty(0, dtype=dtype, device=wire.device)
+    if (seg.storage_offset() % isz) != 0:
+        seg = seg.clone()
+    return seg.view(dtype)
+
+
+def _fail(msg: str):
+    raise PayloadError(msg)
+
+
+def _parse_header(wire: torch.Tensor):
+    total = wire.numel()
+    if total < 40:
+        _fail(f"payload truncated: {total} bytes is shorter than the smallest header (40 bytes)")
+    first = bytes(wire[:32].cpu().numpy().tobytes())
+    magic, version, codec, dtype, ndim, flags, reserved, param, n, nnz = _FIXED.unpack(first)
+    if magic != MAGIC:
+        _fail(f"bad magic {magic!r}, expected {MAGIC!r}: not a gradcomp payload")
+    if version != VERSION:
+        _fail(f"unsupported payload version {version}, this gradcomp reads version {VERSION}")
+    if codec not in _CODEC_NAMES:
+        _fail(f"unknown codec id {codec}, expected one of {sorted(_CODEC_NAMES)}")
+    if dtype not in _DTYPE_OF:
+        _fail(f"unknown dtype id {dtype}, expected one of {sorted(_DTYPE_OF)}")
+    if ndim > MAX_NDIM:
+        _fail(f"ndim {ndim} exceeds the maximum {MAX_NDIM}")
+    if reserved != b"\0\0\0" or flags & ~(FLAG_STOCHASTIC | FLAG_INDEX64):
+        _fail("reserved header bits are set")
+    h = header_nbytes(ndim)
+    if total < h:
+        _fail(f"payload truncated: {total} bytes, header alone needs {h}")
+    head = bytes(wire[:h].cpu().numpy().tobytes())
+    (crc,) = struct.unpack_from("<I", head, h - 8)
+    if zlib.crc32(head[: h - 8]) != crc or head[h - 4 :] != b"\0\0\0\0":
+        _fail("header checksum mismatch: the header bytes are corrupted")
+    shape = struct.unpack_from(f"<{ndim}q", head, 32)
+    prod = 1
+    for d in shape:
+        if d < 0:
+            _fail(f"negative dimension in shape {shape}")
+        prod *= d
+    if prod != n or n >= _MAX_NUMEL:
+        _fail(f"numel {n} does not match shape {shape}")
+    return _CODEC_NAMES[codec], _DTYPE_OF[dtype], torch.Size(shape), flags, param, n, nnz, h
+
+
+def decode(wire: torch.Tensor, _nested: bool = False) -> Payload:
+    """Decode wire bytes into a :class:`Payload`, validating everything.
+
+    Args:
+        wire: 1-D ``torch.uint8`` tensor on any device (a contiguous byte buffer).
+
+    Returns:
+        The payload; its section tensors are views into ``wire`` where aligned.
+
+    Raises:
+        TypeError: ``wire`` is not a uint8 tensor.
+        PayloadError: the bytes are malformed in any way (see module docstring).
+    """
+    if not isinstance(wire, torch.Tensor):
+        raise TypeError(f"wire must be a torch.Tensor of dtype uint8, got {type(wire).__name__}")
+    if wire.dtype != torch.uint8:
+        raise TypeError(f"wire must have dtype torch.uint8, got {wire.dtype}")
+    if sys.byteorder != "little":  # pragma: no cover
+        raise PayloadError("gradcomp payloads are little-endian; this host is big-endian")
+    wire = wire.reshape(-1)
+    if not wire.is_contiguous():
+        wire = wire.contiguous()
+    codec, dtype, shape, flags, param, n, nnz, h = _parse_header(wire)
+    total = wire.numel()
+    p = Payload(wire=wire, codec=codec, dtype=dtype, shape=shape)
+    if codec not in SPARSE_CODECS and nnz != 0:
+        _fail(f"dense codec {codec!r} with nonzero nnz {nnz}")
+    if codec != "int8" and flags & FLAG_STOCHASTIC:
+        _fail(f"stochastic flag set on codec {codec!r}")
+    if codec not in SPARSE_CODECS and flags & FLAG_INDEX64:
+        _fail(f"index flag set on codec {codec!r}")
+    if codec not in ("int8", "fp16") and param != 0:
+        _fail(f"codec {codec!r} with nonzero parameter {param}")
+
+    def expect(size: int):
+        if total != size:
+            _fail(f"{codec} payload of shape {tuple(shape)} must be {size} bytes, got {total}")
+
+    if codec == "raw":
+        isz = torch.empty(0, dtype=dtype).element_size()
+        expect(h + n * isz)
+        p.data = _view(wire, h, n, dtype)
+    elif codec in ("fp16", "bf16"):
+        if codec == "fp16":
+            if param > 1100:  # 2**1100 exceeds every float64
+                _fail(f"fp16 exponent {param} out of range [0, 1100]")
+            p.exponent = param
+        expect(h + 2 * n)
+        p.data = _view(wire, h, n, torch.float16 if codec == "fp16" else torch.bfloat16)
+    elif codec == "int8":
+        b = param
+        if b < 32 or b > 65536 or b & (b - 1):
+            _fail(f"int8 block size {b} is not a power of two in [32, 65536]")
+        nb = -(-n // b)
+        expect(h + 4 * nb + n)
+        p.block_size = b
+        p.stochastic = bool(flags & FLAG_STOCHASTIC)
+        p.scales = _view(wire, h, nb, torch.float32)
+        p.codes = _view(wire, h + 4 * nb, n, torch.int8)
+        if n and bool((p.codes == -128).any()):
+            _fail("int8 code -128 is outside [-127, 127]")
+        if nb and bool(((p.scales < 0) | torch.isinf(p.scales)).any()):
+            _fail("int8 scales must be >= 0 and finite (or NaN for a non-finite block)")
+    else:  # sparse
+        if _nested:
+            _fail("a sparse payload cannot nest another sparse payload")
+        if nnz > n:
+            _fail(f"nnz {nnz} exceeds numel {n}")
+        big = bool(flags & FLAG_INDEX64)
+        if big != (n >= 2**31):
+            _fail("index width flag does not match numel")
+        isz = 8 if big else 4
+        off = h + _pad8(nnz * isz)
+        if total < off + 40:
+            _fail(f"{codec} payload truncated: {total} bytes, indices end at {off}")
+        if bool(wire[h + nnz * isz : off].any()):
+            _fail("nonzero padding after the indices")
+        p.nnz = nnz
+        p.indices = _view(wire, h, nnz, torch.int64 if big else torch.int32)
+        if nnz:
+            first, last = int(p.indices[0]), int(p.indices[-1])
+            if first < 0 or last >= n:
+                _fail(f"sparse index out of range [0, {n})")
+            if nnz > 1 and not bool((p.indices[1:] > p.indices[:-1]).all()):
+                _fail("sparse indices are not strictly ascending")
+        try:
+            p.values = decode(wire[off:], _nested=True)
+        except PayloadError as e:
+            raise PayloadError(f"{codec} values: {e}") from None
+        if p.values.shape != torch.Size([nnz]) or p.values.dtype != dtype:
+            _fail(
+                f"{codec} values payload must have shape ({nnz},) and dtype {dtype}, "
+                f"got {tuple(p.values.shape)} and {p.values.dtype}"
+            )
+    return p

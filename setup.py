@@ -1,0 +1,83 @@
+"""Build of the native CPU module ``gradcomp._C`` (pybind11, numpy buffers, no libtorch).
+
+Environment switches:
+    GRADCOMP_NO_NATIVE=1   skip the native module (the pure-PyTorch reference still works)
+    GRADCOMP_NO_OPENMP=1   build without OpenMP
+
+The CUDA sources in csrc/cuda/ are not compiled here: they are copied into the
+package (gradcomp/_cuda_src/) and compiled at first use by CuPy (NVRTC).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _copy_cuda_sources(dst_root: str) -> None:
+    dst = os.path.join(dst_root, "gradcomp", "_cuda_src")
+    os.makedirs(dst, exist_ok=True)
+    for src in glob.glob(os.path.join(HERE, "csrc", "cuda", "*.cu*")):
+        shutil.copy2(src, dst)
+
+
+class BuildPy(build_py):
+    """Ship csrc/cuda/*.cu inside the package."""
+
+    def run(self):
+        _copy_cuda_sources(HERE)  # source tree (editable installs)
+        super().run()
+        _copy_cuda_sources(self.build_lib)
+
+
+def _compiler_accepts(flag: str) -> bool:
+    cxx = os.environ.get("CXX", "c++")
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "t.cpp")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint main(){return omp_get_max_threads() > 0 ? 0 : 1;}\n")
+        try:
+            r = subprocess.run([cxx, flag, src, "-o", os.path.join(d, "t")], capture_output=True)
+        except OSError:
+            return False
+        return r.returncode == 0
+
+
+def _extensions():
+    if os.environ.get("GRADCOMP_NO_NATIVE") == "1":
+        return []
+    from pybind11.setup_helpers import Pybind11Extension
+
+    cflags = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
+    lflags = []
+    if sys.platform != "win32" and os.environ.get("GRADCOMP_NO_OPENMP") != "1":
+        if _compiler_accepts("-fopenmp"):
+            cflags.append("-fopenmp")
+            lflags.append("-fopenmp")
+    if os.environ.get("GRADCOMP_NATIVE_ARCH", "1") == "1" and sys.platform != "win32":
+        # vectorise for the build machine; set GRADCOMP_NATIVE_ARCH=0 for portable wheels
+        cflags.append("-march=native")
+    sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    if not sources:
+        return []
+    return [
+        Pybind11Extension(
+            "gradcomp._C",
+            sources,
+            cxx_std=17,
+            extra_compile_args=cflags,
+            extra_link_args=lflags,
+        )
+    ]
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_py": BuildPy})
