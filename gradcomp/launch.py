@@ -1,0 +1,172 @@
+"""Local launcher: run a function on N processes joined in a torch.distributed group.
+
+This is the single-host counterpart of ``torchrun`` for tests, benchmarks and
+``gradcomp train``. Rendezvous is torch.distributed's file store (no port to
+race for); each rank runs ``fn(rank, world_size, *args)`` and its return value
+comes back to the caller. Every wait has a deadline: a rank that raises stops
+the whole run with that rank's traceback (:class:`WorkerError`), a rank that
+hangs past ``timeout`` seconds gets every process killed (:class:`TimeoutError`),
+and no process is left behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, Collection
+
+__all__ = ["launch", "WorkerError", "init_from_env"]
+
+
+class WorkerError(RuntimeError):
+    """A rank failed; ``rank`` and the worker's ``traceback`` text are attached."""
+
+    def __init__(self, rank: int, tb: str):
+        super().__init__(f"rank {rank} failed:\n{tb}")
+        self.rank = rank
+        self.traceback = tb
+
+
+def _worker(fn, rank, world_size, args, init_file, backend, timeout, env, results):
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(env.get("GRADCOMP_WORKER_THREADS", "1")))
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # report everything, including KeyboardInterrupt
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def _context(start_method: str | None):
+    method = start_method or os.environ.get("GRADCOMP_START_METHOD", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "gradcomp"])
+    return ctx
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    *,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    expected_failures: Collection[int] = (),
+    start_method: str | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes.
+
+    Args:
+        fn: a module-level (picklable) function.
+        world_size: number of processes (>= 1).
+        args: extra picklable arguments.
+        timeout: seconds for the whole run and for every collective inside it.
+        backend: torch.distributed backend (``"gloo"`` on CPU).
+        env: extra environment variables for the workers
+            (``GRADCOMP_WORKER_THREADS`` sets torch threads per worker, default 1).
+        expected_failures: ranks allowed to die (failure tests); their result is None.
+        start_method: multiprocessing start method (default ``forkserver``).
+
+    Returns:
+        The per-rank return values, indexed by rank.
+
+    Raises:
+        ValueError: world_size < 1 or timeout <= 0.
+        WorkerError: a rank raised or died (the first such rank is reported).
+        TimeoutError: the run did not finish within ``timeout`` seconds.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    ctx = _context(start_method)
+    results = ctx.Queue()
+    env = dict(env or {})
+    tmpdir = tempfile.mkdtemp(prefix="gradcomp-rdzv-")
+    init_file = os.path.join(tmpdir, "store")
+    procs = [
+        ctx.Process(target=_worker, daemon=True,
+                    args=(fn, r, world_size, args, init_file, backend, timeout, env, results))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, val = results.get(timeout=0.2)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in out and not p.is_alive() and p.exitcode is not None:
+                        # give a result already in flight a moment to arrive
+                        try:
+                            rank, ok, val = results.get(timeout=1.0)
+                            break
+                        except queue.Empty:
+                            if r in expected_failures:
+                                out[r] = None
+                                continue
+                            raise WorkerError(r, f"process exited with code {p.exitcode} "
+                                                 "without reporting a result") from None
+                else:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"launch: ranks {sorted(set(range(world_size)) - set(out))} "
+                                           f"did not finish within {timeout} s")
+                    continue
+            if not ok and rank not in expected_failures:
+                raise WorkerError(rank, val)
+            out[rank] = val if ok else None
+        return [out[r] for r in range(world_size)]
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        try:
+            os.remove(init_file)
+        except OSError:
+            pass
+        try:
+            os.rmdir(tmpdir)
+        except OSError:
+            pass
+
+
+def init_from_env(backend: str = "gloo", timeout: float = 120.0) -> tuple[int, int]:
+    """Join the process group described by ``torchrun``'s environment
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) unless already
+    joined; returns ``(rank, world_size)``."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    return dist.get_rank(), dist.get_world_size()
