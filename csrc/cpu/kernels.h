@@ -1,0 +1,43 @@
+// Kernel entry points of gradcomp._C (raw pointers, no Python). Every
+// function here may be called with the GIL released; none throws from inside
+// a parallel region (arguments are checked before any work starts).
+#pragma once
+
+#include "common.h"
+
+namespace gradcomp {
+
+enum class DType { F32, F16, BF16, F64 };
+
+// Parses "float32" | "float16" | "bfloat16" | "float64"; throws
+// std::invalid_argument naming `arg` otherwise.
+DType parse_dtype(const std::string& s, const char* arg);
+size_t dtype_size(DType d);
+const char* dtype_name(DType d);
+
+// Blockwise absmax int8 quantization (reference.quantize_int8). x: n elements
+// of `dt`; q: n int8; scales: ceil(n / block) float32. With residual != null
+// this is the fused error-feedback variant (reference.quantize_int8_ef):
+// p = float(x) + residual; quantize p; residual <- p - code * scale.
+void quantize_int8(DType dt, const void* x, float* residual, size_t n, size_t block,
+                   bool stochastic, uint32_t key, int8_t* q, float* scales);
+
+// out[i] = code * scale, rounded to float32, then converted to `out_dt`.
+void dequantize_int8(const int8_t* q, const float* scales, size_t n, size_t block, DType out_dt,
+                     void* out);
+
+// acc[i] = acc[i] + (code * scale), the product rounded first.
+void dequantize_int8_add(float* acc, const int8_t* q, const float* scales, size_t n, size_t block);
+
+// Selections: ascending indices (int64 when n >= 2**31, else int32) and values.
+Selection topk(DType dt, const void* x, size_t n, size_t k);
+Selection threshold(DType dt, const void* x, size_t n, double tau);
+Selection approx_topk(DType dt, const void* x, size_t n, size_t k, size_t sample, size_t sample_k,
+                      size_t lo, size_t hi);
+
+// acc[indices[j]] += float(values[j]) for j = 0 .. m-1 in order; throws
+// std::invalid_argument (before writing anything) if an index is outside [0, n).
+void scatter_add(float* acc, size_t n, const void* indices, bool idx64, size_t m, DType vdt,
+                 const void* values);
+
+}  // namespace gradcomp

@@ -1,0 +1,234 @@
+// Blockwise absmax int8 quantization, dequantization and the fused
+// error-feedback variant (Dettmers et al. 2022, "8-bit Optimizers via
+// Block-wise Quantization"; error feedback: Seide et al. 2014). Numerics are
+// those of gradcomp/kernels/reference.py, bit for bit:
+//   m = max |x| per block; non-finite block -> scale NaN (0x7FC00000), codes 0;
+//   m == 0 -> scale 0, codes 0; else y = (x / m) * 127 (two rounded float32
+//   operations; built with -ffp-contract=off so nothing is fused), code =
+//   rint(y) or floor(y + u), clamped to [-127, 127]; scale = m / 127.
+//
+// Each block is read twice (absmax, then codes) in tiles of at most 256
+// elements, so the second read hits L1; blocks are spread over OpenMP threads.
+#include "kernels.h"
+
+#include <cmath>
+#include <type_traits>
+
+namespace gradcomp {
+
+namespace {
+
+constexpr size_t TILE = 256;
+constexpr uint32_t NAN_BITS = 0x7FC00000u;
+constexpr size_t PAR_MIN = size_t(1) << 16;  // elements below which one thread is faster
+
+// The float32 values p of one tile: float(x) (+ residual for error feedback).
+// Returns x itself for float32 input without residual (no copy).
+template <class E, bool EF>
+inline const float* load_tile(const typename E::T* x, const float* res, float* buf, size_t len) {
+    if constexpr (std::is_same_v<E, F32> && !EF) {
+        (void)res;
+        (void)buf;
+        (void)len;
+        return x;
+    } else if constexpr (std::is_same_v<E, F32>) {
+        for (size_t i = 0; i < len; ++i) buf[i] = x[i] + res[i];
+        return buf;
+    } else {
+        E::to_float(x, buf, len);
+        if constexpr (EF)
+            for (size_t i = 0; i < len; ++i) buf[i] = buf[i] + res[i];
+        return buf;
+    }
+}
+
+// max over the tile of the bits of |p|: an integer max (|x| bits are ordered
+// like |x|); >= 0x7F800000 exactly when the tile holds an Inf or NaN.
+inline uint32_t absmax_bits(const float* p, size_t len) {
+    uint32_t m = 0;
+    for (size_t i = 0; i < len; ++i) {
+        const uint32_t b = f32_bits(p[i]) & 0x7FFFFFFFu;
+        m = b > m ? b : m;
+    }
+    return m;
+}
+
+inline float clamp127(float c) { return c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c); }
+
+template <bool EF>
+inline void codes_nearest(const float* p, size_t len, float m, float s, int8_t* q, float* res) {
+    for (size_t i = 0; i < len; ++i) {
+        const float y = (p[i] / m) * 127.0f;
+        const float c = clamp127(std::rint(y));
+        q[i] = static_cast<int8_t>(static_cast<int32_t>(c));
+        if constexpr (EF) res[i] = p[i] - c * s;
+    }
+}
+
+template <bool EF>
+inline void codes_stochastic(const float* p, size_t len, float m, float s, uint32_t first,
+                             uint32_t key, int8_t* q, float* res) {
+    for (size_t i = 0; i < len; ++i) {
+        const uint32_t r = mix32((first + uint32_t(i)) ^ key);
+        const float u = static_cast<float>(static_cast<int32_t>(r >> 8)) * 0x1p-24f;
+        const float y = (p[i] / m) * 127.0f;
+        const float c = clamp127(std::floor(y + u));
+        q[i] = static_cast<int8_t>(static_cast<int32_t>(c));
+        if constexpr (EF) res[i] = p[i] - c * s;
+    }
+}
+
+template <class E, bool EF, bool STOCH>
+void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, uint32_t key,
+                   int8_t* q, float* scales) {
+    const size_t nb = (n + block - 1) / block;
+    const size_t tile = std::min(block, TILE);
+    const int nt = n >= PAR_MIN ? max_threads() : 1;
+    (void)nt;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (size_t b = 0; b < nb; ++b) {
+        alignas(64) float buf[TILE];
+        const size_t lo = b * block, len = std::min(block, n - lo);
+        uint32_t mx = 0;
+        for (size_t t = 0; t < len; t += tile) {
+            const size_t tl = std::min(tile, len - t);
+            const float* p = load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
+            mx = std::max(mx, absmax_bits(p, tl));
+        }
+        if (mx >= 0x7F800000u || mx == 0) {  // non-finite block or all zeros
+            const float s = mx ? bits_f32(NAN_BITS) : 0.0f;
+            scales[b] = s;
+            std::memset(q + lo, 0, len);
+            if constexpr (EF) {
+                const float d = 0.0f * s;
+                for (size_t t = 0; t < len; t += tile) {
+                    const size_t tl = std::min(tile, len - t);
+                    const float* p = load_tile<E, EF>(x + lo + t, res + lo + t, buf, tl);
+                    float* r = res + lo + t;
+                    for (size_t i = 0; i < tl; ++i) r[i] = p[i] - d;
+                }
+            }
+            continue;
+        }
+        const float m = bits_f32(mx);
+        const float s = m / 127.0f;
+        scales[b] = s;
+        for (size_t t = 0; t < len; t += tile) {
+            const size_t tl = std::min(tile, len - t);
+            const float* p = load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
+            float* r = EF ? res + lo + t : nullptr;
+            if constexpr (STOCH)
+                codes_stochastic<EF>(p, tl, m, s, uint32_t(lo + t), key, q + lo + t, r);
+            else
+                codes_nearest<EF>(p, tl, m, s, q + lo + t, r);
+        }
+    }
+}
+
+template <class E>
+void quantize_dispatch(const void* x, float* res, size_t n, size_t block, bool stochastic,
+                       uint32_t key, int8_t* q, float* scales) {
+    const auto* xt = static_cast<const typename E::T*>(x);
+    if (res) {
+        if (stochastic) quantize_impl<E, true, true>(xt, res, n, block, key, q, scales);
+        else quantize_impl<E, true, false>(xt, res, n, block, key, q, scales);
+    } else {
+        if (stochastic) quantize_impl<E, false, true>(xt, res, n, block, key, q, scales);
+        else quantize_impl<E, false, false>(xt, res, n, block, key, q, scales);
+    }
+}
+
+template <class O>
+void dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t block, typename O::T* out) {
+    const size_t nb = (n + block - 1) / block;
+    const size_t tile = std::min(block, TILE);
+    const int nt = n >= PAR_MIN ? max_threads() : 1;
+    (void)nt;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (size_t b = 0; b < nb; ++b) {
+        alignas(64) float buf[TILE];
+        const size_t lo = b * block, len = std::min(block, n - lo);
+        const float s = scales[b];
+        for (size_t t = 0; t < len; t += tile) {
+            const size_t tl = std::min(tile, len - t);
+            const int8_t* c = q + lo + t;
+            if constexpr (std::is_same_v<O, F32>) {
+                float* o = out + lo + t;
+                for (size_t i = 0; i < tl; ++i) o[i] = static_cast<float>(c[i]) * s;
+            } else {
+                for (size_t i = 0; i < tl; ++i) buf[i] = static_cast<float>(c[i]) * s;
+                O::from_float(buf, out + lo + t, tl);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+DType parse_dtype(const std::string& s, const char* arg) {
+    if (s == "float32") return DType::F32;
+    if (s == "float16") return DType::F16;
+    if (s == "bfloat16") return DType::BF16;
+    if (s == "float64") return DType::F64;
+    throw std::invalid_argument(std::string(arg) +
+                                " must be one of float32, float16, bfloat16, float64, got " + s);
+}
+
+size_t dtype_size(DType d) {
+    switch (d) {
+        case DType::F32: return 4;
+        case DType::F64: return 8;
+        default: return 2;
+    }
+}
+
+const char* dtype_name(DType d) {
+    switch (d) {
+        case DType::F32: return F32::name;
+        case DType::F16: return F16::name;
+        case DType::BF16: return BF16::name;
+        default: return F64::name;
+    }
+}
+
+void quantize_int8(DType dt, const void* x, float* residual, size_t n, size_t block,
+                   bool stochastic, uint32_t key, int8_t* q, float* scales) {
+    if (block == 0) throw std::invalid_argument("block_size must be positive");
+    if (n == 0) return;
+    switch (dt) {
+        case DType::F32: return quantize_dispatch<F32>(x, residual, n, block, stochastic, key, q, scales);
+        case DType::F16: return quantize_dispatch<F16>(x, residual, n, block, stochastic, key, q, scales);
+        case DType::BF16: return quantize_dispatch<BF16>(x, residual, n, block, stochastic, key, q, scales);
+        case DType::F64: return quantize_dispatch<F64>(x, residual, n, block, stochastic, key, q, scales);
+    }
+}
+
+void dequantize_int8(const int8_t* q, const float* scales, size_t n, size_t block, DType out_dt,
+                     void* out) {
+    if (block == 0) throw std::invalid_argument("block_size must be positive");
+    if (n == 0) return;
+    switch (out_dt) {
+        case DType::F32: return dequantize_impl<F32>(q, scales, n, block, static_cast<float*>(out));
+        case DType::F16: return dequantize_impl<F16>(q, scales, n, block, static_cast<uint16_t*>(out));
+        case DType::BF16: return dequantize_impl<BF16>(q, scales, n, block, static_cast<uint16_t*>(out));
+        case DType::F64: return dequantize_impl<F64>(q, scales, n, block, static_cast<double*>(out));
+    }
+}
+
+void dequantize_int8_add(float* acc, const int8_t* q, const float* scales, size_t n, size_t block) {
+    if (block == 0) throw std::invalid_argument("block_size must be positive");
+    if (n == 0) return;
+    const size_t nb = (n + block - 1) / block;
+    const int nt = n >= PAR_MIN ? max_threads() : 1;
+    (void)nt;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (size_t b = 0; b < nb; ++b) {
+        const size_t lo = b * block, len = std::min(block, n - lo);
+        const float s = scales[b];
+        float* a = acc + lo;
+        const int8_t* c = q + lo;
+        for (size_t i = 0; i < len; ++i) a[i] = a[i] + static_cast<float>(c[i]) * s;
+    }
+}
+
+}  // namespace gradcomp

@@ -1,0 +1,19 @@
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _no_forced_backend(monkeypatch):
+    """Tests choose backends explicitly; a GRADCOMP_BACKEND in the caller's
+    environment must not leak into them."""
+    monkeypatch.delenv("GRADCOMP_BACKEND", raising=False)

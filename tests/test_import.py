@@ -1,0 +1,28 @@
+"""`import gradcomp` stays light: no native module, Triton, CuPy or CUDA init."""
+
+import subprocess
+import sys
+
+
+def test_import_is_light():
+    code = (
+        "import sys, gradcomp, torch\n"
+        "import gradcomp as gc\n"
+        "x = gc.Int8Quantizer()\n"
+        "bad = [m for m in ('gradcomp._C', 'triton', 'cupy') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "ok"
+
+
+def test_public_names():
+    import gradcomp as gc
+
+    for name in ["NoCompression", "FP16", "BF16", "Int8Quantizer", "TopK", "Threshold",
+                 "ErrorFeedback", "TrafficMeter", "PayloadError", "decode", "kernels"]:
+        assert hasattr(gc, name), name
+    assert issubclass(gc.PayloadError, ValueError)

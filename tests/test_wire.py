@@ -1,0 +1,179 @@
+"""Wire format: exact sizes, round trips, and a fuzz test (only PayloadError)."""
+
+import math
+import random
+import struct
+import zlib
+
+import pytest
+import torch
+
+import gradcomp as gc
+from gradcomp import wire as W
+from gradcomp.compressors import compressor_for_codec
+
+
+def H(ndim):
+    return 40 + 8 * ndim
+
+
+@pytest.mark.parametrize("shape", [(0,), (1,), (255,), (257,), (3, 5, 7), (1000,)])
+@pytest.mark.parametrize("block", [32, 256, 4096])
+def test_int8_size_formula(shape, block):
+    x = torch.randn(shape)
+    n = x.numel()
+    p = gc.Int8Quantizer(block_size=block).compress(x)
+    assert p.nbytes == p.wire.numel() == H(len(shape)) + n + 4 * math.ceil(n / block)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_dense_size_formulas(dtype):
+    x = torch.randn(4, 25).to(dtype)
+    isz = x.element_size()
+    assert gc.NoCompression().compress(x).nbytes == H(2) + 100 * isz
+    assert gc.FP16().compress(x).nbytes == H(2) + 200
+    assert gc.BF16().compress(x).nbytes == H(2) + 200
+
+
+def test_sparse_size_formula():
+    x = torch.randn(10, 100)
+    p = gc.TopK(ratio=0.013).compress(x)  # k = 13
+    assert p.nnz == 13
+    pad8 = (13 * 4 + 7) // 8 * 8
+    assert p.nbytes == H(2) + pad8 + (H(1) + 13 * 4)
+    p = gc.TopK(k=13, values=gc.Int8Quantizer(block_size=32)).compress(x)
+    assert p.nbytes == H(2) + pad8 + (H(1) + 13 + 4)
+    p = gc.Threshold(100.0).compress(x)  # nothing kept: still a valid payload
+    assert p.nnz == 0 and p.nbytes == H(2) + H(1)
+    assert torch.equal(gc.Threshold(100.0).decompress(p.wire), torch.zeros(10, 100))
+
+
+def _samples():
+    torch.manual_seed(0)
+    x = torch.randn(3, 70)
+    x16 = x.half()
+    return [
+        gc.NoCompression().compress(x),
+        gc.NoCompression().compress(x.double()),
+        gc.FP16().compress(x * 1e6),
+        gc.BF16().compress(x16),
+        gc.Int8Quantizer(block_size=32).compress(x),
+        gc.Int8Quantizer(block_size=64, rounding="stochastic").compress(x16),
+        gc.TopK(ratio=0.05).compress(x),
+        gc.TopK(ratio=0.05, values=gc.Int8Quantizer(block_size=32)).compress(x),
+        gc.Threshold(1.0, values=gc.FP16()).compress(x),
+        gc.Int8Quantizer().compress(torch.randn(())),
+    ]
+
+
+def _decompressor(p):
+    if p.codec == "topk":
+        return gc.TopK(k=1)
+    if p.codec == "threshold":
+        return gc.Threshold(0.0)
+    return compressor_for_codec(p.codec)
+
+
+@pytest.mark.parametrize("i", range(10))
+def test_decode_round_trip(i):
+    p = _samples()[i]
+    q = gc.decode(p.wire.clone())
+    assert (q.codec, q.dtype, q.shape, q.nnz, q.block_size) == (p.codec, p.dtype, p.shape, p.nnz, p.block_size)
+    c = _decompressor(p)
+    assert torch.equal(c.decompress(q), c.decompress(p))
+    # a misaligned buffer (payload at an odd offset of a larger buffer) decodes too
+    big = torch.cat([torch.zeros(3, dtype=torch.uint8), p.wire])
+    assert torch.equal(c.decompress(gc.decode(big[3:])), c.decompress(p))
+
+
+def _check_only_payload_errors(buf):
+    try:
+        p = gc.decode(buf)
+    except gc.PayloadError:
+        return "rejected"
+    # whatever decodes must also decompress without error
+    _decompressor(p).decompress(p)
+    return "accepted"
+
+
+def test_fuzz_random_truncated_mutated():
+    rng = random.Random(1234)
+    samples = _samples()
+    outcomes = {"rejected": 0, "accepted": 0}
+    # random buffers, some starting with the magic
+    for _ in range(1500):
+        n = rng.randrange(0, 300)
+        b = bytes(rng.randrange(256) for _ in range(n))
+        if rng.random() < 0.5:
+            b = W.MAGIC + bytes([1]) + b
+        outcomes[_check_only_payload_errors(torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8))] += 1
+    for p in samples:
+        raw = p.wire.numpy().tobytes()
+        # every truncation
+        for cut in range(0, len(raw)):
+            outcomes[_check_only_payload_errors(torch.frombuffer(bytearray(raw[:cut]), dtype=torch.uint8) if cut else torch.empty(0, dtype=torch.uint8))] += 1
+        # single bit flips and random byte mutations
+        for _ in range(300):
+            b = bytearray(raw)
+            pos = rng.randrange(len(b))
+            if rng.random() < 0.5:
+                b[pos] ^= 1 << rng.randrange(8)
+            else:
+                b[pos] = rng.randrange(256)
+            outcomes[_check_only_payload_errors(torch.frombuffer(b, dtype=torch.uint8))] += 1
+        # extra trailing bytes
+        outcomes[_check_only_payload_errors(torch.frombuffer(bytearray(raw + b"\0"), dtype=torch.uint8))] += 1
+    assert outcomes["rejected"] > 1000
+
+
+def _refresh_crc(b: bytearray, ndim: int) -> bytearray:
+    h = H(ndim)
+    struct.pack_into("<I", b, h - 8, zlib.crc32(bytes(b[: h - 8])))
+    return b
+
+
+def test_fuzz_header_fields_with_valid_crc():
+    """Mutate header fields and recompute the CRC so the deeper checks are exercised."""
+    rng = random.Random(99)
+    for p in _samples():
+        raw = p.wire.numpy().tobytes()
+        ndim = raw[7]
+        for _ in range(400):
+            b = bytearray(raw)
+            pos = rng.randrange(4, H(ndim) - 8)
+            b[pos] = rng.randrange(256)
+            _refresh_crc(b, ndim)
+            _check_only_payload_errors(torch.frombuffer(b, dtype=torch.uint8))
+
+
+def test_specific_corruptions_are_named():
+    p = gc.Int8Quantizer(block_size=32).compress(torch.randn(100))
+    raw = bytearray(p.wire.numpy().tobytes())
+    bad = bytearray(raw)
+    bad[0:4] = b"XXXX"
+    with pytest.raises(gc.PayloadError, match="magic"):
+        gc.decode(torch.frombuffer(bad, dtype=torch.uint8))
+    with pytest.raises(gc.PayloadError, match="truncated|bytes"):
+        gc.decode(torch.frombuffer(bytearray(raw[:-1]), dtype=torch.uint8))
+    bad = bytearray(raw)
+    bad[9] = 1
+    with pytest.raises(gc.PayloadError):
+        gc.decode(torch.frombuffer(bad, dtype=torch.uint8))
+    bad = bytearray(raw)
+    bad[-1] = 0x80  # code -128
+    with pytest.raises(gc.PayloadError, match="-128"):
+        gc.decode(torch.frombuffer(bad, dtype=torch.uint8))
+    with pytest.raises(TypeError):
+        gc.decode(torch.zeros(50, dtype=torch.float32))
+    # sparse index out of range / not ascending, with a valid header
+    s = gc.TopK(k=3).compress(torch.tensor([5.0, 0, 0, 4, 0, 3]))
+    raw = bytearray(s.wire.numpy().tobytes())
+    struct.pack_into("<i", raw, H(1), 7)
+    with pytest.raises(gc.PayloadError, match="range|ascending"):
+        gc.decode(torch.frombuffer(raw, dtype=torch.uint8))
+
+
+def test_payload_error_is_value_error():
+    assert issubclass(gc.PayloadError, ValueError)
+    with pytest.raises(ValueError):
+        gc.decode(torch.zeros(10, dtype=torch.uint8))
