@@ -18,6 +18,8 @@ from gradcomp.compressors import (
     TopK,
 )
 from gradcomp.meter import TrafficMeter
+from gradcomp.comm import allreduce
+from gradcomp import ddp
 
 __version__ = "0.1.0"
 
@@ -36,4 +38,6 @@ __all__ = [
     "Threshold",
     "ErrorFeedback",
     "TrafficMeter",
+    "allreduce",
+    "ddp",
 ]

@@ -29,6 +29,9 @@
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#ifdef _MSC_VER
+#include <intrin.h>
+#endif
 
 namespace gradcomp {
 
@@ -177,11 +180,34 @@ struct F16 {
 
 // Selection key of an element: the bits of |x|, with every NaN mapped to the
 // largest key (so NaN ranks above +Inf). Order of keys == order of |x|.
+// `raw` is the element's bit pattern (selection kernels read inputs as keys).
 template <class E>
-static inline typename E::Key sel_key(typename E::T v) {
+static inline typename E::Key sel_key(typename E::Key raw) {
     using K = typename E::Key;
-    const K k = K(E::bits(v) & E::ABS);
+    const K k = K(raw & E::ABS);
     return k > E::INF ? E::ABS : k;
+}
+
+// ---------------------------------------------------------------------------
+// bit counting
+
+static inline int popcount32(uint32_t m) {
+#ifdef _MSC_VER
+    return int(__popcnt(m));
+#else
+    return __builtin_popcount(m);
+#endif
+}
+
+// index of the lowest set bit; m != 0
+static inline int ctz32(uint32_t m) {
+#ifdef _MSC_VER
+    unsigned long i;
+    _BitScanForward(&i, m);
+    return int(i);
+#else
+    return __builtin_ctz(m);
+#endif
 }
 
 // ---------------------------------------------------------------------------

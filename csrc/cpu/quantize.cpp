@@ -53,28 +53,33 @@ inline uint32_t absmax_bits(const float* p, size_t len) {
     return m;
 }
 
-inline float clamp127(float c) { return c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c); }
+inline int32_t clamp127(int32_t c) { return c < -127 ? -127 : (c > 127 ? 127 : c); }
 
 template <bool EF>
 inline void codes_nearest(const float* p, size_t len, float m, float s, int8_t* q, float* res) {
     for (size_t i = 0; i < len; ++i) {
         const float y = (p[i] / m) * 127.0f;
-        const float c = clamp127(std::rint(y));
-        q[i] = static_cast<int8_t>(static_cast<int32_t>(c));
-        if constexpr (EF) res[i] = p[i] - c * s;
+        const int32_t c = clamp127(static_cast<int32_t>(std::rint(y)));
+        q[i] = static_cast<int8_t>(c);
+        if constexpr (EF) res[i] = p[i] - static_cast<float>(c) * s;
     }
 }
 
+// floor(v) = rint(v) - (rint(v) > v), the comparison made on the sign of the
+// exact difference: integer-only selects, which GCC vectorises (a float
+// compare-and-select or std::floor is not vectorised without -fno-trapping-math).
 template <bool EF>
 inline void codes_stochastic(const float* p, size_t len, float m, float s, uint32_t first,
                              uint32_t key, int8_t* q, float* res) {
-    for (size_t i = 0; i < len; ++i) {
-        const uint32_t r = mix32((first + uint32_t(i)) ^ key);
+    for (uint32_t i = 0; i < uint32_t(len); ++i) {
+        const uint32_t r = mix32((first + i) ^ key);
         const float u = static_cast<float>(static_cast<int32_t>(r >> 8)) * 0x1p-24f;
-        const float y = (p[i] / m) * 127.0f;
-        const float c = clamp127(std::floor(y + u));
-        q[i] = static_cast<int8_t>(static_cast<int32_t>(c));
-        if constexpr (EF) res[i] = p[i] - c * s;
+        const float v = (p[i] / m) * 127.0f + u;
+        const float rv = std::rint(v);
+        const int32_t up = int32_t(f32_bits(rv - v)) > 0;  // rint rounded up
+        const int32_t c = clamp127(static_cast<int32_t>(rv) - up);
+        q[i] = static_cast<int8_t>(c);
+        if constexpr (EF) res[i] = p[i] - static_cast<float>(c) * s;
     }
 }
 

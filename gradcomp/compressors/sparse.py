@@ -46,6 +46,8 @@ class _Sparse(Compressor):
         vp = inner._encode(vals, dtype, (nnz,))
         flags = W.FLAG_INDEX64 if n >= 2**31 else 0
         idx = idx.to(torch.int64 if flags else torch.int32)
+        if nnz == 0:  # an empty selection may have stride 0, which cannot be viewed as bytes
+            idx = idx.new_empty(0)
         h = W.build_header(self.codec, dtype, shape, nnz=nnz, flags=flags)
         ib = nnz * idx.element_size()
         pad = (-ib) % 8

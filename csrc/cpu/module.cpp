@@ -1,0 +1,250 @@
+// Python bindings of gradcomp._C (pybind11 over numpy buffers; no libtorch).
+//
+// The Python side (gradcomp/kernels/cpu.py) passes contiguous 1-D numpy views
+// of CPU tensors: float32/float64 as themselves, float16/bfloat16 as 2-byte
+// integer views, plus a dtype name. Every argument is checked here (clear
+// ValueError / TypeError naming it); the kernels then run with the GIL
+// released. Selection results are returned as numpy arrays that own the
+// kernel's buffers (no copy).
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include "kernels.h"
+
+namespace py = pybind11;
+
+namespace gradcomp {
+
+std::atomic<int> g_num_threads{0};
+
+namespace {
+
+std::string describe(const py::array& a) {
+    return std::string(py::str(a.dtype())) + " array with ndim " + std::to_string(a.ndim());
+}
+
+// Pointer to the data of a contiguous 1-D array of `itemsize`-byte elements of
+// numpy kind in `kinds` (e.g. "f", "iu"); throws ValueError naming `name`.
+void* data_of(py::array a, const char* name, const char* kinds, size_t itemsize, bool writable) {
+    const char kind = a.dtype().kind();
+    if (a.ndim() != 1 || size_t(a.itemsize()) != itemsize || !std::strchr(kinds, kind))
+        throw std::invalid_argument(std::string(name) + " must be a 1-D array of " +
+                                    std::to_string(itemsize) + "-byte elements of kind '" + kinds +
+                                    "', got a " + describe(a));
+    if (a.size() > 1 && a.strides(0) != py::ssize_t(itemsize))
+        throw std::invalid_argument(std::string(name) + " must be contiguous");
+    if (writable) {
+        if (!a.writeable()) throw std::invalid_argument(std::string(name) + " must be writable");
+        return a.size() ? a.mutable_data() : nullptr;
+    }
+    return a.size() ? const_cast<void*>(a.data()) : nullptr;
+}
+
+void* float_data(py::array a, const char* name, DType dt, bool writable = false) {
+    const bool narrow = dt == DType::F16 || dt == DType::BF16;
+    return data_of(a, name, narrow ? "iuf" : "f", dtype_size(dt), writable);
+}
+
+void check_len(const char* name, size_t got, size_t want) {
+    if (got != want)
+        throw std::invalid_argument(std::string(name) + " must have " + std::to_string(want) +
+                                    " elements, got " + std::to_string(got));
+}
+
+size_t checked_block(py::ssize_t block) {
+    if (block <= 0) throw std::invalid_argument("block_size must be positive, got " + std::to_string(block));
+    return size_t(block);
+}
+
+py::array owned_array(Buffer<unsigned char>&& buf, size_t count, const py::dtype& dt) {
+    if (count == 0) return py::array(dt, std::vector<py::ssize_t>{0});
+    unsigned char* raw = buf.release();
+    py::capsule owner(raw, [](void* p) { std::free(p); });
+    return py::array(dt, std::vector<py::ssize_t>{py::ssize_t(count)},
+                     std::vector<py::ssize_t>{py::ssize_t(dt.itemsize())}, raw, owner);
+}
+
+py::tuple to_python(Selection&& s, size_t n, DType dt) {
+    const py::dtype idx_dt = n >= (size_t(1) << 31) ? py::dtype::of<int64_t>() : py::dtype::of<int32_t>();
+    py::dtype val_dt = dt == DType::F32   ? py::dtype::of<float>()
+                       : dt == DType::F64 ? py::dtype::of<double>()
+                                          : py::dtype::of<int16_t>();
+    return py::make_tuple(owned_array(std::move(s.idx), s.count, idx_dt),
+                          owned_array(std::move(s.val), s.count, val_dt));
+}
+
+void py_quantize(const py::array& x, const std::string& dtype, py::ssize_t block_size, bool stochastic,
+                 uint32_t key, const py::array& q, const py::array& scales, const py::object& residual) {
+    const DType dt = parse_dtype(dtype, "dtype");
+    const size_t block = checked_block(block_size);
+    const void* xp = float_data(x, "x", dt);
+    const size_t n = size_t(x.size());
+    auto* qp = static_cast<int8_t*>(data_of(q, "q", "i", 1, true));
+    auto* sp = static_cast<float*>(data_of(scales, "scales", "f", 4, true));
+    check_len("q", size_t(q.size()), n);
+    check_len("scales", size_t(scales.size()), (n + block - 1) / block);
+    float* rp = nullptr;
+    if (!residual.is_none()) {
+        const auto r = residual.cast<py::array>();
+        rp = static_cast<float*>(data_of(r, "residual", "f", 4, true));
+        check_len("residual", size_t(r.size()), n);
+    }
+    py::gil_scoped_release nogil;
+    quantize_int8(dt, xp, rp, n, block, stochastic, key, qp, sp);
+}
+
+void py_dequantize(const py::array& q, const py::array& scales, py::ssize_t block_size,
+                   const py::array& out, const std::string& out_dtype) {
+    const DType dt = parse_dtype(out_dtype, "out_dtype");
+    const size_t block = checked_block(block_size);
+    const auto* qp = static_cast<const int8_t*>(data_of(q, "q", "i", 1, false));
+    const auto* sp = static_cast<const float*>(data_of(scales, "scales", "f", 4, false));
+    void* op = float_data(out, "out", dt, true);
+    const size_t n = size_t(q.size());
+    check_len("scales", size_t(scales.size()), (n + block - 1) / block);
+    check_len("out", size_t(out.size()), n);
+    py::gil_scoped_release nogil;
+    dequantize_int8(qp, sp, n, block, dt, op);
+}
+
+void py_dequantize_add(const py::array& acc, const py::array& q, const py::array& scales,
+                       py::ssize_t block_size) {
+    const size_t block = checked_block(block_size);
+    auto* ap = static_cast<float*>(data_of(acc, "acc", "f", 4, true));
+    const auto* qp = static_cast<const int8_t*>(data_of(q, "q", "i", 1, false));
+    const auto* sp = static_cast<const float*>(data_of(scales, "scales", "f", 4, false));
+    const size_t n = size_t(q.size());
+    check_len("scales", size_t(scales.size()), (n + block - 1) / block);
+    check_len("acc", size_t(acc.size()), n);
+    py::gil_scoped_release nogil;
+    dequantize_int8_add(ap, qp, sp, n, block);
+}
+
+py::tuple py_topk(const py::array& x, const std::string& dtype, py::ssize_t k) {
+    const DType dt = parse_dtype(dtype, "dtype");
+    if (k < 0) throw std::invalid_argument("k must be >= 0, got " + std::to_string(k));
+    const void* xp = float_data(x, "x", dt);
+    const size_t n = size_t(x.size());
+    Selection s;
+    {
+        py::gil_scoped_release nogil;
+        s = topk(dt, xp, n, size_t(k));
+    }
+    return to_python(std::move(s), n, dt);
+}
+
+py::tuple py_threshold(const py::array& x, const std::string& dtype, double tau) {
+    const DType dt = parse_dtype(dtype, "dtype");
+    if (!(tau >= 0)) throw std::invalid_argument("tau must be >= 0, got " + std::to_string(tau));
+    const void* xp = float_data(x, "x", dt);
+    const size_t n = size_t(x.size());
+    Selection s;
+    {
+        py::gil_scoped_release nogil;
+        s = threshold(dt, xp, n, tau);
+    }
+    return to_python(std::move(s), n, dt);
+}
+
+py::tuple py_approx_topk(const py::array& x, const std::string& dtype, py::ssize_t k, py::ssize_t sample,
+                         py::ssize_t sample_k, py::ssize_t lo, py::ssize_t hi) {
+    const DType dt = parse_dtype(dtype, "dtype");
+    if (k < 0) throw std::invalid_argument("k must be >= 0, got " + std::to_string(k));
+    if (sample < 0 || sample_k < 0 || lo < 0 || hi < lo)
+        throw std::invalid_argument("approx_topk needs sample >= 0, sample_k >= 0 and 0 <= lo <= hi");
+    const void* xp = float_data(x, "x", dt);
+    const size_t n = size_t(x.size());
+    Selection s;
+    {
+        py::gil_scoped_release nogil;
+        s = approx_topk(dt, xp, n, size_t(k), size_t(sample), size_t(sample_k), size_t(lo), size_t(hi));
+    }
+    return to_python(std::move(s), n, dt);
+}
+
+void py_scatter_add(const py::array& acc, const py::array& indices, const py::array& values,
+                    const std::string& values_dtype) {
+    const DType vdt = parse_dtype(values_dtype, "values_dtype");
+    auto* ap = static_cast<float*>(data_of(acc, "acc", "f", 4, true));
+    const size_t isz = size_t(indices.itemsize());
+    if (isz != 4 && isz != 8)
+        throw std::invalid_argument("indices must be int32 or int64, got " + describe(indices));
+    const void* ip = data_of(indices, "indices", "i", isz, false);
+    const void* vp = float_data(values, "values", vdt);
+    check_len("values", size_t(values.size()), size_t(indices.size()));
+    const size_t n = size_t(acc.size()), m = size_t(indices.size());
+    py::gil_scoped_release nogil;
+    scatter_add(ap, n, ip, isz == 8, m, vdt, vp);
+}
+
+void py_set_num_threads(int n) {
+    if (n < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = OpenMP default), got " + std::to_string(n));
+    g_num_threads.store(n, std::memory_order_relaxed);
+}
+
+py::dict build_info() {
+    py::dict d;
+#ifdef _OPENMP
+    d["openmp"] = true;
+#else
+    d["openmp"] = false;
+#endif
+#ifdef __F16C__
+    d["f16c"] = true;
+#else
+    d["f16c"] = false;
+#endif
+#ifdef __AVX2__
+    d["avx2"] = true;
+#else
+    d["avx2"] = false;
+#endif
+#ifdef __AVX512F__
+    d["avx512f"] = true;
+#else
+    d["avx512f"] = false;
+#endif
+#ifdef __VERSION__
+    d["compiler"] = __VERSION__;
+#endif
+    return d;
+}
+
+}  // namespace
+}  // namespace gradcomp
+
+PYBIND11_MODULE(_C, m) {
+    using namespace gradcomp;
+    namespace py = pybind11;
+    m.doc() =
+        "Native CPU kernels of gradcomp (OpenMP, numpy buffers). Called through "
+        "gradcomp.kernels (backend 'cpu'); the numerics are those of gradcomp.kernels.reference.";
+
+    m.def("quantize_int8", &py_quantize, py::arg("x"), py::arg("dtype"), py::arg("block_size"),
+          py::arg("stochastic"), py::arg("key"), py::arg("q"), py::arg("scales"),
+          py::arg("residual") = py::none(),
+          "Blockwise absmax int8 quantization of x (1-D, `dtype` = float32|float16|bfloat16|float64;\n"
+          "float16/bfloat16 passed as 2-byte integer views) into q (int8, n) and scales (float32,\n"
+          "ceil(n / block_size)). key = reference.stream_key(seed, counter) for stochastic rounding.\n"
+          "With residual (float32, n, updated in place): fused error feedback, p = x + residual.");
+    m.def("dequantize_int8", &py_dequantize, py::arg("q"), py::arg("scales"), py::arg("block_size"),
+          py::arg("out"), py::arg("out_dtype"),
+          "out[i] = q[i] * scales[i // block_size] (float32 product, then converted to out_dtype).");
+    m.def("dequantize_int8_add", &py_dequantize_add, py::arg("acc"), py::arg("q"), py::arg("scales"),
+          py::arg("block_size"), "acc[i] += q[i] * scales[i // block_size] (float32, product rounded first).");
+    m.def("topk", &py_topk, py::arg("x"), py::arg("dtype"), py::arg("k"),
+          "Exact top-k by |x| (NaN largest, ties to the lower index) -> (indices, values), ascending;\n"
+          "indices int32 (int64 when n >= 2**31), values in x's storage type.");
+    m.def("threshold", &py_threshold, py::arg("x"), py::arg("dtype"), py::arg("tau"),
+          "Every element with |x| >= tau or NaN -> (indices, values), ascending.");
+    m.def("approx_topk", &py_approx_topk, py::arg("x"), py::arg("dtype"), py::arg("k"), py::arg("sample"),
+          py::arg("sample_k"), py::arg("lo"), py::arg("hi"),
+          "Sampled-threshold top-k (DGC): a top set whose size is in [lo, hi] (exactly k on a miss).");
+    m.def("scatter_add", &py_scatter_add, py::arg("acc"), py::arg("indices"), py::arg("values"),
+          py::arg("values_dtype"),
+          "acc[indices[j]] += values[j] in order; ValueError if an index is outside [0, acc.size).");
+    m.def("set_num_threads", &py_set_num_threads, py::arg("n"),
+          "Threads for every kernel of this module (0 = the OpenMP default: OMP_NUM_THREADS or all cores).");
+    m.def("get_num_threads", &max_threads, "Threads the kernels of this module use now.");
+    m.def("build_info", &build_info, "Compile-time features of this build (OpenMP, F16C, AVX2, ...).");
+}

@@ -1,0 +1,432 @@
+// Magnitude selections: exact top-k, threshold and sampled-threshold top-k.
+//
+// Every element is ranked by its key: the bits of |x| with NaN mapped to the
+// largest key (sel_key in common.h), an unsigned integer whose order is the
+// order of |x| with NaN above +Inf. All three ops reduce to "keep the elements
+// whose key is >= T (plus some ties)", done by a parallel stream compaction:
+// the input is split into one contiguous chunk per thread, each chunk's count
+// is known (from a counting pass or a histogram), an exclusive prefix sum
+// gives each chunk its output offset, and each chunk writes its elements in
+// index order -- so the output indices come out ascending.
+//
+// * topk (exact; radix select, as in Alabi et al. 2012, "Fast k-selection
+//   algorithms for graphics processing units"): one histogram pass over the
+//   top 15 key bits finds the bin holding the k-th largest key; one compaction
+//   pass collects every element in that bin or above (about k elements, plus
+//   the bin); 8-bit radix passes over those candidates find the exact k-th key
+//   K; a last compaction over the candidates keeps the keys > K and the first
+//   (lowest-index) keys == K until k are kept. No sort.
+// * threshold: the key of tau is computed once; a counting pass and a writing
+//   pass select key >= key(tau) (== |x| >= tau or NaN, compared in float32, or
+//   float64 for float64 input).
+// * approx_topk (Deep Gradient Compression, Lin et al. 2018): the threshold is
+//   the sample_k-th largest key of a strided sample (nth_element on the
+//   sample); count key >= t; keep that set if its size is in [lo, hi]; if too
+//   large select the exact top k among it, if too small run the exact topk.
+#include "kernels.h"
+
+#include <functional>
+#include <type_traits>
+#include <vector>
+
+namespace gradcomp {
+
+namespace {
+
+constexpr int HIST_BITS = 15;  // first radix digit: the top 15 key bits (the sign bit is 0)
+constexpr size_t HIST_BINS = size_t(1) << HIST_BITS;
+
+template <class E>
+constexpr int key_bits() {
+    return int(8 * sizeof(typename E::Key));
+}
+
+// Split [0, n) into one chunk per thread, each shorter than 2**31 elements so
+// that uint32 counters never overflow.
+inline int select_chunks(size_t n) {
+    int c = chunks_for(n);
+    const size_t cap = size_t(1) << 31;
+    if (n / size_t(c) >= cap) c = int(n / cap + 1);
+    return c;
+}
+
+template <class I, class K>
+struct Candidates {
+    Buffer<unsigned char> idx, val;
+    size_t count = 0;
+    I* indices() { return reinterpret_cast<I*>(idx.get()); }
+    K* values() { return reinterpret_cast<K*>(val.get()); }
+    void allocate(size_t n) {
+        idx = alloc_buffer<unsigned char>(n * sizeof(I));
+        val = alloc_buffer<unsigned char>(n * sizeof(K));
+        count = n;
+    }
+    Selection release() {
+        Selection s;
+        s.idx = std::move(idx);
+        s.val = std::move(val);
+        s.count = count;
+        return s;
+    }
+};
+
+// The predicate "key >= t" on raw element bits: with a = raw & ABS (|x| bits),
+// key >= t  <=>  a >= lim, lim = min(t, INF + 1), because a NaN has a > INF
+// and key ABS >= t. `a` and `lim` have a zero top bit, so signed compares work.
+template <class E>
+inline typename E::Key ge_limit(typename E::Key t) {
+    using K = typename E::Key;
+    return std::min<K>(t, K(E::INF + 1));
+}
+
+template <class E>
+inline bool passes(typename E::Key raw, typename E::Key lim) {
+    return typename E::Key(raw & E::ABS) >= lim;
+}
+
+// Bit j of the result is passes(x[j], lim), j < 32.
+template <class E>
+inline uint32_t pass_mask32(const typename E::Key* x, typename E::Key lim) {
+    using K = typename E::Key;
+#ifdef __AVX2__
+    if (lim == 0) return 0xFFFFFFFFu;
+    if constexpr (sizeof(K) == 4) {
+        const __m256i absm = _mm256_set1_epi32(int32_t(E::ABS)), thr = _mm256_set1_epi32(int32_t(lim - 1));
+        uint32_t m = 0;
+        for (int j = 0; j < 4; ++j) {
+            const __m256i a = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 8 * j)), absm);
+            m |= uint32_t(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(a, thr)))) << (8 * j);
+        }
+        return m;
+    } else if constexpr (sizeof(K) == 2) {
+        const __m256i absm = _mm256_set1_epi16(int16_t(E::ABS)), thr = _mm256_set1_epi16(int16_t(lim - 1));
+        const __m256i a0 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)), absm);
+        const __m256i a1 = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16)), absm);
+        const __m256i p = _mm256_packs_epi16(_mm256_cmpgt_epi16(a0, thr), _mm256_cmpgt_epi16(a1, thr));
+        return uint32_t(_mm256_movemask_epi8(_mm256_permute4x64_epi64(p, 0xD8)));
+    } else {
+        const __m256i absm = _mm256_set1_epi64x(int64_t(E::ABS)), thr = _mm256_set1_epi64x(int64_t(lim - 1));
+        uint32_t m = 0;
+        for (int j = 0; j < 8; ++j) {
+            const __m256i a = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 4 * j)), absm);
+            m |= uint32_t(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(a, thr)))) << (4 * j);
+        }
+        return m;
+    }
+#else
+    uint32_t m = 0;
+    for (int j = 0; j < 32; ++j) m |= uint32_t(passes<E>(x[j], lim)) << j;
+    return m;
+#endif
+}
+
+// Calls f(i, mask) for [lo, hi) in groups of 32 elements starting at i, bit j
+// of mask telling whether x[i + j] passes.
+template <class E, class F>
+inline void scan_pass(const typename E::Key* x, size_t lo, size_t hi, typename E::Key lim, F&& f) {
+    size_t i = lo;
+    for (; i + 32 <= hi; i += 32) f(i, pass_mask32<E>(x + i, lim));
+    if (i < hi) {
+        uint32_t m = 0;
+        for (size_t j = 0; i + j < hi; ++j) m |= uint32_t(passes<E>(x[i + j], lim)) << j;
+        f(i, m);
+    }
+}
+
+// Number of keys >= t in each chunk.
+template <class E>
+std::vector<size_t> count_ge(const typename E::Key* x, size_t n, int nchunks, typename E::Key t) {
+    const typename E::Key lim = ge_limit<E>(t);
+    std::vector<size_t> counts(static_cast<size_t>(nchunks), 0);
+#pragma omp parallel for schedule(static, 1) num_threads(nchunks) if (nchunks > 1)
+    for (int c = 0; c < nchunks; ++c) {
+        const size_t lo = chunk_begin(n, nchunks, c), hi = chunk_begin(n, nchunks, c + 1);
+        size_t cnt = 0;
+        scan_pass<E>(x, lo, hi, lim, [&](size_t, uint32_t m) { cnt += size_t(popcount32(m)); });
+        counts[size_t(c)] = cnt;
+    }
+    return counts;
+}
+
+// Write (index, value) of every key >= t, chunk c starting at offs[c].
+template <class E, class I>
+void write_ge(const typename E::Key* x, size_t n, int nchunks, typename E::Key t,
+              const std::vector<size_t>& offs, I* oi, typename E::Key* ov) {
+    const typename E::Key lim = ge_limit<E>(t);
+#pragma omp parallel for schedule(static, 1) num_threads(nchunks) if (nchunks > 1)
+    for (int c = 0; c < nchunks; ++c) {
+        const size_t lo = chunk_begin(n, nchunks, c), hi = chunk_begin(n, nchunks, c + 1);
+        size_t o = offs[size_t(c)];
+        scan_pass<E>(x, lo, hi, lim, [&](size_t i, uint32_t m) {
+            while (m) {
+                const size_t j = size_t(ctz32(m));
+                m &= m - 1;
+                oi[o] = I(i + j);
+                ov[o] = x[i + j];
+                ++o;
+            }
+        });
+    }
+}
+
+inline std::vector<size_t> exclusive_prefix(const std::vector<size_t>& counts, size_t* total) {
+    std::vector<size_t> offs(counts.size());
+    size_t s = 0;
+    for (size_t c = 0; c < counts.size(); ++c) {
+        offs[c] = s;
+        s += counts[c];
+    }
+    *total = s;
+    return offs;
+}
+
+// All elements with key >= t, ascending, by count + prefix + write.
+template <class E, class I>
+Candidates<I, typename E::Key> compact_ge(const typename E::Key* x, size_t n, typename E::Key t,
+                                          int nchunks, const std::vector<size_t>& counts) {
+    size_t total = 0;
+    const std::vector<size_t> offs = exclusive_prefix(counts, &total);
+    Candidates<I, typename E::Key> out;
+    out.allocate(total);
+    write_ge<E, I>(x, n, nchunks, t, offs, out.indices(), out.values());
+    return out;
+}
+
+// The k largest keys of the candidates (0 < k <= count), ties to the lower
+// position, in candidate order.
+template <class E, class I>
+Selection finish_select(Candidates<I, typename E::Key>& cand, size_t k) {
+    using K = typename E::Key;
+    const size_t C = cand.count;
+    if (k >= C) return cand.release();
+    const K* cv = cand.values();
+    const I* ci = cand.indices();
+
+    // 8-bit MSB-first radix select of the k-th largest key K; `need` ends as
+    // the number of keys equal to K to keep.
+    std::vector<K> ws(C);
+    for (size_t i = 0; i < C; ++i) ws[i] = sel_key<E>(cv[i]);
+    size_t need = k;
+    K prefix = 0;
+    int shift = key_bits<E>();
+    while (shift > 0) {
+        const int d = std::min(8, shift);
+        shift -= d;
+        const K mask = K((1u << d) - 1u);
+        size_t hist[256] = {0};
+        for (const K key : ws) ++hist[(key >> shift) & mask];
+        size_t above = 0;
+        int bin = int(mask);
+        for (; bin > 0; --bin) {
+            if (above + hist[bin] >= need) break;
+            above += hist[bin];
+        }
+        need -= above;
+        prefix = K(prefix | (K(bin) << shift));
+        const K want = K(prefix >> shift);
+        size_t w = 0;
+        for (const K key : ws)
+            if (K(key >> shift) == want) ws[w++] = key;
+        ws.resize(w);
+    }
+    const K kth = prefix;
+
+    // keep key > K, and the first `need` keys == K (chunk counts + prefix sum)
+    const int nchunks = select_chunks(C);
+    const size_t nc = size_t(nchunks);
+    std::vector<size_t> gt(nc), eq(nc);
+#pragma omp parallel for schedule(static, 1) num_threads(nchunks) if (nchunks > 1)
+    for (int c = 0; c < nchunks; ++c) {
+        const size_t lo = chunk_begin(C, nchunks, c), hi = chunk_begin(C, nchunks, c + 1);
+        size_t g = 0, e = 0;
+        for (size_t i = lo; i < hi; ++i) {
+            const K key = sel_key<E>(cv[i]);
+            g += key > kth;
+            e += key == kth;
+        }
+        gt[size_t(c)] = g;
+        eq[size_t(c)] = e;
+    }
+    std::vector<size_t> offs(nc), eq_take(nc);
+    size_t s = 0, left = need;
+    for (size_t c = 0; c < nc; ++c) {
+        eq_take[c] = std::min(eq[c], left);
+        left -= eq_take[c];
+        offs[c] = s;
+        s += gt[c] + eq_take[c];
+    }
+    Candidates<I, K> out;
+    out.allocate(k);
+    I* oi = out.indices();
+    K* ov = out.values();
+#pragma omp parallel for schedule(static, 1) num_threads(nchunks) if (nchunks > 1)
+    for (int c = 0; c < nchunks; ++c) {
+        const size_t lo = chunk_begin(C, nchunks, c), hi = chunk_begin(C, nchunks, c + 1);
+        size_t o = offs[size_t(c)], eq_left = eq_take[size_t(c)];
+        for (size_t i = lo; i < hi; ++i) {
+            const K key = sel_key<E>(cv[i]);
+            const bool keep = key > kth || (key == kth && eq_left > 0);
+            if (keep) {
+                eq_left -= key == kth;
+                oi[o] = ci[i];
+                ov[o] = cv[i];
+                ++o;
+            }
+        }
+    }
+    return out.release();
+}
+
+template <class E, class I>
+Selection all_elements(const typename E::Key* x, size_t n) {
+    Candidates<I, typename E::Key> out;
+    out.allocate(n);
+    I* oi = out.indices();
+    for (size_t i = 0; i < n; ++i) oi[i] = I(i);
+    if (n) std::memcpy(out.values(), x, n * sizeof(typename E::Key));
+    return out.release();
+}
+
+template <class E, class I>
+Selection topk_impl(const typename E::Key* x, size_t n, size_t k) {
+    using K = typename E::Key;
+    if (k == 0) return Candidates<I, K>().release();
+    if (k >= n) return all_elements<E, I>(x, n);
+    constexpr int shift = key_bits<E>() - 1 - HIST_BITS;
+    const int nchunks = select_chunks(n);
+
+    // pass 1: per-chunk histograms of the top key bits
+    std::vector<uint32_t> hist(size_t(nchunks) * HIST_BINS, 0u);
+#pragma omp parallel for schedule(static, 1) num_threads(nchunks) if (nchunks > 1)
+    for (int c = 0; c < nchunks; ++c) {
+        const size_t lo = chunk_begin(n, nchunks, c), hi = chunk_begin(n, nchunks, c + 1);
+        uint32_t* h = hist.data() + size_t(c) * HIST_BINS;
+        for (size_t i = lo; i < hi; ++i) ++h[sel_key<E>(x[i]) >> shift];
+    }
+    std::vector<size_t> total(HIST_BINS, 0);
+    for (int c = 0; c < nchunks; ++c)
+        for (size_t b = 0; b < HIST_BINS; ++b) total[b] += hist[size_t(c) * HIST_BINS + b];
+    size_t above = 0, bin = HIST_BINS - 1;
+    for (; bin > 0; --bin) {
+        if (above + total[bin] >= k) break;
+        above += total[bin];
+    }
+
+    // pass 2: collect every element in that bin or above (chunk counts from pass 1)
+    std::vector<size_t> counts(static_cast<size_t>(nchunks), 0);
+    for (int c = 0; c < nchunks; ++c)
+        for (size_t b = bin; b < HIST_BINS; ++b) counts[size_t(c)] += hist[size_t(c) * HIST_BINS + b];
+    const K t = K(K(bin) << shift);
+    Candidates<I, K> cand = compact_ge<E, I>(x, n, t, nchunks, counts);
+    return finish_select<E, I>(cand, k);
+}
+
+template <class E>
+typename E::Key threshold_key(double tau) {
+    using K = typename E::Key;
+    if constexpr (std::is_same_v<E, F64>) {
+        return tau > 0 ? K(f64_bits(tau)) : K(0);
+    } else {
+        const float t = static_cast<float>(tau);
+        if (!(t > 0)) return K(0);
+        if constexpr (std::is_same_v<E, F32>) {
+            return K(f32_bits(t));
+        } else {  // smallest 16-bit key whose float32 value is >= t (Inf always is)
+            uint32_t lo = 0, hi = E::INF;
+            while (lo < hi) {
+                const uint32_t mid = (lo + hi) / 2;
+                if (E::to_float(uint16_t(mid)) >= t) hi = mid;
+                else lo = mid + 1;
+            }
+            return K(lo);
+        }
+    }
+}
+
+template <class E, class I>
+Selection threshold_impl(const typename E::Key* x, size_t n, double tau) {
+    const typename E::Key t = threshold_key<E>(tau);
+    const int nchunks = select_chunks(n);
+    const std::vector<size_t> counts = count_ge<E>(x, n, nchunks, t);
+    return compact_ge<E, I>(x, n, t, nchunks, counts).release();
+}
+
+template <class E, class I>
+Selection approx_topk_impl(const typename E::Key* x, size_t n, size_t k, size_t sample,
+                           size_t sample_k, size_t lo, size_t hi) {
+    using K = typename E::Key;
+    if (k == 0) return Candidates<I, K>().release();
+    if (k >= n) return all_elements<E, I>(x, n);
+    sample = std::max<size_t>(1, std::min(sample, n));
+    sample_k = std::max<size_t>(1, std::min(sample_k, sample));
+    const size_t stride = n / sample;
+    std::vector<K> keys(sample);
+    for (size_t j = 0; j < sample; ++j) keys[j] = sel_key<E>(x[j * stride]);
+    std::nth_element(keys.begin(), keys.begin() + std::ptrdiff_t(sample_k - 1), keys.end(),
+                     std::greater<K>());
+    const K t = keys[sample_k - 1];
+
+    const int nchunks = select_chunks(n);
+    const std::vector<size_t> counts = count_ge<E>(x, n, nchunks, t);
+    size_t c = 0;
+    for (const size_t v : counts) c += v;
+    if (c < lo) return topk_impl<E, I>(x, n, k);  // estimate too high: exact selection
+    Candidates<I, K> cand = compact_ge<E, I>(x, n, t, nchunks, counts);
+    if (c <= hi) return cand.release();
+    return finish_select<E, I>(cand, k);  // too many: the exact top k among them
+}
+
+template <template <class, class> class Op, class... Args>
+Selection dispatch(DType dt, const void* x, size_t n, Args... args) {
+    const bool wide = n >= (size_t(1) << 31);
+#define GRADCOMP_SEL(E)                                                                     \
+    {                                                                                       \
+        const auto* xk = static_cast<const typename E::Key*>(x);                            \
+        return wide ? Op<E, int64_t>::run(xk, n, args...) : Op<E, int32_t>::run(xk, n, args...); \
+    }
+    switch (dt) {
+        case DType::F32: GRADCOMP_SEL(F32)
+        case DType::F16: GRADCOMP_SEL(F16)
+        case DType::BF16: GRADCOMP_SEL(BF16)
+        case DType::F64: GRADCOMP_SEL(F64)
+    }
+#undef GRADCOMP_SEL
+    throw std::invalid_argument("unknown dtype");
+}
+
+template <class E, class I>
+struct TopkOp {
+    static Selection run(const typename E::Key* x, size_t n, size_t k) { return topk_impl<E, I>(x, n, k); }
+};
+template <class E, class I>
+struct ThresholdOp {
+    static Selection run(const typename E::Key* x, size_t n, double tau) {
+        return threshold_impl<E, I>(x, n, tau);
+    }
+};
+template <class E, class I>
+struct ApproxOp {
+    static Selection run(const typename E::Key* x, size_t n, size_t k, size_t s, size_t sk, size_t lo,
+                         size_t hi) {
+        return approx_topk_impl<E, I>(x, n, k, s, sk, lo, hi);
+    }
+};
+
+}  // namespace
+
+Selection topk(DType dt, const void* x, size_t n, size_t k) {
+    return dispatch<TopkOp>(dt, x, n, std::min(k, n));
+}
+
+Selection threshold(DType dt, const void* x, size_t n, double tau) {
+    if (!(tau >= 0)) throw std::invalid_argument("tau must be a number >= 0");
+    return dispatch<ThresholdOp>(dt, x, n, tau);
+}
+
+Selection approx_topk(DType dt, const void* x, size_t n, size_t k, size_t sample, size_t sample_k,
+                      size_t lo, size_t hi) {
+    if (lo > hi) throw std::invalid_argument("approx_topk: lo must be <= hi");
+    return dispatch<ApproxOp>(dt, x, n, std::min(k, n), sample, sample_k, lo, hi);
+}
+
+}  // namespace gradcomp

@@ -1,0 +1,77 @@
+"""The ``gradcomp`` command.
+
+::
+
+    gradcomp train [options]                 # traffic / accuracy study (see gradcomp train --help)
+    gradcomp bench kernels [args...]         # kernel microbenchmarks (gradcomp.bench.kernels)
+    gradcomp bench allreduce [args...]       # collective benchmarks (gradcomp.bench.allreduce)
+    gradcomp --version
+
+Subcommands import their modules only when they run, so ``gradcomp --help``
+stays fast. ``bench`` passes every argument after its target to the
+benchmark's own ``main(argv)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["build_parser", "main"]
+
+BENCH_TARGETS = ("kernels", "allreduce")
+
+
+def build_parser(prog: str = "gradcomp") -> argparse.ArgumentParser:
+    from gradcomp import __version__
+    from gradcomp.train.command import add_arguments
+
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Gradient compression for distributed PyTorch training: measure what "
+                    "compression saves on the wire and what it costs in accuracy and time.")
+    p.add_argument("--version", action="version", version=f"gradcomp {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="{train,bench}")
+    sub.required = True
+    train = sub.add_parser(
+        "train", help="train on real data with each compressor and report traffic and accuracy",
+        description="Train on scikit-learn's digits with every compressor, sync and async, and "
+                    "report wire bytes, traffic reduction and accuracy against the uncompressed "
+                    "baseline. With no options: the default study.")
+    add_arguments(train)
+    bench = sub.add_parser(
+        "bench", help="microbenchmarks: kernels or allreduce",
+        description="Run a benchmark; the arguments after the target go to it "
+                    "(e.g. gradcomp bench kernels --size 1048576 --out bench-results).")
+    bench.add_argument("target", choices=BENCH_TARGETS, help="which benchmark")
+    bench.add_argument("args", nargs=argparse.REMAINDER,
+                       help="arguments for the benchmark (see gradcomp bench TARGET --help)")
+    return p
+
+
+def _bench(target: str, argv: list[str]) -> int:
+    module = f"gradcomp.bench.{target}"
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (module == e.name or module.startswith(e.name + ".")):
+            print(f"gradcomp bench: {module} is not available in this installation", file=sys.stderr)
+            return 1
+        raise
+    rc = mod.main(argv)
+    return int(rc or 0)
+
+
+def main(argv: list[str] | None = None, prog: str = "gradcomp") -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    args = build_parser(prog).parse_args(argv)
+    if args.command == "train":
+        from gradcomp.train.command import run
+
+        return run(args)
+    return _bench(args.target, args.args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Compressed collectives on torch.distributed process groups.
+
+:func:`allreduce` dispatches to one of three algorithms, all built on
+point-to-point ``isend`` / ``irecv`` of wire bytes (:mod:`gradcomp.comm.p2p`)
+on any process group (gloo on CPU, NCCL on GPU):
+
+* ``"ring"``: ring reduce-scatter with a decompress-add-recompress per hop
+  (:mod:`gradcomp.comm.ring`), then the owner's bytes forwarded around the ring;
+* ``"two_phase"``: direct compressed reduce-scatter, one compression per chunk
+  (:mod:`gradcomp.comm.two_phase`), then the same allgather;
+* ``"allgather"``: for sparse compressors, every rank's payload gathered and
+  the union summed (:mod:`gradcomp.comm.allgather`).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Hashable
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.comm import allgather as _allgather
+from gradcomp.comm import ring as _ring
+from gradcomp.comm import two_phase as _two_phase
+from gradcomp.comm.chunks import chunk_bounds, ring_raw_bytes
+from gradcomp.comm.dense import Plan, share_owned
+from gradcomp.comm.local import Local
+from gradcomp.comm.p2p import Comm
+from gradcomp.compressors import Compressor, ErrorFeedback
+
+__all__ = ["allreduce", "ALGORITHMS", "DENSE_ALGORITHMS", "OPS", "INPUT_DTYPES",
+           "DEFAULT_TIMEOUT", "chunk_bounds", "ring_raw_bytes"]
+
+#: every algorithm name
+ALGORITHMS = ("ring", "two_phase", "allgather")
+#: algorithms for dense compressors (fixed wire sizes)
+DENSE_ALGORITHMS = ("ring", "two_phase")
+#: reduction ops
+OPS = ("avg", "sum")
+#: accepted input dtypes (everything is accumulated in float32)
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: default seconds one exchange may take before TimeoutError
+DEFAULT_TIMEOUT = 300.0
+
+_REDUCE_SCATTER = {"ring": _ring.reduce_scatter, "two_phase": _two_phase.reduce_scatter}
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    compressor: Compressor,
+    *,
+    op: str = "avg",
+    algorithm: str = "ring",
+    group=None,
+    meter=None,
+    timeout: float = DEFAULT_TIMEOUT,
+    key: Hashable = None,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Compressed allreduce: every rank returns the same (bit-identical) tensor.
+
+    All ranks of ``group`` must call it with tensors of the same shape and
+    dtype, the same compressor settings, ``op`` and ``algorithm``, in the
+    same order (like any collective). The input is widened to float32 (so
+    payloads carry float32 tensors: :class:`~gradcomp.NoCompression` moves 4
+    bytes per element whatever the input dtype), sums are accumulated in
+    float32, and the result is cast back to the input's dtype.
+
+    Algorithms (see the modules for details and sources):
+
+    * ``"ring"`` (dense compressors): ring reduce-scatter, each hop
+      decompresses, adds its local chunk in float32 and recompresses; the
+      chunk's owner compresses the final sum once and those bytes are
+      forwarded unchanged to every rank. Each element goes through ``N``
+      quantizations.
+    * ``"two_phase"`` (dense compressors): each rank compresses every chunk
+      once and sends it to the chunk's owner, which sums in float32 (its own
+      chunk uncompressed), compresses the sum once and shares it like the
+      ring. Two quantizations at most; same bytes as the ring.
+    * ``"allgather"`` (sparse compressors: TopK, Threshold): payload sizes are
+      exchanged, payloads gathered over the ring unchanged, and every rank sums
+      the union in float32 in rank order.
+
+    Every rank ends bit-identical because each chunk's final value is the
+    decompression of one set of bytes that every rank (its owner included)
+    decodes the same way. With ``group`` of size 1 the result is a copy of
+    ``tensor`` (the compressor is not called, no byte is sent).
+
+    Error feedback (what a rank remembers is the error of compressing its
+    *own* data alone; partial and final sums are compressed without it; see
+    :mod:`gradcomp.comm.local`):
+
+    * ``compressor`` an :class:`~gradcomp.ErrorFeedback`: residual key
+      ``(key, j)`` for chunk ``j`` that this rank compresses alone (the ring:
+      chunk ``rank - 1 mod N``; two-phase: every chunk but ``rank``);
+      ``key`` itself for the allgather algorithm (the whole tensor).
+    * ``residual``: a flat float32 memory for the whole tensor, updated in
+      place: compressed ranges keep their compression error, ranges added
+      exactly are delivered with their residual, which resets to zero.
+
+    Traffic: ``meter`` records the bytes this rank really sent and received
+    per phase (``"reduce_scatter"``, ``"allgather"``, ``"sizes"``) and, as
+    raw bytes, what a float32 ring allreduce over the same chunks would have
+    moved: ``4 (2 n - len_rank - len_{rank+1})`` bytes sent per rank, i.e.
+    ``2 (N - 1) / N * 4 n`` when ``N`` divides ``n``
+    (:func:`gradcomp.comm.chunks.ring_raw_bytes`).
+
+    Args:
+        tensor: float32/float16/bfloat16 tensor of any shape (any number of
+            elements, 0 included) on the group's device (CPU for gloo, the
+            current CUDA device for NCCL). Not modified.
+        compressor: a gradcomp compressor: dense (NoCompression, FP16, BF16,
+            Int8Quantizer) for ``"ring"`` / ``"two_phase"``, sparse (TopK,
+            Threshold) for ``"allgather"``; optionally wrapped in ErrorFeedback.
+        op: ``"avg"`` (divide the sum by the group size) or ``"sum"``.
+        algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"``.
+        group: a torch.distributed process group (default: the world).
+        meter: optional :class:`~gradcomp.TrafficMeter`.
+        timeout: seconds each exchange may take (> 0).
+        key: residual key prefix for an ErrorFeedback compressor.
+        residual: optional contiguous float32 tensor with ``tensor.numel()``
+            elements on ``tensor``'s device (not with an ErrorFeedback compressor).
+
+    Returns:
+        A new tensor with ``tensor``'s shape, dtype and device.
+
+    Raises:
+        TypeError: ``tensor`` is not a float32/float16/bfloat16 tensor, or
+            ``compressor`` is not a gradcomp compressor.
+        ValueError: unknown ``op`` / ``algorithm``; a sparse compressor with a
+            dense algorithm or a dense one with ``"allgather"``; a dense
+            compressor without a fixed wire size; a bad ``residual`` or
+            ``timeout``; this process is not in ``group``.
+        TimeoutError: a transfer did not finish within ``timeout`` seconds.
+        RuntimeError: the transport failed (e.g. a peer died).
+        gradcomp.PayloadError: a peer sent malformed bytes.
+    """
+    _check_args(tensor, compressor, op, algorithm, timeout, residual)
+    if not dist.is_initialized():
+        raise RuntimeError("gradcomp.allreduce needs torch.distributed initialised "
+                           "(dist.init_process_group or gradcomp.launch)")
+    group = dist.group.WORLD if group is None else group
+    if dist.get_rank(group) < 0:
+        raise ValueError("this process is not a member of group")
+    x = tensor.detach()
+    if dist.get_world_size(group) == 1:
+        return x.clone(memory_format=torch.contiguous_format)
+    flat = x.reshape(-1).to(torch.float32)
+    comm = Comm(group, timeout, meter)
+    local = Local(flat, compressor, key, residual)
+    if algorithm == "allgather":
+        out = _allgather.allreduce(comm, local, flat.numel(), op)
+    else:
+        plan = Plan(flat.numel(), comm.world_size, local.inner)
+        owned = _REDUCE_SCATTER[algorithm](comm, local, plan)
+        out = share_owned(comm, plan, owned, op)
+    return out.to(tensor.dtype).view(tensor.shape)
+
+
+def _check_args(tensor, compressor, op, algorithm, timeout, residual) -> None:
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}"
+                        + ("" if not isinstance(tensor, torch.Tensor) else f" with layout {tensor.layout}"))
+    if tensor.dtype not in INPUT_DTYPES:
+        raise TypeError(f"tensor must have dtype float32, float16 or bfloat16 (sums are accumulated "
+                        f"in float32), got {tensor.dtype}")
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor must be a gradcomp compressor (e.g. gc.Int8Quantizer()), "
+                        f"got {type(compressor).__name__}")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm in DENSE_ALGORITHMS and compressor.sparse:
+        raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "
+                         "use algorithm='allgather' for TopK / Threshold")
+    if algorithm == "allgather" and not compressor.sparse:
+        raise ValueError(f"algorithm 'allgather' is for sparse compressors (TopK, Threshold), got dense "
+                         f"{compressor!r}: use algorithm='ring' or 'two_phase'")
+    if algorithm in DENSE_ALGORITHMS and compressor.wire_nbytes((1,), torch.float32) is None:
+        raise ValueError(f"algorithm {algorithm!r} needs a compressor with a fixed wire size "
+                         f"(wire_nbytes not None), got {compressor!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
+        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if residual is not None:
+        if isinstance(compressor, ErrorFeedback):
+            raise ValueError("give either an ErrorFeedback compressor or residual=, not both")
+        if (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32
+                or not residual.is_contiguous() or residual.numel() != tensor.numel()
+                or residual.device != tensor.device):
+            got = (f"{residual.dtype} with {residual.numel()} elements on {residual.device}"
+                   if isinstance(residual, torch.Tensor) else type(residual).__name__)
+            raise ValueError(f"residual must be a contiguous float32 tensor of {tensor.numel()} "
+                             f"elements on {tensor.device}, got {got}")

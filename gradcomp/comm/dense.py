@@ -1,0 +1,88 @@
+"""What the dense algorithms (ring, two-phase) share: chunk plan and the allgather phase.
+
+Both dense algorithms end the same way: each rank owns the float32 sum of its
+chunk after a reduce-scatter; the owner applies the op (``avg`` divides by
+``N``), compresses that sum **once**, and the owner's bytes travel unchanged
+around the ring (:meth:`~gradcomp.comm.p2p.Comm.ring_allgather`). Every rank,
+the owner included, decompresses the same bytes in the same way, so every
+rank ends with a bit-identical result.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradcomp.comm.chunks import FLOAT32_BYTES, chunk_bounds
+from gradcomp.comm.p2p import Comm
+from gradcomp.compressors import Compressor
+from gradcomp.wire import Payload
+
+__all__ = ["Plan", "share_owned"]
+
+
+class Plan:
+    """Chunks of a dense collective and the exact size of every message.
+
+    Payloads always carry float32 tensors (the input is widened first), so the
+    wire size of chunk ``j`` is ``compressor.wire_nbytes((len_j,), float32)``
+    on every rank, known without asking.
+
+    Args:
+        numel: elements of the flattened input.
+        world_size: ranks in the group.
+        compressor: the dense compressor for sums (not an ErrorFeedback:
+            ErrorFeedback payloads have the wrapped compressor's size anyway).
+
+    Attributes:
+        bounds: ``[(lo, hi)]`` per chunk (see :mod:`gradcomp.comm.chunks`).
+        wire_nbytes: wire size in bytes of chunk ``j``'s payload.
+        raw_nbytes: ``4 * len_j``: the bytes chunk ``j`` takes in a float32 ring.
+    """
+
+    def __init__(self, numel: int, world_size: int, compressor: Compressor):
+        self.compressor = compressor
+        self.bounds = chunk_bounds(numel, world_size)
+        self.wire_nbytes = [compressor.wire_nbytes((hi - lo,), torch.float32) for lo, hi in self.bounds]
+        self.raw_nbytes = [FLOAT32_BYTES * (hi - lo) for lo, hi in self.bounds]
+
+    def expect(self, payload: Payload, j: int) -> torch.Tensor:
+        """``payload.wire`` after checking it has the size receivers expect for chunk ``j``.
+
+        Raises:
+            RuntimeError: the compressor wrote another size than its ``wire_nbytes``.
+        """
+        if payload.nbytes != self.wire_nbytes[j]:
+            raise RuntimeError(
+                f"{self.compressor!r} wrote {payload.nbytes} bytes for a chunk of "
+                f"{self.bounds[j][1] - self.bounds[j][0]} elements but its wire_nbytes() says "
+                f"{self.wire_nbytes[j]}: dense collectives need exact, data-independent sizes"
+            )
+        return payload.wire
+
+    def receive_buffer(self, j: int, device) -> torch.Tensor:
+        """An empty uint8 buffer for chunk ``j``'s payload."""
+        return torch.empty(self.wire_nbytes[j], dtype=torch.uint8, device=device)
+
+
+def share_owned(comm: Comm, plan: Plan, owned: torch.Tensor, op: str) -> torch.Tensor:
+    """Finish a dense allreduce from this rank's reduced chunk.
+
+    Args:
+        comm: the group.
+        plan: the chunk plan.
+        owned: float32 ``[len_rank]``: the exact float32 sum of chunk ``rank``
+            over all ranks (modified in place by ``op="avg"``).
+        op: ``"sum"`` or ``"avg"``.
+
+    Returns:
+        float32 ``[numel]`` on ``owned``'s device: every chunk decompressed from
+        its owner's bytes (bit-identical on every rank).
+    """
+    if op == "avg":
+        owned.div_(comm.world_size)
+    mine = plan.expect(plan.compressor.compress(owned), comm.rank)
+    blobs = comm.ring_allgather(mine, plan.wire_nbytes, plan.raw_nbytes, phase="allgather")
+    out = torch.zeros(plan.bounds[-1][1], dtype=torch.float32, device=owned.device)
+    for (lo, hi), blob in zip(plan.bounds, blobs):
+        plan.compressor.decompress_add_(blob, out[lo:hi])
+    return out

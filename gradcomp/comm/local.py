@@ -1,0 +1,102 @@
+"""This rank's contribution to a collective, with error feedback where it applies.
+
+Error feedback (Seide et al. 2014; Karimireddy et al. 2019) corrects the
+error of compressing *this rank's own data*. A collective uses this rank's
+data in two ways:
+
+* compressed alone (:meth:`Local.compress`): the chunk the ring's first hop
+  sends, the chunks two-phase sends to their owners, the whole tensor in the
+  sparse allgather. Error feedback applies here.
+* added exactly in float32 to a partial sum (:meth:`Local.exact`): the chunks
+  the ring merges at later hops, the chunk two-phase's owner keeps. No error
+  is made, so none is remembered.
+
+Partial sums (which mix every rank's data) and the owner's final sum are
+compressed with the plain compressor, never with error feedback.
+
+Residuals come from one of two places:
+
+* an :class:`~gradcomp.ErrorFeedback` compressor: residual key ``(key, j)``
+  for chunk ``j`` (``key`` alone for the sparse allgather, which compresses
+  the whole tensor); chunks added exactly have no residual;
+* an explicit flat float32 ``residual`` tensor shaped like the input (the DDP
+  hook's per-parameter memory): compressed ranges get ``p = x + r;
+  r <- p - D(C(p))``, ranges added exactly contribute ``x + r`` and reset
+  ``r`` to zero (the remembered error is delivered in full).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from gradcomp.compressors import Compressor, ErrorFeedback
+from gradcomp.wire import Payload
+
+__all__ = ["Local"]
+
+
+class Local:
+    """The flat float32 input of this rank plus its error-feedback state.
+
+    Args:
+        x: 1-D float32 tensor, n elements (read only).
+        compressor: the user's compressor (possibly an ErrorFeedback).
+        key: residual key prefix for an ErrorFeedback compressor.
+        residual: optional contiguous float32 tensor of n elements, updated in
+            place (exclusive with an ErrorFeedback compressor).
+
+    Attributes:
+        inner: the compressor for partial and final sums (ErrorFeedback unwrapped).
+    """
+
+    def __init__(self, x: torch.Tensor, compressor: Compressor, key: Hashable = None,
+                 residual: torch.Tensor | None = None):
+        self.x = x
+        self.key = key
+        self.residual = residual
+        if isinstance(compressor, ErrorFeedback):
+            self.inner = compressor.wraps
+            self._ef, self._keyed = compressor, True
+        elif residual is not None:
+            self.inner = compressor
+            self._ef, self._keyed = ErrorFeedback(compressor), False
+        else:
+            self.inner = compressor
+            self._ef, self._keyed = None, False
+
+    def exact(self, lo: int, hi: int) -> torch.Tensor:
+        """A fresh float32 copy of elements ``[lo, hi)`` of this rank's
+        contribution, to be summed exactly (an explicit residual there is added
+        and reset to zero)."""
+        out = self.x[lo:hi].clone()
+        if self.residual is not None and self._ef is not None and not self._keyed:
+            r = self.residual[lo:hi]
+            out.add_(r)
+            r.zero_()
+        return out
+
+    def compress(self, lo: int, hi: int, chunk: Hashable) -> Payload:
+        """Compress elements ``[lo, hi)`` of this rank's contribution alone,
+        with error feedback when configured.
+
+        Args:
+            lo, hi: element range.
+            chunk: the chunk's id in the residual key ``(key, chunk)``; None
+                means the whole tensor (key ``key``).
+        """
+        x = self.x[lo:hi]
+        if self._ef is None:
+            return self.inner.compress(x)
+        if self._keyed:
+            return self._ef.compress(x, key=self.key if chunk is None else (self.key, chunk))
+        r = self.residual[lo:hi]
+        self._ef.residuals[0] = r
+        p = self._ef.compress(x, key=0)
+        new = self._ef.residuals.pop(0, None)
+        if new is None:  # non-finite input: the residual starts again from zero
+            r.zero_()
+        elif new is not r:
+            r.copy_(new)
+        return p

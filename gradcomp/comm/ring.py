@@ -1,0 +1,49 @@
+"""Compressed ring reduce-scatter (the first half of the ``ring`` algorithm).
+
+The bandwidth-optimal ring allreduce (Patarasuk and Yuan 2009; used by
+Horovod and NCCL) with compressed messages, as in CGX (Markov et al. 2022)
+and the ring variants of SparCML (Renggli et al. 2019): in step
+``s = 0 .. N-2`` rank ``r`` sends its partial sum of chunk ``(r - s - 1) mod N``
+to the next rank and receives the partial sum of chunk ``(r - s - 2) mod N``
+from the previous one. Each hop decompresses the received partial, adds the
+local chunk in float32 and recompresses, so a chunk is quantized once per hop
+(``N - 1`` times before its owner's final compression). After ``N - 1`` steps
+rank ``r`` holds the float32 sum of chunk ``r``; the allgather phase is
+:func:`gradcomp.comm.dense.share_owned`.
+
+Error feedback applies to the only chunk a rank compresses alone, chunk
+``(r - 1) mod N`` at step 0 (see :mod:`gradcomp.comm.local`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradcomp.comm.dense import Plan
+from gradcomp.comm.local import Local
+from gradcomp.comm.p2p import Comm, Message
+
+__all__ = ["reduce_scatter"]
+
+
+def reduce_scatter(comm: Comm, local: Local, plan: Plan) -> torch.Tensor:
+    """Ring reduce-scatter with a requantization per hop.
+
+    Returns:
+        float32 ``[len_rank]``: the sum over all ranks of chunk ``rank``, in
+        which every other rank's data went through one or more compressions.
+    """
+    n, r = comm.world_size, comm.rank
+    first = (r - 1) % n
+    wire = plan.expect(local.compress(*plan.bounds[first], chunk=first), first)
+    acc = None
+    for s in range(n - 1):
+        out_j, in_j = (r - s - 1) % n, (r - s - 2) % n
+        inbox = plan.receive_buffer(in_j, wire.device)
+        comm.exchange([Message(comm.next, wire, plan.raw_nbytes[out_j])],
+                      [Message(comm.prev, inbox, plan.raw_nbytes[in_j])], "reduce_scatter")
+        acc = local.exact(*plan.bounds[in_j])
+        plan.compressor.decompress_add_(inbox, acc)
+        if s < n - 2:
+            wire = plan.expect(plan.compressor.compress(acc), in_j)
+    return acc

@@ -1,0 +1,52 @@
+"""Direct compressed reduce-scatter (the first half of the ``two_phase`` algorithm).
+
+The scatter-reduce-allgather scheme of SparCML (Renggli et al. 2019) and CGX
+(Markov et al. 2022): every rank compresses each chunk ``j != rank`` of its
+own data once and sends it straight to the chunk's owner ``j``. The owner
+keeps its own chunk uncompressed (it never travels, so it is never
+quantized), and sums in float32, in rank order: ``acc = 0; for src in 0..N-1:
+acc += own chunk (src == rank) or decompress(payload from src)``. The
+allgather phase (:func:`gradcomp.comm.dense.share_owned`) compresses that sum
+once more, so every element goes through at most two quantizations (the
+ring's ``N``), for the same bytes as the ring: each rank sends ``N - 1`` chunk
+payloads in each phase.
+
+Error feedback applies to each chunk ``j != rank`` (residual key
+``(key, j)``; see :mod:`gradcomp.comm.local`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradcomp.comm.dense import Plan
+from gradcomp.comm.local import Local
+from gradcomp.comm.p2p import Comm, Message
+
+__all__ = ["reduce_scatter"]
+
+
+def reduce_scatter(comm: Comm, local: Local, plan: Plan) -> torch.Tensor:
+    """Direct-exchange reduce-scatter: one compression per chunk per rank.
+
+    Returns:
+        float32 ``[len_rank]``: the sum over all ranks of chunk ``rank``.
+    """
+    n, r = comm.world_size, comm.rank
+    sends, recvs = [], []
+    for j in range(n):
+        if j == r:
+            continue
+        wire = plan.expect(local.compress(*plan.bounds[j], chunk=j), j)
+        sends.append(Message(j, wire, plan.raw_nbytes[j]))
+        recvs.append(Message(j, plan.receive_buffer(r, wire.device), plan.raw_nbytes[r]))
+    comm.exchange(sends, recvs, "reduce_scatter")
+    lo, hi = plan.bounds[r]
+    inbox = {m.peer: m.buf for m in recvs}
+    acc = torch.zeros(hi - lo, dtype=torch.float32, device=local.x.device)
+    for src in range(n):
+        if src == r:
+            acc.add_(local.exact(lo, hi))
+        else:
+            plan.compressor.decompress_add_(inbox[src], acc)
+    return acc

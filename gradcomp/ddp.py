@@ -1,0 +1,380 @@
+"""DistributedDataParallel communication hook: compressed gradient allreduce.
+
+Usage::
+
+    state = gc.ddp.GradCompState(compressor=gc.Int8Quantizer())
+    ddp_model.register_comm_hook(state, gc.ddp.compressed_allreduce_hook)
+
+Modelled on PyTorch's ``PowerSGDState`` / ``powerSGD_hook``
+(``torch.distributed.algorithms.ddp_comm_hooks``): the hook is a plain
+function ``(state, bucket) -> Future``, the state holds the settings
+(validated, with reasons), the step counter (advanced on the last bucket of
+each step) and the error-feedback memory, and pickles without its process
+groups.
+
+How a bucket is reduced:
+
+* before step ``start_iter`` and for buckets under ``min_compress_numel``
+  elements: a plain averaged ``all_reduce`` (exact, like DDP's default);
+* afterwards: :func:`gradcomp.allreduce` with the state's compressor and
+  algorithm, ``op="avg"``, and this rank's error-feedback residuals.
+
+The hook returns at once. Compression and the collective run on one
+background thread per state (FIFO: buckets are reduced in the order DDP
+hands them over, the same on every rank), which completes the returned
+:class:`torch.futures.Future`; an exception there is set on the future and
+so raised in the training process by ``loss.backward()`` (and every later
+bucket of that state fails fast: the group may be out of step). gradcomp's
+traffic runs on a process group of its own (``dist.new_group`` over the same
+ranks, made by the state), so its point-to-point messages never interleave
+with DDP's or the user's collectives.
+
+Error feedback (Seide et al. 2014; Karimireddy et al. 2019) is on by default
+for lossy compressors. Residuals are kept **per parameter** (flat float32,
+in the bucket's memory order for that parameter, so channels_last parameters
+work), never per bucket: DDP's bucket rebuild after the first step,
+``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
+gradient accumulation under ``no_sync`` and several DDP models (one state
+each) all keep each residual with its parameter. Memory: at most one float32
+value per model parameter element. A parameter's key is its ordinal in the
+order the hook first sees it (bucket order of the first step, which depends
+only on the model and the DDP settings); that key is what survives pickling.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from gradcomp import _validate as v
+from gradcomp.comm import (ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce,
+                           ring_raw_bytes)
+from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
+from gradcomp.meter import TrafficMeter
+
+__all__ = ["GradCompState", "compressed_allreduce_hook", "DEFAULT_MIN_COMPRESS_NUMEL"]
+
+logger = logging.getLogger(__name__)
+
+#: buckets with fewer elements go uncompressed (64 KiB of float32: below that,
+#: the bytes saved are worth less than the ring's 2 (N - 1) message latencies)
+DEFAULT_MIN_COMPRESS_NUMEL = 16384
+
+
+class _CommThread:
+    """One daemon thread running submitted jobs in FIFO order, each completing a Future."""
+
+    def __init__(self, name: str):
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], torch.Tensor], fut: torch.futures.Future) -> None:
+        self._queue.put((job, fut))
+
+    def flush(self) -> None:
+        """Block until every submitted job has finished."""
+        self._queue.join()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                job, fut = item
+                try:
+                    result = job()
+                except BaseException as e:  # surfaces in the training process via the future
+                    fut.set_exception(e)
+                else:
+                    fut.set_result(result)
+            finally:
+                self._queue.task_done()
+
+
+class GradCompState:
+    """Settings and memory of :func:`compressed_allreduce_hook`.
+
+    Create it on every rank of ``process_group`` at the same point (it makes
+    a process group of its own with ``dist.new_group(ranks,
+    use_local_synchronization=True)``), then register it with
+    ``ddp_model.register_comm_hook(state, compressed_allreduce_hook)``. Use
+    one state per DDP model.
+
+    Args:
+        process_group: the group DDP reduces over (default: the world).
+        compressor: a dense (``algorithm`` ``"ring"`` / ``"two_phase"``) or
+            sparse (``"allgather"``) gradcomp compressor, not wrapped in
+            ErrorFeedback (the state keeps the residuals itself).
+        error_feedback: keep per-parameter residuals (ignored for lossless
+            compressors such as NoCompression).
+        algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"`` (see
+            :func:`gradcomp.allreduce`).
+        min_compress_numel: buckets with fewer elements use a plain allreduce.
+        start_iter: steps before this one use a plain allreduce (DDP rebuilds
+            its buckets after the first step; residuals are per parameter, so
+            any value >= 0 is safe).
+        meter: optional :class:`~gradcomp.TrafficMeter` (bytes per phase;
+            plain allreduces are counted in phase ``"plain_allreduce"`` at the
+            nominal ring volume ``2 (N - 1) / N * itemsize * n``, since gloo /
+            NCCL choose their own algorithm).
+        timeout: seconds any exchange may take before the step fails.
+
+    Attributes:
+        iter: completed steps (advanced when the last bucket is handed over).
+        residuals: parameter key -> flat float32 residual.
+
+    Raises:
+        TypeError / ValueError: a bad setting (the message gives the reason).
+        RuntimeError: torch.distributed is not initialised.
+    """
+
+    _PICKLED = ("compressor", "error_feedback", "algorithm", "min_compress_numel", "start_iter",
+                "timeout", "iter", "residuals")
+
+    def __init__(
+        self,
+        process_group=None,
+        compressor: Compressor | None = None,
+        error_feedback: bool = True,
+        algorithm: str = "ring",
+        min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL,
+        start_iter: int = 2,
+        meter: TrafficMeter | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ):
+        compressor = Int8Quantizer() if compressor is None else compressor
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a gradcomp compressor, got {type(compressor).__name__}")
+        if isinstance(compressor, ErrorFeedback):
+            raise ValueError("compressor must not be an ErrorFeedback: pass the compressor itself with "
+                             "error_feedback=True; the state keeps residuals per parameter")
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
+        v.choice("algorithm", algorithm, ALGORITHMS)
+        if algorithm in DENSE_ALGORITHMS and compressor.sparse:
+            raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "
+                             "use algorithm='allgather'")
+        if algorithm == "allgather" and not compressor.sparse:
+            raise ValueError(f"algorithm 'allgather' needs a sparse compressor (TopK, Threshold), "
+                             f"got {compressor!r}")
+        if algorithm in DENSE_ALGORITHMS and compressor.wire_nbytes((1,)) is None:
+            raise ValueError(f"algorithm {algorithm!r} needs a compressor with a fixed wire size, "
+                             f"got {compressor!r}")
+        min_compress_numel = v.integer("min_compress_numel", min_compress_numel, 0)
+        start_iter = v.integer("start_iter", start_iter, 0)
+        if meter is not None and not isinstance(meter, TrafficMeter):
+            raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
+        timeout = v.real("timeout", timeout)
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        if not dist.is_initialized():
+            raise RuntimeError("GradCompState needs torch.distributed initialised first "
+                               "(dist.init_process_group)")
+        self.process_group = process_group
+        self.compressor = compressor
+        self.error_feedback = error_feedback
+        self.algorithm = algorithm
+        self.min_compress_numel = min_compress_numel
+        self.start_iter = start_iter
+        self.meter = meter
+        self.timeout = float(timeout)
+        self.iter = 0
+        self.residuals: dict[int, torch.Tensor] = {}
+        self._init_runtime()
+        self._ensure_group()
+
+    # ---- runtime (not pickled) ------------------------------------------------
+    def _init_runtime(self) -> None:
+        self._group = None
+        self._worker: _CommThread | None = None
+        self._failure: BaseException | None = None
+        self._param_keys: dict[int, tuple[weakref.ref, int]] = {}
+        self._next_key = 0
+
+    def _ensure_group(self):
+        """gradcomp's own process group over the ranks of ``process_group``."""
+        if self._group is None:
+            pg = self.process_group if self.process_group is not None else dist.group.WORLD
+            self._group = dist.new_group(
+                dist.get_process_group_ranks(pg), backend=dist.get_backend(pg),
+                timeout=datetime.timedelta(seconds=self.timeout), use_local_synchronization=True)
+        return self._group
+
+    @property
+    def uses_residuals(self) -> bool:
+        """Error feedback is on and the compressor is lossy."""
+        return self.error_feedback and self.compressor.lossy
+
+    def _key(self, param: torch.Tensor) -> int:
+        """The parameter's stable key: its ordinal in first-seen order."""
+        entry = self._param_keys.get(id(param))
+        if entry is not None and entry[0]() is param:
+            return entry[1]
+        key = self._next_key
+        self._next_key += 1
+        self._param_keys[id(param)] = (weakref.ref(param), key)
+        return key
+
+    def _segments(self, bucket) -> list[tuple[int, int, int]]:
+        """``(key, offset, numel)`` of each parameter's gradient in the bucket buffer."""
+        out, off = [], 0
+        for p in bucket.parameters():
+            out.append((self._key(p), off, p.numel()))
+            off += p.numel()
+        if off != bucket.buffer().numel():
+            raise RuntimeError(f"bucket {bucket.index()} holds {bucket.buffer().numel()} elements but its "
+                               f"parameters add up to {off}")
+        return out
+
+    def _submit(self, job: Callable[[], torch.Tensor]) -> torch.futures.Future:
+        if self._worker is None:
+            self._worker = _CommThread(f"gradcomp-comm-{id(self):x}")
+        fut: torch.futures.Future = torch.futures.Future()
+        self._worker.submit(job, fut)
+        return fut
+
+    def flush(self) -> None:
+        """Wait until every bucket handed to the communication thread is reduced."""
+        if self._worker is not None:
+            self._worker.flush()
+
+    def close(self) -> None:
+        """Finish pending work and stop the communication thread (it restarts on
+        the next bucket). Call before ``dist.destroy_process_group()``."""
+        if self._worker is not None:
+            self._worker.flush()
+            self._worker.stop()
+            self._worker = None
+
+    # ---- the work done on the communication thread ------------------------------
+    def _reduce(self, buf: torch.Tensor, compress: bool, segments, ready) -> torch.Tensor:
+        if self._failure is not None:
+            raise RuntimeError("gradcomp: an earlier bucket of this GradCompState failed; the process "
+                               f"group may be out of step: {self._failure!r}") from self._failure
+        try:
+            if ready is not None:
+                ready.synchronize()
+            if compress:
+                self._reduce_compressed(buf, segments)
+            else:
+                self._reduce_plain(buf, segments)
+            if buf.is_cuda:
+                torch.cuda.current_stream(buf.device).synchronize()
+            return buf
+        except BaseException as e:
+            self._failure = e
+            raise
+
+    def _reduce_plain(self, buf: torch.Tensor, segments) -> None:
+        group = self._group
+        world = dist.get_world_size(group)
+        for key, off, n in segments or ():
+            r = self.residuals.pop(key, None)  # delivered exactly: nothing left to remember
+            if r is not None and r.numel() == n:
+                buf[off:off + n].add_(r.to(buf.dtype))
+        buf.div_(world)
+        dist.all_reduce(buf, group=group, async_op=True).wait(timeout=datetime.timedelta(seconds=self.timeout))
+        if self.meter is not None and world > 1:
+            rs, ag, rs_in, ag_in = ring_raw_bytes(buf.numel(), world, dist.get_rank(group))
+            scale = buf.element_size() / 4
+            self.meter.record_send(int((rs + ag) * scale), rs + ag, phase="plain_allreduce")
+            self.meter.record_recv(int((rs_in + ag_in) * scale), rs_in + ag_in, phase="plain_allreduce")
+
+    def _reduce_compressed(self, buf: torch.Tensor, segments) -> None:
+        residual = None
+        if segments is not None:
+            residual = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
+            for key, off, n in segments:
+                r = self.residuals.get(key)
+                if r is not None and r.numel() == n:
+                    residual[off:off + n].copy_(r)
+        out = allreduce(buf, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
+                        meter=self.meter, timeout=self.timeout, residual=residual)
+        if segments is not None:
+            for key, off, n in segments:
+                self.residuals[key] = residual[off:off + n]
+        buf.copy_(out)
+
+    # ---- pickling (like PowerSGDState: without process groups) -------------------
+    def __getstate__(self) -> dict:
+        """Settings, step, residuals (on CPU), the compressor with its RNG counter,
+        and the meter's counters; not the process groups or the thread."""
+        self.flush()
+        state = {name: getattr(self, name) for name in self._PICKLED}
+        state["residuals"] = {k: r.detach().cpu().clone() for k, r in self.residuals.items()}
+        state["meter"] = self.meter.as_dict() if self.meter is not None else None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Restore; ``process_group`` becomes the default group (set it before the
+        first step to use another) and gradcomp's own group is made at the first
+        bucket."""
+        meter = state.pop("meter", None)
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.process_group = None
+        self.meter = None
+        if meter is not None:
+            self.meter = TrafficMeter()
+            self.meter.merge(meter)
+        self._init_runtime()
+        logger.info("GradCompState restored at step %d with %d residuals; process_group is the default "
+                    "group", self.iter, len(self.residuals))
+
+    def __repr__(self) -> str:
+        return (f"GradCompState(compressor={self.compressor!r}, algorithm={self.algorithm!r}, "
+                f"error_feedback={self.error_feedback}, min_compress_numel={self.min_compress_numel}, "
+                f"start_iter={self.start_iter}, iter={self.iter})")
+
+
+def compressed_allreduce_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average the bucket's gradients with compression.
+
+    Returns at once; the bucket is reduced on the state's communication thread
+    (see the module docstring), in place in ``bucket.buffer()``.
+
+    Args:
+        state: the :class:`GradCompState`.
+        bucket: DDP's gradient bucket; its buffer must be float32, float16 or
+            bfloat16.
+
+    Returns:
+        A future completed with ``bucket.buffer()`` holding the average of
+        every rank's gradients (bit-identical on every rank).
+
+    Raises:
+        TypeError: the bucket's dtype is not supported.
+    """
+    buf = bucket.buffer()
+    if buf.dtype not in INPUT_DTYPES:
+        raise TypeError(f"compressed_allreduce_hook supports float32/float16/bfloat16 gradients, "
+                        f"got a bucket of {buf.dtype}")
+    state._ensure_group()
+    compress = state.iter >= state.start_iter and buf.numel() >= state.min_compress_numel
+    # keys are assigned on every bucket from the first step on, so they follow
+    # the first step's bucket order whatever start_iter is
+    segments = state._segments(bucket) if state.uses_residuals else None
+    ready = None
+    if buf.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    fut = state._submit(functools.partial(state._reduce, buf, compress, segments, ready))
+    if bucket.is_last():
+        state.iter += 1
+        if state.meter is not None:
+            state.meter.step()
+    return fut

@@ -1,0 +1,326 @@
+"""Registry backend ``cpu``: native OpenMP kernels (C++17, module ``gradcomp._C``).
+
+The ops take CPU tensors and have the reference signatures
+(:mod:`gradcomp.kernels.reference`), with the same results bit for bit: int8
+codes, scales, residuals and the index sets of ``topk`` / ``threshold``.
+``approx_topk`` uses the reference's strided sample too, and always meets the
+contract (a top set with a kept count in ``[ceil(0.9 k), floor(1.1 k)]``, or
+exactly k).
+
+Tensors cross into C++ as numpy views without copies: float32/float64 as
+themselves, float16/bfloat16 as int16 views decoded in C++. The kernels run
+with the GIL released on the module's own OpenMP threads; their number is set
+by :func:`set_num_threads` (default: ``OMP_NUM_THREADS`` or all cores). It is
+independent of ``torch.set_num_threads``.
+
+``gradcomp._C`` is imported on first use, never by ``import gradcomp``. Build
+it with ``python setup.py build_ext --inplace`` (``GRADCOMP_NO_NATIVE=1``
+skips it; the registry then falls back to the reference).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradcomp.kernels import reference as _ref
+
+__all__ = [
+    "unavailable_reason",
+    "devices",
+    "set_num_threads",
+    "get_num_threads",
+    "quantize_int8",
+    "dequantize_int8",
+    "dequantize_int8_add_",
+    "quantize_int8_ef",
+    "topk",
+    "threshold",
+    "approx_topk",
+    "scatter_add_",
+]
+
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+}
+
+_native_module = None
+
+
+def _native():
+    global _native_module
+    if _native_module is None:
+        import gradcomp._C as mod
+
+        _native_module = mod
+    return _native_module
+
+
+def unavailable_reason() -> str | None:
+    """None when ``gradcomp._C`` imports, else why it does not."""
+    try:
+        _native()
+    except ImportError as e:
+        return (
+            "gradcomp._C is not built (build it with `python setup.py build_ext --inplace`; "
+            f"was GRADCOMP_NO_NATIVE=1 set?): {e}"
+        )
+    return None
+
+
+def devices() -> frozenset[str]:
+    """Device types served: CPU tensors only."""
+    return frozenset({"cpu"})
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by every native kernel (``0``: the OpenMP default,
+    ``OMP_NUM_THREADS`` or all cores). Independent of ``torch.set_num_threads``."""
+    _native().set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    """Threads the native kernels use now."""
+    return int(_native().get_num_threads())
+
+
+# ---------------------------------------------------------------------------
+# tensor <-> numpy views
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        raise ValueError(f"the cpu backend needs CPU tensors, got one on {t.device}")
+    return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
+
+
+def _dtype_name(name: str, t: torch.Tensor) -> str:
+    try:
+        return _DTYPE_NAMES[t.dtype]
+    except KeyError:
+        raise TypeError(
+            f"{name} must have dtype in (float32, float16, bfloat16, float64), got {t.dtype}"
+        ) from None
+
+
+def _np(t: torch.Tensor):
+    """numpy view of a flat contiguous CPU tensor (2-byte floats as int16)."""
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.view(torch.int16)
+    return t.numpy()
+
+
+def _out_view(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    if t.dtype != dtype or t.numel() != numel or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous CPU {dtype} tensor of {numel} elements, "
+            f"got {t.dtype} with {t.numel()} elements on {t.device}"
+        )
+    return t.detach().view(-1)
+
+
+def _selection(idx, val, dtype: torch.dtype):
+    i = torch.from_numpy(idx)
+    v = torch.from_numpy(val)
+    if dtype in (torch.float16, torch.bfloat16):
+        v = v.view(dtype)
+    return i, v
+
+
+# ---------------------------------------------------------------------------
+# ops
+
+
+def quantize_int8(
+    x: torch.Tensor,
+    block_size: int = 256,
+    rounding: str = "nearest",
+    seed: int = 0,
+    counter: int = 0,
+    out_q: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
+):
+    """Blockwise absmax int8 quantization (Dettmers et al. 2022), as
+    :func:`gradcomp.kernels.reference.quantize_int8`.
+
+    Args:
+        x: CPU float32/float16/bfloat16/float64 tensor, n elements (flat order).
+        block_size: elements per block (> 0).
+        rounding: ``"nearest"`` (half to even) or ``"stochastic"`` (counter hash).
+        seed, counter: random stream of stochastic rounding.
+        out_q, out_scales: optional contiguous int8 ``[n]`` / float32
+            ``[ceil(n / block_size)]`` outputs (then nothing large is allocated).
+
+    Returns:
+        ``(q, scales)``: int8 ``[n]``, float32 ``[ceil(n / block_size)]``.
+
+    Raises:
+        ValueError: bad block_size, rounding or outputs. TypeError: bad dtype.
+    """
+    return _quantize(x, None, block_size, rounding, seed, counter, out_q, out_scales)
+
+
+def quantize_int8_ef(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    block_size: int = 256,
+    rounding: str = "nearest",
+    seed: int = 0,
+    counter: int = 0,
+    out_q: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
+):
+    """Fused error-feedback quantization in one pass per block (Seide et al.
+    2014): ``p = float(x) + residual; (q, s) = Q(p); residual <- p - q * s``.
+
+    Args:
+        residual: contiguous CPU float32 tensor with ``x.numel()`` elements,
+            updated in place. Others as :func:`quantize_int8`.
+
+    Returns:
+        ``(q, scales)`` as :func:`quantize_int8`.
+    """
+    res = _out_view("residual", residual, torch.float32, x.numel())
+    return _quantize(x, res, block_size, rounding, seed, counter, out_q, out_scales)
+
+
+def _quantize(x, residual, block_size, rounding, seed, counter, out_q, out_scales):
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be one of ('nearest', 'stochastic'), got {rounding!r}")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    xf = _flat(x)
+    name = _dtype_name("x", xf)
+    n = xf.numel()
+    nb = -(-n // block_size)
+    q = out_q if out_q is not None else torch.empty(n, dtype=torch.int8)
+    s = out_scales if out_scales is not None else torch.empty(nb, dtype=torch.float32)
+    qv = _out_view("out_q", q, torch.int8, n)
+    sv = _out_view("out_scales", s, torch.float32, nb)
+    stochastic = rounding == "stochastic"
+    key = _ref.stream_key(seed, counter) if stochastic else 0
+    _native().quantize_int8(
+        _np(xf), name, block_size, stochastic, key, qv.numpy(), sv.numpy(),
+        None if residual is None else residual.numpy(),
+    )
+    return q, s
+
+
+def dequantize_int8(
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int = 256,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``code * scale`` per element (float32 product).
+
+    Args:
+        q: int8 ``[n]``; scales: float32 ``[ceil(n / block_size)]`` (CPU).
+        out: optional contiguous float32/float16/bfloat16/float64 tensor of n
+            elements; the float32 product is rounded to its dtype.
+
+    Returns:
+        float32 ``[n]``, or ``out``.
+    """
+    qf, sf = _flat(q), _flat(scales)
+    n = qf.numel()
+    if out is None:
+        dst = torch.empty(n, dtype=torch.float32)
+        result = dst
+    else:
+        dst = _out_view("out", out, out.dtype, n)
+        result = out
+    _native().dequantize_int8(qf.numpy(), sf.numpy(), block_size, _np(dst), _dtype_name("out", dst))
+    return result
+
+
+def dequantize_int8_add_(
+    acc: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int = 256
+) -> torch.Tensor:
+    """``acc += code * scale`` in place (float32; the product is rounded first).
+
+    Args:
+        acc: contiguous CPU float32 tensor with ``q.numel()`` elements.
+
+    Returns:
+        acc.
+    """
+    qf, sf = _flat(q), _flat(scales)
+    av = _out_view("acc", acc, torch.float32, qf.numel())
+    _native().dequantize_int8_add(av.numpy(), qf.numpy(), sf.numpy(), block_size)
+    return acc
+
+
+def topk(x: torch.Tensor, k: int):
+    """Exact top-k by ``|x|`` (NaN largest; ties to the lower index) by radix
+    select: one histogram pass, one compaction pass, no sort.
+
+    Returns:
+        ``(indices, values)``: ascending int32 indices (int64 when n >= 2**31)
+        and the values there in x's dtype; ``min(k, n)`` of them.
+    """
+    xf = _flat(x)
+    idx, val = _native().topk(_np(xf), _dtype_name("x", xf), int(k))
+    return _selection(idx, val, xf.dtype)
+
+
+def threshold(x: torch.Tensor, tau: float):
+    """Every element with ``|x| >= tau`` or NaN (compared in float32, float64
+    for float64 x), by a parallel count / prefix-sum / write compaction.
+
+    Returns:
+        ``(indices, values)`` as :func:`topk`.
+    """
+    xf = _flat(x)
+    idx, val = _native().threshold(_np(xf), _dtype_name("x", xf), float(tau))
+    return _selection(idx, val, xf.dtype)
+
+
+def approx_topk(x: torch.Tensor, k: int):
+    """Sampled-threshold top-k (Deep Gradient Compression, Lin et al. 2018).
+
+    The threshold is the ``ceil(s k / n)``-th largest ``|x|`` of the
+    reference's strided sample of ``s = approx_topk_sample_size(n, k)``
+    elements. The kept set is a top set (every kept ``|x|`` >= every dropped
+    one, NaN largest) of size in ``[ceil(0.9 k), floor(1.1 k)]``; when the
+    estimate keeps too many the exact top k of them is returned, when too few
+    the exact :func:`topk`.
+
+    Returns:
+        ``(indices, values)`` as :func:`topk`.
+    """
+    xf = _flat(x)
+    n = xf.numel()
+    k = max(0, min(int(k), n))
+    s = _ref.approx_topk_sample_size(n, k)
+    ks = max(1, min(s, math.ceil(s * k / n))) if n else 0
+    lo, hi = math.ceil(0.9 * k), math.floor(1.1 * k)
+    idx, val = _native().approx_topk(_np(xf), _dtype_name("x", xf), k, s, ks, lo, hi)
+    return _selection(idx, val, xf.dtype)
+
+
+def scatter_add_(acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``acc.view(-1)[indices] += values`` in index order (duplicates accumulate).
+
+    Args:
+        acc: contiguous CPU float32 tensor. indices: int32/int64.
+        values: float32/float16/bfloat16/float64, ``indices.numel()`` elements
+            (converted to float32 before adding).
+
+    Returns:
+        acc.
+
+    Raises:
+        ValueError: an index outside ``[0, acc.numel())`` (acc is left unchanged).
+    """
+    av = _out_view("acc", acc, torch.float32, acc.numel())
+    ix, vf = _flat(indices), _flat(values)
+    if ix.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"indices must have dtype in (int32, int64), got {ix.dtype}")
+    _native().scatter_add(av.numpy(), ix.numpy(), _np(vf), _dtype_name("values", vf))
+    return acc

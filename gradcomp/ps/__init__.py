@@ -1,0 +1,95 @@
+"""Parameter server: compressed push and pull, sync and async, bounded staleness.
+
+Ranks ``[0, num_servers)`` of a torch.distributed (gloo) group are servers,
+the other ranks workers (Li et al. 2014, "Scaling Distributed Machine
+Learning with the Parameter Server"). Parameters are placed whole on the
+servers, balanced by bytes (greedy largest-first). Workers push gradients
+compressed by any gradcomp compressor (dense or sparse) with error feedback
+per parameter and pull parameters: full float32, or (``compress_pull``)
+compressed deltas with a residual per worker kept on the server, so each
+replica tracks the server without drift. Workers may compute on a GPU: only
+the compressed payload bytes move to the host.
+
+Modes:
+    ``"sync"``: one averaged optimizer step per round of pushes from all live
+        workers (data-parallel SGD through a central optimizer).
+    ``"async"``: each push is applied on arrival; ``max_staleness`` drops pushes
+        computed from parameters more than that many versions old (Ho et al.
+        2013, stale synchronous parallel); ``staleness_lr`` scales the
+        learning rate by ``1 / (1 + staleness)`` (Zhang et al. 2016).
+
+Failures: a worker that dies or stays silent for ``worker_timeout`` seconds is
+declared dead; the run goes on without it (``on_worker_failure="continue"``)
+or the server raises :class:`WorkerFailedError` naming its rank and the other
+workers get :class:`PSAbortedError` (``"fail"``). Malformed pushes are
+rejected and counted. Servers checkpoint atomically (``checkpoint_dir``,
+``checkpoint_every``) and resume with ``resume=True``.
+
+Accounting: every rank's :class:`~gradcomp.TrafficMeter` counts the bytes it
+moved in phases ``"push"`` and ``"pull"`` and their uncompressed float32
+equivalents; :meth:`ParameterServer.stats` adds per-worker bytes, the staleness
+histogram, dropped and rejected counts.
+
+High-level API (one call per rank)::
+
+    import functools, torch
+    import gradcomp as gc
+    from gradcomp import ps
+    from gradcomp.launch import launch
+
+    config = ps.PSConfig(mode="async", steps=500, num_servers=1,
+                         compressor=gc.TopK(0.01, values=gc.Int8Quantizer()),
+                         compress_pull=True, max_staleness=8, staleness_lr=True,
+                         optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    # model_fn() -> nn.Module (float32); loss_fn(model, step, worker_index) -> scalar loss
+    results = launch(ps.run, 1 + 4, args=(model_fn, loss_fn, config))
+    server_stats = results[0]["stats"]
+
+``ps.run(rank, world_size, model_fn, loss_fn, config, on_step=None)`` returns,
+on a server, ``{"role": "server", "rank", "stats", "params"}`` and, on a worker,
+``{"role": "worker", "rank", "losses", "stats", "params"}``.
+
+Roles by hand::
+
+    if rank < num_servers:
+        server = ps.ParameterServer(model, mode="sync", num_servers=num_servers,
+                                    optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        stats = server.serve()               # until every worker is done or dead
+    else:
+        worker = ps.Worker(model, num_servers=num_servers, compressor=gc.Int8Quantizer())
+        with worker:                         # sends DONE at the end
+            for batch in batches:
+                worker.pull()                # replica (the model's parameters) updated in place
+                model.zero_grad(); loss_fn(model, batch).backward()
+                result = worker.push()       # PushResult: accepted / dropped / rejected
+            worker.pull()
+
+With torchrun (a least-squares demo; prints the server's stats as JSON)::
+
+    torchrun --nproc_per_node=3 -m gradcomp.ps --mode async --compressor int8 --compress-pull
+    python -m gradcomp.ps --world-size 3 ...   # the same on local processes (gradcomp.launch)
+"""
+
+from __future__ import annotations
+
+from gradcomp.ps.errors import PeerError, ProtocolError, PSAbortedError, PSError, WorkerFailedError
+from gradcomp.ps.run import PSConfig, role, run
+from gradcomp.ps.server import ParameterServer
+from gradcomp.ps.sharding import ParamSpec, shard_parameters
+from gradcomp.ps.worker import PushResult, Worker
+
+__all__ = [
+    "ParameterServer",
+    "Worker",
+    "PushResult",
+    "PSConfig",
+    "run",
+    "role",
+    "shard_parameters",
+    "ParamSpec",
+    "PSError",
+    "PeerError",
+    "ProtocolError",
+    "PSAbortedError",
+    "WorkerFailedError",
+]

@@ -1,0 +1,170 @@
+"""One call per rank: "num_servers servers + W workers" training with a model,
+a compressor, a mode and a step budget."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from gradcomp import _validate as v
+from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
+from gradcomp.ps.server import FAILURE_POLICIES, MODES, ParameterServer
+from gradcomp.ps.worker import PushResult, Worker
+
+__all__ = ["PSConfig", "run", "role"]
+
+
+@dataclass
+class PSConfig:
+    """Settings of a parameter-server run (see :class:`ParameterServer` and
+    :class:`Worker` for the meaning of each).
+
+    Attributes:
+        mode: ``"sync"`` or ``"async"``.
+        steps: gradient pushes per worker (>= 0).
+        num_servers: server ranks ``[0, num_servers)``; the others are workers.
+        compressor: push compressor (None: uncompressed float32).
+        error_feedback: workers wrap a lossy ``compressor`` in ``ErrorFeedback``.
+        compress_pull: servers answer pulls with compressed deltas.
+        pull_compressor: compressor of those deltas; None: a fresh copy of
+            ``compressor`` (its inner compressor when it is an ErrorFeedback),
+            or ``Int8Quantizer()`` when ``compressor`` is None.
+        optimizer: server optimizer factory ``f(list[nn.Parameter]) -> Optimizer``
+            (picklable, e.g. ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``);
+            None: SGD with lr 0.01 and momentum 0.9.
+        max_staleness, staleness_lr, clip_grad_norm, on_worker_failure,
+        worker_timeout, checkpoint_dir, checkpoint_every, resume: server settings.
+        timeout: workers' per-transfer timeout in seconds.
+        device: workers' compute device (None: where ``model_fn`` puts the model).
+    """
+
+    mode: str = "sync"
+    steps: int = 100
+    num_servers: int = 1
+    compressor: Compressor | None = None
+    error_feedback: bool = True
+    compress_pull: bool = False
+    pull_compressor: Compressor | None = None
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None
+    max_staleness: int | None = None
+    staleness_lr: bool = False
+    clip_grad_norm: float | None = None
+    on_worker_failure: str = "continue"
+    worker_timeout: float = 60.0
+    timeout: float = 120.0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    resume: bool = False
+    device: str | None = None
+
+    def __post_init__(self):
+        v.choice("mode", self.mode, MODES)
+        v.choice("on_worker_failure", self.on_worker_failure, FAILURE_POLICIES)
+        v.integer("steps", self.steps, 0)
+        v.integer("num_servers", self.num_servers, 1)
+        for name in ("compressor", "pull_compressor"):
+            c = getattr(self, name)
+            if c is not None and not isinstance(c, Compressor):
+                raise TypeError(f"{name} must be a gradcomp compressor or None, got {type(c).__name__}")
+        for name in ("worker_timeout", "timeout"):
+            x = v.real(name, getattr(self, name))
+            if not (x > 0 and math.isfinite(x)):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {x}")
+
+    def server_pull_compressor(self) -> Compressor | None:
+        """The compressor servers use for pull deltas (None without ``compress_pull``)."""
+        if not self.compress_pull:
+            return None
+        if self.pull_compressor is not None:
+            return self.pull_compressor
+        if self.compressor is None:
+            return Int8Quantizer()
+        inner = self.compressor.wraps if isinstance(self.compressor, ErrorFeedback) else self.compressor
+        return inner.clone()
+
+
+def role(rank: int, num_servers: int) -> str:
+    """``"server"`` for ranks ``[0, num_servers)``, else ``"worker"``."""
+    return "server" if rank < num_servers else "worker"
+
+
+def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
+        loss_fn: Callable[[torch.nn.Module, int, int], torch.Tensor], config: PSConfig, *,
+        on_step: Callable[[int, float, Worker, PushResult], Any] | None = None,
+        group=None) -> dict:
+    """Run this rank's role of a parameter-server training job.
+
+    Call it on every rank of an initialised process group: under torchrun
+    (``gradcomp.launch.init_from_env()`` first) or directly as
+    ``gradcomp.launch.launch(gradcomp.ps.run, world_size, args=(model_fn, loss_fn, config))``.
+
+    A server builds ``model_fn()`` (its initial parameters are the run's) and
+    serves until every worker is done or dead. A worker builds
+    ``model_fn()`` on ``config.device`` and for ``config.steps`` steps: pulls,
+    computes ``loss_fn(model, step, worker_index)`` (a scalar),
+    backpropagates, pushes the gradients; then pulls once more and sends DONE.
+
+    Args:
+        rank, world_size: this rank and the group size (``world_size > num_servers``).
+        model_fn: builds the model (same names and shapes on every rank;
+            float32 parameters on the workers).
+        loss_fn: ``(model, step, worker_index) -> loss``; ``worker_index`` is
+            ``rank - num_servers``, so each worker can read its own data.
+        config: a :class:`PSConfig`.
+        on_step: optional ``(step, loss, worker, push_result)`` callback after
+            each push (workers only), e.g. for logging or evaluation.
+        group: the process group (default: the world).
+
+    Returns:
+        On a server: ``{"role": "server", "rank", "stats", "params"}`` (its
+        shard, CPU tensors). On a worker: ``{"role": "worker", "rank",
+        "losses", "stats", "params"}`` (the final replica, CPU tensors).
+
+    Raises:
+        ValueError: ``world_size <= config.num_servers``.
+        WorkerFailedError (server) / PSAbortedError (worker): a worker died
+            with ``on_worker_failure="fail"``.
+    """
+    if not isinstance(config, PSConfig):
+        raise TypeError(f"config must be a gradcomp.ps.PSConfig, got {type(config).__name__}")
+    if world_size <= config.num_servers:
+        raise ValueError(f"world_size must be > num_servers={config.num_servers} (at least one worker), "
+                         f"got {world_size}")
+    if role(rank, config.num_servers) == "server":
+        server = ParameterServer(
+            model_fn(), mode=config.mode, num_servers=config.num_servers, optimizer=config.optimizer,
+            max_staleness=config.max_staleness, staleness_lr=config.staleness_lr,
+            clip_grad_norm=config.clip_grad_norm, compress_pull=config.compress_pull,
+            pull_compressor=config.server_pull_compressor(), on_worker_failure=config.on_worker_failure,
+            worker_timeout=config.worker_timeout,
+            checkpoint_dir=None if config.checkpoint_dir is None else os.fspath(config.checkpoint_dir),
+            checkpoint_every=config.checkpoint_every, resume=config.resume, group=group)
+        stats = server.serve()
+        return {"role": "server", "rank": rank, "stats": stats,
+                "params": {n: t.cpu().clone() for n, t in server.parameters().items()}}
+
+    model = model_fn()
+    if config.device is not None:
+        model = model.to(config.device)
+    worker = Worker(model, num_servers=config.num_servers,
+                    compressor=None if config.compressor is None else config.compressor.clone(),
+                    error_feedback=config.error_feedback, timeout=config.timeout, group=group)
+    index = rank - config.num_servers
+    losses: list[float] = []
+    with worker:
+        for step in range(config.steps):
+            worker.pull()
+            model.zero_grad(set_to_none=True)
+            loss = loss_fn(model, step, index)
+            loss.backward()
+            result = worker.push()
+            losses.append(float(loss.detach()))
+            if on_step is not None:
+                on_step(step, losses[-1], worker, result)
+        worker.pull()
+    return {"role": "worker", "rank": rank, "losses": losses, "stats": worker.stats(),
+            "params": {n: t.detach().cpu().clone() for n, t in worker.replica.items()}}

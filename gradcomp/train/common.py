@@ -1,0 +1,78 @@
+"""Pieces shared by the sync and async training loops (run inside each rank)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from gradcomp.train.config import TrainConfig
+from gradcomp.train.data import Digits
+from gradcomp.train.model import evaluate
+
+__all__ = ["RankLog", "counted_bytes"]
+
+
+def counted_bytes(mode: str, meter, raw: bool = False) -> int:
+    """The bytes a worker's meter (a TrafficMeter or its ``as_dict()``) counts
+    for the report: what it sent in sync mode (a ring rank receives as much as
+    it sends), what it sent plus received in async mode (pushes and pulls).
+    ``raw``: the uncompressed float32 equivalent of the same."""
+    d = meter if isinstance(meter, dict) else meter.as_dict()
+    prefix = "raw_" if raw else ""
+    sent = d[f"{prefix}bytes_sent"]
+    return sent if mode == "sync" else sent + d[f"{prefix}bytes_received"]
+
+
+@dataclass
+class RankLog:
+    """What one rank records during a run (returned to the launcher, picklable).
+
+    Attributes:
+        rank: the rank that recorded it; role: ``"worker"`` or ``"server"``.
+        losses: this rank's training loss at every step (empty for a server).
+        marks: steps at which ``traffic`` (and, on the evaluating rank, ``evals``) were taken.
+        traffic: this rank's cumulative counted wire bytes at each mark.
+        evals: ``(test_loss, test_accuracy)`` at each mark (evaluating rank only).
+        final: ``(test_loss, test_accuracy)`` of the trained model (on the rank
+            that holds it: sync rank 0, the async server).
+        meter: the rank's ``TrafficMeter.as_dict()`` at the end.
+        wall_s: seconds of the training loop on this rank.
+        extra: role-specific counters (e.g. the server's staleness histogram).
+    """
+
+    rank: int
+    role: str = "worker"
+    losses: list[float] = field(default_factory=list)
+    marks: list[int] = field(default_factory=list)
+    traffic: list[int] = field(default_factory=list)
+    evals: list[tuple[float, float]] = field(default_factory=list)
+    final: tuple[float, float] | None = None
+    meter: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+    _t0: float = 0.0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def record(self, cfg: TrainConfig, mode: str, step: int, loss: float, meter,
+               model: torch.nn.Module | None, data: Digits, progress=None) -> None:
+        """Record step ``step`` (1-based): its loss, and at marks the bytes
+        counted so far (:func:`counted_bytes` of ``meter``) and, when ``model``
+        is given, a test evaluation. ``progress.put(step)`` now and then."""
+        self.losses.append(float(loss))
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            self.marks.append(step)
+            self.traffic.append(counted_bytes(mode, meter))
+            if model is not None:
+                self.evals.append(evaluate(model, data.x_test, data.y_test))
+        if progress is not None and (step % max(1, cfg.steps // 100) == 0 or step == cfg.steps):
+            progress.put(step)
+
+    def finish(self, meter) -> "RankLog":
+        """Stop the clock and keep the meter's counters (a TrafficMeter or its ``as_dict()``)."""
+        self.wall_s = time.perf_counter() - self._t0
+        self.meter = meter if isinstance(meter, dict) else meter.as_dict()
+        return self

@@ -1,0 +1,144 @@
+"""Settings of a training study and the compressors it can compare."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from gradcomp.compressors import (BF16, FP16, Compressor, Int8Quantizer, NoCompression, Threshold,
+                                  TopK)
+from gradcomp.train.model import DEFAULT_HIDDEN
+
+__all__ = ["TrainConfig", "CompressorChoice", "COMPRESSORS", "DEFAULT_COMPRESSORS", "MODES",
+           "ALGORITHMS", "TOPK_RATIO", "parse_compressors"]
+
+MODES = ("sync", "async")
+#: Dense algorithms of the sync mode; sparse compressors always use ``allgather``.
+ALGORITHMS = ("ring", "two_phase")
+#: Density of the top-k compressors (k = 1% of each tensor's elements).
+TOPK_RATIO = 0.01
+
+
+@dataclass(frozen=True)
+class CompressorChoice:
+    """One entry of the study's compressor menu.
+
+    Attributes:
+        name: command-line name (``--compressors``).
+        label: name shown in reports.
+        error_feedback: wrap the codec in error feedback (residual memory per tensor).
+    """
+
+    name: str
+    label: str
+    error_feedback: bool
+
+    def build(self, threshold: float | None = None) -> Compressor:
+        """A fresh codec (without error feedback: the transport's state adds it).
+
+        Args:
+            threshold: magnitude threshold for ``threshold-ef`` (required there).
+        """
+        if self.name == "none":
+            return NoCompression()
+        if self.name == "fp16":
+            return FP16()
+        if self.name == "bf16":
+            return BF16()
+        if self.name in ("int8", "int8-ef"):
+            return Int8Quantizer()
+        if self.name == "topk-ef":
+            return TopK(ratio=TOPK_RATIO)
+        if self.name == "topk-int8-ef":
+            return TopK(ratio=TOPK_RATIO, values=Int8Quantizer())
+        if self.name == "threshold-ef":
+            if threshold is None:
+                raise ValueError("threshold-ef needs a threshold")
+            return Threshold(threshold)
+        raise ValueError(f"unknown compressor {self.name!r}")
+
+    @property
+    def sparse(self) -> bool:
+        return self.name in ("topk-ef", "topk-int8-ef", "threshold-ef")
+
+
+COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
+    CompressorChoice("none", "none", False),
+    CompressorChoice("fp16", "fp16", False),
+    CompressorChoice("bf16", "bf16", False),
+    CompressorChoice("int8", "int8", False),
+    CompressorChoice("int8-ef", "int8+ef", True),
+    CompressorChoice("topk-ef", "topk1%+ef", True),
+    CompressorChoice("topk-int8-ef", "topk1%+int8+ef", True),
+    CompressorChoice("threshold-ef", "threshold+ef", True),
+)}
+
+#: The default study's menu, baseline first.
+DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "int8-ef", "topk-ef", "topk-int8-ef", "threshold-ef")
+
+
+def parse_compressors(text: str) -> tuple[str, ...]:
+    """Parse a comma-separated list of compressor names (duplicates dropped, order kept).
+
+    Raises:
+        ValueError: an empty list or an unknown name (the message lists the allowed ones).
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"no compressor given; allowed: {','.join(COMPRESSORS)}")
+    unknown = [n for n in names if n not in COMPRESSORS]
+    if unknown:
+        raise ValueError(f"unknown compressor name(s): {', '.join(unknown)}; "
+                         f"allowed: {','.join(COMPRESSORS)}")
+    return tuple(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on; every run of a study shares it, so results
+    differ by compressor (and mode) alone.
+
+    Attributes:
+        workers: data-parallel workers (in async mode a parameter server comes on top).
+        steps: optimizer steps per run; every worker computes one batch per step.
+        batch_size: samples per worker per step (global batch = workers x batch_size).
+        lr: SGD learning rate; momentum: SGD momentum.
+        seed: model initialisation, data split and data order.
+        hidden: hidden-layer widths of the MLP.
+        test_fraction: share of the digits held out for testing.
+        algorithm: sync allreduce for dense codecs (``ring`` or ``two_phase``).
+        eval_every: steps between test-set evaluations (and the last step).
+        threshold: threshold of ``threshold-ef`` (None: calibrated, see :mod:`gradcomp.train.study`).
+        timeout: seconds allowed for one run before its processes are stopped.
+    """
+
+    workers: int = 4
+    steps: int = 400
+    batch_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    seed: int = 0
+    hidden: tuple[int, ...] = field(default=DEFAULT_HIDDEN)
+    test_fraction: float = 0.25
+    algorithm: str = "ring"
+    eval_every: int = 20
+    threshold: float | None = None
+    timeout: float = 600.0
+
+    def __post_init__(self):
+        for name in ("workers", "steps", "batch_size", "eval_every"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.threshold is not None and not self.threshold >= 0:
+            raise ValueError(f"threshold must be >= 0, got {self.threshold!r}")
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["hidden"] = list(self.hidden)
+        return d

@@ -1,0 +1,323 @@
+"""Run a grid of training runs (mode x compressor) and collect comparable results.
+
+Every run of a study shares one :class:`~gradcomp.train.config.TrainConfig`:
+same model initialisation, data split, data order, step budget and optimizer,
+so the differences between runs come from the compressor (and the mode) alone.
+The ``none`` baseline of each mode is always run first: traffic reductions and
+accuracy gaps are measured against it.
+
+Bytes are what the transports counted in their :class:`~gradcomp.TrafficMeter`:
+``bytes_per_worker_per_step`` is the sum over the workers' counted bytes,
+divided by workers and steps. In sync mode a worker counts what it sent in the
+hook's collectives; in async mode what it pushed plus what it pulled (both
+directions are compressed in the compressed runs).
+
+The ``threshold-ef`` threshold, unless given, is calibrated once per study from
+the gradient scale of the baseline: the magnitude that the top 1% of the
+entries of worker 0's first-step gradient exceed (the model at its
+initialisation, the first batch of the data order). At step 1 threshold+ef
+therefore keeps as many entries as top-k 1%; later its density follows the
+gradients (and the residuals error feedback accumulates).
+
+Local runs use :func:`gradcomp.launch.launch` (one process per rank, gloo, one
+torch thread each); under ``torchrun`` the current process is one rank of the
+job and the runs reuse its process group.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from gradcomp.launch import launch
+from gradcomp.meter import TrafficMeter
+from gradcomp.train.async_ import async_world_size, train_async_rank
+from gradcomp.train.common import RankLog, counted_bytes
+from gradcomp.train.config import COMPRESSORS, MODES, TOPK_RATIO, TrainConfig
+from gradcomp.train.data import Digits, load_digits_split, worker_batches
+from gradcomp.train.model import make_model, num_parameters
+from gradcomp.train.sync import train_sync_rank
+
+__all__ = ["RunResult", "StudyResult", "calibrate_threshold", "run_study", "in_torchrun"]
+
+#: ``on_progress(mode, compressor, step)``: called in the launching process as a run advances.
+ProgressFn = Callable[[str, str, int], None]
+
+
+@dataclass
+class RunResult:
+    """The outcome of one run (all sizes in bytes, times in seconds, accuracies in [0, 1]).
+
+    Attributes:
+        mode, compressor, label: what ran (``label`` is the report's name).
+        bytes_per_worker_per_step: counted wire bytes per worker per step.
+        raw_bytes_per_worker_per_step: what the transport's meter says the same
+            exchange would have moved uncompressed in float32.
+        test_accuracy, test_loss: on the held-out split after the last step.
+        wall_s: the slowest rank's training-loop time.
+        marks: steps of the curve points; bytes_at_marks: cumulative counted
+            bytes per worker at them; accuracy_at_marks: test accuracy at them.
+        losses: mean training loss over workers at every step.
+        meter: the workers' meters, summed.
+        extra: role-specific counters (async: the server's updates, drops, staleness histogram).
+        reduction_x / reduction_pct / accuracy_gap_pp: against the mode's baseline
+            (``baseline bytes / bytes``, ``1 - bytes / baseline bytes`` in %, and
+            ``baseline accuracy - accuracy`` in percentage points).
+    """
+
+    mode: str
+    compressor: str
+    label: str
+    workers: int
+    steps: int
+    bytes_per_worker_per_step: float
+    raw_bytes_per_worker_per_step: float
+    test_accuracy: float
+    test_loss: float
+    wall_s: float
+    marks: list[int]
+    bytes_at_marks: list[float]
+    accuracy_at_marks: list[float]
+    losses: list[float]
+    meter: dict
+    extra: dict = field(default_factory=dict)
+    reduction_x: float = 1.0
+    reduction_pct: float = 0.0
+    accuracy_gap_pp: float = 0.0
+
+
+@dataclass
+class StudyResult:
+    """All runs of a study plus what they shared."""
+
+    config: TrainConfig
+    runs: list[RunResult]
+    num_parameters: int
+    threshold: float
+    train_samples: int
+    test_samples: int
+    wall_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def in_torchrun() -> bool:
+    """True when ``torchrun`` (or another launcher) set ``RANK`` and ``WORLD_SIZE``."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def calibrate_threshold(cfg: TrainConfig, data: Digits | None = None) -> float:
+    """The ``threshold-ef`` threshold for ``cfg``: the (1 - 1%) quantile of
+    ``|g|`` over every entry of worker 0's gradient at the first step
+    (see the module docstring)."""
+    if data is None:
+        data = load_digits_split(cfg.test_fraction, cfg.seed)
+    model = make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes)
+    idx = next(worker_batches(len(data.y_train), cfg.workers, 0, cfg.batch_size, cfg.seed, 1))
+    nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
+    g = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).abs()
+    k = max(1, math.ceil(TOPK_RATIO * g.numel()))
+    return float(g.kthvalue(g.numel() - k + 1).values)
+
+
+def _rank_fn(mode: str):
+    return train_sync_rank if mode == "sync" else train_async_rank
+
+
+def _world_size(mode: str, cfg: TrainConfig) -> int:
+    return cfg.workers if mode == "sync" else async_world_size(cfg)
+
+
+class _Tagged:
+    """Forwards a run's ``put(step)`` as ``(compressor, step)`` to the study's queue."""
+
+    def __init__(self, q, compressor: str):
+        self.q, self.compressor = q, compressor
+
+    def put(self, step: int) -> None:
+        self.q.put((self.compressor, step))
+
+
+def mode_rank(rank: int, world_size: int, mode: str, cfg: TrainConfig, compressors: list[str],
+              data: Digits, progress=None) -> list[RankLog]:
+    """Run every compressor of one mode, one after the other, as ``rank`` of an
+    initialised process group. Each run starts afresh (model, optimizer,
+    compressor state, meter); the processes and the process group are reused.
+
+    Returns:
+        This rank's :class:`RankLog` per compressor, in order.
+    """
+    fn = _rank_fn(mode)
+    logs = []
+    for name in compressors:
+        logs.append(fn(rank, world_size, cfg, name, data,
+                       _Tagged(progress, name) if progress is not None else None))
+    return logs
+
+
+def _launch_local(mode: str, compressors: list[str], cfg: TrainConfig, data: Digits,
+                  on_step: Callable[[str, int], None] | None) -> list[list[RankLog]]:
+    """Launch one mode's runs on local processes, relaying rank 0's progress to
+    ``on_step(compressor, step)``; returns the logs indexed [rank][run]."""
+    method = os.environ.get("GRADCOMP_START_METHOD", "forkserver")
+    progress = mp.get_context(method).Queue() if on_step is not None else None
+    box: dict = {}
+
+    def target():
+        try:
+            box["logs"] = launch(mode_rank, _world_size(mode, cfg),
+                                 (mode, cfg, compressors, data, progress),
+                                 timeout=cfg.timeout * len(compressors),
+                                 env={"GRADCOMP_WORKER_THREADS": "1"})
+        except BaseException as e:  # re-raised in the calling thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"gradcomp-train-{mode}", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        if progress is None:
+            thread.join(0.2)
+            continue
+        try:
+            on_step(*progress.get(timeout=0.1))
+        except queue.Empty:
+            pass
+    thread.join()
+    if progress is not None:
+        while True:
+            try:
+                on_step(*progress.get_nowait())
+            except queue.Empty:
+                break
+        progress.close()
+    if "error" in box:
+        raise box["error"]
+    return box["logs"]
+
+
+def _run_distributed(mode: str, compressors: list[str], cfg: TrainConfig, data: Digits,
+                     on_step: Callable[[str, int], None] | None) -> list[list[RankLog]]:
+    """One mode's runs as this process's rank of the current process group;
+    every rank gets every rank's logs, indexed [rank][run]."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    expected = _world_size(mode, cfg)
+    if world != expected:
+        raise ValueError(f"{mode} mode with {cfg.workers} workers needs {expected} ranks, "
+                         f"the job has {world}")
+
+    class _Local:
+        def put(self, item):
+            on_step(*item)
+
+    logs = mode_rank(rank, world, mode, cfg, compressors, data,
+                     _Local() if on_step is not None else None)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, logs)
+    return everyone
+
+
+def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog]) -> RunResult:
+    """Turn the ranks' logs of one run into a :class:`RunResult`."""
+    workers = [log for log in logs if log.role == "worker"]
+    if len(workers) != cfg.workers:
+        raise RuntimeError(f"expected {cfg.workers} worker logs, got {len(workers)}")
+    evaluator = next(log for log in logs if log.evals)
+    test_loss, test_acc = next(log.final for log in logs if log.final is not None)
+    n, steps = cfg.workers, cfg.steps
+    counted = sum(counted_bytes(mode, log.meter) for log in workers)
+    raw = sum(counted_bytes(mode, log.meter, raw=True) for log in workers)
+    total = TrafficMeter()
+    for log in workers:
+        total.merge(log.meter)
+    extra = {k: v for log in logs for k, v in log.extra.items()}
+    return RunResult(
+        mode=mode, compressor=compressor, label=COMPRESSORS[compressor].label,
+        workers=n, steps=steps,
+        bytes_per_worker_per_step=counted / n / steps,
+        raw_bytes_per_worker_per_step=raw / n / steps,
+        test_accuracy=test_acc, test_loss=test_loss,
+        wall_s=max(log.wall_s for log in logs),
+        marks=list(evaluator.marks),
+        bytes_at_marks=[sum(log.traffic[i] for log in workers) / n for i in range(len(evaluator.marks))],
+        accuracy_at_marks=[acc for _, acc in evaluator.evals],
+        losses=[sum(log.losses[s] for log in workers) / n for s in range(steps)],
+        meter=total.as_dict(),
+        extra=extra,
+    )
+
+
+def compare(runs: Iterable[RunResult]) -> None:
+    """Fill reductions and accuracy gaps against each mode's ``none`` run."""
+    runs = list(runs)
+    base = {r.mode: r for r in runs if r.compressor == "none"}
+    for r in runs:
+        b = base.get(r.mode)
+        if b is None:
+            continue
+        r.reduction_x = b.bytes_per_worker_per_step / r.bytes_per_worker_per_step
+        r.reduction_pct = 100.0 * (1.0 - r.bytes_per_worker_per_step / b.bytes_per_worker_per_step)
+        r.accuracy_gap_pp = 100.0 * (b.test_accuracy - r.test_accuracy)
+
+
+def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str],
+              on_progress: ProgressFn | None = None,
+              on_run: Callable[[RunResult], None] | None = None) -> StudyResult:
+    """Run every (mode, compressor) pair, the ``none`` baseline first in each mode.
+
+    Args:
+        cfg: the shared settings (``cfg.threshold=None``: calibrated, see the module docstring).
+        modes: subset of ``("sync", "async")``.
+        compressors: names from :data:`~gradcomp.train.config.COMPRESSORS`.
+        on_progress: ``(mode, compressor, step)`` callback (local runs only).
+        on_run: called with each finished run.
+
+    Raises:
+        ValueError: an unknown mode or compressor.
+        gradcomp.launch.WorkerError: a rank failed (its traceback is attached).
+        TimeoutError: a run exceeded ``cfg.timeout``.
+    """
+    modes = list(dict.fromkeys(modes))
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {m!r}")
+    names = list(dict.fromkeys(["none", *compressors]))
+    for c in names:
+        if c not in COMPRESSORS:
+            raise ValueError(f"unknown compressor {c!r}; allowed: {','.join(COMPRESSORS)}")
+    data = load_digits_split(cfg.test_fraction, cfg.seed)
+    if cfg.threshold is None and "threshold-ef" in names:
+        cfg = replace(cfg, threshold=calibrate_threshold(cfg, data))
+    params = num_parameters(make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes))
+    distributed = in_torchrun()
+    if distributed:
+        from gradcomp.launch import init_from_env
+
+        init_from_env(timeout=cfg.timeout)
+    t0 = time.perf_counter()
+    runs: list[RunResult] = []
+    for mode in modes:
+        on_step = None
+        if on_progress is not None:
+            def on_step(name, step, _mode=mode):
+                on_progress(_mode, name, step)
+        run = _run_distributed if distributed else _launch_local
+        logs = run(mode, names, cfg, data, on_step)
+        for i, name in enumerate(names):
+            runs.append(summarize(mode, name, cfg, [rank_logs[i] for rank_logs in logs]))
+            compare(runs)
+            if on_run is not None:
+                on_run(runs[-1])
+    return StudyResult(config=cfg, runs=runs, num_parameters=params,
+                       threshold=cfg.threshold if cfg.threshold is not None else float("nan"),
+                       train_samples=len(data.y_train), test_samples=len(data.y_test),
+                       wall_s=time.perf_counter() - t0)

@@ -1,0 +1,514 @@
+"""Parameter server (gradcomp.ps): protocol units, then multi-process runs on gloo.
+
+Every multi-process test runs its ranks with gradcomp.launch (forkserver, file
+store) under a deadline; rank functions are module-level so they pickle.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradcomp as gc
+from gradcomp import ps
+from gradcomp.launch import launch
+from gradcomp.ps import protocol as P
+from gradcomp.ps.sharding import layout_checksum, param_specs
+
+LAUNCH_TIMEOUT = 100.0
+
+
+def _sgd(lr, momentum=0.0):
+    return functools.partial(torch.optim.SGD, lr=lr, momentum=momentum)
+
+
+def _joined(group=None):
+    """Every rank has finished joining the group before any can leave it."""
+    dist.barrier(group)
+
+
+# ---------------------------------------------------------------- units (one process)
+def test_shard_parameters_balances_bytes_largest_first():
+    specs = param_specs({"a": torch.zeros(10), "b": torch.zeros(40), "c": torch.zeros(30),
+                         "d": torch.zeros(25), "e": torch.zeros(5)})
+    shards = ps.shard_parameters(specs, 2)
+    names = [[s.name for s in sh] for sh in shards]
+    # largest first: b -> 0, c -> 1, d -> 1 (30 < 40), a -> 0 (40 < 55), e -> 0 (50 < 55)
+    assert names == [["a", "b", "e"], ["c", "d"]]
+    loads = [sum(s.numel for s in sh) for sh in shards]
+    assert loads == [55, 55]
+    assert ps.shard_parameters(specs, 2) == shards  # deterministic
+    assert [len(sh) for sh in ps.shard_parameters(specs, 5)] == [1] * 5
+    with pytest.raises(ValueError, match="num_servers"):
+        ps.shard_parameters(specs, 6)
+    with pytest.raises(ValueError, match="num_servers"):
+        ps.shard_parameters(specs, 0)
+    with pytest.raises(TypeError, match="num_servers"):
+        ps.shard_parameters(specs, 1.5)
+
+
+def test_bundle_roundtrip_and_malformed_bundles():
+    ws = [gc.Int8Quantizer().compress(torch.randn(300)).wire,
+          gc.TopK(0.1, values=gc.Int8Quantizer()).compress(torch.randn(7, 9)).wire,
+          gc.NoCompression().compress(torch.randn(3)).wire]
+    blob = P.pack_bundle(ws)
+    assert blob.dtype == torch.uint8 and blob.numel() == 8 * 4 + sum(w.numel() for w in ws)
+    back = P.unpack_bundle(blob, 3)
+    assert all(torch.equal(a, b) for a, b in zip(ws, back))
+    with pytest.raises(gc.PayloadError, match="expected 2"):
+        P.unpack_bundle(blob, 2)
+    with pytest.raises(gc.PayloadError, match="do not add up"):
+        P.unpack_bundle(blob[:-1], 3)
+    with pytest.raises(gc.PayloadError, match="shorter"):
+        P.unpack_bundle(blob[:5], 3)
+    assert P.raw_bundle_nbytes([(300,), (7, 9)]) == 8 * 3 + (40 + 8 + 1200) + (40 + 16 + 252)
+
+
+def test_header_validation():
+    h = P.Header(P.PUSH, 3, version=7, nbytes=100, layout=11, aux=2)
+    back = P.Header.from_tensor(h.to_tensor(), P.REQUESTS, 1000)
+    assert back == h
+    bad = h.to_tensor()
+    bad[0] = 1234
+    with pytest.raises(ps.ProtocolError, match="magic"):
+        P.Header.from_tensor(bad, P.REQUESTS, 1000)
+    with pytest.raises(ps.ProtocolError, match="kind"):
+        P.Header.from_tensor(P.Header(P.PULL_REPLY, 0).to_tensor(), P.REQUESTS, 1000)
+    with pytest.raises(ps.ProtocolError, match="length"):
+        P.Header.from_tensor(P.Header(P.PUSH, 0, nbytes=10**12).to_tensor(), P.REQUESTS, 1000)
+
+
+def test_config_and_constructor_errors_name_the_argument():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ps.PSConfig(mode="semi")
+    with pytest.raises(ValueError, match="on_worker_failure must be one of"):
+        ps.PSConfig(on_worker_failure="retry")
+    with pytest.raises(ValueError, match="worker_timeout"):
+        ps.PSConfig(worker_timeout=0)
+    with pytest.raises(TypeError, match="compressor"):
+        ps.PSConfig(compressor="int8")
+    with pytest.raises(TypeError, match="steps"):
+        ps.PSConfig(steps=2.5)
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="not initialised"):
+            ps.ParameterServer({"x": torch.zeros(3)})
+    assert ps.role(0, 1) == "server" and ps.role(1, 1) == "worker"
+    c = ps.PSConfig(compressor=gc.ErrorFeedback(gc.TopK(0.01)), compress_pull=True)
+    assert isinstance(c.server_pull_compressor(), gc.TopK)
+
+
+# ---------------------------------------------------------------- sync == data-parallel SGD
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _batch(worker, step):
+    g = torch.Generator().manual_seed(1000 * worker + step)
+    return torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+
+
+def _mse(model, step, worker):
+    x, y = _batch(worker, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _sync_rank(rank, world_size, config):
+    _joined()
+    if rank == 0:
+        for bad, match in [({"mode": "semi"}, "mode must be one of"),
+                           ({"max_staleness": -1}, "max_staleness"),
+                           ({"on_worker_failure": "x"}, "on_worker_failure"),
+                           ({"num_servers": world_size}, "num_servers")]:
+            try:
+                ps.ParameterServer(_mlp(), **bad)
+            except ValueError as e:
+                assert match in str(e), (bad, e)
+            else:
+                raise AssertionError(f"{bad} accepted")
+    return ps.run(rank, world_size, _mlp, _mse, config)
+
+
+@pytest.mark.timeout(150)
+def test_sync_no_compression_equals_data_parallel_sgd():
+    steps, workers, servers = 5, 2, 2
+    config = ps.PSConfig(mode="sync", steps=steps, num_servers=servers, optimizer=_sgd(0.1, 0.9))
+    out = launch(_sync_rank, servers + workers, args=(config,), timeout=LAUNCH_TIMEOUT)
+
+    # single-process reference: average the workers' gradients, one SGD step
+    ref = _mlp()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        grads = []
+        for w in range(workers):
+            ref.zero_grad()
+            _mse(ref, step, w).backward()
+            grads.append([p.grad.clone() for p in ref.parameters()])
+        for p, *gs in zip(ref.parameters(), *grads):
+            p.grad = sum(gs) / workers
+        opt.step()
+
+    server_params = {**out[0]["params"], **out[1]["params"]}
+    assert sorted(server_params) == sorted(n for n, _ in ref.named_parameters())
+    assert all(out[s]["params"] for s in range(servers))  # both servers hold a shard
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(server_params[name], p.detach(), rtol=1e-5, atol=1e-6)
+    for w in range(servers, servers + workers):  # every replica is the servers' parameters
+        for name, t in out[w]["params"].items():
+            assert torch.equal(t, server_params[name])
+        assert out[w]["stats"]["accepted"] == steps
+    for s in range(servers):
+        st = out[s]["stats"]
+        assert st["version"] == steps and st["accepted"] == steps * workers
+        assert st["dropped"] == st["rejected"] == 0 and st["done_workers"] == [2, 3]
+        assert st["staleness_histogram"] == {0: steps * workers}
+
+
+# ---------------------------------------------------------------- async convex problem
+DIM, ROWS = 32, 128
+
+
+def _lsq(worker):
+    g = torch.Generator().manual_seed(7)
+    x_star = torch.randn(DIM, generator=g)
+    a = torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(100 + worker))
+    return a, x_star
+
+
+def _lsq_model():
+    m = torch.nn.Module()
+    m.a = torch.nn.Parameter(torch.zeros(DIM // 2))
+    m.b = torch.nn.Parameter(torch.zeros(DIM // 2))
+    return m
+
+
+def _lsq_loss(model, step, worker):
+    a, x_star = _lsq(worker)
+    r = a @ torch.cat([model.a, model.b]) - a @ x_star
+    return 0.5 * (r * r).mean()
+
+
+def _async_convex_rank(rank, world_size, config):
+    workers = dist.new_group(list(range(config.num_servers, world_size)))
+    _joined()
+    if rank < config.num_servers:
+        return ps.run(rank, world_size, _lsq_model, _lsq_loss, config)
+    model = _lsq_model()
+    worker = ps.Worker(model, num_servers=config.num_servers, compressor=config.compressor.clone(),
+                       timeout=config.timeout)
+    index = rank - config.num_servers
+    for step in range(config.steps):
+        worker.pull()
+        model.zero_grad()
+        _lsq_loss(model, step, index).backward()
+        worker.push()
+    dist.barrier(workers)  # no push after this: the final pull sees the final parameters
+    before = {n: t.clone() for n, t in worker.replica.items()}
+    worker.pull()
+    after = {n: t.clone() for n, t in worker.replica.items()}
+    worker.done()
+    return {"before": before, "after": after, "stats": worker.stats()}
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", ["int8", "topk_ef"])
+def test_async_least_squares_reaches_optimum(kind):
+    if kind == "int8":
+        comp, servers, steps, lr = gc.Int8Quantizer(), 1, 150, 0.2
+    else:
+        comp, servers, steps, lr = gc.TopK(ratio=0.25, values=gc.Int8Quantizer()), 2, 300, 0.2
+    config = ps.PSConfig(mode="async", steps=steps, num_servers=servers, compressor=comp,
+                         compress_pull=True, optimizer=_sgd(lr))
+    out = launch(_async_convex_rank, servers + 2, args=(config,), timeout=LAUNCH_TIMEOUT)
+    x = torch.cat([p for s in range(servers) for p in out[s]["params"].values()])
+    _, x_star = _lsq(0)
+    rel = float((x - x_star).norm() / x_star.norm())
+    assert rel < 1e-3, rel  # stated tolerance: relative distance to the known optimum
+    server = {n: t for s in range(servers) for n, t in out[s]["params"].items()}
+    updates = sum(out[s]["stats"]["updates"] for s in range(servers)) // servers
+    assert updates == 2 * steps
+    for w in range(servers, servers + 2):
+        before, after = out[w]["before"], out[w]["after"]
+        for n in server:
+            delta = server[n] - before[n]
+            err = (server[n] - after[n]).abs()
+            if kind == "int8":  # nearest rounding: |error| <= absmax(block) / 254
+                assert float(err.max()) <= float(delta.abs().max()) / 254 * 1.001 + 1e-7
+            else:  # top-k contraction (Stich et al. 2018): ||e||^2 <= (1 - k/n) ||delta||^2, + int8 slack
+                k = math.ceil(0.25 * delta.numel())
+                bound = (1 - k / delta.numel()) * float(delta.norm() ** 2)
+                assert float(err.norm() ** 2) <= bound * 1.01 + 1e-10
+        assert out[w]["stats"]["dropped"] == 0
+
+
+# ---------------------------------------------------------------- staleness
+def _slow_rank(rank, world_size, flag_path):
+    _joined()
+    params = {"x": torch.zeros(16)}
+    if rank == 0:
+        server = ps.ParameterServer(params, mode="async", max_staleness=2, staleness_lr=True,
+                                    optimizer=_sgd(0.01))
+        return server.serve()
+    worker = ps.Worker(params, compressor=gc.Int8Quantizer())
+    g = {"x": torch.ones(16)}
+    results = []
+    with worker:
+        if rank == 1:  # fast: keeps pushing until the slow worker is done
+            for _ in range(3000):
+                worker.pull()
+                results.append(worker.push(g).statuses[0])
+                if os.path.exists(flag_path):
+                    break
+                time.sleep(0.002)
+        else:  # slow: its gradients arrive many versions late
+            for _ in range(4):
+                worker.pull()
+                time.sleep(0.15)
+                results.append(worker.push(g).statuses[0])
+            open(flag_path, "w").close()
+    return results
+
+
+@pytest.mark.timeout(120)
+def test_slow_worker_stale_gradients_dropped(tmp_path):
+    out = launch(_slow_rank, 3, args=(str(tmp_path / "slow-done"),), timeout=LAUNCH_TIMEOUT)
+    stats, fast, slow = out
+    assert "dropped" in slow
+    assert stats["dropped"] == slow.count("dropped") + fast.count("dropped") >= 1
+    assert stats["workers"][2]["dropped"] == slow.count("dropped")
+    assert max(stats["staleness_histogram"]) <= 2  # max_staleness honoured
+    assert min(stats["dropped_staleness_histogram"]) > 2
+    assert stats["accepted"] + stats["dropped"] == stats["pushes"] == len(fast) + len(slow)
+    assert stats["version"] == stats["accepted"]
+
+
+# ---------------------------------------------------------------- failures
+def _failing_rank(rank, world_size, mode, policy, victim, steps):
+    _joined()
+    if rank == 0:
+        server = ps.ParameterServer({"x": torch.zeros(64)}, mode=mode, on_worker_failure=policy,
+                                    worker_timeout=20.0, optimizer=_sgd(0.01))
+        try:
+            return ("served", server.serve())
+        except ps.WorkerFailedError as e:
+            return ("raised", str(e), e.rank, server.stats())
+    worker = ps.Worker({"x": torch.zeros(64)}, compressor=gc.Int8Quantizer())
+    try:
+        with worker:
+            for step in range(steps):
+                worker.pull()
+                if rank == victim and step == 3:
+                    os._exit(1)  # dies without a word: no DONE, no exception
+                worker.push({"x": torch.full((64,), float(rank))})
+            worker.pull()
+    except ps.PSAbortedError as e:
+        return ("aborted", e.failed_rank)
+    return ("finished", worker.stats())
+
+
+@pytest.mark.timeout(120)
+def test_async_killed_worker_others_finish():
+    out = launch(_failing_rank, 4, args=("async", "continue", 2, 20), timeout=LAUNCH_TIMEOUT,
+                 expected_failures=[2])
+    assert out[2] is None
+    kind, stats = out[0]
+    assert kind == "served"
+    assert list(stats["dead_workers"]) == [2] and "connection" in stats["dead_workers"][2]
+    assert stats["done_workers"] == [1, 3]
+    assert out[1][0] == out[3][0] == "finished"
+    assert stats["version"] == stats["accepted"] == 3 + 2 * 20
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("policy", ["fail", "continue"])
+def test_sync_worker_failure_policy(policy):
+    steps = 10
+    out = launch(_failing_rank, 4, args=("sync", policy, 3, steps), timeout=LAUNCH_TIMEOUT,
+                 expected_failures=[3])
+    assert out[3] is None
+    if policy == "fail":
+        kind, msg, failed, stats = out[0]
+        assert kind == "raised" and failed == 3
+        assert "worker rank 3" in msg and "on_worker_failure='fail'" in msg
+        assert out[1] == out[2] == ("aborted", 3)
+        assert stats["version"] == 3  # the step the victim never pushed was not applied
+    else:
+        kind, stats = out[0]
+        assert kind == "served" and list(stats["dead_workers"]) == [3]
+        assert stats["version"] == steps  # steps 3.. completed with the two live workers
+        assert stats["accepted"] == 3 * 3 + 2 * (steps - 3)
+        assert out[1][0] == out[2][0] == "finished"
+        assert out[1][1]["version"] == steps
+
+
+# ---------------------------------------------------------------- checkpoint and restart
+class _CrashingServer(ps.ParameterServer):
+    """Dies (no cleanup, no final checkpoint) right after applying version ``crash_at``."""
+
+    crash_at = 7
+
+    def _apply(self, grads, staleness):
+        super()._apply(grads, staleness)
+        if self.version == self.crash_at:
+            os._exit(3)
+
+
+def _restart_rank(rank, world_size, ckpt_dir, resume, steps):
+    _joined()
+    cls = ps.ParameterServer if resume else _CrashingServer
+    if rank == 0:
+        server = cls(_mlp(), mode="sync", optimizer=_sgd(0.05, 0.9), checkpoint_dir=ckpt_dir,
+                     checkpoint_every=3, resume=resume)
+        resumed = server.resumed_from
+        has_momentum = all("momentum_buffer" in server.optimizer.state[p] for p in server.params.values())
+        stats = server.serve()
+        return {"resumed_from": resumed, "momentum_restored": has_momentum, "stats": stats,
+                "params": {n: t.clone() for n, t in server.parameters().items()}}
+    model = _mlp()
+    with ps.Worker(model) as worker:
+        first = {n: t.clone() for n, t in worker.pull().items()}
+        first_version = worker.version
+        for step in range(steps):
+            model.zero_grad()
+            _mse(model, step, rank).backward()
+            worker.push()
+            worker.pull()
+    return {"first": first, "first_version": first_version}
+
+
+@pytest.mark.timeout(150)
+def test_server_restart_resumes_from_checkpoint(tmp_path):
+    ckpt_dir = str(tmp_path)
+    out = launch(_restart_rank, 3, args=(ckpt_dir, False, 20), timeout=LAUNCH_TIMEOUT,
+                 expected_failures=[0, 1, 2])
+    assert out[0] is None  # the server died at version 7; the last checkpoint is version 6
+    saved = torch.load(os.path.join(ckpt_dir, "ps-server-0.pt"), weights_only=True)
+    assert saved["version"] == 6
+    assert not [f for f in os.listdir(ckpt_dir) if ".tmp" in f]  # atomic: no partial files left
+
+    out = launch(_restart_rank, 3, args=(ckpt_dir, True, 4), timeout=LAUNCH_TIMEOUT)
+    server = out[0]
+    assert server["resumed_from"] == 6 and server["momentum_restored"]
+    assert server["stats"]["version"] == 10 and server["stats"]["updates"] == 4
+    for w in (1, 2):
+        assert out[w]["first_version"] == 6
+        for n, t in out[w]["first"].items():
+            assert torch.equal(t, saved["params"][n])  # workers resume from the checkpoint
+    final = torch.load(os.path.join(ckpt_dir, "ps-server-0.pt"), weights_only=True)
+    assert final["version"] == 10  # checkpointed at shutdown
+    for n, t in server["params"].items():
+        assert torch.equal(final["params"][n], t)
+
+
+# ---------------------------------------------------------------- malformed input
+def _garbage_rank(rank, world_size):
+    _joined()
+    params = {"x": torch.zeros(8)}
+    if rank == 0:
+        server = ps.ParameterServer(params, mode="async", staleness_lr=True, optimizer=_sgd(1.0),
+                                    worker_timeout=20.0)
+        return server.serve()
+    worker = ps.Worker(params, timeout=20.0)
+    worker.pull()
+    if rank == 2:  # breaks the protocol itself: a header with a bad magic number
+        bad = P.Header(P.PUSH, rank).to_tensor()
+        bad[0] = 42
+        dist.isend(bad, 0, tag=P.TAG_REQUEST).wait()
+        return "sent bad header"
+    g = torch.arange(8, dtype=torch.float32)
+    statuses = [worker.push({"x": g}).statuses[0]]      # staleness 0: x = -g
+    statuses.append(worker.push({"x": g}).statuses[0])  # stamped 0, server at 1: lr / 2
+    layout = layout_checksum(param_specs(params))
+
+    def send_raw(blob):
+        h = P.Header(P.PUSH, rank, version=2, nbytes=blob.numel(), layout=layout)
+        P.send_message(h, blob, 0, header_tag=P.TAG_REQUEST, data_tag=P.TAG_PUSH_DATA, timeout=20)
+        reply, _ = P.recv_message(0, kinds=P.REPLIES, header_tag=P.TAG_REPLY, data_tag=P.TAG_PULL_DATA,
+                                  timeout=20, max_nbytes=1 << 20)
+        return P.STATUS_NAMES[reply.status]
+
+    statuses.append(send_raw(torch.randint(0, 256, (100,), dtype=torch.uint8)))  # garbage bytes
+    statuses.append(send_raw(P.pack_bundle([gc.Int8Quantizer().compress(torch.ones(4)).wire])))  # shape
+    wire = gc.NoCompression().compress(torch.ones(8)).wire.clone()
+    wire[5] = 99  # unknown codec id -> PayloadError (header CRC)
+    statuses.append(send_raw(P.pack_bundle([wire])))
+    statuses.append(worker.push({"x": torch.full((8,), float("nan"))}).statuses[0])  # non-finite
+    x_mid = worker.pull()["x"].clone()
+    statuses.append(worker.push({"x": g}).statuses[0])  # still serving
+    worker.pull()
+    worker.done()
+    return statuses, x_mid, worker.replica["x"].clone()
+
+
+@pytest.mark.timeout(120)
+def test_garbage_payload_rejected_and_counted():
+    out = launch(_garbage_rank, 3, timeout=LAUNCH_TIMEOUT)
+    stats, (statuses, x_mid, x_end), _ = out
+    assert statuses == ["accepted", "accepted", "rejected", "rejected", "rejected", "rejected", "accepted"]
+    g = torch.arange(8, dtype=torch.float32)
+    torch.testing.assert_close(x_mid, -1.5 * g)  # staleness-scaled lr: 1 + 1 / (1 + 1)
+    torch.testing.assert_close(x_end, -2.5 * g)
+    assert stats["rejected_reasons"] == {"payload": 2, "shape": 1, "nonfinite": 1, "protocol": 1}
+    assert stats["rejected"] == 5 and stats["workers"][1]["rejected"] == 4
+    assert list(stats["dead_workers"]) == [2] and "protocol error" in stats["dead_workers"][2]
+    assert stats["version"] == 3 and stats["staleness_histogram"] == {0: 2, 1: 1}
+
+
+# ---------------------------------------------------------------- traffic
+TRAFFIC_SHAPES = {"w1": (300, 256), "b1": (300,), "w2": (100, 300), "b2": (100,)}  # 107,200 parameters
+
+
+def _traffic_rank(rank, world_size, compressor, compress_pull, steps):
+    _joined()
+    params = {n: torch.zeros(s) for n, s in TRAFFIC_SHAPES.items()}
+    if rank == 0:
+        server = ps.ParameterServer(params, mode="sync", compress_pull=compress_pull,
+                                    pull_compressor=None if compressor is None else compressor.clone(),
+                                    optimizer=_sgd(0.01, 0.9))
+        return server.serve()
+    worker = ps.Worker(params, compressor=None if compressor is None else compressor.clone())
+    gen = torch.Generator().manual_seed(rank)
+    with worker:
+        worker.pull()  # the first pull is the full float32 model, outside the per-step count
+        start = worker.meter.as_dict()
+        for _ in range(steps):
+            worker.push({n: torch.randn(s, generator=gen) for n, s in TRAFFIC_SHAPES.items()})
+            worker.pull()
+        end = worker.meter.as_dict()
+    keys = ("bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received")
+    return {"steady": {k: end[k] - start[k] for k in keys}, "total": end}
+
+
+def _ratio(out, steps):
+    steady = [w["steady"] for w in out[1:]]
+    moved = sum(d["bytes_sent"] + d["bytes_received"] for d in steady)
+    raw = sum(d["raw_bytes_sent"] + d["raw_bytes_received"] for d in steady)
+    return raw / moved, moved / steps / (len(out) - 1)
+
+
+@pytest.mark.timeout(120)
+def test_traffic_ratios_from_the_meter():
+    steps = 3
+    assert sum(math.prod(s) for s in TRAFFIC_SHAPES.values()) >= 100_000
+    cases = {
+        "none": (None, False),
+        "int8": (gc.Int8Quantizer(), True),
+        "topk": (gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), True),
+    }
+    ratios = {}
+    for name, (comp, pull) in cases.items():
+        out = launch(_traffic_rank, 3, args=(comp, pull, steps), timeout=LAUNCH_TIMEOUT)
+        ratios[name], per_step = _ratio(out, steps)
+        server, workers = out[0], out[1:]
+        # every byte is counted once by its sender and once by its receiver
+        assert server["traffic"]["bytes_received"] == sum(w["total"]["bytes_sent"] for w in workers)
+        assert server["traffic"]["bytes_sent"] == sum(w["total"]["bytes_received"] for w in workers)
+    assert ratios["none"] == pytest.approx(1.0)
+    assert ratios["int8"] >= 3.5, ratios
+    assert ratios["topk"] >= 15, ratios
