@@ -20,6 +20,7 @@ from gradcomp.compressors import (
 from gradcomp.meter import TrafficMeter
 from gradcomp.comm import allreduce
 from gradcomp import ddp
+from gradcomp import ps
 
 __version__ = "0.1.0"
 
@@ -40,4 +41,5 @@ __all__ = [
     "TrafficMeter",
     "allreduce",
     "ddp",
+    "ps",
 ]

@@ -25,7 +25,7 @@ BENCH_TARGETS = ("kernels", "allreduce")
 
 def build_parser(prog: str = "gradcomp") -> argparse.ArgumentParser:
     from gradcomp import __version__
-    from gradcomp.train.command import add_arguments
+    from gradcomp.train.command import DESCRIPTION, EPILOG, add_arguments
 
     p = argparse.ArgumentParser(
         prog=prog,
@@ -36,9 +36,7 @@ def build_parser(prog: str = "gradcomp") -> argparse.ArgumentParser:
     sub.required = True
     train = sub.add_parser(
         "train", help="train on real data with each compressor and report traffic and accuracy",
-        description="Train on scikit-learn's digits with every compressor, sync and async, and "
-                    "report wire bytes, traffic reduction and accuracy against the uncompressed "
-                    "baseline. With no options: the default study.")
+        description=DESCRIPTION, epilog=EPILOG)
     add_arguments(train)
     bench = sub.add_parser(
         "bench", help="microbenchmarks: kernels or allreduce",

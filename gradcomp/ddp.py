@@ -41,7 +41,6 @@ order the hook first sees it (bucket order of the first step, which depends
 only on the model and the DDP settings); that key is what survives pickling.
 """
 
-from __future__ import annotations
 
 import datetime
 import functools
@@ -103,6 +102,10 @@ class _CommThread:
                     fut.set_result(result)
             finally:
                 self._queue.task_done()
+
+
+def _unwrap(fut: torch.futures.Future) -> torch.Tensor:
+    return fut.wait()
 
 
 class GradCompState:
@@ -245,7 +248,10 @@ class GradCompState:
             self._worker = _CommThread(f"gradcomp-comm-{id(self):x}")
         fut: torch.futures.Future = torch.futures.Future()
         self._worker.submit(job, fut)
-        return fut
+        # DDP reads the future from C++, where a Python-level set_exception looks
+        # like a non-tensor value; re-raising inside then() marks the returned
+        # future as failed with the original message instead
+        return fut.then(_unwrap)
 
     def flush(self) -> None:
         """Wait until every bucket handed to the communication thread is reduced."""
@@ -295,19 +301,34 @@ class GradCompState:
             self.meter.record_recv(int((rs_in + ag_in) * scale), rs_in + ag_in, phase="plain_allreduce")
 
     def _reduce_compressed(self, buf: torch.Tensor, segments) -> None:
-        residual = None
-        if segments is not None:
-            residual = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
-            for key, off, n in segments:
-                r = self.residuals.get(key)
-                if r is not None and r.numel() == n:
-                    residual[off:off + n].copy_(r)
-        out = allreduce(buf, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
-                        meter=self.meter, timeout=self.timeout, residual=residual)
-        if segments is not None:
-            for key, off, n in segments:
-                self.residuals[key] = residual[off:off + n]
-        buf.copy_(out)
+        residual = self._bucket_residual(segments, buf) if segments is not None else None
+        allreduce(buf, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
+                  meter=self.meter, timeout=self.timeout, residual=residual, out=buf)
+
+    def _bucket_residual(self, segments, buf: torch.Tensor) -> torch.Tensor:
+        """The bucket's flat float32 residual, laid out like its buffer.
+
+        Each parameter's residual is kept as a view into the flat residual of
+        the bucket that last reduced it. While the bucket layout stays the same
+        (every step after DDP's rebuild) that flat tensor is reused as is;
+        after a change the parameters' residuals are gathered into a new one.
+        """
+        def view_of(flat, key, off, n):
+            r = self.residuals.get(key)
+            return r is not None and r._base is flat and r.storage_offset() == off and r.numel() == n
+
+        first = self.residuals.get(segments[0][0]) if segments else None
+        flat = first._base if first is not None else None
+        if (flat is not None and flat.numel() == buf.numel() and flat.device == buf.device
+                and all(view_of(flat, *seg) for seg in segments)):
+            return flat
+        flat = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
+        for key, off, n in segments:
+            r = self.residuals.get(key)
+            if r is not None and r.numel() == n:
+                flat[off:off + n].copy_(r)
+            self.residuals[key] = flat[off:off + n]
+        return flat
 
     # ---- pickling (like PowerSGDState: without process groups) -------------------
     def __getstate__(self) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import time
@@ -48,8 +49,13 @@ def _worker(fn, rank, world_size, args, init_file, backend, timeout, env, result
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout),
         )
+        # every rank joins the full mesh before any may exit (a rank leaving early
+        # would break a slower rank's connection setup)
+        dist.barrier()
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # pickled here: tensors sent through the queue as shared-memory handles
+        # would die with this process
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException:  # report everything, including KeyboardInterrupt
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -142,7 +148,7 @@ def launch(
                     continue
             if not ok and rank not in expected_failures:
                 raise WorkerError(rank, val)
-            out[rank] = val if ok else None
+            out[rank] = pickle.loads(val) if ok else None
         return [out[r] for r in range(world_size)]
     finally:
         for p in procs:

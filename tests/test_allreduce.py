@@ -222,6 +222,10 @@ def test_argument_errors():
         gc.allreduce(torch.ones(4), gc.Int8Quantizer(), residual=torch.zeros(3))
     with pytest.raises(ValueError, match="either an ErrorFeedback compressor or residual"):
         gc.allreduce(torch.ones(4), gc.ErrorFeedback(gc.Int8Quantizer()), residual=torch.zeros(4))
+    with pytest.raises(ValueError, match=r"out must be a contiguous torch.float32 tensor of shape \(4,\)"):
+        gc.allreduce(torch.ones(4), gc.Int8Quantizer(), out=torch.ones(4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        gc.allreduce(torch.ones(4, 2), gc.Int8Quantizer(), out=torch.ones(2, 4).t())
     with pytest.raises(ValueError, match="fixed wire size"):
         gc.allreduce(torch.ones(4), _VariableSize(), algorithm="ring")
 
@@ -270,6 +274,25 @@ def _integers(rank, world):
 
 def test_integer_inputs_sum_exactly_without_compression():
     assert launch(_integers, 3, timeout=TIMEOUT) == [True] * 3
+
+
+def _out_argument(rank, world):
+    cases = [(gc.Int8Quantizer, "ring"), (gc.FP16, "two_phase"), (lambda: gc.TopK(ratio=0.1), "allgather")]
+    for make, algorithm in cases:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _inputs(rank, 1003, dtype).view(17, 59)
+            keep = x.clone()
+            ref = gc.allreduce(x, make(), algorithm=algorithm)
+            other = torch.empty_like(x)
+            assert gc.allreduce(x, make(), algorithm=algorithm, out=other) is other
+            assert torch.equal(other, ref) and torch.equal(x, keep)
+            assert gc.allreduce(x, make(), algorithm=algorithm, out=x) is x  # in place
+            assert torch.equal(x, ref)
+    return True
+
+
+def test_out_argument_and_in_place():
+    assert launch(_out_argument, 3, timeout=TIMEOUT) == [True] * 3
 
 
 def _error_feedback(rank, world):

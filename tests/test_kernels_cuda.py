@@ -363,6 +363,24 @@ def test_approx_topk_nan_heavy(target):
         _assert_selection(call("approx_topk", x.to(device), k), R.approx_topk(x, k), f"approx k={k}")
 
 
+def _skewed(n, big_every_4th):
+    """Data whose strided sample (every 4th element) misestimates the threshold."""
+    g = torch.Generator().manual_seed(15)
+    x = torch.rand(n, generator=g)
+    sampled = torch.zeros(n, dtype=torch.bool)
+    sampled[::4] = True
+    return torch.where(sampled == big_every_4th, x + 10.0, x)
+
+
+def test_approx_topk_correction_paths(target):
+    device, call = target
+    # too few survivors -> exact top-k; too many (estimate or ties) -> top-k of the survivors
+    cases = [(_skewed(20000, True), 2000), (_skewed(20000, False), 2000),
+             ((torch.randn(3000, generator=torch.Generator().manual_seed(16)) * 2).round() / 2, 300)]
+    for x, k in cases:
+        _assert_selection(call("approx_topk", x.to(device), k), R.approx_topk(x, k), f"k={k}")
+
+
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("val_dtype", DTYPES)
 def test_scatter_add(target, idx_dtype, val_dtype):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import math
+import multiprocessing
 import os
+import threading
 import time
 
 import pytest
@@ -31,6 +33,22 @@ def _sgd(lr, momentum=0.0):
 def _joined(group=None):
     """Every rank has finished joining the group before any can leave it."""
     dist.barrier(group)
+
+
+def _np(obj):
+    """Tensors -> numpy arrays, recursively: launch's result queue would pass
+    tensors as shared-memory handles that die with the rank's process."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().numpy().copy()
+    if isinstance(obj, dict):
+        return {k: _np(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_np(v) for v in obj)
+    return obj
+
+
+def _t(a):
+    return torch.from_numpy(a)
 
 
 # ---------------------------------------------------------------- units (one process)
@@ -132,7 +150,7 @@ def _sync_rank(rank, world_size, config):
                 assert match in str(e), (bad, e)
             else:
                 raise AssertionError(f"{bad} accepted")
-    return ps.run(rank, world_size, _mlp, _mse, config)
+    return _np(ps.run(rank, world_size, _mlp, _mse, config))
 
 
 @pytest.mark.timeout(150)
@@ -154,14 +172,14 @@ def test_sync_no_compression_equals_data_parallel_sgd():
             p.grad = sum(gs) / workers
         opt.step()
 
-    server_params = {**out[0]["params"], **out[1]["params"]}
+    server_params = {n: _t(a) for s in range(servers) for n, a in out[s]["params"].items()}
     assert sorted(server_params) == sorted(n for n, _ in ref.named_parameters())
     assert all(out[s]["params"] for s in range(servers))  # both servers hold a shard
     for name, p in ref.named_parameters():
         torch.testing.assert_close(server_params[name], p.detach(), rtol=1e-5, atol=1e-6)
     for w in range(servers, servers + workers):  # every replica is the servers' parameters
-        for name, t in out[w]["params"].items():
-            assert torch.equal(t, server_params[name])
+        for name, a in out[w]["params"].items():
+            assert torch.equal(_t(a), server_params[name])
         assert out[w]["stats"]["accepted"] == steps
     for s in range(servers):
         st = out[s]["stats"]
@@ -198,7 +216,7 @@ def _async_convex_rank(rank, world_size, config):
     workers = dist.new_group(list(range(config.num_servers, world_size)))
     _joined()
     if rank < config.num_servers:
-        return ps.run(rank, world_size, _lsq_model, _lsq_loss, config)
+        return _np(ps.run(rank, world_size, _lsq_model, _lsq_loss, config))
     model = _lsq_model()
     worker = ps.Worker(model, num_servers=config.num_servers, compressor=config.compressor.clone(),
                        timeout=config.timeout)
@@ -213,7 +231,7 @@ def _async_convex_rank(rank, world_size, config):
     worker.pull()
     after = {n: t.clone() for n, t in worker.replica.items()}
     worker.done()
-    return {"before": before, "after": after, "stats": worker.stats()}
+    return _np({"before": before, "after": after, "stats": worker.stats()})
 
 
 @pytest.mark.timeout(150)
@@ -226,15 +244,16 @@ def test_async_least_squares_reaches_optimum(kind):
     config = ps.PSConfig(mode="async", steps=steps, num_servers=servers, compressor=comp,
                          compress_pull=True, optimizer=_sgd(lr))
     out = launch(_async_convex_rank, servers + 2, args=(config,), timeout=LAUNCH_TIMEOUT)
-    x = torch.cat([p for s in range(servers) for p in out[s]["params"].values()])
+    x = torch.cat([_t(a) for s in range(servers) for a in out[s]["params"].values()])
     _, x_star = _lsq(0)
     rel = float((x - x_star).norm() / x_star.norm())
     assert rel < 1e-3, rel  # stated tolerance: relative distance to the known optimum
-    server = {n: t for s in range(servers) for n, t in out[s]["params"].items()}
+    server = {n: _t(a) for s in range(servers) for n, a in out[s]["params"].items()}
     updates = sum(out[s]["stats"]["updates"] for s in range(servers)) // servers
     assert updates == 2 * steps
     for w in range(servers, servers + 2):
-        before, after = out[w]["before"], out[w]["after"]
+        before = {n: _t(a) for n, a in out[w]["before"].items()}
+        after = {n: _t(a) for n, a in out[w]["after"].items()}
         for n in server:
             delta = server[n] - before[n]
             err = (server[n] - after[n]).abs()
@@ -289,13 +308,17 @@ def test_slow_worker_stale_gradients_dropped(tmp_path):
 
 
 # ---------------------------------------------------------------- failures
+def _ps_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith("gradcomp-ps")]
+
+
 def _failing_rank(rank, world_size, mode, policy, victim, steps):
     _joined()
     if rank == 0:
         server = ps.ParameterServer({"x": torch.zeros(64)}, mode=mode, on_worker_failure=policy,
-                                    worker_timeout=20.0, optimizer=_sgd(0.01))
+                                    worker_timeout=20.0, optimizer=_sgd(0.01), clip_grad_norm=1.0)
         try:
-            return ("served", server.serve())
+            return ("served", server.serve(), _ps_threads())
         except ps.WorkerFailedError as e:
             return ("raised", str(e), e.rank, server.stats())
     worker = ps.Worker({"x": torch.zeros(64)}, compressor=gc.Int8Quantizer())
@@ -317,12 +340,14 @@ def test_async_killed_worker_others_finish():
     out = launch(_failing_rank, 4, args=("async", "continue", 2, 20), timeout=LAUNCH_TIMEOUT,
                  expected_failures=[2])
     assert out[2] is None
-    kind, stats = out[0]
-    assert kind == "served"
+    kind, stats, threads_left = out[0]
+    assert kind == "served" and threads_left == []  # receiving threads all ended
     assert list(stats["dead_workers"]) == [2] and "connection" in stats["dead_workers"][2]
     assert stats["done_workers"] == [1, 3]
     assert out[1][0] == out[3][0] == "finished"
     assert stats["version"] == stats["accepted"] == 3 + 2 * 20
+    assert stats["clipped"] == stats["accepted"]  # |g| = 8 * rank > 1: every step clipped
+    assert multiprocessing.active_children() == []  # no rank process left behind
 
 
 @pytest.mark.timeout(120)
@@ -339,7 +364,7 @@ def test_sync_worker_failure_policy(policy):
         assert out[1] == out[2] == ("aborted", 3)
         assert stats["version"] == 3  # the step the victim never pushed was not applied
     else:
-        kind, stats = out[0]
+        kind, stats, _ = out[0]
         assert kind == "served" and list(stats["dead_workers"]) == [3]
         assert stats["version"] == steps  # steps 3.. completed with the two live workers
         assert stats["accepted"] == 3 * 3 + 2 * (steps - 3)
@@ -368,8 +393,8 @@ def _restart_rank(rank, world_size, ckpt_dir, resume, steps):
         resumed = server.resumed_from
         has_momentum = all("momentum_buffer" in server.optimizer.state[p] for p in server.params.values())
         stats = server.serve()
-        return {"resumed_from": resumed, "momentum_restored": has_momentum, "stats": stats,
-                "params": {n: t.clone() for n, t in server.parameters().items()}}
+        return _np({"resumed_from": resumed, "momentum_restored": has_momentum, "stats": stats,
+                    "params": server.parameters()})
     model = _mlp()
     with ps.Worker(model) as worker:
         first = {n: t.clone() for n, t in worker.pull().items()}
@@ -379,7 +404,7 @@ def _restart_rank(rank, world_size, ckpt_dir, resume, steps):
             _mse(model, step, rank).backward()
             worker.push()
             worker.pull()
-    return {"first": first, "first_version": first_version}
+    return _np({"first": first, "first_version": first_version})
 
 
 @pytest.mark.timeout(150)
@@ -398,12 +423,12 @@ def test_server_restart_resumes_from_checkpoint(tmp_path):
     assert server["stats"]["version"] == 10 and server["stats"]["updates"] == 4
     for w in (1, 2):
         assert out[w]["first_version"] == 6
-        for n, t in out[w]["first"].items():
-            assert torch.equal(t, saved["params"][n])  # workers resume from the checkpoint
+        for n, a in out[w]["first"].items():
+            assert torch.equal(_t(a), saved["params"][n])  # workers resume from the checkpoint
     final = torch.load(os.path.join(ckpt_dir, "ps-server-0.pt"), weights_only=True)
     assert final["version"] == 10  # checkpointed at shutdown
-    for n, t in server["params"].items():
-        assert torch.equal(final["params"][n], t)
+    for n, a in server["params"].items():
+        assert torch.equal(final["params"][n], _t(a))
 
 
 # ---------------------------------------------------------------- malformed input
@@ -443,13 +468,14 @@ def _garbage_rank(rank, world_size):
     statuses.append(worker.push({"x": g}).statuses[0])  # still serving
     worker.pull()
     worker.done()
-    return statuses, x_mid, worker.replica["x"].clone()
+    return _np((statuses, x_mid, worker.replica["x"]))
 
 
 @pytest.mark.timeout(120)
 def test_garbage_payload_rejected_and_counted():
     out = launch(_garbage_rank, 3, timeout=LAUNCH_TIMEOUT)
     stats, (statuses, x_mid, x_end), _ = out
+    x_mid, x_end = _t(x_mid), _t(x_end)
     assert statuses == ["accepted", "accepted", "rejected", "rejected", "rejected", "rejected", "accepted"]
     g = torch.arange(8, dtype=torch.float32)
     torch.testing.assert_close(x_mid, -1.5 * g)  # staleness-scaled lr: 1 + 1 / (1 + 1)

@@ -188,6 +188,14 @@ static inline typename E::Key sel_key(typename E::Key raw) {
     return k > E::INF ? E::ABS : k;
 }
 
+// a + b as PyTorch's CPU addition computes it, NaN payloads included: when b
+// is NaN the result is b (quieted), whatever a is; otherwise a + b.
+static inline float add_like_torch(float a, float b) {
+    const float r = a + b;
+    const uint32_t bb = f32_bits(b);
+    return (bb & 0x7FFFFFFFu) > 0x7F800000u ? bits_f32(bb | 0x400000u) : r;
+}
+
 // ---------------------------------------------------------------------------
 // bit counting
 

@@ -95,22 +95,28 @@ void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, u
         alignas(64) float buf[TILE];
         const size_t lo = b * block, len = std::min(block, n - lo);
         uint32_t mx = 0;
+        const float* last = nullptr;  // the loaded tile: reused below when it is the whole block
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
-            const float* p = load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
-            mx = std::max(mx, absmax_bits(p, tl));
+            last = load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
+            mx = std::max(mx, absmax_bits(last, tl));
         }
         if (mx >= 0x7F800000u || mx == 0) {  // non-finite block or all zeros
-            const float s = mx ? bits_f32(NAN_BITS) : 0.0f;
-            scales[b] = s;
+            scales[b] = mx ? bits_f32(NAN_BITS) : 0.0f;
             std::memset(q + lo, 0, len);
             if constexpr (EF) {
-                const float d = 0.0f * s;
+                // residual = p - 0 * scale: p itself (+-0) in a zero block; in a
+                // non-finite block the NaN of the product, 0x7FC00000 (PyTorch's
+                // subtraction returns its second operand when both are NaN).
                 for (size_t t = 0; t < len; t += tile) {
                     const size_t tl = std::min(tile, len - t);
-                    const float* p = load_tile<E, EF>(x + lo + t, res + lo + t, buf, tl);
                     float* r = res + lo + t;
-                    for (size_t i = 0; i < tl; ++i) r[i] = p[i] - d;
+                    if (mx) {
+                        for (size_t i = 0; i < tl; ++i) r[i] = bits_f32(NAN_BITS);
+                    } else {
+                        const float* p = len <= tile ? last : load_tile<E, EF>(x + lo + t, r, buf, tl);
+                        std::memcpy(r, p, tl * sizeof(float));
+                    }
                 }
             }
             continue;
@@ -120,7 +126,8 @@ void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, u
         scales[b] = s;
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
-            const float* p = load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
+            const float* p =
+                len <= tile ? last : load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
             float* r = EF ? res + lo + t : nullptr;
             if constexpr (STOCH)
                 codes_stochastic<EF>(p, tl, m, s, uint32_t(lo + t), key, q + lo + t, r);
@@ -232,7 +239,7 @@ void dequantize_int8_add(float* acc, const int8_t* q, const float* scales, size_
         const float s = scales[b];
         float* a = acc + lo;
         const int8_t* c = q + lo;
-        for (size_t i = 0; i < len; ++i) a[i] = a[i] + static_cast<float>(c[i]) * s;
+        for (size_t i = 0; i < len; ++i) a[i] = add_like_torch(a[i], static_cast<float>(c[i]) * s);
     }
 }
 

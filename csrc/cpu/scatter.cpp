@@ -45,7 +45,7 @@ void scatter_impl(float* acc, size_t n, const Idx* idx, size_t m, const typename
             v = buf;
         }
         const Idx* ix = idx + t;
-        for (size_t j = 0; j < tl; ++j) acc[ix[j]] += v[j];
+        for (size_t j = 0; j < tl; ++j) acc[ix[j]] = add_like_torch(acc[ix[j]], v[j]);
     }
 }
 

@@ -4,27 +4,35 @@
 // largest key (sel_key in common.h), an unsigned integer whose order is the
 // order of |x| with NaN above +Inf. All three ops reduce to "keep the elements
 // whose key is >= T (plus some ties)", done by a parallel stream compaction:
-// the input is split into one contiguous chunk per thread, each chunk's count
-// is known (from a counting pass or a histogram), an exclusive prefix sum
-// gives each chunk its output offset, and each chunk writes its elements in
-// index order -- so the output indices come out ascending.
+// the input is split into one contiguous chunk per thread; each chunk scans
+// its elements 32 at a time (a compare mask, AVX2 when available) and either
+// writes them at an offset known in advance (exclusive prefix sum of per-chunk
+// counts from a histogram) or, when the counts are not known, appends them to
+// its own buffer, after which the buffers are concatenated at the prefix sum
+// of their sizes. Chunks keep index order, so output indices come out ascending.
 //
 // * topk (exact; radix select, as in Alabi et al. 2012, "Fast k-selection
-//   algorithms for graphics processing units"): one histogram pass over the
-//   top 15 key bits finds the bin holding the k-th largest key; one compaction
-//   pass collects every element in that bin or above (about k elements, plus
-//   the bin); 8-bit radix passes over those candidates find the exact k-th key
-//   K; a last compaction over the candidates keeps the keys > K and the first
-//   (lowest-index) keys == K until k are kept. No sort.
-// * threshold: the key of tau is computed once; a counting pass and a writing
-//   pass select key >= key(tau) (== |x| >= tau or NaN, compared in float32, or
-//   float64 for float64 input).
+//   algorithms for graphics processing units"): a strided sample gives a
+//   lower bound L of the k-th largest key (a few standard deviations of
+//   margin); one compaction pass collects the keys >= L (about 1.2 k
+//   elements). If that is at least k elements -- almost always -- 8-bit MSB
+//   radix histograms over the candidates find the exact k-th key K, and a last
+//   compaction over them keeps the keys > K and the first (lowest-index) keys
+//   == K until k are kept. Otherwise (an unlucky or adversarial sample) one
+//   histogram pass over the top 15 key bits (per-chunk histograms) finds the
+//   bin holding the k-th key, one compaction pass collects that bin and above,
+//   and the same radix select finishes. No sort in either path.
+// * threshold: the key of tau is computed once; one compaction pass keeps
+//   key >= key(tau) (== |x| >= tau or NaN, compared in float32, or in float64
+//   for float64 input).
 // * approx_topk (Deep Gradient Compression, Lin et al. 2018): the threshold is
-//   the sample_k-th largest key of a strided sample (nth_element on the
-//   sample); count key >= t; keep that set if its size is in [lo, hi]; if too
-//   large select the exact top k among it, if too small run the exact topk.
+//   the sample_k-th largest key of the strided sample of the reference
+//   (nth_element on the sample); one compaction pass keeps key >= t; the set is
+//   returned if its size is in [lo, hi], its exact top k if larger, and the
+//   exact topk if smaller.
 #include "kernels.h"
 
+#include <cmath>
 #include <functional>
 #include <type_traits>
 #include <vector>
@@ -50,16 +58,31 @@ inline int select_chunks(size_t n) {
     return c;
 }
 
+// Index/value arrays of selected elements (malloc'd, handed to Python as is).
 template <class I, class K>
 struct Candidates {
     Buffer<unsigned char> idx, val;
-    size_t count = 0;
+    size_t count = 0, capacity = 0;
     I* indices() { return reinterpret_cast<I*>(idx.get()); }
     K* values() { return reinterpret_cast<K*>(val.get()); }
+    // exactly n elements (count = n); throws std::bad_alloc
     void allocate(size_t n) {
         idx = alloc_buffer<unsigned char>(n * sizeof(I));
         val = alloc_buffer<unsigned char>(n * sizeof(K));
-        count = n;
+        count = capacity = n;
+    }
+    // room for `cap` elements, keeping the first `count`; false when out of
+    // memory (nothing thrown: called inside parallel regions)
+    bool reserve(size_t cap) {
+        if (cap <= capacity) return true;
+        if (!grow(idx, cap * sizeof(I)) || !grow(val, cap * sizeof(K))) return false;
+        capacity = cap;
+        return true;
+    }
+    void push(I i, K v) {
+        indices()[count] = i;
+        values()[count] = v;
+        ++count;
     }
     Selection release() {
         Selection s;
@@ -67,6 +90,15 @@ struct Candidates {
         s.val = std::move(val);
         s.count = count;
         return s;
+    }
+
+   private:
+    static bool grow(Buffer<unsigned char>& b, size_t bytes) {
+        void* p = std::realloc(b.get(), std::max<size_t>(bytes, 1));
+        if (!p) return false;
+        (void)b.release();
+        b.reset(static_cast<unsigned char*>(p));
+        return true;
     }
 };
 
@@ -133,22 +165,8 @@ inline void scan_pass(const typename E::Key* x, size_t lo, size_t hi, typename E
     }
 }
 
-// Number of keys >= t in each chunk.
-template <class E>
-std::vector<size_t> count_ge(const typename E::Key* x, size_t n, int nchunks, typename E::Key t) {
-    const typename E::Key lim = ge_limit<E>(t);
-    std::vector<size_t> counts(static_cast<size_t>(nchunks), 0);
-#pragma omp parallel for schedule(static, 1) num_threads(nchunks) if (nchunks > 1)
-    for (int c = 0; c < nchunks; ++c) {
-        const size_t lo = chunk_begin(n, nchunks, c), hi = chunk_begin(n, nchunks, c + 1);
-        size_t cnt = 0;
-        scan_pass<E>(x, lo, hi, lim, [&](size_t, uint32_t m) { cnt += size_t(popcount32(m)); });
-        counts[size_t(c)] = cnt;
-    }
-    return counts;
-}
-
-// Write (index, value) of every key >= t, chunk c starting at offs[c].
+// Write (index, value) of every key >= t, chunk c starting at offs[c] (the
+// per-chunk counts are known).
 template <class E, class I>
 void write_ge(const typename E::Key* x, size_t n, int nchunks, typename E::Key t,
               const std::vector<size_t>& offs, I* oi, typename E::Key* ov) {
@@ -169,26 +187,54 @@ void write_ge(const typename E::Key* x, size_t n, int nchunks, typename E::Key t
     }
 }
 
-inline std::vector<size_t> exclusive_prefix(const std::vector<size_t>& counts, size_t* total) {
-    std::vector<size_t> offs(counts.size());
-    size_t s = 0;
-    for (size_t c = 0; c < counts.size(); ++c) {
-        offs[c] = s;
-        s += counts[c];
-    }
-    *total = s;
-    return offs;
-}
-
-// All elements with key >= t, ascending, by count + prefix + write.
+// All elements with key >= t, ascending, in one pass over x: each chunk
+// appends to its own growing buffer (first sized for `expect` elements in
+// all, when the caller has an estimate), then the buffers are concatenated at
+// the prefix sums of their sizes.
 template <class E, class I>
-Candidates<I, typename E::Key> compact_ge(const typename E::Key* x, size_t n, typename E::Key t,
-                                          int nchunks, const std::vector<size_t>& counts) {
+Candidates<I, typename E::Key> collect_ge(const typename E::Key* x, size_t n, typename E::Key t,
+                                          size_t expect = 0) {
+    using K = typename E::Key;
+    const K lim = ge_limit<E>(t);
+    const int nchunks = select_chunks(n);
+    std::vector<Candidates<I, K>> parts(static_cast<size_t>(nchunks));
+    int out_of_memory = 0;
+#pragma omp parallel for schedule(static, 1) num_threads(nchunks) if (nchunks > 1) reduction(| : out_of_memory)
+    for (int c = 0; c < nchunks; ++c) {
+        const size_t lo = chunk_begin(n, nchunks, c), hi = chunk_begin(n, nchunks, c + 1);
+        Candidates<I, K>& part = parts[size_t(c)];
+        const size_t guess = size_t(double(expect) * double(hi - lo) / double(n)) + 4096;
+        bool ok = part.reserve(std::min(hi - lo, guess));
+        scan_pass<E>(x, lo, hi, lim, [&](size_t i, uint32_t m) {
+            if (!m || !ok) return;
+            const size_t need = part.count + size_t(popcount32(m));
+            if (need > part.capacity) ok = part.reserve(std::min(hi - lo, std::max(need, 2 * part.capacity)));
+            if (!ok) return;
+            while (m) {
+                const size_t j = size_t(ctz32(m));
+                m &= m - 1;
+                part.push(I(i + j), x[i + j]);
+            }
+        });
+        out_of_memory |= int(!ok);
+    }
+    if (out_of_memory) throw std::bad_alloc();
+    if (nchunks == 1) return std::move(parts[0]);
+    std::vector<size_t> offs(parts.size());
     size_t total = 0;
-    const std::vector<size_t> offs = exclusive_prefix(counts, &total);
-    Candidates<I, typename E::Key> out;
+    for (size_t c = 0; c < parts.size(); ++c) {
+        offs[c] = total;
+        total += parts[c].count;
+    }
+    Candidates<I, K> out;
     out.allocate(total);
-    write_ge<E, I>(x, n, nchunks, t, offs, out.indices(), out.values());
+#pragma omp parallel for schedule(static, 1) num_threads(nchunks)
+    for (int c = 0; c < nchunks; ++c) {
+        Candidates<I, K>& part = parts[size_t(c)];
+        if (!part.count) continue;
+        std::memcpy(out.indices() + offs[size_t(c)], part.indices(), part.count * sizeof(I));
+        std::memcpy(out.values() + offs[size_t(c)], part.values(), part.count * sizeof(K));
+    }
     return out;
 }
 
@@ -287,15 +333,34 @@ Selection all_elements(const typename E::Key* x, size_t n) {
     return out.release();
 }
 
-template <class E, class I>
-Selection topk_impl(const typename E::Key* x, size_t n, size_t k) {
+// Lower bound of the k-th largest key from a strided sample of `sample`
+// elements: the r-th largest sampled key, r = expected count k * sample / n
+// plus four standard deviations (binomial) plus 8.
+template <class E>
+typename E::Key sampled_lower_bound(const typename E::Key* x, size_t n, size_t k, size_t sample) {
     using K = typename E::Key;
-    if (k == 0) return Candidates<I, K>().release();
-    if (k >= n) return all_elements<E, I>(x, n);
+    const size_t stride = n / sample;
+    std::vector<K> keys(sample);
+    for (size_t j = 0; j < sample; ++j) keys[j] = sel_key<E>(x[j * stride]);
+    const double expect = double(sample) * double(k) / double(n);
+    const size_t r = std::min(sample, size_t(std::ceil(expect + 4.0 * std::sqrt(expect) + 8.0)));
+    std::nth_element(keys.begin(), keys.begin() + std::ptrdiff_t(r - 1), keys.end(), std::greater<K>());
+    return keys[r - 1];
+}
+
+// Expected number of elements >= the bound above: k scaled by the margin.
+inline size_t sampled_count_estimate(size_t n, size_t k, size_t sample) {
+    const double expect = double(sample) * double(k) / double(n);
+    return size_t(double(k) * (expect + 4.0 * std::sqrt(expect) + 8.0) / std::max(expect, 1.0));
+}
+
+// Exact top k by one histogram pass (top 15 key bits, per-chunk histograms)
+// and one compaction pass of the bin holding the k-th key and above.
+template <class E, class I>
+Selection topk_by_histogram(const typename E::Key* x, size_t n, size_t k) {
+    using K = typename E::Key;
     constexpr int shift = key_bits<E>() - 1 - HIST_BITS;
     const int nchunks = select_chunks(n);
-
-    // pass 1: per-chunk histograms of the top key bits
     std::vector<uint32_t> hist(size_t(nchunks) * HIST_BINS, 0u);
 #pragma omp parallel for schedule(static, 1) num_threads(nchunks) if (nchunks > 1)
     for (int c = 0; c < nchunks; ++c) {
@@ -311,14 +376,33 @@ Selection topk_impl(const typename E::Key* x, size_t n, size_t k) {
         if (above + total[bin] >= k) break;
         above += total[bin];
     }
-
-    // pass 2: collect every element in that bin or above (chunk counts from pass 1)
-    std::vector<size_t> counts(static_cast<size_t>(nchunks), 0);
-    for (int c = 0; c < nchunks; ++c)
-        for (size_t b = bin; b < HIST_BINS; ++b) counts[size_t(c)] += hist[size_t(c) * HIST_BINS + b];
-    const K t = K(K(bin) << shift);
-    Candidates<I, K> cand = compact_ge<E, I>(x, n, t, nchunks, counts);
+    // per-chunk counts of the bins >= bin give each chunk its output offset
+    std::vector<size_t> offs(static_cast<size_t>(nchunks), 0);
+    size_t count = 0;
+    for (int c = 0; c < nchunks; ++c) {
+        offs[size_t(c)] = count;
+        for (size_t b = bin; b < HIST_BINS; ++b) count += hist[size_t(c) * HIST_BINS + b];
+    }
+    Candidates<I, K> cand;
+    cand.allocate(count);
+    write_ge<E, I>(x, n, nchunks, K(K(bin) << shift), offs, cand.indices(), cand.values());
     return finish_select<E, I>(cand, k);
+}
+
+template <class E, class I>
+Selection topk_impl(const typename E::Key* x, size_t n, size_t k) {
+    using K = typename E::Key;
+    if (k == 0) return Candidates<I, K>().release();
+    if (k >= n) return all_elements<E, I>(x, n);
+    if (n < 8192) {  // small: every element is a candidate
+        Candidates<I, K> cand = collect_ge<E, I>(x, n, K(0));
+        return finish_select<E, I>(cand, k);
+    }
+    const size_t sample = std::min<size_t>(size_t(1) << 16, n / 4);
+    Candidates<I, K> cand = collect_ge<E, I>(x, n, sampled_lower_bound<E>(x, n, k, sample),
+                                             sampled_count_estimate(n, k, sample));
+    if (cand.count >= k) return finish_select<E, I>(cand, k);
+    return topk_by_histogram<E, I>(x, n, k);  // the bound missed: exact histogram path
 }
 
 template <class E>
@@ -345,10 +429,7 @@ typename E::Key threshold_key(double tau) {
 
 template <class E, class I>
 Selection threshold_impl(const typename E::Key* x, size_t n, double tau) {
-    const typename E::Key t = threshold_key<E>(tau);
-    const int nchunks = select_chunks(n);
-    const std::vector<size_t> counts = count_ge<E>(x, n, nchunks, t);
-    return compact_ge<E, I>(x, n, t, nchunks, counts).release();
+    return collect_ge<E, I>(x, n, threshold_key<E>(tau)).release();
 }
 
 template <class E, class I>
@@ -364,15 +445,9 @@ Selection approx_topk_impl(const typename E::Key* x, size_t n, size_t k, size_t 
     for (size_t j = 0; j < sample; ++j) keys[j] = sel_key<E>(x[j * stride]);
     std::nth_element(keys.begin(), keys.begin() + std::ptrdiff_t(sample_k - 1), keys.end(),
                      std::greater<K>());
-    const K t = keys[sample_k - 1];
-
-    const int nchunks = select_chunks(n);
-    const std::vector<size_t> counts = count_ge<E>(x, n, nchunks, t);
-    size_t c = 0;
-    for (const size_t v : counts) c += v;
-    if (c < lo) return topk_impl<E, I>(x, n, k);  // estimate too high: exact selection
-    Candidates<I, K> cand = compact_ge<E, I>(x, n, t, nchunks, counts);
-    if (c <= hi) return cand.release();
+    Candidates<I, K> cand = collect_ge<E, I>(x, n, keys[sample_k - 1], hi);
+    if (cand.count < lo) return topk_impl<E, I>(x, n, k);  // estimate too high: exact selection
+    if (cand.count <= hi) return cand.release();
     return finish_select<E, I>(cand, k);  // too many: the exact top k among them
 }
 

@@ -166,7 +166,7 @@ __device__ void gc_select_write(const T* __restrict__ x, gc_i64 n, const gc_i64*
     const K k = gc_key(v, nan_as_inf);
     const bool is_gt = k > t;
     const bool is_eq = k == t;
-    if (is_gt || (is_eq && eq_before <= k_rem)) {
+    if (is_gt || (is_eq && eq_before < k_rem)) {
       const gc_i64 pos = gt_before + gc_min(eq_before, k_rem);
       if (idx64) {
         ((gc_i64*)out_idx)[pos] = i;

@@ -57,6 +57,7 @@ def allreduce(
     timeout: float = DEFAULT_TIMEOUT,
     key: Hashable = None,
     residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Compressed allreduce: every rank returns the same (bit-identical) tensor.
 
@@ -121,9 +122,13 @@ def allreduce(
         key: residual key prefix for an ErrorFeedback compressor.
         residual: optional contiguous float32 tensor with ``tensor.numel()``
             elements on ``tensor``'s device (not with an ErrorFeedback compressor).
+        out: optional contiguous tensor with ``tensor``'s shape, dtype and
+            device to write the result to; it may be ``tensor`` itself (an
+            in-place allreduce, like ``dist.all_reduce``). For float32 it is
+            also the accumulation workspace, so no n-element buffer is allocated.
 
     Returns:
-        A new tensor with ``tensor``'s shape, dtype and device.
+        ``out`` if given, else a new tensor with ``tensor``'s shape, dtype and device.
 
     Raises:
         TypeError: ``tensor`` is not a float32/float16/bfloat16 tensor, or
@@ -136,7 +141,7 @@ def allreduce(
         RuntimeError: the transport failed (e.g. a peer died).
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
-    _check_args(tensor, compressor, op, algorithm, timeout, residual)
+    _check_args(tensor, compressor, op, algorithm, timeout, residual, out)
     if not dist.is_initialized():
         raise RuntimeError("gradcomp.allreduce needs torch.distributed initialised "
                            "(dist.init_process_group or gradcomp.launch)")
@@ -145,20 +150,31 @@ def allreduce(
         raise ValueError("this process is not a member of group")
     x = tensor.detach()
     if dist.get_world_size(group) == 1:
-        return x.clone(memory_format=torch.contiguous_format)
+        if out is None:
+            return x.clone(memory_format=torch.contiguous_format)
+        return out.copy_(x) if out.data_ptr() != x.data_ptr() else out
     flat = x.reshape(-1).to(torch.float32)
+    if out is not None and out.dtype == torch.float32:
+        work = out.detach().view(-1)
+    else:
+        work = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
     comm = Comm(group, timeout, meter)
     local = Local(flat, compressor, key, residual)
     if algorithm == "allgather":
-        out = _allgather.allreduce(comm, local, flat.numel(), op)
+        _allgather.allreduce(comm, local, work, op)
     else:
         plan = Plan(flat.numel(), comm.world_size, local.inner)
-        owned = _REDUCE_SCATTER[algorithm](comm, local, plan)
-        out = share_owned(comm, plan, owned, op)
-    return out.to(tensor.dtype).view(tensor.shape)
+        _REDUCE_SCATTER[algorithm](comm, local, plan, work)
+        share_owned(comm, plan, work, op)
+    comm.release()
+    if out is None:
+        return work.to(tensor.dtype).view(tensor.shape)
+    if work.data_ptr() != out.data_ptr():
+        out.view(-1).copy_(work)
+    return out
 
 
-def _check_args(tensor, compressor, op, algorithm, timeout, residual) -> None:
+def _check_args(tensor, compressor, op, algorithm, timeout, residual, out) -> None:
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
         raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}"
                         + ("" if not isinstance(tensor, torch.Tensor) else f" with layout {tensor.layout}"))
@@ -193,3 +209,10 @@ def _check_args(tensor, compressor, op, algorithm, timeout, residual) -> None:
                    if isinstance(residual, torch.Tensor) else type(residual).__name__)
             raise ValueError(f"residual must be a contiguous float32 tensor of {tensor.numel()} "
                              f"elements on {tensor.device}, got {got}")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != tensor.shape
+                            or out.dtype != tensor.dtype or out.device != tensor.device
+                            or not out.is_contiguous()):
+        got = (f"{out.dtype} of shape {tuple(out.shape)} on {out.device}"
+               if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise ValueError(f"out must be a contiguous {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
+                         f"on {tensor.device}, got {got}")

@@ -51,14 +51,17 @@ def exchange_sizes(comm: Comm, nbytes: int, device) -> list[int]:
     return sizes
 
 
-def allreduce(comm: Comm, local: Local, numel: int, op: str) -> torch.Tensor:
-    """Allgather-based allreduce of sparse payloads.
+def allreduce(comm: Comm, local: Local, work: torch.Tensor, op: str) -> None:
+    """Allgather-based allreduce of sparse payloads, into ``work``.
 
-    Returns:
-        float32 ``[numel]``: the union of every rank's decompressed payload,
-        summed in rank order (divided by ``N`` for ``op="avg"``).
+    Args:
+        work: float32 ``[numel]`` (may be the input's own memory: the input is
+            compressed before ``work`` is written). On return it holds the
+            union of every rank's decompressed payload, summed in rank order
+            (divided by ``N`` for ``op="avg"``).
     """
     n, r = comm.world_size, comm.rank
+    numel = work.numel()
     wire = local.compress(0, numel, chunk=None).wire
     sizes = exchange_sizes(comm, wire.numel(), wire.device)
     limit = _MAX_OVERHEAD + 16 * numel
@@ -71,9 +74,8 @@ def allreduce(comm: Comm, local: Local, numel: int, op: str) -> torch.Tensor:
         rs_sent, ag_sent, rs_recv, ag_recv = ring_raw_bytes(numel, n, r)
         comm.meter.record_raw(sent=rs_sent + ag_sent, received=rs_recv + ag_recv, phase="allgather")
     blobs = comm.ring_allgather(wire, sizes, [0] * n, phase="allgather")
-    acc = torch.zeros(numel, dtype=torch.float32, device=wire.device)
+    work.zero_()
     for blob in blobs:
-        local.inner.decompress_add_(blob, acc)
+        local.inner.decompress_add_(blob, work)
     if op == "avg":
-        acc.div_(n)
-    return acc
+        work.div_(n)

@@ -3,9 +3,10 @@
 Both dense algorithms end the same way: each rank owns the float32 sum of its
 chunk after a reduce-scatter; the owner applies the op (``avg`` divides by
 ``N``), compresses that sum **once**, and the owner's bytes travel unchanged
-around the ring (:meth:`~gradcomp.comm.p2p.Comm.ring_allgather`). Every rank,
-the owner included, decompresses the same bytes in the same way, so every
-rank ends with a bit-identical result.
+around the ring (:meth:`~gradcomp.comm.p2p.Comm.ring_allgather`), each rank
+decompressing a chunk while the next one is in flight. Every rank, the owner
+included, decompresses the same bytes in the same way, so every rank ends
+with a bit-identical result.
 """
 
 from __future__ import annotations
@@ -59,30 +60,28 @@ class Plan:
             )
         return payload.wire
 
-    def receive_buffer(self, j: int, device) -> torch.Tensor:
-        """An empty uint8 buffer for chunk ``j``'s payload."""
-        return torch.empty(self.wire_nbytes[j], dtype=torch.uint8, device=device)
 
-
-def share_owned(comm: Comm, plan: Plan, owned: torch.Tensor, op: str) -> torch.Tensor:
-    """Finish a dense allreduce from this rank's reduced chunk.
+def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str) -> None:
+    """Finish a dense allreduce from this rank's reduced chunk, in place.
 
     Args:
         comm: the group.
         plan: the chunk plan.
-        owned: float32 ``[len_rank]``: the exact float32 sum of chunk ``rank``
-            over all ranks (modified in place by ``op="avg"``).
+        work: float32 ``[numel]``; its chunk ``rank`` holds the exact float32
+            sum of that chunk over all ranks.
         op: ``"sum"`` or ``"avg"``.
 
-    Returns:
-        float32 ``[numel]`` on ``owned``'s device: every chunk decompressed from
-        its owner's bytes (bit-identical on every rank).
+    On return ``work`` holds every chunk decompressed from its owner's bytes
+    (bit-identical on every rank).
     """
+    lo, hi = plan.bounds[comm.rank]
+    owned = work[lo:hi]
     if op == "avg":
         owned.div_(comm.world_size)
     mine = plan.expect(plan.compressor.compress(owned), comm.rank)
-    blobs = comm.ring_allgather(mine, plan.wire_nbytes, plan.raw_nbytes, phase="allgather")
-    out = torch.zeros(plan.bounds[-1][1], dtype=torch.float32, device=owned.device)
-    for (lo, hi), blob in zip(plan.bounds, blobs):
-        plan.compressor.decompress_add_(blob, out[lo:hi])
-    return out
+
+    def decompress(j: int, blob: torch.Tensor) -> None:
+        lo, hi = plan.bounds[j]
+        plan.compressor.decompress_add_(blob, work[lo:hi].zero_())
+
+    comm.ring_allgather(mine, plan.wire_nbytes, plan.raw_nbytes, phase="allgather", consume=decompress)

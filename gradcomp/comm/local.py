@@ -7,7 +7,7 @@ data in two ways:
 * compressed alone (:meth:`Local.compress`): the chunk the ring's first hop
   sends, the chunks two-phase sends to their owners, the whole tensor in the
   sparse allgather. Error feedback applies here.
-* added exactly in float32 to a partial sum (:meth:`Local.exact`): the chunks
+* added exactly in float32 to a partial sum (:meth:`Local.exact_into`): the chunks
   the ring merges at later hops, the chunk two-phase's owner keeps. No error
   is made, so none is remembered.
 
@@ -49,6 +49,8 @@ class Local:
 
     Attributes:
         inner: the compressor for partial and final sums (ErrorFeedback unwrapped).
+        mode: ``"keyed"`` (ErrorFeedback residuals), ``"flat"`` (the
+            ``residual`` tensor) or ``"none"``.
     """
 
     def __init__(self, x: torch.Tensor, compressor: Compressor, key: Hashable = None,
@@ -57,25 +59,29 @@ class Local:
         self.key = key
         self.residual = residual
         if isinstance(compressor, ErrorFeedback):
-            self.inner = compressor.wraps
-            self._ef, self._keyed = compressor, True
+            self.mode, self.inner, self._ef = "keyed", compressor.wraps, compressor
         elif residual is not None:
-            self.inner = compressor
-            self._ef, self._keyed = ErrorFeedback(compressor), False
+            # an ErrorFeedback whose one residual is, on each call, a slice of `residual`
+            self.mode, self.inner, self._ef = "flat", compressor, ErrorFeedback(compressor)
         else:
-            self.inner = compressor
-            self._ef, self._keyed = None, False
+            self.mode, self.inner, self._ef = "none", compressor, None
 
-    def exact(self, lo: int, hi: int) -> torch.Tensor:
-        """A fresh float32 copy of elements ``[lo, hi)`` of this rank's
-        contribution, to be summed exactly (an explicit residual there is added
-        and reset to zero)."""
-        out = self.x[lo:hi].clone()
-        if self.residual is not None and self._ef is not None and not self._keyed:
+    def exact_into(self, lo: int, hi: int, dst: torch.Tensor) -> torch.Tensor:
+        """Write elements ``[lo, hi)`` of this rank's contribution into ``dst``
+        (float32, ``hi - lo`` elements; it may be the same memory as the input),
+        to be summed exactly. A flat residual there is added and reset to zero.
+
+        Returns:
+            ``dst``.
+        """
+        src = self.x[lo:hi]
+        if dst.data_ptr() != src.data_ptr() or dst.numel() == 0:  # in place: already there
+            dst.copy_(src)
+        if self.mode == "flat":
             r = self.residual[lo:hi]
-            out.add_(r)
+            dst.add_(r)
             r.zero_()
-        return out
+        return dst
 
     def compress(self, lo: int, hi: int, chunk: Hashable) -> Payload:
         """Compress elements ``[lo, hi)`` of this rank's contribution alone,
@@ -87,9 +93,9 @@ class Local:
                 means the whole tensor (key ``key``).
         """
         x = self.x[lo:hi]
-        if self._ef is None:
+        if self.mode == "none":
             return self.inner.compress(x)
-        if self._keyed:
+        if self.mode == "keyed":
             return self._ef.compress(x, key=self.key if chunk is None else (self.key, chunk))
         r = self.residual[lo:hi]
         self._ef.residuals[0] = r

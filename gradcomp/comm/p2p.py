@@ -19,12 +19,14 @@ from __future__ import annotations
 import datetime
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["PIECES", "MIN_PIECE_BYTES", "Message", "Comm", "pieces"]
+from gradcomp.comm.buffers import POOL
+
+__all__ = ["PIECES", "MIN_PIECE_BYTES", "Message", "Comm", "Transfer", "pieces"]
 
 #: most concurrent pieces per message
 PIECES = 4
@@ -83,6 +85,20 @@ class Comm:
         self.world_size = dist.get_world_size(group)
         self.timeout = float(timeout)
         self.meter = meter
+        self._taken: list[torch.Tensor] = []
+
+    def receive_buffer(self, nbytes: int, device) -> torch.Tensor:
+        """An uninitialised uint8 buffer of ``nbytes`` (reused across calls, see
+        :mod:`gradcomp.comm.buffers`) that stays valid until :meth:`release`."""
+        buf = POOL.take(nbytes, device)
+        self._taken.append(buf)
+        return buf
+
+    def release(self) -> None:
+        """Give the receive buffers back for reuse. Call only after every transfer
+        completed (a failed transfer may still write into its buffer)."""
+        POOL.give(self._taken)
+        self._taken = []
 
     @property
     def next(self) -> int:
@@ -97,8 +113,17 @@ class Comm:
     def exchange(self, sends: Sequence[Message], recvs: Sequence[Message], phase: str) -> None:
         """Send and receive all messages concurrently; return when all are done.
 
+        Same as ``self.start(sends, recvs, phase).wait()``; see :meth:`start`.
+        """
+        self.start(sends, recvs, phase).wait()
+
+    def start(self, sends: Sequence[Message], recvs: Sequence[Message], phase: str) -> "Transfer":
+        """Post all sends and receives (non-blocking); :meth:`Transfer.wait` completes them.
+
         At most one send and one receive per peer. Every message is cut into
         :func:`pieces` that travel as concurrent pairs with tags 0, 1, ...
+        The caller may compute while the transfer is in flight, but must not
+        touch the message buffers until it has waited.
 
         Args:
             sends: messages to send (their ``buf`` is read).
@@ -108,10 +133,7 @@ class Comm:
 
         Raises:
             ValueError: two messages to (or from) one peer, or a bad buffer.
-            TimeoutError: the transfers did not finish within ``timeout`` seconds.
-            RuntimeError: the transport failed (e.g. a peer died).
         """
-        t0 = time.perf_counter()
         ops = []
         for kind, msgs in (("irecv", recvs), ("isend", sends)):
             fn = dist.irecv if kind == "irecv" else dist.isend
@@ -125,27 +147,11 @@ class Comm:
                                      f"got {m.buf.dtype} of shape {tuple(m.buf.shape)}")
                 for tag, (a, b) in enumerate(pieces(m.buf.numel())):
                     ops.append(dist.P2POp(fn, m.buf[a:b], group=self.group, tag=tag, group_peer=m.peer))
-        works = dist.batch_isend_irecv(ops) if ops else []
-        deadline = time.monotonic() + self.timeout
-        for w in works:
-            left = max(0.001, deadline - time.monotonic())
-            try:
-                w.wait(timeout=datetime.timedelta(seconds=left))
-            except RuntimeError as e:
-                what = (f"gradcomp {phase}: rank {self.rank} of {self.world_size} exchanging with "
-                        f"ranks {sorted({m.peer for m in list(sends) + list(recvs)})}")
-                if "timed out" in str(e).lower() or time.monotonic() >= deadline:
-                    raise TimeoutError(f"{what} did not finish within {self.timeout} s: {e}") from e
-                raise RuntimeError(f"{what} failed: {e}") from e
-        if self.meter is not None:
-            for m in sends:
-                self.meter.record_send(m.buf.numel(), m.raw_nbytes, phase=phase)
-            for m in recvs:
-                self.meter.record_recv(m.buf.numel(), m.raw_nbytes, phase=phase)
-            self.meter.record_time(time.perf_counter() - t0, phase=phase)
+        return Transfer(self, list(sends), list(recvs), phase, dist.batch_isend_irecv(ops) if ops else [])
 
     def ring_allgather(self, mine: torch.Tensor, sizes: Sequence[int], raw_nbytes: Sequence[int],
-                       phase: str = "allgather") -> list[torch.Tensor]:
+                       phase: str = "allgather",
+                       consume: Callable[[int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
         """Gather every rank's byte blob over the ring, forwarding bytes unchanged.
 
         In step ``s = 0 .. N-2`` rank ``r`` sends blob ``(r - s) mod N`` to the
@@ -157,13 +163,16 @@ class Comm:
             sizes: every rank's blob size in bytes, indexed by group rank.
             raw_nbytes: uncompressed float32 bytes each blob stands for (meter).
             phase: meter phase name.
+            consume: optional ``consume(j, blob)`` called once per blob, in
+                arrival order (which differs between ranks), while the next
+                transfer is in flight: work on blob ``j`` overlaps the network.
 
         Returns:
             The ``N`` blobs indexed by group rank; entry ``rank`` is ``mine``.
 
         Raises:
             ValueError: ``mine`` has not ``sizes[rank]`` bytes.
-            TimeoutError / RuntimeError: as :meth:`exchange`.
+            TimeoutError / RuntimeError: as :meth:`Transfer.wait`.
         """
         n, r = self.world_size, self.rank
         if mine.numel() != sizes[r]:
@@ -173,7 +182,47 @@ class Comm:
         blobs[r] = mine
         for s in range(n - 1):
             out_j, in_j = (r - s) % n, (r - s - 1) % n
-            blobs[in_j] = torch.empty(sizes[in_j], dtype=torch.uint8, device=mine.device)
-            self.exchange([Message(self.next, blobs[out_j], raw_nbytes[out_j])],
-                          [Message(self.prev, blobs[in_j], raw_nbytes[in_j])], phase)
+            blobs[in_j] = self.receive_buffer(sizes[in_j], mine.device)
+            transfer = self.start([Message(self.next, blobs[out_j], raw_nbytes[out_j])],
+                                  [Message(self.prev, blobs[in_j], raw_nbytes[in_j])], phase)
+            if consume is not None:
+                consume(out_j, blobs[out_j])  # only read while it is being sent
+            transfer.wait()
+        if consume is not None:
+            consume((r + 1) % n, blobs[(r + 1) % n])  # the last one received
         return blobs  # type: ignore[return-value]
+
+
+class Transfer:
+    """Posted sends and receives of one :meth:`Comm.start`; :meth:`wait` completes them."""
+
+    def __init__(self, comm: Comm, sends: list[Message], recvs: list[Message], phase: str, works: list):
+        self.comm, self.sends, self.recvs, self.phase, self.works = comm, sends, recvs, phase, works
+        self.t0 = time.perf_counter()
+
+    def wait(self) -> None:
+        """Block until every message is sent and received, then record them in the meter.
+
+        Raises:
+            TimeoutError: not done within the comm's ``timeout`` seconds.
+            RuntimeError: the transport failed (e.g. a peer died).
+        """
+        comm = self.comm
+        deadline = time.monotonic() + comm.timeout
+        for w in self.works:
+            left = max(0.001, deadline - time.monotonic())
+            try:
+                w.wait(timeout=datetime.timedelta(seconds=left))
+            except RuntimeError as e:
+                what = (f"gradcomp {self.phase}: rank {comm.rank} of {comm.world_size} exchanging with "
+                        f"ranks {sorted({m.peer for m in self.sends + self.recvs})}")
+                if "timed out" in str(e).lower() or time.monotonic() >= deadline:
+                    raise TimeoutError(f"{what} did not finish within {comm.timeout} s: {e}") from e
+                raise RuntimeError(f"{what} failed: {e}") from e
+        meter = comm.meter
+        if meter is not None:
+            for m in self.sends:
+                meter.record_send(m.buf.numel(), m.raw_nbytes, phase=self.phase)
+            for m in self.recvs:
+                meter.record_recv(m.buf.numel(), m.raw_nbytes, phase=self.phase)
+            meter.record_time(time.perf_counter() - self.t0, phase=self.phase)

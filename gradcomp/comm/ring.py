@@ -26,24 +26,28 @@ from gradcomp.comm.p2p import Comm, Message
 __all__ = ["reduce_scatter"]
 
 
-def reduce_scatter(comm: Comm, local: Local, plan: Plan) -> torch.Tensor:
+def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> None:
     """Ring reduce-scatter with a requantization per hop.
 
-    Returns:
-        float32 ``[len_rank]``: the sum over all ranks of chunk ``rank``, in
-        which every other rank's data went through one or more compressions.
+    Args:
+        work: float32 ``[numel]`` workspace (may be the input's own memory):
+            partial sums are accumulated in the received chunk's slice.
+
+    On return ``work[chunk rank]`` holds the sum over all ranks of chunk
+    ``rank``, in which every other rank's data went through one or more
+    compressions; other slices hold intermediate values.
     """
     n, r = comm.world_size, comm.rank
     first = (r - 1) % n
     wire = plan.expect(local.compress(*plan.bounds[first], chunk=first), first)
-    acc = None
     for s in range(n - 1):
         out_j, in_j = (r - s - 1) % n, (r - s - 2) % n
-        inbox = plan.receive_buffer(in_j, wire.device)
-        comm.exchange([Message(comm.next, wire, plan.raw_nbytes[out_j])],
-                      [Message(comm.prev, inbox, plan.raw_nbytes[in_j])], "reduce_scatter")
-        acc = local.exact(*plan.bounds[in_j])
+        inbox = comm.receive_buffer(plan.wire_nbytes[in_j], wire.device)
+        transfer = comm.start([Message(comm.next, wire, plan.raw_nbytes[out_j])],
+                              [Message(comm.prev, inbox, plan.raw_nbytes[in_j])], "reduce_scatter")
+        lo, hi = plan.bounds[in_j]
+        acc = local.exact_into(lo, hi, work[lo:hi])  # while the partial sum travels
+        transfer.wait()
         plan.compressor.decompress_add_(inbox, acc)
         if s < n - 2:
             wire = plan.expect(plan.compressor.compress(acc), in_j)
-    return acc

@@ -26,11 +26,13 @@ from gradcomp.comm.p2p import Comm, Message
 __all__ = ["reduce_scatter"]
 
 
-def reduce_scatter(comm: Comm, local: Local, plan: Plan) -> torch.Tensor:
+def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> None:
     """Direct-exchange reduce-scatter: one compression per chunk per rank.
 
-    Returns:
-        float32 ``[len_rank]``: the sum over all ranks of chunk ``rank``.
+    Args:
+        work: float32 ``[numel]`` workspace (may be the input's own memory).
+
+    On return ``work[chunk rank]`` holds the sum over all ranks of chunk ``rank``.
     """
     n, r = comm.world_size, comm.rank
     sends, recvs = [], []
@@ -39,14 +41,9 @@ def reduce_scatter(comm: Comm, local: Local, plan: Plan) -> torch.Tensor:
             continue
         wire = plan.expect(local.compress(*plan.bounds[j], chunk=j), j)
         sends.append(Message(j, wire, plan.raw_nbytes[j]))
-        recvs.append(Message(j, plan.receive_buffer(r, wire.device), plan.raw_nbytes[r]))
+        recvs.append(Message(j, comm.receive_buffer(plan.wire_nbytes[r], wire.device), plan.raw_nbytes[r]))
     comm.exchange(sends, recvs, "reduce_scatter")
     lo, hi = plan.bounds[r]
-    inbox = {m.peer: m.buf for m in recvs}
-    acc = torch.zeros(hi - lo, dtype=torch.float32, device=local.x.device)
-    for src in range(n):
-        if src == r:
-            acc.add_(local.exact(lo, hi))
-        else:
-            plan.compressor.decompress_add_(inbox[src], acc)
-    return acc
+    acc = local.exact_into(lo, hi, work[lo:hi])
+    for m in recvs:  # in rank order
+        plan.compressor.decompress_add_(m.buf, acc)

@@ -50,6 +50,9 @@ _DTYPE_NAMES = {
 
 _native_module = None
 
+#: largest strided sample approx_topk draws to estimate its threshold
+_APPROX_MAX_SAMPLE = 65536
+
 
 def _native():
     global _native_module
@@ -284,12 +287,13 @@ def threshold(x: torch.Tensor, tau: float):
 def approx_topk(x: torch.Tensor, k: int):
     """Sampled-threshold top-k (Deep Gradient Compression, Lin et al. 2018).
 
-    The threshold is the ``ceil(s k / n)``-th largest ``|x|`` of the
-    reference's strided sample of ``s = approx_topk_sample_size(n, k)``
-    elements. The kept set is a top set (every kept ``|x|`` >= every dropped
-    one, NaN largest) of size in ``[ceil(0.9 k), floor(1.1 k)]``; when the
-    estimate keeps too many the exact top k of them is returned, when too few
-    the exact :func:`topk`.
+    The threshold is the ``ceil(s k / n)``-th largest ``|x|`` of a strided
+    sample of ``s = min(approx_topk_sample_size(n, k), 65536)`` elements (the
+    reference's sample, capped: a larger sample costs more than the exact
+    selection it is meant to avoid). The kept set is a top set (every kept
+    ``|x|`` >= every dropped one, NaN largest) of size in
+    ``[ceil(0.9 k), floor(1.1 k)]``; when the estimate keeps too many the
+    exact top k of them is returned, when too few the exact :func:`topk`.
 
     Returns:
         ``(indices, values)`` as :func:`topk`.
@@ -297,7 +301,7 @@ def approx_topk(x: torch.Tensor, k: int):
     xf = _flat(x)
     n = xf.numel()
     k = max(0, min(int(k), n))
-    s = _ref.approx_topk_sample_size(n, k)
+    s = min(_ref.approx_topk_sample_size(n, k), _APPROX_MAX_SAMPLE)
     ks = max(1, min(s, math.ceil(s * k / n))) if n else 0
     lo, hi = math.ceil(0.9 * k), math.floor(1.1 * k)
     idx, val = _native().approx_topk(_np(xf), _dtype_name("x", xf), k, s, ks, lo, hi)

@@ -121,9 +121,12 @@ def _function(family: str, kernel: str):
                 mod = cupy.RawModule(code=source(family), options=NVRTC_OPTIONS)
                 _modules[family] = mod
             try:
-                fn = mod.get_function(kernel)
-            except cupy.cuda.compiler.CompileException as e:
-                raise RuntimeError(f"NVRTC failed to compile {SOURCES[family]}:\n{e}") from e
+                fn = mod.get_function(kernel)  # compiles the module on first use
+            except Exception as e:
+                raise RuntimeError(
+                    f"loading CUDA kernel {kernel} from {SOURCES[family]} failed "
+                    f"(NVRTC compile or module load): {type(e).__name__}: {e}"
+                ) from e
             _functions[key] = fn
     return fn
 

@@ -42,7 +42,10 @@ High-level API (one call per rank)::
                          compress_pull=True, max_staleness=8, staleness_lr=True,
                          optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
     # model_fn() -> nn.Module (float32); loss_fn(model, step, worker_index) -> scalar loss
-    results = launch(ps.run, 1 + 4, args=(model_fn, loss_fn, config))
+    def rank_main(rank, world_size):          # module-level, so that it pickles
+        out = ps.run(rank, world_size, model_fn, loss_fn, config)
+        return {"stats": out["stats"], "losses": out.get("losses")}  # no tensors through launch
+    results = launch(rank_main, 1 + 4)
     server_stats = results[0]["stats"]
 
 ``ps.run(rank, world_size, model_fn, loss_fn, config, on_step=None)`` returns,

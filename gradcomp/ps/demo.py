@@ -7,8 +7,8 @@ Under torchrun (one process per rank; ranks ``[0, --num-servers)`` serve)::
 Without torchrun's environment it starts ``--world-size`` local processes
 with :func:`gradcomp.launch.launch`. The problem: ``min_x ||A x - b||^2 / 2m``
 with ``b = A x*`` (so the optimum ``x*`` is known), the rows of ``A`` split
-over the workers. The first server prints its stats and the distance to
-``x*`` as JSON.
+over the workers. The first server prints its stats and the distance of its
+shard to ``x*`` as JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from gradcomp.compressors import FP16, Int8Quantizer, NoCompression, TopK
+from gradcomp.compressors import FP16, Int8Quantizer, TopK
 from gradcomp.ps.run import PSConfig, run
 
 COMPRESSORS = {
@@ -32,23 +32,36 @@ COMPRESSORS = {
 
 
 class LeastSquares:
-    """``A`` (rows x dim, per worker), ``x*`` and ``b = A x*``, generated from ``seed``."""
+    """``A`` (rows x dim, per worker), ``x*`` and ``b = A x*``, generated from ``seed``.
 
-    def __init__(self, dim: int, rows: int, workers: int, seed: int = 0):
+    The model's parameter ``x`` is split into ``parts`` parameters ``x0, x1, ...``
+    so that several servers can share it.
+    """
+
+    def __init__(self, dim: int, rows: int, workers: int, seed: int = 0, parts: int = 4):
         g = torch.Generator().manual_seed(seed)
         self.x_star = torch.randn(dim, generator=g)
         self.a = [torch.randn(rows, dim, generator=g) for _ in range(workers)]
-        self.dim = dim
+        self.sizes = [len(c) for c in torch.arange(dim).tensor_split(parts)]
 
     def model(self) -> torch.nn.Module:
         m = torch.nn.Module()
-        m.x = torch.nn.Parameter(torch.zeros(self.dim))
+        for i, n in enumerate(self.sizes):
+            m.register_parameter(f"x{i}", torch.nn.Parameter(torch.zeros(n)))
         return m
+
+    def x(self, model) -> torch.Tensor:
+        return torch.cat([getattr(model, f"x{i}") for i in range(len(self.sizes))])
 
     def loss(self, model, step: int, worker: int) -> torch.Tensor:
         a = self.a[worker]
-        r = a @ model.x - a @ self.x_star
+        r = a @ self.x(model) - a @ self.x_star
         return 0.5 * (r * r).mean()
+
+    def distance(self, shard: dict[str, torch.Tensor]) -> float:
+        """Euclidean distance of a server's shard to the matching part of ``x*``."""
+        parts = self.x_star.split(self.sizes)
+        return float(sum(((t - parts[int(n[1:])]) ** 2).sum() for n, t in shard.items()) ** 0.5)
 
 
 def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
@@ -62,16 +75,14 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         checkpoint_every=args.checkpoint_every, resume=args.resume)
     out = run(rank, world_size, problem.model, problem.loss, config)
     if out["role"] == "server":
-        x = out["params"]["x"] if "x" in out["params"] else None
-        stats = dict(out["stats"])
-        if x is not None:
-            stats["distance_to_optimum"] = float((x - problem.x_star).norm())
-        return stats
+        return {**out["stats"], "shard_distance_to_optimum": problem.distance(out["params"])}
     return {"rank": rank, "final_loss": out["losses"][-1] if out["losses"] else None}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m gradcomp.ps", description="A parameter-server run on a least-squares problem with a known optimum.")
+    p = argparse.ArgumentParser(
+        prog="python -m gradcomp.ps",
+        description="A parameter-server run on a least-squares problem with a known optimum.")
     p.add_argument("--mode", choices=("sync", "async"), default="async")
     p.add_argument("--num-servers", type=int, default=1)
     p.add_argument("--world-size", type=int, default=3,

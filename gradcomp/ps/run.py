@@ -123,6 +123,10 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         On a server: ``{"role": "server", "rank", "stats", "params"}`` (its
         shard, CPU tensors). On a worker: ``{"role": "worker", "rank",
         "losses", "stats", "params"}`` (the final replica, CPU tensors).
+        To hand the result back through ``gradcomp.launch.launch``, convert
+        the tensors first (e.g. ``t.numpy()``): its result queue passes
+        tensors as shared-memory handles, which close when the rank's
+        process exits.
 
     Raises:
         ValueError: ``world_size <= config.num_servers``.
@@ -162,6 +166,7 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
             loss = loss_fn(model, step, index)
             loss.backward()
             result = worker.push()
+            worker.meter.step()
             losses.append(float(loss.detach()))
             if on_step is not None:
                 on_step(step, losses[-1], worker, result)

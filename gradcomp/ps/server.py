@@ -8,6 +8,7 @@ import math
 import os
 import queue
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from gradcomp import _validate as v
 from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
 from gradcomp.errors import PayloadError
 from gradcomp.meter import TrafficMeter
+from gradcomp.wire import decode
 from gradcomp.ps import checkpoint as ckpt
 from gradcomp.ps import protocol as P
 from gradcomp.ps.errors import PeerError, ProtocolError, WorkerFailedError
@@ -66,8 +68,8 @@ class ParameterServer:
             live worker (stamped with version ``t``), averages them, applies one
             optimizer step and answers the pulls waiting for version ``t + 1``:
             data-parallel SGD with a central optimizer.
-        ``"async"``: each gradient is applied on arrival (Hogwild-style
-            asynchronous SGD, Dean et al. 2012). Staleness = server version -
+        ``"async"``: each gradient is applied on arrival (asynchronous SGD
+            as in Downpour SGD, Dean et al. 2012). Staleness = server version -
             the version stamped on the push. With ``max_staleness`` a push older
             than that is dropped and counted (bounded staleness, after the
             stale synchronous parallel model of Ho et al. 2013, NeurIPS); with
@@ -82,7 +84,8 @@ class ParameterServer:
     residual of the pull direction (one per worker), so every compression
     error is resent with the next pull and the replica never drifts: after
     any pull it differs from the server's parameters by that pull's
-    compression error only.
+    compression error only. The mirrors cost one float32 copy of the shard
+    per worker.
 
     Failures: each worker is served by a receiving thread that waits at most
     ``worker_timeout`` seconds for the worker's next request after the last
@@ -120,8 +123,9 @@ class ParameterServer:
             unwrapped: the server keeps its own residuals); default
             ``Int8Quantizer()`` when ``compress_pull``.
         on_worker_failure: ``"continue"`` or ``"fail"``.
-        worker_timeout: seconds a worker may stay silent (> 0). It must
-            exceed a worker's compute time per step.
+        worker_timeout: seconds a worker may stay silent (> 0), counted from
+            the server's last reply to it (or from :meth:`serve`'s start for
+            its first request). It must exceed a worker's compute time per step.
         checkpoint_dir: directory of the checkpoint files (None: no checkpoints).
         checkpoint_every: also checkpoint every this many versions (0: only at the end).
         resume: load ``checkpoint_dir``'s checkpoint of this server if it exists.
@@ -244,8 +248,9 @@ class ParameterServer:
             for p in self.peers.values():
                 p.stop = True
                 p.may_receive.set()
-            for t in threads:
-                t.join(timeout=2.0)
+            deadline = time.monotonic() + 2.0
+            for t in threads:  # all have returned unless serve() is failing
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
             if self.checkpoint_dir is not None:
                 self.save_checkpoint()
         if self._failure is not None:
@@ -414,8 +419,6 @@ class ParameterServer:
     def _decode_push(self, data) -> dict[str, torch.Tensor]:
         """Bundle bytes -> ``{name: float32 gradient on device}``, validating all
         payloads before any is used."""
-        from gradcomp.wire import decode
-
         if data is None:
             raise _Rejected("payload")
         try:
@@ -476,8 +479,8 @@ class ParameterServer:
         self._sum = {}
         self._contributors.clear()
         self._apply(grads, 0)
-        for p in self.peers.values():
-            if p.status == "active" and p.deferred is not None and p.deferred.aux <= self.version:
+        for p in self.peers.values():  # every deferred pull was waiting for this step
+            if p.status == "active" and p.deferred is not None:
                 self._answer_pull(p, p.deferred)
 
     def _on_pull(self, peer: _Peer, h: P.Header) -> None:

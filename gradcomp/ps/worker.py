@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -158,11 +159,14 @@ class Worker:
             ProtocolError / PayloadError: a server answered malformed bytes.
         """
         self._check_open()
+        t0 = time.perf_counter()
         try:
             return self._pull()
         except BaseException:
             self._broken = True
             raise
+        finally:
+            self.meter.record_time(time.perf_counter() - t0, "pull")
 
     def _pull(self) -> dict[str, torch.Tensor]:
         for s, dst in enumerate(self.servers):
@@ -219,11 +223,14 @@ class Worker:
             raise RuntimeError("call pull() before the first push(): a gradient is stamped with the "
                                "version of the parameters it was computed from")
         grads = self._gradients(gradients)
+        t0 = time.perf_counter()
         try:
             return self._push(grads)
         except BaseException:
             self._broken = True
             raise
+        finally:
+            self.meter.record_time(time.perf_counter() - t0, "push")
 
     def _push(self, grads: dict[str, torch.Tensor]) -> PushResult:
         stamped = list(self.versions)

@@ -12,6 +12,24 @@ Modules: :mod:`~gradcomp.train.data` (split, sharding), :mod:`~gradcomp.train.mo
 :mod:`~gradcomp.train.async_` (per-rank loops), :mod:`~gradcomp.train.study` (the grid),
 :mod:`~gradcomp.train.report` (table, JSON, CSV, PNG), :mod:`~gradcomp.train.command` (CLI).
 
+Command line (``gradcomp train`` or ``python -m gradcomp.train``)::
+
+    gradcomp train                                   # the default study, both modes
+    gradcomp train --mode sync --algorithm two_phase --compressors int8,topk-int8-ef
+    gradcomp train --workers 8 --steps 400 --out results/
+
+Multi-host through ``torchrun``: when ``RANK`` and ``WORLD_SIZE`` are set,
+every process is one rank of that job instead of launching local processes.
+Run one mode per job: sync uses every rank as a worker, async makes rank 0
+the parameter server and the other ranks workers (``--workers`` defaults to
+what the job holds). Rank 0 prints the table and writes the results::
+
+    # two hosts, two processes each: 4 sync workers (run on both hosts)
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST0:29500 -m gradcomp.train --mode sync
+    # one server + 4 workers
+    torchrun --standalone --nproc-per-node 5 -m gradcomp.train --mode async
+
 Importing this package is light: torch.distributed, scikit-learn, rich and
 matplotlib load when a study runs.
 """

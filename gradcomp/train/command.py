@@ -1,22 +1,14 @@
 """``gradcomp train``: the traffic / accuracy study on the command line.
 
 With no arguments it runs the default study: scikit-learn's digits, an MLP
-64-512-256-10, 4 local worker processes, sync (DDP + gradcomp hook) and async
+64-384-256-10, 4 local worker processes, sync (DDP + gradcomp hook) and async
 (parameter server) training with every compressor of
 :data:`~gradcomp.train.config.DEFAULT_COMPRESSORS`, then prints a table and
 writes ``results.json``, ``results.csv`` and ``results.png`` to ``--out``.
+Under ``torchrun`` each process is one rank of the job (see :mod:`gradcomp.train`).
 
-Multi-host: start the same command under ``torchrun``; every process is then
-one rank of that job instead of launching local processes. Sync mode needs
-``--workers`` ranks, async mode ``--workers + 1`` (rank 0 is the parameter
-server), so run one mode per job::
-
-    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d \\
-        --rdzv-endpoint HOST:29500 -m gradcomp.train --mode sync --workers 4
-    torchrun --nnodes 1 --nproc-per-node 5 --standalone \\
-        -m gradcomp.train --mode async --workers 4
-
-Rank 0 prints the table and writes the results.
+Exit status: 0 done; 2 a wrong option or settings that cannot work together;
+1 a failed rank (its traceback is printed), a timeout or a missing dependency.
 """
 
 from __future__ import annotations
@@ -70,8 +62,9 @@ def _compressor_list(text: str) -> tuple[str, ...]:
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the study's options to ``p``."""
     d = TrainConfig()
-    p.add_argument("--workers", type=_positive_int, default=d.workers,
-                   help=f"data-parallel workers (default {d.workers}; async adds a server process)")
+    p.add_argument("--workers", type=_positive_int, default=None,
+                   help=f"data-parallel workers (default {d.workers}; async adds a server process; "
+                        "under torchrun: WORLD_SIZE for sync, WORLD_SIZE - 1 for async)")
     p.add_argument("--mode", choices=(*MODES, "both"), default="both",
                    help="sync (DDP + compressed allreduce hook), async (parameter server) "
                         "or both (default)")
@@ -106,19 +99,44 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+DESCRIPTION = ("Train on scikit-learn's digits with every compressor, sync and async, and report "
+               "wire bytes, traffic reduction and accuracy against the uncompressed baseline. "
+               "With no options: the default study.")
+EPILOG = ("Under torchrun (RANK and WORLD_SIZE set) each process runs as one rank of the job, "
+          "one mode per job: sync with WORLD_SIZE workers, async with 1 server + WORLD_SIZE - 1 "
+          "workers.")
+
+
 def build_parser(prog: str = "gradcomp train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="Train on scikit-learn's digits with every compressor, sync and async, "
-                    "and report wire bytes, traffic reduction and accuracy against the "
-                    "uncompressed baseline.",
-        epilog="Under torchrun (RANK and WORLD_SIZE set) each process runs as one rank of the "
-               "job; sync needs WORKERS ranks, async WORKERS + 1.")
-    return add_arguments(p)
+    """The parser of ``gradcomp train`` / ``python -m gradcomp.train``."""
+    return add_arguments(argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG))
+
+
+def _workers(args: argparse.Namespace) -> int:
+    """``--workers``, checked against (or, if absent, taken from) torchrun's world size.
+
+    Raises:
+        ValueError: ``--mode both`` under torchrun, or a worker count the job cannot hold.
+    """
+    from gradcomp.train.study import in_torchrun
+
+    if not in_torchrun():
+        return args.workers if args.workers is not None else TrainConfig().workers
+    world = int(os.environ["WORLD_SIZE"])
+    if args.mode == "both":
+        raise ValueError("under torchrun run one mode per job: --mode sync (WORLD_SIZE workers) or "
+                         "--mode async (1 server + WORLD_SIZE - 1 workers)")
+    expected = world if args.mode == "sync" else world - 1
+    if expected < 1:
+        raise ValueError(f"async mode needs at least 2 ranks (1 server + workers), the job has {world}")
+    if args.workers is not None and args.workers != expected:
+        raise ValueError(f"--workers {args.workers} does not fit this torchrun job of {world} ranks: "
+                         f"{args.mode} mode with {world} ranks has {expected} workers")
+    return expected
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
-    return TrainConfig(workers=args.workers, steps=args.steps, batch_size=args.batch_size,
+    return TrainConfig(workers=_workers(args), steps=args.steps, batch_size=args.batch_size,
                        lr=args.lr, momentum=args.momentum, seed=args.seed,
                        algorithm=args.algorithm, eval_every=args.eval_every,
                        threshold=args.threshold, timeout=args.timeout)
@@ -154,22 +172,27 @@ class _Bars:
 def run(args: argparse.Namespace) -> int:
     """Run the study described by parsed ``args``; returns the exit status."""
     from rich.console import Console
+    from rich.markup import escape
 
     from gradcomp.launch import WorkerError
     from gradcomp.train import report
     from gradcomp.train.study import in_torchrun, run_study
 
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def fail(message: str, status: int) -> int:
+        err.print("[bold red]gradcomp train: error:[/]", escape(message))
+        return status
+
     try:
         cfg = _config(args)
     except ValueError as e:
-        print(f"gradcomp train: error: {e}", file=sys.stderr)
-        return 2
+        return fail(str(e), 2)
     modes = MODES if args.mode == "both" else (args.mode,)
     lead = not in_torchrun() or os.environ.get("RANK") == "0"
     console = Console(quiet=not lead)
     if not console.is_terminal:
         console = Console(quiet=not lead, width=max(console.width, 100))
-    err = Console(stderr=True)
     t0 = time.perf_counter()
     try:
         if args.no_progress or not lead:
@@ -178,12 +201,12 @@ def run(args: argparse.Namespace) -> int:
             with _Bars(console, cfg.steps) as bars:
                 study = run_study(cfg, modes, args.compressors, on_progress=bars)
     except WorkerError as e:
-        err.print(f"[bold red]gradcomp train: a worker failed[/] (rank {e.rank}):", highlight=False)
         print(e.traceback, file=sys.stderr)
-        return 1
-    except (TimeoutError, ImportError, ValueError, RuntimeError) as e:
-        err.print(f"[bold red]gradcomp train: error:[/] {type(e).__name__}: {e}", highlight=False)
-        return 1
+        return fail(f"rank {e.rank} failed (its traceback is above); the study stopped", 1)
+    except ValueError as e:  # settings that cannot work together (workers only raise WorkerError)
+        return fail(str(e), 2)
+    except (TimeoutError, ImportError, RuntimeError) as e:
+        return fail(f"{type(e).__name__}: {e}", 1)
     if lead:
         paths = report.write_all(study, args.out)
         console.print(report.title(study), highlight=False)

@@ -112,15 +112,15 @@ class TrainConfig:
     """
 
     workers: int = 4
-    steps: int = 400
-    batch_size: int = 32
-    lr: float = 0.05
+    steps: int = 250
+    batch_size: int = 64
+    lr: float = 0.1
     momentum: float = 0.9
     seed: int = 0
     hidden: tuple[int, ...] = field(default=DEFAULT_HIDDEN)
     test_fraction: float = 0.25
     algorithm: str = "ring"
-    eval_every: int = 20
+    eval_every: int = 10
     threshold: float | None = None
     timeout: float = 600.0
 

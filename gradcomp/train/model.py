@@ -9,8 +9,8 @@ from torch import nn
 
 __all__ = ["make_model", "num_parameters", "evaluate", "DEFAULT_HIDDEN"]
 
-#: Hidden widths of the default model: 64-512-256-10, 165,642 parameters.
-DEFAULT_HIDDEN = (512, 256)
+#: Hidden widths of the default model: 64-384-256-10, 126,090 parameters.
+DEFAULT_HIDDEN = (384, 256)
 
 
 def make_model(seed: int, hidden: Sequence[int] = DEFAULT_HIDDEN, in_features: int = 64,

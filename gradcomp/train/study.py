@@ -19,9 +19,18 @@ initialisation, the first batch of the data order). At step 1 threshold+ef
 therefore keeps as many entries as top-k 1%; later its density follows the
 gradients (and the residuals error feedback accumulates).
 
-Local runs use :func:`gradcomp.launch.launch` (one process per rank, gloo, one
-torch thread each); under ``torchrun`` the current process is one rank of the
-job and the runs reuse its process group.
+Sync runs are deterministic (one torch thread per rank, a fixed ring order).
+Async runs are not bit-reproducible: the server applies pushes in the order
+they arrive, which the operating system's scheduling decides; the seed fixes
+everything else.
+
+Processes: each mode is one :func:`gradcomp.launch.launch` of local
+processes (gloo, one torch thread each) that runs the mode's compressors one
+after the other, every run starting afresh (model, optimizer, compressor
+state, meter); only the processes and their process group are reused, which
+spares the start-up cost per run. Under ``torchrun`` the current process is
+one rank of the job and every run uses the job's process group. ``wall_s`` is
+the training loop alone (the slowest rank's), start-up excluded.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from gradcomp.meter import TrafficMeter
 from gradcomp.train.async_ import async_world_size, train_async_rank
 from gradcomp.train.common import RankLog, counted_bytes
 from gradcomp.train.config import COMPRESSORS, MODES, TOPK_RATIO, TrainConfig
-from gradcomp.train.data import Digits, load_digits_split, worker_batches
+from gradcomp.train.data import Digits, load_digits_split, steps_per_epoch, worker_batches
 from gradcomp.train.model import make_model, num_parameters
 from gradcomp.train.sync import train_sync_rank
 
@@ -282,7 +291,8 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
         on_run: called with each finished run.
 
     Raises:
-        ValueError: an unknown mode or compressor.
+        ValueError: an unknown mode or compressor; a global batch larger than
+            the training set.
         gradcomp.launch.WorkerError: a rank failed (its traceback is attached).
         TimeoutError: a run exceeded ``cfg.timeout``.
     """
@@ -295,28 +305,39 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
         if c not in COMPRESSORS:
             raise ValueError(f"unknown compressor {c!r}; allowed: {','.join(COMPRESSORS)}")
     data = load_digits_split(cfg.test_fraction, cfg.seed)
+    if steps_per_epoch(len(data.y_train), cfg.workers, cfg.batch_size) < 1:
+        raise ValueError(f"a global batch of {cfg.workers} workers x {cfg.batch_size} samples exceeds "
+                         f"the {len(data.y_train)} training samples")
     if cfg.threshold is None and "threshold-ef" in names:
         cfg = replace(cfg, threshold=calibrate_threshold(cfg, data))
     params = num_parameters(make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes))
     distributed = in_torchrun()
+    own_group = False
     if distributed:
+        import torch.distributed as dist
+
         from gradcomp.launch import init_from_env
 
+        own_group = not dist.is_initialized()
         init_from_env(timeout=cfg.timeout)
     t0 = time.perf_counter()
     runs: list[RunResult] = []
-    for mode in modes:
-        on_step = None
-        if on_progress is not None:
-            def on_step(name, step, _mode=mode):
-                on_progress(_mode, name, step)
-        run = _run_distributed if distributed else _launch_local
-        logs = run(mode, names, cfg, data, on_step)
-        for i, name in enumerate(names):
-            runs.append(summarize(mode, name, cfg, [rank_logs[i] for rank_logs in logs]))
-            compare(runs)
-            if on_run is not None:
-                on_run(runs[-1])
+    try:
+        for mode in modes:
+            on_step = None
+            if on_progress is not None:
+                def on_step(name, step, _mode=mode):
+                    on_progress(_mode, name, step)
+            run = _run_distributed if distributed else _launch_local
+            logs = run(mode, names, cfg, data, on_step)
+            for i, name in enumerate(names):
+                runs.append(summarize(mode, name, cfg, [rank_logs[i] for rank_logs in logs]))
+                compare(runs)
+                if on_run is not None:
+                    on_run(runs[-1])
+    finally:
+        if own_group:
+            dist.destroy_process_group()
     return StudyResult(config=cfg, runs=runs, num_parameters=params,
                        threshold=cfg.threshold if cfg.threshold is not None else float("nan"),
                        train_samples=len(data.y_train), test_samples=len(data.y_test),

@@ -59,7 +59,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         start_iter=0,
         meter=meter,
     )
-    ddp.register_comm_hook(state, lambda st, bucket: compressed_allreduce_hook(st, bucket))
+    ddp.register_comm_hook(state, compressed_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     log = RankLog(rank)
     dist.barrier()

@@ -11,15 +11,9 @@ first use, Triton's interpreter runs the same kernels on CPU tensors (slow:
 for tests only), so every kernel is checked against the reference without a
 GPU.
 
-Choosing between ``cuda`` and ``triton`` for CUDA tensors:
-``registry.PREFERENCE["cuda"]`` lists ``cuda`` before ``triton``; the kernel
-benchmark (``benchmarks/kernels.py``, and the bandwidth/topk timing in
-``benchmarks/gpu_check.sh``) times every backend per op on the same inputs
-(median of repeated runs after warm-up, effective GB/s against a
-device-to-device copy). Where one backend's median is lower by more than the
-run-to-run spread for an op, record the order for that op in
-``registry.CUDA_OP_PREFERENCE``, e.g. ``{"topk": ("triton", "cuda", "reference")}``;
-without a measurement the default order stays.
+For CUDA tensors ``registry.PREFERENCE["cuda"]`` tries ``cuda`` before
+``triton``; how a benchmark measurement may change that per op
+(``registry.CUDA_OP_PREFERENCE``) is described in :mod:`gradcomp.kernels.cuda`.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from gradcomp.kernels.triton._common import device_guard, kernel_view, widen
 # elements per program: large tiles on the GPU, small ones in the interpreter
 # so that tests exercise many programs and the chunk loop of big blocks
 _TILE_GPU, _TILE_CPU = 4096, 512
-_NAN_BITS = 0x7FC00000
+_NAN_BITS = tl.constexpr(0x7FC00000)  # canonical NaN scale of a non-finite block
 
 
 @triton.jit
@@ -61,7 +61,7 @@ def _load_p(x_ptr, r_ptr, offs, mask, KIND: tl.constexpr, EF: tl.constexpr):
     return p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "nblocks", "key"])
 def _quantize_kernel(
     x_ptr, r_ptr, q_ptr, s_ptr, n, nblocks, key,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
@@ -104,7 +104,7 @@ def _quantize_kernel(
             tl.store(r_ptr + offs, p - code.to(tl.float32) * scale[:, None], mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _dequantize_kernel(
     q_ptr, s_ptr, out_ptr, n,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, ADD: tl.constexpr, OUT_BF16: tl.constexpr,

@@ -19,7 +19,7 @@ from gradcomp.kernels.triton._common import device_guard, kernel_view, widen
 _TILE_GPU, _TILE_CPU = 1024, 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "m"])
 def _scatter_add_kernel(acc_ptr, n, idx_ptr, val_ptr, m, KIND: tl.constexpr, TILE: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
     live = i < m

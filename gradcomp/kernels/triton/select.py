@@ -61,7 +61,7 @@ def _key(v, KIND: tl.constexpr, NAN_AS_INF: tl.constexpr):
         return tl.where(b > 0x7F800000, nan_key, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count", "stride", "shift", "hi_mask", "ntiles", "nprog"])
 def _radix_hist_kernel(
     x_ptr, count, stride, state_ptr, hist_ptr, shift, hi_mask, ntiles, nprog,
     KIND: tl.constexpr, NAN_AS_INF: tl.constexpr, TILE: tl.constexpr,
@@ -81,7 +81,7 @@ def _radix_hist_kernel(
     tl.atomic_add(hist_ptr + bins, acc.to(tl.int64), mask=(bins < 256) & (acc > 0), sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["shift"])
 def _radix_pick_kernel(hist_ptr, state_ptr, shift):
     # pick the digit holding the k_rem-th largest key; zero the histogram
     b = tl.arange(0, 256)
@@ -96,7 +96,7 @@ def _radix_pick_kernel(hist_ptr, state_ptr, shift):
     tl.store(hist_ptr + b, tl.zeros([256], tl.int64))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _count_kernel(
     x_ptr, n, state_ptr, gt_ptr, eq_ptr,
     KIND: tl.constexpr, NAN_AS_INF: tl.constexpr, TILE: tl.constexpr,
@@ -111,7 +111,7 @@ def _count_kernel(
     tl.store(eq_ptr + pid, tl.sum((m & (k == t)).to(tl.int32), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _compact_kernel(
     x_ptr, n, state_ptr, gt_base_ptr, eq_base_ptr, idx_ptr, val_ptr,
     KIND: tl.constexpr, NAN_AS_INF: tl.constexpr, TILE: tl.constexpr,

@@ -1,0 +1,363 @@
+"""Allreduce benchmark: gradcomp's compressed collectives against PyTorch's.
+
+Usage::
+
+    gradcomp bench allreduce [--sizes 1048576,4194304,16777216] [--worlds 2,4]
+                             [--repeat 5] [--out DIR] [--quick]
+    python benchmarks/allreduce.py ...
+
+For each world size (ranks started on this host with :func:`gradcomp.launch`,
+gloo over loopback) and each size ``n`` (float32 elements), every rank holds
+``randn(n)`` (seed = rank) and each method averages it across ranks:
+
+* ``torch all_reduce f32``: ``dist.all_reduce`` of the float32 tensor (the baseline);
+* gradcomp :func:`gradcomp.allreduce`: ``none ring`` (float32 on the wire),
+  ``fp16 ring``, ``int8 ring``, ``int8 two_phase``, ``topk1% allgather`` and
+  ``topk1%+int8 allgather`` (top-k values int8-quantized);
+* PyTorch's own DDP communication hooks, called directly on a GradBucket-like
+  object over the same data (the hooks only use ``buffer()``,
+  ``gradients()``, ``index()`` and ``is_last()``): ``fp16_compress_hook``,
+  ``quantization_pertensor_hook`` (uint8 per tensor, by all_gather; its
+  algorithm re-run with its own helpers, as the hook fails on gloo, see
+  :func:`_quantization_pertensor`) and
+  ``powerSGD_hook`` (rank 4, error feedback and warm start on; it sees the
+  data as 1024 x 1024 matrices, like the weight gradients of square linear
+  layers). The data is Gaussian noise, which is not low-rank, so PowerSGD's
+  error here is an upper bound on what it achieves on real gradients, whose
+  spectra decay.
+
+Every method reduces in place into a buffer reset from the data before each
+call (outside the timing), as ``dist.all_reduce`` does, so no method pays for
+allocating an n-element result. Reported per method:
+
+* ``ms``: median over ``--repeat`` calls (after one warm-up; two for PowerSGD,
+  whose first two steps are plain allreduces) of the slowest rank's wall time;
+* ``bytes/rank``: wire bytes rank 0 sent per call: measured by gradcomp's
+  :class:`~gradcomp.TrafficMeter` for gradcomp methods; for torch's
+  collectives (which do not report their traffic) the nominal volume of a ring
+  algorithm: ``2 (N-1)/N * payload`` for all_reduce, ``(N-1) * payload`` for
+  all_gather;
+* ``ratio``: ``2 (N-1)/N * 4 n`` (a float32 ring) over ``bytes/rank``;
+* ``rel_err``: ``||result - exact mean|| / ||exact mean||`` on the first timed
+  call (float64 exact mean).
+
+Results print as a table and, with ``--out DIR``, go to
+``DIR/allreduce.json`` with the machine, kernel backends and settings.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["main", "run", "method_names"]
+
+_MATRIX = 1024  # PowerSGD sees the data as _MATRIX x _MATRIX matrices
+_POWERSGD_RANK = 4
+BASELINE = "torch all_reduce f32"
+
+
+class _Bucket:
+    """The part of ``dist.GradBucket`` that PyTorch's hooks use, over one flat buffer."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self._buffer = buffer
+        n, m = buffer.numel(), _MATRIX * _MATRIX
+        views, off = [], 0
+        while off < n:  # full matrices, then a partial matrix, then a vector tail
+            take = min(m, n - off)
+            rows = take // _MATRIX
+            if rows:
+                views.append(buffer[off:off + rows * _MATRIX].view(rows, _MATRIX))
+                off += rows * _MATRIX
+            else:
+                views.append(buffer[off:])
+                off = n
+        self._views = views
+
+    def buffer(self):
+        return self._buffer
+
+    def gradients(self):
+        return self._views
+
+    def parameters(self):
+        return self._views
+
+    def index(self):
+        return 0
+
+    def is_last(self):
+        return True
+
+    def set_buffer(self, t):
+        self._buffer.copy_(t)
+
+
+def _ring_nbytes(payload: int, world: int) -> int:
+    return 2 * (world - 1) * payload // world
+
+
+def _powersgd_payload(views) -> int:
+    """float32 bytes PowerSGD allreduces per step: P and Q of every matrix, vectors raw."""
+    total = 0
+    for v in views:
+        if v.dim() == 2 and min(v.shape) > _POWERSGD_RANK:
+            total += 4 * _POWERSGD_RANK * (v.shape[0] + v.shape[1])
+        else:
+            total += 4 * v.numel()
+    return total
+
+
+@dataclass
+class Method:
+    """A benchmarked method: ``setup(buf, world) -> call``; ``call()`` reduces ``buf``
+    in place and returns the bytes this rank sent (None: use ``nominal``)."""
+
+    name: str
+    family: str
+    setup: Callable
+    warmup: int = 1
+
+
+def _torch_allreduce(buf, world):
+    def call():
+        buf.div_(world)
+        dist.all_reduce(buf)
+        return _ring_nbytes(4 * buf.numel(), world)
+    return call
+
+
+def _gradcomp(make, algorithm):
+    def setup(buf, world):
+        import gradcomp as gc
+
+        comp = make()
+        meter = gc.TrafficMeter()
+
+        def call():
+            meter.reset()
+            gc.allreduce(buf, comp, algorithm=algorithm, meter=meter, out=buf)
+            return meter.bytes_sent
+        return call
+    return setup
+
+
+def _hook(kind):
+    def setup(buf, world):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        from torch.distributed.algorithms.ddp_comm_hooks import quantization_hooks
+
+        bucket = _Bucket(buf)
+        n = buf.numel()
+        if kind == "fp16":
+            def call():
+                buf.copy_(default_hooks.fp16_compress_hook(None, bucket).wait())
+                return _ring_nbytes(2 * n, world)
+        elif kind == "quant":
+            def call():
+                buf.copy_(_quantization_pertensor(quantization_hooks, buf, world))
+                return (world - 1) * (n + 8)  # uint8 codes plus (scale, zero point) floats
+        else:
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=_POWERSGD_RANK,
+                                                start_powerSGD_iter=2, min_compression_rate=2,
+                                                use_error_feedback=True, warm_start=True, random_seed=0)
+
+            def call():
+                buf.copy_(powerSGD_hook.powerSGD_hook(state, bucket).wait())
+                return _ring_nbytes(_powersgd_payload(bucket.gradients()), world)
+        return call
+    return setup
+
+
+def _quantization_pertensor(qh, tensor, world):
+    """``quantization_pertensor_hook``'s algorithm with its own helpers
+    (``MinMaxObserver`` scale and zero point, ``_quantize_per_tensor_backend``,
+    ``_dequantize_per_tensor_backend``, two all_gathers). The hook itself cannot
+    run on gloo in torch 2.13: it indexes its all_gather future's value as
+    NCCL's nested ``[[t_0, .., t_N-1]]`` while gloo returns ``[t_0, .., t_N-1]``
+    (IndexError: invalid index of a 0-dim tensor)."""
+    observer = torch.ao.quantization.MinMaxObserver().to(tensor.device)
+    observer(tensor)
+    s, z = observer.calculate_qparams()
+    s_and_z = torch.FloatTensor([s, z]).to(tensor.device)
+    all_s_z = [torch.zeros_like(s_and_z) for _ in range(world)]
+    dist.all_gather(all_s_z, s_and_z)
+    rank = dist.get_rank()
+    q = qh._quantize_per_tensor_backend(tensor, all_s_z[rank][0], all_s_z[rank][1])
+    all_q = [torch.zeros_like(q) for _ in range(world)]
+    dist.all_gather(all_q, q)
+    acc = torch.zeros_like(tensor, dtype=torch.float32)
+    for r, qr in enumerate(all_q):
+        acc += qh._dequantize_per_tensor_backend(qr, all_s_z[r][0], all_s_z[r][1])
+    return acc / world
+
+
+def _methods():
+    import gradcomp as gc
+
+    return [
+        Method(BASELINE, "torch", _torch_allreduce),
+        Method("none ring", "gradcomp", _gradcomp(gc.NoCompression, "ring")),
+        Method("fp16 ring", "gradcomp", _gradcomp(gc.FP16, "ring")),
+        Method("int8 ring", "gradcomp", _gradcomp(gc.Int8Quantizer, "ring")),
+        Method("int8 two_phase", "gradcomp", _gradcomp(gc.Int8Quantizer, "two_phase")),
+        Method("topk1% allgather", "gradcomp", _gradcomp(lambda: gc.TopK(ratio=0.01), "allgather")),
+        Method("topk1%+int8 allgather", "gradcomp",
+               _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "allgather")),
+        Method("torch fp16_compress_hook", "torch hook", _hook("fp16")),
+        Method("torch quantization_pertensor_hook", "torch hook", _hook("quant")),
+        Method(f"torch powerSGD_hook rank {_POWERSGD_RANK}", "torch hook", _hook("powersgd"), warmup=2),
+    ]
+
+
+def method_names() -> list[str]:
+    """Names of every benchmarked method, in table order."""
+    return [m.name for m in _methods()]
+
+
+def _bench_worker(rank, world, sizes, repeat, names):
+    rows = []
+    for n in sizes:
+        x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+        exact = x.double()
+        dist.all_reduce(exact)
+        exact /= world
+        norm = float(exact.norm())
+        buf = torch.empty_like(x)
+        for m in _methods():
+            if names and m.name not in names:
+                continue
+            call = m.setup(buf, world)
+            for _ in range(m.warmup):
+                buf.copy_(x)
+                call()
+            times, sent, err = [], None, None
+            for i in range(repeat):
+                buf.copy_(x)
+                dist.barrier()
+                t0 = time.perf_counter()
+                nbytes = call()
+                times.append(time.perf_counter() - t0)
+                if i == 0:
+                    sent = nbytes
+                    err = float((buf.double() - exact).norm()) / norm
+            all_times = [None] * world
+            dist.all_gather_object(all_times, times)
+            slowest = [max(ts[i] for ts in all_times) for i in range(repeat)]
+            raw = _ring_nbytes(4 * n, world)
+            rows.append({"world": world, "numel": n, "method": m.name, "family": m.family,
+                         "median_ms": 1000 * statistics.median(slowest),
+                         "min_ms": 1000 * min(slowest), "bytes_per_rank": sent, "raw_bytes_per_rank": raw,
+                         "compression_ratio": raw / sent if sent else None, "rel_err": err})
+    return rows if rank == 0 else None
+
+
+def run(sizes, worlds, repeat=5, names=None, timeout=3600.0) -> list[dict]:
+    """Run the benchmark; returns one row per (world, size, method).
+
+    Args:
+        sizes: float32 element counts. worlds: rank counts (>= 2).
+        repeat: timed calls per method. names: method names to keep (None: all).
+        timeout: seconds for each world size's run.
+    """
+    from gradcomp.launch import launch
+
+    rows = []
+    for world in worlds:
+        rows += launch(_bench_worker, world, (list(sizes), repeat, names), timeout=timeout)[0]
+    for r in rows:
+        base = next(b for b in rows if b["world"] == r["world"] and b["numel"] == r["numel"]
+                    and b["method"] == BASELINE)
+        r["speedup_vs_f32"] = base["median_ms"] / r["median_ms"]
+    return rows
+
+
+def _table(rows) -> str:
+    head = f"{'world':>5} {'numel':>9} {'method':<38} {'ms':>9} {'x f32':>6} {'MiB/rank':>9} {'ratio':>7} {'rel_err':>9}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ratio = f"{r['compression_ratio']:.2f}" if r["compression_ratio"] else "-"
+        lines.append(f"{r['world']:>5} {r['numel']:>9} {r['method']:<38} {r['median_ms']:>9.1f} "
+                     f"{r['speedup_vs_f32']:>6.2f} {r['bytes_per_rank'] / 2**20:>9.3f} {ratio:>7} "
+                     f"{r['rel_err']:>9.2e}")
+    return "\n".join(lines)
+
+
+def _int(text: str) -> int:
+    base, _, exp = text.strip().partition("**")
+    return int(base) ** int(exp) if exp else int(base)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [_int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers (2**20 allowed), got {text!r}")
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def main(argv=None) -> int:
+    """Command line entry point (``gradcomp bench allreduce``); returns the exit status."""
+    p = argparse.ArgumentParser(prog="gradcomp bench allreduce", description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=_ints, help="one size in float32 elements (overrides --sizes)")
+    p.add_argument("--sizes", type=_ints, default=[2**20, 2**22, 2**24],
+                   help="comma-separated sizes in float32 elements (default 2**20,2**22,2**24)")
+    p.add_argument("--worlds", type=_ints, default=[2, 4], help="comma-separated rank counts (default 2,4)")
+    p.add_argument("--repeat", type=int, default=5, help="timed calls per method (default 5)")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated method names to run (default: all); see the table for names")
+    p.add_argument("--out", default=None, help="directory for allreduce.json")
+    p.add_argument("--quick", action="store_true", help="size 2**20, world 2, 3 repeats")
+    args = p.parse_args(argv)
+    sizes = args.size if args.size else args.sizes
+    worlds, repeat = args.worlds, args.repeat
+    if args.quick:
+        sizes, worlds, repeat = [2**20], [2], 3
+    if repeat < 1:
+        p.error("--repeat must be >= 1")
+    if min(worlds) < 2:
+        p.error("--worlds must be >= 2 (a world of one sends nothing)")
+    names = [s.strip() for s in args.methods.split(",")] if args.methods else None
+    if names:
+        unknown = sorted(set(names) - set(method_names()))
+        if unknown:
+            p.error(f"unknown --methods {unknown}; choose from {method_names()}")
+
+    import gradcomp as gc
+
+    backends = gc.kernels.available_backends()
+    config = {
+        "sizes": sizes, "worlds": worlds, "repeat": repeat, "transport": "gloo over loopback",
+        "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "threads_per_rank": int(os.environ.get("GRADCOMP_WORKER_THREADS", "1")),
+        "kernel_backends": {k: ("usable" if v is None else v) for k, v in backends.items()},
+        "native_cpu_kernels": backends.get("cpu") is None,
+    }
+    print(f"gradcomp allreduce benchmark: worlds {worlds}, sizes {sizes}, {repeat} repeats; "
+          f"CPU kernels: {'native (gradcomp._C)' if config['native_cpu_kernels'] else 'reference (torch)'}",
+          flush=True)
+    rows = run(sizes, worlds, repeat, names)
+    print(_table(rows))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "allreduce.json")
+        with open(path, "w") as f:
+            json.dump({"config": config, "results": rows}, f, indent=1)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

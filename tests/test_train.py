@@ -1,0 +1,194 @@
+"""The training study (gradcomp.train): data order, model, settings, and small
+real studies on local processes whose bytes are checked against the wire-size
+formulas."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import math
+
+import pytest
+import torch
+
+from gradcomp.comm import chunk_bounds
+from gradcomp.launch import WorkerError
+from gradcomp.ps import protocol as P
+from gradcomp.train import command
+from gradcomp.train.config import COMPRESSORS, DEFAULT_COMPRESSORS, TrainConfig, parse_compressors
+from gradcomp.train.data import load_digits_split, steps_per_epoch, worker_batches
+from gradcomp.train.model import make_model, num_parameters
+from gradcomp.train.study import _launch_local, calibrate_threshold
+from gradcomp.wire import dense_nbytes
+
+
+# ---- pieces ------------------------------------------------------------------------
+def test_digits_split_is_stratified_and_held_out():
+    d = load_digits_split(0.25, seed=0)
+    assert d.x_train.shape == (1347, 64) and d.x_test.shape == (450, 64)
+    assert d.x_train.dtype == torch.float32 and d.y_train.dtype == torch.int64
+    train_counts = torch.bincount(d.y_train, minlength=10).float()
+    test_counts = torch.bincount(d.y_test, minlength=10).float()
+    assert torch.allclose(test_counts / 450, train_counts / 1347, atol=0.01)
+    again = load_digits_split(0.25, seed=0)
+    assert torch.equal(d.x_test, again.x_test)
+
+
+def test_worker_batches_partition_each_global_batch_and_repeat():
+    n, workers, bs, steps = 100, 3, 8, 10  # 4 global batches per epoch
+    per_rank = [list(worker_batches(n, workers, r, bs, seed=5, steps=steps)) for r in range(workers)]
+    assert all(len(b) == steps for b in per_rank)
+    for step in range(steps):
+        together = torch.cat([per_rank[r][step] for r in range(workers)])
+        assert together.unique().numel() == workers * bs  # disjoint within a step
+    epoch0 = torch.cat([per_rank[r][s] for s in range(4) for r in range(workers)])
+    assert epoch0.unique().numel() == 4 * workers * bs  # no repeat inside an epoch
+    again = list(worker_batches(n, workers, 1, bs, seed=5, steps=steps))
+    assert all(torch.equal(a, b) for a, b in zip(again, per_rank[1]))
+    other = list(worker_batches(n, workers, 1, bs, seed=6, steps=steps))
+    assert not all(torch.equal(a, b) for a, b in zip(other, per_rank[1]))
+    assert steps_per_epoch(n, workers, bs) == 4
+    with pytest.raises(ValueError, match="exceeds"):
+        next(worker_batches(10, 2, 0, 8, seed=0, steps=1))
+
+
+def test_default_model_has_at_least_100k_parameters_and_is_seeded():
+    m = make_model(0)
+    assert num_parameters(m) == 64 * 384 + 384 + 384 * 256 + 256 + 256 * 10 + 10 >= 100_000
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), make_model(0).parameters()))
+    assert not torch.equal(next(m.parameters()), next(make_model(1).parameters()))
+
+
+def test_compressor_menu():
+    assert parse_compressors("int8, topk-ef,int8") == ("int8", "topk-ef")
+    with pytest.raises(ValueError, match="allowed: none,fp16,bf16"):
+        parse_compressors("int8,lz4")
+    with pytest.raises(ValueError, match="no compressor"):
+        parse_compressors(" , ")
+    assert set(DEFAULT_COMPRESSORS) <= set(COMPRESSORS)
+    for name, choice in COMPRESSORS.items():
+        c = choice.build(threshold=1e-3)
+        assert c.sparse == choice.sparse, name
+        assert choice.error_feedback == name.endswith("-ef")
+    with pytest.raises(ValueError, match="threshold"):
+        COMPRESSORS["threshold-ef"].build(None)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="workers"):
+        TrainConfig(workers=0)
+    with pytest.raises(ValueError, match="algorithm"):
+        TrainConfig(algorithm="allgather")
+    with pytest.raises(ValueError, match="momentum"):
+        TrainConfig(momentum=1.0)
+
+
+def test_threshold_calibration_keeps_one_percent_of_the_first_gradient():
+    cfg = TrainConfig(workers=2, batch_size=16)
+    tau = calibrate_threshold(cfg)
+    data = load_digits_split(cfg.test_fraction, cfg.seed)
+    model = make_model(cfg.seed)
+    idx = next(worker_batches(len(data.y_train), 2, 0, 16, cfg.seed, 1))
+    torch.nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
+    g = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).abs()
+    kept = int((g >= tau).sum())
+    assert kept == math.ceil(0.01 * g.numel())
+
+
+# ---- real runs ------------------------------------------------------------------------
+def _int8_ring_bytes_per_rank(numel: int, world: int) -> float:
+    """Mean bytes a rank sends in one int8 ring allreduce of ``numel`` float32
+    elements: in the reduce-scatter every chunk but its own, in the allgather
+    every chunk but the next rank's, each as one int8 payload."""
+    lens = [hi - lo for lo, hi in chunk_bounds(numel, world)]
+    wire = [dense_nbytes("int8", (c,)) for c in lens]
+    total = sum(sum(wire) - wire[r] + sum(wire) - wire[(r + 1) % world] for r in range(world))
+    return total / world
+
+
+def _int8_ps_bytes_per_worker(shapes, steps: int) -> float:
+    """Mean bytes a parameter-server worker moves per step with int8 push and
+    pull: each step a push (+ its reply) and a pull (+ the compressed delta);
+    one full float32 pull first, one last pull after the last push, and DONE."""
+    h = P.HEADER_NBYTES
+    int8_bundle = 8 * (1 + len(shapes)) + sum(dense_nbytes("int8", s) for s in shapes)
+    push = steps * (h + int8_bundle + h)
+    pulls = (steps + 1) * h + (h + P.raw_bundle_nbytes(shapes)) + steps * (h + int8_bundle)
+    return (push + pulls + h) / steps
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory):
+    """Both modes, 2 workers, none + int8, through the command line."""
+    out = tmp_path_factory.mktemp("study")
+    argv = ["--workers", "2", "--compressors", "int8", "--steps", "24", "--eval-every", "6",
+            "--out", str(out), "--no-progress"]
+    terminal = io.StringIO()
+    with contextlib.redirect_stdout(terminal):
+        assert command.main(argv) == 0
+    return out, terminal.getvalue()
+
+
+@pytest.mark.slow
+def test_study_writes_table_json_csv_png(tiny_study):
+    out, terminal = tiny_study
+    for header in ("mode", "compressor", "bytes/worker/step", "reduction", "saved", "test acc",
+                   "gap (pp)", "wall (s)"):
+        assert header in terminal
+    assert "MLP 64-384-256-10 (126,090 params), 2 workers x batch 64, 24 steps" in terminal
+    assert terminal.count("int8") >= 2 and "results.png" in terminal
+    doc = json.loads((out / "results.json").read_text())
+    assert [(r["mode"], r["compressor"]) for r in doc["runs"]] == [
+        ("sync", "none"), ("sync", "int8"), ("async", "none"), ("async", "int8")]
+    assert doc["model"]["parameters"] == num_parameters(make_model(0))
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["name"] for r in rows] == ["none", "int8", "none", "int8"]
+    assert float(rows[1]["reduction_x"]) == pytest.approx(doc["runs"][1]["reduction_x"], abs=0.01)
+    png = (out / "results.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    for r in doc["runs"]:
+        assert r["test_accuracy"] > 0.3  # chance is 0.1
+        assert len(r["losses"]) == 24 and r["marks"] == [6, 12, 18, 24]
+        assert r["bytes_at_marks"] == sorted(r["bytes_at_marks"])
+        assert r["wall_s"] > 0
+
+
+@pytest.mark.slow
+def test_study_bytes_match_the_wire_formulas(tiny_study):
+    doc = json.loads((tiny_study[0] / "results.json").read_text())
+    runs = {(r["mode"], r["compressor"]): r for r in doc["runs"]}
+    model = make_model(0)
+    n = num_parameters(model)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+
+    sync_none, sync_int8 = runs["sync", "none"], runs["sync", "int8"]
+    # the whole model is one DDP bucket, compressed from the first step
+    assert sync_int8["bytes_per_worker_per_step"] == _int8_ring_bytes_per_rank(n, 2)
+    raw_ring = 2 * (2 - 1) / 2 * 4 * n
+    assert sync_int8["raw_bytes_per_worker_per_step"] == raw_ring
+    assert sync_none["bytes_per_worker_per_step"] == pytest.approx(raw_ring, rel=1e-3)
+    assert 3.9 < sync_int8["reduction_x"] < 4.0
+    assert sync_int8["reduction_x"] == pytest.approx(
+        sync_none["bytes_per_worker_per_step"] / sync_int8["bytes_per_worker_per_step"])
+    assert sync_int8["reduction_pct"] == pytest.approx(100 * (1 - 1 / sync_int8["reduction_x"]))
+
+    async_none, async_int8 = runs["async", "none"], runs["async", "int8"]
+    assert async_int8["bytes_per_worker_per_step"] == pytest.approx(
+        _int8_ps_bytes_per_worker(shapes, 24))
+    assert async_int8["raw_bytes_per_worker_per_step"] == pytest.approx(
+        async_none["bytes_per_worker_per_step"])
+    assert 3.5 < async_int8["reduction_x"] < 3.94
+    phases = async_int8["meter"]["phases"]
+    assert set(phases) == {"push", "pull"}
+    assert phases["pull"]["bytes_received"] < phases["pull"]["raw_bytes_received"] / 3
+
+
+@pytest.mark.slow
+def test_a_failing_worker_stops_the_study_with_its_error():
+    cfg = TrainConfig(workers=2, steps=2, timeout=60)
+    data = load_digits_split(cfg.test_fraction, cfg.seed)
+    with pytest.raises(WorkerError, match="KeyError: 'no-such-codec'"):
+        _launch_local("sync", ["no-such-codec"], cfg, data, None)
