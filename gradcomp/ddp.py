@@ -17,7 +17,10 @@ How a bucket is reduced:
 * before step ``start_iter`` and for buckets under ``min_compress_numel``
   elements: a plain averaged ``all_reduce`` (exact, like DDP's default);
 * afterwards: :func:`gradcomp.allreduce` with the state's compressor and
-  algorithm, ``op="avg"``, and this rank's error-feedback residuals.
+  algorithm, ``op="avg"``, in place in the bucket buffer, with this rank's
+  error-feedback residuals (see :mod:`gradcomp.comm.local` for where they
+  apply: to the data a rank compresses alone; data a rank adds exactly takes
+  its residual along and the residual resets).
 
 The hook returns at once. Compression and the collective run on one
 background thread per state (FIFO: buckets are reduced in the order DDP
@@ -35,12 +38,15 @@ in the bucket's memory order for that parameter, so channels_last parameters
 work), never per bucket: DDP's bucket rebuild after the first step,
 ``find_unused_parameters``, ``static_graph``, ``gradient_as_bucket_view``,
 gradient accumulation under ``no_sync`` and several DDP models (one state
-each) all keep each residual with its parameter. Memory: at most one float32
-value per model parameter element. A parameter's key is its ordinal in the
-order the hook first sees it (bucket order of the first step, which depends
-only on the model and the DDP settings); that key is what survives pickling.
+each) all keep each residual with its parameter. Memory: one float32 value
+per parameter element (a parameter's residual is a view into a flat tensor
+per bucket, reused as is while the bucket layout does not change). A
+parameter's key is its ordinal in the order the hook first sees it (bucket
+order of the first step, which depends only on the model and the DDP
+settings); that key is what survives pickling, so restore a pickled state
+into the same model with the same DDP settings. Buckets with a dtype other
+than float32, float16 or bfloat16 raise TypeError.
 """
-
 
 import datetime
 import functools
@@ -272,8 +278,9 @@ class GradCompState:
             raise RuntimeError("gradcomp: an earlier bucket of this GradCompState failed; the process "
                                f"group may be out of step: {self._failure!r}") from self._failure
         try:
-            if ready is not None:
-                ready.synchronize()
+            if buf.is_cuda:  # a new thread starts on device 0; NCCL needs the bucket's device
+                torch.cuda.set_device(buf.device)
+                ready.synchronize()  # the gradients are written
             if compress:
                 self._reduce_compressed(buf, segments)
             else:

@@ -1,7 +1,14 @@
 import os
 
-import pytest
-from hypothesis import HealthCheck, settings
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors; it
+# must be chosen before Triton is first imported by any test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile(
     "ci",

@@ -44,7 +44,8 @@ DENSE = {
 SPARSE = {
     "topk": lambda: gc.TopK(ratio=0.05),
     "topk_int8": lambda: gc.TopK(ratio=0.05, values=gc.Int8Quantizer(block_size=32)),
-    "threshold": lambda: gc.Threshold(1.5),
+    "threshold": lambda: gc.Threshold(1.5),  # keeps a different count on every rank
+    "threshold_empty": lambda: gc.Threshold(1e30),  # keeps nothing anywhere
 }
 RELATIVE_STEP = {"none": 2.0**-23, "fp16": 2.0**-11, "bf16": 2.0**-8}
 

@@ -1,7 +1,7 @@
 """The Triton backend (gradcomp/kernels/triton/) against the reference, bit for bit.
 
 Without a GPU the kernels run in Triton's interpreter on CPU tensors
-(``TRITON_INTERPRET=1``, set when this module is imported, before Triton is;
+(``TRITON_INTERPRET=1``, set by conftest.py or when this module is imported, before Triton is;
 restored when its tests are done). With a CUDA device (and ``TRITON_INTERPRET`` not set to 1)
 the same tests run compiled on CUDA tensors, plus larger sizes; those are
 marked ``gpu``. The reference is always evaluated on the CPU.
@@ -191,7 +191,9 @@ def test_topk(dtype):
     x = _data(2500, dtype, seed=7)
     x[100:160] = 0.75  # a run of ties across the k-th element
     xd = x.to(DEVICE)
-    for k in (0, 1, 37, 300, 2499, 2500):
+    a = x.float().abs()
+    k_tie = int(((a > 0.75) | a.isnan()).sum()) + 30  # keeps half of the tied run
+    for k in (0, 1, 37, k_tie, 2499, 2500):
         _assert_selection(K.topk(xd, k, backend="triton"), R.topk(x, k), f"topk k={k}")
 
 
@@ -225,7 +227,7 @@ def test_approx_topk(dtype):
 def test_approx_topk_strided_sample():
     # n > 4096 and k > 400 n / 4096: the threshold comes from every 4th element
     x = _data(20000, torch.float32, seed=11)
-    for k in (2000, 3000):
+    for k in (2000,):
         assert R.approx_topk_sample_size(20000, k) < 20000
         _assert_selection(K.approx_topk(x.to(DEVICE), k, backend="triton"), R.approx_topk(x, k), f"k={k}")
 

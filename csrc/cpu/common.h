@@ -190,10 +190,11 @@ static inline typename E::Key sel_key(typename E::Key raw) {
 
 // a + b as PyTorch's CPU addition computes it, NaN payloads included: when b
 // is NaN the result is b (quieted), whatever a is; otherwise a + b.
+// (Integer select so that GCC vectorises loops of it.)
 static inline float add_like_torch(float a, float b) {
-    const float r = a + b;
-    const uint32_t bb = f32_bits(b);
-    return (bb & 0x7FFFFFFFu) > 0x7F800000u ? bits_f32(bb | 0x400000u) : r;
+    const uint32_t rb = f32_bits(a + b), bb = f32_bits(b);
+    const uint32_t b_nan = 0u - uint32_t((bb & 0x7FFFFFFFu) > 0x7F800000u);  // all ones if b is NaN
+    return bits_f32(((bb | 0x400000u) & b_nan) | (rb & ~b_nan));
 }
 
 // ---------------------------------------------------------------------------

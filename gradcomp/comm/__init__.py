@@ -86,7 +86,8 @@ def allreduce(
     Every rank ends bit-identical because each chunk's final value is the
     decompression of one set of bytes that every rank (its owner included)
     decodes the same way. With ``group`` of size 1 the result is a copy of
-    ``tensor`` (the compressor is not called, no byte is sent).
+    ``tensor`` (the compressor is not called, no byte is sent, error-feedback
+    state is left as it is).
 
     Error feedback (what a rank remembers is the error of compressing its
     *own* data alone; partial and final sums are compressed without it; see

@@ -11,6 +11,11 @@ float32 in rank order: ``acc = 0; for src in 0..N-1: acc[idx_src] += val_src``,
 then divides by ``N`` for ``avg``. Every rank applies the same operations to
 the same bytes in the same order, so results are bit-identical.
 
+Traffic: the meter records the real payload bytes per message and, once per
+call in phase ``"allgather"``, the raw bytes of a float32 ring allreduce of the
+same tensor (:func:`gradcomp.comm.chunks.ring_raw_bytes`); the sizes exchange
+has no raw equivalent.
+
 The point-to-point ring is used rather than ``dist.all_gather`` because gloo's
 uint8 all_gather measured slower at world 4 than a float32 all_reduce of four
 times the bytes.

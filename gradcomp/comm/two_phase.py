@@ -13,6 +13,10 @@ payloads in each phase.
 
 Error feedback applies to each chunk ``j != rank`` (residual key
 ``(key, j)``; see :mod:`gradcomp.comm.local`).
+
+Error: each rank's data is quantized once on its own and the sum once more,
+so with int8 ``|error| <= 2 * 0.52 * A_b / 127`` per element of the sum (see
+:mod:`gradcomp.comm.ring` for ``A_b``), against the ring's ``N * ...``.
 """
 
 from __future__ import annotations

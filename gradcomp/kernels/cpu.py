@@ -92,14 +92,21 @@ def get_num_threads() -> int:
 
 
 # ---------------------------------------------------------------------------
-# tensor <-> numpy views
+# tensor <-> numpy views (kept to a few cheap tensor calls: they are the
+# whole per-call overhead on small inputs)
+
+_TWO_BYTE = (torch.float16, torch.bfloat16)
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type != "cpu":
-        raise ValueError(f"the cpu backend needs CPU tensors, got one on {t.device}")
-    return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
+def _flat(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a flat contiguous CPU tensor without autograd history."""
+    if not t.is_cpu:
+        raise ValueError(f"the cpu backend needs CPU tensors, got {name} on {t.device}")
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def _dtype_name(name: str, t: torch.Tensor) -> str:
@@ -113,24 +120,33 @@ def _dtype_name(name: str, t: torch.Tensor) -> str:
 
 def _np(t: torch.Tensor):
     """numpy view of a flat contiguous CPU tensor (2-byte floats as int16)."""
-    if t.dtype in (torch.float16, torch.bfloat16):
+    if t.dtype in _TWO_BYTE:
         t = t.view(torch.int16)
     return t.numpy()
 
 
-def _out_view(name: str, t: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    if t.dtype != dtype or t.numel() != numel or t.device.type != "cpu" or not t.is_contiguous():
+def _out_np(name: str, t: torch.Tensor, dtype: torch.dtype | None, numel: int):
+    """numpy view of an output tensor written in place (dtype None: any float dtype)."""
+    if (
+        (dtype is not None and t.dtype != dtype)
+        or t.numel() != numel
+        or not t.is_cpu
+        or not t.is_contiguous()
+    ):
+        want = "" if dtype is None else f"{dtype} "
         raise ValueError(
-            f"{name} must be a contiguous CPU {dtype} tensor of {numel} elements, "
+            f"{name} must be a contiguous CPU {want}tensor of {numel} elements, "
             f"got {t.dtype} with {t.numel()} elements on {t.device}"
         )
-    return t.detach().view(-1)
+    if t.requires_grad:
+        t = t.detach()
+    return _np(t if t.dim() == 1 else t.view(-1))
 
 
 def _selection(idx, val, dtype: torch.dtype):
     i = torch.from_numpy(idx)
     v = torch.from_numpy(val)
-    if dtype in (torch.float16, torch.bfloat16):
+    if dtype in _TWO_BYTE:
         v = v.view(dtype)
     return i, v
 
@@ -188,7 +204,7 @@ def quantize_int8_ef(
     Returns:
         ``(q, scales)`` as :func:`quantize_int8`.
     """
-    res = _out_view("residual", residual, torch.float32, x.numel())
+    res = _out_np("residual", residual, torch.float32, x.numel())
     return _quantize(x, res, block_size, rounding, seed, counter, out_q, out_scales)
 
 
@@ -197,19 +213,17 @@ def _quantize(x, residual, block_size, rounding, seed, counter, out_q, out_scale
         raise ValueError(f"rounding must be one of ('nearest', 'stochastic'), got {rounding!r}")
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    xf = _flat(x)
+    xf = _flat("x", x)
     name = _dtype_name("x", xf)
     n = xf.numel()
     nb = -(-n // block_size)
     q = out_q if out_q is not None else torch.empty(n, dtype=torch.int8)
     s = out_scales if out_scales is not None else torch.empty(nb, dtype=torch.float32)
-    qv = _out_view("out_q", q, torch.int8, n)
-    sv = _out_view("out_scales", s, torch.float32, nb)
     stochastic = rounding == "stochastic"
     key = _ref.stream_key(seed, counter) if stochastic else 0
     _native().quantize_int8(
-        _np(xf), name, block_size, stochastic, key, qv.numpy(), sv.numpy(),
-        None if residual is None else residual.numpy(),
+        _np(xf), name, block_size, stochastic, key,
+        _out_np("out_q", q, torch.int8, n), _out_np("out_scales", s, torch.float32, nb), residual,
     )
     return q, s
 
@@ -230,15 +244,11 @@ def dequantize_int8(
     Returns:
         float32 ``[n]``, or ``out``.
     """
-    qf, sf = _flat(q), _flat(scales)
+    qf, sf = _flat("q", q), _flat("scales", scales)
     n = qf.numel()
-    if out is None:
-        dst = torch.empty(n, dtype=torch.float32)
-        result = dst
-    else:
-        dst = _out_view("out", out, out.dtype, n)
-        result = out
-    _native().dequantize_int8(qf.numpy(), sf.numpy(), block_size, _np(dst), _dtype_name("out", dst))
+    result = out if out is not None else torch.empty(n, dtype=torch.float32)
+    name = _dtype_name("out", result)
+    _native().dequantize_int8(qf.numpy(), sf.numpy(), block_size, _out_np("out", result, None, n), name)
     return result
 
 
@@ -253,9 +263,9 @@ def dequantize_int8_add_(
     Returns:
         acc.
     """
-    qf, sf = _flat(q), _flat(scales)
-    av = _out_view("acc", acc, torch.float32, qf.numel())
-    _native().dequantize_int8_add(av.numpy(), qf.numpy(), sf.numpy(), block_size)
+    qf, sf = _flat("q", q), _flat("scales", scales)
+    av = _out_np("acc", acc, torch.float32, qf.numel())
+    _native().dequantize_int8_add(av, qf.numpy(), sf.numpy(), block_size)
     return acc
 
 
@@ -267,7 +277,7 @@ def topk(x: torch.Tensor, k: int):
         ``(indices, values)``: ascending int32 indices (int64 when n >= 2**31)
         and the values there in x's dtype; ``min(k, n)`` of them.
     """
-    xf = _flat(x)
+    xf = _flat("x", x)
     idx, val = _native().topk(_np(xf), _dtype_name("x", xf), int(k))
     return _selection(idx, val, xf.dtype)
 
@@ -279,7 +289,7 @@ def threshold(x: torch.Tensor, tau: float):
     Returns:
         ``(indices, values)`` as :func:`topk`.
     """
-    xf = _flat(x)
+    xf = _flat("x", x)
     idx, val = _native().threshold(_np(xf), _dtype_name("x", xf), float(tau))
     return _selection(idx, val, xf.dtype)
 
@@ -298,7 +308,7 @@ def approx_topk(x: torch.Tensor, k: int):
     Returns:
         ``(indices, values)`` as :func:`topk`.
     """
-    xf = _flat(x)
+    xf = _flat("x", x)
     n = xf.numel()
     k = max(0, min(int(k), n))
     s = min(_ref.approx_topk_sample_size(n, k), _APPROX_MAX_SAMPLE)
@@ -322,9 +332,9 @@ def scatter_add_(acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor)
     Raises:
         ValueError: an index outside ``[0, acc.numel())`` (acc is left unchanged).
     """
-    av = _out_view("acc", acc, torch.float32, acc.numel())
-    ix, vf = _flat(indices), _flat(values)
+    av = _out_np("acc", acc, torch.float32, acc.numel())
+    ix, vf = _flat("indices", indices), _flat("values", values)
     if ix.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"indices must have dtype in (int32, int64), got {ix.dtype}")
-    _native().scatter_add(av.numpy(), ix.numpy(), _np(vf), _dtype_name("values", vf))
+    _native().scatter_add(av, ix.numpy(), _np(vf), _dtype_name("values", vf))
     return acc

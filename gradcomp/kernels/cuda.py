@@ -59,10 +59,10 @@ _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([A-Za-z0-9_.]+)"[ \t]*$', r
 
 
 def source_dirs() -> list[Path]:
-    """Where the .cu files are looked for, in order: the installed package copy,
-    then the source checkout."""
+    """Where the .cu files are looked for, in order: the source checkout (so an
+    edited csrc/cuda/ always wins over a stale copy), then the installed package copy."""
     here = Path(__file__).resolve()
-    return [here.parent.parent / "_cuda_src", here.parents[2] / "csrc" / "cuda"]
+    return [here.parents[2] / "csrc" / "cuda", here.parent.parent / "_cuda_src"]
 
 
 def source_dir() -> Path | None:

@@ -1,7 +1,7 @@
 """Kernel backend registry: one schema per op, one implementation per backend.
 
 A backend is a module that exposes ``unavailable_reason() -> str | None``,
-the device types it serves (``DEVICES``) and some of the ops in :data:`OPS`
+``devices()`` (the device types it serves) and some of the ops in :data:`OPS`
 as functions with the reference signatures (see ``reference.py``). Backend
 modules are imported on first use only, so ``import gradcomp`` stays light.
 

@@ -1,7 +1,10 @@
 """Async mode: training through gradcomp's parameter server (1 server + W workers).
 
 Rank 0 is the server: it holds the parameters and applies every pushed
-gradient on arrival with SGD (momentum, the study's learning rate). Ranks
+gradient on arrival with SGD (the study's momentum, learning rate
+``lr / workers``: a round of one push per worker then moves the parameters as
+far as one sync step, which averages the same gradients, so both modes spend
+the same learning-rate budget per sample). Ranks
 ``1..W`` are workers: each step a worker pulls the parameters, computes the
 gradient of its own batch (the same data order as the sync mode) and pushes
 it. Pushes and pulls are both compressed in the compressed runs: pushes with
@@ -69,7 +72,8 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         compressor=choice.build(cfg.threshold) if compressed else NoCompression(),
         error_feedback=choice.error_feedback,
         compress_pull=compressed,
-        optimizer=functools.partial(torch.optim.SGD, lr=cfg.lr, momentum=cfg.momentum),
+        optimizer=functools.partial(torch.optim.SGD, lr=cfg.lr / cfg.workers,
+                                    momentum=cfg.momentum),
         on_worker_failure="fail", worker_timeout=WORKER_TIMEOUT_S, timeout=cfg.timeout)
 
     models: list[nn.Module] = []

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 
 from gradcomp.train.config import (ALGORITHMS, DEFAULT_COMPRESSORS, MODES, TrainConfig,
@@ -169,6 +171,11 @@ class _Bars:
         self.progress.update(self.tasks[key], completed=step)
 
 
+def _interrupt(signum, frame):
+    """SIGTERM: unwind like Ctrl-C, so that the ranks are stopped too."""
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the study described by parsed ``args``; returns the exit status."""
     from rich.console import Console
@@ -194,12 +201,16 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:
         console = Console(quiet=not lead, width=max(console.width, 100))
     t0 = time.perf_counter()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         if args.no_progress or not lead:
             study = run_study(cfg, modes, args.compressors)
         else:
             with _Bars(console, cfg.steps) as bars:
                 study = run_study(cfg, modes, args.compressors, on_progress=bars)
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
     except WorkerError as e:
         print(e.traceback, file=sys.stderr)
         return fail(f"rank {e.rank} failed (its traceback is above); the study stopped", 1)

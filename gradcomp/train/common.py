@@ -52,7 +52,7 @@ class RankLog:
     meter: dict = field(default_factory=dict)
     wall_s: float = 0.0
     extra: dict = field(default_factory=dict)
-    _t0: float = 0.0
+    _t0: float = field(default=0.0, repr=False)
 
     def start(self) -> None:
         self._t0 = time.perf_counter()

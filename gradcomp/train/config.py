@@ -101,7 +101,8 @@ class TrainConfig:
         workers: data-parallel workers (in async mode a parameter server comes on top).
         steps: optimizer steps per run; every worker computes one batch per step.
         batch_size: samples per worker per step (global batch = workers x batch_size).
-        lr: SGD learning rate; momentum: SGD momentum.
+        lr: SGD learning rate of a sync step (async: each push is applied with
+            ``lr / workers``, see :mod:`gradcomp.train.async_`); momentum: SGD momentum.
         seed: model initialisation, data split and data order.
         hidden: hidden-layer widths of the MLP.
         test_fraction: share of the digits held out for testing.

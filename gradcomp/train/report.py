@@ -6,11 +6,12 @@ import csv
 import json
 import math
 import os
+import textwrap
 from dataclasses import asdict
 
 from gradcomp.train.study import RunResult, StudyResult
 
-__all__ = ["table", "write_json", "write_csv", "write_plot", "write_all", "format_bytes"]
+__all__ = ["title", "table", "write_json", "write_csv", "write_plot", "write_all"]
 
 #: Columns of the table and the CSV: (CSV field, table header).
 COLUMNS = (
@@ -25,16 +26,8 @@ COLUMNS = (
 )
 
 
-def format_bytes(n: float) -> str:
-    """``n`` bytes with a binary unit (B, KiB, MiB, GiB)."""
-    for unit in ("B", "KiB", "MiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.2f} GiB"
-
-
 def _row(r: RunResult) -> dict:
+    """The CSV row of a run (rounded figures)."""
     return {
         "mode": r.mode,
         "compressor": r.label,
@@ -52,8 +45,9 @@ def title(study: StudyResult) -> str:
     c = study.config
     return (f"digits ({study.train_samples} train / {study.test_samples} test), "
             f"MLP {'-'.join(map(str, (64, *c.hidden, 10)))} ({study.num_parameters:,} params), "
-            f"{c.workers} workers x batch {c.batch_size}, {c.steps} steps, lr {c.lr:g}, "
-            f"seed {c.seed}, sync dense: {c.algorithm}")
+            f"{c.workers} workers x batch {c.batch_size}, {c.steps} steps, SGD lr {c.lr:g} "
+            f"(async: {c.lr / c.workers:.3g} per push) momentum {c.momentum:g}, seed {c.seed}, "
+            f"sync dense algorithm: {c.algorithm}")
 
 
 def table(study: StudyResult):
@@ -63,14 +57,11 @@ def table(study: StudyResult):
     t = Table()
     for _, header in COLUMNS:
         t.add_column(header, justify="left" if header in ("mode", "compressor") else "right")
-    prev_mode = None
-    for r in study.runs:
-        row = _row(r)
-        if prev_mode is not None and r.mode != prev_mode:
+    for i, r in enumerate(study.runs):
+        if i and r.mode != study.runs[i - 1].mode:
             t.add_section()
-        prev_mode = r.mode
         t.add_row(
-            row["mode"], row["compressor"], f"{r.bytes_per_worker_per_step:,.0f}",
+            r.mode, r.label, f"{r.bytes_per_worker_per_step:,.0f}",
             f"{r.reduction_x:.2f}x", f"{r.reduction_pct:.1f}%", f"{100 * r.test_accuracy:.2f}%",
             f"{r.accuracy_gap_pp:+.2f}", f"{r.wall_s:.1f}")
     return t
@@ -114,42 +105,36 @@ def write_csv(study: StudyResult, path: str) -> None:
 
 
 def write_plot(study: StudyResult, path: str) -> None:
-    """A PNG: per mode, test accuracy against cumulative bytes sent per worker
-    (log scale) and the training loss against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """A PNG: per mode, test accuracy against the cumulative bytes per worker
+    (log scale; sync: sent, async: pushed + pulled; async accuracy is worker
+    0's replica) and the training loss (mean over workers) against the step."""
+    from matplotlib.figure import Figure
 
     modes = list(dict.fromkeys(r.mode for r in study.runs))
-    fig, axes = plt.subplots(len(modes), 2, figsize=(12, 4.2 * len(modes)), squeeze=False)
-    for row, mode in zip(axes, modes):
-        acc_ax, loss_ax = row
-        for r in (r for r in study.runs if r.mode == mode):
+    fig = Figure(figsize=(12, 4.2 * len(modes) + 0.4))
+    axes = fig.subplots(len(modes), 2, squeeze=False)
+    for (acc_ax, loss_ax), mode in zip(axes, modes):
+        runs = [r for r in study.runs if r.mode == mode]
+        for r in runs:
             acc_ax.plot([max(b, 1.0) / 2**20 for b in r.bytes_at_marks],
                         [100 * a for a in r.accuracy_at_marks], marker=".", label=r.label)
             loss_ax.plot(range(1, len(r.losses) + 1), _smooth(r.losses), label=r.label, lw=1)
-        acc_ax.set_xscale("log")
-        acc_ax.set_xlabel("cumulative MiB sent per worker (log)")
-        acc_ax.set_ylabel("test accuracy (%)")
-        acc_ax.set_title(f"{mode}: test accuracy vs traffic")
-        acc_ax.grid(True, which="both", alpha=0.3)
-        loss_ax.set_yscale("log")
-        loss_ax.set_xlabel("step")
-        loss_ax.set_ylabel("training loss (mean over workers, smoothed)")
-        loss_ax.set_title(f"{mode}: training loss")
-        loss_ax.grid(True, which="both", alpha=0.3)
-        acc_ax.legend(fontsize=8)
-        loss_ax.legend(fontsize=8)
-        lo = min((min(r.accuracy_at_marks) for r in study.runs if r.mode == mode), default=0)
-        acc_ax.set_ylim(max(0.0, 100 * lo - 2), 100)
-    fig.suptitle(title(study), fontsize=9)
+        moved = "sent" if mode == "sync" else "pushed + pulled"
+        acc_ax.set(xscale="log", xlabel=f"cumulative MiB {moved} per worker (log)",
+                   ylabel="test accuracy (%)", title=f"{mode}: test accuracy vs traffic",
+                   ylim=(max(0.0, min(100 * min(r.accuracy_at_marks) for r in runs) - 2), 100))
+        loss_ax.set(yscale="log", xlabel="step", ylabel="training loss (smoothed over 10 steps)",
+                    title=f"{mode}: training loss, mean over workers")
+        for ax in (acc_ax, loss_ax):
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle("\n".join(textwrap.wrap(title(study), 150)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _smooth(xs: list[float], window: int = 10) -> list[float]:
+    """Trailing moving average over ``window`` values."""
     out, acc = [], 0.0
     for i, x in enumerate(xs):
         acc += x

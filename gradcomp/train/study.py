@@ -115,7 +115,6 @@ class StudyResult:
     train_samples: int
     test_samples: int
     wall_s: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 def in_torchrun() -> bool:
@@ -155,6 +154,16 @@ class _Tagged:
         self.q.put((self.compressor, step))
 
 
+class _Relay:
+    """A queue-like ``put((compressor, step))`` that calls ``fn(compressor, step)`` in place."""
+
+    def __init__(self, fn: Callable[[str, int], None]):
+        self.fn = fn
+
+    def put(self, item: tuple[str, int]) -> None:
+        self.fn(*item)
+
+
 def mode_rank(rank: int, world_size: int, mode: str, cfg: TrainConfig, compressors: list[str],
               data: Digits, progress=None) -> list[RankLog]:
     """Run every compressor of one mode, one after the other, as ``rank`` of an
@@ -189,16 +198,23 @@ def _launch_local(mode: str, compressors: list[str], cfg: TrainConfig, data: Dig
         except BaseException as e:  # re-raised in the calling thread
             box["error"] = e
 
+    before = set(mp.active_children())
     thread = threading.Thread(target=target, name=f"gradcomp-train-{mode}", daemon=True)
     thread.start()
-    while thread.is_alive():
-        if progress is None:
-            thread.join(0.2)
-            continue
-        try:
-            on_step(*progress.get(timeout=0.1))
-        except queue.Empty:
-            pass
+    try:
+        while thread.is_alive():
+            if progress is None:
+                thread.join(0.2)
+                continue
+            try:
+                on_step(*progress.get(timeout=0.1))
+            except queue.Empty:
+                pass
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM): stop this launch's ranks too
+        for p in set(mp.active_children()) - before:
+            p.kill()
+        thread.join(10)
+        raise
     thread.join()
     if progress is not None:
         while True:
@@ -223,13 +239,8 @@ def _run_distributed(mode: str, compressors: list[str], cfg: TrainConfig, data: 
     if world != expected:
         raise ValueError(f"{mode} mode with {cfg.workers} workers needs {expected} ranks, "
                          f"the job has {world}")
-
-    class _Local:
-        def put(self, item):
-            on_step(*item)
-
     logs = mode_rank(rank, world, mode, cfg, compressors, data,
-                     _Local() if on_step is not None else None)
+                     _Relay(on_step) if on_step is not None else None)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, logs)
     return everyone

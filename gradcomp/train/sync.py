@@ -8,9 +8,12 @@ with a compressed collective (``ring`` or ``two_phase`` for dense codecs,
 hook and transport with :class:`~gradcomp.NoCompression`, so its bytes are
 measured the same way.
 
-The hook compresses from the first step (``start_iter=0``): every counted step
-moves compressed bytes, and the baseline's are raw float32 bytes of the same
-transport, so the traffic ratio compares like with like.
+The hook compresses every bucket from the first step (``start_iter=0``,
+``min_compress_numel=0``; the default model fits in one DDP bucket): every
+counted step moves compressed bytes, and the baseline's are raw float32 bytes
+of the same transport, so the traffic ratio compares like with like. (The
+hook's default ``start_iter=2`` would send the first two steps as plain
+allreduces, counted in the meter's ``"plain_allreduce"`` phase.)
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         min_compress_numel=0,
         start_iter=0,
         meter=meter,
+        timeout=cfg.timeout,
     )
     ddp.register_comm_hook(state, compressed_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)

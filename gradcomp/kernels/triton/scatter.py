@@ -10,7 +10,6 @@ unspecified; without duplicates the result matches the reference bit for bit.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
