@@ -73,6 +73,7 @@ def _extensions():
         Pybind11Extension(
             "gradcomp._C",
             sources,
+            depends=sorted(glob.glob(os.path.join("csrc", "cpu", "*.h"))),  # rebuild on header edits
             cxx_std=17,
             extra_compile_args=cflags,
             extra_link_args=lflags,

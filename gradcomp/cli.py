@@ -24,6 +24,7 @@ BENCH_TARGETS = ("kernels", "allreduce")
 
 
 def build_parser(prog: str = "gradcomp") -> argparse.ArgumentParser:
+    """The ``gradcomp`` parser: ``--version`` and the ``train`` / ``bench`` subcommands."""
     from gradcomp import __version__
     from gradcomp.train.command import DESCRIPTION, EPILOG, add_arguments
 
@@ -49,6 +50,7 @@ def build_parser(prog: str = "gradcomp") -> argparse.ArgumentParser:
 
 
 def _bench(target: str, argv: list[str]) -> int:
+    """Import ``gradcomp.bench.<target>`` now and return its ``main(argv)``'s status."""
     module = f"gradcomp.bench.{target}"
     try:
         mod = importlib.import_module(module)

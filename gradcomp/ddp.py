@@ -300,7 +300,8 @@ class GradCompState:
             if r is not None and r.numel() == n:
                 buf[off:off + n].add_(r.to(buf.dtype))
         buf.div_(world)
-        dist.all_reduce(buf, group=group, async_op=True).wait(timeout=datetime.timedelta(seconds=self.timeout))
+        work = dist.all_reduce(buf, group=group, async_op=True)
+        work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         if self.meter is not None and world > 1:
             rs, ag, rs_in, ag_in = ring_raw_bytes(buf.numel(), world, dist.get_rank(group))
             scale = buf.element_size() / 4
@@ -369,7 +370,9 @@ class GradCompState:
                 f"start_iter={self.start_iter}, iter={self.iter})")
 
 
-def compressed_allreduce_hook(state: GradCompState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def compressed_allreduce_hook(
+    state: GradCompState, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket's gradients with compression.
 
     Returns at once; the bucket is reduced on the state's communication thread

@@ -10,7 +10,6 @@ the parameters must be bit-identical across ranks and finite.
 
 import pickle
 
-import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -249,7 +248,8 @@ class _Exploding(gc.Int8Quantizer):
 def _failing(rank, ranks):
     torch.manual_seed(3)
     model = DDP(_Net())
-    state = GradCompState(compressor=_Exploding(ranks, after=6), min_compress_numel=0, start_iter=1, timeout=3)
+    state = GradCompState(compressor=_Exploding(ranks, after=6), min_compress_numel=0, start_iter=1,
+                          timeout=3)
     model.register_comm_hook(state, compressed_allreduce_hook)
     try:
         _train(rank, [model], 20, loss_allreduce=False)

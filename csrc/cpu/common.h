@@ -233,7 +233,8 @@ static inline uint32_t mix32(uint32_t x) {
 
 // ---------------------------------------------------------------------------
 // threads: one setting for the whole module, used by every parallel region
-// (0 = the OpenMP default, i.e. OMP_NUM_THREADS or the number of cores).
+// (0 = omp_get_max_threads() of the calling thread: OMP_NUM_THREADS, all
+// cores, or what torch.set_num_threads chose when PyTorch shares the runtime).
 
 extern std::atomic<int> g_num_threads;
 

@@ -244,7 +244,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("values_dtype"),
           "acc[indices[j]] += values[j] in order; ValueError if an index is outside [0, acc.size).");
     m.def("set_num_threads", &py_set_num_threads, py::arg("n"),
-          "Threads for every kernel of this module (0 = the OpenMP default: OMP_NUM_THREADS or all cores).");
+          "Threads for every kernel of this module (0 = omp_get_max_threads(), the OpenMP default).");
     m.def("get_num_threads", &max_threads, "Threads the kernels of this module use now.");
     m.def("build_info", &build_info, "Compile-time features of this build (OpenMP, F16C, AVX2, ...).");
 }

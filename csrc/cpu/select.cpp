@@ -34,6 +34,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -119,8 +120,8 @@ inline bool passes(typename E::Key raw, typename E::Key lim) {
 // Bit j of the result is passes(x[j], lim), j < 32.
 template <class E>
 inline uint32_t pass_mask32(const typename E::Key* x, typename E::Key lim) {
-    using K = typename E::Key;
 #ifdef __AVX2__
+    using K = typename E::Key;
     if (lim == 0) return 0xFFFFFFFFu;
     if constexpr (sizeof(K) == 4) {
         const __m256i absm = _mm256_set1_epi32(int32_t(E::ABS)), thr = _mm256_set1_epi32(int32_t(lim - 1));
@@ -411,7 +412,9 @@ typename E::Key threshold_key(double tau) {
     if constexpr (std::is_same_v<E, F64>) {
         return tau > 0 ? K(f64_bits(tau)) : K(0);
     } else {
-        const float t = static_cast<float>(tau);
+        // tau rounded to float32 (nearest even; from FLT_MAX + ulp/2 up it is +Inf)
+        const float t = tau >= 0x1.ffffffp+127 ? std::numeric_limits<float>::infinity()
+                                               : static_cast<float>(tau);
         if (!(t > 0)) return K(0);
         if constexpr (std::is_same_v<E, F32>) {
             return K(f32_bits(t));

@@ -282,7 +282,8 @@ def run(sizes, worlds, repeat=5, names=None, timeout=3600.0) -> list[dict]:
 
 
 def _table(rows) -> str:
-    head = f"{'world':>5} {'numel':>9} {'method':<38} {'ms':>9} {'x f32':>6} {'MiB/rank':>9} {'ratio':>7} {'rel_err':>9}"
+    head = (f"{'world':>5} {'numel':>9} {'method':<38} {'ms':>9} {'x f32':>6} {'MiB/rank':>9} "
+            f"{'ratio':>7} {'rel_err':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = f"{r['compression_ratio']:.2f}" if r["compression_ratio"] else "-"

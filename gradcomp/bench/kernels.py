@@ -134,34 +134,38 @@ def build_parser(prog: str = "gradcomp bench kernels") -> argparse.ArgumentParse
         description="Time the compression kernels of every backend usable here against "
                     "memory copy, the PyTorch reference (eager and torch.compile), torch.topk "
                     "and bitsandbytes; print a table and write JSON.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--size", type=parse_size, default=None,
-                   help="a single size (elements); overrides --sizes")
+                   help="a single size in elements (overrides --sizes)")
     p.add_argument("--sizes", type=lambda s: _list(s, parse_size), default=None,
                    help="comma-separated sizes in elements, e.g. 2**16,2**20,2**24 "
-                        "(default 2**16,2**20,2**24; with --quick 2**16,2**20)")
-    p.add_argument("--dtypes", type=_list, default=["float32"],
-                   help=f"comma-separated input dtypes from {', '.join(DTYPES)}")
-    p.add_argument("--ops", type=_list, default=list(OPS), help="comma-separated ops")
-    p.add_argument("--threads", type=_list, default=["1", "all"],
-                   help="comma-separated thread settings: a number or 'all'")
+                        "(default: 2**16,2**20,2**24; with --quick: 2**16,2**20)")
+    p.add_argument("--dtypes", type=_list, default="float32",
+                   help=f"comma-separated input dtypes from {', '.join(DTYPES)} (default: float32)")
+    p.add_argument("--ops", type=_list, default=",".join(OPS),
+                   help="comma-separated ops (default: all)")
+    p.add_argument("--threads", type=_list, default="1,all",
+                   help="comma-separated thread settings, a number or 'all' (default: 1,all)")
     p.add_argument("--repeat", type=int, default=None,
-                   help="timed rounds per case (default 7; 3 with --quick); slow cases stop "
-                        "after --budget seconds once 3 rounds are done")
-    p.add_argument("--budget", type=float, default=2.0, help="seconds per case after 3 rounds")
-    p.add_argument("--densities", type=lambda s: _list(s, float), default=[0.01, 0.001],
-                   help="k / n for topk, approx_topk, threshold, scatter_add_")
-    p.add_argument("--block-size", type=int, default=256, help="quantization block size")
-    p.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic"))
-    p.add_argument("--compile-ops", type=_list, default=list(DEFAULT_COMPILE_OPS),
-                   help="ops whose reference is also timed under torch.compile ('all' or 'none')")
+                   help="timed rounds per case (default: 7; with --quick: 3); a case stops "
+                        "early once 3 rounds are done and --budget seconds have passed")
+    p.add_argument("--budget", type=float, default=2.0,
+                   help="seconds per case after which rounds stop, 3 at least (default: 2)")
+    p.add_argument("--densities", type=lambda s: _list(s, float), default="0.01,0.001",
+                   help="k / n for topk, approx_topk, threshold and scatter_add_ (default: 0.01,0.001)")
+    p.add_argument("--block-size", type=int, default=256, help="quantization block size (default: 256)")
+    p.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic"),
+                   help="rounding of the quantize ops (default: nearest)")
+    p.add_argument("--compile-ops", type=_list, default=",".join(DEFAULT_COMPILE_OPS),
+                   help="ops whose reference is also timed under torch.compile, 'all' or 'none' "
+                        f"(default: {','.join(DEFAULT_COMPILE_OPS)})")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--devices", type=_list, default=None,
-                   help="cpu and/or cuda (default: cpu, plus cuda when available)")
-    p.add_argument("--out", default="bench-results", help="directory for kernels.json")
-    p.add_argument("--quick", action="store_true", help="small sizes, 3 rounds")
-    p.add_argument("--seed", type=int, default=0, help="data seed")
+                   help="cpu and/or cuda (default: cpu, and cuda when a GPU is present)")
+    p.add_argument("--out", default="bench-results",
+                   help="directory for kernels.json (default: bench-results)")
+    p.add_argument("--quick", action="store_true", help="sizes 2**16 and 2**20, 3 rounds")
+    p.add_argument("--seed", type=int, default=0, help="data seed (default: 0)")
     return p
 
 

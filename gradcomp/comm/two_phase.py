@@ -4,9 +4,9 @@ The scatter-reduce-allgather scheme of SparCML (Renggli et al. 2019) and CGX
 (Markov et al. 2022): every rank compresses each chunk ``j != rank`` of its
 own data once and sends it straight to the chunk's owner ``j``. The owner
 keeps its own chunk uncompressed (it never travels, so it is never
-quantized), and sums in float32, in rank order: ``acc = 0; for src in 0..N-1:
-acc += own chunk (src == rank) or decompress(payload from src)``. The
-allgather phase (:func:`gradcomp.comm.dense.share_owned`) compresses that sum
+quantized) and sums in float32: its own chunk, then every other rank's
+decompressed payload in rank order (only the owner computes this sum; every
+rank then uses the owner's compressed bytes of it). The allgather phase (:func:`gradcomp.comm.dense.share_owned`) compresses that sum
 once more, so every element goes through at most two quantizations (the
 ring's ``N``), for the same bytes as the ring: each rank sends ``N - 1`` chunk
 payloads in each phase.
@@ -46,8 +46,9 @@ def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> 
         wire = plan.expect(local.compress(*plan.bounds[j], chunk=j), j)
         sends.append(Message(j, wire, plan.raw_nbytes[j]))
         recvs.append(Message(j, comm.receive_buffer(plan.wire_nbytes[r], wire.device), plan.raw_nbytes[r]))
-    comm.exchange(sends, recvs, "reduce_scatter")
+    transfer = comm.start(sends, recvs, "reduce_scatter")
     lo, hi = plan.bounds[r]
-    acc = local.exact_into(lo, hi, work[lo:hi])
+    acc = local.exact_into(lo, hi, work[lo:hi])  # while the payloads travel
+    transfer.wait()
     for m in recvs:  # in rank order
         plan.compressor.decompress_add_(m.buf, acc)

@@ -2,16 +2,22 @@
 
 The ops take CPU tensors and have the reference signatures
 (:mod:`gradcomp.kernels.reference`), with the same results bit for bit: int8
-codes, scales, residuals and the index sets of ``topk`` / ``threshold``.
-``approx_topk`` uses the reference's strided sample too, and always meets the
-contract (a top set with a kept count in ``[ceil(0.9 k), floor(1.1 k)]``, or
-exactly k).
+codes, scales, residuals, dequantized values and accumulations (NaN bit
+patterns included, as PyTorch's CPU kernels produce them: a non-finite block
+leaves the residual 0x7FC00000; float32 -> bfloat16 writes NaN as 0xFFFF), and
+the index sets of ``topk`` / ``threshold``. ``approx_topk`` draws the
+reference's strided sample (capped at 65536 elements) and always meets its
+contract: a top set with a kept count in ``[ceil(0.9 k), floor(1.1 k)]``, or
+exactly k. One exception to bit-exactness: PyTorch widens a float16 NaN
+with or without its payload depending on the element's position, so
+``scatter_add_`` of float16 NaN values matches it only up to the NaN payload.
 
 Tensors cross into C++ as numpy views without copies: float32/float64 as
 themselves, float16/bfloat16 as int16 views decoded in C++. The kernels run
-with the GIL released on the module's own OpenMP threads; their number is set
-by :func:`set_num_threads` (default: ``OMP_NUM_THREADS`` or all cores). It is
-independent of ``torch.set_num_threads``.
+with the GIL released, in parallel over blocks or chunks with OpenMP. Their
+thread count is :func:`set_num_threads` when set, else ``omp_get_max_threads()``
+(``OMP_NUM_THREADS``, all cores, or what ``torch.set_num_threads`` chose when
+PyTorch and this module share one OpenMP runtime, as with the Linux wheels).
 
 ``gradcomp._C`` is imported on first use, never by ``import gradcomp``. Build
 it with ``python setup.py build_ext --inplace`` (``GRADCOMP_NO_NATIVE=1``
@@ -81,8 +87,8 @@ def devices() -> frozenset[str]:
 
 
 def set_num_threads(n: int) -> None:
-    """Threads used by every native kernel (``0``: the OpenMP default,
-    ``OMP_NUM_THREADS`` or all cores). Independent of ``torch.set_num_threads``."""
+    """Threads used by every native kernel; ``0`` restores the default
+    (``omp_get_max_threads()`` of the calling thread)."""
     _native().set_num_threads(int(n))
 
 

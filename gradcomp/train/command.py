@@ -20,8 +20,8 @@ import sys
 import threading
 import time
 
-from gradcomp.train.config import (ALGORITHMS, DEFAULT_COMPRESSORS, MODES, TrainConfig,
-                                   parse_compressors)
+from gradcomp.train.config import (ALGORITHMS, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
+                                   TrainConfig, parse_compressors)
 
 __all__ = ["add_arguments", "build_parser", "run", "main"]
 
@@ -167,7 +167,8 @@ class _Bars:
     def __call__(self, mode: str, compressor: str, step: int) -> None:
         key = (mode, compressor)
         if key not in self.tasks:
-            self.tasks[key] = self.progress.add_task(f"{mode} {compressor}", total=self.total)
+            label = f"{mode} {COMPRESSORS[compressor].label}"
+            self.tasks[key] = self.progress.add_task(label, total=self.total)
         self.progress.update(self.tasks[key], completed=step)
 
 
