@@ -70,7 +70,8 @@ def _context(start_method: str | None):
     method = start_method or os.environ.get("GRADCOMP_START_METHOD", "forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "gradcomp"])
+        # torch._dynamo: DistributedDataParallel imports it (seconds); load it once, not per run
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "gradcomp"])
     return ctx
 
 

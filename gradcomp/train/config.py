@@ -113,7 +113,7 @@ class TrainConfig:
     """
 
     workers: int = 4
-    steps: int = 250
+    steps: int = 350
     batch_size: int = 64
     lr: float = 0.1
     momentum: float = 0.9
