@@ -125,6 +125,7 @@ def launch(
         p.start()
     out: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+    finished = False
     try:
         while len(out) < world_size:
             try:
@@ -150,10 +151,13 @@ def launch(
             if not ok and rank not in expected_failures:
                 raise WorkerError(rank, val)
             out[rank] = pickle.loads(val) if ok else None
+        finished = True
         return [out[r] for r in range(world_size)]
     finally:
+        # after success the ranks are only tearing down; after a failure the
+        # remaining ranks are killed at once
         for p in procs:
-            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())) if finished else 0)
         for p in procs:
             if p.is_alive():
                 p.kill()
