@@ -14,9 +14,20 @@ ROUNDINGS = ("nearest", "stochastic")
 def tensor(name: str, x, dtypes=FLOAT_DTYPES) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided or x.is_nested:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got "
+                        + ("a nested tensor" if x.is_nested else f"layout {x.layout}"))
     if dtypes is not None and x.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must have dtype in ({allowed}), got {x.dtype}")
+    return x
+
+
+def data_tensor(name: str, x, dtypes=FLOAT_DTYPES) -> torch.Tensor:
+    """:func:`tensor`, and one that holds data (not a meta tensor)."""
+    tensor(name, x, dtypes)
+    if x.is_meta:
+        raise ValueError(f"{name} must hold data, got a meta tensor")
     return x
 
 
@@ -43,6 +54,30 @@ def block_size(v) -> int:
         raise ValueError(
             f"block_size must be a power of two from {MIN_BLOCK} to {MAX_BLOCK}, got {v}"
         )
+    return v
+
+
+#: largest accepted timeout in seconds (about 31 years): gloo's deadline
+#: arithmetic overflows for much larger ones (a wait then never ends or fails at once)
+MAX_TIMEOUT = 1e9
+
+
+def timeout(name: str, v) -> float:
+    """A finite number of seconds in (0, MAX_TIMEOUT]."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {type(v).__name__}")
+    v = float(v)
+    if not 0 < v <= MAX_TIMEOUT:
+        raise ValueError(f"{name} must be > 0 and <= {MAX_TIMEOUT:g} seconds (finite), got {v!r}")
+    return v
+
+
+def backend(v) -> str | None:
+    """None or a known kernel backend name (whether it can run is checked on use)."""
+    from gradcomp.kernels.registry import BACKENDS
+
+    if v is not None and (not isinstance(v, str) or v not in BACKENDS):
+        raise ValueError(f"backend must be None or one of {sorted(BACKENDS)}, got {v!r}")
     return v
 
 

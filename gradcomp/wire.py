@@ -77,6 +77,8 @@ _DTYPE_OF = {v: k for k, v in DTYPES.items()}
 FLAG_STOCHASTIC = 1
 FLAG_INDEX64 = 2
 _MAX_NUMEL = 1 << 48
+#: largest fp16 scale exponent: 2.0 ** e stays finite in float32 / in float64
+_FP16_MAX_EXPONENT = (127, 1023)
 
 
 def header_nbytes(ndim: int) -> int:
@@ -269,6 +271,9 @@ def decode(wire: torch.Tensor, _nested: bool = False) -> Payload:
         raise TypeError(f"wire must be a torch.Tensor of dtype uint8, got {type(wire).__name__}")
     if wire.dtype != torch.uint8:
         raise TypeError(f"wire must have dtype torch.uint8, got {wire.dtype}")
+    if wire.is_meta or wire.layout != torch.strided:
+        raise TypeError("wire must be a dense uint8 tensor holding the bytes, got a "
+                        + ("meta tensor (no data)" if wire.is_meta else f"{wire.layout} tensor"))
     if sys.byteorder != "little":  # pragma: no cover
         raise PayloadError("gradcomp payloads are little-endian; this host is big-endian")
     wire = wire.reshape(-1)
@@ -296,8 +301,13 @@ def decode(wire: torch.Tensor, _nested: bool = False) -> Payload:
         p.data = _view(wire, h, n, dtype)
     elif codec in ("fp16", "bf16"):
         if codec == "fp16":
-            if param > 1100:  # 2**1100 exceeds every float64
-                _fail(f"fp16 exponent {param} out of range [0, 1100]")
+            # an encoder never needs more than ~1008 for float64 (its largest value
+            # over 65504) or 113 for the others (float32's); a larger exponent would
+            # overflow the scale itself (2.0 ** 1024 raises, 2.0 ** 128 is inf in
+            # float32 and turns zeros into NaN)
+            limit = _FP16_MAX_EXPONENT[dtype == torch.float64]
+            if param > limit:
+                _fail(f"fp16 exponent {param} out of range [0, {limit}] for dtype {dtype}")
             p.exponent = param
         expect(h + 2 * n)
         p.data = _view(wire, h, n, torch.float16 if codec == "fp16" else torch.bfloat16)

@@ -55,12 +55,13 @@ inline uint32_t absmax_bits(const float* p, size_t len) {
 
 inline int32_t clamp127(int32_t c) { return c < -127 ? -127 : (c > 127 ? 127 : c); }
 
-// Exact codes, as the reference computes them: y = (p / m) * 127.
+// |p| <= m, so |p / m| <= 1 and |y| <= 127 after the two correctly rounded
+// operations: no clamp needed (the reference's clamp is a no-op here).
 template <bool EF>
 inline void codes_nearest(const float* p, size_t len, float m, float s, int8_t* q, float* res) {
     for (size_t i = 0; i < len; ++i) {
         const float y = (p[i] / m) * 127.0f;
-        const int32_t c = clamp127(static_cast<int32_t>(std::rint(y)));
+        const int32_t c = static_cast<int32_t>(std::rint(y));
         q[i] = static_cast<int8_t>(c);
         if constexpr (EF) res[i] = p[i] - static_cast<float>(c) * s;
     }
@@ -82,53 +83,6 @@ inline void codes_stochastic(const float* p, size_t len, float m, float s, uint3
         q[i] = static_cast<int8_t>(c);
         if constexpr (EF) res[i] = p[i] - static_cast<float>(c) * s;
     }
-}
-
-// Division-free codes, still exact. With |p| <= m and r127 = fl(127 / m),
-// y' = fl(p * r127) is within 127 * (4 * 2**-24 + 2**-48) < 2**-15 of the
-// reference's y = fl(fl(p / m) * 127): each of the four roundings has a
-// relative error <= 2**-24 (subnormal ones, an absolute error <= 2**-149), and
-// |y| <= 127. Hence rint(y') == rint(y) unless y' lies within 2**-15 of a
-// half-integer, and floor(fl(y' + u)) == floor(fl(y + u)) unless fl(y' + u)
-// lies within 2**-15 + 2**-16 of an integer (the two sums add at most two
-// half-ulps of 128). The functions below flag elements within twice those
-// margins (about 1 element in 10**4) and return false if any; the caller then
-// recomputes the tile with the exact division, which is the slow part of the
-// exact loops. Requires 2**-100 <= m (r127 finite and normal).
-constexpr float NEAR_HALF = 0.5f - 0x1p-14f;  // |y' - rint(y')| above this: near a half-integer
-constexpr float NEAR_INT = 0x1p-13f;          // |v' - rint(v')| below this: near an integer
-constexpr float FAST_MIN_M = 0x1p-100f;
-
-template <bool EF>
-inline bool codes_nearest_fast(const float* p, size_t len, float r127, float s, int8_t* q, float* res) {
-    int32_t near = 0;
-    for (size_t i = 0; i < len; ++i) {
-        const float y = p[i] * r127;
-        const float ry = std::rint(y);
-        near |= int32_t(f32_bits(y - ry) & 0x7FFFFFFFu) > int32_t(f32_bits(NEAR_HALF));
-        const int32_t c = clamp127(static_cast<int32_t>(ry));
-        q[i] = static_cast<int8_t>(c);
-        if constexpr (EF) res[i] = p[i] - static_cast<float>(c) * s;
-    }
-    return near == 0;
-}
-
-template <bool EF>
-inline bool codes_stochastic_fast(const float* p, size_t len, float r127, float s, uint32_t first,
-                                  uint32_t key, int8_t* q, float* res) {
-    int32_t near = 0;
-    for (uint32_t i = 0; i < uint32_t(len); ++i) {
-        const uint32_t r = mix32((first + i) ^ key);
-        const float u = static_cast<float>(static_cast<int32_t>(r >> 8)) * 0x1p-24f;
-        const float v = p[i] * r127 + u;
-        const float rv = std::rint(v);
-        const uint32_t d = f32_bits(rv - v);
-        near |= int32_t(d & 0x7FFFFFFFu) < int32_t(f32_bits(NEAR_INT));
-        const int32_t c = clamp127(static_cast<int32_t>(rv) - int32_t(int32_t(d) > 0));
-        q[i] = static_cast<int8_t>(c);
-        if constexpr (EF) res[i] = p[i] - static_cast<float>(c) * s;
-    }
-    return near == 0;
 }
 
 template <class E, bool EF, bool STOCH>
@@ -172,21 +126,15 @@ void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, u
         const float m = bits_f32(mx);
         const float s = m / 127.0f;
         scales[b] = s;
-        const bool fast = m >= FAST_MIN_M;
-        const float r127 = 127.0f / m;
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
             const float* p =
                 len <= tile ? last : load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
             float* r = EF ? res + lo + t : nullptr;
-            if constexpr (STOCH) {
-                const uint32_t first = uint32_t(lo + t);
-                if (!fast || !codes_stochastic_fast<EF>(p, tl, r127, s, first, key, q + lo + t, r))
-                    codes_stochastic<EF>(p, tl, m, s, first, key, q + lo + t, r);
-            } else {
-                if (!fast || !codes_nearest_fast<EF>(p, tl, r127, s, q + lo + t, r))
-                    codes_nearest<EF>(p, tl, m, s, q + lo + t, r);
-            }
+            if constexpr (STOCH)
+                codes_stochastic<EF>(p, tl, m, s, uint32_t(lo + t), key, q + lo + t, r);
+            else
+                codes_nearest<EF>(p, tl, m, s, q + lo + t, r);
         }
     }
 }

@@ -27,7 +27,9 @@ from gradcomp.comm.chunks import chunk_bounds, ring_raw_bytes
 from gradcomp.comm.dense import Plan, share_owned
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
+from gradcomp import _validate as v
 from gradcomp.compressors import Compressor, ErrorFeedback
+from gradcomp.meter import TrafficMeter
 
 __all__ = ["allreduce", "ALGORITHMS", "DENSE_ALGORITHMS", "OPS", "INPUT_DTYPES",
            "DEFAULT_TIMEOUT", "chunk_bounds", "ring_raw_bytes"]
@@ -119,7 +121,7 @@ def allreduce(
         algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"``.
         group: a torch.distributed process group (default: the world).
         meter: optional :class:`~gradcomp.TrafficMeter`.
-        timeout: seconds each exchange may take (> 0).
+        timeout: seconds each exchange may take (> 0, finite, at most 1e9).
         key: residual key prefix for an ErrorFeedback compressor.
         residual: optional contiguous float32 tensor with ``tensor.numel()``
             elements on ``tensor``'s device (not with an ErrorFeedback compressor).
@@ -142,7 +144,7 @@ def allreduce(
         RuntimeError: the transport failed (e.g. a peer died).
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
-    _check_args(tensor, compressor, op, algorithm, timeout, residual, out)
+    _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
     if not dist.is_initialized():
         raise RuntimeError("gradcomp.allreduce needs torch.distributed initialised "
                            "(dist.init_process_group or gradcomp.launch)")
@@ -175,7 +177,7 @@ def allreduce(
     return out
 
 
-def _check_args(tensor, compressor, op, algorithm, timeout, residual, out) -> None:
+def _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter=None) -> None:
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
         raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}"
                         + ("" if not isinstance(tensor, torch.Tensor) else f" with layout {tensor.layout}"))
@@ -198,8 +200,9 @@ def _check_args(tensor, compressor, op, algorithm, timeout, residual, out) -> No
     if algorithm in DENSE_ALGORITHMS and compressor.wire_nbytes((1,), torch.float32) is None:
         raise ValueError(f"algorithm {algorithm!r} needs a compressor with a fixed wire size "
                          f"(wire_nbytes not None), got {compressor!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout > 0:
-        raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    v.timeout("timeout", timeout)
+    if meter is not None and not isinstance(meter, TrafficMeter):
+        raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
     if residual is not None:
         if isinstance(compressor, ErrorFeedback):
             raise ValueError("give either an ErrorFeedback compressor or residual=, not both")

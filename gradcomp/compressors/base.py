@@ -43,9 +43,10 @@ class Compressor:
             tensor on ``t``'s device.
 
         Raises:
-            TypeError: ``t`` is not a floating tensor.
+            TypeError: ``t`` is not a dense floating tensor. ValueError: a meta tensor.
         """
-        v.tensor("t", t)
+        v.data_tensor("t", t)
+        t = t.detach()  # compression is not differentiable: no autograd graph in the payload
         return self._encode(_flat(t), t.dtype, t.shape)
 
     def decompress(self, p: "W.Payload | torch.Tensor") -> torch.Tensor:
@@ -128,7 +129,8 @@ def _check_acc(acc: torch.Tensor, p: W.Payload) -> None:
     if not isinstance(acc, torch.Tensor):
         raise TypeError(f"acc must be a torch.Tensor, got {type(acc).__name__}")
     if acc.dtype != torch.float32 or not acc.is_contiguous():
-        raise ValueError(f"acc must be a contiguous float32 tensor, got {acc.dtype}")
+        raise ValueError(f"acc must be a contiguous float32 tensor, got "
+                         f"{'a non-contiguous ' if not acc.is_contiguous() else ''}{acc.dtype}")
     if acc.numel() != p.numel:
         raise ValueError(f"acc must have {p.numel} elements (the payload's), got {acc.numel()}")
     if acc.device != p.device:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 
 import torch
 
@@ -24,7 +24,7 @@ class ErrorFeedback(Compressor):
     so the sum of everything decompressed plus the final residual equals the sum
     of the inputs (nothing is lost, only delayed). With :class:`Int8Quantizer`
     the three steps run fused in one kernel pass (``quantize_int8_ef``).
-    Residuals are float32, on the tensor's device, shaped like the tensor.
+    Residuals are float32, on the tensor's device, flat (the tensor's numel).
 
     A residual that turns non-finite (NaN/Inf input) is dropped: that key starts
     again from zero and :attr:`nonfinite_resets` counts the event; the payload
@@ -34,8 +34,8 @@ class ErrorFeedback(Compressor):
         compressor: the wrapped compressor (not another ErrorFeedback).
 
     Raises:
-        TypeError / ValueError: bad compressor; a key reused for a tensor of
-            another shape (keys keep residuals of different tensors apart).
+        TypeError / ValueError: bad compressor; a key reused for a tensor with
+            another number of elements (keys keep residuals of different tensors apart).
     """
 
     def __init__(self, compressor: Compressor):
@@ -61,7 +61,8 @@ class ErrorFeedback(Compressor):
             key: identifies the tensor across calls (e.g. a parameter name);
                 ``None`` is a key like any other.
         """
-        v.tensor("t", t)
+        v.data_tensor("t", t)
+        t = t.detach()  # a residual must not hold (and chain) autograd graphs across steps
         x = _flat(t)
         r = self.residuals.get(key)
         if r is None:
@@ -122,9 +123,34 @@ class ErrorFeedback(Compressor):
         }
 
     def load_state_dict(self, state):
-        self.residuals = {k: r.to(torch.float32).clone() for k, r in state["residuals"].items()}
-        self.nonfinite_resets = int(state.get("nonfinite_resets", 0))
+        """Restore what :meth:`state_dict` returned (validated before anything changes).
+
+        Raises:
+            TypeError: ``state`` or its ``"residuals"`` is not a mapping, or a
+                residual is not a floating tensor.
+            ValueError: a residual holds NaN/Inf (a valid state never does).
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping (from state_dict()), got {type(state).__name__}")
+        res = state.get("residuals")
+        if not isinstance(res, Mapping):
+            raise TypeError(f"state['residuals'] must be a mapping of key -> tensor, got {type(res).__name__}")
+        residuals = {}
+        for k, r in res.items():
+            if (not isinstance(r, torch.Tensor) or r.layout != torch.strided
+                    or not torch.is_floating_point(r)):
+                what = f"{r.dtype} tensor" if isinstance(r, torch.Tensor) else type(r).__name__
+                raise TypeError(f"state['residuals'][{k!r}] must be a floating tensor, got a {what}")
+            # residuals are flat (one per key, compared by numel): a shaped one must
+            # not broadcast against the flat input
+            r = r.detach().to(torch.float32).reshape(-1).clone()
+            if not bool(torch.isfinite(r).all()):
+                raise ValueError(f"state['residuals'][{k!r}] holds NaN or Inf")
+            residuals[k] = r
+        resets = v.integer("state['nonfinite_resets']", state.get("nonfinite_resets", 0), 0)
         self.wraps.load_state_dict(state.get("compressor", {}))
+        self.residuals = residuals
+        self.nonfinite_resets = resets
 
     def __repr__(self):
         return f"ErrorFeedback({self.wraps!r})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 
 import torch
 
@@ -48,7 +49,7 @@ class Int8Quantizer(Compressor):
         self.block_size = v.block_size(block_size)
         self.rounding = v.rounding(rounding)
         self.seed = v.integer("seed", seed)
-        self.backend = backend
+        self.backend = v.backend(backend)
         self.counter = 0
         self._lock = threading.Lock()
 
@@ -111,8 +112,17 @@ class Int8Quantizer(Compressor):
         return {"counter": self.counter, "seed": self.seed}
 
     def load_state_dict(self, state):
-        self.counter = int(state["counter"])
-        self.seed = int(state.get("seed", self.seed))
+        """Restore ``counter`` (and ``seed``); a key left out keeps its value.
+
+        Raises:
+            TypeError / ValueError: ``state`` is not a mapping, or a value is not
+                an int (``counter`` >= 0).
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping (from state_dict()), got {type(state).__name__}")
+        counter = v.integer("state['counter']", state.get("counter", self.counter), 0)
+        seed = v.integer("state['seed']", state.get("seed", self.seed))
+        self.counter, self.seed = counter, seed
 
     def __getstate__(self):
         d = self.__dict__.copy()

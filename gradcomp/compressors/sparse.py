@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 
 import torch
 
@@ -32,7 +33,7 @@ class _Sparse(Compressor):
             if values.sparse or getattr(values, "wraps", None) is not None:
                 raise ValueError(f"values must be a dense compressor (e.g. Int8Quantizer()), got {values!r}")
         self.values = values
-        self.backend = backend
+        self.backend = v.backend(backend)
         self._raw = NoCompression()
 
     def _select(self, x: torch.Tensor):
@@ -90,6 +91,8 @@ class _Sparse(Compressor):
         return {"values": self.values.state_dict()} if self.values is not None else {}
 
     def load_state_dict(self, state):
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping (from state_dict()), got {type(state).__name__}")
         if self.values is not None and "values" in state:
             self.values.load_state_dict(state["values"])
 

@@ -252,4 +252,14 @@ def scatter_add_(
         )
     if indices.device != acc.device or values.device != acc.device:
         raise ValueError("acc, indices and values must be on one device")
-    return resolve("scatter_add_", acc.device.type, backend)(acc, _flat(indices), _flat(values))
+    fn = resolve("scatter_add_", acc.device.type, backend)
+    ix = _flat(indices)
+    # the native CPU kernel checks every index itself (before writing anything);
+    # the reference would raise IndexError and the Triton / CUDA kernels skip
+    # out-of-range indices silently, so check here for them
+    if ix.numel() and getattr(fn, "__module__", "") != "gradcomp.kernels.cpu":
+        lo, hi = (int(b) for b in torch.aminmax(ix))
+        if lo < 0 or hi >= acc.numel():
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"indices must be in [0, {acc.numel()}) (acc's numel), got {bad}")
+    return fn(acc, ix, _flat(values))
