@@ -187,9 +187,10 @@ class GradCompState:
         start_iter = v.integer("start_iter", start_iter, 0)
         if meter is not None and not isinstance(meter, TrafficMeter):
             raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
-        timeout = v.real("timeout", timeout)
-        if not timeout > 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
+        timeout = v.timeout("timeout", timeout)
+        if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
+                            f"got {type(process_group).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("GradCompState needs torch.distributed initialised first "
                                "(dist.init_process_group)")
@@ -390,6 +391,9 @@ def compressed_allreduce_hook(
     Raises:
         TypeError: the bucket's dtype is not supported.
     """
+    if not isinstance(state, GradCompState):
+        raise TypeError(f"state must be a gradcomp.ddp.GradCompState (register_comm_hook(state, hook)), "
+                        f"got {type(state).__name__}")
     buf = bucket.buffer()
     if buf.dtype not in INPUT_DTYPES:
         raise TypeError(f"compressed_allreduce_hook supports float32/float16/bfloat16 gradients, "

@@ -103,14 +103,15 @@ def launch(
         The per-rank return values, indexed by rank.
 
     Raises:
-        ValueError: world_size < 1 or timeout <= 0.
+        ValueError: world_size < 1, or timeout not a finite number in (0, 1e9].
         WorkerError: a rank raised or died (the first such rank is reported).
         TimeoutError: the run did not finish within ``timeout`` seconds.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    from gradcomp._validate import timeout as _timeout
+
+    timeout = _timeout("timeout", timeout)
     ctx = _context(start_method)
     results = ctx.Queue()
     env = dict(env or {})

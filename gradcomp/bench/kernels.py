@@ -111,17 +111,23 @@ TARGETS = (
 def parse_size(text: str) -> int:
     """An element count: ``1048576``, ``2**20``, ``2^20``, ``1e6``, ``64K``, ``16M``."""
     t = text.strip().replace("_", "")
+    v = None
     for sep in ("**", "^"):
         if sep in t:
-            base, exp = t.split(sep, 1)
-            return int(base) ** int(exp)
-    mult = {"k": 2**10, "m": 2**20, "g": 2**30}.get(t[-1:].lower())
-    if mult:
-        return int(float(t[:-1]) * mult)
-    v = float(t)
-    if v != int(v) or v < 0:
-        raise ValueError(f"not an element count: {text!r}")
-    return int(v)
+            base, exp = (int(s) for s in t.split(sep, 1))
+            if not (0 <= exp <= 62 and 0 <= base <= 2**62):  # no huge integer to compute
+                raise ValueError(f"not an element count: {text!r}")
+            v = base ** exp
+            break
+    if v is None:
+        mult = {"k": 2**10, "m": 2**20, "g": 2**30}.get(t[-1:].lower())
+        f = float(t[:-1]) * mult if mult else float(t)
+        if not math.isfinite(f) or f != int(f):
+            raise ValueError(f"not an element count: {text!r}")
+        v = int(f)
+    if not 1 <= v <= 2**62:
+        raise ValueError(f"not an element count (>= 1): {text!r}")
+    return v
 
 
 def _list(text: str, conv=str) -> list:
@@ -707,11 +713,40 @@ def print_report(result: dict, file=None) -> None:
         print(f"note: {note}", file=file)
 
 
+def _check_args(p: argparse.ArgumentParser, args) -> None:
+    """Reject settings that cannot run (``p.error``: exit status 2, no traceback)."""
+    from gradcomp import _validate as v
+
+    for name, vals, allowed in (("--dtypes", args.dtypes, DTYPES), ("--ops", args.ops, OPS),
+                                ("--compile-ops", args.compile_ops, (*OPS, "all", "none")),
+                                ("--devices", args.devices or [], ("cpu", "cuda"))):
+        bad = [x for x in vals if x not in allowed]
+        if bad:
+            p.error(f"{name}: unknown {bad} (choose from {', '.join(allowed)})")
+    for s in args.threads:
+        if s != "all" and not (s.isdigit() and int(s) >= 1):
+            p.error(f"--threads: expected 'all' or an integer >= 1, got {s!r}")
+    if any(not 0 < d <= 1 for d in args.densities):
+        p.error(f"--densities: expected numbers in (0, 1], got {args.densities}")
+    try:
+        v.block_size(args.block_size)
+    except ValueError as e:
+        p.error(f"--block-size: {e}")
+    if args.repeat is not None and args.repeat < 1:
+        p.error(f"--repeat: expected an integer >= 1, got {args.repeat}")
+    if not (args.budget > 0 and math.isfinite(args.budget)):
+        p.error(f"--budget: expected a finite number of seconds > 0, got {args.budget}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out: {args.out} exists and is not a directory")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the kernel benchmark with command-line arguments ``argv``
     (default ``sys.argv[1:]``); prints the table, writes ``--out/kernels.json``
     and returns 0."""
-    args = build_parser().parse_args(argv)
+    p = build_parser()
+    args = p.parse_args(argv)
+    _check_args(p, args)
     args.argv = argv
     result = run(args)
     if sys.stderr.isatty():

@@ -14,7 +14,6 @@ on any process group (gloo on CPU, NCCL on GPU):
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Hashable
 
 import torch
@@ -181,6 +180,8 @@ def _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter
     if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
         raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}"
                         + ("" if not isinstance(tensor, torch.Tensor) else f" with layout {tensor.layout}"))
+    if tensor.is_meta:
+        raise ValueError("tensor must hold data, got a meta tensor")
     if tensor.dtype not in INPUT_DTYPES:
         raise TypeError(f"tensor must have dtype float32, float16 or bfloat16 (sums are accumulated "
                         f"in float32), got {tensor.dtype}")

@@ -3,7 +3,6 @@ a compressor, a mode and a step budget."""
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -71,9 +70,7 @@ class PSConfig:
             if c is not None and not isinstance(c, Compressor):
                 raise TypeError(f"{name} must be a gradcomp compressor or None, got {type(c).__name__}")
         for name in ("worker_timeout", "timeout"):
-            x = v.real(name, getattr(self, name))
-            if not (x > 0 and math.isfinite(x)):
-                raise ValueError(f"{name} must be a finite number of seconds > 0, got {x}")
+            v.timeout(name, getattr(self, name))
 
     def server_pull_compressor(self) -> Compressor | None:
         """The compressor servers use for pull deltas (None without ``compress_pull``)."""

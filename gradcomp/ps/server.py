@@ -172,9 +172,9 @@ class ParameterServer:
         self.clip_grad_norm = clip_grad_norm
         self.compress_pull = _flag("compress_pull", compress_pull)
         self.pull_compressor = _pull_compressor(pull_compressor, self.compress_pull)
-        self.worker_timeout = v.real("worker_timeout", worker_timeout)
-        if not (self.worker_timeout > 0 and math.isfinite(self.worker_timeout)):
-            raise ValueError(f"worker_timeout must be a finite number of seconds > 0, got {worker_timeout}")
+        self.worker_timeout = v.timeout("worker_timeout", worker_timeout)
+        if meter is not None and not isinstance(meter, TrafficMeter):
+            raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
         self.checkpoint_every = v.integer("checkpoint_every", checkpoint_every, 0)
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise TypeError(f"checkpoint_dir must be a path or None, got {type(checkpoint_dir).__name__}")

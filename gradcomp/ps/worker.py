@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -104,9 +103,9 @@ class Worker:
             raise ValueError(f"rank {self.rank} is a server rank (servers are ranks 0..{self.num_servers - 1}); "
                              "build a gradcomp.ps.ParameterServer there")
         self.global_rank = self.rank if group is None else dist.get_global_rank(group, self.rank)
-        self.timeout = v.real("timeout", timeout)
-        if not (self.timeout > 0 and math.isfinite(self.timeout)):
-            raise ValueError(f"timeout must be a finite number of seconds > 0, got {timeout}")
+        self.timeout = v.timeout("timeout", timeout)
+        if meter is not None and not isinstance(meter, TrafficMeter):
+            raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
         compressor = NoCompression() if compressor is None else compressor

@@ -14,6 +14,7 @@ Exit status: 0 done; 2 a wrong option or settings that cannot work together;
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import signal
 import sys
@@ -49,9 +50,23 @@ def _positive_float(text: str) -> float:
 
 
 def _nonnegative_float(text: str) -> float:
-    if text == "0":
-        return 0.0
+    try:
+        val = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if val == 0:
+        return 0.0  # "0", "0.0", "-0"
     return _positive_float(text)
+
+
+def _seed(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32 - 1], got {text!r}") from None
+    if not 0 <= val < 2**32:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32 - 1], got {val}")
+    return val
 
 
 def _compressor_list(text: str) -> tuple[str, ...]:
@@ -83,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"SGD learning rate (default {d.lr})")
     p.add_argument("--momentum", type=float, default=d.momentum,
                    help=f"SGD momentum in [0, 1) (default {d.momentum})")
-    p.add_argument("--seed", type=int, default=d.seed,
+    p.add_argument("--seed", type=_seed, default=d.seed,
                    help="seed of the model, the data split and the data order (default 0)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default=d.algorithm,
                    help="sync allreduce for dense codecs (default ring); sparse codecs use allgather")
@@ -179,6 +194,11 @@ def _interrupt(signum, frame):
 
 def run(args: argparse.Namespace) -> int:
     """Run the study described by parsed ``args``; returns the exit status."""
+    missing = [m for m in ("rich", "sklearn", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"gradcomp train: error: missing {', '.join(missing)}; "
+              'install the study\'s extras: pip install "gradcomp[train]"', file=sys.stderr)
+        return 2
     from rich.console import Console
     from rich.markup import escape
 
@@ -198,6 +218,8 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e), 2)
     modes = MODES if args.mode == "both" else (args.mode,)
     lead = not in_torchrun() or os.environ.get("RANK") == "0"
+    if lead and os.path.exists(args.out) and not os.path.isdir(args.out):
+        return fail(f"--out {args.out} exists and is not a directory", 2)
     console = Console(quiet=not lead)
     if not console.is_terminal:
         console = Console(quiet=not lead, width=max(console.width, 100))
@@ -220,7 +242,10 @@ def run(args: argparse.Namespace) -> int:
     except (TimeoutError, ImportError, RuntimeError) as e:
         return fail(f"{type(e).__name__}: {e}", 1)
     if lead:
-        paths = report.write_all(study, args.out)
+        try:
+            paths = report.write_all(study, args.out)
+        except OSError as e:
+            return fail(f"cannot write the results to --out {args.out}: {e}", 1)
         console.print(report.title(study), highlight=False)
         console.print(report.table(study))
         if "threshold-ef" in {r.compressor for r in study.runs}:

@@ -16,6 +16,8 @@ MODES = ("sync", "async")
 ALGORITHMS = ("ring", "two_phase")
 #: Density of the top-k compressors (k = 1% of each tensor's elements).
 TOPK_RATIO = 0.01
+#: Largest ``timeout`` of a run, in seconds.
+MAX_TIMEOUT = 1e7
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,10 @@ class TrainConfig:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         if self.threshold is not None and not self.threshold >= 0:
             raise ValueError(f"threshold must be >= 0, got {self.threshold!r}")
+        if not 0 < self.timeout <= MAX_TIMEOUT:
+            # the launcher allows timeout x compressors (<= 8) seconds, at most 1e9
+            raise ValueError(f"timeout must be > 0 and <= {MAX_TIMEOUT:g} seconds (finite), "
+                             f"got {self.timeout!r}")
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -303,7 +303,7 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
 
     Raises:
         ValueError: an unknown mode or compressor; a global batch larger than
-            the training set.
+            the training set; sync mode with one worker.
         gradcomp.launch.WorkerError: a rank failed (its traceback is attached).
         TimeoutError: a run exceeded ``cfg.timeout``.
     """
@@ -315,6 +315,9 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
     for c in names:
         if c not in COMPRESSORS:
             raise ValueError(f"unknown compressor {c!r}; allowed: {','.join(COMPRESSORS)}")
+    if "sync" in modes and cfg.workers < 2:
+        raise ValueError(f"sync mode needs at least 2 workers (a single worker exchanges no "
+                         f"gradient, so there is nothing to compress), got {cfg.workers}")
     data = load_digits_split(cfg.test_fraction, cfg.seed)
     if steps_per_epoch(len(data.y_train), cfg.workers, cfg.batch_size) < 1:
         raise ValueError(f"a global batch of {cfg.workers} workers x {cfg.batch_size} samples exceeds "
