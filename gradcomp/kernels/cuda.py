@@ -157,8 +157,7 @@ def _grid(work: int, per_block: int) -> int:
 def _quantize(x, residual, block_size, rounding, seed, counter, out_q, out_scales):
     n = x.numel()
     nblocks = -(-n // block_size)
-    q = out_q if out_q is not None else torch.empty(n, dtype=torch.int8, device=x.device)
-    s = out_scales if out_scales is not None else torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    q, s = reference.quantize_outputs(x, block_size, out_q, out_scales)
     if n == 0:
         return q, s
     if x.dtype == torch.float64:
@@ -273,17 +272,10 @@ def _compact(x, state, gt, eq, size, nan_as_inf):
     return idx, val
 
 
-def _all_or_none(x, keep_all):
-    n = x.numel()
-    if keep_all:
-        return torch.arange(n, dtype=reference.index_dtype(n), device=x.device), x.clone()
-    return torch.empty(0, dtype=reference.index_dtype(n), device=x.device), x[:0].clone()
-
-
 def _topk(x, k, nan_as_inf):
     n = x.numel()
     if k <= 0 or k >= n:
-        return _all_or_none(x, k >= n)
+        return reference.all_or_none(x, k >= n)
     state = _radix_select(x, n, 1, k, nan_as_inf)
     gt, eq = _counts(x, state, nan_as_inf)
     return _compact(x, state, gt, eq, k, nan_as_inf)
@@ -320,7 +312,7 @@ def threshold(x, tau):
     """
     n = x.numel()
     if n == 0:
-        return _all_or_none(x, False)
+        return reference.all_or_none(x, False)
     state = torch.tensor([_key_of(tau, x), n], dtype=torch.int64, device=x.device)
     gt, eq = _counts(x, state, False)
     size = int((gt.sum() + eq.sum()).item())
@@ -337,7 +329,7 @@ def approx_topk(x, k):
     """
     n = x.numel()
     if k >= n or k <= 0:
-        return _all_or_none(x, k >= n)
+        return reference.all_or_none(x, k >= n)
     s = reference.approx_topk_sample_size(n, k)
     stride = n // s
     ks = max(1, min(s, math.ceil(s * k / n)))

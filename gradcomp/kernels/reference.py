@@ -127,6 +127,26 @@ def index_dtype(n: int) -> torch.dtype:
     return torch.int32 if n < 2**31 else torch.int64
 
 
+def quantize_outputs(x: torch.Tensor, block_size: int, out_q=None, out_scales=None):
+    """The ``(q, scales)`` output tensors of a quantize call: the given ones, or
+    new int8 ``[n]`` / float32 ``[ceil(n / block_size)]`` on x's device
+    (shared by every backend)."""
+    n = x.numel()
+    q = out_q if out_q is not None else torch.empty(n, dtype=torch.int8, device=x.device)
+    s = out_scales if out_scales is not None else torch.empty(
+        -(-n // block_size), dtype=torch.float32, device=x.device)
+    return q, s
+
+
+def all_or_none(x: torch.Tensor, keep_all: bool):
+    """The trivial selections (every element, or none) as ``(indices, values)``
+    (shared by every backend for k >= n and k == 0)."""
+    n = x.numel()
+    if keep_all:
+        return torch.arange(n, dtype=index_dtype(n), device=x.device), x.clone()
+    return torch.empty(0, dtype=index_dtype(n), device=x.device), x[:0].clone()
+
+
 def _blocks(xf: torch.Tensor, block_size: int) -> torch.Tensor:
     n = xf.numel()
     nb = -(-n // block_size)

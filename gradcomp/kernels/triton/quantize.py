@@ -140,8 +140,7 @@ def _as_kernel_input(x: torch.Tensor):
 def _quantize(x, residual, block_size, rounding, seed, counter, out_q, out_scales):
     n = x.numel()
     nblocks = -(-n // block_size)
-    q = out_q if out_q is not None else torch.empty(n, dtype=torch.int8, device=x.device)
-    s = out_scales if out_scales is not None else torch.empty(nblocks, dtype=torch.float32, device=x.device)
+    q, s = reference.quantize_outputs(x, block_size, out_q, out_scales)
     if n == 0:
         return q, s
     xin, kind = _as_kernel_input(x)

@@ -187,17 +187,10 @@ def _compact(x, xv, kind, state, gt, eq, size, nan_as_inf):
     return idx, val
 
 
-def _all_or_none(x, keep_all):
-    n = x.numel()
-    if keep_all:
-        return torch.arange(n, dtype=reference.index_dtype(n), device=x.device), x.clone()
-    return torch.empty(0, dtype=reference.index_dtype(n), device=x.device), x[:0].clone()
-
-
 def _topk(x, k, nan_as_inf):
     n = x.numel()
     if k <= 0 or k >= n:
-        return _all_or_none(x, k >= n)
+        return reference.all_or_none(x, k >= n)
     xv, kind = kernel_view(x)
     state = _radix_select(xv, kind, n, 1, k, nan_as_inf)
     gt, eq = _counts(xv, kind, n, state, nan_as_inf)
@@ -237,7 +230,7 @@ def threshold(x, tau):
     """
     n = x.numel()
     if n == 0:
-        return _all_or_none(x, False)
+        return reference.all_or_none(x, False)
     with device_guard(x):
         xv, kind = kernel_view(x)
         state = torch.tensor([_key_of(tau, x), n], dtype=torch.int64, device=x.device)
@@ -259,7 +252,7 @@ def approx_topk(x, k):
     """
     n = x.numel()
     if k >= n or k <= 0:
-        return _all_or_none(x, k >= n)
+        return reference.all_or_none(x, k >= n)
     with device_guard(x):
         xv, kind = kernel_view(x)
         s = reference.approx_topk_sample_size(n, k)
