@@ -118,6 +118,28 @@ class Header:
         return cls(kind, sender, version, nbytes, status, layout, aux)
 
 
+def join_layout(group, num_servers) -> tuple[int, int, int]:
+    """``(rank, world_size, num_servers)`` of this process in ``group``, where
+    ranks ``0 .. num_servers - 1`` are servers and the rest workers.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError / TypeError: num_servers not an int in [1, world_size).
+    """
+    from gradcomp import _validate as v
+
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group "
+                           "(or run under torchrun / gradcomp.launch) first")
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    num_servers = v.integer("num_servers", num_servers, 1)
+    if num_servers >= world:
+        raise ValueError(f"num_servers must be < the world size {world} (at least one worker), "
+                         f"got {num_servers}")
+    return rank, world, num_servers
+
+
 def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(seconds))
 

@@ -147,18 +147,10 @@ class ParameterServer:
                  worker_timeout: float = 60.0, checkpoint_dir: str | None = None,
                  checkpoint_every: int = 0, resume: bool = False, group=None,
                  meter: TrafficMeter | None = None, device: str | torch.device = "cpu"):
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group "
-                               "(or run under torchrun / gradcomp.launch) first")
         self.mode = v.choice("mode", mode, MODES)
         self.on_worker_failure = v.choice("on_worker_failure", on_worker_failure, FAILURE_POLICIES)
         self.group = group
-        self.rank = dist.get_rank(group)
-        world = dist.get_world_size(group)
-        self.num_servers = v.integer("num_servers", num_servers, 1)
-        if self.num_servers >= world:
-            raise ValueError(f"num_servers must be < the world size {world} (at least one worker), "
-                             f"got {self.num_servers}")
+        self.rank, world, self.num_servers = P.join_layout(group, num_servers)
         if self.rank >= self.num_servers:
             raise ValueError(f"rank {self.rank} is a worker rank (servers are ranks 0..{self.num_servers - 1}); "
                              "build a gradcomp.ps.Worker there")

@@ -89,16 +89,8 @@ class Worker:
     def __init__(self, params, *, num_servers: int = 1, compressor: Compressor | None = None,
                  error_feedback: bool = True, timeout: float = 120.0, group=None,
                  meter: TrafficMeter | None = None):
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group "
-                               "(or run under torchrun / gradcomp.launch) first")
         self.group = group
-        self.rank = dist.get_rank(group)
-        world = dist.get_world_size(group)
-        self.num_servers = v.integer("num_servers", num_servers, 1)
-        if self.num_servers >= world:
-            raise ValueError(f"num_servers must be < the world size {world} (at least one worker), "
-                             f"got {self.num_servers}")
+        self.rank, world, self.num_servers = P.join_layout(group, num_servers)
         if self.rank < self.num_servers:
             raise ValueError(f"rank {self.rank} is a server rank (servers are ranks 0..{self.num_servers - 1}); "
                              "build a gradcomp.ps.ParameterServer there")
