@@ -103,3 +103,51 @@ def test_python_dash_m_train_bad_option():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "allowed: none,fp16" in r.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--seed", "-5"], "--seed: expected an integer in [0, 2**32 - 1], got -5"),
+    (["train", "--threshold", "-1"], "--threshold: expected a finite number > 0"),
+    (["bench", "kernels", "--size", "0"], "invalid parse_size value: '0'"),
+    (["bench", "kernels", "--size", "2**100000"], "invalid parse_size value"),
+    (["bench", "kernels", "--densities", "5"], "--densities: expected numbers in (0, 1]"),
+    (["bench", "kernels", "--threads", "abc"], "--threads: expected 'all' or an integer >= 1"),
+    (["bench", "kernels", "--block-size", "3"], "--block-size: block_size must be a power of two"),
+    (["bench", "kernels", "--dtypes", "int8"], "--dtypes: unknown ['int8']"),
+    (["bench", "kernels", "--ops", "bogus"], "--ops: unknown ['bogus']"),
+    (["bench", "kernels", "--devices", "tpu"], "--devices: unknown ['tpu']"),
+])
+def test_more_bad_options_exit_2_with_message(capsys, argv, words):
+    code, _, err = _exit_code(capsys, argv)
+    assert code == 2
+    assert words in err
+
+
+@pytest.mark.parametrize("argv, words", [
+    # one sync worker exchanges nothing: the study divided by zero bytes (a traceback)
+    (["train", "--mode", "sync", "--workers", "1", "--compressors", "none"], "at least 2 workers"),
+    # the launcher's timeout overflowed inside the ranks (a traceback, exit 1)
+    (["train", "--mode", "sync", "--compressors", "none", "--timeout", "1e300"], "timeout must be > 0"),
+])
+def test_settings_that_cannot_work_exit_2(capsys, argv, words):
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_out_that_is_a_file_exits_2_before_the_study(capsys, tmp_path):
+    f = tmp_path / "results"
+    f.write_text("not a directory")
+    # (the study itself would take many seconds: the check comes first)
+    assert main(["train", "--mode", "sync", "--compressors", "none", "--out", str(f)]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err
+    code, _, err = _exit_code(capsys, ["bench", "kernels", "--out", str(f)])
+    assert code == 2 and "exists and is not a directory" in err
+    code, _, err = _exit_code(capsys, ["bench", "allreduce", "--out", str(f)])
+    assert code == 2 and "exists and is not a directory" in err
+
+
+def test_threshold_zero_spelled_any_way_is_accepted():
+    from gradcomp.train.command import build_parser
+
+    for text in ("0", "0.0", "-0", "0e0"):
+        assert build_parser().parse_args(["--threshold", text]).threshold == 0.0

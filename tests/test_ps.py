@@ -538,3 +538,39 @@ def test_traffic_ratios_from_the_meter():
     assert ratios["none"] == pytest.approx(1.0)
     assert ratios["int8"] >= 3.5, ratios
     assert ratios["topk"] >= 15, ratios
+
+
+def _overflow_push_rank(rank, world_size):
+    """A worker pushes an fp16 payload whose header (valid CRC) declares the scale
+    exponent 1024: it used to pass decode and raise OverflowError in the server's
+    decompress, which stopped serve() for every worker."""
+    import struct
+    import zlib
+
+    _joined()
+    params = {"x": torch.zeros(8)}
+    if rank == 0:
+        server = ps.ParameterServer(params, mode="async", optimizer=_sgd(1.0), worker_timeout=20.0)
+        stats = server.serve()
+        return _np((stats["rejected_reasons"], server.parameters()["x"]))
+    worker = ps.Worker(params, timeout=20.0)
+    worker.pull()
+    body = struct.pack("<4sBBBBB3sIQQq", b"GCMP", 1, 2, 1, 1, 0, b"\0\0\0", 1024, 8, 0, 8)
+    wire = body + struct.pack("<I", zlib.crc32(body)) + b"\0\0\0\0" + struct.pack("<8e", *[1.0] * 8)
+    blob = P.pack_bundle([torch.frombuffer(bytearray(wire), dtype=torch.uint8)])
+    h = P.Header(P.PUSH, rank, version=0, nbytes=blob.numel(), layout=layout_checksum(param_specs(params)))
+    P.send_message(h, blob, 0, header_tag=P.TAG_REQUEST, data_tag=P.TAG_PUSH_DATA, timeout=20)
+    reply, _ = P.recv_message(0, kinds=P.REPLIES, header_tag=P.TAG_REPLY, data_tag=P.TAG_PULL_DATA,
+                              timeout=20, max_nbytes=1 << 20)
+    status = P.STATUS_NAMES[reply.status]
+    after = worker.push({"x": torch.ones(8)}).statuses[0]  # the server still serves
+    worker.done()
+    return status, after
+
+
+@pytest.mark.timeout(120)
+def test_overflowing_fp16_push_is_rejected_not_fatal():
+    (reasons, x), (status, after) = launch(_overflow_push_rank, 2, timeout=LAUNCH_TIMEOUT)
+    assert (status, after) == ("rejected", "accepted")
+    assert reasons == {"payload": 1}
+    torch.testing.assert_close(_t(x), -torch.ones(8))

@@ -177,3 +177,39 @@ def test_payload_error_is_value_error():
     assert issubclass(gc.PayloadError, ValueError)
     with pytest.raises(ValueError):
         gc.decode(torch.zeros(10, dtype=torch.uint8))
+
+
+def _fp16_wire(dtype_id: int, exponent: int, values=(1.0, 0.0)) -> torch.Tensor:
+    """An fp16 payload with a valid header CRC and the given scale exponent."""
+    n = len(values)
+    body = struct.pack("<4sBBBBB3sIQQq", W.MAGIC, 1, W.CODECS["fp16"], dtype_id, 1, 0, b"\0\0\0",
+                       exponent, n, 0, n)
+    head = body + struct.pack("<I", zlib.crc32(body)) + b"\0\0\0\0"
+    return torch.frombuffer(bytearray(head + struct.pack(f"<{n}e", *values)), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("dtype, limit", [(torch.float32, 127), (torch.float16, 127),
+                                          (torch.bfloat16, 127), (torch.float64, 1023)])
+def test_fp16_exponent_bounded_by_dtype(dtype, limit):
+    """Exponents 1024..1100 used to decode and then raise OverflowError in
+    decompress (a 66-byte push could stop a parameter server); float32 with an
+    exponent >= 128 turned zeros into NaN."""
+    did = W.DTYPES[dtype]
+    p = gc.decode(_fp16_wire(did, limit))
+    y = gc.FP16().decompress(p)
+    assert y.dtype == dtype and y[1] == 0  # zero stays zero
+    for e in (limit + 1, 1024, 1100, 2**31):
+        with pytest.raises(gc.PayloadError, match="exponent"):
+            gc.decode(_fp16_wire(did, e))
+
+
+def test_largest_legitimate_fp16_exponents_decode():
+    for x in (torch.tensor([3.4e38, 0.0]), torch.tensor([1.7e308, 0.0], dtype=torch.float64)):
+        p = gc.FP16().compress(x)
+        y = gc.FP16().decompress(gc.decode(p.wire))
+        assert torch.isfinite(y).all() and y[1] == 0
+
+
+def test_meta_wire_is_a_type_error():
+    with pytest.raises(TypeError, match="meta"):
+        gc.decode(torch.empty(100, dtype=torch.uint8, device="meta"))

@@ -29,6 +29,15 @@ void dequantize_int8(const int8_t* q, const float* scales, size_t n, size_t bloc
 // acc[i] = acc[i] + (code * scale), the product rounded first.
 void dequantize_int8_add(float* acc, const int8_t* q, const float* scales, size_t n, size_t block);
 
+// One reduce step of a compressed collective, fused in one pass per block:
+// p = acc + code_in * scale_in (as dequantize_int8_add), p = p / divisor when
+// divisor != 1 (a float32 division); (q, scales) = quantize_int8(p) with
+// `block` (the input codes use the same block size); then acc <- q * scale
+// when `decode`, else acc <- p. Bit for bit the composition of those ops.
+void reduce_quantize_int8(float* acc, const int8_t* q_in, const float* scales_in, size_t n, size_t block,
+                          float divisor, bool stochastic, uint32_t key, int8_t* q, float* scales,
+                          bool decode);
+
 // Selections: ascending indices (int64 when n >= 2**31, else int32) and values.
 Selection topk(DType dt, const void* x, size_t n, size_t k);
 Selection threshold(DType dt, const void* x, size_t n, double tau);

@@ -120,6 +120,26 @@ void py_dequantize_add(const py::array& acc, const py::array& q, const py::array
     dequantize_int8_add(ap, qp, sp, n, block);
 }
 
+void py_reduce_quantize(const py::array& acc, const py::array& q_in, const py::array& scales_in,
+                        py::ssize_t block_size, double divisor, bool stochastic, uint32_t key,
+                        const py::array& q, const py::array& scales, bool decode) {
+    const size_t block = checked_block(block_size);
+    auto* ap = static_cast<float*>(data_of(acc, "acc", "f", 4, true));
+    const auto* qip = static_cast<const int8_t*>(data_of(q_in, "q_in", "i", 1, false));
+    const auto* sip = static_cast<const float*>(data_of(scales_in, "scales_in", "f", 4, false));
+    auto* qp = static_cast<int8_t*>(data_of(q, "q", "i", 1, true));
+    auto* sp = static_cast<float*>(data_of(scales, "scales", "f", 4, true));
+    const size_t n = size_t(acc.size()), nb = (n + block - 1) / block;
+    check_len("q_in", size_t(q_in.size()), n);
+    check_len("q", size_t(q.size()), n);
+    check_len("scales_in", size_t(scales_in.size()), nb);
+    check_len("scales", size_t(scales.size()), nb);
+    if (!(divisor > 0) || float(divisor) != divisor)
+        throw std::invalid_argument("divisor must be a positive float32 value, got " + std::to_string(divisor));
+    py::gil_scoped_release nogil;
+    reduce_quantize_int8(ap, qip, sip, n, block, float(divisor), stochastic, key, qp, sp, decode);
+}
+
 py::tuple py_topk(const py::array& x, const std::string& dtype, py::ssize_t k) {
     const DType dt = parse_dtype(dtype, "dtype");
     if (k < 0) throw std::invalid_argument("k must be >= 0, got " + std::to_string(k));
@@ -232,6 +252,12 @@ PYBIND11_MODULE(_C, m) {
           "out[i] = q[i] * scales[i // block_size] (float32 product, then converted to out_dtype).");
     m.def("dequantize_int8_add", &py_dequantize_add, py::arg("acc"), py::arg("q"), py::arg("scales"),
           py::arg("block_size"), "acc[i] += q[i] * scales[i // block_size] (float32, product rounded first).");
+    m.def("reduce_quantize_int8", &py_reduce_quantize, py::arg("acc"), py::arg("q_in"), py::arg("scales_in"),
+          py::arg("block_size"), py::arg("divisor"), py::arg("stochastic"), py::arg("key"), py::arg("q"),
+          py::arg("scales"), py::arg("decode"),
+          "One pass per block: p = (acc + q_in * scales_in) / divisor (no division when divisor == 1);\n"
+          "(q, scales) = quantize_int8(p); acc <- q * scales if decode, else p. acc float32 (n), q_in / q\n"
+          "int8 (n), scales_in / scales float32 (ceil(n / block_size)).");
     m.def("topk", &py_topk, py::arg("x"), py::arg("dtype"), py::arg("k"),
           "Exact top-k by |x| (NaN largest, ties to the lower index) -> (indices, values), ascending;\n"
           "indices int32 (int64 when n >= 2**31), values in x's storage type.");

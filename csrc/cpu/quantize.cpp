@@ -177,7 +177,88 @@ void dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t bloc
     }
 }
 
+// p = acc + code * scale over one tile (dequantize_int8_add's addition), then
+// p / d when DIV (float32 division, as torch's div_ by a scalar).
+template <bool DIV>
+inline void sum_tile(const float* a, const int8_t* c, float s, float d, float* p, size_t len) {
+    for (size_t i = 0; i < len; ++i) {
+        const float v = add_like_torch(a[i], static_cast<float>(c[i]) * s);
+        p[i] = DIV ? v / d : v;
+    }
+}
+
+// reduce_quantize_int8: each block is summed into a stack tile (or, for blocks
+// longer than a tile, back into acc, which the second loop then reads), its
+// absmax taken, its codes written, and acc overwritten with the decoded codes
+// (or the sum) while the block is still in L1.
+template <bool STOCH, bool DIV>
+void reduce_quantize_impl(float* acc, const int8_t* qin, const float* sin, size_t n, size_t block,
+                          float d, uint32_t key, int8_t* q, float* scales, bool decode) {
+    const size_t nb = (n + block - 1) / block;
+    const size_t tile = std::min(block, TILE);
+    const int nt = n >= PAR_MIN ? max_threads() : 1;
+    (void)nt;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (size_t b = 0; b < nb; ++b) {
+        alignas(64) float buf[TILE];
+        const size_t lo = b * block, len = std::min(block, n - lo);
+        const bool whole = len <= tile;  // the block's sum fits in buf
+        float* a = acc + lo;
+        const float s_in = sin[b];
+        uint32_t mx = 0;
+        for (size_t t = 0; t < len; t += tile) {
+            const size_t tl = std::min(tile, len - t);
+            sum_tile<DIV>(a + t, qin + lo + t, s_in, d, buf, tl);
+            if (!whole) std::memcpy(a + t, buf, tl * sizeof(float));
+            mx = std::max(mx, absmax_bits(buf, tl));
+        }
+        if (mx >= 0x7F800000u || mx == 0) {  // non-finite block or all zeros: codes 0
+            scales[b] = mx ? bits_f32(NAN_BITS) : 0.0f;
+            std::memset(q + lo, 0, len);
+            if (decode) {  // 0 * scale: NaN (0x7FC00000) or +0
+                const float z = mx ? bits_f32(NAN_BITS) : 0.0f;
+                for (size_t i = 0; i < len; ++i) a[i] = z;
+            } else if (whole) {
+                std::memcpy(a, buf, len * sizeof(float));
+            }
+            continue;
+        }
+        const float m = bits_f32(mx);
+        const float s = m / 127.0f;
+        scales[b] = s;
+        for (size_t t = 0; t < len; t += tile) {
+            const size_t tl = std::min(tile, len - t);
+            const float* p = whole ? buf : a + t;
+            int8_t* c = q + lo + t;
+            if constexpr (STOCH)
+                codes_stochastic<false>(p, tl, m, s, uint32_t(lo + t), key, c, nullptr);
+            else
+                codes_nearest<false>(p, tl, m, s, c, nullptr);
+            if (decode) {
+                for (size_t i = 0; i < tl; ++i) a[t + i] = static_cast<float>(c[i]) * s;
+            } else if (whole) {
+                std::memcpy(a + t, p, tl * sizeof(float));
+            }
+        }
+    }
+}
+
 }  // namespace
+
+void reduce_quantize_int8(float* acc, const int8_t* q_in, const float* scales_in, size_t n, size_t block,
+                          float divisor, bool stochastic, uint32_t key, int8_t* q, float* scales,
+                          bool decode) {
+    if (block == 0) throw std::invalid_argument("block_size must be positive");
+    if (n == 0) return;
+    const bool div = divisor != 1.0f;
+    if (stochastic) {
+        if (div) reduce_quantize_impl<true, true>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode);
+        else reduce_quantize_impl<true, false>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode);
+    } else {
+        if (div) reduce_quantize_impl<false, true>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode);
+        else reduce_quantize_impl<false, false>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode);
+    }
+}
 
 DType parse_dtype(const std::string& s, const char* arg) {
     if (s == "float32") return DType::F32;

@@ -329,6 +329,8 @@ def main(argv=None) -> int:
         p.error("--repeat must be >= 1")
     if min(worlds) < 2:
         p.error("--worlds must be >= 2 (a world of one sends nothing)")
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out: {args.out} exists and is not a directory")
     names = [s.strip() for s in args.methods.split(",")] if args.methods else None
     if names:
         unknown = sorted(set(names) - set(method_names()))

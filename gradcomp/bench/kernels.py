@@ -115,7 +115,7 @@ def parse_size(text: str) -> int:
     for sep in ("**", "^"):
         if sep in t:
             base, exp = (int(s) for s in t.split(sep, 1))
-            if not (0 <= exp <= 62 and 0 <= base <= 2**62):  # no huge integer to compute
+            if not (0 <= exp <= 62 and 0 <= base and (base - 1).bit_length() * exp <= 62):  # no huge int
                 raise ValueError(f"not an element count: {text!r}")
             v = base ** exp
             break

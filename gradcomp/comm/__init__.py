@@ -166,8 +166,8 @@ def allreduce(
         _allgather.allreduce(comm, local, work, op)
     else:
         plan = Plan(flat.numel(), comm.world_size, local.inner)
-        _REDUCE_SCATTER[algorithm](comm, local, plan, work)
-        share_owned(comm, plan, work, op)
+        pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
+        share_owned(comm, plan, work, op, pending)
     comm.release()
     if out is None:
         return work.to(tensor.dtype).view(tensor.shape)

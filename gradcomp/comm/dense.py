@@ -38,6 +38,7 @@ class Plan:
         bounds: ``[(lo, hi)]`` per chunk (see :mod:`gradcomp.comm.chunks`).
         wire_nbytes: wire size in bytes of chunk ``j``'s payload.
         raw_nbytes: ``4 * len_j``: the bytes chunk ``j`` takes in a float32 ring.
+        reuse: wires are compressed into pooled buffers (:meth:`wire_buffer`).
     """
 
     def __init__(self, numel: int, world_size: int, compressor: Compressor):
@@ -45,6 +46,13 @@ class Plan:
         self.bounds = chunk_bounds(numel, world_size)
         self.wire_nbytes = [compressor.wire_nbytes((hi - lo,), torch.float32) for lo, hi in self.bounds]
         self.raw_nbytes = [FLOAT32_BYTES * (hi - lo) for lo, hi in self.bounds]
+        self.reuse = compressor._takes_out()
+
+    def wire_buffer(self, comm: Comm, j: int, device) -> torch.Tensor | None:
+        """A pooled buffer for a wire of chunk ``j`` to compress into (valid
+        until ``comm.release()``), or None for a compressor subclass whose
+        ``compress`` takes no ``out=`` (it then allocates its own)."""
+        return comm.buffer(self.wire_nbytes[j], device) if self.reuse else None
 
     def expect(self, payload: Payload, j: int) -> torch.Tensor:
         """``payload.wire`` after checking it has the size receivers expect for chunk ``j``.
@@ -61,27 +69,34 @@ class Plan:
         return payload.wire
 
 
-def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str) -> None:
-    """Finish a dense allreduce from this rank's reduced chunk, in place.
+def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str, pending: torch.Tensor) -> None:
+    """Finish a dense allreduce from this rank's chunk, in place.
 
     Args:
         comm: the group.
         plan: the chunk plan.
-        work: float32 ``[numel]``; its chunk ``rank`` holds the exact float32
-            sum of that chunk over all ranks.
+        work: float32 ``[numel]``; its chunk ``rank`` plus the decompressed
+            ``pending`` payload is the float32 sum of that chunk over all ranks.
         op: ``"sum"`` or ``"avg"``.
+        pending: the wire bytes of the last payload of chunk ``rank`` the
+            reduce-scatter received and did not add.
 
-    On return ``work`` holds every chunk decompressed from its owner's bytes
-    (bit-identical on every rank).
+    The owner adds ``pending``, divides by ``N`` for ``avg``, compresses the
+    result and replaces its chunk with the decompression of those bytes, in
+    one call (:meth:`~gradcomp.Compressor.reduce_compress_`, one pass for
+    int8); the bytes then travel the ring and every other rank decompresses
+    them into its copy. On return ``work`` holds every chunk decompressed from
+    its owner's bytes (bit-identical on every rank).
     """
-    lo, hi = plan.bounds[comm.rank]
-    owned = work[lo:hi]
-    if op == "avg":
-        owned.div_(comm.world_size)
-    mine = plan.expect(plan.compressor.compress(owned), comm.rank)
+    r = comm.rank
+    lo, hi = plan.bounds[r]
+    mine = plan.expect(plan.compressor.reduce_compress_(
+        pending, work[lo:hi], divisor=comm.world_size if op == "avg" else 1,
+        out=plan.wire_buffer(comm, r, work.device), decode=True), r)
 
     def decompress(j: int, blob: torch.Tensor) -> None:
-        lo, hi = plan.bounds[j]
-        plan.compressor.decompress_add_(blob, work[lo:hi].zero_())
+        if j != r:  # the owner's chunk is already decoded
+            lo, hi = plan.bounds[j]
+            plan.compressor.decompress(blob, out=work[lo:hi])
 
     comm.ring_allgather(mine, plan.wire_nbytes, plan.raw_nbytes, phase="allgather", consume=decompress)

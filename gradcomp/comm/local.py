@@ -65,6 +65,7 @@ class Local:
             self.mode, self.inner, self._ef = "flat", compressor, ErrorFeedback(compressor)
         else:
             self.mode, self.inner, self._ef = "none", compressor, None
+        self._out_ok = (self._ef if self._ef is not None else self.inner)._takes_out()
 
     def exact_into(self, lo: int, hi: int, dst: torch.Tensor) -> torch.Tensor:
         """Write elements ``[lo, hi)`` of this rank's contribution into ``dst``
@@ -83,7 +84,7 @@ class Local:
             r.zero_()
         return dst
 
-    def compress(self, lo: int, hi: int, chunk: Hashable) -> Payload:
+    def compress(self, lo: int, hi: int, chunk: Hashable, out: torch.Tensor | None = None) -> Payload:
         """Compress elements ``[lo, hi)`` of this rank's contribution alone,
         with error feedback when configured.
 
@@ -91,15 +92,21 @@ class Local:
             lo, hi: element range.
             chunk: the chunk's id in the residual key ``(key, chunk)``; None
                 means the whole tensor (key ``key``).
+            out: optional wire buffer (dense compressors), see
+                :meth:`~gradcomp.Compressor.compress`; not used with a
+                compressor subclass whose ``compress`` does not take it.
         """
         x = self.x[lo:hi]
+        if not self._out_ok:
+            out = None
+        kw = {} if out is None else {"out": out}
         if self.mode == "none":
-            return self.inner.compress(x)
+            return self.inner.compress(x, **kw)
         if self.mode == "keyed":
-            return self._ef.compress(x, key=self.key if chunk is None else (self.key, chunk))
+            return self._ef.compress(x, key=self.key if chunk is None else (self.key, chunk), **kw)
         r = self.residual[lo:hi]
         self._ef.residuals[0] = r
-        p = self._ef.compress(x, key=0)
+        p = self._ef.compress(x, key=0, **kw)
         new = self._ef.residuals.pop(0, None)
         if new is None:  # non-finite input: the residual starts again from zero
             r.zero_()

@@ -87,15 +87,16 @@ class Comm:
         self.meter = meter
         self._taken: list[torch.Tensor] = []
 
-    def receive_buffer(self, nbytes: int, device) -> torch.Tensor:
+    def buffer(self, nbytes: int, device) -> torch.Tensor:
         """An uninitialised uint8 buffer of ``nbytes`` (reused across calls, see
-        :mod:`gradcomp.comm.buffers`) that stays valid until :meth:`release`."""
+        :mod:`gradcomp.comm.buffers`) that stays valid until :meth:`release`: a
+        message to receive, or a wire to compress into and send."""
         buf = POOL.take(nbytes, device)
         self._taken.append(buf)
         return buf
 
     def release(self) -> None:
-        """Give the receive buffers back for reuse. Call only after every transfer
+        """Give the buffers back for reuse. Call only after every transfer
         completed (a failed transfer may still write into its buffer)."""
         POOL.give(self._taken)
         self._taken = []
@@ -182,7 +183,7 @@ class Comm:
         blobs[r] = mine
         for s in range(n - 1):
             out_j, in_j = (r - s) % n, (r - s - 1) % n
-            blobs[in_j] = self.receive_buffer(sizes[in_j], mine.device)
+            blobs[in_j] = self.buffer(sizes[in_j], mine.device)
             transfer = self.start([Message(self.next, blobs[out_j], raw_nbytes[out_j])],
                                   [Message(self.prev, blobs[in_j], raw_nbytes[in_j])], phase)
             if consume is not None:

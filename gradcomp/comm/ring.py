@@ -33,28 +33,37 @@ from gradcomp.comm.p2p import Comm, Message
 __all__ = ["reduce_scatter"]
 
 
-def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> None:
+def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> torch.Tensor:
     """Ring reduce-scatter with a requantization per hop.
 
     Args:
         work: float32 ``[numel]`` workspace (may be the input's own memory):
             partial sums are accumulated in the received chunk's slice.
 
-    On return ``work[chunk rank]`` holds the sum over all ranks of chunk
-    ``rank``, in which every other rank's data went through one or more
-    compressions; other slices hold intermediate values.
+    Returns:
+        The last payload received (wire bytes of chunk ``rank``), not yet added:
+        ``work[chunk rank]`` holds this rank's own contribution to chunk
+        ``rank`` and, with that payload added
+        (:func:`gradcomp.comm.dense.share_owned` does it, fused with the final
+        compression), the sum over all ranks, in which every other rank's data
+        went through one or more compressions. Other slices hold intermediate values.
     """
     n, r = comm.world_size, comm.rank
+    dev = work.device
     first = (r - 1) % n
-    wire = plan.expect(local.compress(*plan.bounds[first], chunk=first), first)
+    wire = plan.expect(local.compress(*plan.bounds[first], chunk=first,
+                                      out=plan.wire_buffer(comm, first, dev)), first)
     for s in range(n - 1):
         out_j, in_j = (r - s - 1) % n, (r - s - 2) % n
-        inbox = comm.receive_buffer(plan.wire_nbytes[in_j], wire.device)
+        inbox = comm.buffer(plan.wire_nbytes[in_j], dev)
         transfer = comm.start([Message(comm.next, wire, plan.raw_nbytes[out_j])],
                               [Message(comm.prev, inbox, plan.raw_nbytes[in_j])], "reduce_scatter")
         lo, hi = plan.bounds[in_j]
         acc = local.exact_into(lo, hi, work[lo:hi])  # while the partial sum travels
         transfer.wait()
-        plan.compressor.decompress_add_(inbox, acc)
-        if s < n - 2:
-            wire = plan.expect(plan.compressor.compress(acc), in_j)
+        if s == n - 2:
+            return inbox  # in_j == r
+        # decompress, add and recompress in one pass
+        wire = plan.expect(plan.compressor.reduce_compress_(inbox, acc, out=plan.wire_buffer(comm, in_j, dev)),
+                           in_j)
+    raise AssertionError("unreachable: world_size >= 2")  # pragma: no cover

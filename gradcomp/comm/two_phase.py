@@ -30,25 +30,31 @@ from gradcomp.comm.p2p import Comm, Message
 __all__ = ["reduce_scatter"]
 
 
-def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> None:
+def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> torch.Tensor:
     """Direct-exchange reduce-scatter: one compression per chunk per rank.
 
     Args:
         work: float32 ``[numel]`` workspace (may be the input's own memory).
 
-    On return ``work[chunk rank]`` holds the sum over all ranks of chunk ``rank``.
+    Returns:
+        The payload from the highest other rank, not yet added: with it added
+        (:func:`gradcomp.comm.dense.share_owned` does it, fused with the final
+        compression) ``work[chunk rank]`` holds the sum over all ranks of chunk
+        ``rank`` (this rank's own data exact, the others' payloads added in rank order).
     """
     n, r = comm.world_size, comm.rank
+    dev = work.device
     sends, recvs = [], []
     for j in range(n):
         if j == r:
             continue
-        wire = plan.expect(local.compress(*plan.bounds[j], chunk=j), j)
+        wire = plan.expect(local.compress(*plan.bounds[j], chunk=j, out=plan.wire_buffer(comm, j, dev)), j)
         sends.append(Message(j, wire, plan.raw_nbytes[j]))
-        recvs.append(Message(j, comm.receive_buffer(plan.wire_nbytes[r], wire.device), plan.raw_nbytes[r]))
+        recvs.append(Message(j, comm.buffer(plan.wire_nbytes[r], dev), plan.raw_nbytes[r]))
     transfer = comm.start(sends, recvs, "reduce_scatter")
     lo, hi = plan.bounds[r]
     acc = local.exact_into(lo, hi, work[lo:hi])  # while the payloads travel
     transfer.wait()
-    for m in recvs:  # in rank order
+    for m in recvs[:-1]:  # in rank order; the last one is added by share_owned
         plan.compressor.decompress_add_(m.buf, acc)
+    return recvs[-1].buf

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from gradcomp import _validate as v
@@ -31,34 +33,62 @@ class Compressor:
     lossy: bool = True
 
     # ---- public API -------------------------------------------------------
-    def compress(self, t: torch.Tensor) -> W.Payload:
+    def compress(self, t: torch.Tensor, *, out: torch.Tensor | None = None) -> W.Payload:
         """Compress ``t``.
 
         Args:
             t: float32/float16/bfloat16/float64 tensor of any shape on any device
                 (non-contiguous input is read as its contiguous copy).
+            out: optional 1-D contiguous ``torch.uint8`` tensor on ``t``'s device
+                of exactly ``wire_nbytes(t.shape, t.dtype)`` bytes to write the
+                wire into (dense compressors only): reusing one across calls
+                saves allocating (and page-faulting) a new wire each time.
 
         Returns:
             A :class:`~gradcomp.wire.Payload`; ``payload.wire`` is a 1-D uint8
-            tensor on ``t``'s device.
+            tensor on ``t``'s device (``out`` when given).
 
         Raises:
-            TypeError: ``t`` is not a dense floating tensor. ValueError: a meta tensor.
+            TypeError: ``t`` is not a dense floating tensor. ValueError: a meta
+                tensor; a bad ``out`` or a compressor without a fixed wire size.
         """
         v.data_tensor("t", t)
         t = t.detach()  # compression is not differentiable: no autograd graph in the payload
-        return self._encode(_flat(t), t.dtype, t.shape)
+        if out is None:
+            return self._encode(_flat(t), t.dtype, t.shape)
+        _check_wire_out(self, out, t)
+        return self._encode(_flat(t), t.dtype, t.shape, out=out)
 
-    def decompress(self, p: "W.Payload | torch.Tensor") -> torch.Tensor:
+    def decompress(self, p: "W.Payload | torch.Tensor", *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decompress a payload (or its wire bytes) to a tensor with the original
         shape and dtype, on the payload's device.
 
+        Args:
+            p: a payload or its wire bytes (decoded and validated).
+            out: optional contiguous tensor of the payload's dtype, number of
+                elements and device to write the values to (any shape); no
+                temporary of the payload's size is allocated for int8.
+
+        Returns:
+            A new tensor, or ``out``.
+
         Raises:
-            ValueError: the payload's codec does not belong to this compressor.
+            ValueError: the payload's codec does not belong to this compressor; a bad ``out``.
             PayloadError: wire bytes are malformed.
         """
         p = self._payload(p)
-        return self._decode_flat(p).to(p.dtype).view(p.shape)
+        if out is None:
+            return self._decode_flat(p).to(p.dtype).view(p.shape)
+        if (not isinstance(out, torch.Tensor) or out.dtype != p.dtype or out.numel() != p.numel
+                or out.device != p.device or not out.is_contiguous()):
+            got = (f"{'a non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} tensor of "
+                   f"{out.numel()} elements on {out.device}" if isinstance(out, torch.Tensor)
+                   else type(out).__name__)
+            raise ValueError(f"out must be a contiguous {p.dtype} tensor of {p.numel} elements on "
+                             f"{p.device}, got {got}")
+        if p.numel:
+            self._decode_into(p, out.detach().view(-1))
+        return out
 
     def decompress_add_(self, p: "W.Payload | torch.Tensor", acc: torch.Tensor) -> torch.Tensor:
         """``acc += decompress(p)`` in place.
@@ -73,6 +103,60 @@ class Compressor:
         _check_acc(acc, p)
         acc.view(-1).add_(self._decode_flat(p).to(torch.float32))
         return acc
+
+    def reduce_compress_(self, p: "W.Payload | torch.Tensor", acc: torch.Tensor, *, divisor: int = 1,
+                         out: torch.Tensor | None = None, decode: bool = False) -> W.Payload:
+        """One reduce step of a compressed collective, in place on ``acc``.
+
+        Same results, bit for bit, as::
+
+            self.decompress_add_(p, acc)
+            if divisor != 1: acc.div_(divisor)
+            q = self.compress(acc, out=out)
+            if decode: self.decompress(q, out=acc)
+
+        (:class:`Int8Quantizer` runs it in one native pass on CPU.)
+
+        Args:
+            p: the payload (or wire bytes) to add; its codec is this compressor's.
+            acc: contiguous float32 tensor with ``p``'s number of elements, same
+                device; its shape is the compressed tensor's.
+            divisor: positive integer the sum is divided by (e.g. the group size
+                for an average).
+            out: optional wire buffer, as for :meth:`compress`.
+            decode: leave in ``acc`` the decompressed result (what every receiver
+                of the returned payload decodes) instead of the sum.
+
+        Returns:
+            The payload of the (divided) sum.
+        """
+        self.decompress_add_(p, acc)
+        if divisor != 1:
+            acc.div_(divisor)
+        q = self.compress(acc) if out is None else self.compress(acc, out=out)
+        if decode:
+            self.decompress(q, out=acc)
+        return q
+
+    def _overrides(self, *names: str) -> bool:
+        """True when this object's class redefines one of these methods below
+        ``Compressor`` and the built-in codecs (a user subclass): fused paths
+        then step aside so that the subclass's methods run."""
+        for name in names:
+            fn = getattr(type(self), name)
+            if getattr(fn, "__module__", "").split(".")[0] != "gradcomp":
+                return True
+        return False
+
+    def _takes_out(self) -> bool:
+        """Whether :meth:`compress` takes ``out=`` (a subclass written before
+        the argument existed may override it without)."""
+        if not self._overrides("compress"):
+            return True
+        try:
+            return "out" in inspect.signature(self.compress).parameters
+        except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+            return False
 
     def wire_nbytes(self, shape, dtype: torch.dtype = torch.float32) -> int | None:
         """Exact wire size in bytes for a tensor of ``shape`` (None when it depends
@@ -93,14 +177,19 @@ class Compressor:
         return copy.deepcopy(self)
 
     # ---- codec hooks --------------------------------------------------------
-    def _encode(self, x: torch.Tensor, dtype: torch.dtype, shape) -> W.Payload:
+    def _encode(self, x: torch.Tensor, dtype: torch.dtype, shape, out: torch.Tensor | None = None) -> W.Payload:
         """Encode flat contiguous ``x`` (its dtype may differ from ``dtype``, the
-        original dtype recorded in the header: error feedback passes float32)."""
+        original dtype recorded in the header: error feedback passes float32)
+        into ``out`` when given (checked by the caller: the exact wire size)."""
         raise NotImplementedError
 
     def _decode_flat(self, p: W.Payload) -> torch.Tensor:
         """Flat decoded values: float32 for lossy codecs, the original dtype for raw."""
         raise NotImplementedError
+
+    def _decode_into(self, p: W.Payload, out: torch.Tensor) -> None:
+        """Write the decoded values into flat ``out`` (the payload's dtype and numel)."""
+        out.copy_(self._decode_flat(p))
 
     def _codecs(self) -> tuple[str, ...]:
         return (self.codec,)
@@ -137,9 +226,24 @@ def _check_acc(acc: torch.Tensor, p: W.Payload) -> None:
         raise ValueError(f"acc must be on the payload's device {p.device}, got {acc.device}")
 
 
-def new_wire(header: bytes, body_nbytes: int, device) -> torch.Tensor:
-    """Allocate a wire of ``len(header) + body_nbytes`` bytes with the header written."""
-    w = torch.empty(len(header) + body_nbytes, dtype=torch.uint8, device=device)
+def _check_wire_out(c: Compressor, out, t: torch.Tensor) -> None:
+    if c.sparse:
+        raise ValueError(f"out= needs a dense compressor (fixed wire size), got {c!r}")
+    want = c.wire_nbytes(t.shape, t.dtype)
+    if want is None:
+        raise ValueError(f"out= needs a compressor with a fixed wire size, got {c!r}")
+    if (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1
+            or not out.is_contiguous() or out.numel() != want or out.device != t.device):
+        got = (f"{out.dtype} tensor of shape {tuple(out.shape)} on {out.device}"
+               if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise ValueError(f"out must be a contiguous 1-D uint8 tensor of {want} bytes (the wire size) "
+                         f"on {t.device}, got {got}")
+
+
+def new_wire(header: bytes, body_nbytes: int, device, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A wire of ``len(header) + body_nbytes`` bytes with the header written:
+    ``out`` (already checked to have that size) or a new tensor."""
+    w = torch.empty(len(header) + body_nbytes, dtype=torch.uint8, device=device) if out is None else out
     w[: len(header)].copy_(W.header_tensor(header, device))
     return w
 

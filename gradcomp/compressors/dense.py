@@ -23,10 +23,10 @@ class NoCompression(Compressor):
     codec = "raw"
     lossy = False
 
-    def _encode(self, x, dtype, shape):
+    def _encode(self, x, dtype, shape, out=None):
         x = x.to(dtype)
         h = W.build_header("raw", dtype, shape)
-        w = new_wire(h, x.numel() * x.element_size(), x.device)
+        w = new_wire(h, x.numel() * x.element_size(), x.device, out)
         data = w[len(h):].view(dtype)
         if x.numel():
             data.copy_(x)
@@ -52,7 +52,7 @@ class FP16(Compressor):
 
     codec = "fp16"
 
-    def _encode(self, x, dtype, shape):
+    def _encode(self, x, dtype, shape, out=None):
         e = 0
         if x.numel():
             amax = float(x.abs().max().to(torch.float64))
@@ -61,7 +61,7 @@ class FP16(Compressor):
                 while math.ldexp(amax, -e) > _FP16_MAX:
                     e += 1
         h = W.build_header("fp16", dtype, shape, param=e)
-        w = new_wire(h, 2 * x.numel(), x.device)
+        w = new_wire(h, 2 * x.numel(), x.device, out)
         data = w[len(h):].view(torch.float16)
         if x.numel():
             if e:
@@ -92,9 +92,9 @@ class BF16(Compressor):
 
     codec = "bf16"
 
-    def _encode(self, x, dtype, shape):
+    def _encode(self, x, dtype, shape, out=None):
         h = W.build_header("bf16", dtype, shape)
-        w = new_wire(h, 2 * x.numel(), x.device)
+        w = new_wire(h, 2 * x.numel(), x.device, out)
         data = w[len(h):].view(torch.bfloat16)
         if x.numel():
             data.copy_(x)

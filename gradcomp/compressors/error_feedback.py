@@ -7,7 +7,7 @@ from collections.abc import Hashable, Mapping
 import torch
 
 from gradcomp import _validate as v
-from gradcomp.compressors.base import Compressor, _flat
+from gradcomp.compressors.base import Compressor, _check_wire_out, _flat
 from gradcomp.compressors.int8 import Int8Quantizer
 
 __all__ = ["ErrorFeedback"]
@@ -53,16 +53,19 @@ class ErrorFeedback(Compressor):
     def _codecs(self):
         return self.wraps._codecs()
 
-    def compress(self, t: torch.Tensor, key: Hashable = None):
+    def compress(self, t: torch.Tensor, key: Hashable = None, *, out: torch.Tensor | None = None):
         """Compress ``t + residual[key]`` and update ``residual[key]``.
 
         Args:
             t: floating tensor of any shape and device.
             key: identifies the tensor across calls (e.g. a parameter name);
                 ``None`` is a key like any other.
+            out: optional wire buffer, as for :meth:`Compressor.compress`.
         """
         v.data_tensor("t", t)
         t = t.detach()  # a residual must not hold (and chain) autograd graphs across steps
+        if out is not None:
+            _check_wire_out(self, out, t)
         x = _flat(t)
         r = self.residuals.get(key)
         if r is None:
@@ -75,10 +78,10 @@ class ErrorFeedback(Compressor):
         elif r.device != x.device:
             r = r.to(x.device)
         if isinstance(self.wraps, Int8Quantizer):
-            p = self.wraps._encode_ef(x, r, t.dtype, t.shape)
+            p = self.wraps._encode_ef(x, r, t.dtype, t.shape, out=out)
         else:
             px = x.to(torch.float32) + r
-            p = self.wraps._encode(px, t.dtype, t.shape)
+            p = self.wraps._encode(px, t.dtype, t.shape, out=out)
             r = px - self.wraps._decode_flat(p).to(torch.float32)
         if not bool(torch.isfinite(r).all()):
             self.residuals.pop(key, None)
@@ -87,11 +90,14 @@ class ErrorFeedback(Compressor):
             self.residuals[key] = r
         return p
 
-    def _encode(self, x, dtype, shape):
-        return self.wraps._encode(x, dtype, shape)
+    def _encode(self, x, dtype, shape, out=None):
+        return self.wraps._encode(x, dtype, shape, out=out)
 
     def _decode_flat(self, p):
         return self.wraps._decode_flat(p)
+
+    def _decode_into(self, p, out):
+        self.wraps._decode_into(p, out)
 
     def decompress_add_(self, p, acc):
         return self.wraps.decompress_add_(p, acc)

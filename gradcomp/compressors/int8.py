@@ -59,14 +59,14 @@ class Int8Quantizer(Compressor):
             self.counter += 1
             return c
 
-    def _alloc(self, dtype, shape, device):
+    def _alloc(self, dtype, shape, device, out=None):
         n = 1
         for d in shape:
             n *= d
         nb = -(-n // self.block_size)
         flags = W.FLAG_STOCHASTIC if self.rounding == "stochastic" else 0
         h = W.build_header("int8", dtype, shape, param=self.block_size, flags=flags)
-        w = new_wire(h, 4 * nb + n, device)
+        w = new_wire(h, 4 * nb + n, device, out)
         scales = w[len(h): len(h) + 4 * nb].view(torch.float32)
         codes = w[len(h) + 4 * nb:].view(torch.int8)
         p = W.Payload(wire=w, codec="int8", dtype=dtype, shape=torch.Size(shape),
@@ -74,17 +74,17 @@ class Int8Quantizer(Compressor):
                       scales=scales, codes=codes)
         return p
 
-    def _encode(self, x, dtype, shape):
-        p = self._alloc(dtype, shape, x.device)
+    def _encode(self, x, dtype, shape, out=None):
+        p = self._alloc(dtype, shape, x.device, out)
         if x.numel():
             kernels.quantize_int8(x, self.block_size, self.rounding, self.seed, self._next_counter(),
                                   out_q=p.codes, out_scales=p.scales, backend=self.backend)
         return p
 
-    def _encode_ef(self, x, residual, dtype, shape):
+    def _encode_ef(self, x, residual, dtype, shape, out=None):
         """Fused error feedback: quantize ``x + residual`` and update ``residual``
         in place in one pass (``kernels.quantize_int8_ef``)."""
-        p = self._alloc(dtype, shape, x.device)
+        p = self._alloc(dtype, shape, x.device, out)
         if x.numel():
             kernels.quantize_int8_ef(x, residual, self.block_size, self.rounding, self.seed,
                                      self._next_counter(), out_q=p.codes, out_scales=p.scales,
@@ -93,6 +93,9 @@ class Int8Quantizer(Compressor):
 
     def _decode_flat(self, p):
         return kernels.dequantize_int8(p.codes, p.scales, p.block_size, backend=self.backend)
+
+    def _decode_into(self, p, out):
+        kernels.dequantize_int8(p.codes, p.scales, p.block_size, out=out, backend=self.backend)
 
     def decompress_add_(self, p, acc):
         """``acc += decompress(p)`` in one fused pass (float32 accumulate)."""
@@ -104,6 +107,25 @@ class Int8Quantizer(Compressor):
             kernels.dequantize_int8_add_(acc.view(-1), p.codes, p.scales, p.block_size,
                                          backend=self.backend)
         return acc
+
+    def reduce_compress_(self, p, acc, *, divisor=1, out=None, decode=False):
+        """As :meth:`Compressor.reduce_compress_`, in one pass
+        (``kernels.reduce_quantize_int8``) when ``p`` has this block size."""
+        from gradcomp.compressors.base import _check_acc, _check_wire_out
+
+        p = self._payload(p)
+        if p.block_size != self.block_size or self._overrides("compress", "decompress", "decompress_add_"):
+            return super().reduce_compress_(p, acc, divisor=divisor, out=out, decode=decode)
+        _check_acc(acc, p)
+        divisor = v.integer("divisor", divisor, 1)
+        if out is not None:
+            _check_wire_out(self, out, acc)
+        q = self._alloc(acc.dtype, acc.shape, acc.device, out)
+        if p.numel:
+            kernels.reduce_quantize_int8(acc, p.codes, p.scales, self.block_size, divisor, self.rounding,
+                                         self.seed, self._next_counter(), out_q=q.codes, out_scales=q.scales,
+                                         decode=decode, backend=self.backend)
+        return q
 
     def wire_nbytes(self, shape, dtype=torch.float32):
         return W.dense_nbytes("int8", shape, dtype, self.block_size)

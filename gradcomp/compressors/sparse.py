@@ -39,7 +39,7 @@ class _Sparse(Compressor):
     def _select(self, x: torch.Tensor):
         raise NotImplementedError
 
-    def _encode(self, x, dtype, shape):
+    def _encode(self, x, dtype, shape, out=None):  # out: never given (no fixed wire size)
         idx, vals = self._select(x)
         nnz = idx.numel()
         n = x.numel()

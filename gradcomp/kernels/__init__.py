@@ -21,6 +21,7 @@ __all__ = [
     "dequantize_int8",
     "dequantize_int8_add_",
     "quantize_int8_ef",
+    "reduce_quantize_int8",
     "topk",
     "approx_topk",
     "threshold",
@@ -182,6 +183,77 @@ def quantize_int8_ef(
     out_scales = _check_out("out_scales", out_scales, _nblocks(n, block_size), torch.float32, x.device)
     fn = resolve("quantize_int8_ef", x.device.type, backend)
     return fn(_flat(x), residual, block_size, rounding, seed, counter, out_q, out_scales)
+
+
+def reduce_quantize_int8(
+    acc: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int = 256,
+    divisor: int = 1,
+    rounding: str = "nearest",
+    seed: int = 0,
+    counter: int = 0,
+    *,
+    out_q: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
+    decode: bool = False,
+    backend: str | None = None,
+):
+    """One reduce step of a compressed collective (a ring hop, an owner's final
+    sum): add decoded codes, divide, requantize, and optionally decode.
+
+    Defined as the composition of the ops above, with the same results bit for bit::
+
+        dequantize_int8_add_(acc, q, scales, block_size)
+        if divisor != 1: acc.div_(divisor)
+        q2, s2 = quantize_int8(acc, block_size, rounding, seed, counter)
+        if decode: dequantize_int8(q2, s2, block_size, out=acc)
+
+    The native CPU backend runs it in one pass per block (``acc`` read and
+    written once); on other backends it is that composition of their ops.
+
+    Args:
+        acc: contiguous float32 tensor, n elements; on return it holds the
+            reduced values (``decode=False``) or the decoded codes ``q2 * s2``
+            (``decode=True``: what every receiver of the result decodes).
+        q, scales: int8 ``[n]`` / float32 ``[ceil(n / block_size)]`` codes to
+            add, on acc's device (their block size is ``block_size`` too).
+        divisor: positive integer the sum is divided by (``1``: no division).
+        rounding, seed, counter: as :func:`quantize_int8`.
+        out_q, out_scales: optional preallocated outputs for ``(q2, s2)``.
+        backend: force a backend, as for the other ops.
+
+    Returns:
+        ``(q2, s2)`` as :func:`quantize_int8`.
+
+    Raises:
+        TypeError / ValueError: bad arguments (as the composed ops).
+    """
+    block_size = _check_codes(q, scales, block_size)
+    _check_out("acc", acc, q.numel(), torch.float32, q.device)
+    divisor = v.integer("divisor", divisor, 1, 2**24)  # exact in float32
+    rounding = v.rounding(rounding)
+    seed = v.integer("seed", seed)
+    counter = v.integer("counter", counter)
+    n = acc.numel()
+    out_q = _check_out("out_q", out_q, n, torch.int8, acc.device)
+    out_scales = _check_out("out_scales", out_scales, _nblocks(n, block_size), torch.float32, acc.device)
+    # The fused kernel is an optional extra of the native CPU backend (not a
+    # registry op): used when that backend is the one quantize_int8 resolves to.
+    if resolve("quantize_int8", acc.device.type, backend).__module__ == "gradcomp.kernels.cpu":
+        from gradcomp.kernels import cpu
+
+        return cpu.reduce_quantize_int8(acc.view(-1), _flat(q), _flat(scales), block_size, divisor, rounding,
+                                        seed, counter, out_q, out_scales, decode)
+    dequantize_int8_add_(acc, q, scales, block_size, backend=backend)
+    if divisor != 1:
+        acc.div_(divisor)
+    q2, s2 = quantize_int8(acc, block_size, rounding, seed, counter, out_q=out_q, out_scales=out_scales,
+                           backend=backend)
+    if decode:
+        dequantize_int8(q2, s2, block_size, out=acc, backend=backend)
+    return q2, s2
 
 
 def _check_k(x, k):

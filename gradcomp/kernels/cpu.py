@@ -41,6 +41,7 @@ __all__ = [
     "dequantize_int8",
     "dequantize_int8_add_",
     "quantize_int8_ef",
+    "reduce_quantize_int8",
     "topk",
     "threshold",
     "approx_topk",
@@ -273,6 +274,46 @@ def dequantize_int8_add_(
     av = _out_np("acc", acc, torch.float32, qf.numel())
     _native().dequantize_int8_add(av, qf.numpy(), sf.numpy(), block_size)
     return acc
+
+
+def reduce_quantize_int8(
+    acc: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    block_size: int = 256,
+    divisor: int = 1,
+    rounding: str = "nearest",
+    seed: int = 0,
+    counter: int = 0,
+    out_q: torch.Tensor | None = None,
+    out_scales: torch.Tensor | None = None,
+    decode: bool = False,
+):
+    """:func:`gradcomp.kernels.reduce_quantize_int8` in one native pass per block.
+
+    Args:
+        acc: contiguous CPU float32 tensor, n elements, updated in place.
+        q, scales: int8 ``[n]`` / float32 ``[ceil(n / block_size)]`` codes to add.
+        Others as :func:`gradcomp.kernels.reduce_quantize_int8`.
+
+    Returns:
+        ``(q, scales)`` of the reduced values, as :func:`quantize_int8`.
+    """
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be one of ('nearest', 'stochastic'), got {rounding!r}")
+    n = acc.numel()
+    nb = -(-n // block_size)
+    av = _out_np("acc", acc, torch.float32, n)
+    qf, sf = _flat("q", q), _flat("scales", scales)
+    oq = out_q if out_q is not None else torch.empty(n, dtype=torch.int8)
+    os_ = out_scales if out_scales is not None else torch.empty(nb, dtype=torch.float32)
+    stochastic = rounding == "stochastic"
+    key = _ref.stream_key(seed, counter) if stochastic else 0
+    _native().reduce_quantize_int8(
+        av, qf.numpy(), sf.numpy(), block_size, float(divisor), stochastic, key,
+        _out_np("out_q", oq, torch.int8, n), _out_np("out_scales", os_, torch.float32, nb), bool(decode),
+    )
+    return oq, os_
 
 
 def topk(x: torch.Tensor, k: int):
