@@ -177,10 +177,23 @@ void dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t bloc
     }
 }
 
-// p = acc + code * scale over one tile (dequantize_int8_add's addition), then
-// p / d when DIV (float32 division, as torch's div_ by a scalar).
+// p = acc + code * scale over one tile (dequantize_int8_add's addition; a
+// plain addition when the scale is finite, as then no product is NaN), then
+// p / d when DIV (float32 division, as torch's div_ by a scalar; for a power
+// of two d the product by 1 / d, which is exact and rounds the same way).
 template <bool DIV>
 inline void sum_tile(const float* a, const int8_t* c, float s, float d, float* p, size_t len) {
+    const bool pow2 = DIV && (f32_bits(d) & 0x7FFFFFu) == 0;
+    const float inv = 1.0f / d;
+    if ((f32_bits(s) & 0x7F800000u) != 0x7F800000u) {
+        if (!DIV)
+            for (size_t i = 0; i < len; ++i) p[i] = a[i] + static_cast<float>(c[i]) * s;
+        else if (pow2)
+            for (size_t i = 0; i < len; ++i) p[i] = (a[i] + static_cast<float>(c[i]) * s) * inv;
+        else
+            for (size_t i = 0; i < len; ++i) p[i] = (a[i] + static_cast<float>(c[i]) * s) / d;
+        return;
+    }
     for (size_t i = 0; i < len; ++i) {
         const float v = add_like_torch(a[i], static_cast<float>(c[i]) * s);
         p[i] = DIV ? v / d : v;

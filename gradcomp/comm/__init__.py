@@ -155,25 +155,36 @@ def allreduce(
         if out is None:
             return x.clone(memory_format=torch.contiguous_format)
         return out.copy_(x) if out.data_ptr() != x.data_ptr() else out
-    flat = x.reshape(-1).to(torch.float32)
+    comm = Comm(group, timeout, meter)
+    n = x.numel()
+    # float32 temporaries come from the buffer pool (a fresh multi-MiB tensor
+    # page-faults on first write, every call)
+    if x.dtype == torch.float32:
+        flat = x.reshape(-1)
+    else:
+        flat = comm.buffer(4 * n, x.device).view(torch.float32)
+        flat.view(x.shape).copy_(x)
     if out is not None and out.dtype == torch.float32:
         work = out.detach().view(-1)
+    elif out is None and x.dtype == torch.float32:
+        work = torch.empty(n, dtype=torch.float32, device=x.device)  # the result itself
     else:
-        work = torch.empty(flat.numel(), dtype=torch.float32, device=flat.device)
-    comm = Comm(group, timeout, meter)
+        work = comm.buffer(4 * n, x.device).view(torch.float32)
     local = Local(flat, compressor, key, residual)
     if algorithm == "allgather":
         _allgather.allreduce(comm, local, work, op)
     else:
-        plan = Plan(flat.numel(), comm.world_size, local.inner)
+        plan = Plan(n, comm.world_size, local.inner)
         pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
         share_owned(comm, plan, work, op, pending)
-    comm.release()
     if out is None:
-        return work.to(tensor.dtype).view(tensor.shape)
-    if work.data_ptr() != out.data_ptr():
-        out.view(-1).copy_(work)
-    return out
+        result = work.to(tensor.dtype).view(tensor.shape)  # work itself for float32
+    else:
+        result = out
+        if work.data_ptr() != out.data_ptr():
+            out.view(-1).copy_(work)
+    comm.release()  # after the last read of pooled buffers
+    return result
 
 
 def _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter=None) -> None:

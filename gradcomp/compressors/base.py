@@ -130,6 +130,7 @@ class Compressor:
         Returns:
             The payload of the (divided) sum.
         """
+        divisor = v.integer("divisor", divisor, 1)
         self.decompress_add_(p, acc)
         if divisor != 1:
             acc.div_(divisor)

@@ -102,6 +102,12 @@ class ErrorFeedback(Compressor):
     def decompress_add_(self, p, acc):
         return self.wraps.decompress_add_(p, acc)
 
+    def reduce_compress_(self, p, acc, *, divisor=1, out=None, decode=False):
+        """The wrapped compressor's :meth:`~Compressor.reduce_compress_`: a sum
+        of several ranks' data is compressed without error feedback (no residual
+        is read or written)."""
+        return self.wraps.reduce_compress_(p, acc, divisor=divisor, out=out, decode=decode)
+
     def wire_nbytes(self, shape, dtype=torch.float32):
         return self.wraps.wire_nbytes(shape, dtype)
 
