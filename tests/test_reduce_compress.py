@@ -160,3 +160,22 @@ def test_reduce_compress_respects_subclass_overrides():
     r1 = c.reduce_compress_(gc.Int8Quantizer(block_size=32).compress(x), a1)
     a2 += gc.Int8Quantizer(block_size=32).decompress(gc.Int8Quantizer(block_size=32).compress(x))
     assert torch.equal(r1.wire, gc.Int8Quantizer(block_size=32).compress(a2 * 2).wire)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_fp16_bf16_buffer_paths_match_the_decoded_values(dtype):
+    """FP16 / BF16 decode and add without a float32 temporary (exact widening,
+    exact power-of-two rescaling), bit for bit as the allocating path."""
+    g = torch.Generator().manual_seed(3)
+    for c, scale in itertools.product([gc.FP16(), gc.BF16()], [1.0, 1e6, 1e30]):
+        x = (torch.randn(3000, generator=g, dtype=torch.float64) * scale)
+        x[5], x[6] = -0.0, 1e-8
+        x = x.to(dtype)
+        p = c.compress(x)
+        assert isinstance(c, gc.BF16) or scale == 1.0 or p.exponent > 0
+        want = c._decode_flat(p).to(p.dtype)
+        got = c.decompress(p, out=torch.empty_like(x))
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (c, scale)
+        acc = torch.randn(3000, generator=g)
+        ref = acc.clone().add_(c._decode_flat(p).to(torch.float32))
+        assert _same(c.decompress_add_(p, acc), ref), (c, scale)

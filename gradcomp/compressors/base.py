@@ -101,7 +101,8 @@ class Compressor:
         """
         p = self._payload(p)
         _check_acc(acc, p)
-        acc.view(-1).add_(self._decode_flat(p).to(torch.float32))
+        if p.numel:
+            self._add_into(p, acc.view(-1))
         return acc
 
     def reduce_compress_(self, p: "W.Payload | torch.Tensor", acc: torch.Tensor, *, divisor: int = 1,
@@ -191,6 +192,10 @@ class Compressor:
     def _decode_into(self, p: W.Payload, out: torch.Tensor) -> None:
         """Write the decoded values into flat ``out`` (the payload's dtype and numel)."""
         out.copy_(self._decode_flat(p))
+
+    def _add_into(self, p: W.Payload, acc: torch.Tensor) -> None:
+        """``acc += decoded values`` for flat float32 ``acc`` (the payload's numel)."""
+        acc.add_(self._decode_flat(p).to(torch.float32))
 
     def _codecs(self) -> tuple[str, ...]:
         return (self.codec,)

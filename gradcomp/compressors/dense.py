@@ -55,7 +55,8 @@ class FP16(Compressor):
     def _encode(self, x, dtype, shape, out=None):
         e = 0
         if x.numel():
-            amax = float(x.abs().max().to(torch.float64))
+            mn, mx = torch.aminmax(x)  # max |x| without an n-element temporary; NaN propagates
+            amax = float(torch.maximum(mn.abs(), mx.abs()).to(torch.float64))
             if math.isfinite(amax) and amax > _FP16_MAX:
                 e = max(0, math.ceil(math.log2(amax / _FP16_MAX)))
                 while math.ldexp(amax, -e) > _FP16_MAX:
@@ -80,6 +81,18 @@ class FP16(Compressor):
             out = out * (2.0 ** p.exponent)
         return out
 
+    def _decode_into(self, p, out):
+        if out.dtype not in (torch.float32, torch.float64):
+            return super()._decode_into(p, out)
+        out.copy_(p.data)  # exact widening, then the exact power-of-two scaling
+        if p.exponent:
+            out.mul_(2.0 ** p.exponent)
+
+    def _add_into(self, p, acc):
+        if p.exponent:
+            return super()._add_into(p, acc)
+        acc.add_(p.data)  # float16 widened exactly to float32 inside the addition
+
     def wire_nbytes(self, shape, dtype=torch.float32):
         return W.dense_nbytes("fp16", shape, dtype)
 
@@ -102,6 +115,14 @@ class BF16(Compressor):
 
     def _decode_flat(self, p):
         return p.data.to(torch.float32)
+
+    def _decode_into(self, p, out):
+        if out.dtype not in (torch.float32, torch.float64):
+            return super()._decode_into(p, out)
+        out.copy_(p.data)  # exact widening
+
+    def _add_into(self, p, acc):
+        acc.add_(p.data)  # bfloat16 widened exactly to float32 inside the addition
 
     def wire_nbytes(self, shape, dtype=torch.float32):
         return W.dense_nbytes("bf16", shape, dtype)
