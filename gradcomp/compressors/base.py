@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import inspect
 
 import torch
@@ -13,7 +14,7 @@ from gradcomp.errors import PayloadError
 __all__ = ["Compressor"]
 
 
-class Compressor:
+class Compressor(abc.ABC):
     """A stateless-on-the-wire gradient codec (GRACE's compressor role).
 
     A compressor never communicates: it turns a tensor into a
@@ -179,15 +180,15 @@ class Compressor:
         return copy.deepcopy(self)
 
     # ---- codec hooks --------------------------------------------------------
+    @abc.abstractmethod
     def _encode(self, x: torch.Tensor, dtype: torch.dtype, shape, out: torch.Tensor | None = None) -> W.Payload:
         """Encode flat contiguous ``x`` (its dtype may differ from ``dtype``, the
         original dtype recorded in the header: error feedback passes float32)
         into ``out`` when given (checked by the caller: the exact wire size)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _decode_flat(self, p: W.Payload) -> torch.Tensor:
         """Flat decoded values: float32 for lossy codecs, the original dtype for raw."""
-        raise NotImplementedError
 
     def _decode_into(self, p: W.Payload, out: torch.Tensor) -> None:
         """Write the decoded values into flat ``out`` (the payload's dtype and numel)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import math
 import numbers
 from collections.abc import Mapping
@@ -36,8 +37,9 @@ class _Sparse(Compressor):
         self.backend = v.backend(backend)
         self._raw = NoCompression()
 
+    @abc.abstractmethod
     def _select(self, x: torch.Tensor):
-        raise NotImplementedError
+        """``(indices, values)`` of the kept elements of flat ``x``, ascending."""
 
     def _encode(self, x, dtype, shape, out=None):  # out: never given (no fixed wire size)
         idx, vals = self._select(x)
