@@ -26,6 +26,8 @@ import numpy as np
 import pytest
 import torch
 
+import backend_checks as C
+
 import gradcomp.kernels as K
 from gradcomp.kernels import cuda as cuda_backend
 from gradcomp.kernels import reference as R
@@ -273,34 +275,6 @@ def target(request, monkeypatch):
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
-def _data(n, dtype, seed=0, special=True):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g) * 3
-    if special and n > 64:
-        x[3:40] = 0.0  # a zero block for block_size 32
-        x[41] = 1.25
-        x[42] = -1.25  # ties in |x|
-        x[50:53] = torch.tensor([1e-41, -3e-39, 2e-45])  # subnormal float32
-        x[n // 2] = float("nan")
-        x[n - 5] = float("inf")
-        x[n - 40] = -float("inf")
-    return x.to(dtype)
-
-
-def _bits(t):
-    t = t.detach().cpu().contiguous()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def _assert_bitwise(a, b, what):
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    ab, bb = _bits(a), _bits(b)
-    if a.is_floating_point():  # NaN payloads may differ between CPU and GPU
-        nan = torch.isnan(a.detach().cpu().float()) & torch.isnan(b.detach().cpu().float())
-        ab, bb = ab[~nan], bb[~nan]
-    bad = (ab != bb).nonzero()
-    assert bad.numel() == 0, f"{what}: {bad.numel()} elements differ, first at {bad[:5].view(-1).tolist()}"
-
 
 # ------------------------------------------------------------------- tests
 
@@ -309,104 +283,91 @@ def _assert_bitwise(a, b, what):
 @pytest.mark.parametrize("block_size,rounding", [(32, "nearest"), (256, "stochastic"), (1024, "nearest")])
 def test_quantize(target, dtype, block_size, rounding):
     device, call = target
-    x = _data(1531, dtype, seed=block_size)
+    x = C.data(1531, dtype, seed=block_size)
     q, s = call("quantize_int8", x.to(device), block_size, rounding, 11, 2**33 + 5)
     rq, rs = R.quantize_int8(x, block_size, rounding, 11, 2**33 + 5)
-    _assert_bitwise(q, rq, "codes")
-    assert torch.equal(_bits(s), _bits(rs)), "scales"
+    C.assert_bitwise(q, rq, "codes")
+    assert torch.equal(C.bits(s), C.bits(rs)), "scales"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_quantize_ef(target, dtype, rounding):
     device, call = target
-    x = _data(1000, dtype, seed=3)
+    x = C.data(1000, dtype, seed=3)
     res = torch.randn(1000, generator=torch.Generator().manual_seed(4)) * 0.1
     res_dev = res.clone().to(device)
     q, s = call("quantize_int8_ef", x.to(device), res_dev, 64, rounding, 1, 2)
     rq, rs = R.quantize_int8_ef(x, res, 64, rounding, 1, 2)
-    _assert_bitwise(q, rq, "codes")
-    assert torch.equal(_bits(s), _bits(rs)), "scales"
-    _assert_bitwise(res_dev, res, "residual")
+    C.assert_bitwise(q, rq, "codes")
+    assert torch.equal(C.bits(s), C.bits(rs)), "scales"
+    C.assert_bitwise(res_dev, res, "residual")
 
 
 @pytest.mark.parametrize("out_dtype", DTYPES)
 def test_dequantize(target, out_dtype):
     device, call = target
-    rq, rs = R.quantize_int8(_data(777, torch.float32, seed=5), 128)
+    rq, rs = R.quantize_int8(C.data(777, torch.float32, seed=5), 128)
     out = torch.empty(777, dtype=out_dtype, device=device)
     got = call("dequantize_int8", rq.to(device), rs.to(device), 128, out)
     ref = torch.empty(777, dtype=out_dtype)
     R.dequantize_int8(rq, rs, 128, ref)
-    _assert_bitwise(got, ref, "dequantized")
+    C.assert_bitwise(got, ref, "dequantized")
     got = call("dequantize_int8", rq.to(device), rs.to(device), 128)
-    _assert_bitwise(got, R.dequantize_int8(rq, rs, 128), "dequantized float32")
+    C.assert_bitwise(got, R.dequantize_int8(rq, rs, 128), "dequantized float32")
     acc = torch.randn(777)
     acc_dev = acc.clone().to(device)
     call("dequantize_int8_add_", acc_dev, rq.to(device), rs.to(device), 128)
-    _assert_bitwise(acc_dev, R.dequantize_int8_add_(acc, rq, rs, 128), "accumulated")
+    C.assert_bitwise(acc_dev, R.dequantize_int8_add_(acc, rq, rs, 128), "accumulated")
 
-
-def _assert_selection(got, ref, what):
-    assert got[0].dtype == ref[0].dtype, (what, got[0].dtype, ref[0].dtype)
-    assert torch.equal(got[0].cpu(), ref[0]), f"{what}: index sets differ"
-    assert torch.equal(_bits(got[1]), _bits(ref[1])), f"{what}: values differ"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_topk(target, dtype):
     device, call = target
-    x = _data(2500, dtype, seed=7)
+    x = C.data(2500, dtype, seed=7)
     x[100:160] = 0.75  # a long run of ties across the k-th element
     xd = x.to(device)
     a = x.float().abs()
     k_tie = int(((a > 0.75) | a.isnan()).sum()) + 30  # keeps half of the tied run
     for k in (0, 1, 2, 37, k_tie, 2499, 2500):
-        _assert_selection(call("topk", xd, k), R.topk(x, k), f"topk k={k}")
+        C.assert_selection(call("topk", xd, k), R.topk(x, k), f"topk k={k}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_threshold(target, dtype):
     device, call = target
-    x = _data(2100, dtype, seed=8)
+    x = C.data(2100, dtype, seed=8)
     xd = x.to(device)
     for tau in (0.0, 1.25, 2.0, 1e-40, 1e30):
-        _assert_selection(call("threshold", xd, tau), R.threshold(x, tau), f"threshold tau={tau}")
+        C.assert_selection(call("threshold", xd, tau), R.threshold(x, tau), f"threshold tau={tau}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_approx_topk(target, dtype):
     device, call = target
     for n, k, special in ((6000, 60, True), (5000, 1, False), (3000, 2900, True)):
-        x = _data(n, dtype, seed=n, special=special)
-        _assert_selection(call("approx_topk", x.to(device), k), R.approx_topk(x, k), f"approx n={n} k={k}")
+        x = C.data(n, dtype, seed=n, special=special)
+        C.assert_selection(call("approx_topk", x.to(device), k), R.approx_topk(x, k), f"approx n={n} k={k}")
 
 
 def test_approx_topk_nan_heavy(target):
     device, call = target
-    x = _data(5000, torch.float32, seed=9)
+    x = C.data(5000, torch.float32, seed=9)
     x[::7] = float("nan")  # NaN counts as Inf for the threshold: many survivors
     x[1::11] = float("inf")
     for k in (50, 700, 1500):
-        _assert_selection(call("approx_topk", x.to(device), k), R.approx_topk(x, k), f"approx k={k}")
+        C.assert_selection(call("approx_topk", x.to(device), k), R.approx_topk(x, k), f"approx k={k}")
 
-
-def _skewed(n, big_every_4th):
-    """Data whose strided sample (every 4th element) misestimates the threshold."""
-    g = torch.Generator().manual_seed(15)
-    x = torch.rand(n, generator=g)
-    sampled = torch.zeros(n, dtype=torch.bool)
-    sampled[::4] = True
-    return torch.where(sampled == big_every_4th, x + 10.0, x)
 
 
 def test_approx_topk_correction_paths(target):
     device, call = target
     # too few survivors -> exact top-k; too many (estimate or ties) -> top-k of the survivors
-    cases = [(_skewed(20000, True), 2000), (_skewed(20000, False), 2000),
+    cases = [(C.skewed(20000, True), 2000), (C.skewed(20000, False), 2000),
              ((torch.randn(3000, generator=torch.Generator().manual_seed(16)) * 2).round() / 2, 300)]
     for x, k in cases:
-        _assert_selection(call("approx_topk", x.to(device), k), R.approx_topk(x, k), f"k={k}")
+        C.assert_selection(call("approx_topk", x.to(device), k), R.approx_topk(x, k), f"k={k}")
 
 
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
@@ -419,7 +380,7 @@ def test_scatter_add(target, idx_dtype, val_dtype):
     acc = torch.randn(300, generator=g).round()
     acc_dev = acc.clone().to(device)
     call("scatter_add_", acc_dev, idx.to(device), vals.to(device))
-    _assert_bitwise(acc_dev, R.scatter_add_(acc, idx, vals), "scatter_add_")
+    C.assert_bitwise(acc_dev, R.scatter_add_(acc, idx, vals), "scatter_add_")
 
 
 def test_empty_inputs(target):
@@ -436,7 +397,7 @@ def test_gpu_large_and_streams():
     reason = _gpu_ready()
     if reason is not None:
         pytest.skip(f"CUDA backend unavailable: {reason}")
-    x = _data((1 << 22) + 3, torch.float32, seed=12)
+    x = C.data((1 << 22) + 3, torch.float32, seed=12)
     xd = x.cuda()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):  # kernels follow the current torch stream
@@ -444,7 +405,7 @@ def test_gpu_large_and_streams():
         i, v = K.topk(xd, 5000, backend="cuda")
     s.synchronize()
     rq, rs = R.quantize_int8(x, 256, "stochastic", 3, 4)
-    assert torch.equal(q.cpu(), rq) and torch.equal(_bits(sc), _bits(rs))
-    _assert_selection((i, v), R.topk(x, 5000), "topk 4M")
+    assert torch.equal(q.cpu(), rq) and torch.equal(C.bits(sc), C.bits(rs))
+    C.assert_selection((i, v), R.topk(x, 5000), "topk 4M")
     for k in (4000, 40000):
-        _assert_selection(K.approx_topk(xd, k, backend="cuda"), R.approx_topk(x, k), f"approx k={k}")
+        C.assert_selection(K.approx_topk(xd, k, backend="cuda"), R.approx_topk(x, k), f"approx k={k}")

@@ -18,6 +18,8 @@ import textwrap
 import pytest
 import torch
 
+import backend_checks as C
+
 if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed", allow_module_level=True)
 
@@ -62,42 +64,6 @@ def _backend():
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
-def _data(n, dtype, seed=0, special=True):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, generator=g) * 3
-    if special and n > 64:
-        x[3:40] = 0.0  # an all-zero block for block_size 32
-        x[41] = 1.25
-        x[42] = -1.25  # ties in |x|
-        x[50:53] = torch.tensor([1e-41, -3e-39, 2e-45])  # float32 subnormals
-        x[n // 2] = float("nan")
-        x[n - 5] = float("inf")
-        x[n - 40] = -float("inf")
-    return x.to(dtype)
-
-
-def _bits(t):
-    t = t.detach().cpu().contiguous()
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def _assert_bitwise(a, b, what):
-    """Bit-identical, except that two NaNs match whatever their payload (a GPU
-    produces the canonical NaN where x86 propagates an operand's)."""
-    assert a.dtype == b.dtype and a.shape == b.shape, (what, a.dtype, b.dtype, a.shape, b.shape)
-    ab, bb = _bits(a), _bits(b)
-    if a.is_floating_point():
-        nan = torch.isnan(a.detach().cpu().float()) & torch.isnan(b.detach().cpu().float())
-        ab, bb = ab[~nan], bb[~nan]
-    bad = (ab != bb).nonzero()
-    assert bad.numel() == 0, f"{what}: {bad.numel()} elements differ, first at {bad[:5].view(-1).tolist()}"
-
-
-def _assert_selection(got, ref, what):
-    assert got[0].dtype == ref[0].dtype, (what, got[0].dtype, ref[0].dtype)
-    assert torch.equal(got[0].cpu(), ref[0]), f"{what}: index sets differ"
-    assert torch.equal(_bits(got[1]), _bits(ref[1])), f"{what}: values differ"
-
 
 # ------------------------------------------------------------ quantization
 
@@ -105,11 +71,11 @@ def _assert_selection(got, ref, what):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,rounding", [(32, "nearest"), (256, "stochastic"), (1024, "nearest")])
 def test_quantize(dtype, block_size, rounding):
-    x = _data(2531, dtype, seed=block_size)
+    x = C.data(2531, dtype, seed=block_size)
     q, s = K.quantize_int8(x.to(DEVICE), block_size, rounding, 11, 2**33 + 5, backend="triton")
     rq, rs = R.quantize_int8(x, block_size, rounding, 11, 2**33 + 5)
-    _assert_bitwise(q, rq, "codes")
-    assert torch.equal(_bits(s), _bits(rs)), "scales"
+    C.assert_bitwise(q, rq, "codes")
+    assert torch.equal(C.bits(s), C.bits(rs)), "scales"
 
 
 @pytest.mark.parametrize("n", [1, 31, 33, 257])
@@ -117,11 +83,11 @@ def test_quantize_odd_sizes_and_large_key(n):
     # seed/counter chosen so the 32-bit stream key is >= 2**31 (unsigned arithmetic)
     seed, counter = 2**40 + 1, 7
     assert R.stream_key(seed, counter) >= 2**31
-    x = _data(n, torch.float32, seed=n, special=False)
+    x = C.data(n, torch.float32, seed=n, special=False)
     q, s = K.quantize_int8(x.to(DEVICE), 64, "stochastic", seed, counter, backend="triton")
     rq, rs = R.quantize_int8(x, 64, "stochastic", seed, counter)
-    _assert_bitwise(q, rq, "codes")
-    assert torch.equal(_bits(s), _bits(rs)), "scales"
+    C.assert_bitwise(q, rq, "codes")
+    assert torch.equal(C.bits(s), C.bits(rs)), "scales"
 
 
 def test_quantize_special_blocks():
@@ -133,54 +99,54 @@ def test_quantize_special_blocks():
     for rounding in ("nearest", "stochastic"):
         q, s = K.quantize_int8(x.to(DEVICE), 64, rounding, backend="triton")
         rq, rs = R.quantize_int8(x, 64, rounding)
-        _assert_bitwise(q, rq, "codes")
-        assert torch.equal(_bits(s), _bits(rs)), "scales"
-    assert _bits(s)[1].item() == 0x7FC00000
+        C.assert_bitwise(q, rq, "codes")
+        assert torch.equal(C.bits(s), C.bits(rs)), "scales"
+    assert C.bits(s)[1].item() == 0x7FC00000
 
 
 def test_quantize_noncontiguous_and_out():
-    x = _data(2 * 700, torch.float32, seed=2).view(700, 2).t()  # non-contiguous 2 x 700
+    x = C.data(2 * 700, torch.float32, seed=2).view(700, 2).t()  # non-contiguous 2 x 700
     out_q = torch.empty(1400, dtype=torch.int8, device=DEVICE)
     out_s = torch.empty(22, dtype=torch.float32, device=DEVICE)
     q, s = K.quantize_int8(x.to(DEVICE), 64, out_q=out_q, out_scales=out_s, backend="triton")
     assert q.data_ptr() == out_q.data_ptr() and s.data_ptr() == out_s.data_ptr()
     rq, rs = R.quantize_int8(x.contiguous(), 64)
-    _assert_bitwise(q, rq, "codes")
-    assert torch.equal(_bits(s), _bits(rs)), "scales"
+    C.assert_bitwise(q, rq, "codes")
+    assert torch.equal(C.bits(s), C.bits(rs)), "scales"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_quantize_ef(dtype, rounding):
-    x = _data(1500, dtype, seed=3)
+    x = C.data(1500, dtype, seed=3)
     res = torch.randn(1500, generator=torch.Generator().manual_seed(4)) * 0.1
     res_dev = res.clone().to(DEVICE)
     q, s = K.quantize_int8_ef(x.to(DEVICE), res_dev, 128, rounding, 1, 2, backend="triton")
     rq, rs = R.quantize_int8_ef(x, res, 128, rounding, 1, 2)
-    _assert_bitwise(q, rq, "codes")
-    assert torch.equal(_bits(s), _bits(rs)), "scales"
-    _assert_bitwise(res_dev, res, "residual")
+    C.assert_bitwise(q, rq, "codes")
+    assert torch.equal(C.bits(s), C.bits(rs)), "scales"
+    C.assert_bitwise(res_dev, res, "residual")
 
 
 @pytest.mark.parametrize("out_dtype", DTYPES)
 def test_dequantize(out_dtype):
-    rq, rs = R.quantize_int8(_data(1777, torch.float32, seed=5), 128)
+    rq, rs = R.quantize_int8(C.data(1777, torch.float32, seed=5), 128)
     out = torch.empty(1777, dtype=out_dtype, device=DEVICE)
     got = K.dequantize_int8(rq.to(DEVICE), rs.to(DEVICE), 128, out, backend="triton")
     assert got.data_ptr() == out.data_ptr()
     ref = torch.empty(1777, dtype=out_dtype)
     R.dequantize_int8(rq, rs, 128, ref)
-    _assert_bitwise(got, ref, "dequantized")
+    C.assert_bitwise(got, ref, "dequantized")
 
 
 def test_dequantize_add():
-    rq, rs = R.quantize_int8(_data(1777, torch.float32, seed=6), 32)
-    _assert_bitwise(K.dequantize_int8(rq.to(DEVICE), rs.to(DEVICE), 32, backend="triton"),
+    rq, rs = R.quantize_int8(C.data(1777, torch.float32, seed=6), 32)
+    C.assert_bitwise(K.dequantize_int8(rq.to(DEVICE), rs.to(DEVICE), 32, backend="triton"),
                     R.dequantize_int8(rq, rs, 32), "dequantized float32")
     acc = torch.randn(1777)
     acc_dev = acc.clone().to(DEVICE)
     K.dequantize_int8_add_(acc_dev, rq.to(DEVICE), rs.to(DEVICE), 32, backend="triton")
-    _assert_bitwise(acc_dev, R.dequantize_int8_add_(acc, rq, rs, 32), "accumulated")
+    C.assert_bitwise(acc_dev, R.dequantize_int8_add_(acc, rq, rs, 32), "accumulated")
 
 
 # --------------------------------------------------------------- selection
@@ -188,73 +154,65 @@ def test_dequantize_add():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_topk(dtype):
-    x = _data(2500, dtype, seed=7)
+    x = C.data(2500, dtype, seed=7)
     x[100:160] = 0.75  # a run of ties across the k-th element
     xd = x.to(DEVICE)
     a = x.float().abs()
     k_tie = int(((a > 0.75) | a.isnan()).sum()) + 30  # keeps half of the tied run
     for k in (0, 1, 37, k_tie, 2499, 2500):
-        _assert_selection(K.topk(xd, k, backend="triton"), R.topk(x, k), f"topk k={k}")
+        C.assert_selection(K.topk(xd, k, backend="triton"), R.topk(x, k), f"topk k={k}")
 
 
 def test_topk_nan_and_noncontiguous():
-    x = _data(1200, torch.float32, seed=8).view(40, 30).t()  # non-contiguous
+    x = C.data(1200, torch.float32, seed=8).view(40, 30).t()  # non-contiguous
     x[3, 4] = float("nan")
     x[5, 6] = -float("nan")
     xd = x.to(DEVICE)
     for k in (1, 2, 3, 61):
-        _assert_selection(K.topk(xd, k, backend="triton"), R.topk(x.contiguous(), k), f"topk k={k}")
+        C.assert_selection(K.topk(xd, k, backend="triton"), R.topk(x.contiguous(), k), f"topk k={k}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_threshold(dtype):
-    x = _data(2100, dtype, seed=9)
+    x = C.data(2100, dtype, seed=9)
     xd = x.to(DEVICE)
     for tau in (0.0, 1.25, 1e-40, 1e30):
-        _assert_selection(K.threshold(xd, tau, backend="triton"), R.threshold(x, tau), f"threshold tau={tau}")
+        C.assert_selection(K.threshold(xd, tau, backend="triton"), R.threshold(x, tau), f"threshold tau={tau}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_approx_topk(dtype):
     for n, k, special in ((6000, 60, True), (3000, 2900, True), (2000, 1, False)):
-        x = _data(n, dtype, seed=n, special=special)
+        x = C.data(n, dtype, seed=n, special=special)
         got = K.approx_topk(x.to(DEVICE), k, backend="triton")
-        _assert_selection(got, R.approx_topk(x, k), f"approx n={n} k={k}")
+        C.assert_selection(got, R.approx_topk(x, k), f"approx n={n} k={k}")
         c = got[0].numel()
         assert -(-9 * k // 10) <= c <= 11 * k // 10 or c == k
 
 
 def test_approx_topk_strided_sample():
     # n > 4096 and k > 400 n / 4096: the threshold comes from every 4th element
-    x = _data(20000, torch.float32, seed=11)
+    x = C.data(20000, torch.float32, seed=11)
     for k in (2000,):
         assert R.approx_topk_sample_size(20000, k) < 20000
-        _assert_selection(K.approx_topk(x.to(DEVICE), k, backend="triton"), R.approx_topk(x, k), f"k={k}")
+        C.assert_selection(K.approx_topk(x.to(DEVICE), k, backend="triton"), R.approx_topk(x, k), f"k={k}")
 
 
 def test_approx_topk_nan_heavy():
-    x = _data(5000, torch.float32, seed=12)
+    x = C.data(5000, torch.float32, seed=12)
     x[::7] = float("nan")  # NaN counts as Inf for the threshold
     x[1::11] = float("inf")
     for k in (50, 1500):
-        _assert_selection(K.approx_topk(x.to(DEVICE), k, backend="triton"), R.approx_topk(x, k), f"k={k}")
+        C.assert_selection(K.approx_topk(x.to(DEVICE), k, backend="triton"), R.approx_topk(x, k), f"k={k}")
 
-
-def _skewed(n, big_every_4th):
-    """Data whose strided sample (every 4th element) misestimates the threshold."""
-    g = torch.Generator().manual_seed(15)
-    x = torch.rand(n, generator=g)
-    sampled = torch.zeros(n, dtype=torch.bool)
-    sampled[::4] = True
-    return torch.where(sampled == big_every_4th, x + 10.0, x)
 
 
 def test_approx_topk_correction_paths():
     # too few survivors -> exact top-k; too many (estimate or ties) -> top-k of the survivors
-    cases = [(_skewed(20000, True), 2000), (_skewed(20000, False), 2000),
+    cases = [(C.skewed(20000, True), 2000), (C.skewed(20000, False), 2000),
              ((torch.randn(3000, generator=torch.Generator().manual_seed(16)) * 2).round() / 2, 300)]
     for x, k in cases:
-        _assert_selection(K.approx_topk(x.to(DEVICE), k, backend="triton"), R.approx_topk(x, k), f"k={k}")
+        C.assert_selection(K.approx_topk(x.to(DEVICE), k, backend="triton"), R.approx_topk(x, k), f"k={k}")
 
 
 # ----------------------------------------------------------------- scatter
@@ -269,7 +227,7 @@ def test_scatter_add(idx_dtype, val_dtype):
     acc = torch.randn(300, generator=g).round()
     acc_dev = acc.clone().to(DEVICE)
     K.scatter_add_(acc_dev, idx.to(DEVICE), vals.to(DEVICE), backend="triton")
-    _assert_bitwise(acc_dev, R.scatter_add_(acc, idx, vals), "scatter_add_")
+    C.assert_bitwise(acc_dev, R.scatter_add_(acc, idx, vals), "scatter_add_")
 
 
 def test_scatter_add_never_writes_out_of_bounds():
@@ -382,13 +340,13 @@ def test_kernels_compile_for_sm90():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_large(dtype):
     n = (1 << 22) + 3
-    x = _data(n, dtype, seed=14)
+    x = C.data(n, dtype, seed=14)
     xd = x.cuda()
     for bs, rnd in ((256, "stochastic"), (65536, "nearest")):
         q, s = K.quantize_int8(xd, bs, rnd, 5, 6, backend="triton")
         rq, rs = R.quantize_int8(x, bs, rnd, 5, 6)
-        _assert_bitwise(q, rq, f"codes bs={bs}")
-        assert torch.equal(_bits(s), _bits(rs)), f"scales bs={bs}"
-    _assert_selection(K.topk(xd, 5000, backend="triton"), R.topk(x, 5000), "topk")
-    _assert_selection(K.approx_topk(xd, 40000, backend="triton"), R.approx_topk(x, 40000), "approx")
-    _assert_selection(K.threshold(xd, 3.0, backend="triton"), R.threshold(x, 3.0), "threshold")
+        C.assert_bitwise(q, rq, f"codes bs={bs}")
+        assert torch.equal(C.bits(s), C.bits(rs)), f"scales bs={bs}"
+    C.assert_selection(K.topk(xd, 5000, backend="triton"), R.topk(x, 5000), "topk")
+    C.assert_selection(K.approx_topk(xd, 40000, backend="triton"), R.approx_topk(x, 40000), "approx")
+    C.assert_selection(K.threshold(xd, 3.0, backend="triton"), R.threshold(x, 3.0), "threshold")
