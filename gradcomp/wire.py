@@ -42,6 +42,7 @@ transport's own integrity checks for data at rest).
 
 from __future__ import annotations
 
+import math
 import struct
 import sys
 import zlib
@@ -93,9 +94,7 @@ def _pad8(nbytes: int) -> int:
 def dense_nbytes(codec: str, shape, dtype: torch.dtype = torch.float32, block_size: int = 256) -> int:
     """Exact wire size in bytes of a dense payload (raw, fp16, bf16, int8)."""
     shape = tuple(shape)
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     h = header_nbytes(len(shape))
     if codec == "raw":
         return h + n * torch.empty(0, dtype=dtype).element_size()
@@ -110,10 +109,7 @@ def sparse_nbytes(shape, nnz: int, values_nbytes: int) -> int:
     """Exact wire size in bytes of a top-k/threshold payload whose nested values
     payload has ``values_nbytes`` bytes."""
     shape = tuple(shape)
-    n = 1
-    for d in shape:
-        n *= d
-    isz = 4 if n < 2**31 else 8
+    isz = 4 if math.prod(shape) < 2**31 else 8
     return header_nbytes(len(shape)) + _pad8(nnz * isz) + values_nbytes
 
 
@@ -130,9 +126,7 @@ def build_header(
     shape = tuple(int(d) for d in shape)
     if len(shape) > MAX_NDIM:
         raise ValueError(f"tensors of at most {MAX_NDIM} dimensions are supported, got {len(shape)}")
-    n = 1
-    for d in shape:
-        n *= d
+    n = math.prod(shape)
     fixed = _FIXED.pack(
         MAGIC, VERSION, CODECS[codec], DTYPES[dtype], len(shape), flags, b"\0\0\0",
         param & 0xFFFFFFFF, n, nnz,
@@ -183,10 +177,7 @@ class Payload:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def device(self) -> torch.device:
@@ -244,12 +235,9 @@ def _parse_header(wire: torch.Tensor):
     if zlib.crc32(head[: h - 8]) != crc or head[h - 4 :] != b"\0\0\0\0":
         _fail("header checksum mismatch: the header bytes are corrupted")
     shape = struct.unpack_from(f"<{ndim}q", head, 32)
-    prod = 1
-    for d in shape:
-        if d < 0:
-            _fail(f"negative dimension in shape {shape}")
-        prod *= d
-    if prod != n or n >= _MAX_NUMEL:
+    if any(d < 0 for d in shape):
+        _fail(f"negative dimension in shape {shape}")
+    if math.prod(shape) != n or n >= _MAX_NUMEL:
         _fail(f"numel {n} does not match shape {shape}")
     return _CODEC_NAMES[codec], _DTYPE_OF[dtype], torch.Size(shape), flags, param, n, nnz, h
 

@@ -58,18 +58,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+from gradcomp.kernels.registry import OPS
+
 __all__ = ["main", "build_parser", "parse_size", "TARGETS"]
 
-OPS = (
-    "quantize_int8",
-    "dequantize_int8",
-    "dequantize_int8_add_",
-    "quantize_int8_ef",
-    "topk",
-    "approx_topk",
-    "threshold",
-    "scatter_add_",
-)
 SPARSE_OPS = ("topk", "approx_topk", "threshold", "scatter_add_")
 TOPK_OPS = ("topk", "approx_topk")
 DEFAULT_COMPILE_OPS = ("quantize_int8", "dequantize_int8")

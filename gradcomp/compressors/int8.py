@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 
@@ -60,9 +61,7 @@ class Int8Quantizer(Compressor):
             return c
 
     def _alloc(self, dtype, shape, device, out=None):
-        n = 1
-        for d in shape:
-            n *= d
+        n = math.prod(shape)
         nb = -(-n // self.block_size)
         flags = W.FLAG_STOCHASTIC if self.rounding == "stochastic" else 0
         h = W.build_header("int8", dtype, shape, param=self.block_size, flags=flags)

@@ -160,10 +160,7 @@ class TopK(_Sparse):
     def wire_nbytes(self, shape, dtype=torch.float32):
         if not self.exact:
             return None
-        n = 1
-        for d in shape:
-            n *= d
-        k = self.k_for(n)
+        k = self.k_for(math.prod(shape))
         inner = self.values if self.values is not None else self._raw
         return W.sparse_nbytes(shape, k, inner.wire_nbytes((k,), dtype))
 
