@@ -213,8 +213,9 @@ def _parse_header(wire: torch.Tensor):
     total = wire.numel()
     if total < 40:
         _fail(f"payload truncated: {total} bytes is shorter than the smallest header (40 bytes)")
-    first = bytes(wire[:32].cpu().numpy().tobytes())
-    magic, version, codec, dtype, ndim, flags, reserved, param, n, nnz = _FIXED.unpack(first)
+    # one device-to-host copy covers the largest header
+    head = bytes(wire[: header_nbytes(MAX_NDIM)].cpu().numpy().tobytes())
+    magic, version, codec, dtype, ndim, flags, reserved, param, n, nnz = _FIXED.unpack_from(head)
     if magic != MAGIC:
         _fail(f"bad magic {magic!r}, expected {MAGIC!r}: not a gradcomp payload")
     if version != VERSION:
@@ -230,7 +231,7 @@ def _parse_header(wire: torch.Tensor):
     h = header_nbytes(ndim)
     if total < h:
         _fail(f"payload truncated: {total} bytes, header alone needs {h}")
-    head = bytes(wire[:h].cpu().numpy().tobytes())
+    head = head[:h]
     (crc,) = struct.unpack_from("<I", head, h - 8)
     if zlib.crc32(head[: h - 8]) != crc or head[h - 4 :] != b"\0\0\0\0":
         _fail("header checksum mismatch: the header bytes are corrupted")
