@@ -132,13 +132,15 @@ def _check_case(rank, world, name, make, algorithm, op, n, dtype):
         assert rs_raw + ag_raw == 2 * (world - 1) * 4 * n // world
     d = meter.as_dict()
     ph = d["phases"]
+    # every call starts with a descriptor of 5 int64 to every other rank
+    assert ph["agreement"]["bytes_sent"] == 40 * (world - 1) == ph["agreement"]["bytes_received"], where
+    assert ph["agreement"]["raw_bytes_sent"] == 0, where
     assert d["raw_bytes_sent"] == rs_raw + ag_raw, where
     if algorithm == "two_phase":  # raw bytes are counted per message: chunk `rank`, N - 1 times
         rs_raw_in = (world - 1) * 4 * lens[rank]
     assert d["raw_bytes_received"] == rs_raw_in + ag_raw_in, where
     if name in SPARSE:
         sizes = [make().compress(t).nbytes for t in _gather(x)]
-        assert ph["sizes"]["bytes_sent"] == 8 * (world - 1) and ph["sizes"]["raw_bytes_sent"] == 0
         assert ph["allgather"]["bytes_sent"] == sum(s for j, s in enumerate(sizes) if j != (rank + 1) % world)
         assert ph["allgather"]["bytes_received"] == sum(s for j, s in enumerate(sizes) if j != rank)
         assert ph["allgather"]["messages_sent"] == world - 1
@@ -378,6 +380,53 @@ def _failures(rank, world, case):
         return "ok"
     except (TimeoutError, RuntimeError, gc.PayloadError) as e:
         return type(e).__name__
+
+
+def _disagreeing(rank, world, case):
+    n = 1000
+    comp, op, algorithm = gc.Int8Quantizer(), "avg", "ring"
+    if rank == 2:
+        if case.startswith("numel"):
+            n = 999
+            algorithm = case.split("-")[1]
+            comp = gc.TopK(ratio=0.1) if algorithm == "allgather" else comp
+        elif case == "op":
+            op = "sum"
+        elif case == "algorithm":
+            algorithm = "two_phase"
+        elif case == "codec":
+            comp = gc.FP16()
+        elif case == "block_size":
+            comp = gc.Int8Quantizer(block_size=32)
+    elif case == "numel-allgather":
+        comp, algorithm = gc.TopK(ratio=0.1), "allgather"
+    elif case.startswith("numel"):
+        algorithm = case.split("-")[1]
+    meter = gc.TrafficMeter()
+    try:
+        gc.allreduce(torch.randn(n), comp, op=op, algorithm=algorithm, timeout=20, meter=meter)
+        outcome = "ok"
+    except ValueError as e:
+        outcome = str(e)
+    # nothing but the agreement moved, and the group still works
+    payload_bytes = meter.bytes_sent - meter.as_dict()["phases"]["agreement"]["bytes_sent"]
+    x = torch.full((10,), float(rank))
+    y = gc.allreduce(x, gc.NoCompression(), op="sum", timeout=20)
+    return outcome, payload_bytes, y.tolist()
+
+
+@pytest.mark.parametrize("case,field", [("numel-ring", "number of elements"),
+                                        ("numel-two_phase", "number of elements"),
+                                        ("numel-allgather", "number of elements"),
+                                        ("op", "op"), ("algorithm", "algorithm"),
+                                        ("codec", "compressor type"), ("block_size", "payload size")])
+def test_ranks_that_disagree_all_raise_and_the_group_survives(case, field):
+    res = launch(_disagreeing, 3, (case,), timeout=TIMEOUT)
+    for rank, (outcome, payload_bytes, y) in enumerate(res):
+        assert "ranks of the group passed different" in outcome and field in outcome, (rank, outcome)
+        assert "rank 2:" in outcome, outcome
+        assert payload_bytes == 0, (rank, payload_bytes)
+        assert y == [3.0] * 10  # 0 + 1 + 2
 
 
 @pytest.mark.parametrize("case", ["missing", "corrupt"])

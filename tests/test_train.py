@@ -100,12 +100,13 @@ def test_threshold_calibration_keeps_one_percent_of_the_first_gradient():
 # ---- real runs ------------------------------------------------------------------------
 def _int8_ring_bytes_per_rank(numel: int, world: int) -> float:
     """Mean bytes a rank sends in one int8 ring allreduce of ``numel`` float32
-    elements: in the reduce-scatter every chunk but its own, in the allgather
-    every chunk but the next rank's, each as one int8 payload."""
+    elements: the agreement (5 int64 to every other rank), then in the
+    reduce-scatter every chunk but its own, in the allgather every chunk but
+    the next rank's, each as one int8 payload."""
     lens = [hi - lo for lo, hi in chunk_bounds(numel, world)]
     wire = [dense_nbytes("int8", (c,)) for c in lens]
     total = sum(sum(wire) - wire[r] + sum(wire) - wire[(r + 1) % world] for r in range(world))
-    return total / world
+    return total / world + 40 * (world - 1)
 
 
 def _int8_ps_bytes_per_worker(shapes, steps: int) -> float:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.comm import allgather as _allgather
+from gradcomp.comm.agreement import Agreement, codec_id
 from gradcomp.comm import ring as _ring
 from gradcomp.comm import two_phase as _two_phase
 from gradcomp.comm.chunks import chunk_bounds, ring_raw_bytes
@@ -64,7 +65,10 @@ def allreduce(
 
     All ranks of ``group`` must call it with tensors of the same shape and
     dtype, the same compressor settings, ``op`` and ``algorithm``, in the
-    same order (like any collective). The input is widened to float32 (so
+    same order (like any collective); every call first checks that they did
+    (the number of elements, ``op``, ``algorithm``, the compressor type and
+    payload size: :mod:`gradcomp.comm.agreement`) and, if not, raises the same
+    ``ValueError`` on every rank before any payload moves. The input is widened to float32 (so
     payloads carry float32 tensors: :class:`~gradcomp.NoCompression` moves 4
     bytes per element whatever the input dtype), sums are accumulated in
     float32, and the result is cast back to the input's dtype.
@@ -103,7 +107,7 @@ def allreduce(
       exactly are delivered with their residual, which resets to zero.
 
     Traffic: ``meter`` records the bytes this rank really sent and received
-    per phase (``"reduce_scatter"``, ``"allgather"``, ``"sizes"``) and, as
+    per phase (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``) and, as
     raw bytes, what a float32 ring allreduce over the same chunks would have
     moved: ``4 (2 n - len_rank - len_{rank+1})`` bytes sent per rank, i.e.
     ``2 (N - 1) / N * 4 n`` when ``N`` divides ``n``
@@ -138,7 +142,9 @@ def allreduce(
         ValueError: unknown ``op`` / ``algorithm``; a sparse compressor with a
             dense algorithm or a dense one with ``"allgather"``; a dense
             compressor without a fixed wire size; a bad ``residual`` or
-            ``timeout``; this process is not in ``group``.
+            ``timeout``; this process is not in ``group``; the ranks of the
+            group passed different numels, ops, algorithms or compressors
+            (raised on every rank).
         TimeoutError: a transfer did not finish within ``timeout`` seconds.
         RuntimeError: the transport failed (e.g. a peer died).
         gradcomp.PayloadError: a peer sent malformed bytes.
@@ -171,10 +177,16 @@ def allreduce(
     else:
         work = comm.buffer(4 * n, x.device).view(torch.float32)
     local = Local(flat, compressor, key, residual)
+    descriptor = {"numel": n, "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
+                  "codec": codec_id(local.inner.codec)}
+    names = {"op": OPS, "algorithm": ALGORITHMS}
     if algorithm == "allgather":
-        _allgather.allreduce(comm, local, work, op)
+        _allgather.allreduce(comm, local, work, op, descriptor, names)
     else:
         plan = Plan(n, comm.world_size, local.inner)
+        # checked when the first payload is ready to send (hidden behind compression)
+        comm.gate(Agreement(comm, {**descriptor, "wire_nbytes": sum(plan.wire_nbytes)}, names,
+                            device=x.device))
         pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
         share_owned(comm, plan, work, op, pending)
     if out is None:

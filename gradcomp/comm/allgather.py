@@ -5,7 +5,7 @@ have different sizes, so they cannot be summed hop by hop without growing
 (SparCML, Renggli et al. 2019, discusses the fill-in). Here each rank
 compresses its whole tensor once (with error feedback under residual key
 ``key``; see :mod:`gradcomp.comm.local`), the ranks exchange payload sizes
-(8 bytes each, phase ``"sizes"``), the payloads travel unchanged around the
+(in the call's agreement, :mod:`gradcomp.comm.agreement`), the payloads travel unchanged around the
 point-to-point ring (phase ``"allgather"``), and every rank sums the union in
 float32 in rank order: ``acc = 0; for src in 0..N-1: acc[idx_src] += val_src``,
 then divides by ``N`` for ``avg``. Every rank applies the same operations to
@@ -13,7 +13,7 @@ the same bytes in the same order, so results are bit-identical.
 
 Traffic: the meter records the real payload bytes per message and, once per
 call in phase ``"allgather"``, the raw bytes of a float32 ring allreduce of the
-same tensor (:func:`gradcomp.comm.chunks.ring_raw_bytes`); the sizes exchange
+same tensor (:func:`gradcomp.comm.chunks.ring_raw_bytes`); the agreement
 has no raw equivalent.
 
 The point-to-point ring is used rather than ``dist.all_gather`` because gloo's
@@ -25,38 +25,19 @@ from __future__ import annotations
 
 import torch
 
+from gradcomp.comm.agreement import FIELDS, Agreement
 from gradcomp.comm.chunks import ring_raw_bytes
 from gradcomp.comm.local import Local
-from gradcomp.comm.p2p import Comm, Message
+from gradcomp.comm.p2p import Comm
 
-__all__ = ["allreduce", "exchange_sizes", "SIZE_NBYTES"]
+__all__ = ["allreduce"]
 
-#: bytes of one payload size on the wire (little-endian int64)
-SIZE_NBYTES = 8
 #: bound on a sparse payload's bytes beyond 16 per element (headers, padding)
 _MAX_OVERHEAD = 512
 
 
-def exchange_sizes(comm: Comm, nbytes: int, device) -> list[int]:
-    """Every rank's payload size in bytes (direct exchange, phase ``"sizes"``).
-
-    Each rank sends its size as one little-endian int64 to every other rank
-    (``8 (N - 1)`` bytes sent per rank; a float32 ring needs none, so their
-    raw equivalent is 0).
-    """
-    n, r = comm.world_size, comm.rank
-    mine = torch.tensor([nbytes], dtype=torch.int64, device=device).view(torch.uint8)
-    recvs = [Message(p, torch.empty(SIZE_NBYTES, dtype=torch.uint8, device=device), 0)
-             for p in range(n) if p != r]
-    comm.exchange([Message(p, mine, 0) for p in range(n) if p != r], recvs, "sizes")
-    sizes = [0] * n
-    sizes[r] = nbytes
-    for m in recvs:
-        sizes[m.peer] = int(m.buf.view(torch.int64).item())
-    return sizes
-
-
-def allreduce(comm: Comm, local: Local, work: torch.Tensor, op: str) -> None:
+def allreduce(comm: Comm, local: Local, work: torch.Tensor, op: str,
+              descriptor: dict[str, int], names: dict) -> None:
     """Allgather-based allreduce of sparse payloads, into ``work``.
 
     Args:
@@ -64,11 +45,16 @@ def allreduce(comm: Comm, local: Local, work: torch.Tensor, op: str) -> None:
             compressed before ``work`` is written). On return it holds the
             union of every rank's decompressed payload, summed in rank order
             (divided by ``N`` for ``op="avg"``).
+        descriptor, names: this call's agreement fields but ``wire_nbytes``
+            (:class:`~gradcomp.comm.agreement.Agreement`), which is this
+            rank's payload size here.
     """
     n, r = comm.world_size, comm.rank
     numel = work.numel()
     wire = local.compress(0, numel, chunk=None).wire
-    sizes = exchange_sizes(comm, wire.numel(), wire.device)
+    table = Agreement(comm, {**descriptor, "wire_nbytes": wire.numel()}, names,
+                      varying=("wire_nbytes",), device=wire.device).wait()
+    sizes = [row[FIELDS.index("wire_nbytes")] for row in table]
     limit = _MAX_OVERHEAD + 16 * numel
     for src, size in enumerate(sizes):
         if not 0 < size <= limit:

@@ -86,6 +86,7 @@ class Comm:
         self.timeout = float(timeout)
         self.meter = meter
         self._taken: list[torch.Tensor] = []
+        self._gate = None
 
     def buffer(self, nbytes: int, device) -> torch.Tensor:
         """An uninitialised uint8 buffer of ``nbytes`` (reused across calls, see
@@ -94,6 +95,12 @@ class Comm:
         buf = POOL.take(nbytes, device)
         self._taken.append(buf)
         return buf
+
+    def gate(self, check) -> None:
+        """Have the next :meth:`start` first call ``check.wait()`` (once): a
+        posted :class:`~gradcomp.comm.agreement.Agreement` completes only when
+        the first payload is ready to go, so its round trip overlaps compression."""
+        self._gate = check
 
     def release(self) -> None:
         """Give the buffers back for reuse. Call only after every transfer
@@ -130,11 +137,15 @@ class Comm:
             sends: messages to send (their ``buf`` is read).
             recvs: messages to receive (their ``buf`` is filled; its size must
                 equal the sender's message size).
-            phase: meter phase name (``"reduce_scatter"``, ``"allgather"``, ``"sizes"``).
+            phase: meter phase name (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``).
 
         Raises:
-            ValueError: two messages to (or from) one peer, or a bad buffer.
+            ValueError: two messages to (or from) one peer, or a bad buffer;
+                or the pending :meth:`gate` check failed.
         """
+        if self._gate is not None:
+            check, self._gate = self._gate, None
+            check.wait()
         ops = []
         for kind, msgs in (("irecv", recvs), ("isend", sends)):
             fn = dist.irecv if kind == "irecv" else dist.isend

@@ -1,0 +1,117 @@
+"""Every rank checks, before any payload moves, that all ranks called the same collective.
+
+A collective is only well defined when every rank passes the same number of
+elements, ``op``, algorithm and compressor. When they do not, the transports
+misbehave badly: a receive posted for one size that gets another makes gloo
+abort the process ("Received data size doesn't match expected size"), and a
+mismatched ``op`` silently returns different values on different ranks. So
+each call starts with an *agreement*: every rank sends a small descriptor
+(:data:`FIELDS`, little-endian int64) to every other rank, and every rank
+compares all of them. On a mismatch every rank raises the same
+``ValueError`` naming the field and the ranks, before any payload is posted,
+so nothing aborts, hangs or corrupts and the group stays usable.
+
+Dense algorithms post the agreement before compressing and complete it when
+the first payload is about to be sent (:meth:`gradcomp.comm.p2p.Comm.gate`),
+so its round trip is hidden behind compression. The sparse ``allgather``
+algorithm also carries each rank's payload size in it (field ``wire_nbytes``,
+which may differ between ranks there), replacing a separate size exchange.
+
+Traffic: ``8 * len(FIELDS) * (N - 1)`` bytes sent per rank per call, recorded
+in meter phase ``"agreement"`` with no raw (float32 ring) equivalent.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+import torch
+
+from gradcomp.comm.p2p import Comm, Message, Transfer
+
+__all__ = ["FIELDS", "AGREEMENT_NBYTES", "Agreement", "codec_id"]
+
+#: descriptor fields, in wire order
+FIELDS = ("numel", "op", "algorithm", "codec", "wire_nbytes")
+#: bytes of one descriptor on the wire
+AGREEMENT_NBYTES = 8 * len(FIELDS)
+
+_WHAT = {
+    "numel": "the number of elements",
+    "op": "op",
+    "algorithm": "algorithm",
+    "codec": "the compressor type",
+    "wire_nbytes": "the compressor settings (payload size)",
+}
+
+
+def codec_id(codec: str) -> int:
+    """A stable integer for a codec name (CRC-32 of its UTF-8 bytes)."""
+    return zlib.crc32(codec.encode())
+
+
+class Agreement:
+    """One posted descriptor exchange; :meth:`wait` completes and checks it.
+
+    Args:
+        comm: the group (world size >= 2).
+        values: this rank's value of every field in :data:`FIELDS` (ints).
+        names: how to print the ``op`` / ``algorithm`` codes in errors:
+            ``{"op": ("avg", "sum"), ...}`` (index = code).
+        varying: fields allowed to differ between ranks.
+        device: where the descriptor tensors live (the group's device).
+    """
+
+    def __init__(self, comm: Comm, values: dict[str, int], names: dict[str, Sequence[str]],
+                 varying: Sequence[str] = (), device="cpu"):
+        missing = set(FIELDS) - set(values)
+        if missing:
+            raise ValueError(f"agreement needs fields {sorted(missing)}")
+        self.comm, self.names, self.varying = comm, names, tuple(varying)
+        n, r = comm.world_size, comm.rank
+        mine = torch.tensor([int(values[f]) for f in FIELDS], dtype=torch.int64, device=device)
+        self.mine = mine
+        self.recvs = [Message(p, torch.empty(AGREEMENT_NBYTES, dtype=torch.uint8, device=device))
+                      for p in range(n) if p != r]
+        wire = mine.view(torch.uint8)
+        self.transfer: Transfer | None = comm.start(
+            [Message(p, wire) for p in range(n) if p != r], self.recvs, "agreement")
+        self.table: list[list[int]] | None = None
+
+    def wait(self) -> list[list[int]]:
+        """Complete the exchange and check it (idempotent).
+
+        Returns:
+            Every rank's descriptor, indexed by group rank (a list of
+            ``len(FIELDS)`` ints each).
+
+        Raises:
+            ValueError: ranks disagree on a field not in ``varying`` (every
+                rank raises it, naming the field and each rank's value).
+            TimeoutError / RuntimeError: as :meth:`~gradcomp.comm.p2p.Transfer.wait`.
+        """
+        if self.table is None:
+            transfer, self.transfer = self.transfer, None
+            transfer.wait()
+            table: list[list[int]] = [[]] * self.comm.world_size
+            table[self.comm.rank] = self.mine.tolist()
+            for m in self.recvs:
+                table[m.peer] = m.buf.view(torch.int64).tolist()
+            self.table = table
+        self._check(self.table)
+        return self.table
+
+    def _check(self, table: list[list[int]]) -> None:
+        for i, field in enumerate(FIELDS):
+            if field in self.varying:
+                continue
+            seen = [row[i] for row in table]
+            if len(set(seen)) > 1:
+                labels = self.names.get(field)
+                shown = [labels[v] if labels is not None and 0 <= v < len(labels) else v for v in seen]
+                per_rank = ", ".join(f"rank {j}: {s!r}" for j, s in enumerate(shown))
+                raise ValueError(
+                    f"gradcomp collective: the ranks of the group passed different {_WHAT[field]} "
+                    f"({per_rank}); every rank must call it with the same tensor size, op, algorithm "
+                    "and compressor settings, in the same order")
