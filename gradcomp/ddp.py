@@ -214,6 +214,7 @@ class GradCompState:
         self._failure: BaseException | None = None
         self._param_keys: dict[int, tuple[weakref.ref, int]] = {}
         self._next_key = 0
+        self._checked = False  # the ranks' settings verified (first compressed bucket)
 
     def _ensure_group(self):
         """gradcomp's own process group over the ranks of ``process_group``."""
@@ -311,8 +312,12 @@ class GradCompState:
 
     def _reduce_compressed(self, buf: torch.Tensor, segments) -> None:
         residual = self._bucket_residual(segments, buf) if segments is not None else None
+        # the first compressed bucket checks that every rank uses the same
+        # settings; later buckets rely on DDP's identical bucket layout
         allreduce(buf, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
-                  meter=self.meter, timeout=self.timeout, residual=residual, out=buf)
+                  meter=self.meter, timeout=self.timeout, residual=residual, out=buf,
+                  check=not self._checked)
+        self._checked = True
 
     def _bucket_residual(self, segments, buf: torch.Tensor) -> torch.Tensor:
         """The bucket's flat float32 residual, laid out like its buffer.

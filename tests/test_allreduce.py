@@ -221,6 +221,8 @@ def test_argument_errors():
         gc.allreduce(torch.ones(4), "int8")
     with pytest.raises(ValueError, match="timeout"):
         gc.allreduce(torch.ones(4), gc.Int8Quantizer(), timeout=0)
+    with pytest.raises(TypeError, match="check must be True or False"):
+        gc.allreduce(torch.ones(4), gc.Int8Quantizer(), check="yes")
     with pytest.raises(ValueError, match="residual must be a contiguous float32 tensor of 4"):
         gc.allreduce(torch.ones(4), gc.Int8Quantizer(), residual=torch.zeros(3))
     with pytest.raises(ValueError, match="either an ErrorFeedback compressor or residual"):
@@ -427,6 +429,43 @@ def test_ranks_that_disagree_all_raise_and_the_group_survives(case, field):
         assert "rank 2:" in outcome, outcome
         assert payload_bytes == 0, (rank, payload_bytes)
         assert y == [3.0] * 10  # 0 + 1 + 2
+
+
+class _FailsOnce(gc.Int8Quantizer):
+    """Raises on its first compress, on every rank (after the agreement was posted)."""
+
+    failed = False
+
+    def compress(self, t, *, out=None):
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("compression failed")
+        return super().compress(t, out=out)
+
+
+def _unchecked_and_recovering(rank, world):
+    x = _inputs(rank, 5000, torch.float32)
+    meter = gc.TrafficMeter()
+    y = gc.allreduce(x, gc.Int8Quantizer(), meter=meter, check=False, timeout=20)
+    phases = sorted(meter.as_dict()["phases"])
+    same = torch.equal(y, gc.allreduce(x, gc.Int8Quantizer(), timeout=20))  # checked or not, same bytes
+    comp = _FailsOnce()
+    try:
+        gc.allreduce(x, comp, timeout=20)
+        first = "ok"
+    except RuntimeError as e:
+        first = str(e)
+    # the failed call's agreement messages completed on their own (every rank
+    # posted them), so the next call's messages line up
+    z = gc.allreduce(torch.full((10,), float(rank)), comp, op="sum", timeout=20)
+    return phases, same, first, z.tolist()
+
+
+def test_unchecked_calls_and_a_failure_after_the_agreement():
+    for phases, same, first, z in launch(_unchecked_and_recovering, 3, timeout=TIMEOUT):
+        assert phases == ["allgather", "reduce_scatter"]  # no agreement with check=False
+        assert same and first == "compression failed"
+        assert z == pytest.approx([3.0] * 10, rel=0.02)  # 0 + 1 + 2, through int8
 
 
 @pytest.mark.parametrize("case", ["missing", "corrupt"])

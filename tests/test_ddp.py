@@ -258,9 +258,24 @@ def _failing(rank, ranks):
     return "no error", ""
 
 
+def _mismatched_settings(rank):
+    torch.manual_seed(3)
+    model = DDP(_Net())
+    comp = gc.Int8Quantizer() if rank == 0 else gc.Int8Quantizer(block_size=64)
+    state = GradCompState(compressor=comp, min_compress_numel=0, start_iter=0, timeout=30)
+    model.register_comm_hook(state, compressed_allreduce_hook)
+    try:
+        _train(rank, [model], 3, loss_allreduce=False)
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
 def _all_failures(rank, world):
     # each case has its own state, so its own process group: a broken one does not leak
-    return {ranks: _failing(rank, ranks) for ranks in FAILING}
+    out = {ranks: _failing(rank, ranks) for ranks in FAILING}
+    out["settings"] = _mismatched_settings(rank)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +292,14 @@ def test_comm_thread_error_surfaces_in_training(failures, ranks):
             assert "injected compression failure" in msg, res
         else:  # its peer stopped talking: a timeout, not a hang
             assert "did not finish" in msg or "failed" in msg, res
+
+
+def test_ranks_with_different_settings_fail_in_training(failures):
+    # the first compressed bucket is checked: every rank raises (DDP wraps the
+    # hook's ValueError in a RuntimeError), none aborts or hangs
+    for kind, msg in (r["settings"] for r in failures):
+        assert "ValueError: gradcomp collective: the ranks of the group passed different" in msg, (kind, msg)
+        assert "payload size" in msg and "rank 1:" in msg, msg
 
 
 def test_state_validation():

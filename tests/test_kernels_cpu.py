@@ -219,6 +219,24 @@ def test_dequantize_arbitrary_codes_and_scales():
         assert_bits_equal(o1, o2, f"dequantized to {dt}")
 
 
+@pytest.mark.parametrize("offset", [0, 1, 3, 8])
+@pytest.mark.parametrize("block", [32, 256])
+def test_dequantize_large_output_any_alignment(offset, block):
+    # 2**21 + 37 elements: the native kernel writes float32 outputs this large
+    # with non-temporal stores, aligned inside each block, plain at the edges
+    n = 2**21 + 37
+    g = torch.Generator().manual_seed(offset + block)
+    q = torch.randint(-127, 128, (n,), dtype=torch.int8, generator=g)
+    s = torch.rand(-(-n // block), generator=g) * 0.01
+    s[::97] = 0.0
+    s[5] = NAN
+    big = torch.full((n + offset,), -7.0)
+    out = big[offset:]  # 4 * offset bytes past an aligned start
+    assert K.dequantize_int8(q, s, block, out=out, backend="cpu") is out
+    assert_bits_equal(out, K.dequantize_int8(q, s, block, backend="reference"), "dequantized")
+    assert bool((big[:offset] == -7.0).all())  # nothing written before the output
+
+
 def test_dequantize_out_of_other_shape():
     x = make(600, torch.float32, seed=2)
     q, s = K.quantize_int8(x, 64, backend="cpu")

@@ -14,6 +14,12 @@
 #include <cmath>
 #include <type_traits>
 
+#include <cstring>
+#if defined(__SSE4_1__)
+#include <immintrin.h>
+#define GRADCOMP_STREAM_STORES 1
+#endif
+
 namespace gradcomp {
 
 namespace {
@@ -21,6 +27,10 @@ namespace {
 constexpr size_t TILE = 256;
 constexpr uint32_t NAN_BITS = 0x7FC00000u;
 constexpr size_t PAR_MIN = size_t(1) << 16;  // elements below which one thread is faster
+// float32 outputs of at least this many elements (8 MiB, beyond the caches)
+// are written with non-temporal stores: no read-for-ownership of lines that
+// are only overwritten, about a third less memory traffic for dequantize.
+constexpr size_t STREAM_MIN = size_t(1) << 21;
 
 // The float32 values p of one tile: float(x) (+ residual for error feedback).
 // Returns x itself for float32 input without residual (no copy).
@@ -152,28 +162,68 @@ void quantize_dispatch(const void* x, float* res, size_t n, size_t block, bool s
     }
 }
 
+// o[i] = float(c[i]) * s with non-temporal stores where o is aligned (the
+// same float32 products as the plain loop; plain stores at the edges). Only
+// built with AVX2 or SSE4.1 (sign-extending int8 loads); otherwise plain.
+inline void scale_stream(const int8_t* c, float s, float* o, size_t len) {
+    size_t i = 0;
+#if defined(__AVX2__)
+    for (; i < len && (reinterpret_cast<uintptr_t>(o + i) & 31u) != 0; ++i)
+        o[i] = static_cast<float>(c[i]) * s;
+    const __m256 vs = _mm256_set1_ps(s);
+    for (; i + 8 <= len; i += 8) {
+        const __m128i c8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i));
+        const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8));
+        _mm256_stream_ps(o + i, _mm256_mul_ps(v, vs));
+    }
+#elif defined(__SSE4_1__)
+    for (; i < len && (reinterpret_cast<uintptr_t>(o + i) & 15u) != 0; ++i)
+        o[i] = static_cast<float>(c[i]) * s;
+    const __m128 vs = _mm_set1_ps(s);
+    for (; i + 4 <= len; i += 4) {
+        int32_t word;
+        std::memcpy(&word, c + i, 4);
+        const __m128 v = _mm_cvtepi32_ps(_mm_cvtepi8_epi32(_mm_cvtsi32_si128(word)));
+        _mm_stream_ps(o + i, _mm_mul_ps(v, vs));
+    }
+#endif
+    for (; i < len; ++i) o[i] = static_cast<float>(c[i]) * s;
+}
+
 template <class O>
 void dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t block, typename O::T* out) {
     const size_t nb = (n + block - 1) / block;
     const size_t tile = std::min(block, TILE);
     const int nt = n >= PAR_MIN ? max_threads() : 1;
+    const bool stream = n >= STREAM_MIN;
     (void)nt;
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
-    for (size_t b = 0; b < nb; ++b) {
-        alignas(64) float buf[TILE];
-        const size_t lo = b * block, len = std::min(block, n - lo);
-        const float s = scales[b];
-        for (size_t t = 0; t < len; t += tile) {
-            const size_t tl = std::min(tile, len - t);
-            const int8_t* c = q + lo + t;
-            if constexpr (std::is_same_v<O, F32>) {
-                float* o = out + lo + t;
-                for (size_t i = 0; i < tl; ++i) o[i] = static_cast<float>(c[i]) * s;
-            } else {
-                for (size_t i = 0; i < tl; ++i) buf[i] = static_cast<float>(c[i]) * s;
-                O::from_float(buf, out + lo + t, tl);
+    (void)stream;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#pragma omp for schedule(static)
+        for (size_t b = 0; b < nb; ++b) {
+            alignas(64) float buf[TILE];
+            const size_t lo = b * block, len = std::min(block, n - lo);
+            const float s = scales[b];
+            for (size_t t = 0; t < len; t += tile) {
+                const size_t tl = std::min(tile, len - t);
+                const int8_t* c = q + lo + t;
+                if constexpr (std::is_same_v<O, F32>) {
+                    float* o = out + lo + t;
+                    if (stream) {
+                        scale_stream(c, s, o, tl);
+                    } else {
+                        for (size_t i = 0; i < tl; ++i) o[i] = static_cast<float>(c[i]) * s;
+                    }
+                } else {
+                    for (size_t i = 0; i < tl; ++i) buf[i] = static_cast<float>(c[i]) * s;
+                    O::from_float(buf, out + lo + t, tl);
+                }
             }
         }
+#if defined(GRADCOMP_STREAM_STORES)
+        if (stream) _mm_sfence();  // this thread's non-temporal stores are visible before the join
+#endif
     }
 }
 

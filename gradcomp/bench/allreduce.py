@@ -31,7 +31,10 @@ call (outside the timing), as ``dist.all_reduce`` does, so no method pays for
 allocating an n-element result. Reported per method:
 
 * ``ms``: median over ``--repeat`` calls (after one warm-up; two for PowerSGD,
-  whose first two steps are plain allreduces) of the slowest rank's wall time;
+  whose first two steps are plain allreduces) of the slowest rank's wall time.
+  The calls run in interleaved rounds (each round calls every method once, in
+  table order), so a change in the host's load during the run affects every
+  method alike and the ratios stay comparable on a shared machine;
 * ``bytes/rank``: wire bytes rank 0 sent per call: measured by gradcomp's
   :class:`~gradcomp.TrafficMeter` for gradcomp methods; for torch's
   collectives (which do not report their traffic) the nominal volume of a ring
@@ -233,31 +236,37 @@ def _bench_worker(rank, world, sizes, repeat, names):
         exact /= world
         norm = float(exact.norm())
         buf = torch.empty_like(x)
-        for m in _methods():
-            if names and m.name not in names:
-                continue
+        chosen = [m for m in _methods() if not names or m.name in names]
+        calls = []
+        for m in chosen:
             call = m.setup(buf, world)
             for _ in range(m.warmup):
                 buf.copy_(x)
                 call()
-            times, sent, err = [], None, None
-            for i in range(repeat):
+            calls.append(call)
+        times = {m.name: [] for m in chosen}
+        sent, err = {}, {}
+        for i in range(repeat):  # interleaved rounds: load changes hit every method alike
+            for m, call in zip(chosen, calls):
                 buf.copy_(x)
                 dist.barrier()
                 t0 = time.perf_counter()
                 nbytes = call()
-                times.append(time.perf_counter() - t0)
+                times[m.name].append(time.perf_counter() - t0)
                 if i == 0:
-                    sent = nbytes
-                    err = float((buf.double() - exact).norm()) / norm
-            all_times = [None] * world
-            dist.all_gather_object(all_times, times)
-            slowest = [max(ts[i] for ts in all_times) for i in range(repeat)]
-            raw = _ring_nbytes(4 * n, world)
+                    sent[m.name] = nbytes
+                    err[m.name] = float((buf.double() - exact).norm()) / norm
+        all_times = [None] * world
+        dist.all_gather_object(all_times, times)
+        raw = _ring_nbytes(4 * n, world)
+        for m in chosen:
+            slowest = [max(ts[m.name][i] for ts in all_times) for i in range(repeat)]
             rows.append({"world": world, "numel": n, "method": m.name, "family": m.family,
                          "median_ms": 1000 * statistics.median(slowest),
-                         "min_ms": 1000 * min(slowest), "bytes_per_rank": sent, "raw_bytes_per_rank": raw,
-                         "compression_ratio": raw / sent if sent else None, "rel_err": err})
+                         "min_ms": 1000 * min(slowest), "bytes_per_rank": sent[m.name],
+                         "raw_bytes_per_rank": raw,
+                         "compression_ratio": raw / sent[m.name] if sent[m.name] else None,
+                         "rel_err": err[m.name]})
     return rows if rank == 0 else None
 
 

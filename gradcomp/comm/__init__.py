@@ -60,14 +60,16 @@ def allreduce(
     key: Hashable = None,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """Compressed allreduce: every rank returns the same (bit-identical) tensor.
 
     All ranks of ``group`` must call it with tensors of the same shape and
     dtype, the same compressor settings, ``op`` and ``algorithm``, in the
-    same order (like any collective); every call first checks that they did
-    (the number of elements, ``op``, ``algorithm``, the compressor type and
-    payload size: :mod:`gradcomp.comm.agreement`) and, if not, raises the same
+    same order (like any collective). With ``check=True`` (the default) every
+    call first verifies that they did (the number of elements, ``op``,
+    ``algorithm``, the compressor type and payload size:
+    :mod:`gradcomp.comm.agreement`) and, if not, raises the same
     ``ValueError`` on every rank before any payload moves. The input is widened to float32 (so
     payloads carry float32 tensors: :class:`~gradcomp.NoCompression` moves 4
     bytes per element whatever the input dtype), sums are accumulated in
@@ -132,6 +134,15 @@ def allreduce(
             device to write the result to; it may be ``tensor`` itself (an
             in-place allreduce, like ``dist.all_reduce``). For float32 it is
             also the accumulation workspace, so no n-element buffer is allocated.
+        check: exchange a 40-byte descriptor with every other rank first (see
+            above). It costs one small round trip, hidden behind compression
+            for large tensors (about 1 ms for a tiny tensor on gloo over
+            loopback); turn it off only where the caller guarantees that the
+            ranks agree (the DDP hook checks its first bucket, then relies on
+            DDP's identical bucket layout on every rank). Without it, a
+            disagreement aborts the process (gloo) or returns different
+            values on different ranks. ``"allgather"`` always checks: it
+            exchanges payload sizes in the same message.
 
     Returns:
         ``out`` if given, else a new tensor with ``tensor``'s shape, dtype and device.
@@ -150,6 +161,8 @@ def allreduce(
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
     _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be True or False, got {type(check).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("gradcomp.allreduce needs torch.distributed initialised "
                            "(dist.init_process_group or gradcomp.launch)")
@@ -184,9 +197,13 @@ def allreduce(
         _allgather.allreduce(comm, local, work, op, descriptor, names)
     else:
         plan = Plan(n, comm.world_size, local.inner)
-        # checked when the first payload is ready to send (hidden behind compression)
-        comm.gate(Agreement(comm, {**descriptor, "wire_nbytes": sum(plan.wire_nbytes)}, names,
-                            device=x.device))
+        if check:
+            # completed when the first payload is ready to send (hidden behind
+            # compression); if compression fails first, its messages still
+            # complete on their own (every rank posted them), so nothing is
+            # left for the next call to match
+            comm.gate(Agreement(comm, {**descriptor, "wire_nbytes": sum(plan.wire_nbytes)}, names,
+                                device=x.device))
         pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
         share_owned(comm, plan, work, op, pending)
     if out is None:
