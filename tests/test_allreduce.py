@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 import gradcomp as gc
 from gradcomp import wire as W
-from gradcomp.comm import chunk_bounds, ring_raw_bytes
+from gradcomp.comm import agreement, chunk_bounds, ring_raw_bytes
 from gradcomp.comm.p2p import MIN_PIECE_BYTES, PIECES, pieces
 from gradcomp.launch import launch
 
@@ -86,6 +86,7 @@ def _expected_dense_bytes(make, n, world, rank):
 
 
 def _check_case(rank, world, name, make, algorithm, op, n, dtype):
+    agreement.forget(dist.group.WORLD)  # every case starts with an agreement
     x = _inputs(rank, n, dtype, seed=n)
     comp = make()
     meter = gc.TrafficMeter()
@@ -451,7 +452,7 @@ def _unchecked_and_recovering(rank, world):
     same = torch.equal(y, gc.allreduce(x, gc.Int8Quantizer(), timeout=20))  # checked or not, same bytes
     comp = _FailsOnce()
     try:
-        gc.allreduce(x, comp, timeout=20)
+        gc.allreduce(x, comp, op="sum", timeout=20)  # a new descriptor: agreement posted, then it fails
         first = "ok"
     except RuntimeError as e:
         first = str(e)
@@ -466,6 +467,35 @@ def test_unchecked_calls_and_a_failure_after_the_agreement():
         assert phases == ["allgather", "reduce_scatter"]  # no agreement with check=False
         assert same and first == "compression failed"
         assert z == pytest.approx([3.0] * 10, rel=0.02)  # 0 + 1 + 2, through int8
+
+
+def _agreement_traffic(rank, world):
+    def agreed(x, comp=None, algorithm="ring", **kw):
+        meter = gc.TrafficMeter()
+        gc.allreduce(x, comp or gc.Int8Quantizer(), algorithm=algorithm, meter=meter, timeout=20, **kw)
+        return meter.as_dict()["phases"].get("agreement", {}).get("bytes_sent", 0)
+
+    a, b = torch.randn(3000), torch.randn(2000)
+    seen = [agreed(a), agreed(a), agreed(b), agreed(b), agreed(a), agreed(a, op="sum"),
+            agreed(a, gc.FP16()), agreed(a, gc.TopK(ratio=0.1), "allgather"),
+            agreed(a, gc.TopK(ratio=0.1), "allgather"), agreed(a, gc.FP16()), agreed(a, gc.FP16(), check=False)]
+    # all ranks agreed on 3000 elements; now rank 2 alone changes its call: it
+    # checks, the others do not, and everyone times out instead of aborting
+    try:
+        gc.allreduce(b if rank == 2 else a, gc.FP16(), timeout=3)
+        outcome = "ok"
+    except (TimeoutError, RuntimeError) as e:
+        outcome = type(e).__name__
+    return seen, outcome
+
+
+def test_agreement_only_when_the_call_changes():
+    res = launch(_agreement_traffic, 3, timeout=TIMEOUT)
+    d = 40 * 2
+    for seen, outcome in res:
+        # a, a, b, b, a, a-sum, a-fp16, topk, topk (allgather: always), a-fp16, unchecked
+        assert seen == [d, 0, d, 0, d, d, d, d, d, 0, 0], seen
+    assert [outcome for _, outcome in res] == ["TimeoutError"] * 3, res
 
 
 @pytest.mark.parametrize("case", ["missing", "corrupt"])

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.comm import allgather as _allgather
-from gradcomp.comm.agreement import Agreement, codec_id
+from gradcomp.comm.agreement import Agreement, codec_id, forget, needs_check
 from gradcomp.comm import ring as _ring
 from gradcomp.comm import two_phase as _two_phase
 from gradcomp.comm.chunks import chunk_bounds, ring_raw_bytes
@@ -66,11 +66,12 @@ def allreduce(
 
     All ranks of ``group`` must call it with tensors of the same shape and
     dtype, the same compressor settings, ``op`` and ``algorithm``, in the
-    same order (like any collective). With ``check=True`` (the default) every
-    call first verifies that they did (the number of elements, ``op``,
+    same order (like any collective). With ``check=True`` (the default) a
+    call verifies that they did (the number of elements, ``op``,
     ``algorithm``, the compressor type and payload size:
-    :mod:`gradcomp.comm.agreement`) and, if not, raises the same
-    ``ValueError`` on every rank before any payload moves. The input is widened to float32 (so
+    :mod:`gradcomp.comm.agreement`) whenever these differ from the last call
+    the group's ranks agreed on, and, if not, every rank raises the same
+    ``ValueError`` before any payload moves. The input is widened to float32 (so
     payloads carry float32 tensors: :class:`~gradcomp.NoCompression` moves 4
     bytes per element whatever the input dtype), sums are accumulated in
     float32, and the result is cast back to the input's dtype.
@@ -134,15 +135,16 @@ def allreduce(
             device to write the result to; it may be ``tensor`` itself (an
             in-place allreduce, like ``dist.all_reduce``). For float32 it is
             also the accumulation workspace, so no n-element buffer is allocated.
-        check: exchange a 40-byte descriptor with every other rank first (see
-            above). It costs one small round trip, hidden behind compression
-            for large tensors (about 1 ms for a tiny tensor on gloo over
-            loopback); turn it off only where the caller guarantees that the
-            ranks agree (the DDP hook checks its first bucket, then relies on
-            DDP's identical bucket layout on every rank). Without it, a
-            disagreement aborts the process (gloo) or returns different
-            values on different ranks. ``"allgather"`` always checks: it
-            exchanges payload sizes in the same message.
+        check: exchange a 40-byte descriptor with every other rank first
+            when it differs from the last one the group agreed on (see above
+            and :mod:`gradcomp.comm.agreement`): one small round trip, about
+            1-3 ms on gloo over loopback on a busy 2-core host, paid once by a
+            loop that reduces the same tensor every step. ``False``: never
+            (the DDP hook checks its first bucket, then relies on DDP's
+            identical bucket layout on every rank); a disagreement then aborts
+            the process (gloo) or returns different values on different
+            ranks. ``"allgather"`` always checks: it exchanges payload sizes
+            in the same message.
 
     Returns:
         ``out`` if given, else a new tensor with ``tensor``'s shape, dtype and device.
@@ -156,7 +158,10 @@ def allreduce(
             ``timeout``; this process is not in ``group``; the ranks of the
             group passed different numels, ops, algorithms or compressors
             (raised on every rank).
-        TimeoutError: a transfer did not finish within ``timeout`` seconds.
+        TimeoutError: a transfer did not finish within ``timeout`` seconds
+            (also when only some ranks changed their arguments since the
+            group's last agreement; after any error other than the agreement's
+            ``ValueError`` the group is not safe to use again).
         RuntimeError: the transport failed (e.g. a peer died).
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
@@ -193,19 +198,22 @@ def allreduce(
     descriptor = {"numel": n, "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
                   "codec": codec_id(local.inner.codec)}
     names = {"op": OPS, "algorithm": ALGORITHMS}
-    if algorithm == "allgather":
-        _allgather.allreduce(comm, local, work, op, descriptor, names)
-    else:
-        plan = Plan(n, comm.world_size, local.inner)
-        if check:
-            # completed when the first payload is ready to send (hidden behind
-            # compression); if compression fails first, its messages still
-            # complete on their own (every rank posted them), so nothing is
-            # left for the next call to match
-            comm.gate(Agreement(comm, {**descriptor, "wire_nbytes": sum(plan.wire_nbytes)}, names,
-                                device=x.device))
-        pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
-        share_owned(comm, plan, work, op, pending)
+    try:
+        if algorithm == "allgather":
+            _allgather.allreduce(comm, local, work, op, descriptor, names)
+        else:
+            plan = Plan(n, comm.world_size, local.inner)
+            descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
+            if check and needs_check(group, descriptor):
+                # completed when the first payload is ready to send; if
+                # compression fails first, its messages still complete on
+                # their own (every rank posted them under their own tag)
+                comm.gate(Agreement(comm, descriptor, names, device=x.device))
+            pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
+            share_owned(comm, plan, work, op, pending)
+    except BaseException:
+        forget(group)  # this rank's next call on the group checks again
+        raise
     if out is None:
         result = work.to(tensor.dtype).view(tensor.shape)  # work itself for float32
     else:

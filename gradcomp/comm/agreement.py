@@ -4,38 +4,50 @@ A collective is only well defined when every rank passes the same number of
 elements, ``op``, algorithm and compressor. When they do not, the transports
 misbehave badly: a receive posted for one size that gets another makes gloo
 abort the process ("Received data size doesn't match expected size"), and a
-mismatched ``op`` silently returns different values on different ranks. So
-each call starts with an *agreement*: every rank sends a small descriptor
+mismatched ``op`` silently returns different values on different ranks. So a
+call can start with an *agreement*: every rank sends a small descriptor
 (:data:`FIELDS`, little-endian int64) to every other rank, and every rank
 compares all of them. On a mismatch every rank raises the same
 ``ValueError`` naming the field and the ranks, before any payload is posted,
 so nothing aborts, hangs or corrupts and the group stays usable.
 
-Dense algorithms post the agreement before compressing and complete it when
-the first payload is about to be sent (:meth:`gradcomp.comm.p2p.Comm.gate`),
-so its round trip is hidden behind compression. The sparse ``allgather``
-algorithm also carries each rank's payload size in it (field ``wire_nbytes``,
-which may differ between ranks there), replacing a separate size exchange.
+A dense collective checks only when its descriptor differs from the last one
+every rank of the group agreed on (:func:`needs_check`), so a training loop
+that reduces the same tensors every step pays for one agreement, not one per
+step. This is sound because agreements are collective: as long as no call
+failed, every rank remembers the same last descriptor, so when all ranks skip
+the check they all pass that descriptor. If only some ranks changed theirs,
+those ranks check and the others do not; the agreement travels under its own
+tag (:data:`TAG`), so it never matches a payload message, and both sides end
+with a ``TimeoutError`` instead of an abort. A failed call forgets the group's
+descriptor (:func:`forget`).
 
-Traffic: ``8 * len(FIELDS) * (N - 1)`` bytes sent per rank per call, recorded
-in meter phase ``"agreement"`` with no raw (float32 ring) equivalent.
+The sparse ``allgather`` algorithm agrees on every call: its agreement
+carries each rank's payload size (field ``wire_nbytes``, which may differ
+between ranks there), replacing a separate size exchange.
+
+Traffic: ``8 * len(FIELDS) * (N - 1)`` bytes sent per rank per agreement,
+recorded in meter phase ``"agreement"`` with no raw (float32 ring) equivalent.
 """
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Sequence
 
 import torch
 
-from gradcomp.comm.p2p import Comm, Message, Transfer
+from gradcomp.comm.p2p import PIECES, Comm, Message, Transfer
 
-__all__ = ["FIELDS", "AGREEMENT_NBYTES", "Agreement", "codec_id"]
+__all__ = ["FIELDS", "AGREEMENT_NBYTES", "TAG", "Agreement", "codec_id", "needs_check", "forget"]
 
 #: descriptor fields, in wire order
 FIELDS = ("numel", "op", "algorithm", "codec", "wire_nbytes")
 #: bytes of one descriptor on the wire
 AGREEMENT_NBYTES = 8 * len(FIELDS)
+#: point-to-point tag of agreement messages (payload pieces use 0 .. PIECES - 1)
+TAG = 2 * PIECES
 
 _WHAT = {
     "numel": "the number of elements",
@@ -45,10 +57,31 @@ _WHAT = {
     "wire_nbytes": "the compressor settings (payload size)",
 }
 
+# id(group) -> the descriptor every rank of that group last agreed on
+_AGREED: dict[int, tuple[int, ...]] = {}
+_AGREED_LOCK = threading.Lock()
+
 
 def codec_id(codec: str) -> int:
     """A stable integer for a codec name (CRC-32 of its UTF-8 bytes)."""
     return zlib.crc32(codec.encode())
+
+
+def needs_check(group, values: dict[str, int]) -> bool:
+    """Whether a call on ``group`` with this descriptor must agree first: it
+    differs from the one the group's ranks last agreed on (or none yet)."""
+    with _AGREED_LOCK:
+        return _AGREED.get(id(group)) != _row(values)
+
+
+def forget(group) -> None:
+    """Drop what ``group`` agreed on (after a failed call): its next call checks."""
+    with _AGREED_LOCK:
+        _AGREED.pop(id(group), None)
+
+
+def _row(values: dict[str, int]) -> tuple[int, ...]:
+    return tuple(int(values[f]) for f in FIELDS)
 
 
 class Agreement:
@@ -70,13 +103,12 @@ class Agreement:
             raise ValueError(f"agreement needs fields {sorted(missing)}")
         self.comm, self.names, self.varying = comm, names, tuple(varying)
         n, r = comm.world_size, comm.rank
-        mine = torch.tensor([int(values[f]) for f in FIELDS], dtype=torch.int64, device=device)
-        self.mine = mine
+        self.mine = _row(values)
+        wire = torch.tensor(self.mine, dtype=torch.int64, device=device).view(torch.uint8)
         self.recvs = [Message(p, torch.empty(AGREEMENT_NBYTES, dtype=torch.uint8, device=device))
                       for p in range(n) if p != r]
-        wire = mine.view(torch.uint8)
         self.transfer: Transfer | None = comm.start(
-            [Message(p, wire) for p in range(n) if p != r], self.recvs, "agreement")
+            [Message(p, wire) for p in range(n) if p != r], self.recvs, "agreement", tag=TAG)
         self.table: list[list[int]] | None = None
 
     def wait(self) -> list[list[int]]:
@@ -95,11 +127,14 @@ class Agreement:
             transfer, self.transfer = self.transfer, None
             transfer.wait()
             table: list[list[int]] = [[]] * self.comm.world_size
-            table[self.comm.rank] = self.mine.tolist()
+            table[self.comm.rank] = list(self.mine)
             for m in self.recvs:
                 table[m.peer] = m.buf.view(torch.int64).tolist()
             self.table = table
         self._check(self.table)
+        if not self.varying:
+            with _AGREED_LOCK:
+                _AGREED[id(self.comm.group)] = self.mine
         return self.table
 
     def _check(self, table: list[list[int]]) -> None:

@@ -125,11 +125,14 @@ class Comm:
         """
         self.start(sends, recvs, phase).wait()
 
-    def start(self, sends: Sequence[Message], recvs: Sequence[Message], phase: str) -> "Transfer":
+    def start(self, sends: Sequence[Message], recvs: Sequence[Message], phase: str,
+              tag: int = 0) -> "Transfer":
         """Post all sends and receives (non-blocking); :meth:`Transfer.wait` completes them.
 
         At most one send and one receive per peer. Every message is cut into
-        :func:`pieces` that travel as concurrent pairs with tags 0, 1, ...
+        :func:`pieces` that travel as concurrent pairs with tags ``tag``,
+        ``tag + 1``, ... (payloads use 0 .. PIECES - 1; the agreement its own
+        tag, so its messages never match a payload's).
         The caller may compute while the transfer is in flight, but must not
         touch the message buffers until it has waited.
 
@@ -138,6 +141,7 @@ class Comm:
             recvs: messages to receive (their ``buf`` is filled; its size must
                 equal the sender's message size).
             phase: meter phase name (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``).
+            tag: tag of the first piece.
 
         Raises:
             ValueError: two messages to (or from) one peer, or a bad buffer;
@@ -157,8 +161,8 @@ class Comm:
                 if m.buf.dtype != torch.uint8 or m.buf.dim() != 1 or not m.buf.is_contiguous():
                     raise ValueError("exchange: message buffers must be contiguous 1-D uint8 tensors, "
                                      f"got {m.buf.dtype} of shape {tuple(m.buf.shape)}")
-                for tag, (a, b) in enumerate(pieces(m.buf.numel())):
-                    ops.append(dist.P2POp(fn, m.buf[a:b], group=self.group, tag=tag, group_peer=m.peer))
+                for i, (a, b) in enumerate(pieces(m.buf.numel())):
+                    ops.append(dist.P2POp(fn, m.buf[a:b], group=self.group, tag=tag + i, group_peer=m.peer))
         return Transfer(self, list(sends), list(recvs), phase, dist.batch_isend_irecv(ops) if ops else [])
 
     def ring_allgather(self, mine: torch.Tensor, sizes: Sequence[int], raw_nbytes: Sequence[int],
