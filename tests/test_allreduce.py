@@ -364,12 +364,20 @@ def test_two_phase_error_below_ring_at_world_4():
 
 
 class _Corrupting(gc.Int8Quantizer):
-    """Writes a bad magic number on rank 1's payloads."""
+    """Rank 1's payloads get a bad magic number ("corrupt") or one code of
+    -128 ("bad_code": the header is fine, the receiving kernel must catch it)."""
+
+    def __init__(self, case):
+        super().__init__()
+        self.case = case
 
     def compress(self, t):
         p = super().compress(t)
         if dist.get_rank() == 1:
-            p.wire[0] = 0
+            if self.case == "corrupt":
+                p.wire[0] = 0
+            else:
+                p.codes[p.codes.numel() // 2] = -128
         return p
 
 
@@ -379,7 +387,8 @@ def _failures(rank, world, case):
         if case == "missing" and rank == 1:
             time.sleep(5)  # never joins (but stays alive): the others must time out, not hang
             return "absent"
-        gc.allreduce(x, _Corrupting() if case == "corrupt" else gc.Int8Quantizer(), timeout=3)
+        comp = gc.Int8Quantizer() if case == "missing" else _Corrupting(case)
+        gc.allreduce(x, comp, algorithm="two_phase" if case == "bad_code_two_phase" else "ring", timeout=3)
         return "ok"
     except (TimeoutError, RuntimeError, gc.PayloadError) as e:
         return type(e).__name__
@@ -498,7 +507,7 @@ def test_agreement_only_when_the_call_changes():
     assert [outcome for _, outcome in res] == ["TimeoutError"] * 3, res
 
 
-@pytest.mark.parametrize("case", ["missing", "corrupt"])
+@pytest.mark.parametrize("case", ["missing", "corrupt", "bad_code", "bad_code_two_phase"])
 def test_failures_raise_instead_of_hanging(case):
     res = launch(_failures, 3, (case,), timeout=60)
     if case == "missing":

@@ -20,6 +20,7 @@ pytest.importorskip(
     "gradcomp._C", reason="gradcomp._C is not built (run `python setup.py build_ext --inplace`)"
 )
 
+import gradcomp as gc  # noqa: E402
 from gradcomp import kernels as K  # noqa: E402
 from gradcomp.kernels import cpu as C  # noqa: E402
 from gradcomp.kernels import reference as R  # noqa: E402
@@ -235,6 +236,39 @@ def test_dequantize_large_output_any_alignment(offset, block):
     assert K.dequantize_int8(q, s, block, out=out, backend="cpu") is out
     assert_bits_equal(out, K.dequantize_int8(q, s, block, backend="reference"), "dequantized")
     assert bool((big[:offset] == -7.0).all())  # nothing written before the output
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("n", [1000, 2**17 + 5])  # one thread / several
+def test_check_codes_rejects_minus_128(backend, n):
+    g = torch.Generator().manual_seed(n)
+    block = 64
+    q = torch.randint(-127, 128, (n,), dtype=torch.int8, generator=g)
+    s = torch.rand(-(-n // block), generator=g)
+    acc = torch.randn(n, generator=g)
+    # valid codes: checking changes nothing
+    assert_bits_equal(K.dequantize_int8(q, s, block, check_codes=True, backend=backend),
+                      K.dequantize_int8(q, s, block, backend="reference"), "checked dequantize")
+    a1, a2 = acc.clone(), acc.clone()
+    K.dequantize_int8_add_(a1, q, s, block, check_codes=True, backend=backend)
+    K.dequantize_int8_add_(a2, q, s, block, backend="reference")
+    assert_bits_equal(a1, a2, "checked dequantize_add")
+    r1, r2 = acc.clone(), acc.clone()
+    c1 = K.reduce_quantize_int8(r1, q, s, block, 2, check_codes=True, decode=True, backend=backend)
+    c2 = K.reduce_quantize_int8(r2, q, s, block, 2, decode=True, backend="reference")
+    assert_bits_equal(c1[0], c2[0], "checked reduce codes")
+    assert_bits_equal(r1, r2, "checked reduce acc")
+    # one code of -128 in a middle block: every op raises when checking
+    q[n // 2 + 3] = -128
+    with pytest.raises(gc.PayloadError, match="-128"):
+        K.dequantize_int8(q, s, block, check_codes=True, backend=backend)
+    with pytest.raises(gc.PayloadError, match="-128"):
+        K.dequantize_int8_add_(acc.clone(), q, s, block, check_codes=True, backend=backend)
+    with pytest.raises(gc.PayloadError, match="-128"):
+        K.reduce_quantize_int8(acc.clone(), q, s, block, 2, check_codes=True, backend=backend)
+    # and reads it as it is when not asked to check
+    d = K.dequantize_int8(q, s, block, backend=backend)
+    assert float(d[n // 2 + 3]) == -128 * float(s[(n // 2 + 3) // block])
 
 
 def test_dequantize_out_of_other_shape():

@@ -163,6 +163,15 @@ def test_specific_corruptions_are_named():
     bad[-1] = 0x80  # code -128
     with pytest.raises(gc.PayloadError, match="-128"):
         gc.decode(torch.frombuffer(bad, dtype=torch.uint8))
+    # left to the kernel that reads the codes: decode passes, every use raises
+    lazy = gc.decode(torch.frombuffer(bad, dtype=torch.uint8), check_codes=False)
+    assert not lazy.codes_checked and gc.decode(p.wire).codes_checked
+    q = gc.Int8Quantizer(block_size=32)
+    for use in (lambda: q.decompress(lazy), lambda: q.decompress(lazy, out=torch.empty(100)),
+                lambda: q.decompress_add_(lazy, torch.zeros(100)),
+                lambda: q.reduce_compress_(lazy, torch.zeros(100), divisor=2)):
+        with pytest.raises(gc.PayloadError, match="-128"):
+            use()
     with pytest.raises(TypeError):
         gc.decode(torch.zeros(50, dtype=torch.float32))
     # sparse index out of range / not ascending, with a valid header

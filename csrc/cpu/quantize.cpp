@@ -11,6 +11,7 @@
 // elements, so the second read hits L1; blocks are spread over OpenMP threads.
 #include "kernels.h"
 
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -64,6 +65,32 @@ inline uint32_t absmax_bits(const float* p, size_t len) {
 }
 
 inline int32_t clamp127(int32_t c) { return c < -127 ? -127 : (c > 127 ? 127 : c); }
+
+// Whether a block of codes holds -128 (outside [-127, 127]); the block is
+// about to be read anyway, so this costs no extra pass over memory.
+inline bool has_bad_code(const int8_t* c, size_t len) {
+    uint8_t hit = 0;
+    for (size_t i = 0; i < len; ++i) hit |= static_cast<uint8_t>(c[i] == -128);
+    return hit != 0;
+}
+
+// Shared by the code-reading loops: skip the rest once a bad block was seen.
+struct CodeCheck {
+    bool on;
+    std::atomic<bool> bad{false};
+    explicit CodeCheck(bool enabled) : on(enabled) {}
+    // true when block [c, c + len) must not be processed
+    bool stop(const int8_t* c, size_t len) {
+        if (!on) return false;
+        if (bad.load(std::memory_order_relaxed)) return true;
+        if (has_bad_code(c, len)) {
+            bad.store(true, std::memory_order_relaxed);
+            return true;
+        }
+        return false;
+    }
+    bool ok() const { return !bad.load(); }
+};
 
 // |p| <= m, so |p / m| <= 1 and |y| <= 127 after the two correctly rounded
 // operations: no clamp needed (the reference's clamp is a no-op here).
@@ -191,7 +218,9 @@ inline void scale_stream(const int8_t* c, float s, float* o, size_t len) {
 }
 
 template <class O>
-void dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t block, typename O::T* out) {
+bool dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t block, typename O::T* out,
+                     bool check_codes) {
+    CodeCheck check(check_codes);
     const size_t nb = (n + block - 1) / block;
     const size_t tile = std::min(block, TILE);
     const int nt = n >= PAR_MIN ? max_threads() : 1;
@@ -204,6 +233,7 @@ void dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t bloc
         for (size_t b = 0; b < nb; ++b) {
             alignas(64) float buf[TILE];
             const size_t lo = b * block, len = std::min(block, n - lo);
+            if (check.stop(q + lo, len)) continue;
             const float s = scales[b];
             for (size_t t = 0; t < len; t += tile) {
                 const size_t tl = std::min(tile, len - t);
@@ -225,6 +255,7 @@ void dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t bloc
         if (stream) _mm_sfence();  // this thread's non-temporal stores are visible before the join
 #endif
     }
+    return check.ok();
 }
 
 // p = acc + code * scale over one tile (dequantize_int8_add's addition; a
@@ -255,8 +286,9 @@ inline void sum_tile(const float* a, const int8_t* c, float s, float d, float* p
 // absmax taken, its codes written, and acc overwritten with the decoded codes
 // (or the sum) while the block is still in L1.
 template <bool STOCH, bool DIV>
-void reduce_quantize_impl(float* acc, const int8_t* qin, const float* sin, size_t n, size_t block,
-                          float d, uint32_t key, int8_t* q, float* scales, bool decode) {
+bool reduce_quantize_impl(float* acc, const int8_t* qin, const float* sin, size_t n, size_t block,
+                          float d, uint32_t key, int8_t* q, float* scales, bool decode, bool check_codes) {
+    CodeCheck check(check_codes);
     const size_t nb = (n + block - 1) / block;
     const size_t tile = std::min(block, TILE);
     const int nt = n >= PAR_MIN ? max_threads() : 1;
@@ -265,6 +297,7 @@ void reduce_quantize_impl(float* acc, const int8_t* qin, const float* sin, size_
     for (size_t b = 0; b < nb; ++b) {
         alignas(64) float buf[TILE];
         const size_t lo = b * block, len = std::min(block, n - lo);
+        if (check.stop(qin + lo, len)) continue;
         const bool whole = len <= tile;  // the block's sum fits in buf
         float* a = acc + lo;
         const float s_in = sin[b];
@@ -304,22 +337,24 @@ void reduce_quantize_impl(float* acc, const int8_t* qin, const float* sin, size_
             }
         }
     }
+    return check.ok();
 }
 
 }  // namespace
 
-void reduce_quantize_int8(float* acc, const int8_t* q_in, const float* scales_in, size_t n, size_t block,
+bool reduce_quantize_int8(float* acc, const int8_t* q_in, const float* scales_in, size_t n, size_t block,
                           float divisor, bool stochastic, uint32_t key, int8_t* q, float* scales,
-                          bool decode) {
+                          bool decode, bool check_codes) {
     if (block == 0) throw std::invalid_argument("block_size must be positive");
-    if (n == 0) return;
+    if (n == 0) return true;
     const bool div = divisor != 1.0f;
+    const bool c = check_codes;
     if (stochastic) {
-        if (div) reduce_quantize_impl<true, true>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode);
-        else reduce_quantize_impl<true, false>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode);
+        if (div) return reduce_quantize_impl<true, true>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode, c);
+        return reduce_quantize_impl<true, false>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode, c);
     } else {
-        if (div) reduce_quantize_impl<false, true>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode);
-        else reduce_quantize_impl<false, false>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode);
+        if (div) return reduce_quantize_impl<false, true>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode, c);
+        return reduce_quantize_impl<false, false>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode, c);
     }
 }
 
@@ -361,32 +396,38 @@ void quantize_int8(DType dt, const void* x, float* residual, size_t n, size_t bl
     }
 }
 
-void dequantize_int8(const int8_t* q, const float* scales, size_t n, size_t block, DType out_dt,
-                     void* out) {
+bool dequantize_int8(const int8_t* q, const float* scales, size_t n, size_t block, DType out_dt,
+                     void* out, bool check_codes) {
     if (block == 0) throw std::invalid_argument("block_size must be positive");
-    if (n == 0) return;
+    if (n == 0) return true;
+    const bool c = check_codes;
     switch (out_dt) {
-        case DType::F32: return dequantize_impl<F32>(q, scales, n, block, static_cast<float*>(out));
-        case DType::F16: return dequantize_impl<F16>(q, scales, n, block, static_cast<uint16_t*>(out));
-        case DType::BF16: return dequantize_impl<BF16>(q, scales, n, block, static_cast<uint16_t*>(out));
-        case DType::F64: return dequantize_impl<F64>(q, scales, n, block, static_cast<double*>(out));
+        case DType::F32: return dequantize_impl<F32>(q, scales, n, block, static_cast<float*>(out), c);
+        case DType::F16: return dequantize_impl<F16>(q, scales, n, block, static_cast<uint16_t*>(out), c);
+        case DType::BF16: return dequantize_impl<BF16>(q, scales, n, block, static_cast<uint16_t*>(out), c);
+        case DType::F64: return dequantize_impl<F64>(q, scales, n, block, static_cast<double*>(out), c);
     }
+    return true;
 }
 
-void dequantize_int8_add(float* acc, const int8_t* q, const float* scales, size_t n, size_t block) {
+bool dequantize_int8_add(float* acc, const int8_t* q, const float* scales, size_t n, size_t block,
+                         bool check_codes) {
     if (block == 0) throw std::invalid_argument("block_size must be positive");
-    if (n == 0) return;
+    if (n == 0) return true;
+    CodeCheck check(check_codes);
     const size_t nb = (n + block - 1) / block;
     const int nt = n >= PAR_MIN ? max_threads() : 1;
     (void)nt;
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
     for (size_t b = 0; b < nb; ++b) {
         const size_t lo = b * block, len = std::min(block, n - lo);
+        if (check.stop(q + lo, len)) continue;
         const float s = scales[b];
         float* a = acc + lo;
         const int8_t* c = q + lo;
         for (size_t i = 0; i < len; ++i) a[i] = add_like_torch(a[i], static_cast<float>(c[i]) * s);
     }
+    return check.ok();
 }
 
 }  // namespace gradcomp

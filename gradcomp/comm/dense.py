@@ -16,7 +16,7 @@ import torch
 from gradcomp.comm.chunks import FLOAT32_BYTES, chunk_bounds
 from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import Compressor
-from gradcomp.wire import Payload
+from gradcomp.wire import Payload, decode
 
 __all__ = ["Plan", "share_owned"]
 
@@ -53,6 +53,15 @@ class Plan:
         until ``comm.release()``), or None for a compressor subclass whose
         ``compress`` takes no ``out=`` (it then allocates its own)."""
         return comm.buffer(self.wire_nbytes[j], device) if self.reuse else None
+
+    @staticmethod
+    def received(buf: torch.Tensor) -> Payload:
+        """A received wire, decoded for reduction: everything is validated
+        here except the int8 codes' range, which the kernel reading them
+        checks block by block (one pass over memory fewer; a bad code still
+        raises :class:`~gradcomp.PayloadError`, leaving the workspace
+        partly written, which a failed collective leaves unspecified anyway)."""
+        return decode(buf, check_codes=False)
 
     def expect(self, payload: Payload, j: int) -> torch.Tensor:
         """``payload.wire`` after checking it has the size receivers expect for chunk ``j``.
@@ -91,12 +100,12 @@ def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str, pending: to
     r = comm.rank
     lo, hi = plan.bounds[r]
     mine = plan.expect(plan.compressor.reduce_compress_(
-        pending, work[lo:hi], divisor=comm.world_size if op == "avg" else 1,
+        plan.received(pending), work[lo:hi], divisor=comm.world_size if op == "avg" else 1,
         out=plan.wire_buffer(comm, r, work.device), decode=True), r)
 
     def decompress(j: int, blob: torch.Tensor) -> None:
         if j != r:  # the owner's chunk is already decoded
             lo, hi = plan.bounds[j]
-            plan.compressor.decompress(blob, out=work[lo:hi])
+            plan.compressor.decompress(plan.received(blob), out=work[lo:hi])
 
     comm.ring_allgather(mine, plan.wire_nbytes, plan.raw_nbytes, phase="allgather", consume=decompress)

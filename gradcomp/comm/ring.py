@@ -64,6 +64,6 @@ def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> 
         if s == n - 2:
             return inbox  # in_j == r
         # decompress, add and recompress in one pass
-        wire = plan.expect(plan.compressor.reduce_compress_(inbox, acc, out=plan.wire_buffer(comm, in_j, dev)),
-                           in_j)
+        wire = plan.expect(plan.compressor.reduce_compress_(plan.received(inbox), acc,
+                                                            out=plan.wire_buffer(comm, in_j, dev)), in_j)
     raise AssertionError("unreachable: world_size >= 2")  # pragma: no cover

@@ -56,5 +56,5 @@ def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> 
     acc = local.exact_into(lo, hi, work[lo:hi])  # while the payloads travel
     transfer.wait()
     for m in recvs[:-1]:  # in rank order; the last one is added by share_owned
-        plan.compressor.decompress_add_(m.buf, acc)
+        plan.compressor.decompress_add_(plan.received(m.buf), acc)
     return recvs[-1].buf

@@ -91,10 +91,12 @@ class Int8Quantizer(Compressor):
         return p
 
     def _decode_flat(self, p):
-        return kernels.dequantize_int8(p.codes, p.scales, p.block_size, backend=self.backend)
+        return kernels.dequantize_int8(p.codes, p.scales, p.block_size, check_codes=not p.codes_checked,
+                                       backend=self.backend)
 
     def _decode_into(self, p, out):
-        kernels.dequantize_int8(p.codes, p.scales, p.block_size, out=out, backend=self.backend)
+        kernels.dequantize_int8(p.codes, p.scales, p.block_size, out=out, check_codes=not p.codes_checked,
+                                backend=self.backend)
 
     def decompress_add_(self, p, acc):
         """``acc += decompress(p)`` in one fused pass (float32 accumulate)."""
@@ -104,7 +106,7 @@ class Int8Quantizer(Compressor):
         _check_acc(acc, p)
         if p.numel:
             kernels.dequantize_int8_add_(acc.view(-1), p.codes, p.scales, p.block_size,
-                                         backend=self.backend)
+                                         check_codes=not p.codes_checked, backend=self.backend)
         return acc
 
     def reduce_compress_(self, p, acc, *, divisor=1, out=None, decode=False):
@@ -123,7 +125,7 @@ class Int8Quantizer(Compressor):
         if p.numel:
             kernels.reduce_quantize_int8(acc, p.codes, p.scales, self.block_size, divisor, self.rounding,
                                          self.seed, self._next_counter(), out_q=q.codes, out_scales=q.scales,
-                                         decode=decode, backend=self.backend)
+                                         decode=decode, check_codes=not p.codes_checked, backend=self.backend)
         return q
 
     def wire_nbytes(self, shape, dtype=torch.float32):

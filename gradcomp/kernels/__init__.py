@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from gradcomp import _validate as v
+from gradcomp.errors import PayloadError
+from gradcomp.kernels.reference import BAD_CODE
 from gradcomp.kernels.registry import available_backends, resolve
 
 __all__ = [
@@ -104,12 +106,26 @@ def _check_codes(q, scales, block_size):
     return block_size
 
 
+def _native_checks(fn, q: torch.Tensor, check_codes: bool) -> bool:
+    """Whether ``fn`` (a resolved backend function) checks the codes itself:
+    the native CPU kernels do, block by block as they read them; for any
+    other backend the codes are checked here, in one pass, when asked."""
+    if not check_codes:
+        return False
+    if fn.__module__ == "gradcomp.kernels.cpu":
+        return True
+    if q.numel() and int(q.min()) == -128:
+        raise PayloadError(BAD_CODE)
+    return False
+
+
 def dequantize_int8(
     q: torch.Tensor,
     scales: torch.Tensor,
     block_size: int = 256,
     out: torch.Tensor | None = None,
     *,
+    check_codes: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
     """``code * scale`` per element.
@@ -117,9 +133,19 @@ def dequantize_int8(
     Args:
         q: int8 ``[n]``; scales: float32 ``[ceil(n / block_size)]``, same device.
         out: optional contiguous float tensor of n elements (float32/16/bf16/64) to write.
+        check_codes: raise :class:`~gradcomp.PayloadError` if a code is -128
+            (outside the format's [-127, 127]; for codes from an unchecked
+            payload, see :func:`gradcomp.wire.decode`). The native CPU kernel
+            checks each block as it reads it, at no extra pass over memory,
+            so blocks before the bad one may have been written; other
+            backends check before writing anything. Without it, codes are
+            read as they are.
 
     Returns:
         float32 ``[n]`` (or ``out``).
+
+    Raises:
+        gradcomp.PayloadError: ``check_codes`` and a code is -128.
     """
     block_size = _check_codes(q, scales, block_size)
     if out is not None:
@@ -130,6 +156,8 @@ def dequantize_int8(
                 f"got {out.numel()} elements on {out.device}"
             )
     fn = resolve("dequantize_int8", q.device.type, backend)
+    if _native_checks(fn, q, check_codes):
+        return fn(_flat(q), _flat(scales), block_size, out, check_codes=True)
     return fn(_flat(q), _flat(scales), block_size, out)
 
 
@@ -139,12 +167,17 @@ def dequantize_int8_add_(
     scales: torch.Tensor,
     block_size: int = 256,
     *,
+    check_codes: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """``acc += code * scale`` in place. acc: contiguous float32 with ``q.numel()`` elements."""
+    """``acc += code * scale`` in place. acc: contiguous float32 with ``q.numel()``
+    elements; ``check_codes`` as :func:`dequantize_int8` (with the native CPU
+    kernel, ``acc`` may then hold a partial sum when it raises)."""
     block_size = _check_codes(q, scales, block_size)
     _check_out("acc", acc, q.numel(), torch.float32, q.device)
     fn = resolve("dequantize_int8_add_", q.device.type, backend)
+    if _native_checks(fn, q, check_codes):
+        return fn(acc, _flat(q), _flat(scales), block_size, check_codes=True)
     return fn(acc, _flat(q), _flat(scales), block_size)
 
 
@@ -198,6 +231,7 @@ def reduce_quantize_int8(
     out_q: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
     decode: bool = False,
+    check_codes: bool = False,
     backend: str | None = None,
 ):
     """One reduce step of a compressed collective (a ring hop, an owner's final
@@ -222,6 +256,8 @@ def reduce_quantize_int8(
         divisor: positive integer the sum is divided by (``1``: no division).
         rounding, seed, counter: as :func:`quantize_int8`.
         out_q, out_scales: optional preallocated outputs for ``(q2, s2)``.
+        check_codes: as :func:`dequantize_int8` for ``q`` (with the native CPU
+            kernel, ``acc`` may then hold partly reduced values when it raises).
         backend: force a backend, as for the other ops.
 
     Returns:
@@ -229,6 +265,7 @@ def reduce_quantize_int8(
 
     Raises:
         TypeError / ValueError: bad arguments (as the composed ops).
+        gradcomp.PayloadError: ``check_codes`` and a code of ``q`` is -128.
     """
     block_size = _check_codes(q, scales, block_size)
     _check_out("acc", acc, q.numel(), torch.float32, q.device)
@@ -245,8 +282,8 @@ def reduce_quantize_int8(
         from gradcomp.kernels import cpu
 
         return cpu.reduce_quantize_int8(acc.view(-1), _flat(q), _flat(scales), block_size, divisor, rounding,
-                                        seed, counter, out_q, out_scales, decode)
-    dequantize_int8_add_(acc, q, scales, block_size, backend=backend)
+                                        seed, counter, out_q, out_scales, decode, check_codes)
+    dequantize_int8_add_(acc, q, scales, block_size, check_codes=check_codes, backend=backend)
     if divisor != 1:
         acc.div_(divisor)
     q2, s2 = quantize_int8(acc, block_size, rounding, seed, counter, out_q=out_q, out_scales=out_scales,

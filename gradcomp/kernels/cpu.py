@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from gradcomp.errors import PayloadError
 from gradcomp.kernels import reference as _ref
 
 __all__ = [
@@ -240,6 +241,7 @@ def dequantize_int8(
     scales: torch.Tensor,
     block_size: int = 256,
     out: torch.Tensor | None = None,
+    check_codes: bool = False,
 ) -> torch.Tensor:
     """``code * scale`` per element (float32 product).
 
@@ -247,32 +249,45 @@ def dequantize_int8(
         q: int8 ``[n]``; scales: float32 ``[ceil(n / block_size)]`` (CPU).
         out: optional contiguous float32/float16/bfloat16/float64 tensor of n
             elements; the float32 product is rounded to its dtype.
+        check_codes: raise on a code of -128, checked block by block as the
+            codes are read (see :func:`gradcomp.kernels.dequantize_int8`).
 
     Returns:
         float32 ``[n]``, or ``out``.
+
+    Raises:
+        gradcomp.PayloadError: ``check_codes`` and a code is -128.
     """
     qf, sf = _flat("q", q), _flat("scales", scales)
     n = qf.numel()
     result = out if out is not None else torch.empty(n, dtype=torch.float32)
     name = _dtype_name("out", result)
-    _native().dequantize_int8(qf.numpy(), sf.numpy(), block_size, _out_np("out", result, None, n), name)
+    _codes_ok(_native().dequantize_int8(qf.numpy(), sf.numpy(), block_size, _out_np("out", result, None, n),
+                                        name, bool(check_codes)))
     return result
 
 
+def _codes_ok(ok: bool) -> None:
+    if not ok:
+        raise PayloadError(_ref.BAD_CODE)
+
+
 def dequantize_int8_add_(
-    acc: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int = 256
+    acc: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int = 256,
+    check_codes: bool = False,
 ) -> torch.Tensor:
     """``acc += code * scale`` in place (float32; the product is rounded first).
 
     Args:
         acc: contiguous CPU float32 tensor with ``q.numel()`` elements.
+        check_codes: as :func:`dequantize_int8`.
 
     Returns:
         acc.
     """
     qf, sf = _flat("q", q), _flat("scales", scales)
     av = _out_np("acc", acc, torch.float32, qf.numel())
-    _native().dequantize_int8_add(av, qf.numpy(), sf.numpy(), block_size)
+    _codes_ok(_native().dequantize_int8_add(av, qf.numpy(), sf.numpy(), block_size, bool(check_codes)))
     return acc
 
 
@@ -288,6 +303,7 @@ def reduce_quantize_int8(
     out_q: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
     decode: bool = False,
+    check_codes: bool = False,
 ):
     """:func:`gradcomp.kernels.reduce_quantize_int8` in one native pass per block.
 
@@ -309,10 +325,11 @@ def reduce_quantize_int8(
     os_ = out_scales if out_scales is not None else torch.empty(nb, dtype=torch.float32)
     stochastic = rounding == "stochastic"
     key = _ref.stream_key(seed, counter) if stochastic else 0
-    _native().reduce_quantize_int8(
+    _codes_ok(_native().reduce_quantize_int8(
         av, qf.numpy(), sf.numpy(), block_size, float(divisor), stochastic, key,
         _out_np("out_q", oq, torch.int8, n), _out_np("out_scales", os_, torch.float32, nb), bool(decode),
-    )
+        bool(check_codes),
+    ))
     return oq, os_
 
 

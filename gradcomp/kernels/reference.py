@@ -70,7 +70,12 @@ __all__ = [
     "approx_topk",
     "approx_topk_sample_size",
     "scatter_add_",
+    "BAD_CODE",
 ]
+
+#: the error for an int8 code of -128: codes are in [-127, 127] (symmetric
+#: absmax quantization never writes -128), so a payload holding one is malformed
+BAD_CODE = "int8 code -128 is outside [-127, 127]"
 
 _M32 = 0xFFFFFFFF
 _CANONICAL_NAN_BITS = 0x7FC00000
