@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 import torch
 
 from gradcomp.errors import PayloadError
-from gradcomp.kernels.reference import BAD_CODE
 
 __all__ = [
     "MAGIC",
@@ -154,9 +153,9 @@ class Payload:
         data: raw/fp16/bf16 values (views into ``wire``).
         scales, codes: int8 sections (float32 ``[ceil(n/B)]``, int8 ``[n]``).
         indices: sparse indices (int32/int64 ``[nnz]``); values: nested dense Payload.
-        codes_checked: int8 codes were checked to be in [-127, 127] (False
-            after ``decode(..., check_codes=False)``: the kernel that reads
-            them checks them).
+        int8_checked: int8 codes and scales were checked to be in range
+            (False after ``decode(..., check_int8=False)``: the kernel that
+            reads them checks them).
     """
 
     wire: torch.Tensor
@@ -173,7 +172,7 @@ class Payload:
     indices: torch.Tensor | None = None
     values: "Payload | None" = None
     meta: dict = field(default_factory=dict)
-    codes_checked: bool = True
+    int8_checked: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -248,17 +247,17 @@ def _parse_header(wire: torch.Tensor):
     return _CODEC_NAMES[codec], _DTYPE_OF[dtype], torch.Size(shape), flags, param, n, nnz, h
 
 
-def decode(wire: torch.Tensor, _nested: bool = False, *, check_codes: bool = True) -> Payload:
+def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True) -> Payload:
     """Decode wire bytes into a :class:`Payload`, validating everything.
 
     Args:
         wire: 1-D ``torch.uint8`` tensor on any device (a contiguous byte buffer).
-        check_codes: check here that int8 codes are in [-127, 127] (one pass
-            over them). ``False`` leaves it to the compressor's kernel, which
-            checks each block as it reads it and raises
-            :class:`~gradcomp.PayloadError` there, saving that pass; the
-            collectives use it for the payloads they reduce, whose output is
-            unspecified after an error anyway. Everything else is checked here.
+        check_int8: check here that int8 codes are in [-127, 127] and scales
+            are >= 0 and finite, or NaN (a pass over them). ``False`` leaves it
+            to the compressor's kernel, which checks each block as it reads it
+            and raises :class:`~gradcomp.PayloadError` there, saving that pass;
+            the collectives use it for the payloads they reduce, whose output
+            is unspecified after an error anyway. Everything else is checked here.
 
     Returns:
         The payload; its section tensors are views into ``wire`` where aligned.
@@ -321,12 +320,13 @@ def decode(wire: torch.Tensor, _nested: bool = False, *, check_codes: bool = Tru
         p.stochastic = bool(flags & FLAG_STOCHASTIC)
         p.scales = _view(wire, h, nb, torch.float32)
         p.codes = _view(wire, h + 4 * nb, n, torch.int8)
-        if not check_codes:
-            p.codes_checked = False
-        elif n and int(p.codes.min()) == -128:  # a reduction: no n-byte temporary
-            _fail(BAD_CODE)
-        if nb and bool(((p.scales < 0) | torch.isinf(p.scales)).any()):
-            _fail("int8 scales must be >= 0 and finite (or NaN for a non-finite block)")
+        if not check_int8:
+            p.int8_checked = False
+        else:
+            if n and int(p.codes.min()) == -128:  # a reduction: no n-byte temporary
+                _fail("int8 code -128 is outside [-127, 127]")
+            if nb and bool(((p.scales < 0) | torch.isinf(p.scales)).any()):
+                _fail("int8 scales must be >= 0 and finite (or NaN for a non-finite block)")
     else:  # sparse
         if _nested:
             _fail("a sparse payload cannot nest another sparse payload")

@@ -240,35 +240,48 @@ def test_dequantize_large_output_any_alignment(offset, block):
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("n", [1000, 2**17 + 5])  # one thread / several
-def test_check_codes_rejects_minus_128(backend, n):
+def test_check_int8_rejects_minus_128(backend, n):
     g = torch.Generator().manual_seed(n)
     block = 64
     q = torch.randint(-127, 128, (n,), dtype=torch.int8, generator=g)
     s = torch.rand(-(-n // block), generator=g)
     acc = torch.randn(n, generator=g)
     # valid codes: checking changes nothing
-    assert_bits_equal(K.dequantize_int8(q, s, block, check_codes=True, backend=backend),
+    assert_bits_equal(K.dequantize_int8(q, s, block, check_int8=True, backend=backend),
                       K.dequantize_int8(q, s, block, backend="reference"), "checked dequantize")
     a1, a2 = acc.clone(), acc.clone()
-    K.dequantize_int8_add_(a1, q, s, block, check_codes=True, backend=backend)
+    K.dequantize_int8_add_(a1, q, s, block, check_int8=True, backend=backend)
     K.dequantize_int8_add_(a2, q, s, block, backend="reference")
     assert_bits_equal(a1, a2, "checked dequantize_add")
     r1, r2 = acc.clone(), acc.clone()
-    c1 = K.reduce_quantize_int8(r1, q, s, block, 2, check_codes=True, decode=True, backend=backend)
+    c1 = K.reduce_quantize_int8(r1, q, s, block, 2, check_int8=True, decode=True, backend=backend)
     c2 = K.reduce_quantize_int8(r2, q, s, block, 2, decode=True, backend="reference")
     assert_bits_equal(c1[0], c2[0], "checked reduce codes")
     assert_bits_equal(r1, r2, "checked reduce acc")
     # one code of -128 in a middle block: every op raises when checking
     q[n // 2 + 3] = -128
     with pytest.raises(gc.PayloadError, match="-128"):
-        K.dequantize_int8(q, s, block, check_codes=True, backend=backend)
+        K.dequantize_int8(q, s, block, check_int8=True, backend=backend)
     with pytest.raises(gc.PayloadError, match="-128"):
-        K.dequantize_int8_add_(acc.clone(), q, s, block, check_codes=True, backend=backend)
+        K.dequantize_int8_add_(acc.clone(), q, s, block, check_int8=True, backend=backend)
     with pytest.raises(gc.PayloadError, match="-128"):
-        K.reduce_quantize_int8(acc.clone(), q, s, block, 2, check_codes=True, backend=backend)
+        K.reduce_quantize_int8(acc.clone(), q, s, block, 2, check_int8=True, backend=backend)
     # and reads it as it is when not asked to check
     d = K.dequantize_int8(q, s, block, backend=backend)
     assert float(d[n // 2 + 3]) == -128 * float(s[(n // 2 + 3) // block])
+    # a negative or infinite scale is out of range too; NaN (a non-finite block) is not
+    q[n // 2 + 3] = 0
+    for bad in (-1.0, float("inf"), float("-inf")):
+        s2 = s.clone()
+        s2[-1] = bad
+        with pytest.raises(gc.PayloadError, match="scale"):
+            K.dequantize_int8(q, s2, block, check_int8=True, backend=backend)
+        with pytest.raises(gc.PayloadError, match="scale"):
+            K.reduce_quantize_int8(acc.clone(), q, s2, block, check_int8=True, backend=backend)
+    s2 = s.clone()
+    s2[0] = NAN
+    s2[1] = -0.0
+    assert bool(K.dequantize_int8(q, s2, block, check_int8=True, backend=backend)[:block].isnan().all())
 
 
 def test_dequantize_out_of_other_shape():

@@ -164,9 +164,16 @@ def test_specific_corruptions_are_named():
     with pytest.raises(gc.PayloadError, match="-128"):
         gc.decode(torch.frombuffer(bad, dtype=torch.uint8))
     # left to the kernel that reads the codes: decode passes, every use raises
-    lazy = gc.decode(torch.frombuffer(bad, dtype=torch.uint8), check_codes=False)
-    assert not lazy.codes_checked and gc.decode(p.wire).codes_checked
+    lazy = gc.decode(torch.frombuffer(bad, dtype=torch.uint8), check_int8=False)
+    assert not lazy.int8_checked and gc.decode(p.wire).int8_checked
     q = gc.Int8Quantizer(block_size=32)
+    assert gc.wire.header_nbytes(1) == 48  # the scales start right after a 1-d header
+    bad = bytearray(raw)
+    bad[48:52] = b"\x00\x00\x80\xff"  # the first scale: -inf
+    with pytest.raises(gc.PayloadError, match="scales"):
+        gc.decode(torch.frombuffer(bad, dtype=torch.uint8))
+    with pytest.raises(gc.PayloadError, match="scale"):
+        q.decompress(gc.decode(torch.frombuffer(bad, dtype=torch.uint8), check_int8=False))
     for use in (lambda: q.decompress(lazy), lambda: q.decompress(lazy, out=torch.empty(100)),
                 lambda: q.decompress_add_(lazy, torch.zeros(100)),
                 lambda: q.reduce_compress_(lazy, torch.zeros(100), divisor=2)):

@@ -22,19 +22,20 @@ const char* dtype_name(DType d);
 void quantize_int8(DType dt, const void* x, float* residual, size_t n, size_t block,
                    bool stochastic, uint32_t key, int8_t* q, float* scales);
 
-// The ops below read int8 codes from payloads. With check_codes they also
-// check, block by block before writing it, that no code is -128 (outside the
-// format's [-127, 127]); a block holding one and the blocks after it are not
-// processed (earlier ones may have been) and the op returns false. Without
-// it they return true and read every code as it is.
+// The ops below read int8 codes and scales from payloads. With check_int8
+// they also check, block by block before writing it, that no code is -128
+// (outside the format's [-127, 127]) and that the scale is >= 0 and finite, or
+// NaN; a bad block and the blocks after it are not processed (earlier ones
+// may have been) and the op returns false. Without it they return true and
+// read every value as it is.
 
 // out[i] = code * scale, rounded to float32, then converted to `out_dt`.
 bool dequantize_int8(const int8_t* q, const float* scales, size_t n, size_t block, DType out_dt,
-                     void* out, bool check_codes);
+                     void* out, bool check_int8);
 
 // acc[i] = acc[i] + (code * scale), the product rounded first.
 bool dequantize_int8_add(float* acc, const int8_t* q, const float* scales, size_t n, size_t block,
-                         bool check_codes);
+                         bool check_int8);
 
 // One reduce step of a compressed collective, fused in one pass per block:
 // p = acc + code_in * scale_in (as dequantize_int8_add), p = p / divisor when
@@ -43,7 +44,7 @@ bool dequantize_int8_add(float* acc, const int8_t* q, const float* scales, size_
 // when `decode`, else acc <- p. Bit for bit the composition of those ops.
 bool reduce_quantize_int8(float* acc, const int8_t* q_in, const float* scales_in, size_t n, size_t block,
                           float divisor, bool stochastic, uint32_t key, int8_t* q, float* scales,
-                          bool decode, bool check_codes);
+                          bool decode, bool check_int8);
 
 // Selections: ascending indices (int64 when n >= 2**31, else int32) and values.
 Selection topk(DType dt, const void* x, size_t n, size_t k);

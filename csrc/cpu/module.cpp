@@ -94,7 +94,7 @@ void py_quantize(const py::array& x, const std::string& dtype, py::ssize_t block
 }
 
 bool py_dequantize(const py::array& q, const py::array& scales, py::ssize_t block_size,
-                   const py::array& out, const std::string& out_dtype, bool check_codes) {
+                   const py::array& out, const std::string& out_dtype, bool check_int8) {
     const DType dt = parse_dtype(out_dtype, "out_dtype");
     const size_t block = checked_block(block_size);
     const auto* qp = static_cast<const int8_t*>(data_of(q, "q", "i", 1, false));
@@ -104,11 +104,11 @@ bool py_dequantize(const py::array& q, const py::array& scales, py::ssize_t bloc
     check_len("scales", size_t(scales.size()), (n + block - 1) / block);
     check_len("out", size_t(out.size()), n);
     py::gil_scoped_release nogil;
-    return dequantize_int8(qp, sp, n, block, dt, op, check_codes);
+    return dequantize_int8(qp, sp, n, block, dt, op, check_int8);
 }
 
 bool py_dequantize_add(const py::array& acc, const py::array& q, const py::array& scales,
-                       py::ssize_t block_size, bool check_codes) {
+                       py::ssize_t block_size, bool check_int8) {
     const size_t block = checked_block(block_size);
     auto* ap = static_cast<float*>(data_of(acc, "acc", "f", 4, true));
     const auto* qp = static_cast<const int8_t*>(data_of(q, "q", "i", 1, false));
@@ -117,12 +117,12 @@ bool py_dequantize_add(const py::array& acc, const py::array& q, const py::array
     check_len("scales", size_t(scales.size()), (n + block - 1) / block);
     check_len("acc", size_t(acc.size()), n);
     py::gil_scoped_release nogil;
-    return dequantize_int8_add(ap, qp, sp, n, block, check_codes);
+    return dequantize_int8_add(ap, qp, sp, n, block, check_int8);
 }
 
 bool py_reduce_quantize(const py::array& acc, const py::array& q_in, const py::array& scales_in,
                         py::ssize_t block_size, double divisor, bool stochastic, uint32_t key,
-                        const py::array& q, const py::array& scales, bool decode, bool check_codes) {
+                        const py::array& q, const py::array& scales, bool decode, bool check_int8) {
     const size_t block = checked_block(block_size);
     auto* ap = static_cast<float*>(data_of(acc, "acc", "f", 4, true));
     const auto* qip = static_cast<const int8_t*>(data_of(q_in, "q_in", "i", 1, false));
@@ -138,7 +138,7 @@ bool py_reduce_quantize(const py::array& acc, const py::array& q_in, const py::a
         throw std::invalid_argument("divisor must be a positive float32 value, got " + std::to_string(divisor));
     py::gil_scoped_release nogil;
     return reduce_quantize_int8(ap, qip, sip, n, block, float(divisor), stochastic, key, qp, sp, decode,
-                                check_codes);
+                                check_int8);
 }
 
 py::tuple py_topk(const py::array& x, const std::string& dtype, py::ssize_t k) {
@@ -249,19 +249,19 @@ PYBIND11_MODULE(_C, m) {
           "ceil(n / block_size)). key = reference.stream_key(seed, counter) for stochastic rounding.\n"
           "With residual (float32, n, updated in place): fused error feedback, p = x + residual.");
     m.def("dequantize_int8", &py_dequantize, py::arg("q"), py::arg("scales"), py::arg("block_size"),
-          py::arg("out"), py::arg("out_dtype"), py::arg("check_codes") = false,
+          py::arg("out"), py::arg("out_dtype"), py::arg("check_int8") = false,
           "out[i] = q[i] * scales[i // block_size] (float32 product, then converted to out_dtype).\n"
-          "check_codes: stop at the first block holding code -128 and return False (else True).");
+          "check_int8: stop at the first block holding code -128 and return False (else True).");
     m.def("dequantize_int8_add", &py_dequantize_add, py::arg("acc"), py::arg("q"), py::arg("scales"),
-          py::arg("block_size"), py::arg("check_codes") = false,
-          "acc[i] += q[i] * scales[i // block_size] (float32, product rounded first); check_codes as\n"
+          py::arg("block_size"), py::arg("check_int8") = false,
+          "acc[i] += q[i] * scales[i // block_size] (float32, product rounded first); check_int8 as\n"
           "dequantize_int8.");
     m.def("reduce_quantize_int8", &py_reduce_quantize, py::arg("acc"), py::arg("q_in"), py::arg("scales_in"),
           py::arg("block_size"), py::arg("divisor"), py::arg("stochastic"), py::arg("key"), py::arg("q"),
-          py::arg("scales"), py::arg("decode"), py::arg("check_codes") = false,
+          py::arg("scales"), py::arg("decode"), py::arg("check_int8") = false,
           "One pass per block: p = (acc + q_in * scales_in) / divisor (no division when divisor == 1);\n"
           "(q, scales) = quantize_int8(p); acc <- q * scales if decode, else p. acc float32 (n), q_in / q\n"
-          "int8 (n), scales_in / scales float32 (ceil(n / block_size)); check_codes as dequantize_int8.");
+          "int8 (n), scales_in / scales float32 (ceil(n / block_size)); check_int8 as dequantize_int8.");
     m.def("topk", &py_topk, py::arg("x"), py::arg("dtype"), py::arg("k"),
           "Exact top-k by |x| (NaN largest, ties to the lower index) -> (indices, values), ascending;\n"
           "indices int32 (int64 when n >= 2**31), values in x's storage type.");

@@ -66,24 +66,26 @@ inline uint32_t absmax_bits(const float* p, size_t len) {
 
 inline int32_t clamp127(int32_t c) { return c < -127 ? -127 : (c > 127 ? 127 : c); }
 
-// Whether a block of codes holds -128 (outside [-127, 127]); the block is
-// about to be read anyway, so this costs no extra pass over memory.
-inline bool has_bad_code(const int8_t* c, size_t len) {
+// Whether a block's scale is out of range (negative or infinite; NaN marks a
+// non-finite block and is valid) or its codes hold -128 (outside [-127, 127]);
+// the block is about to be read anyway, so this costs no extra memory pass.
+inline bool bad_block(const int8_t* c, size_t len, float scale) {
+    if (scale < 0.0f || scale == INFINITY) return true;
     uint8_t hit = 0;
     for (size_t i = 0; i < len; ++i) hit |= static_cast<uint8_t>(c[i] == -128);
     return hit != 0;
 }
 
 // Shared by the code-reading loops: skip the rest once a bad block was seen.
-struct CodeCheck {
+struct Int8Check {
     bool on;
     std::atomic<bool> bad{false};
-    explicit CodeCheck(bool enabled) : on(enabled) {}
-    // true when block [c, c + len) must not be processed
-    bool stop(const int8_t* c, size_t len) {
+    explicit Int8Check(bool enabled) : on(enabled) {}
+    // true when the block (codes [c, c + len), its scale) must not be processed
+    bool stop(const int8_t* c, size_t len, float scale) {
         if (!on) return false;
         if (bad.load(std::memory_order_relaxed)) return true;
-        if (has_bad_code(c, len)) {
+        if (bad_block(c, len, scale)) {
             bad.store(true, std::memory_order_relaxed);
             return true;
         }
@@ -219,8 +221,8 @@ inline void scale_stream(const int8_t* c, float s, float* o, size_t len) {
 
 template <class O>
 bool dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t block, typename O::T* out,
-                     bool check_codes) {
-    CodeCheck check(check_codes);
+                     bool check_int8) {
+    Int8Check check(check_int8);
     const size_t nb = (n + block - 1) / block;
     const size_t tile = std::min(block, TILE);
     const int nt = n >= PAR_MIN ? max_threads() : 1;
@@ -233,7 +235,7 @@ bool dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t bloc
         for (size_t b = 0; b < nb; ++b) {
             alignas(64) float buf[TILE];
             const size_t lo = b * block, len = std::min(block, n - lo);
-            if (check.stop(q + lo, len)) continue;
+            if (check.stop(q + lo, len, scales[b])) continue;
             const float s = scales[b];
             for (size_t t = 0; t < len; t += tile) {
                 const size_t tl = std::min(tile, len - t);
@@ -287,8 +289,8 @@ inline void sum_tile(const float* a, const int8_t* c, float s, float d, float* p
 // (or the sum) while the block is still in L1.
 template <bool STOCH, bool DIV>
 bool reduce_quantize_impl(float* acc, const int8_t* qin, const float* sin, size_t n, size_t block,
-                          float d, uint32_t key, int8_t* q, float* scales, bool decode, bool check_codes) {
-    CodeCheck check(check_codes);
+                          float d, uint32_t key, int8_t* q, float* scales, bool decode, bool check_int8) {
+    Int8Check check(check_int8);
     const size_t nb = (n + block - 1) / block;
     const size_t tile = std::min(block, TILE);
     const int nt = n >= PAR_MIN ? max_threads() : 1;
@@ -297,7 +299,7 @@ bool reduce_quantize_impl(float* acc, const int8_t* qin, const float* sin, size_
     for (size_t b = 0; b < nb; ++b) {
         alignas(64) float buf[TILE];
         const size_t lo = b * block, len = std::min(block, n - lo);
-        if (check.stop(qin + lo, len)) continue;
+        if (check.stop(qin + lo, len, sin[b])) continue;
         const bool whole = len <= tile;  // the block's sum fits in buf
         float* a = acc + lo;
         const float s_in = sin[b];
@@ -344,11 +346,11 @@ bool reduce_quantize_impl(float* acc, const int8_t* qin, const float* sin, size_
 
 bool reduce_quantize_int8(float* acc, const int8_t* q_in, const float* scales_in, size_t n, size_t block,
                           float divisor, bool stochastic, uint32_t key, int8_t* q, float* scales,
-                          bool decode, bool check_codes) {
+                          bool decode, bool check_int8) {
     if (block == 0) throw std::invalid_argument("block_size must be positive");
     if (n == 0) return true;
     const bool div = divisor != 1.0f;
-    const bool c = check_codes;
+    const bool c = check_int8;
     if (stochastic) {
         if (div) return reduce_quantize_impl<true, true>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode, c);
         return reduce_quantize_impl<true, false>(acc, q_in, scales_in, n, block, divisor, key, q, scales, decode, c);
@@ -397,10 +399,10 @@ void quantize_int8(DType dt, const void* x, float* residual, size_t n, size_t bl
 }
 
 bool dequantize_int8(const int8_t* q, const float* scales, size_t n, size_t block, DType out_dt,
-                     void* out, bool check_codes) {
+                     void* out, bool check_int8) {
     if (block == 0) throw std::invalid_argument("block_size must be positive");
     if (n == 0) return true;
-    const bool c = check_codes;
+    const bool c = check_int8;
     switch (out_dt) {
         case DType::F32: return dequantize_impl<F32>(q, scales, n, block, static_cast<float*>(out), c);
         case DType::F16: return dequantize_impl<F16>(q, scales, n, block, static_cast<uint16_t*>(out), c);
@@ -411,17 +413,17 @@ bool dequantize_int8(const int8_t* q, const float* scales, size_t n, size_t bloc
 }
 
 bool dequantize_int8_add(float* acc, const int8_t* q, const float* scales, size_t n, size_t block,
-                         bool check_codes) {
+                         bool check_int8) {
     if (block == 0) throw std::invalid_argument("block_size must be positive");
     if (n == 0) return true;
-    CodeCheck check(check_codes);
+    Int8Check check(check_int8);
     const size_t nb = (n + block - 1) / block;
     const int nt = n >= PAR_MIN ? max_threads() : 1;
     (void)nt;
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
     for (size_t b = 0; b < nb; ++b) {
         const size_t lo = b * block, len = std::min(block, n - lo);
-        if (check.stop(q + lo, len)) continue;
+        if (check.stop(q + lo, len, scales[b])) continue;
         const float s = scales[b];
         float* a = acc + lo;
         const int8_t* c = q + lo;

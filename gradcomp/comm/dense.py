@@ -57,11 +57,12 @@ class Plan:
     @staticmethod
     def received(buf: torch.Tensor) -> Payload:
         """A received wire, decoded for reduction: everything is validated
-        here except the int8 codes' range, which the kernel reading them
-        checks block by block (one pass over memory fewer; a bad code still
-        raises :class:`~gradcomp.PayloadError`, leaving the workspace
-        partly written, which a failed collective leaves unspecified anyway)."""
-        return decode(buf, check_codes=False)
+        here except the range of int8 codes and scales, which the kernel
+        reading them checks block by block (one pass over memory fewer; a bad
+        value still raises :class:`~gradcomp.PayloadError`, leaving the
+        workspace partly written, which a failed collective leaves
+        unspecified anyway)."""
+        return decode(buf, check_int8=False)
 
     def expect(self, payload: Payload, j: int) -> torch.Tensor:
         """``payload.wire`` after checking it has the size receivers expect for chunk ``j``.

@@ -91,11 +91,11 @@ class Int8Quantizer(Compressor):
         return p
 
     def _decode_flat(self, p):
-        return kernels.dequantize_int8(p.codes, p.scales, p.block_size, check_codes=not p.codes_checked,
+        return kernels.dequantize_int8(p.codes, p.scales, p.block_size, check_int8=not p.int8_checked,
                                        backend=self.backend)
 
     def _decode_into(self, p, out):
-        kernels.dequantize_int8(p.codes, p.scales, p.block_size, out=out, check_codes=not p.codes_checked,
+        kernels.dequantize_int8(p.codes, p.scales, p.block_size, out=out, check_int8=not p.int8_checked,
                                 backend=self.backend)
 
     def decompress_add_(self, p, acc):
@@ -106,7 +106,7 @@ class Int8Quantizer(Compressor):
         _check_acc(acc, p)
         if p.numel:
             kernels.dequantize_int8_add_(acc.view(-1), p.codes, p.scales, p.block_size,
-                                         check_codes=not p.codes_checked, backend=self.backend)
+                                         check_int8=not p.int8_checked, backend=self.backend)
         return acc
 
     def reduce_compress_(self, p, acc, *, divisor=1, out=None, decode=False):
@@ -125,7 +125,7 @@ class Int8Quantizer(Compressor):
         if p.numel:
             kernels.reduce_quantize_int8(acc, p.codes, p.scales, self.block_size, divisor, self.rounding,
                                          self.seed, self._next_counter(), out_q=q.codes, out_scales=q.scales,
-                                         decode=decode, check_codes=not p.codes_checked, backend=self.backend)
+                                         decode=decode, check_int8=not p.int8_checked, backend=self.backend)
         return q
 
     def wire_nbytes(self, shape, dtype=torch.float32):

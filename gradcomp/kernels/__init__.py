@@ -14,7 +14,7 @@ import torch
 
 from gradcomp import _validate as v
 from gradcomp.errors import PayloadError
-from gradcomp.kernels.reference import BAD_CODE
+from gradcomp.kernels.reference import BAD_INT8, int8_values_ok
 from gradcomp.kernels.registry import available_backends, resolve
 
 __all__ = [
@@ -92,7 +92,7 @@ def quantize_int8(
     return fn(_flat(x), block_size, rounding, seed, counter, out_q, out_scales)
 
 
-def _check_codes(q, scales, block_size):
+def _check_int8(q, scales, block_size):
     v.tensor("q", q, (torch.int8,))
     v.tensor("scales", scales, (torch.float32,))
     block_size = v.block_size(block_size)
@@ -106,16 +106,16 @@ def _check_codes(q, scales, block_size):
     return block_size
 
 
-def _native_checks(fn, q: torch.Tensor, check_codes: bool) -> bool:
-    """Whether ``fn`` (a resolved backend function) checks the codes itself:
-    the native CPU kernels do, block by block as they read them; for any
-    other backend the codes are checked here, in one pass, when asked."""
-    if not check_codes:
+def _kernel_checks(fn, q: torch.Tensor, scales: torch.Tensor, check_int8: bool) -> bool:
+    """Whether ``fn`` (a resolved backend function) checks codes and scales
+    itself: the native CPU kernels do, block by block as they read them; for
+    any other backend they are checked here, in one pass, when asked."""
+    if not check_int8:
         return False
     if fn.__module__ == "gradcomp.kernels.cpu":
         return True
-    if q.numel() and int(q.min()) == -128:
-        raise PayloadError(BAD_CODE)
+    if not int8_values_ok(q, scales):
+        raise PayloadError(BAD_INT8)
     return False
 
 
@@ -125,7 +125,7 @@ def dequantize_int8(
     block_size: int = 256,
     out: torch.Tensor | None = None,
     *,
-    check_codes: bool = False,
+    check_int8: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
     """``code * scale`` per element.
@@ -133,21 +133,22 @@ def dequantize_int8(
     Args:
         q: int8 ``[n]``; scales: float32 ``[ceil(n / block_size)]``, same device.
         out: optional contiguous float tensor of n elements (float32/16/bf16/64) to write.
-        check_codes: raise :class:`~gradcomp.PayloadError` if a code is -128
-            (outside the format's [-127, 127]; for codes from an unchecked
-            payload, see :func:`gradcomp.wire.decode`). The native CPU kernel
-            checks each block as it reads it, at no extra pass over memory,
-            so blocks before the bad one may have been written; other
-            backends check before writing anything. Without it, codes are
-            read as they are.
+        check_int8: raise :class:`~gradcomp.PayloadError` if a code is -128
+            or a scale is negative or infinite (outside the format; for an
+            unchecked payload, see :func:`gradcomp.wire.decode`). The native
+            CPU kernel checks each block as it reads it, at no extra pass over
+            memory, so blocks before the bad one may have been written; other
+            backends check before writing anything. Without it, codes and
+            scales are read as they are.
 
     Returns:
         float32 ``[n]`` (or ``out``).
 
     Raises:
-        gradcomp.PayloadError: ``check_codes`` and a code is -128.
+        gradcomp.PayloadError: ``check_int8`` and a code is -128 or a scale
+            negative or infinite.
     """
-    block_size = _check_codes(q, scales, block_size)
+    block_size = _check_int8(q, scales, block_size)
     if out is not None:
         v.tensor("out", out)
         if out.numel() != q.numel() or not out.is_contiguous() or out.device != q.device:
@@ -156,8 +157,8 @@ def dequantize_int8(
                 f"got {out.numel()} elements on {out.device}"
             )
     fn = resolve("dequantize_int8", q.device.type, backend)
-    if _native_checks(fn, q, check_codes):
-        return fn(_flat(q), _flat(scales), block_size, out, check_codes=True)
+    if _kernel_checks(fn, q, scales, check_int8):
+        return fn(_flat(q), _flat(scales), block_size, out, check_int8=True)
     return fn(_flat(q), _flat(scales), block_size, out)
 
 
@@ -167,17 +168,17 @@ def dequantize_int8_add_(
     scales: torch.Tensor,
     block_size: int = 256,
     *,
-    check_codes: bool = False,
+    check_int8: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor:
     """``acc += code * scale`` in place. acc: contiguous float32 with ``q.numel()``
-    elements; ``check_codes`` as :func:`dequantize_int8` (with the native CPU
+    elements; ``check_int8`` as :func:`dequantize_int8` (with the native CPU
     kernel, ``acc`` may then hold a partial sum when it raises)."""
-    block_size = _check_codes(q, scales, block_size)
+    block_size = _check_int8(q, scales, block_size)
     _check_out("acc", acc, q.numel(), torch.float32, q.device)
     fn = resolve("dequantize_int8_add_", q.device.type, backend)
-    if _native_checks(fn, q, check_codes):
-        return fn(acc, _flat(q), _flat(scales), block_size, check_codes=True)
+    if _kernel_checks(fn, q, scales, check_int8):
+        return fn(acc, _flat(q), _flat(scales), block_size, check_int8=True)
     return fn(acc, _flat(q), _flat(scales), block_size)
 
 
@@ -231,7 +232,7 @@ def reduce_quantize_int8(
     out_q: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
     decode: bool = False,
-    check_codes: bool = False,
+    check_int8: bool = False,
     backend: str | None = None,
 ):
     """One reduce step of a compressed collective (a ring hop, an owner's final
@@ -256,7 +257,7 @@ def reduce_quantize_int8(
         divisor: positive integer the sum is divided by (``1``: no division).
         rounding, seed, counter: as :func:`quantize_int8`.
         out_q, out_scales: optional preallocated outputs for ``(q2, s2)``.
-        check_codes: as :func:`dequantize_int8` for ``q`` (with the native CPU
+        check_int8: as :func:`dequantize_int8` for ``q`` and ``scales`` (with the native CPU
             kernel, ``acc`` may then hold partly reduced values when it raises).
         backend: force a backend, as for the other ops.
 
@@ -265,9 +266,10 @@ def reduce_quantize_int8(
 
     Raises:
         TypeError / ValueError: bad arguments (as the composed ops).
-        gradcomp.PayloadError: ``check_codes`` and a code of ``q`` is -128.
+        gradcomp.PayloadError: ``check_int8`` and a code of ``q`` is -128 or
+            a scale negative or infinite.
     """
-    block_size = _check_codes(q, scales, block_size)
+    block_size = _check_int8(q, scales, block_size)
     _check_out("acc", acc, q.numel(), torch.float32, q.device)
     divisor = v.integer("divisor", divisor, 1, 2**24)  # exact in float32
     rounding = v.rounding(rounding)
@@ -282,8 +284,8 @@ def reduce_quantize_int8(
         from gradcomp.kernels import cpu
 
         return cpu.reduce_quantize_int8(acc.view(-1), _flat(q), _flat(scales), block_size, divisor, rounding,
-                                        seed, counter, out_q, out_scales, decode, check_codes)
-    dequantize_int8_add_(acc, q, scales, block_size, check_codes=check_codes, backend=backend)
+                                        seed, counter, out_q, out_scales, decode, check_int8)
+    dequantize_int8_add_(acc, q, scales, block_size, check_int8=check_int8, backend=backend)
     if divisor != 1:
         acc.div_(divisor)
     q2, s2 = quantize_int8(acc, block_size, rounding, seed, counter, out_q=out_q, out_scales=out_scales,

@@ -241,7 +241,7 @@ def dequantize_int8(
     scales: torch.Tensor,
     block_size: int = 256,
     out: torch.Tensor | None = None,
-    check_codes: bool = False,
+    check_int8: bool = False,
 ) -> torch.Tensor:
     """``code * scale`` per element (float32 product).
 
@@ -249,45 +249,46 @@ def dequantize_int8(
         q: int8 ``[n]``; scales: float32 ``[ceil(n / block_size)]`` (CPU).
         out: optional contiguous float32/float16/bfloat16/float64 tensor of n
             elements; the float32 product is rounded to its dtype.
-        check_codes: raise on a code of -128, checked block by block as the
-            codes are read (see :func:`gradcomp.kernels.dequantize_int8`).
+        check_int8: raise on a code of -128 or a negative or infinite scale,
+            checked block by block as they are read (see
+            :func:`gradcomp.kernels.dequantize_int8`).
 
     Returns:
         float32 ``[n]``, or ``out``.
 
     Raises:
-        gradcomp.PayloadError: ``check_codes`` and a code is -128.
+        gradcomp.PayloadError: ``check_int8`` and a code or scale is out of range.
     """
     qf, sf = _flat("q", q), _flat("scales", scales)
     n = qf.numel()
     result = out if out is not None else torch.empty(n, dtype=torch.float32)
     name = _dtype_name("out", result)
     _codes_ok(_native().dequantize_int8(qf.numpy(), sf.numpy(), block_size, _out_np("out", result, None, n),
-                                        name, bool(check_codes)))
+                                        name, bool(check_int8)))
     return result
 
 
 def _codes_ok(ok: bool) -> None:
     if not ok:
-        raise PayloadError(_ref.BAD_CODE)
+        raise PayloadError(_ref.BAD_INT8)
 
 
 def dequantize_int8_add_(
     acc: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int = 256,
-    check_codes: bool = False,
+    check_int8: bool = False,
 ) -> torch.Tensor:
     """``acc += code * scale`` in place (float32; the product is rounded first).
 
     Args:
         acc: contiguous CPU float32 tensor with ``q.numel()`` elements.
-        check_codes: as :func:`dequantize_int8`.
+        check_int8: as :func:`dequantize_int8`.
 
     Returns:
         acc.
     """
     qf, sf = _flat("q", q), _flat("scales", scales)
     av = _out_np("acc", acc, torch.float32, qf.numel())
-    _codes_ok(_native().dequantize_int8_add(av, qf.numpy(), sf.numpy(), block_size, bool(check_codes)))
+    _codes_ok(_native().dequantize_int8_add(av, qf.numpy(), sf.numpy(), block_size, bool(check_int8)))
     return acc
 
 
@@ -303,7 +304,7 @@ def reduce_quantize_int8(
     out_q: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
     decode: bool = False,
-    check_codes: bool = False,
+    check_int8: bool = False,
 ):
     """:func:`gradcomp.kernels.reduce_quantize_int8` in one native pass per block.
 
@@ -328,7 +329,7 @@ def reduce_quantize_int8(
     _codes_ok(_native().reduce_quantize_int8(
         av, qf.numpy(), sf.numpy(), block_size, float(divisor), stochastic, key,
         _out_np("out_q", oq, torch.int8, n), _out_np("out_scales", os_, torch.float32, nb), bool(decode),
-        bool(check_codes),
+        bool(check_int8),
     ))
     return oq, os_
 

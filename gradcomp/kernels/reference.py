@@ -70,12 +70,22 @@ __all__ = [
     "approx_topk",
     "approx_topk_sample_size",
     "scatter_add_",
-    "BAD_CODE",
+    "BAD_INT8",
+    "int8_values_ok",
 ]
 
-#: the error for an int8 code of -128: codes are in [-127, 127] (symmetric
-#: absmax quantization never writes -128), so a payload holding one is malformed
-BAD_CODE = "int8 code -128 is outside [-127, 127]"
+#: the error for malformed int8 values: codes are in [-127, 127] (symmetric
+#: absmax quantization never writes -128) and scales are >= 0 and finite, or
+#: NaN (a non-finite block)
+BAD_INT8 = ("int8 payload holds a code of -128 or a negative or infinite scale (codes are in "
+            "[-127, 127]; scales >= 0 and finite, or NaN for a non-finite block)")
+
+
+def int8_values_ok(q: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether int8 codes and scales are in the format's range (see :data:`BAD_INT8`)."""
+    if q.numel() and int(q.min()) == -128:
+        return False
+    return not (scales.numel() and bool(((scales < 0) | torch.isinf(scales)).any()))
 
 _M32 = 0xFFFFFFFF
 _CANONICAL_NAN_BITS = 0x7FC00000
