@@ -133,8 +133,10 @@ def _check_case(rank, world, name, make, algorithm, op, n, dtype):
         assert rs_raw + ag_raw == 2 * (world - 1) * 4 * n // world
     d = meter.as_dict()
     ph = d["phases"]
-    # every call starts with a descriptor of 5 int64 to every other rank
-    assert ph["agreement"]["bytes_sent"] == 40 * (world - 1) == ph["agreement"]["bytes_received"], where
+    # every case starts with a descriptor of 5 int64 to every other rank; the
+    # sparse allgather sends its payload size in a second one
+    messages = 2 if name in SPARSE else 1
+    assert ph["agreement"]["bytes_sent"] == messages * 40 * (world - 1) == ph["agreement"]["bytes_received"], where
     assert ph["agreement"]["raw_bytes_sent"] == 0, where
     assert d["raw_bytes_sent"] == rs_raw + ag_raw, where
     if algorithm == "two_phase":  # raw bytes are counted per message: chunk `rank`, N - 1 times
@@ -441,6 +443,28 @@ def test_ranks_that_disagree_all_raise_and_the_group_survives(case, field):
         assert y == [3.0] * 10  # 0 + 1 + 2
 
 
+def _residuals_kept(rank, world, algorithm):
+    sparse = algorithm == "allgather"
+    comp = gc.ErrorFeedback(gc.TopK(ratio=0.1) if sparse else gc.Int8Quantizer())
+    gc.allreduce(torch.randn(500), comp, algorithm=algorithm, key="w", timeout=20)  # residuals exist
+    before = {k: r.clone() for k, r in comp.residuals.items()}
+    n = 999 if rank == 2 else 1000  # every rank's call differs from the last agreed one: all check
+    try:
+        gc.allreduce(torch.randn(n), comp, algorithm=algorithm, key="w", timeout=20)
+        outcome = "ok"
+    except ValueError as e:
+        outcome = str(e)
+    same = comp.residuals.keys() == before.keys() and all(torch.equal(comp.residuals[k], r)
+                                                          for k, r in before.items())
+    return outcome, same, len(before)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "two_phase", "allgather"])
+def test_a_disagreement_loses_no_residual(algorithm):
+    for outcome, same, count in launch(_residuals_kept, 3, (algorithm,), timeout=TIMEOUT):
+        assert "number of elements" in outcome and same and count > 0, (outcome, same, count)
+
+
 class _FailsOnce(gc.Int8Quantizer):
     """Raises on its first compress, on every rank (after the agreement was posted)."""
 
@@ -502,8 +526,9 @@ def test_agreement_only_when_the_call_changes():
     res = launch(_agreement_traffic, 3, timeout=TIMEOUT)
     d = 40 * 2
     for seen, outcome in res:
-        # a, a, b, b, a, a-sum, a-fp16, topk, topk (allgather: always), a-fp16, unchecked
-        assert seen == [d, 0, d, 0, d, d, d, d, d, 0, 0], seen
+        # a, a, b, b, a, a-sum, a-fp16, topk (agreement + sizes), topk (sizes
+        # only), a-fp16 (the last agreement was topk's), unchecked
+        assert seen == [d, 0, d, 0, d, d, d, 2 * d, d, d, 0], seen
     assert [outcome for _, outcome in res] == ["TimeoutError"] * 3, res
 
 

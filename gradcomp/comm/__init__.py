@@ -143,8 +143,9 @@ def allreduce(
             (the DDP hook checks its first bucket, then relies on DDP's
             identical bucket layout on every rank); a disagreement then aborts
             the process (gloo) or returns different values on different
-            ranks. ``"allgather"`` always checks: it exchanges payload sizes
-            in the same message.
+            ranks with ``"ring"`` / ``"two_phase"``, and raises the
+            ``ValueError`` after compressing with ``"allgather"`` (whose size
+            exchange carries the same fields).
 
     Returns:
         ``out`` if given, else a new tensor with ``tensor``'s shape, dtype and device.
@@ -200,15 +201,16 @@ def allreduce(
     names = {"op": OPS, "algorithm": ALGORITHMS}
     try:
         if algorithm == "allgather":
-            _allgather.allreduce(comm, local, work, op, descriptor, names)
+            fixed = local.inner.wire_nbytes((n,), torch.float32)  # None for data-dependent sizes
+            descriptor["wire_nbytes"] = -1 if fixed is None else fixed
         else:
             plan = Plan(n, comm.world_size, local.inner)
             descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
-            if check and needs_check(group, descriptor):
-                # completed when the first payload is ready to send; if
-                # compression fails first, its messages still complete on
-                # their own (every rank posted them under their own tag)
-                comm.gate(Agreement(comm, descriptor, names, device=x.device))
+        if check and needs_check(group, descriptor):
+            Agreement(comm, descriptor, names, device=x.device).wait()  # before anything changes
+        if algorithm == "allgather":
+            _allgather.allreduce(comm, local, work, op, descriptor, names)
+        else:
             pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
             share_owned(comm, plan, work, op, pending)
     except BaseException:

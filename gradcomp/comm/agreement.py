@@ -8,23 +8,25 @@ mismatched ``op`` silently returns different values on different ranks. So a
 call can start with an *agreement*: every rank sends a small descriptor
 (:data:`FIELDS`, little-endian int64) to every other rank, and every rank
 compares all of them. On a mismatch every rank raises the same
-``ValueError`` naming the field and the ranks, before any payload is posted,
-so nothing aborts, hangs or corrupts and the group stays usable.
+``ValueError`` naming the field and the ranks, before anything is compressed
+or sent, so nothing aborts, hangs or corrupts, no error-feedback residual
+changes, and the group stays usable.
 
-A dense collective checks only when its descriptor differs from the last one
-every rank of the group agreed on (:func:`needs_check`), so a training loop
-that reduces the same tensors every step pays for one agreement, not one per
-step. This is sound because agreements are collective: as long as no call
-failed, every rank remembers the same last descriptor, so when all ranks skip
-the check they all pass that descriptor. If only some ranks changed theirs,
-those ranks check and the others do not; the agreement travels under its own
-tag (:data:`TAG`), so it never matches a payload message, and both sides end
-with a ``TimeoutError`` instead of an abort. A failed call forgets the group's
-descriptor (:func:`forget`).
+A call agrees only when its descriptor differs from the last one every rank
+of the group agreed on (:func:`needs_check`), so a training loop that reduces
+the same tensors every step pays for one agreement, not one per step. This is
+sound because agreements are collective: as long as no call failed, every
+rank remembers the same last descriptor, so when all ranks skip the check
+they all pass that descriptor. If only some ranks changed theirs, those ranks
+check and the others do not; agreements travel under their own tags
+(:data:`TAG`), so they never match a payload message, and both sides end
+with a ``TimeoutError`` instead of an abort. A failed call forgets the
+group's descriptor (:func:`forget`).
 
-The sparse ``allgather`` algorithm agrees on every call: its agreement
-carries each rank's payload size (field ``wire_nbytes``, which may differ
-between ranks there), replacing a separate size exchange.
+The sparse ``allgather`` algorithm also exchanges its payload sizes on every
+call in the same kind of message, after compressing (field ``wire_nbytes``,
+which may differ between ranks there; tag ``TAG + 1``), and checks the other
+fields again for free.
 
 Traffic: ``8 * len(FIELDS) * (N - 1)`` bytes sent per rank per agreement,
 recorded in meter phase ``"agreement"`` with no raw (float32 ring) equivalent.
@@ -46,7 +48,8 @@ __all__ = ["FIELDS", "AGREEMENT_NBYTES", "TAG", "Agreement", "codec_id", "needs_
 FIELDS = ("numel", "op", "algorithm", "codec", "wire_nbytes")
 #: bytes of one descriptor on the wire
 AGREEMENT_NBYTES = 8 * len(FIELDS)
-#: point-to-point tag of agreement messages (payload pieces use 0 .. PIECES - 1)
+#: point-to-point tag of agreement messages (payload pieces use 0 .. PIECES - 1;
+#: the allgather's size exchange uses TAG + 1)
 TAG = 2 * PIECES
 
 _WHAT = {
@@ -92,12 +95,14 @@ class Agreement:
         values: this rank's value of every field in :data:`FIELDS` (ints).
         names: how to print the ``op`` / ``algorithm`` codes in errors:
             ``{"op": ("avg", "sum"), ...}`` (index = code).
-        varying: fields allowed to differ between ranks.
+        varying: fields allowed to differ between ranks (then the group's
+            remembered descriptor is left as it is).
         device: where the descriptor tensors live (the group's device).
+        tag: point-to-point tag of the messages.
     """
 
     def __init__(self, comm: Comm, values: dict[str, int], names: dict[str, Sequence[str]],
-                 varying: Sequence[str] = (), device="cpu"):
+                 varying: Sequence[str] = (), device="cpu", tag: int = TAG):
         missing = set(FIELDS) - set(values)
         if missing:
             raise ValueError(f"agreement needs fields {sorted(missing)}")
@@ -108,7 +113,7 @@ class Agreement:
         self.recvs = [Message(p, torch.empty(AGREEMENT_NBYTES, dtype=torch.uint8, device=device))
                       for p in range(n) if p != r]
         self.transfer: Transfer | None = comm.start(
-            [Message(p, wire) for p in range(n) if p != r], self.recvs, "agreement", tag=TAG)
+            [Message(p, wire) for p in range(n) if p != r], self.recvs, "agreement", tag=tag)
         self.table: list[list[int]] | None = None
 
     def wait(self) -> list[list[int]]:

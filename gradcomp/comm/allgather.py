@@ -5,7 +5,8 @@ have different sizes, so they cannot be summed hop by hop without growing
 (SparCML, Renggli et al. 2019, discusses the fill-in). Here each rank
 compresses its whole tensor once (with error feedback under residual key
 ``key``; see :mod:`gradcomp.comm.local`), the ranks exchange payload sizes
-(in the call's agreement, :mod:`gradcomp.comm.agreement`), the payloads travel unchanged around the
+(a descriptor message like the agreement's, :mod:`gradcomp.comm.agreement`,
+phase ``"agreement"``), the payloads travel unchanged around the
 point-to-point ring (phase ``"allgather"``), and every rank sums the union in
 float32 in rank order: ``acc = 0; for src in 0..N-1: acc[idx_src] += val_src``,
 then divides by ``N`` for ``avg``. Every rank applies the same operations to
@@ -13,8 +14,8 @@ the same bytes in the same order, so results are bit-identical.
 
 Traffic: the meter records the real payload bytes per message and, once per
 call in phase ``"allgather"``, the raw bytes of a float32 ring allreduce of the
-same tensor (:func:`gradcomp.comm.chunks.ring_raw_bytes`); the agreement
-has no raw equivalent.
+same tensor (:func:`gradcomp.comm.chunks.ring_raw_bytes`); the size
+exchange has no raw equivalent.
 
 The point-to-point ring is used rather than ``dist.all_gather`` because gloo's
 uint8 all_gather measured slower at world 4 than a float32 all_reduce of four
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from gradcomp.comm.agreement import FIELDS, Agreement
+from gradcomp.comm.agreement import FIELDS, TAG, Agreement
 from gradcomp.comm.chunks import ring_raw_bytes
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
@@ -45,15 +46,15 @@ def allreduce(comm: Comm, local: Local, work: torch.Tensor, op: str,
             compressed before ``work`` is written). On return it holds the
             union of every rank's decompressed payload, summed in rank order
             (divided by ``N`` for ``op="avg"``).
-        descriptor, names: this call's agreement fields but ``wire_nbytes``
-            (:class:`~gradcomp.comm.agreement.Agreement`), which is this
-            rank's payload size here.
+        descriptor, names: this call's agreement fields
+            (:class:`~gradcomp.comm.agreement.Agreement`); the size exchange
+            sends them with ``wire_nbytes`` set to this rank's payload size.
     """
     n, r = comm.world_size, comm.rank
     numel = work.numel()
     wire = local.compress(0, numel, chunk=None).wire
     table = Agreement(comm, {**descriptor, "wire_nbytes": wire.numel()}, names,
-                      varying=("wire_nbytes",), device=wire.device).wait()
+                      varying=("wire_nbytes",), device=wire.device, tag=TAG + 1).wait()
     sizes = [row[FIELDS.index("wire_nbytes")] for row in table]
     limit = _MAX_OVERHEAD + 16 * numel
     for src, size in enumerate(sizes):

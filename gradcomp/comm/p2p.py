@@ -86,7 +86,6 @@ class Comm:
         self.timeout = float(timeout)
         self.meter = meter
         self._taken: list[torch.Tensor] = []
-        self._gate = None
 
     def buffer(self, nbytes: int, device) -> torch.Tensor:
         """An uninitialised uint8 buffer of ``nbytes`` (reused across calls, see
@@ -95,12 +94,6 @@ class Comm:
         buf = POOL.take(nbytes, device)
         self._taken.append(buf)
         return buf
-
-    def gate(self, check) -> None:
-        """Have the next :meth:`start` first call ``check.wait()`` (once): a
-        posted :class:`~gradcomp.comm.agreement.Agreement` completes only when
-        the first payload is ready to go, so its round trip overlaps compression."""
-        self._gate = check
 
     def release(self) -> None:
         """Give the buffers back for reuse. Call only after every transfer
@@ -131,8 +124,8 @@ class Comm:
 
         At most one send and one receive per peer. Every message is cut into
         :func:`pieces` that travel as concurrent pairs with tags ``tag``,
-        ``tag + 1``, ... (payloads use 0 .. PIECES - 1; the agreement its own
-        tag, so its messages never match a payload's).
+        ``tag + 1``, ... (payloads use 0 .. PIECES - 1; agreements their own
+        tags, so their messages never match a payload's).
         The caller may compute while the transfer is in flight, but must not
         touch the message buffers until it has waited.
 
@@ -144,12 +137,8 @@ class Comm:
             tag: tag of the first piece.
 
         Raises:
-            ValueError: two messages to (or from) one peer, or a bad buffer;
-                or the pending :meth:`gate` check failed.
+            ValueError: two messages to (or from) one peer, or a bad buffer.
         """
-        if self._gate is not None:
-            check, self._gate = self._gate, None
-            check.wait()
         ops = []
         for kind, msgs in (("irecv", recvs), ("isend", sends)):
             fn = dist.irecv if kind == "irecv" else dist.isend
