@@ -133,10 +133,8 @@ def _check_case(rank, world, name, make, algorithm, op, n, dtype):
         assert rs_raw + ag_raw == 2 * (world - 1) * 4 * n // world
     d = meter.as_dict()
     ph = d["phases"]
-    # every case starts with a descriptor of 5 int64 to every other rank; the
-    # sparse allgather sends its payload size in a second one
-    messages = 2 if name in SPARSE else 1
-    assert ph["agreement"]["bytes_sent"] == messages * 40 * (world - 1) == ph["agreement"]["bytes_received"], where
+    # every case starts with a descriptor of 5 int64 to every other rank
+    assert ph["agreement"]["bytes_sent"] == 40 * (world - 1) == ph["agreement"]["bytes_received"], where
     assert ph["agreement"]["raw_bytes_sent"] == 0, where
     assert d["raw_bytes_sent"] == rs_raw + ag_raw, where
     if algorithm == "two_phase":  # raw bytes are counted per message: chunk `rank`, N - 1 times
@@ -144,6 +142,7 @@ def _check_case(rank, world, name, make, algorithm, op, n, dtype):
     assert d["raw_bytes_received"] == rs_raw_in + ag_raw_in, where
     if name in SPARSE:
         sizes = [make().compress(t).nbytes for t in _gather(x)]
+        assert ph["sizes"]["bytes_sent"] == 8 * (world - 1) and ph["sizes"]["raw_bytes_sent"] == 0
         assert ph["allgather"]["bytes_sent"] == sum(s for j, s in enumerate(sizes) if j != (rank + 1) % world)
         assert ph["allgather"]["bytes_received"] == sum(s for j, s in enumerate(sizes) if j != rank)
         assert ph["allgather"]["messages_sent"] == world - 1
@@ -429,11 +428,11 @@ def _disagreeing(rank, world, case):
     return outcome, payload_bytes, y.tolist()
 
 
-@pytest.mark.parametrize("case,field", [("numel-ring", "number of elements"),
-                                        ("numel-two_phase", "number of elements"),
-                                        ("numel-allgather", "number of elements"),
+@pytest.mark.parametrize("case,field", [("numel-ring", "numbers of elements"),
+                                        ("numel-two_phase", "numbers of elements"),
+                                        ("numel-allgather", "numbers of elements"),
                                         ("op", "op"), ("algorithm", "algorithm"),
-                                        ("codec", "compressor type"), ("block_size", "payload size")])
+                                        ("codec", "compressor types"), ("block_size", "payload size")])
 def test_ranks_that_disagree_all_raise_and_the_group_survives(case, field):
     res = launch(_disagreeing, 3, (case,), timeout=TIMEOUT)
     for rank, (outcome, payload_bytes, y) in enumerate(res):
@@ -462,7 +461,7 @@ def _residuals_kept(rank, world, algorithm):
 @pytest.mark.parametrize("algorithm", ["ring", "two_phase", "allgather"])
 def test_a_disagreement_loses_no_residual(algorithm):
     for outcome, same, count in launch(_residuals_kept, 3, (algorithm,), timeout=TIMEOUT):
-        assert "number of elements" in outcome and same and count > 0, (outcome, same, count)
+        assert "numbers of elements" in outcome and same and count > 0, (outcome, same, count)
 
 
 class _FailsOnce(gc.Int8Quantizer):
@@ -526,9 +525,9 @@ def test_agreement_only_when_the_call_changes():
     res = launch(_agreement_traffic, 3, timeout=TIMEOUT)
     d = 40 * 2
     for seen, outcome in res:
-        # a, a, b, b, a, a-sum, a-fp16, topk (agreement + sizes), topk (sizes
-        # only), a-fp16 (the last agreement was topk's), unchecked
-        assert seen == [d, 0, d, 0, d, d, d, 2 * d, d, d, 0], seen
+        # a, a, b, b, a, a-sum, a-fp16, topk, topk, a-fp16 (the last agreement
+        # was topk's), unchecked
+        assert seen == [d, 0, d, 0, d, d, d, d, 0, d, 0], seen
     assert [outcome for _, outcome in res] == ["TimeoutError"] * 3, res
 
 

@@ -35,12 +35,13 @@ allocating an n-element result. Reported per method:
   The calls run in interleaved rounds (each round calls every method once, in
   table order), so a change in the host's load during the run affects every
   method alike and the ratios stay comparable on a shared machine;
-* ``bytes/rank``: wire bytes rank 0 sent per call: measured by gradcomp's
+* ``MiB/rank``: wire bytes rank 0 sent per call, in MiB: measured by gradcomp's
   :class:`~gradcomp.TrafficMeter` for gradcomp methods; for torch's
   collectives (which do not report their traffic) the nominal volume of a ring
   algorithm: ``2 (N-1)/N * payload`` for all_reduce, ``(N-1) * payload`` for
   all_gather;
-* ``ratio``: ``2 (N-1)/N * 4 n`` (a float32 ring) over ``bytes/rank``;
+* ``x f32``: the baseline's median time over the method's;
+* ``ratio``: ``2 (N-1)/N * 4 n`` bytes (a float32 ring) over the bytes sent;
 * ``rel_err``: ``||result - exact mean|| / ||exact mean||`` on the first timed
   call (float64 exact mean).
 

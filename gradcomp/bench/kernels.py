@@ -148,7 +148,8 @@ def build_parser(prog: str = "gradcomp bench kernels") -> argparse.ArgumentParse
                    help="timed rounds per case (default: 7; with --quick: 3); a case stops "
                         "early once 3 rounds are done and --budget seconds have passed")
     p.add_argument("--budget", type=float, default=2.0,
-                   help="seconds per case after which rounds stop, 3 at least (default: 2)")
+                   help="seconds per case after which no new round starts once 3 rounds are "
+                        "done (default: 2)")
     p.add_argument("--densities", type=lambda s: _list(s, float), default="0.01,0.001",
                    help="k / n for topk, approx_topk, threshold and scatter_add_ (default: 0.01,0.001)")
     p.add_argument("--block-size", type=int, default=256, help="quantization block size (default: 256)")
@@ -685,7 +686,8 @@ def print_report(result: dict, file=None) -> None:
 
         table = Table(title="gradcomp kernels (median of interleaved rounds)")
         for c in COLUMNS:
-            table.add_column(c, justify="left" if c in ("dev", "op", "dtype", "name") else "right")
+            text = c in ("dev", "op", "dtype", "name")
+            table.add_column(c, justify="left" if text else "right", no_wrap=text)
         for row in body:
             table.add_row(*row)
         console = Console(file=file, width=max(160, Console(file=file).width))

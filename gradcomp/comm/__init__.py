@@ -110,7 +110,8 @@ def allreduce(
       exactly are delivered with their residual, which resets to zero.
 
     Traffic: ``meter`` records the bytes this rank really sent and received
-    per phase (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``) and, as
+    per phase (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``,
+    ``"sizes"``) and, as
     raw bytes, what a float32 ring allreduce over the same chunks would have
     moved: ``4 (2 n - len_rank - len_{rank+1})`` bytes sent per rank, i.e.
     ``2 (N - 1) / N * 4 n`` when ``N`` divides ``n``
@@ -143,9 +144,8 @@ def allreduce(
             (the DDP hook checks its first bucket, then relies on DDP's
             identical bucket layout on every rank); a disagreement then aborts
             the process (gloo) or returns different values on different
-            ranks with ``"ring"`` / ``"two_phase"``, and raises the
-            ``ValueError`` after compressing with ``"allgather"`` (whose size
-            exchange carries the same fields).
+            ranks. (``"allgather"`` also exchanges payload sizes, 8 bytes per
+            peer, on every call.)
 
     Returns:
         ``out`` if given, else a new tensor with ``tensor``'s shape, dtype and device.
@@ -209,7 +209,7 @@ def allreduce(
         if check and needs_check(group, descriptor):
             Agreement(comm, descriptor, names, device=x.device).wait()  # before anything changes
         if algorithm == "allgather":
-            _allgather.allreduce(comm, local, work, op, descriptor, names)
+            _allgather.allreduce(comm, local, work, op)
         else:
             pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
             share_owned(comm, plan, work, op, pending)

@@ -23,10 +23,10 @@ check and the others do not; agreements travel under their own tags
 with a ``TimeoutError`` instead of an abort. A failed call forgets the
 group's descriptor (:func:`forget`).
 
-The sparse ``allgather`` algorithm also exchanges its payload sizes on every
-call in the same kind of message, after compressing (field ``wire_nbytes``,
-which may differ between ranks there; tag ``TAG + 1``), and checks the other
-fields again for free.
+The sparse ``allgather`` algorithm agrees in the same way (its
+``wire_nbytes`` is the compressor's fixed payload size, or -1 when the size
+depends on the data) and then exchanges its payload sizes on every call,
+under tag ``TAG + 1``.
 
 Traffic: ``8 * len(FIELDS) * (N - 1)`` bytes sent per rank per agreement,
 recorded in meter phase ``"agreement"`` with no raw (float32 ring) equivalent.
@@ -53,11 +53,11 @@ AGREEMENT_NBYTES = 8 * len(FIELDS)
 TAG = 2 * PIECES
 
 _WHAT = {
-    "numel": "the number of elements",
-    "op": "op",
-    "algorithm": "algorithm",
-    "codec": "the compressor type",
-    "wire_nbytes": "the compressor settings (payload size)",
+    "numel": "numbers of elements",
+    "op": "ops",
+    "algorithm": "algorithms",
+    "codec": "compressor types",
+    "wire_nbytes": "compressor settings (payload sizes)",
 }
 
 # id(group) -> the descriptor every rank of that group last agreed on
@@ -95,18 +95,16 @@ class Agreement:
         values: this rank's value of every field in :data:`FIELDS` (ints).
         names: how to print the ``op`` / ``algorithm`` codes in errors:
             ``{"op": ("avg", "sum"), ...}`` (index = code).
-        varying: fields allowed to differ between ranks (then the group's
-            remembered descriptor is left as it is).
         device: where the descriptor tensors live (the group's device).
         tag: point-to-point tag of the messages.
     """
 
     def __init__(self, comm: Comm, values: dict[str, int], names: dict[str, Sequence[str]],
-                 varying: Sequence[str] = (), device="cpu", tag: int = TAG):
+                 device="cpu", tag: int = TAG):
         missing = set(FIELDS) - set(values)
         if missing:
             raise ValueError(f"agreement needs fields {sorted(missing)}")
-        self.comm, self.names, self.varying = comm, names, tuple(varying)
+        self.comm, self.names = comm, names
         n, r = comm.world_size, comm.rank
         self.mine = _row(values)
         wire = torch.tensor(self.mine, dtype=torch.int64, device=device).view(torch.uint8)
@@ -124,8 +122,8 @@ class Agreement:
             ``len(FIELDS)`` ints each).
 
         Raises:
-            ValueError: ranks disagree on a field not in ``varying`` (every
-                rank raises it, naming the field and each rank's value).
+            ValueError: ranks disagree on a field (every rank raises it,
+                naming the field and each rank's value).
             TimeoutError / RuntimeError: as :meth:`~gradcomp.comm.p2p.Transfer.wait`.
         """
         if self.table is None:
@@ -137,15 +135,12 @@ class Agreement:
                 table[m.peer] = m.buf.view(torch.int64).tolist()
             self.table = table
         self._check(self.table)
-        if not self.varying:
-            with _AGREED_LOCK:
-                _AGREED[id(self.comm.group)] = self.mine
+        with _AGREED_LOCK:
+            _AGREED[id(self.comm.group)] = self.mine
         return self.table
 
     def _check(self, table: list[list[int]]) -> None:
         for i, field in enumerate(FIELDS):
-            if field in self.varying:
-                continue
             seen = [row[i] for row in table]
             if len(set(seen)) > 1:
                 labels = self.names.get(field)

@@ -5,8 +5,7 @@ have different sizes, so they cannot be summed hop by hop without growing
 (SparCML, Renggli et al. 2019, discusses the fill-in). Here each rank
 compresses its whole tensor once (with error feedback under residual key
 ``key``; see :mod:`gradcomp.comm.local`), the ranks exchange payload sizes
-(a descriptor message like the agreement's, :mod:`gradcomp.comm.agreement`,
-phase ``"agreement"``), the payloads travel unchanged around the
+(8 bytes each, phase ``"sizes"``), the payloads travel unchanged around the
 point-to-point ring (phase ``"allgather"``), and every rank sums the union in
 float32 in rank order: ``acc = 0; for src in 0..N-1: acc[idx_src] += val_src``,
 then divides by ``N`` for ``avg``. Every rank applies the same operations to
@@ -26,19 +25,41 @@ from __future__ import annotations
 
 import torch
 
-from gradcomp.comm.agreement import FIELDS, TAG, Agreement
+from gradcomp.comm.agreement import TAG
 from gradcomp.comm.chunks import ring_raw_bytes
 from gradcomp.comm.local import Local
-from gradcomp.comm.p2p import Comm
+from gradcomp.comm.p2p import Comm, Message
 
-__all__ = ["allreduce"]
+__all__ = ["allreduce", "exchange_sizes", "SIZE_NBYTES"]
+
+#: bytes of one payload size on the wire (little-endian int64)
+SIZE_NBYTES = 8
 
 #: bound on a sparse payload's bytes beyond 16 per element (headers, padding)
 _MAX_OVERHEAD = 512
 
 
-def allreduce(comm: Comm, local: Local, work: torch.Tensor, op: str,
-              descriptor: dict[str, int], names: dict) -> None:
+def exchange_sizes(comm: Comm, nbytes: int, device) -> list[int]:
+    """Every rank's payload size in bytes (direct exchange, phase ``"sizes"``).
+
+    Each rank sends its size as one little-endian int64 to every other rank
+    (``8 (N - 1)`` bytes sent per rank, tag ``TAG + 1`` of
+    :mod:`gradcomp.comm.agreement`; a float32 ring needs none, so their raw
+    equivalent is 0).
+    """
+    n, r = comm.world_size, comm.rank
+    mine = torch.tensor([nbytes], dtype=torch.int64, device=device).view(torch.uint8)
+    recvs = [Message(p, torch.empty(SIZE_NBYTES, dtype=torch.uint8, device=device), 0)
+             for p in range(n) if p != r]
+    comm.exchange([Message(p, mine, 0) for p in range(n) if p != r], recvs, "sizes", tag=TAG + 1)
+    sizes = [0] * n
+    sizes[r] = nbytes
+    for m in recvs:
+        sizes[m.peer] = int(m.buf.view(torch.int64).item())
+    return sizes
+
+
+def allreduce(comm: Comm, local: Local, work: torch.Tensor, op: str) -> None:
     """Allgather-based allreduce of sparse payloads, into ``work``.
 
     Args:
@@ -46,16 +67,11 @@ def allreduce(comm: Comm, local: Local, work: torch.Tensor, op: str,
             compressed before ``work`` is written). On return it holds the
             union of every rank's decompressed payload, summed in rank order
             (divided by ``N`` for ``op="avg"``).
-        descriptor, names: this call's agreement fields
-            (:class:`~gradcomp.comm.agreement.Agreement`); the size exchange
-            sends them with ``wire_nbytes`` set to this rank's payload size.
     """
     n, r = comm.world_size, comm.rank
     numel = work.numel()
     wire = local.compress(0, numel, chunk=None).wire
-    table = Agreement(comm, {**descriptor, "wire_nbytes": wire.numel()}, names,
-                      varying=("wire_nbytes",), device=wire.device, tag=TAG + 1).wait()
-    sizes = [row[FIELDS.index("wire_nbytes")] for row in table]
+    sizes = exchange_sizes(comm, wire.numel(), wire.device)
     limit = _MAX_OVERHEAD + 16 * numel
     for src, size in enumerate(sizes):
         if not 0 < size <= limit:

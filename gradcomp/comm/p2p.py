@@ -111,12 +111,13 @@ class Comm:
         """Group rank of the previous rank on the ring."""
         return (self.rank - 1) % self.world_size
 
-    def exchange(self, sends: Sequence[Message], recvs: Sequence[Message], phase: str) -> None:
+    def exchange(self, sends: Sequence[Message], recvs: Sequence[Message], phase: str,
+                 tag: int = 0) -> None:
         """Send and receive all messages concurrently; return when all are done.
 
-        Same as ``self.start(sends, recvs, phase).wait()``; see :meth:`start`.
+        Same as ``self.start(sends, recvs, phase, tag).wait()``; see :meth:`start`.
         """
-        self.start(sends, recvs, phase).wait()
+        self.start(sends, recvs, phase, tag).wait()
 
     def start(self, sends: Sequence[Message], recvs: Sequence[Message], phase: str,
               tag: int = 0) -> "Transfer":
@@ -133,7 +134,8 @@ class Comm:
             sends: messages to send (their ``buf`` is read).
             recvs: messages to receive (their ``buf`` is filled; its size must
                 equal the sender's message size).
-            phase: meter phase name (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``).
+            phase: meter phase name (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``,
+                ``"sizes"``).
             tag: tag of the first piece.
 
         Raises:

@@ -43,11 +43,13 @@ def _row(r: RunResult) -> dict:
 def title(study: StudyResult) -> str:
     """One line describing what every run of the study shared."""
     c = study.config
+    modes = {r.mode for r in study.runs}
+    per_push = f" (async: {c.lr / c.workers:.3g} per push)" if "async" in modes else ""
+    algorithm = f", sync dense algorithm: {c.algorithm}" if "sync" in modes else ""
     return (f"digits ({study.train_samples} train / {study.test_samples} test), "
             f"MLP {'-'.join(map(str, (64, *c.hidden, 10)))} ({study.num_parameters:,} params), "
-            f"{c.workers} workers x batch {c.batch_size}, {c.steps} steps, SGD lr {c.lr:g} "
-            f"(async: {c.lr / c.workers:.3g} per push) momentum {c.momentum:g}, seed {c.seed}, "
-            f"sync dense algorithm: {c.algorithm}")
+            f"{c.workers} workers x batch {c.batch_size}, {c.steps} steps, SGD lr {c.lr:g}"
+            f"{per_push} momentum {c.momentum:g}, seed {c.seed}{algorithm}")
 
 
 def table(study: StudyResult):
