@@ -42,6 +42,13 @@ def integer(name: str, v, lo: int | None = None, hi: int | None = None) -> int:
     return v
 
 
+def flag(name: str, v) -> bool:
+    """``v`` itself when it is True or False, else TypeError naming ``name``."""
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be True or False, got {type(v).__name__}")
+    return v
+
+
 def real(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(v).__name__}")

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gradcomp import _validate as v
 from gradcomp.errors import PayloadError
 
 __all__ = [
@@ -266,6 +267,7 @@ def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True
         TypeError: ``wire`` is not a uint8 tensor.
         PayloadError: the bytes are malformed in any way (see module docstring).
     """
+    v.flag("check_int8", check_int8)
     if not isinstance(wire, torch.Tensor):
         raise TypeError(f"wire must be a torch.Tensor of dtype uint8, got {type(wire).__name__}")
     if wire.dtype != torch.uint8:

@@ -266,6 +266,10 @@ def test_check_int8_rejects_minus_128(backend, n):
         K.dequantize_int8_add_(acc.clone(), q, s, block, check_int8=True, backend=backend)
     with pytest.raises(gc.PayloadError, match="-128"):
         K.reduce_quantize_int8(acc.clone(), q, s, block, 2, check_int8=True, backend=backend)
+    with pytest.raises(TypeError, match="check_int8 must be True or False"):
+        K.dequantize_int8(q, s, block, check_int8=None, backend=backend)
+    with pytest.raises(TypeError, match="check_int8 must be True or False"):
+        K.reduce_quantize_int8(acc.clone(), q, s, block, check_int8=1, backend=backend)
     # and reads it as it is when not asked to check
     d = K.dequantize_int8(q, s, block, backend=backend)
     assert float(d[n // 2 + 3]) == -128 * float(s[(n // 2 + 3) // block])

@@ -166,6 +166,8 @@ def test_specific_corruptions_are_named():
     # left to the kernel that reads the codes: decode passes, every use raises
     lazy = gc.decode(torch.frombuffer(bad, dtype=torch.uint8), check_int8=False)
     assert not lazy.int8_checked and gc.decode(p.wire).int8_checked
+    with pytest.raises(TypeError, match="check_int8 must be True or False"):
+        gc.decode(p.wire, check_int8=0)
     q = gc.Int8Quantizer(block_size=32)
     assert gc.wire.header_nbytes(1) == 48  # the scales start right after a 1-d header
     bad = bytearray(raw)

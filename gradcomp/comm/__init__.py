@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.comm import allgather as _allgather
-from gradcomp.comm.agreement import Agreement, codec_id, forget, needs_check
+from gradcomp.comm.agreement import Agreement, forget, needs_check
 from gradcomp.comm import ring as _ring
 from gradcomp.comm import two_phase as _two_phase
 from gradcomp.comm.chunks import chunk_bounds, ring_raw_bytes
@@ -28,6 +28,7 @@ from gradcomp.comm.dense import Plan, share_owned
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
 from gradcomp import _validate as v
+from gradcomp import wire as W
 from gradcomp.compressors import Compressor, ErrorFeedback
 from gradcomp.meter import TrafficMeter
 
@@ -140,7 +141,8 @@ def allreduce(
             when it differs from the last one the group agreed on (see above
             and :mod:`gradcomp.comm.agreement`): one small round trip, about
             1-3 ms on gloo over loopback on a busy 2-core host, paid once by a
-            loop that reduces the same tensor every step. ``False``: never
+            loop that reduces the same tensor every step. Like the other
+            arguments it must be the same on every rank. ``False``: never
             (the DDP hook checks its first bucket, then relies on DDP's
             identical bucket layout on every rank); a disagreement then aborts
             the process (gloo) or returns different values on different
@@ -161,14 +163,15 @@ def allreduce(
             (raised on every rank).
         TimeoutError: a transfer did not finish within ``timeout`` seconds
             (also when only some ranks changed their arguments since the
-            group's last agreement; after any error other than the agreement's
-            ``ValueError`` the group is not safe to use again).
-        RuntimeError: the transport failed (e.g. a peer died).
+            group's last agreement, or passed different ``check`` values;
+            after any error other than the agreement's ``ValueError`` the
+            group is not safe to use again).
+        RuntimeError: the transport failed (e.g. a peer died, or a peer that
+            timed out closed its connections first).
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
     _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
-    if not isinstance(check, bool):
-        raise TypeError(f"check must be True or False, got {type(check).__name__}")
+    v.flag("check", check)
     if not dist.is_initialized():
         raise RuntimeError("gradcomp.allreduce needs torch.distributed initialised "
                            "(dist.init_process_group or gradcomp.launch)")
@@ -197,8 +200,9 @@ def allreduce(
         work = comm.buffer(4 * n, x.device).view(torch.float32)
     local = Local(flat, compressor, key, residual)
     descriptor = {"numel": n, "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
-                  "codec": codec_id(local.inner.codec)}
-    names = {"op": OPS, "algorithm": ALGORITHMS}
+                  "codec": W.CODECS[local.inner.codec]}
+    names = {"op": dict(enumerate(OPS)), "algorithm": dict(enumerate(ALGORITHMS)),
+             "codec": {i: c for c, i in W.CODECS.items()}}
     try:
         if algorithm == "allgather":
             fixed = local.inner.wire_nbytes((n,), torch.float32)  # None for data-dependent sizes

@@ -20,8 +20,10 @@ rank remembers the same last descriptor, so when all ranks skip the check
 they all pass that descriptor. If only some ranks changed theirs, those ranks
 check and the others do not; agreements travel under their own tags
 (:data:`TAG`), so they never match a payload message, and both sides end
-with a ``TimeoutError`` instead of an abort. A failed call forgets the
-group's descriptor (:func:`forget`).
+with a ``TimeoutError`` (or a ``RuntimeError`` on a rank whose peer timed out
+first and closed its connections) instead of an abort. A failed call forgets
+the group's descriptor (:func:`forget`); the memory goes with the group
+object, so a group created later never inherits it.
 
 The sparse ``allgather`` algorithm agrees in the same way (its
 ``wire_nbytes`` is the compressor's fixed payload size, or -1 when the size
@@ -35,14 +37,13 @@ recorded in meter phase ``"agreement"`` with no raw (float32 ring) equivalent.
 from __future__ import annotations
 
 import threading
-import zlib
-from collections.abc import Sequence
+import weakref
 
 import torch
 
 from gradcomp.comm.p2p import PIECES, Comm, Message, Transfer
 
-__all__ = ["FIELDS", "AGREEMENT_NBYTES", "TAG", "Agreement", "codec_id", "needs_check", "forget"]
+__all__ = ["FIELDS", "AGREEMENT_NBYTES", "TAG", "Agreement", "needs_check", "forget"]
 
 #: descriptor fields, in wire order
 FIELDS = ("numel", "op", "algorithm", "codec", "wire_nbytes")
@@ -60,27 +61,29 @@ _WHAT = {
     "wire_nbytes": "compressor settings (payload sizes)",
 }
 
-# id(group) -> the descriptor every rank of that group last agreed on
-_AGREED: dict[int, tuple[int, ...]] = {}
+# group -> the descriptor every rank of that group last agreed on; an entry
+# goes with its group (a new group never inherits one, even at the same address)
+_AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _AGREED_LOCK = threading.Lock()
-
-
-def codec_id(codec: str) -> int:
-    """A stable integer for a codec name (CRC-32 of its UTF-8 bytes)."""
-    return zlib.crc32(codec.encode())
 
 
 def needs_check(group, values: dict[str, int]) -> bool:
     """Whether a call on ``group`` with this descriptor must agree first: it
     differs from the one the group's ranks last agreed on (or none yet)."""
     with _AGREED_LOCK:
-        return _AGREED.get(id(group)) != _row(values)
+        try:
+            return _AGREED.get(group) != _row(values)
+        except TypeError:  # a group object without weak references: always check
+            return True
 
 
 def forget(group) -> None:
     """Drop what ``group`` agreed on (after a failed call): its next call checks."""
     with _AGREED_LOCK:
-        _AGREED.pop(id(group), None)
+        try:
+            _AGREED.pop(group, None)
+        except TypeError:
+            pass
 
 
 def _row(values: dict[str, int]) -> tuple[int, ...]:
@@ -93,13 +96,13 @@ class Agreement:
     Args:
         comm: the group (world size >= 2).
         values: this rank's value of every field in :data:`FIELDS` (ints).
-        names: how to print the ``op`` / ``algorithm`` codes in errors:
-            ``{"op": ("avg", "sum"), ...}`` (index = code).
+        names: how to print codes in errors, per field: ``{"op": {0: "avg",
+            1: "sum"}, ...}``.
         device: where the descriptor tensors live (the group's device).
         tag: point-to-point tag of the messages.
     """
 
-    def __init__(self, comm: Comm, values: dict[str, int], names: dict[str, Sequence[str]],
+    def __init__(self, comm: Comm, values: dict[str, int], names: dict[str, dict[int, str]],
                  device="cpu", tag: int = TAG):
         missing = set(FIELDS) - set(values)
         if missing:
@@ -136,15 +139,18 @@ class Agreement:
             self.table = table
         self._check(self.table)
         with _AGREED_LOCK:
-            _AGREED[id(self.comm.group)] = self.mine
+            try:
+                _AGREED[self.comm.group] = self.mine
+            except TypeError:
+                pass
         return self.table
 
     def _check(self, table: list[list[int]]) -> None:
         for i, field in enumerate(FIELDS):
             seen = [row[i] for row in table]
             if len(set(seen)) > 1:
-                labels = self.names.get(field)
-                shown = [labels[v] if labels is not None and 0 <= v < len(labels) else v for v in seen]
+                labels = self.names.get(field, {})
+                shown = [labels.get(v, v) for v in seen]
                 per_rank = ", ".join(f"rank {j}: {s!r}" for j, s in enumerate(shown))
                 raise ValueError(
                     f"gradcomp collective: the ranks of the group passed different {_WHAT[field]} "

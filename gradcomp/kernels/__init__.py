@@ -110,7 +110,7 @@ def _kernel_checks(fn, q: torch.Tensor, scales: torch.Tensor, check_int8: bool) 
     """Whether ``fn`` (a resolved backend function) checks codes and scales
     itself: the native CPU kernels do, block by block as they read them; for
     any other backend they are checked here, in one pass, when asked."""
-    if not check_int8:
+    if not v.flag("check_int8", check_int8):
         return False
     if fn.__module__ == "gradcomp.kernels.cpu":
         return True
@@ -272,6 +272,7 @@ def reduce_quantize_int8(
     block_size = _check_int8(q, scales, block_size)
     _check_out("acc", acc, q.numel(), torch.float32, q.device)
     divisor = v.integer("divisor", divisor, 1, 2**24)  # exact in float32
+    v.flag("check_int8", check_int8)
     rounding = v.rounding(rounding)
     seed = v.integer("seed", seed)
     counter = v.integer("counter", counter)
