@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.comm import allgather as _allgather
-from gradcomp.comm.agreement import Agreement, forget, needs_check
+from gradcomp.comm.agreement import agree, forget, needs_check
 from gradcomp.comm import ring as _ring
 from gradcomp.comm import two_phase as _two_phase
 from gradcomp.comm.chunks import chunk_bounds, ring_raw_bytes
@@ -211,7 +211,7 @@ def allreduce(
             plan = Plan(n, comm.world_size, local.inner)
             descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
         if check and needs_check(group, descriptor):
-            Agreement(comm, descriptor, names, device=x.device).wait()  # before anything changes
+            agree(comm, descriptor, names, device=x.device)  # before anything changes
         if algorithm == "allgather":
             _allgather.allreduce(comm, local, work, op)
         else:

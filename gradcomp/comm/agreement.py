@@ -41,9 +41,9 @@ import weakref
 
 import torch
 
-from gradcomp.comm.p2p import PIECES, Comm, Message, Transfer
+from gradcomp.comm.p2p import PIECES, Comm, Message
 
-__all__ = ["FIELDS", "AGREEMENT_NBYTES", "TAG", "Agreement", "needs_check", "forget"]
+__all__ = ["FIELDS", "AGREEMENT_NBYTES", "TAG", "agree", "needs_check", "forget"]
 
 #: descriptor fields, in wire order
 FIELDS = ("numel", "op", "algorithm", "codec", "wire_nbytes")
@@ -90,8 +90,9 @@ def _row(values: dict[str, int]) -> tuple[int, ...]:
     return tuple(int(values[f]) for f in FIELDS)
 
 
-class Agreement:
-    """One posted descriptor exchange; :meth:`wait` completes and checks it.
+def agree(comm: Comm, values: dict[str, int], names: dict[str, dict[int, str]], device="cpu") -> None:
+    """Exchange this rank's descriptor with every other rank, check them all,
+    and remember it as what ``comm``'s group agreed on.
 
     Args:
         comm: the group (world size >= 2).
@@ -99,60 +100,32 @@ class Agreement:
         names: how to print codes in errors, per field: ``{"op": {0: "avg",
             1: "sum"}, ...}``.
         device: where the descriptor tensors live (the group's device).
-        tag: point-to-point tag of the messages.
+
+    Raises:
+        ValueError: ranks disagree on a field (every rank raises it, naming
+            the field and each rank's value).
+        TimeoutError / RuntimeError: as :meth:`~gradcomp.comm.p2p.Transfer.wait`.
     """
-
-    def __init__(self, comm: Comm, values: dict[str, int], names: dict[str, dict[int, str]],
-                 device="cpu", tag: int = TAG):
-        missing = set(FIELDS) - set(values)
-        if missing:
-            raise ValueError(f"agreement needs fields {sorted(missing)}")
-        self.comm, self.names = comm, names
-        n, r = comm.world_size, comm.rank
-        self.mine = _row(values)
-        wire = torch.tensor(self.mine, dtype=torch.int64, device=device).view(torch.uint8)
-        self.recvs = [Message(p, torch.empty(AGREEMENT_NBYTES, dtype=torch.uint8, device=device))
-                      for p in range(n) if p != r]
-        self.transfer: Transfer | None = comm.start(
-            [Message(p, wire) for p in range(n) if p != r], self.recvs, "agreement", tag=tag)
-        self.table: list[list[int]] | None = None
-
-    def wait(self) -> list[list[int]]:
-        """Complete the exchange and check it (idempotent).
-
-        Returns:
-            Every rank's descriptor, indexed by group rank (a list of
-            ``len(FIELDS)`` ints each).
-
-        Raises:
-            ValueError: ranks disagree on a field (every rank raises it,
-                naming the field and each rank's value).
-            TimeoutError / RuntimeError: as :meth:`~gradcomp.comm.p2p.Transfer.wait`.
-        """
-        if self.table is None:
-            transfer, self.transfer = self.transfer, None
-            transfer.wait()
-            table: list[list[int]] = [[]] * self.comm.world_size
-            table[self.comm.rank] = list(self.mine)
-            for m in self.recvs:
-                table[m.peer] = m.buf.view(torch.int64).tolist()
-            self.table = table
-        self._check(self.table)
-        with _AGREED_LOCK:
-            try:
-                _AGREED[self.comm.group] = self.mine
-            except TypeError:
-                pass
-        return self.table
-
-    def _check(self, table: list[list[int]]) -> None:
-        for i, field in enumerate(FIELDS):
-            seen = [row[i] for row in table]
-            if len(set(seen)) > 1:
-                labels = self.names.get(field, {})
-                shown = [labels.get(v, v) for v in seen]
-                per_rank = ", ".join(f"rank {j}: {s!r}" for j, s in enumerate(shown))
-                raise ValueError(
-                    f"gradcomp collective: the ranks of the group passed different {_WHAT[field]} "
-                    f"({per_rank}); every rank must call it with the same tensor size, op, algorithm "
-                    "and compressor settings, in the same order")
+    n, r = comm.world_size, comm.rank
+    mine = _row(values)
+    wire = torch.tensor(mine, dtype=torch.int64, device=device).view(torch.uint8)
+    recvs = [Message(p, torch.empty(AGREEMENT_NBYTES, dtype=torch.uint8, device=device))
+             for p in range(n) if p != r]
+    comm.exchange([Message(p, wire) for p in range(n) if p != r], recvs, "agreement", tag=TAG)
+    table: list[tuple[int, ...]] = [mine] * n
+    for m in recvs:
+        table[m.peer] = tuple(m.buf.view(torch.int64).tolist())
+    for i, field in enumerate(FIELDS):
+        seen = [row[i] for row in table]
+        if len(set(seen)) > 1:
+            labels = names.get(field, {})
+            per_rank = ", ".join(f"rank {j}: {labels.get(v, v)!r}" for j, v in enumerate(seen))
+            raise ValueError(
+                f"gradcomp collective: the ranks of the group passed different {_WHAT[field]} "
+                f"({per_rank}); every rank must call it with the same tensor size, op, algorithm "
+                "and compressor settings, in the same order")
+    with _AGREED_LOCK:
+        try:
+            _AGREED[comm.group] = mine
+        except TypeError:  # a group object without weak references: nothing remembered
+            pass
