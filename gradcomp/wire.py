@@ -255,10 +255,12 @@ def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True
         wire: 1-D ``torch.uint8`` tensor on any device (a contiguous byte buffer).
         check_int8: check here that int8 codes are in [-127, 127] and scales
             are >= 0 and finite, or NaN (a pass over them). ``False`` leaves it
-            to the compressor's kernel, which checks each block as it reads it
-            and raises :class:`~gradcomp.PayloadError` there, saving that pass;
-            the collectives use it for the payloads they reduce, whose output
-            is unspecified after an error anyway. Everything else is checked here.
+            to the compressor's kernel call, which raises
+            :class:`~gradcomp.PayloadError` (the native CPU kernel checks each
+            block as it reads it, saving that pass; other backends make the
+            same pass there); the collectives use it for the payloads they
+            reduce, whose output is unspecified after an error anyway.
+            Everything else is checked here.
 
     Returns:
         The payload; its section tensors are views into ``wire`` where aligned.

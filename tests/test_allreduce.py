@@ -486,7 +486,7 @@ def test_a_disagreement_loses_no_residual(algorithm):
 
 
 class _FailsOnce(gc.Int8Quantizer):
-    """Raises on its first compress, on every rank (after the agreement was posted)."""
+    """Raises on its first compress, on every rank (after the agreement)."""
 
     failed = False
 
@@ -505,12 +505,11 @@ def _unchecked_and_recovering(rank, world):
     same = torch.equal(y, gc.allreduce(x, gc.Int8Quantizer(), timeout=20))  # checked or not, same bytes
     comp = _FailsOnce()
     try:
-        gc.allreduce(x, comp, op="sum", timeout=20)  # a new descriptor: agreement posted, then it fails
+        gc.allreduce(x, comp, op="sum", timeout=20)  # a new descriptor: it agrees, then fails
         first = "ok"
     except RuntimeError as e:
         first = str(e)
-    # the failed call's agreement messages completed on their own (every rank
-    # posted them), so the next call's messages line up
+    # the failed call left no message behind, so the next call's line up
     z = gc.allreduce(torch.full((10,), float(rank)), comp, op="sum", timeout=20)
     return phases, same, first, z.tolist()
 

@@ -25,9 +25,9 @@ void quantize_int8(DType dt, const void* x, float* residual, size_t n, size_t bl
 // The ops below read int8 codes and scales from payloads. With check_int8
 // they also check, block by block before writing it, that no code is -128
 // (outside the format's [-127, 127]) and that the scale is >= 0 and finite, or
-// NaN; a bad block and the blocks after it are not processed (earlier ones
-// may have been) and the op returns false. Without it they return true and
-// read every value as it is.
+// NaN; a bad block is not processed, any other block may or may not have been
+// (threads stop at their next block), and the op returns false. Without it
+// they return true and read every value as it is.
 
 // out[i] = code * scale, rounded to float32, then converted to `out_dt`.
 bool dequantize_int8(const int8_t* q, const float* scales, size_t n, size_t block, DType out_dt,

@@ -251,7 +251,8 @@ PYBIND11_MODULE(_C, m) {
     m.def("dequantize_int8", &py_dequantize, py::arg("q"), py::arg("scales"), py::arg("block_size"),
           py::arg("out"), py::arg("out_dtype"), py::arg("check_int8") = false,
           "out[i] = q[i] * scales[i // block_size] (float32 product, then converted to out_dtype).\n"
-          "check_int8: stop at the first block holding code -128 and return False (else True).");
+          "check_int8: return False (else True) when a block holds code -128 or a negative or\n"
+          "infinite scale; that block is not written, other blocks may or may not be.");
     m.def("dequantize_int8_add", &py_dequantize_add, py::arg("acc"), py::arg("q"), py::arg("scales"),
           py::arg("block_size"), py::arg("check_int8") = false,
           "acc[i] += q[i] * scales[i // block_size] (float32, product rounded first); check_int8 as\n"

@@ -226,9 +226,8 @@ bool dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t bloc
     const size_t nb = (n + block - 1) / block;
     const size_t tile = std::min(block, TILE);
     const int nt = n >= PAR_MIN ? max_threads() : 1;
-    const bool stream = n >= STREAM_MIN;
+    const bool stream = std::is_same_v<O, F32> && n >= STREAM_MIN;
     (void)nt;
-    (void)stream;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
 #pragma omp for schedule(static)

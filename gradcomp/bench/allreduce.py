@@ -28,7 +28,9 @@ gloo over loopback) and each size ``n`` (float32 elements), every rank holds
 
 Every method reduces in place into a buffer reset from the data before each
 call (outside the timing), as ``dist.all_reduce`` does, so no method pays for
-allocating an n-element result. Reported per method:
+allocating an n-element result. Each gradcomp method runs on its own process
+group, so its ranks agree on its settings once, in the warm-up call (see
+:mod:`gradcomp.comm.agreement`), as in a training loop. Reported per method:
 
 * ``ms``: median over ``--repeat`` calls (after one warm-up; two for PowerSGD,
   whose first two steps are plain allreduces) of the slowest rank's wall time.
@@ -146,10 +148,13 @@ def _gradcomp(make, algorithm):
 
         comp = make()
         meter = gc.TrafficMeter()
+        # its own group, as in training (a DDP hook has its own): calls on one
+        # group that alternate between settings would agree on every call
+        group = dist.new_group(list(range(world)))
 
         def call():
             meter.reset()
-            gc.allreduce(buf, comp, algorithm=algorithm, meter=meter, out=buf)
+            gc.allreduce(buf, comp, algorithm=algorithm, group=group, meter=meter, out=buf)
             return meter.bytes_sent
         return call
     return setup

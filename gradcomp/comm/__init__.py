@@ -47,6 +47,9 @@ INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_TIMEOUT = 300.0
 
 _REDUCE_SCATTER = {"ring": _ring.reduce_scatter, "two_phase": _two_phase.reduce_scatter}
+# how a disagreement names the codes of the agreement's fields
+_NAMES = {"op": dict(enumerate(OPS)), "algorithm": dict(enumerate(ALGORITHMS)),
+          "codec": {i: c for c, i in W.CODECS.items()}}
 
 
 def allreduce(
@@ -141,7 +144,9 @@ def allreduce(
             when it differs from the last one the group agreed on (see above
             and :mod:`gradcomp.comm.agreement`): one small round trip, about
             1-3 ms on gloo over loopback on a busy 2-core host, paid once by a
-            loop that reduces the same tensor every step. Like the other
+            loop that reduces the same tensor every step (but on every call
+            by one alternating between different calls on one group: give
+            each its own group). Like the other
             arguments it must be the same on every rank. ``False``: never
             (the DDP hook checks its first bucket, then relies on DDP's
             identical bucket layout on every rank); a disagreement then aborts
@@ -201,8 +206,6 @@ def allreduce(
     local = Local(flat, compressor, key, residual)
     descriptor = {"numel": n, "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
                   "codec": W.CODECS[local.inner.codec]}
-    names = {"op": dict(enumerate(OPS)), "algorithm": dict(enumerate(ALGORITHMS)),
-             "codec": {i: c for c, i in W.CODECS.items()}}
     try:
         if algorithm == "allgather":
             fixed = local.inner.wire_nbytes((n,), torch.float32)  # None for data-dependent sizes
@@ -211,7 +214,7 @@ def allreduce(
             plan = Plan(n, comm.world_size, local.inner)
             descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
         if check and needs_check(group, descriptor):
-            agree(comm, descriptor, names, device=x.device)  # before anything changes
+            agree(comm, descriptor, _NAMES, device=x.device)  # before anything changes
         if algorithm == "allgather":
             _allgather.allreduce(comm, local, work, op)
         else:

@@ -19,9 +19,14 @@ sound because agreements are collective: as long as no call failed, every
 rank remembers the same last descriptor, so when all ranks skip the check
 they all pass that descriptor. If only some ranks changed theirs, those ranks
 check and the others do not; agreements travel under their own tags
-(:data:`TAG`), so they never match a payload message, and both sides end
-with a ``TimeoutError`` (or a ``RuntimeError`` on a rank whose peer timed out
-first and closed its connections) instead of an abort. A failed call forgets
+(:data:`TAG`), so on gloo they never match a payload message, and both sides
+end with a ``TimeoutError`` (or a ``RuntimeError`` on a rank whose peer timed
+out first and closed its connections) instead of an abort. (NCCL ignores
+point-to-point tags: there this case is undefined, as any mismatched
+collective is.) Only the last descriptor is remembered (remembering several
+would let ranks skip with different ones), so a loop that alternates between
+two different calls on one group agrees on every call: give each its own
+group (the DDP hook has its own). A failed call forgets
 the group's descriptor (:func:`forget`); the memory goes with the group
 object, so a group created later never inherits it.
 

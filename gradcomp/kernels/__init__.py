@@ -92,7 +92,7 @@ def quantize_int8(
     return fn(_flat(x), block_size, rounding, seed, counter, out_q, out_scales)
 
 
-def _check_int8(q, scales, block_size):
+def _check_codes(q, scales, block_size):
     v.tensor("q", q, (torch.int8,))
     v.tensor("scales", scales, (torch.float32,))
     block_size = v.block_size(block_size)
@@ -137,9 +137,9 @@ def dequantize_int8(
             or a scale is negative or infinite (outside the format; for an
             unchecked payload, see :func:`gradcomp.wire.decode`). The native
             CPU kernel checks each block as it reads it, at no extra pass over
-            memory, so blocks before the bad one may have been written; other
-            backends check before writing anything. Without it, codes and
-            scales are read as they are.
+            memory, so other blocks may already have been written when it
+            raises; other backends check in one pass before writing anything.
+            Without it, codes and scales are read as they are.
 
     Returns:
         float32 ``[n]`` (or ``out``).
@@ -148,7 +148,7 @@ def dequantize_int8(
         gradcomp.PayloadError: ``check_int8`` and a code is -128 or a scale
             negative or infinite.
     """
-    block_size = _check_int8(q, scales, block_size)
+    block_size = _check_codes(q, scales, block_size)
     if out is not None:
         v.tensor("out", out)
         if out.numel() != q.numel() or not out.is_contiguous() or out.device != q.device:
@@ -174,7 +174,7 @@ def dequantize_int8_add_(
     """``acc += code * scale`` in place. acc: contiguous float32 with ``q.numel()``
     elements; ``check_int8`` as :func:`dequantize_int8` (with the native CPU
     kernel, ``acc`` may then hold a partial sum when it raises)."""
-    block_size = _check_int8(q, scales, block_size)
+    block_size = _check_codes(q, scales, block_size)
     _check_out("acc", acc, q.numel(), torch.float32, q.device)
     fn = resolve("dequantize_int8_add_", q.device.type, backend)
     if _kernel_checks(fn, q, scales, check_int8):
@@ -269,7 +269,7 @@ def reduce_quantize_int8(
         gradcomp.PayloadError: ``check_int8`` and a code of ``q`` is -128 or
             a scale negative or infinite.
     """
-    block_size = _check_int8(q, scales, block_size)
+    block_size = _check_codes(q, scales, block_size)
     _check_out("acc", acc, q.numel(), torch.float32, q.device)
     divisor = v.integer("divisor", divisor, 1, 2**24)  # exact in float32
     v.flag("check_int8", check_int8)
