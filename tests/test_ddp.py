@@ -245,30 +245,28 @@ class _Exploding(gc.Int8Quantizer):
         return super().compress(t)
 
 
-def _failing(rank, ranks):
+def _error_in_training(rank, state, steps):
+    """(exception type, message) of training a DDP model with ``state``'s hook, or "no error"."""
     torch.manual_seed(3)
     model = DDP(_Net())
-    state = GradCompState(compressor=_Exploding(ranks, after=6), min_compress_numel=0, start_iter=1,
-                          timeout=3)
     model.register_comm_hook(state, compressed_allreduce_hook)
     try:
-        _train(rank, [model], 20, loss_allreduce=False)
+        _train(rank, [model], steps, loss_allreduce=False)
     except Exception as e:
         return type(e).__name__, str(e)
     return "no error", ""
+
+
+def _failing(rank, ranks):
+    state = GradCompState(compressor=_Exploding(ranks, after=6), min_compress_numel=0, start_iter=1,
+                          timeout=3)
+    return _error_in_training(rank, state, 20)
 
 
 def _mismatched_settings(rank):
-    torch.manual_seed(3)
-    model = DDP(_Net())
     comp = gc.Int8Quantizer() if rank == 0 else gc.Int8Quantizer(block_size=64)
     state = GradCompState(compressor=comp, min_compress_numel=0, start_iter=0, timeout=30)
-    model.register_comm_hook(state, compressed_allreduce_hook)
-    try:
-        _train(rank, [model], 3, loss_allreduce=False)
-    except Exception as e:
-        return type(e).__name__, str(e)
-    return "no error", ""
+    return _error_in_training(rank, state, 3)
 
 
 def _all_failures(rank, world):
