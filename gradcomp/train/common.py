@@ -11,7 +11,18 @@ from gradcomp.train.config import TrainConfig
 from gradcomp.train.data import Digits
 from gradcomp.train.model import evaluate
 
-__all__ = ["RankLog", "counted_bytes"]
+__all__ = ["RankLog", "counted_bytes", "param_digest"]
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's parameters' bytes, in order (equal digests:
+    bit-identical parameters)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def counted_bytes(mode: str, meter, raw: bool = False) -> int:

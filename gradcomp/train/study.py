@@ -321,8 +321,11 @@ def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog])
     total = TrafficMeter()
     for log in workers:
         total.merge(log.meter)
-    extra = {k: v for log in logs for k, v in log.extra.items()}
+    extra = {k: v for log in logs for k, v in log.extra.items() if k != "param_sha256"}
     extra.update(staleness_stats(extra))
+    digests = [log.extra.get("param_sha256") for log in workers]
+    if any(digests):
+        extra["param_sha256_per_worker"] = digests
     return RunResult(
         mode=mode, compressor=compressor, label=COMPRESSORS[compressor].label,
         workers=n, steps=steps,

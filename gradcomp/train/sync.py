@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import Timeline, now
-from gradcomp.train.common import RankLog
+from gradcomp.train.common import RankLog, param_digest
 from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, worker_batches
 from gradcomp.train.model import make_model
@@ -92,6 +92,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         log.record(cfg, "sync", step, lossf, meter, model if rank == 0 else None, data,
                    progress if rank == 0 else None)
     state.close()
+    log.extra["param_sha256"] = param_digest(model)
     log.finish(meter, model if rank == 0 else None, data, timeline)
     if rank == 0:
         log.final = log.evals[-1]
