@@ -134,7 +134,7 @@ def tiny_study(tmp_path_factory):
 @pytest.mark.slow
 def test_study_writes_table_json_csv_png(tiny_study):
     out, terminal = tiny_study
-    for header in ("mode", "compressor", "bytes/worker/step", "reduction", "test acc",
+    for header in ("mode", "compressor", "bytes/step", "reduction", "test acc",
                    "gap (pp)", "step ms", "idle", "exp comm", "to target s", "wall s"):
         assert header in terminal
     assert "MLP 64-384-256-10 (126,090 params), 2 workers x batch 64, 24 steps" in terminal

@@ -452,8 +452,13 @@ def main(argv=None) -> int:
         p.error("--repeat must be >= 1")
     if min(worlds) < 2:
         p.error("--worlds must be >= 2 (a world of one sends nothing)")
-    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
-        p.error(f"--out: {args.out} exists and is not a directory")
+    if args.out:
+        from gradcomp._validate import writable_dir
+
+        try:
+            writable_dir("--out", args.out)
+        except ValueError as e:
+            p.error(str(e).replace("--out ", "--out: ", 1))
     if any(link != "none" for link in args.link):
         from gradcomp.cluster import requirements_missing
 

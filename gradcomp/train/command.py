@@ -195,8 +195,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                            "loopback,1gbit,100mbit,100mbit+straggler")
     time.add_argument("--max-gap", type=_nonnegative_float, default=None, metavar="PTS",
                       help="accuracy bound of the decision table in points (default 0.5)")
-    p.add_argument("--out", default=DEFAULT_OUT,
-                   help=f"directory for results.json, results.csv, results.png (default {DEFAULT_OUT})")
+    p.add_argument("--out", default=None,
+                   help=f"directory for the results (results.json/.csv/.png, time.png, decision.md/"
+                        f".json); default: a new timestamped directory under {DEFAULT_OUT}/. "
+                        "An existing results.json there is never replaced without --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -318,6 +322,30 @@ class _Bars:
             t.completed for i, t in enumerate(self.progress.tasks) if t.id != self.overall))
 
 
+def prepare_out(out: str | None, overwrite: bool = False) -> str:
+    """The directory the results go to, created and checked writable before
+    anything runs: ``out``, or a new ``DEFAULT_OUT/<YYYYmmdd-HHMMSS>`` (``-2``,
+    ``-3``, ... when taken).
+
+    Raises:
+        ValueError: ``out`` is a file, cannot be created or written, or already
+            holds results and ``overwrite`` is False (one-line reasons).
+    """
+    if out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out = os.path.join(DEFAULT_OUT, stamp)
+        k = 2
+        while os.path.exists(out):
+            out = os.path.join(DEFAULT_OUT, f"{stamp}-{k}")
+            k += 1
+    from gradcomp._validate import writable_dir
+
+    if os.path.isdir(out) and not overwrite and os.path.exists(os.path.join(out, "results.json")):
+        raise ValueError(f"--out {out} already holds results (results.json); pass --overwrite to "
+                         "replace them, or choose another directory")
+    return writable_dir("--out", out)
+
+
 def _interrupt(signum, frame):
     """SIGTERM: unwind like Ctrl-C, so that the ranks are stopped too."""
     raise KeyboardInterrupt
@@ -333,9 +361,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from gradcomp.launch import WorkerError
-    from gradcomp.train import report
-    from gradcomp.train.study import fill_targets, in_torchrun, run_study
+    from gradcomp.train.study import in_torchrun
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -349,15 +375,34 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e), 2)
     modes = MODES if args.mode == "both" else (args.mode,)
     lead = not in_torchrun() or os.environ.get("RANK") == "0"
-    if lead and os.path.exists(args.out) and not os.path.isdir(args.out):
-        return fail(f"--out {args.out} exists and is not a directory", 2)
-    console = Console(quiet=not lead)
-    if not console.is_terminal:
-        console = Console(quiet=not lead, width=max(console.width, 120))
     try:
         scenarios = _scenario_list(args, cfg.workers)
     except ValueError as e:
         return fail(str(e), 2)
+    made = None
+    if lead:
+        try:
+            existed = args.out is not None and os.path.isdir(args.out)
+            args.out = prepare_out(args.out, args.overwrite)
+            made = None if existed else args.out
+        except ValueError as e:
+            return fail(str(e), 2)
+    console = Console(quiet=not lead)
+    if not console.is_terminal:
+        console = Console(quiet=not lead, width=max(console.width, 120))
+    status = _run_and_report(args, cfg, modes, scenarios, lead, console, fail)
+    if status != 0 and made is not None:
+        try:
+            os.rmdir(made)  # only if the failed run left it empty
+        except OSError:
+            pass
+    return status
+
+
+def _run_and_report(args, cfg, modes, scenarios, lead, console, fail) -> int:
+    from gradcomp.launch import WorkerError
+    from gradcomp.train import report
+    from gradcomp.train.study import fill_targets, run_study
     t0 = time.perf_counter()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
@@ -402,7 +447,8 @@ def run(args: argparse.Namespace) -> int:
             paths = report.write_all(study, args.out, studies, args.max_gap)
         except OSError as e:
             return fail(f"cannot write the results to --out {args.out}: {e}", 1)
-        console.print("wrote " + ", ".join(paths.values()), highlight=False)
+        console.print(f"results in {args.out}: " + ", ".join(os.path.basename(p) for p in paths.values()),
+                      highlight=False)
     return 0
 
 

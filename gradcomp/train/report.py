@@ -120,10 +120,11 @@ def table(study: StudyResult):
     from gradcomp.train.decision import aggregate
 
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-    headers = ("mode", "compressor", "bytes/worker/step", "reduction", "test acc", "gap (pp)",
+    headers = ("mode", "compressor", "bytes/step", "reduction", "test acc", "gap (pp)",
                "step ms", "idle", "exp comm", "to target s", "wall s")
     for header in headers:
-        t.add_column(header, justify="left" if header in ("mode", "compressor") else "right")
+        t.add_column(header, justify="left" if header in ("mode", "compressor") else "right",
+                     no_wrap=True)
     aggs = aggregate(study.runs)
     many = any(a.seeds > 1 for a in aggs)
 
