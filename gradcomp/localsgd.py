@@ -161,6 +161,7 @@ class _Fragment:
             off += p.numel()
         self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device) if error_feedback else None
         self.checked = False  # the ranks agreed on this fragment's exchange
+        self.loaded_at = 0  # the step count when the anchor was last loaded into the parameters
 
     def pseudo_gradient(self) -> torch.Tensor:
         """``anchor - params`` as a new flat float32 tensor."""
@@ -344,11 +345,14 @@ class LocalSGD:
 
     def sync(self) -> None:
         """Synchronise every fragment now (after applying a pending exchange),
-        e.g. before evaluating or saving the final model; the schedule of
-        :meth:`step` is unchanged. Every rank must call it at the same point."""
+        e.g. before evaluating or saving the final model; fragments loaded
+        since the last :meth:`step` (already identical on every rank) are
+        skipped. The schedule of :meth:`step` is unchanged. Every rank must
+        call it at the same point."""
         self._finish_pending()
-        for f in range(self.fragments):
-            self._start(f, 0)
+        for f, frag in enumerate(self._frags):
+            if frag.loaded_at != self.steps:
+                self._start(f, 0)
 
     def close(self) -> None:
         """Apply a pending exchange and stop the background thread (it restarts
@@ -411,6 +415,7 @@ class LocalSGD:
             for t in frag.views:
                 t.grad = None
         frag.load()
+        frag.loaded_at = self.steps
         self.syncs += 1
 
     # ---- checkpoints ----------------------------------------------------------------
@@ -478,6 +483,7 @@ class LocalSGD:
             if r is not None:
                 frag.residual.copy_(r)
             frag.checked = False
+            frag.loaded_at = -1  # the parameters are the caller's: sync() exchanges every fragment
         if self.outer_optimizer is not None:
             self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.compressor.load_state_dict(state.get("compressor", {}))

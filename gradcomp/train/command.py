@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from gradcomp.train.config import (ALGORITHMS, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
+from gradcomp.train.config import (ALGORITHMS, ALL_MODES, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
                                    TrainConfig, parse_compressors)
 
 __all__ = ["add_arguments", "build_parser", "run", "main"]
@@ -59,6 +59,16 @@ def _nonnegative_float(text: str) -> float:
     return _positive_float(text)
 
 
+def _nonnegative_int(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if val < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {val}")
+    return val
+
+
 def _seed(text: str) -> int:
     try:
         val = int(text)
@@ -82,9 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive_int, default=None,
                    help=f"data-parallel workers (default {d.workers}; async adds a server process; "
                         "under torchrun: WORLD_SIZE for sync, WORLD_SIZE - 1 for async)")
-    p.add_argument("--mode", choices=(*MODES, "both"), default="both",
-                   help="sync (DDP + compressed allreduce hook), async (parameter server) "
-                        "or both (default)")
+    p.add_argument("--mode", choices=(*ALL_MODES, "both"), default="both",
+                   help="sync (DDP + compressed allreduce hook), async (parameter server), "
+                        "local (local SGD / DiLoCo: compressed pseudo-gradients every "
+                        "--sync-every steps) or both (sync and async, the default)")
     p.add_argument("--compressors", type=_compressor_list, default=DEFAULT_COMPRESSORS,
                    metavar="LIST",
                    help="comma-separated names among none,fp16,bf16,int8,int8-ef,topk-ef,"
@@ -110,6 +121,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive_float, default=d.timeout,
                    help=f"seconds allowed per run before its processes are stopped "
                         f"(default {d.timeout:g})")
+    p.add_argument("--sync-every", type=_positive_int, default=None, metavar="H",
+                   help=f"local mode: steps between synchronisations (default {d.sync_every})")
+    p.add_argument("--outer", choices=("avg", "nesterov"), default=None,
+                   help="local mode: average the replicas (avg, the default) or take DiLoCo's outer "
+                        "Nesterov step (nesterov: lr 0.7, momentum 0.9)")
+    p.add_argument("--fragments", type=_positive_int, default=None, metavar="F",
+                   help="local mode: fragments synchronised in turn, one every H/F steps (default 1)")
+    p.add_argument("--overlap", type=_nonnegative_int, default=None, metavar="TAU",
+                   help="local mode: steps a fragment's exchange overlaps training before its update "
+                        "is applied, 0 <= TAU < H/F (default 0)")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help=f"directory for results.json, results.csv, results.png (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -143,7 +164,7 @@ def _workers(args: argparse.Namespace) -> int:
     if args.mode == "both":
         raise ValueError("under torchrun run one mode per job: --mode sync (WORLD_SIZE workers) or "
                          "--mode async (1 server + WORLD_SIZE - 1 workers)")
-    expected = world if args.mode == "sync" else world - 1
+    expected = world - 1 if args.mode == "async" else world
     if expected < 1:
         raise ValueError(f"async mode needs at least 2 ranks (1 server + workers), the job has {world}")
     if args.workers is not None and args.workers != expected:
@@ -152,11 +173,21 @@ def _workers(args: argparse.Namespace) -> int:
     return expected
 
 
+#: options of the local mode only, with their TrainConfig field
+LOCAL_OPTIONS = {"--sync-every": "sync_every", "--outer": "outer", "--fragments": "fragments",
+                 "--overlap": "overlap"}
+
+
 def _config(args: argparse.Namespace) -> TrainConfig:
+    local = {field: getattr(args, field) for field in LOCAL_OPTIONS.values()
+             if getattr(args, field, None) is not None}
+    if local and args.mode != "local":
+        given = [opt for opt, field in LOCAL_OPTIONS.items() if field in local]
+        raise ValueError(f"{', '.join(given)} only apply to --mode local, got --mode {args.mode}")
     return TrainConfig(workers=_workers(args), steps=args.steps, batch_size=args.batch_size,
                        lr=args.lr, momentum=args.momentum, seed=args.seed,
                        algorithm=args.algorithm, eval_every=args.eval_every,
-                       threshold=args.threshold, timeout=args.timeout)
+                       threshold=args.threshold, timeout=args.timeout, **local)
 
 
 class _Bars:
