@@ -15,7 +15,7 @@ and ``met`` / ``MISSED`` against the targets (int8 >= 100x, top-k 1% + int8 +
 error feedback >= 1000x, both within 0.5 points on the mean).
 
     python benchmarks/localsgd_study.py [--seeds 3] [--sync-every 32] [--outer avg,nesterov]
-        [--compressors int8,topk-int8-ef] [--json out.json]
+        [--compressors int8,topk-int8-ef] [--fragments F --overlap TAU] [--json out.json]
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     p.add_argument("--sync-every", type=int, default=32)
     p.add_argument("--outer", default="avg,nesterov")
     p.add_argument("--compressors", default="int8,topk-int8-ef")
+    p.add_argument("--fragments", type=int, default=1)
+    p.add_argument("--overlap", type=int, default=0)
     p.add_argument("--steps", type=int, default=TrainConfig().steps)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -59,7 +61,8 @@ def main(argv=None) -> int:
         print(f"seed {seed}: sync none {base.bytes_per_worker_per_step:,.0f} B/worker/step, "
               f"acc {100 * base.test_accuracy:.2f}%", flush=True)
         for outer in outers:
-            cfg = TrainConfig(seed=seed, steps=args.steps, sync_every=args.sync_every, outer=outer)
+            cfg = TrainConfig(seed=seed, steps=args.steps, sync_every=args.sync_every, outer=outer,
+                              fragments=args.fragments, overlap=args.overlap)
             for r in run_study(cfg, ["local"], names).runs:
                 per_sample = r.bytes_per_worker_per_step / cfg.batch_size
                 row = rows.setdefault((outer, r.compressor), {"x": [], "gap": [], "acc": []})
@@ -68,7 +71,8 @@ def main(argv=None) -> int:
                 row["acc"].append(100 * r.test_accuracy)
                 print(f"  {outer:8} {r.label:15} {r.bytes_per_worker_per_step:9,.0f} B/worker/step "
                       f"{row['x'][-1]:8.1f}x fewer  acc {100 * r.test_accuracy:.2f}%", flush=True)
-    print(f"\nmean over {args.seeds} seeds, H={args.sync_every}, {args.steps} steps, 4 workers, "
+    print(f"\nmean over {args.seeds} seeds, H={args.sync_every}, F={args.fragments}, tau={args.overlap}, "
+          f"{args.steps} steps, 4 workers, "
           f"against sync none (gap: 95% t-interval)")
     print(f"{'outer':8} {'compressor':15} {'x fewer':>9} {'acc %':>7} {'gap (pp)':>16}  target")
     summary = []
@@ -87,7 +91,8 @@ def main(argv=None) -> int:
                         "mean_x": x, "mean_gap_pp": gap, "gap_interval95_pp": half})
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"sync_every": args.sync_every, "seeds": args.seeds, "steps": args.steps,
+            json.dump({"sync_every": args.sync_every, "fragments": args.fragments, "overlap": args.overlap,
+                       "seeds": args.seeds, "steps": args.steps,
                        "rows": summary}, f, indent=1)
     return 0
 

@@ -290,7 +290,12 @@ class LocalSGD:
         with torch.no_grad():
             src = dist.get_global_rank(self._group, 0)
             for p in params:
-                dist.broadcast(p.data, src=src, group=self._group)
+                if p.is_contiguous():
+                    dist.broadcast(p.detach(), src=src, group=self._group)
+                else:  # e.g. channels_last: the transport needs contiguous memory
+                    buf = p.detach().contiguous()
+                    dist.broadcast(buf, src=src, group=self._group)
+                    p.copy_(buf)
         cuts = _partition([p.numel() for p in params], self.fragments)
         self._frags = [_Fragment([params[i] for i in idx], self.error_feedback) for idx in cuts]
         self.outer_optimizer = self._make_outer(outer_optimizer)
