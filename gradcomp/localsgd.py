@@ -321,6 +321,11 @@ class LocalSGD:
         """The parameters of each fragment, in order."""
         return [list(f.params) for f in self._frags]
 
+    @property
+    def pending_fragment(self) -> int | None:
+        """The fragment whose exchange is in flight (started, not applied yet), or None."""
+        return None if self._pending is None else self._pending[0]
+
     def fragment_due(self, step: int) -> int | None:
         """The fragment whose exchange starts after inner step ``step`` (1-based), or None."""
         r = step % self.sync_every

@@ -8,6 +8,7 @@ gradcomp.wire's documented format.
 """
 
 import copy
+import functools
 import math
 import threading
 
@@ -214,7 +215,7 @@ def _roundtrip(rank):
 
     model, opt, ls = build(0)
     _train(model, opt, ls, 6)
-    pending = ls._pending is not None
+    pending = ls.pending_fragment == 0
     ckpt = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), ls.state_dict())
     _train(model, opt, ls, 6, start=6)
     ls.close()
@@ -225,15 +226,40 @@ def _roundtrip(rank):
     ls2.load_state_dict(ckpt[2])
     _train(model2, opt2, ls2, 6, start=6)
     ls2.close()
+    rejected = []
+    for kwargs in ({"sync_every": 8, "fragments": 2}, {"sync_every": 4, "fragments": 2, "overlap": 1}):
+        other = gc.LocalSGD(_model(), compressor=gc.Int8Quantizer(), **kwargs)  # averaging / other H
+        try:
+            other.load_state_dict(ckpt[2])
+        except ValueError as e:
+            rejected.append(str(e))
     return {"pending": pending, "equal": torch.equal(ref, _flat(model2)),
-            "steps": (ls.steps, ls2.steps), "syncs": (ls.syncs, ls2.syncs)}
+            "steps": (ls.steps, ls2.steps), "syncs": (ls.syncs, ls2.syncs), "rejected": rejected}
+
+
+def _outer_factory(rank):
+    """A factory for the outer optimizer: the same trajectory as "nesterov", bit for bit."""
+    finals = []
+    for outer in ("nesterov", functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)):
+        model = _model()
+        ls = gc.LocalSGD(model, sync_every=2, compressor=gc.Int8Quantizer(), outer_optimizer=outer)
+        _train(model, torch.optim.SGD(model.parameters(), lr=0.1), ls, 6)
+        ls.close()
+        finals.append(_flat(model))
+    try:
+        gc.LocalSGD(_model(), sync_every=2, outer_optimizer=lambda params: "adam")
+        error = None
+    except TypeError as e:
+        error = str(e)
+    return {"equal": torch.equal(*finals), "error": error}
 
 
 def _all(rank, world):
     torch.manual_seed(0)
     return {name: fn(rank) for name, fn in (
         ("ddp", _ddp_equivalence), ("diloco", _diloco), ("telescoping", _telescoping),
-        ("streaming", _streaming), ("bitwise", _bitwise), ("bytes", _bytes), ("roundtrip", _roundtrip))}
+        ("streaming", _streaming), ("bitwise", _bitwise), ("bytes", _bytes), ("roundtrip", _roundtrip),
+        ("outer_factory", _outer_factory))}
 
 
 @pytest.fixture(scope="module")
@@ -320,6 +346,15 @@ def test_state_dict_round_trip_resumes_the_same_trajectory(runs):
         d = r["roundtrip"]
         assert d["pending"] and d["equal"], d
         assert d["steps"] == (12, 12) and d["syncs"][0] == d["syncs"][1] == 6, d
+        assert len(d["rejected"]) == 2, d
+        assert "sync_every=4" in d["rejected"][0] and "averaging" in d["rejected"][1], d
+
+
+@pytest.mark.slow
+def test_outer_optimizer_factory(runs):
+    for r in runs:
+        d = r["outer_factory"]
+        assert d["equal"] and "must return a torch.optim.Optimizer" in d["error"], d
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -346,3 +381,40 @@ def test_bad_argument_types():
         gc.LocalSGD(_model(), sync_every=4, compressor=gc.ErrorFeedback(gc.Int8Quantizer()))
     with pytest.raises(RuntimeError, match="initialised"):
         gc.LocalSGD(_model(), sync_every=4)
+
+
+class _Exploding(gc.Int8Quantizer):
+    """Raises on rank 1 from its ``after``-th compression on."""
+
+    def __init__(self, after):
+        super().__init__()
+        self.after, self.calls = after, 0
+
+    def compress(self, t):
+        self.calls += 1
+        if dist.get_rank() == 1 and self.calls > self.after:
+            raise ValueError("injected compression failure")
+        return super().compress(t)
+
+
+def _failure_in_background(rank, world):
+    """Rank 1's exchange fails on the background thread: every rank raises, none hangs."""
+    model = _model()
+    ls = gc.LocalSGD(model, sync_every=4, compressor=_Exploding(after=4), error_feedback=False,
+                     fragments=2, overlap=1, timeout=3)
+    try:
+        _train(model, torch.optim.SGD(model.parameters(), lr=0.1), ls, 12)
+    except Exception as e:
+        return type(e).__name__, str(e), ls.steps
+    return "no error", "", ls.steps
+
+
+@pytest.mark.slow
+def test_a_failed_background_exchange_raises_on_every_rank():
+    res = launch(_failure_in_background, 2, timeout=TIMEOUT)
+    for rank, (kind, msg, steps) in enumerate(res):
+        assert kind != "no error" and steps < 12, res
+        if rank == 1:
+            assert "injected compression failure" in msg, res
+        else:  # its peer stopped talking: a timeout, not a hang
+            assert kind in ("TimeoutError", "RuntimeError"), res
