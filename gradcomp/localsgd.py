@@ -73,6 +73,7 @@ per rank: for :class:`~gradcomp.Int8Quantizer` and ``N`` dividing ``n``,
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import datetime
 from collections.abc import Callable, Mapping
 
@@ -84,6 +85,7 @@ from gradcomp import _validate as v
 from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce
 from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
 from gradcomp.meter import TrafficMeter
+from gradcomp.timeline import Timeline
 
 __all__ = ["LocalSGD", "OUTER_LR", "OUTER_MOMENTUM", "OUTER_OPTIMIZERS", "check_schedule"]
 
@@ -212,6 +214,10 @@ class LocalSGD:
             exchange and the application of its update (0: at once, no thread);
             ``0 <= tau < sync_every / fragments``.
         timeout: seconds one exchange may take.
+        timeline: optional :class:`gradcomp.timeline.Timeline`: each exchange
+            is recorded as a ``"collective"`` span (with the transport's
+            ``"compress"``, ``"communicate"`` and ``"decompress"`` spans inside),
+            on whichever thread runs it.
 
     Attributes:
         steps: calls of :meth:`step` so far.
@@ -237,6 +243,7 @@ class LocalSGD:
         fragments: int = 1,
         overlap: int = 0,
         timeout: float = DEFAULT_TIMEOUT,
+        timeline: Timeline | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -262,6 +269,10 @@ class LocalSGD:
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
         self.timeout = v.timeout("timeout", timeout)
+        if timeline is not None and not isinstance(timeline, Timeline):
+            raise TypeError(f"timeline must be a gradcomp.timeline.Timeline or None, "
+                            f"got {type(timeline).__name__}")
+        self.timeline = timeline
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no parameter that requires grad")
@@ -391,9 +402,13 @@ class LocalSGD:
         if ready is not None:  # a new thread starts on device 0
             torch.cuda.set_device(delta.device)
             ready.synchronize()
-        allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
-                  meter=self.meter, timeout=self.timeout, residual=frag.residual, out=delta,
-                  check=not frag.checked)
+        with contextlib.ExitStack() as stack:
+            if self.timeline is not None:
+                stack.enter_context(self.timeline.active())
+                stack.enter_context(self.timeline.span("collective"))
+            allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
+                      meter=self.meter, timeout=self.timeout, residual=frag.residual, out=delta,
+                      check=not frag.checked)
         frag.checked = True
         if ready is not None:
             torch.cuda.current_stream(delta.device).synchronize()

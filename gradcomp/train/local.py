@@ -11,10 +11,21 @@ momentum 0.9); ``cfg.fragments`` / ``cfg.overlap`` make it Streaming DiLoCo
 (see :mod:`gradcomp.localsgd`). The ``none`` baseline of this mode moves
 float32 pseudo-gradients on the same schedule.
 
-After the last step every fragment is synchronised once more (counted), so
-the evaluated model is the one every rank holds; the curves' points evaluate
-rank 0's replica as it is at the mark. Counted bytes are what a worker sent,
-as in the sync mode. The ``threshold-ef`` threshold is calibrated on
+After the last step every fragment changed since its last synchronisation is
+synchronised once more (counted), so the evaluated model is the one every
+rank holds; the curves' points evaluate rank 0's replica as it is at the
+mark. Counted bytes are what a worker sent, as in the sync mode.
+
+Time: each step is attributed like a sync step
+(:func:`gradcomp.timeline.sync_step_phases`): ``compute`` runs from the step's
+start to the ``"handoff"`` mark after the inner optimizer step (forward,
+backward, a straggler's delay, the inner step), the exposed window from there
+to the return of :meth:`~gradcomp.LocalSGD.step` holds the exchange (its
+``"collective"`` span, split into compress / communicate / decompress), the
+``wait`` for the slowest rank at a synchronisation, and the outer update
+(``other``). Steps without an exchange have an empty window; with
+``overlap`` the exchange runs behind the next steps' compute and only what
+is still running when its update is due shows. The ``threshold-ef`` threshold is calibrated on
 gradients (see :mod:`gradcomp.train.study`), a smaller scale than
 pseudo-gradients', so in this mode it keeps far more than 1% of the entries
 unless ``--threshold`` sets one.
@@ -28,10 +39,12 @@ from torch import nn
 
 from gradcomp.localsgd import LocalSGD
 from gradcomp.meter import TrafficMeter
+from gradcomp.timeline import Timeline, now
 from gradcomp.train.common import RankLog
 from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, worker_batches
-from gradcomp.train.model import evaluate, make_model
+from gradcomp.train.model import make_model
+from gradcomp.train.timing import ComputeDelay
 
 __all__ = ["train_local_rank", "LOCAL"]
 
@@ -58,28 +71,41 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     choice = COMPRESSORS[compressor]
     model = make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes)
     meter = TrafficMeter()
+    timeline = Timeline()
     ls = LocalSGD(model, sync_every=cfg.sync_every, compressor=choice.build(cfg.threshold),
                   outer_optimizer=cfg.outer, meter=meter, error_feedback=choice.error_feedback,
                   algorithm="allgather" if choice.sparse else cfg.algorithm,
-                  fragments=cfg.fragments, overlap=cfg.overlap, timeout=cfg.timeout)
+                  fragments=cfg.fragments, overlap=cfg.overlap, timeout=cfg.timeout, timeline=timeline)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     log = RankLog(rank)
+    delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed)
     dist.barrier()
     log.start()
     batches = worker_batches(len(data.y_train), cfg.workers, rank, cfg.batch_size, cfg.seed, cfg.steps)
     for step, idx in enumerate(batches, 1):
+        t0 = now()
+        timeline.begin_step(t0)
         loss = nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+        with timeline.span("delay"):  # a slow worker reaches the synchronisation late
+            slept = delay.sleep(step, now() - t0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        handoff = now()
+        timeline.mark("handoff", handoff)
+        delay.observe(handoff - t0 - slept)
         ls.step()
-        last = step == cfg.steps
-        if last:
+        if step == cfg.steps:
             ls.sync()  # the evaluated model is the one every rank holds
-        log.record(cfg, LOCAL, step, loss.item(), meter, model if rank == 0 else None, data,
+        timeline.mark("backward_end")  # the end of the exposed window: the exchange returned
+        timeline.mark("apply_start")
+        lossf = loss.item()
+        timeline.end_step()
+        log.record(cfg, LOCAL, step, lossf, meter, model if rank == 0 else None, data,
                    progress if rank == 0 else None)
     ls.close()
-    if rank == 0:
-        log.final = evaluate(model, data.x_test, data.y_test)
     log.extra = {"local_syncs": ls.syncs}
-    return log.finish(meter)
+    log.finish(meter, model if rank == 0 else None, data, timeline)
+    if rank == 0:
+        log.final = log.evals[-1]
+    return log
