@@ -20,6 +20,7 @@ from gradcomp.compressors import (
 from gradcomp.meter import TrafficMeter
 from gradcomp.comm import allreduce
 from gradcomp import ddp
+from gradcomp.localsgd import LocalSGD
 from gradcomp import ps
 
 __version__ = "0.1.0"
@@ -41,5 +42,6 @@ __all__ = [
     "TrafficMeter",
     "allreduce",
     "ddp",
+    "LocalSGD",
     "ps",
 ]

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from gradcomp.train.config import (ALGORITHMS, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
+from gradcomp.train.config import (ALGORITHMS, ALL_MODES, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
                                    TrainConfig, parse_compressors)
 
 __all__ = ["add_arguments", "build_parser", "run", "main"]
@@ -58,6 +58,28 @@ def _nonnegative_float(text: str) -> float:
     if val == 0:
         return 0.0  # "0", "0.0", "-0"
     return _positive_float(text)
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if val < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {val}")
+    return val
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    """``--mode``: ``both`` (sync and async) or a comma-separated list of ALL_MODES."""
+    if text == "both":
+        return MODES
+    names = [m.strip() for m in text.split(",")]
+    bad = [m for m in names if m not in ALL_MODES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"invalid choice: {(bad or [text])[0]!r} (choose from "
+                                         f"{', '.join(ALL_MODES)}, both or a comma-separated list)")
+    return tuple(dict.fromkeys(names))
 
 
 def _seed(text: str) -> int:
@@ -142,9 +164,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive_int, default=None,
                    help=f"data-parallel workers (default {d.workers}; async adds a server process; "
                         "under torchrun: WORLD_SIZE for sync, WORLD_SIZE - 1 for async)")
-    p.add_argument("--mode", choices=(*MODES, "both"), default="both",
-                   help="sync (DDP + compressed allreduce hook), async (parameter server) "
-                        "or both (default)")
+    p.add_argument("--mode", type=_modes, default=MODES, metavar="MODE[,MODE]",
+                   help="sync (DDP + compressed allreduce hook), async (parameter server), "
+                        "local (local SGD / DiLoCo: compressed pseudo-gradients every "
+                        "--sync-every steps), a comma-separated list of them (e.g. sync,local), "
+                        "or both (sync and async, the default)")
     p.add_argument("--compressors", type=_compressor_list, default=DEFAULT_COMPRESSORS,
                    metavar="LIST",
                    help="comma-separated names among none,fp16,bf16,int8,int8-ef,topk-ef,"
@@ -195,6 +219,17 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                            "loopback,1gbit,100mbit,100mbit+straggler")
     time.add_argument("--max-gap", type=_nonnegative_float, default=None, metavar="PTS",
                       help="accuracy bound of the decision table in points (default 0.5)")
+    local = p.add_argument_group("local mode (local SGD / DiLoCo, gradcomp.LocalSGD)")
+    local.add_argument("--sync-every", type=_positive_int, default=None, metavar="H",
+                       help=f"steps between synchronisations (default {d.sync_every})")
+    local.add_argument("--outer", choices=("avg", "nesterov"), default=None,
+                       help="average the replicas (avg, the default) or take DiLoCo's outer "
+                            "Nesterov step (nesterov: lr 0.7, momentum 0.9)")
+    local.add_argument("--fragments", type=_positive_int, default=None, metavar="F",
+                       help="fragments synchronised in turn, one every H/F steps (default 1)")
+    local.add_argument("--overlap", type=_nonnegative_int, default=None, metavar="TAU",
+                       help="steps a fragment's exchange overlaps training before its update "
+                            "is applied, 0 <= TAU < H/F (default 0)")
     p.add_argument("--out", default=None,
                    help=f"directory for the results (results.json/.csv/.png, time.png, decision.md/"
                         f".json); default: a new timestamped directory under {DEFAULT_OUT}/. "
@@ -229,24 +264,35 @@ def _workers(args: argparse.Namespace) -> int:
     if not in_torchrun():
         return args.workers if args.workers is not None else TrainConfig().workers
     world = int(os.environ["WORLD_SIZE"])
-    if args.mode == "both":
-        raise ValueError("under torchrun run one mode per job: --mode sync (WORLD_SIZE workers) or "
-                         "--mode async (1 server + WORLD_SIZE - 1 workers)")
-    expected = world if args.mode == "sync" else world - 1
+    if len(args.mode) > 1:
+        raise ValueError("under torchrun run one mode per job: --mode sync or local (WORLD_SIZE "
+                         "workers) or --mode async (1 server + WORLD_SIZE - 1 workers)")
+    mode = args.mode[0]
+    expected = world - 1 if mode == "async" else world
     if expected < 1:
         raise ValueError(f"async mode needs at least 2 ranks (1 server + workers), the job has {world}")
     if args.workers is not None and args.workers != expected:
         raise ValueError(f"--workers {args.workers} does not fit this torchrun job of {world} ranks: "
-                         f"{args.mode} mode with {world} ranks has {expected} workers")
+                         f"{mode} mode with {world} ranks has {expected} workers")
     return expected
 
 
+#: options of the local mode only, with their TrainConfig field
+LOCAL_OPTIONS = {"--sync-every": "sync_every", "--outer": "outer", "--fragments": "fragments",
+                 "--overlap": "overlap"}
+
+
 def _config(args: argparse.Namespace) -> TrainConfig:
+    local = {field: getattr(args, field) for field in LOCAL_OPTIONS.values()
+             if getattr(args, field, None) is not None}
+    if local and "local" not in args.mode:
+        given = [opt for opt, field in LOCAL_OPTIONS.items() if field in local]
+        raise ValueError(f"{', '.join(given)} only apply to --mode local, got --mode {','.join(args.mode)}")
     return TrainConfig(workers=_workers(args), steps=args.steps, batch_size=args.batch_size,
                        lr=args.lr, momentum=args.momentum, seed=args.seed,
                        algorithm=args.algorithm, eval_every=args.eval_every,
                        threshold=args.threshold, timeout=args.timeout,
-                       straggler=args.straggler, compute_jitter=args.compute_jitter)
+                       straggler=args.straggler, compute_jitter=args.compute_jitter, **local)
 
 
 def _scenario_list(args: argparse.Namespace, workers: int):
@@ -373,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = _config(args)
     except ValueError as e:
         return fail(str(e), 2)
-    modes = MODES if args.mode == "both" else (args.mode,)
+    modes = args.mode
     lead = not in_torchrun() or os.environ.get("RANK") == "0"
     try:
         scenarios = _scenario_list(args, cfg.workers)

@@ -78,7 +78,10 @@ def title(study: StudyResult) -> str:
     c = study.config
     modes = {r.mode for r in study.runs}
     per_push = f" (async: {c.lr / c.workers:.3g} per push)" if "async" in modes else ""
-    algorithm = f", sync dense algorithm: {c.algorithm}" if "sync" in modes else ""
+    algorithm = f", sync dense algorithm: {c.algorithm}" if modes & {"sync", "local"} else ""
+    if "local" in modes:
+        streaming = f", {c.fragments} fragments, overlap {c.overlap}" if c.fragments > 1 or c.overlap else ""
+        algorithm += f", local: sync every {c.sync_every} steps, outer {c.outer}{streaming}"
     return (f"digits ({study.train_samples} train / {study.test_samples} test), "
             f"MLP {'-'.join(map(str, (64, *c.hidden, 10)))} ({study.num_parameters:,} params), "
             f"{c.workers} workers x batch {c.batch_size}, {c.steps} steps, SGD lr {c.lr:g}"
@@ -239,7 +242,7 @@ def write_plot(study: StudyResult, path: str) -> None:
             acc_ax.plot([max(b, 1.0) / 2**20 for b in r.bytes_at_marks],
                         [100 * a for a in r.accuracy_at_marks], marker=".", label=r.label)
             loss_ax.plot(range(1, len(r.losses) + 1), _smooth(r.losses), label=r.label, lw=1)
-        moved = "sent" if mode == "sync" else "pushed + pulled"
+        moved = "pushed + pulled" if mode == "async" else "sent"
         acc_ax.set(xscale="log", xlabel=f"cumulative MiB {moved} per worker (log)",
                    ylabel="test accuracy (%)", title=f"{mode}: test accuracy vs traffic",
                    ylim=(max(0.0, min(100 * min(r.accuracy_at_marks) for r in runs) - 2), 100))

@@ -52,11 +52,12 @@ from gradcomp.launch import launch
 from gradcomp.meter import TrafficMeter
 from gradcomp.train.async_ import async_world_size, train_async_rank
 from gradcomp.train.common import RankLog, counted_bytes
-from gradcomp.train.config import COMPRESSORS, MODES, TOPK_RATIO, TrainConfig
+from gradcomp.train.config import ALL_MODES, COMPRESSORS, TOPK_RATIO, TrainConfig
 from gradcomp.train.scenarios import Scenario
 from gradcomp.train.timing import summarize_time, time_to_target
 from gradcomp.train.data import Digits, load_digits_split, steps_per_epoch, worker_batches
 from gradcomp.train.model import make_model, num_parameters
+from gradcomp.train.local import train_local_rank
 from gradcomp.train.sync import train_sync_rank
 
 __all__ = ["RunResult", "StudyResult", "calibrate_threshold", "run_study", "in_torchrun",
@@ -164,11 +165,11 @@ def calibrate_threshold(cfg: TrainConfig, data: Digits | None = None) -> float:
 
 
 def _rank_fn(mode: str):
-    return train_sync_rank if mode == "sync" else train_async_rank
+    return {"sync": train_sync_rank, "local": train_local_rank}.get(mode, train_async_rank)
 
 
 def _world_size(mode: str, cfg: TrainConfig) -> int:
-    return cfg.workers if mode == "sync" else async_world_size(cfg)
+    return async_world_size(cfg) if mode == "async" else cfg.workers
 
 
 #: One run of a launch: ``(cfg, compressor name, index into the data list)``.
@@ -399,7 +400,7 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
         cfg: the shared settings (``cfg.threshold=None``: calibrated per seed, see
             the module docstring). A scenario's straggler and compute jitter
             replace ``cfg``'s.
-        modes: subset of ``("sync", "async")``.
+        modes: subset of ``("sync", "async", "local")``.
         compressors: names from :data:`~gradcomp.train.config.COMPRESSORS`.
         on_progress: ``(mode, compressor, step, seed)`` callback.
         on_run: called with each finished run.
@@ -417,17 +418,18 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
     """
     modes = list(dict.fromkeys(modes))
     for m in modes:
-        if m not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {m!r}")
+        if m not in ALL_MODES:
+            raise ValueError(f"mode must be one of {ALL_MODES}, got {m!r}")
     names = list(dict.fromkeys(["none", *compressors]))
     for c in names:
         if c not in COMPRESSORS:
             raise ValueError(f"unknown compressor {c!r}; allowed: {','.join(COMPRESSORS)}")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
-    if "sync" in modes and cfg.workers < 2:
-        raise ValueError(f"sync mode needs at least 2 workers (a single worker exchanges no "
-                         f"gradient, so there is nothing to compress), got {cfg.workers}")
+    for m in modes:
+        if m in ("sync", "local") and cfg.workers < 2:
+            raise ValueError(f"{m} mode needs at least 2 workers (a single worker exchanges no "
+                             f"gradient, so there is nothing to compress), got {cfg.workers}")
     if scenario is None:
         scenario = Scenario(name="custom" if cfg.straggler or cfg.compute_jitter else "loopback",
                             straggler=cfg.straggler, compute_jitter=cfg.compute_jitter)

@@ -161,7 +161,7 @@ def _median(xs: list[float]) -> float:
 def summarize_time(mode: str, cfg, workers: list) -> dict:
     """Time figures of one run from its workers' :class:`~gradcomp.train.common.RankLog`\\ s.
 
-    Sync steps are attributed with :func:`gradcomp.timeline.sync_step_phases`
+    Sync and local steps are attributed with :func:`gradcomp.timeline.sync_step_phases`
     (each step's wait measured against the latest hand-off of any worker in
     that step); async steps with :func:`gradcomp.timeline.async_step_phases`.
 
@@ -182,7 +182,7 @@ def summarize_time(mode: str, cfg, workers: list) -> dict:
     nsteps = min(len(w.steps) for w in workers)
     per_worker: list[list[dict]] = [[] for _ in workers]
     for i in range(nsteps):
-        if mode == "sync":
+        if mode in ("sync", "local"):  # local: every rank waits for the slowest at a sync
             last = max(w.steps[i].marks.get("handoff", w.steps[i].start) for w in workers)
             for k, w in enumerate(workers):
                 per_worker[k].append(sync_step_phases(w.steps[i], last))
@@ -190,7 +190,7 @@ def summarize_time(mode: str, cfg, workers: list) -> dict:
             for k, w in enumerate(workers):
                 per_worker[k].append(async_step_phases(w.steps[i]))
     walls = [[w.steps[i].wall for i in range(nsteps)] for w in workers]
-    if mode == "sync":
+    if mode in ("sync", "local"):
         step_times = [max(walls[k][i] for k in range(len(workers))) for i in range(nsteps)]
     else:
         step_times = [t for ws in walls for t in ws]
@@ -223,4 +223,4 @@ def summarize_time(mode: str, cfg, workers: list) -> dict:
 
 def _worker_index(mode: str, log) -> int:
     """The worker index of a log (async ranks start after the server)."""
-    return log.rank if mode == "sync" else log.rank - 1
+    return log.rank - 1 if mode == "async" else log.rank
