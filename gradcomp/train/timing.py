@@ -6,8 +6,9 @@ would):
 
 * ``--straggler RANK:FACTOR``: worker ``RANK``'s compute takes ``FACTOR``
   times as long: each step it sleeps ``(FACTOR - 1) x`` its measured compute
-  (forward + backward of the previous step; the first step uses three times
-  its forward, the usual backward/forward ratio of an MLP);
+  (the median forward + backward time of its last 5 steps, sleep excluded;
+  the first step uses three times its forward, the usual backward/forward
+  ratio of an MLP);
 * ``--compute-jitter CV``: every worker's compute of every step is stretched
   by a factor ``F`` drawn from a lognormal with mean 1 and coefficient of
   variation ``CV`` (``sigma^2 = ln(1 + CV^2)``, ``mu = -sigma^2 / 2``),
@@ -24,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["ComputeDelay", "jitter_factor", "time_to_target", "percentile", "mean_ci95",
            "parse_straggler"]
@@ -77,7 +78,7 @@ class ComputeDelay:
     straggler: tuple[int, float] | None = None
     jitter_cv: float = 0.0
     seed: int = 0
-    _compute: float | None = None
+    _recent: list = field(default_factory=list)
 
     @property
     def active(self) -> bool:
@@ -98,15 +99,15 @@ class ComputeDelay:
         """
         if not self.active:
             return 0.0
-        base = self._compute if self._compute is not None else 3.0 * forward_s
+        base = statistics.median(self._recent) if self._recent else 3.0 * forward_s
         extra = (self.factor(step) - 1.0) * base
         if extra > 0:
             time.sleep(extra)
         return max(0.0, extra)
 
     def observe(self, compute_s: float) -> None:
-        """The step's measured compute without the sleep (the next step's base)."""
-        self._compute = compute_s
+        """The step's measured compute without the sleep (the next steps' base)."""
+        self._recent = [*self._recent[-4:], compute_s]
 
 
 def time_to_target(times: list[float], steps: list[int], accuracies: list[float],
