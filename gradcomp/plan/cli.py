@@ -185,7 +185,8 @@ def parse_one(parse_many, text):
 def _console():
     from rich.console import Console
 
-    return Console(width=max(100, min(200, os.get_terminal_size(1).columns if sys.stdout.isatty() else 160)))
+    return Console(width=max(100, min(200, os.get_terminal_size(1).columns if sys.stdout.isatty() else 160)),
+                   soft_wrap=True)
 
 
 def _table(title: str, columns, rows):
@@ -237,9 +238,13 @@ def _project(args) -> int:
         f"gradcomp plan: alpha {prof.alpha_s * 1e6:.1f} us/message, kernels: {prof.source.get('kernels', '?')}",
         ["params", "link", "N", "compute ms", "none ms", "comm none", "fastest sync", "ms", "speed-up",
          "comm", "fastest async", "async/sync", "stale", f"idle cv{cv:g}"], table))
-    keys = list(rows[0]["speedup"]) if rows else []
-    con.print(_table("speed-up of each sync compressor/algorithm over none/ring",
-                     ["params", "link", "N"] + keys,
+    # the table leaves out bf16 (fp16's bytes and kernels) and threshold (its density is
+    # an assumption); plan.json has every one
+    keys = [k for k in (rows[0]["speedup"] if rows else []) if not k.startswith(("bf16/", "threshold"))]
+    short = {"ring": "R", "two_phase": "2P", "allgather": "AG", "ps": "PS"}
+    con.print(_table("speed-up of each sync compressor/algorithm over none/ring "
+                     "(R ring, 2P two-phase, AG allgather, PS parameter server)",
+                     ["params", "link", "N"] + [f"{k.split('/')[0]} {short[k.split('/')[1]]}" for k in keys],
                      [[format_count(r["params"]), r["link"], str(r["nodes"])]
                       + [f"{r['speedup'][k]:.2f}" for k in keys] for r in rows]))
     os.makedirs(args.out, exist_ok=True)
@@ -253,7 +258,7 @@ def _project(args) -> int:
 def _recommend(args) -> int:
     from gradcomp.plan.model import Setting
     from gradcomp.plan.recommend import recommend
-    from gradcomp.plan.units import format_count, format_rate
+    from gradcomp.plan.units import format_count
 
     prof = _profile(args)
     name, beta = args.link
@@ -274,7 +279,7 @@ def _recommend(args) -> int:
         extra = f", mean staleness {p.staleness_mean:.1f}" if p.staleness_mean is not None else ""
         return (f"{1e3 * t(p):,.1f} ms per N gradients (step {1e3 * p.step_s:,.1f} ms, exposed comm "
                 f"{_pct(p.comm_share)}, idle {_pct(p.idle_share)}, {p.bytes_sent / 1e6:,.2f} MB sent/step{extra})")
-    con.print(f"setting: {args.nodes} nodes, {name} ({format_rate(beta)}), {format_count(args.params)} params, "
+    con.print(f"setting: {args.nodes} nodes, {name} ({beta / 1e6:,.1f} MB/s), {format_count(args.params)} params, "
               f"compute {args.compute_ms:g} ms, straggler CV {s.straggler_cv:g}, factor {s.straggler_factor:g}, "
               f"alpha {s.alpha(prof) * 1e6:.1f} us")
     con.print(f"[bold]recommended: {what(best)}[/bold]: {numbers(best)}")

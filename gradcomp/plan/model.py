@@ -218,10 +218,11 @@ def _chunk_lens(numel: int, world: int) -> list[int]:
 def allreduce_bytes(c: Codec, algorithm: str, numel: int, world: int, rank: int = 0) -> tuple[int, int]:
     """``(sent, received)`` wire bytes at ``rank`` for one allreduce of ``numel`` elements.
 
-    Dense (``ring``, ``two_phase``: the same bytes): the reduce-scatter sends
-    every chunk but ``rank``'s and receives ``N - 1`` payloads of chunk
-    ``rank`` (two-phase) or of the chunks before it (ring); the allgather
-    sends every chunk but ``rank + 1``'s. Sparse ``allgather``: ``N - 1``
+    Dense (``ring``, ``two_phase``: the same bytes sent): the reduce-scatter
+    sends every chunk but ``rank``'s and receives ``N - 1`` payloads of chunk
+    ``rank`` (two-phase) or every chunk but ``rank - 1``'s (ring: in step ``s``
+    chunk ``rank - s - 2``); the allgather sends every chunk but ``rank + 1``'s
+    and receives every chunk but ``rank``'s. Sparse ``allgather``: ``N - 1``
     whole-tensor payloads forwarded each way plus ``8 (N - 1)`` bytes of sizes.
 
     Raises:
@@ -238,11 +239,10 @@ def allreduce_bytes(c: Codec, algorithm: str, numel: int, world: int, rank: int 
     w = [_wire(c, n) for n in lens]
     total = sum(w)
     sent = (total - w[rank]) + (total - w[(rank + 1) % world])
+    ag_received = total - w[rank]  # every chunk but this rank's own
     if algorithm == "two_phase":
-        received = (world - 1) * w[rank] + (total - w[rank])
-    else:
-        received = (total - w[rank]) + (total - w[rank])  # ring: chunks rank-s-2, then all but rank
-    return sent, received
+        return sent, (world - 1) * w[rank] + ag_received  # N - 1 payloads of chunk rank
+    return sent, (total - w[(rank - 1) % world]) + ag_received  # ring: chunks rank-2, ..., rank
 
 
 def ps_bytes(c: Codec, numel: int, servers: int, tensors: int = 1, compress_pull: bool = True) -> dict:
