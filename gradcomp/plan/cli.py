@@ -98,6 +98,8 @@ def _model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernels-device", default="cpu", help="device of the kernels.json rows (default cpu)")
     g.add_argument("--servers", type=_arg(_int_pos, "servers"),
                    help="parameter-server shards (default: one per 8 workers)")
+    g.add_argument("--bucket-mb", type=_arg(_positive, "mb"), default=25.0,
+                   help="DDP bucket cap in MiB (default 25, DDP's)")
     g.add_argument("--straggler-cv", type=_arg(_nonneg, "cv"), default=None,
                    help="coefficient of variation of each worker's compute time")
     g.add_argument("--straggler-factor", type=_arg(lambda t: _at_least_one(t), "factor"), default=1.0,
@@ -209,8 +211,8 @@ def _pct(x: float) -> str:
 
 
 def _setting_kw(args) -> dict:
-    kw = {"straggler_cv": args.straggler_cv or 0.0, "straggler_factor": args.straggler_factor}
-    return kw
+    return {"straggler_cv": args.straggler_cv or 0.0, "straggler_factor": args.straggler_factor,
+            "bucket_bytes": int(args.bucket_mb * 2**20)}
 
 
 # ---- subcommands ---------------------------------------------------------------------
@@ -224,7 +226,7 @@ def _project(args) -> int:
     compute = args.compute_ms / 1e3 if args.compute_ms else None
     rows = project(args.nodes, args.link, args.params, prof, compute_s=compute, samples=args.samples,
                    flops=args.flops, straggler_cv=cv, servers=args.servers,
-                   straggler_factor=args.straggler_factor)
+                   straggler_factor=args.straggler_factor, bucket_bytes=int(args.bucket_mb * 2**20))
     con = _console()
     table = []
     for r in rows:
