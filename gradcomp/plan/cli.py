@@ -173,6 +173,8 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
         p.description = "Predicted vs measured step time and idle share of a time study's runs."
         p.add_argument("results", help="directory holding results.json (or the file)")
         p.add_argument("--json", help="also write the comparison to this file")
+        p.add_argument("--save-profile", help="write the profile used, with the median errors recorded in "
+                                              "its fit (recommend then states them), to this file")
         _model_options(p)
     return p
 
@@ -294,9 +296,13 @@ def _recommend(args) -> int:
     con.print(f"uncertainty: with alpha x0.5..x2, bandwidth x0.8..x1.2, kernel rates x0.5..x2, compute "
               f"x0.8..x1.2 the recommended choice takes {1e3 * lo:,.1f} to {1e3 * hi:,.1f} ms and stays first in "
               f"{rec.stays_best} of {rec.cases} cases")
-    val = prof.fit.get("validation_step_mdape_pct") if isinstance(prof.fit, dict) else None
+    val = prof.fit.get("validation_step_mdape_pct")
     if val is not None:
-        con.print(f"the profile's validation: median step-time error {val:.1f}% against the time study")
+        con.print(f"the profile's validation: median step-time error {val:.1f}% over "
+                  f"{prof.fit.get('validation_runs')} measured runs ({prof.fit.get('validation_results')})")
+    else:
+        con.print("the profile carries no validation against measured runs "
+                  "(gradcomp plan validate DIR --save-profile FILE records one)")
     for p, why in rec.excluded:
         con.print(f"excluded: {what(p)}: {why}")
     return 0
@@ -368,6 +374,11 @@ def _validate(args) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    if args.save_profile:
+        prof.fit = {**prof.fit, "validation_step_mdape_pct": out["step_mdape_pct"],
+                    "validation_idle_mdae_pts": out["idle_mdae_pts"], "validation_runs": len(out["rows"]),
+                    "validation_results": os.path.abspath(args.results)}
+        prof.save(args.save_profile)
     return 0
 
 
