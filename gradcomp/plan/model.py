@@ -289,10 +289,6 @@ def bucket_sizes(params: int, bucket_bytes: int = DDP_BUCKET_BYTES,
 
 # ---- kernel and transfer times -------------------------------------------------------
 
-def _ops(c: Codec) -> str:
-    return "raw" if c.kind == "raw" else c.kind
-
-
 def _compress_s(c: Codec, prof: Profile, n: int, ef: bool) -> float:
     """Compress ``n`` elements (dense) or a whole ``n``-element tensor (sparse)."""
     if c.sparse:
@@ -302,7 +298,7 @@ def _compress_s(c: Codec, prof: Profile, n: int, ef: bool) -> float:
         return t + (prof.seconds("ef.update", n) if ef else 0.0)
     if c.kind == "int8" and ef:
         return prof.seconds("int8.compress_ef", n)
-    return prof.seconds(f"{_ops(c)}.compress", n)
+    return prof.seconds(f"{c.kind}.compress", n)
 
 
 def _decompress_add_s(c: Codec, prof: Profile, n: int) -> float:
@@ -310,7 +306,7 @@ def _decompress_add_s(c: Codec, prof: Profile, n: int) -> float:
         k = max(1, math.ceil(c.density * n))
         return prof.seconds("sparse.decompress_add", k) + (
             prof.seconds("int8.decompress", k) if c.values == "int8" else 0.0)
-    return prof.seconds(f"{_ops(c)}.decompress_add", n)
+    return prof.seconds(f"{c.kind}.decompress_add", n)
 
 
 def allreduce_seconds(c: Codec, algorithm: str, numel: int, world: int, alpha: float, beta: float,
@@ -338,9 +334,8 @@ def allreduce_seconds(c: Codec, algorithm: str, numel: int, world: int, alpha: f
     L = -(-numel // world)
     w = _wire(c, L)
     hop = alpha + w / beta
-    op = _ops(c)
-    rc = prof.seconds(f"{op}.reduce_compress", L)
-    d = prof.seconds(f"{op}.decompress", L)
+    rc = prof.seconds(f"{c.kind}.reduce_compress", L)
+    d = prof.seconds(f"{c.kind}.decompress", L)
     if algorithm == "ring":
         rs_transfer = (world - 1) * hop
         rs_kernel = _compress_s(c, prof, L, ef) + (world - 1) * rc
@@ -502,9 +497,11 @@ def _ps_parts(c: Codec, s: Setting, prof: Profile) -> dict:
     compress = _compress_s(c, prof, s.params, c.error_feedback)
     pull_codec = c if s.compress_pull else CODECS["none"]
     decompress = _decompress_add_s(pull_codec, prof, s.params)
-    busy = (_decompress_add_s(c, prof, shard) + _apply_s(s, prof, shard)
-            + (_compress_s(c, prof, shard, True) if s.compress_pull else 0.0))
-    return {"bytes": b, "compress": compress, "decompress": decompress, "busy": busy,
+    # per push a server decompress-adds the shard and (compress_pull) compresses the
+    # pusher's delta with its residual; it applies the optimizer once per update
+    per_push = _decompress_add_s(c, prof, shard) + (_compress_s(c, prof, shard, True) if s.compress_pull else 0.0)
+    apply = _apply_s(s, prof, shard)
+    return {"bytes": b, "compress": compress, "decompress": decompress, "per_push": per_push, "apply": apply,
             "latency": 6 * s.servers * alpha, "push": b["push"] / beta, "pull": b["pull"] / beta,
             "push_shard": b["push_shard"] / beta, "pull_shard": b["pull_shard"] / beta, "alpha": alpha}
 
@@ -518,15 +515,13 @@ def ps_sync_step(c: Codec, s: Setting, prof: Profile) -> Prediction:
     slowest, mean = _compute_times(s)
     push = max(parts["push"], n * parts["push_shard"])
     pull = max(parts["pull"], n * parts["pull_shard"])
-    server = n * (parts["busy"] - _apply_s(s, prof, -(-s.params // s.servers))) + _apply_s(
-        s, prof, -(-s.params // s.servers))
-    comm = parts["latency"] + push + pull + server
-    step = slowest + parts["compress"] + comm + parts["decompress"]
+    comm = parts["latency"] + push + pull + n * parts["per_push"]  # the server's work on the N pushes
+    kernels = parts["compress"] + parts["decompress"]
+    step = slowest + comm + parts["apply"] + kernels
     wait = slowest - mean
     b = parts["bytes"]
-    return Prediction("sync", c.name, "ps", n, step, mean, parts["compress"] + parts["decompress"], comm, comm,
-                      wait, server, wait / step, (comm + parts["compress"] + parts["decompress"]) / step,
-                      n / step, b["sent"], b["received"])
+    return Prediction("sync", c.name, "ps", n, step, mean, kernels, comm, comm, wait, parts["apply"],
+                      wait / step, (comm + kernels) / step, n / step, b["sent"], b["received"])
 
 
 def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
@@ -542,10 +537,11 @@ def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
     workers = [s.compute_s] * n
     if s.straggler_factor > 1:
         workers[-1] = s.compute_s * s.straggler_factor  # lognormal jitter averages out: mean 1
-    fixed = parts["compress"] + parts["latency"] + parts["push"] + parts["pull"] + parts["busy"] + parts["decompress"]
+    busy = parts["per_push"] + parts["apply"]  # a server's time per push
+    fixed = parts["compress"] + parts["latency"] + parts["push"] + parts["pull"] + busy + parts["decompress"]
     cycles = [w + fixed for w in workers]
     demand = sum(1.0 / t for t in cycles)
-    capacity = 1.0 / max(parts["push_shard"], parts["pull_shard"], parts["busy"])
+    capacity = 1.0 / max(parts["push_shard"], parts["pull_shard"], busy)
     x = min(demand, capacity)
     slow = x / demand  # every worker slowed alike when the servers saturate
     mean_cycle = sum(cycles) / n / slow
@@ -557,7 +553,7 @@ def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
     mean_compute = sum(workers) / n
     notes = ["server-bound"] if demand > capacity else []
     return Prediction("async", c.name, "ps", n, mean_cycle, mean_compute, parts["compress"] + parts["decompress"],
-                      comm, comm, wait, parts["busy"], wait / mean_cycle,
+                      comm, comm, wait, parts["apply"], wait / mean_cycle,
                       (comm + wait + parts["compress"] + parts["decompress"]) / mean_cycle, x,
                       b["sent"], b["received"], stale, notes)
 
