@@ -15,7 +15,7 @@ from gradcomp.plan import calibrate as C
 from gradcomp.plan.lognormal import expected_max
 from gradcomp.plan.model import (CODECS, Setting, allreduce_bytes, async_throughput, bubble_fraction,
                                  pipeline_step, predict, ps_bytes)
-from gradcomp.plan.profile import Profile
+from gradcomp.plan.profile import OPS, Profile
 from gradcomp.plan.units import parse_count, parse_rate
 from gradcomp.plan.validate import validate_runs
 
@@ -162,11 +162,13 @@ def test_fit_rejects_times_that_do_not_grow():
 
 
 @pytest.mark.slow
-def test_measure_link_on_loopback():
-    from gradcomp.launch import launch
-
-    out = launch(C.measure_link, 2, ((8, 2**20), 2, 60.0), timeout=120)
-    assert out[0]["sizes"] == [8, 2**20] and all(t > 0 for t in out[0]["one_way_s"])
+def test_calibrate_on_loopback_writes_a_profile(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["plan", "calibrate", "--out", str(out), "--repeats", "1", "--kernel-numel", "65536"]) == 0
+    prof = Profile.load(str(out))
+    assert prof.alpha_s > 0 and prof.beta_bytes_per_s > 0 and prof.link == "none"
+    assert set(prof.kernels) == set(OPS) and len(prof.fit["sizes"]) == len(C.DEFAULT_SIZES)
+    assert "wrote" in capsys.readouterr().out
 
 
 def test_kernel_rates_from_kernels_json(tmp_path):

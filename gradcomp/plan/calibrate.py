@@ -25,7 +25,8 @@ import time
 import numpy as np
 import torch
 
-__all__ = ["DEFAULT_SIZES", "sizes_for", "fit_alpha_beta", "measure_link", "measure_kernels", "link_profile"]
+__all__ = ["DEFAULT_SIZES", "sizes_for", "fit_alpha_beta", "measure", "measure_link", "measure_kernels",
+           "link_profile"]
 
 #: message sizes in bytes timed by :func:`measure_link` on loopback
 DEFAULT_SIZES = (8, 64 * 1024, 512 * 1024, 2 * 2**20, 8 * 2**20, 16 * 2**20)
@@ -126,9 +127,28 @@ def measure_link(rank: int, world_size: int, sizes=DEFAULT_SIZES, repeats: int =
     return {"sizes": list(sizes), "one_way_s": out}
 
 
+def measure(rank: int, world_size: int, sizes=DEFAULT_SIZES, repeats: int = 5, timeout: float = 300.0,
+            kernel_numel: int = 2**22) -> dict | None:
+    """:func:`measure_link`, then (rank 0) :func:`measure_kernels` in the same
+    process, so the kernels are timed under the ranks' own thread settings and
+    load (e.g. ``GRADCOMP_WORKER_THREADS`` under :func:`gradcomp.launch.launch`).
+
+    Returns:
+        On rank 0 ``{"link": measure_link's result, "kernels": measure_kernels'
+        result}``; on other ranks None (they wait at a barrier meanwhile).
+    """
+    import torch.distributed as dist
+
+    link = measure_link(rank, world_size, sizes, repeats, timeout)
+    kern = measure_kernels(kernel_numel, repeats) if rank == 0 else None
+    dist.barrier()
+    return {"link": link, "kernels": kern} if rank == 0 else None
+
+
 def link_profile(results: list, link: str) -> dict:
-    """``{"alpha_s", "beta_bytes_per_s", "fit"}`` from :func:`measure_link`'s per-rank results (rank 0's)."""
-    r0 = results[0]
+    """``{"alpha_s", "beta_bytes_per_s", "fit"}`` from :func:`measure_link`'s
+    per-rank results (rank 0's; or :func:`measure`'s)."""
+    r0 = results[0]["link"] if "link" in results[0] else results[0]
     alpha, beta, info = fit_alpha_beta(r0["sizes"], r0["one_way_s"])
     info["link"] = link
     return {"alpha_s": alpha, "beta_bytes_per_s": beta, "fit": info}

@@ -329,14 +329,14 @@ def _calibrate(args) -> int:
                   file=sys.stderr)
             return 2
         with LocalCluster(world_size=2, rate=link) as c:
-            results = c.run(C.measure_link, sizes, args.repeats, args.timeout)
+            results = c.run(C.measure, sizes, args.repeats, args.timeout, args.kernel_numel)
     else:
         from gradcomp.launch import launch
 
-        results = launch(C.measure_link, 2, (sizes, args.repeats, args.timeout),
-                         timeout=args.timeout * 2)
+        results = launch(C.measure, 2, (sizes, args.repeats, args.timeout, args.kernel_numel),
+                         timeout=args.timeout * 2 + 600)
     fitted = C.link_profile(results, link)
-    kern = C.measure_kernels(args.kernel_numel, args.repeats)
+    kern = results[0]["kernels"]
     prof = Profile(alpha_s=fitted["alpha_s"], beta_bytes_per_s=fitted["beta_bytes_per_s"], link=link,
                    kernels=kern["kernels"], fit=fitted["fit"],
                    source={**kern["source"], "link": f"ping-pong over gradcomp p2p, link {link}"})
