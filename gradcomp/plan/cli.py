@@ -136,10 +136,12 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
             "Project the step time of data-parallel training over node counts, links and model sizes "
             "with gradcomp's alpha-beta model (subcommands: recommend, calibrate, validate; "
             "gradcomp plan SUBCOMMAND --help)."))
-        p.add_argument("--nodes", type=_arg(nodes, "nodes"), default=[16, 64, 256, 1024])
+        p.add_argument("--nodes", type=_arg(nodes, "nodes"), default=[16, 64, 256, 1024],
+                       help="data-parallel worker counts (default 16,64,256,1024)")
         p.add_argument("--link", type=_arg(links, "link"), default=links("10gbit,100gbit"),
                        help="link rates (default 10gbit,100gbit)")
-        p.add_argument("--params", type=_arg(params, "params"), default=[25_000_000, 10**9, 7 * 10**9])
+        p.add_argument("--params", type=_arg(params, "params"), default=[25_000_000, 10**9, 7 * 10**9],
+                       help="model sizes in parameters, suffixes k M B (default 25M,1B,7B)")
         p.add_argument("--compute-ms", type=_arg(_positive, "ms"),
                        help="one worker's forward + backward per step in ms (default: 6 params samples / flops)")
         p.add_argument("--samples", type=_arg(_int_pos, "samples"), default=8192,
@@ -193,12 +195,13 @@ def _console():
                    soft_wrap=True)
 
 
-def _table(title: str, columns, rows):
+def _table(title: str, columns, rows, text: int = 2):
+    """A rich table whose first ``text`` columns are left-aligned, the others right-aligned."""
     from rich.table import Table
 
     t = Table(title=title, title_justify="left")
     for i, c in enumerate(columns):
-        t.add_column(c, justify="left" if i < 3 else "right")
+        t.add_column(c, justify="left" if i < text else "right")
     for r in rows:
         t.add_row(*r)
     return t
@@ -357,13 +360,14 @@ def _validate(args) -> int:
     con = _console()
     rows = []
     for r in out["rows"]:
-        st, idle, b = r["step_s"], r["idle_share"], r["bytes"]
+        st, idle, b, ex = r["step_s"], r["idle_share"], r["bytes"], r["exposed_comm_s"]
         rows.append([r["label"], _ms(st["measured"]), _ms(st["predicted"]), f"{r['step_error_pct']:+.1f}%",
+                     _ms(ex["measured"]) if ex["measured"] is not None else "-", _ms(ex["predicted"]),
                      _pct(idle["measured"]), _pct(idle["predicted"]),
                      f"{b['measured']:,.0f}" if b["measured"] is not None else "-", f"{b['predicted']:,.0f}"])
     con.print(_table(f"predicted vs measured ({args.results})",
-                     ["run", "step ms", "predicted", "error", "idle", "predicted", "bytes/step", "predicted"],
-                     rows))
+                     ["run", "step ms", "predicted", "error", "exposed comm ms", "predicted", "idle", "predicted",
+                      "bytes/step", "predicted"], rows, text=1))
     for label, why in out["skipped"]:
         con.print(f"skipped {label}: {why}")
     if out["step_mdape_pct"] is None:

@@ -410,10 +410,17 @@ class Setting:
 class Prediction:
     """A predicted step (seconds unless stated; per worker, averaged over workers).
 
-    ``step_s`` = time per step; ``throughput`` = gradients applied per second
-    (N / step for sync, pushes per second for async); ``idle_share`` = mean
-    wait / step; ``comm_share`` = (exposed communication + compression not
-    hidden) / step; ``staleness_mean`` for async only.
+    ``step_s`` = time per step (async: a worker's time per push);
+    ``compute_s`` = the workers' mean compute; ``compress_s`` = codec kernel
+    time not hidden behind a transfer; ``communicate_s`` = the collectives'
+    (or push + pull's) total time, ``exposed_comm_s`` the part not hidden
+    behind backward; ``wait_s`` = mean wait for the slowest worker (async: for
+    a saturated server); ``apply_s`` = optimizer step; ``idle_share`` =
+    ``wait_s / step_s``; ``comm_share`` = exposed communication (with the
+    kernel time inside it) / step; ``throughput`` = gradients applied per
+    second (``N / step`` for sync, pushes per second for async);
+    ``bytes_sent`` / ``bytes_received`` per worker per step;
+    ``staleness_mean`` for async only; ``notes`` e.g. ``"server-bound"``.
     """
 
     mode: str
@@ -453,7 +460,10 @@ def _compute_times(s: Setting) -> tuple[float, float]:
 
 
 def _apply_s(s: Setting, prof: Profile, elements: int) -> float:
-    return s.apply_s if s.apply_s is not None else prof.seconds("sgd.apply", elements)
+    """Optimizer step over ``elements`` (a given ``apply_s`` is for all ``params``)."""
+    if s.apply_s is not None:
+        return s.apply_s * elements / s.params
+    return prof.seconds("sgd.apply", elements)
 
 
 def sync_step(c: Codec, algorithm: str, s: Setting, prof: Profile) -> Prediction:

@@ -95,7 +95,7 @@ def validate_runs(data: dict, prof: Profile) -> dict:
     Returns:
         ``{"rows": [...], "skipped": [(label, reason)], "step_mdape_pct", "idle_mdae_pts"}``;
         each row has ``label``, measured and predicted ``step_s``, ``idle_share``,
-        ``bytes``, ``staleness`` and ``step_error_pct``.
+        ``exposed_comm_s``, ``bytes``, ``staleness`` and ``step_error_pct``.
     """
     rows, skipped = [], []
     for i, run in enumerate(data["runs"]):
@@ -128,6 +128,8 @@ def validate_runs(data: dict, prof: Profile) -> dict:
             "step_s": {"measured": measured, "predicted": p.step_s},
             "step_error_pct": 100.0 * (p.step_s - measured) / measured,
             "idle_share": {"measured": float(run["idle_share"]), "predicted": p.idle_share},
+            "exposed_comm_s": {"measured": run["phases_median_s"].get("exposed_comm"),
+                               "predicted": p.exposed_comm_s},
             "bytes": {"measured": run.get("bytes_per_worker_step"), "predicted": bytes_pred},
             "staleness": {"measured": run.get("staleness_mean"), "predicted": p.staleness_mean},
         })
