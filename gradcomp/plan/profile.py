@@ -56,6 +56,9 @@ KERNELS_JSON_OPS = {
     "topk": "topk.select", "threshold": "threshold.select", "scatter_add_": "sparse.decompress_add",
 }
 
+#: density whose sparse rows ``from_kernels_json`` prefers (the top-k menu's 1%)
+SPARSE_DENSITY = 0.01
+
 #: message latency used when no profile gives one: gloo point-to-point over
 #: loopback as calibrated on the development machine (order of magnitude of
 #: TCP in a data centre; give ``--alpha-us`` or a profile for yours)
@@ -129,7 +132,8 @@ class Profile:
         For each benchmark op (:data:`KERNELS_JSON_OPS`) it takes the float32
         rows of ``device`` (and ``threads``, default: ``"all"`` when present,
         else the first setting found) at the largest size measured, and the
-        fastest backend there (``kind == "backend"``): rate = ``n / median_s``
+        fastest backend there (``kind == "backend"``; sparse ops: the density
+        nearest 1%): rate = ``n / median_s``
         (``k / median_s`` for ``scatter_add_``). ``int8.reduce_compress`` is
         rated as dequantize-add followed by quantize (the sum of their times:
         the fused kernel is faster, so this errs slow); ops the benchmark does
@@ -158,8 +162,8 @@ class Profile:
                 continue
             n_max = max(r["n"] for r in cand)
             cand = [r for r in cand if r["n"] == n_max]
-            if bench_op in ("topk", "threshold", "scatter_add_"):  # the smallest density measured
-                dens = min(r["density"] for r in cand)
+            if bench_op in ("topk", "threshold", "scatter_add_"):  # the density nearest the menu's 1%
+                dens = min({r["density"] for r in cand}, key=lambda d: abs(math.log(d / SPARSE_DENSITY)))
                 cand = [r for r in cand if r["density"] == dens]
             best = min(cand, key=lambda r: r["median_s"])
             count = best["k"] if bench_op == "scatter_add_" else best["n"]
