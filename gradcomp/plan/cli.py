@@ -288,7 +288,7 @@ def _recommend(args) -> int:
                 f"{_pct(p.comm_share)}, idle {_pct(p.idle_share)}, {p.bytes_sent / 1e6:,.2f} MB sent/step{extra})")
     con.print(f"setting: {args.nodes} nodes, {name} ({beta / 1e6:,.1f} MB/s), {format_count(args.params)} params, "
               f"compute {args.compute_ms:g} ms, straggler CV {s.straggler_cv:g}, factor {s.straggler_factor:g}, "
-              f"alpha {s.alpha(prof) * 1e6:.1f} us")
+              f"alpha {s.alpha(prof) * 1e6:.1f} us, kernels: {prof.source.get('kernels', '?')}")
     con.print(f"[bold]recommended: {what(best)}[/bold]: {numbers(best)}")
     if rec.runner_up is not None:
         gain = t(rec.runner_up) / t(best) - 1

@@ -59,10 +59,10 @@ KERNELS_JSON_OPS = {
 #: density whose sparse rows ``from_kernels_json`` prefers (the top-k menu's 1%)
 SPARSE_DENSITY = 0.01
 
-#: message latency used when no profile gives one: gloo point-to-point over
-#: loopback as calibrated on the development machine (order of magnitude of
-#: TCP in a data centre; give ``--alpha-us`` or a profile for yours)
-DEFAULT_ALPHA_S = 50e-6
+#: message latency of a profile that measured none (``Profile()``, ``Profile.roofline``):
+#: 20 us, TCP between hosts of one data centre (an assumption, not a measurement;
+#: ``gradcomp plan calibrate`` measures yours, ``--alpha-us`` sets it)
+DEFAULT_ALPHA_S = 20e-6
 
 
 def _positive(name: str, value) -> float:
