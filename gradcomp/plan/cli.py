@@ -160,8 +160,9 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
         p.add_argument("--compute-ms", type=_arg(_positive, "ms"), required=True)
         p.add_argument("--max-gap", type=_arg(_nonneg, "gap"), default=0.5,
                        help="largest accuracy gap in points a compressor may cost (default 0.5)")
-        p.add_argument("--max-staleness", type=_arg(_nonneg, "staleness"), default=8.0,
-                       help="largest mean staleness accepted for async (default 8)")
+        p.add_argument("--max-staleness", type=_arg(_nonneg, "staleness"), default=None,
+                       help="largest mean staleness accepted for async (default: no bound, as the "
+                            "parameter server's own default)")
         _model_options(p)
     elif sub == "calibrate":
         p.description = "Measure alpha, beta and the kernel rates here; write a JSON profile."
@@ -306,6 +307,9 @@ def _recommend(args) -> int:
     else:
         con.print("the profile carries no validation against measured runs "
                   "(gradcomp plan validate DIR --save-profile FILE records one)")
+    if best.mode == "async":
+        con.print(f"note: async gradients are {best.staleness_mean:.1f} updates stale on average "
+                  "(accuracy at that staleness is not modelled; bound it with --max-staleness)")
     for p, why in rec.excluded:
         con.print(f"excluded: {what(p)}: {why}")
     return 0

@@ -5,8 +5,8 @@ with each compressor on each algorithm that takes it (``ring``,
 ``two_phase`` for dense codecs, ``allgather`` for sparse ones, and the
 synchronous parameter server ``ps``), and async (parameter server) with each
 compressor. Compressors whose accuracy gap (:attr:`gradcomp.plan.model.Codec.gap_pts`)
-exceeds ``max_gap`` points and async runs whose predicted mean staleness
-exceeds ``max_staleness`` are left out. They are ranked by the time to apply
+exceeds ``max_gap`` points and, when ``max_staleness`` is given, async runs
+whose predicted mean staleness exceeds it are left out. They are ranked by the time to apply
 ``N`` workers' gradients once: a sync step, or ``N / X`` for async at ``X``
 pushes per second (async gradients are stale: the staleness is reported).
 
@@ -48,7 +48,7 @@ def _time(p: Prediction) -> float:
     return p.step_s if p.mode == "sync" else p.nodes / p.throughput
 
 
-def rank(s: Setting, prof: Profile, *, max_gap: float = 0.5, max_staleness: float = 8.0,
+def rank(s: Setting, prof: Profile, *, max_gap: float = 0.5, max_staleness: float | None = None,
          compressors=None) -> tuple[list[Prediction], list[tuple[Prediction, str]]]:
     """Predictions sorted fastest first, and the excluded ones with the reason."""
     kept, excluded = [], []
@@ -56,7 +56,7 @@ def rank(s: Setting, prof: Profile, *, max_gap: float = 0.5, max_staleness: floa
         p = predict(mode, name, alg, s, prof)
         if CODECS[name].gap_pts > max_gap:
             excluded.append((p, f"accuracy gap {CODECS[name].gap_pts:.2f} pts > {max_gap:g}"))
-        elif p.staleness_mean is not None and p.staleness_mean > max_staleness:
+        elif max_staleness is not None and p.staleness_mean is not None and p.staleness_mean > max_staleness:
             excluded.append((p, f"mean staleness {p.staleness_mean:.1f} > {max_staleness:g}"))
         else:
             kept.append(p)
@@ -104,7 +104,7 @@ class Recommendation:
         return _time(p)
 
 
-def recommend(s: Setting, prof: Profile, *, max_gap: float = 0.5, max_staleness: float = 8.0) -> Recommendation:
+def recommend(s: Setting, prof: Profile, *, max_gap: float = 0.5, max_staleness: float | None = None) -> Recommendation:
     """Rank every candidate for ``s`` and estimate how sure the choice is.
 
     Raises:
