@@ -192,7 +192,7 @@ def parse_one(parse_many, text):
 def _console():
     from rich.console import Console
 
-    return Console(width=max(100, min(200, os.get_terminal_size(1).columns if sys.stdout.isatty() else 160)),
+    return Console(width=max(100, os.get_terminal_size(1).columns) if sys.stdout.isatty() else 220,
                    soft_wrap=True)
 
 
@@ -206,6 +206,15 @@ def _table(title: str, columns, rows, text: int = 2):
     for r in rows:
         t.add_row(*r)
     return t
+
+
+_SHORT = {"ring": "R", "two_phase": "2P", "allgather": "AG", "ps": "PS"}
+
+
+def _short(key: str) -> str:
+    """``"int8/two_phase"`` -> ``"int8 2P"``."""
+    name, alg = key.split("/")
+    return f"{name} {_SHORT[alg]}"
 
 
 def _ms(s: float) -> str:
@@ -238,9 +247,9 @@ def _project(args) -> int:
     for r in rows:
         b = r["sync"][r["best_sync"]]
         table.append([format_count(r["params"]), r["link"], str(r["nodes"]), _ms(r["compute_s"]),
-                      _ms(r["baseline"]["step_s"]), _pct(r["comm_share_none"]), r["best_sync"],
+                      _ms(r["baseline"]["step_s"]), _pct(r["comm_share_none"]), _short(r["best_sync"]),
                       _ms(b["step_s"]), f"{r['speedup'][r['best_sync']]:.2f}x", _pct(r["comm_share_best"]),
-                      r["best_async"], f"{r['async_over_sync']:.2f}x",
+                      _short(r["best_async"]), f"{r['async_over_sync']:.2f}x",
                       f"{r['staleness_best_async']:.1f}", _pct(r["idle_share"])])
     con.print(_table(
         f"gradcomp plan: alpha {prof.alpha_s * 1e6:.1f} us/message, kernels: {prof.source.get('kernels', '?')}",
@@ -249,10 +258,9 @@ def _project(args) -> int:
     # the table leaves out bf16 (fp16's bytes and kernels) and threshold (its density is
     # an assumption); plan.json has every one
     keys = [k for k in (rows[0]["speedup"] if rows else []) if not k.startswith(("bf16/", "threshold"))]
-    short = {"ring": "R", "two_phase": "2P", "allgather": "AG", "ps": "PS"}
     con.print(_table("speed-up of each sync compressor/algorithm over none/ring "
                      "(R ring, 2P two-phase, AG allgather, PS parameter server)",
-                     ["params", "link", "N"] + [f"{k.split('/')[0]} {short[k.split('/')[1]]}" for k in keys],
+                     ["params", "link", "N"] + [_short(k) for k in keys],
                      [[format_count(r["params"]), r["link"], str(r["nodes"])]
                       + [f"{r['speedup'][k]:.2f}" for k in keys] for r in rows]))
     os.makedirs(args.out, exist_ok=True)
