@@ -322,6 +322,14 @@ def test_validate_against_hand_computed_predictions(tmp_path, profile):
     assert out["skipped"][0][1] == "mode 'local' is not modelled by validate"
 
 
+def test_validate_reads_threshold_density_from_bytes(profile):
+    # 2 ranks, 40,000 elements, threshold kept k = 1000: payload 48 + 4000 + 48 + 4000 bytes
+    run = _run(compressor="threshold-ef", algorithm="allgather", world_size=2,
+               bytes_per_worker_step=8096 + 8)
+    out = validate_runs({"runs": [run]}, profile)
+    assert out["rows"][0]["bytes"]["predicted"] == 8096 + 8
+
+
 def test_validate_command(tmp_path, capsys):
     d = _results(tmp_path)
     saved = tmp_path / "validated.json"

@@ -20,6 +20,9 @@ workers, so with a straggler of factor ``f`` the others' compute is
 (else the configured one, else the profile's measured loopback ``beta``);
 alpha and the kernel rates come from the profile. Predicted bytes are sent
 bytes for sync and sent + received (push + pull) for async, as the study counts them.
+A threshold compressor keeps a data-dependent number of elements: its density
+is an input too, read back from the run's bytes (sync allgather: ``N - 1``
+payloads of ``96 + 8 k`` bytes plus 8-byte sizes per step).
 
 The summary is the median absolute percentage error of the step time over
 the runs, and the median absolute error of the idle share in points.
@@ -31,7 +34,7 @@ import json
 import os
 import statistics
 
-from gradcomp.plan.model import CODECS, MODES, Setting, predict
+from gradcomp.plan.model import CODECS, MODES, SIZE_NBYTES, Codec, Setting, predict
 from gradcomp.plan.profile import Profile
 
 __all__ = ["load_results", "validate_runs", "REQUIRED_KEYS"]
@@ -89,6 +92,18 @@ def _setting(run: dict, prof: Profile) -> Setting:
                    apply_s=float(phases.get("apply") or 0.0), tensors=int(run.get("param_tensors", 1)))
 
 
+def _codec(run: dict) -> Codec:
+    """The run's codec; threshold at the density its measured sync bytes imply."""
+    c = CODECS[run["compressor"]]
+    sent = run.get("bytes_per_worker_step")
+    n, world = int(run["params"]), int(run["world_size"])
+    if c.kind == "threshold" and run["mode"] == "sync" and sent and world > 1:
+        # one payload: header 48 + 4k indices (padded) + nested raw values 48 + 4k
+        k = (sent / (world - 1) - SIZE_NBYTES - 96) / 8
+        return c.with_density(min(1.0, max(1.0 / n, k / n)))
+    return c
+
+
 def validate_runs(data: dict, prof: Profile) -> dict:
     """Predicted vs measured per run.
 
@@ -117,7 +132,7 @@ def validate_runs(data: dict, prof: Profile) -> dict:
         algorithm = "ps" if run["mode"] == "async" else run["algorithm"]
         try:
             s = _setting(run, prof)
-            p = predict(run["mode"], run["compressor"], algorithm, s, prof)
+            p = predict(run["mode"], _codec(run), algorithm, s, prof)
         except (ValueError, KeyError, TypeError) as e:
             skipped.append((label, str(e)))
             continue
