@@ -156,7 +156,7 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
         p.description = "Name the mode, compressor and algorithm the model expects to train fastest."
         p.add_argument("--nodes", type=_arg(_int_pos, "nodes"), required=True)
         p.add_argument("--link", type=_arg(lambda t: links(t)[0], "link"), required=True)
-        p.add_argument("--params", type=_arg(lambda t: parse_one(params, t), "params"), required=True)
+        p.add_argument("--params", type=_arg(lambda t: _parse_one(params, t), "params"), required=True)
         p.add_argument("--compute-ms", type=_arg(_positive, "ms"), required=True)
         p.add_argument("--max-gap", type=_arg(_nonneg, "gap"), default=0.5,
                        help="largest accuracy gap in points a compressor may cost (default 0.5)")
@@ -182,7 +182,7 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
     return p
 
 
-def parse_one(parse_many, text):
+def _parse_one(parse_many, text):
     values = parse_many(text)
     if len(values) != 1:
         raise ValueError(f"expected one value, got {text!r}")

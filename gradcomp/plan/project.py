@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gradcomp.plan.model import CODECS, Setting, predict
+from gradcomp.plan.model import Setting, predict
 from gradcomp.plan.profile import Profile
 from gradcomp.plan.recommend import candidates
 
