@@ -6,9 +6,9 @@ would):
 
 * ``--straggler RANK:FACTOR``: worker ``RANK``'s compute takes ``FACTOR``
   times as long: each step it sleeps ``(FACTOR - 1) x`` its measured compute
-  (the median forward + backward time of its last 5 steps, sleep excluded;
-  the first step uses three times its forward, the usual backward/forward
-  ratio of an MLP);
+  before its gradients leave the backward pass (sync and async:
+  :meth:`ComputeDelay.attach`, this step's forward + backward; local mode:
+  :meth:`ComputeDelay.sleep`, the median of its last 5 steps);
 * ``--compute-jitter CV``: every worker's compute of every step is stretched
   by a factor ``F`` drawn from a lognormal with mean 1 and coefficient of
   variation ``CV`` (``sigma^2 = ln(1 + CV^2)``, ``mu = -sigma^2 / 2``),
@@ -78,7 +78,10 @@ class ComputeDelay:
     straggler: tuple[int, float] | None = None
     jitter_cv: float = 0.0
     seed: int = 0
+    last_slept: float = 0.0
     _recent: list = field(default_factory=list)
+    _step: int = 0
+    _t0: float | None = None
 
     @property
     def active(self) -> bool:
@@ -92,7 +95,7 @@ class ComputeDelay:
         return f
 
     def sleep(self, step: int, forward_s: float) -> float:
-        """Sleep for this step's extra compute; returns the seconds slept.
+        """Sleep for this step's extra compute; returns the seconds really slept.
 
         ``forward_s``: this step's forward time (used only before the first
         measured compute, see :meth:`observe`).
@@ -101,9 +104,41 @@ class ComputeDelay:
             return 0.0
         base = statistics.median(self._recent) if self._recent else 3.0 * forward_s
         extra = (self.factor(step) - 1.0) * base
-        if extra > 0:
-            time.sleep(extra)
-        return max(0.0, extra)
+        if extra <= 0:
+            return 0.0
+        t0 = time.perf_counter()
+        time.sleep(extra)
+        return time.perf_counter() - t0  # what it really slept (a loaded host oversleeps)
+
+    def attach(self, param, timeline=None):
+        """Delay this worker's gradients from inside its backward pass.
+
+        Registers a hook on ``param``'s gradient (choose the parameter whose
+        gradient is computed last: the first layer's weight of a
+        feed-forward model). When it fires, the step's forward and almost
+        all of its backward are done: it sleeps ``(factor(step) - 1) x`` the
+        seconds since :meth:`begin`, before the gradient is handed on (to
+        DDP's reducer or the optimizer), so the factor applies to this very
+        step's measured compute. The sleep is recorded as a ``"delay"`` span
+        of ``timeline`` and in :attr:`last_slept`. Returns the hook handle.
+        """
+        def hook(grad):
+            if self.active and self._t0 is not None:
+                t = time.perf_counter()
+                extra = (self.factor(self._step) - 1.0) * (t - self._t0)
+                if extra > 0:
+                    time.sleep(extra)
+                    t1 = time.perf_counter()
+                    self.last_slept = t1 - t
+                    if timeline is not None:
+                        timeline.add_span("delay", t, t1)
+            return grad
+
+        return param.register_hook(hook)
+
+    def begin(self, step: int, t0: float) -> None:
+        """Step ``step`` started at ``t0`` (for :meth:`attach`'s hook)."""
+        self._step, self._t0, self.last_slept = step, t0, 0.0
 
     def observe(self, compute_s: float) -> None:
         """The step's measured compute without the sleep (the next steps' base)."""
