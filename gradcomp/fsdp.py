@@ -1,0 +1,418 @@
+"""FSDP2 (``fully_shard``): compressed reduce-scatter of gradients.
+
+Usage::
+
+    from torch.distributed.fsdp import fully_shard
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    rs = gc.fsdp.apply(model, compressor=gc.Int8Quantizer(), error_feedback=True, meter=meter)
+    # ... train as usual; torch.save(rs.state_dict(), ...) keeps the residuals
+
+FSDP2 reduce-scatters each FSDP module's gradients once per backward: it
+lays every parameter's gradient, padded on dim 0 to a multiple of the world
+size ``N``, into one flat buffer of ``N`` equal chunks (chunk ``j`` holds every
+parameter's shard ``j``) and calls its ``ReduceScatter`` comm
+(``torch.distributed.fsdp._fully_shard._fsdp_api.ReduceScatter``) with that
+buffer, an output of one chunk, the group and the op (``AVG``; ``SUM`` when
+FSDP divides itself, e.g. for float16 or ``set_force_sum_reduction_for_comms``;
+``PREMUL_SUM(1/f)`` after ``set_gradient_divide_factor(f)``).
+:class:`CompressedReduceScatter` is such a comm: the two-phase compressed
+reduce-scatter (:func:`gradcomp.comm.reduce_scatter`): each rank quantizes
+each other rank's chunk once and sends it to its owner, which sums in float32
+(the qgZ part of ZeRO++, Wang et al. 2023, there with 4-bit codes; here any
+gradcomp dense compressor). Set it on every FSDP module of a model with
+:func:`apply` (or by hand: ``fsdp_module.set_custom_reduce_scatter(comm)``).
+
+Error feedback (Seide et al. 2014; Karimireddy et al. 2019), per rank per
+shard: rank ``r`` remembers, for every parameter, the error it made
+compressing its gradient's chunks ``j != r`` (the chunk it owns is summed
+exactly and keeps no residual). Through :func:`apply` residuals are keyed by
+``(parameter name, shape, shard dim, world size, rank)`` and laid out per
+parameter, so a parameter missing its gradient in one step, a new world size
+(resharding) or a checkpoint loaded on another rank can never apply one
+shard's residual to another (a residual whose key does not occur is never
+used). Memory: one float32 per element of the *unsharded* model on every
+rank (``(N - 1) / N`` of it non-zero), on the parameters' device; use
+``error_feedback=False`` where that does not fit.
+
+Traffic: gradcomp's point-to-point messages travel on a process group of its
+own over the same ranks (made with ``dist.new_group``, so they never interleave with
+FSDP's all-gathers); the meter gets the bytes each rank really sent and
+received in phase ``"reduce_scatter"`` and, as raw bytes, what a float32
+reduce-scatter would move: ``(N - 1) * 4 * S`` sent per rank for a chunk of
+``S`` elements (FSDP's own, NCCL or gloo, with a float32 reduce dtype), plus
+the ``"agreement"`` check of each module's first step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from gradcomp import _validate as v
+from gradcomp.comm import DEFAULT_TIMEOUT, INPUT_DTYPES, reduce_scatter
+from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
+from gradcomp.meter import TrafficMeter
+
+__all__ = ["CompressedReduceScatter", "apply"]
+
+logger = logging.getLogger(__name__)
+
+_RedOpType = dist.ReduceOp.RedOpType
+# an ambiguous layout search stops at this many distinct partial sums
+_MAX_LAYOUTS = 4096
+
+
+class CompressedReduceScatter(ReduceScatter):
+    """FSDP2 ``ReduceScatter`` comm: gradcomp's compressed reduce-scatter with error feedback.
+
+    Called by FSDP as ``comm(output_tensor, input_tensor, group, op)``:
+    ``input_tensor`` is ``N * S`` elements of the reduce dtype (float32,
+    bfloat16 or float16; chunk ``j`` = elements ``[j S, (j + 1) S)``),
+    ``output_tensor`` ``S`` elements of the same dtype, on the group's device;
+    ``op`` is ``ReduceOp.AVG``, ``SUM`` or ``PREMUL_SUM(f)``. It runs
+    synchronously (on CUDA in FSDP's reduce-scatter stream) and returns None.
+    With :class:`~gradcomp.Int8Quantizer` each element of the output is the
+    float32 sum of every rank's value (the owner's exact, the others' quantized
+    once with their error-feedback residual added), divided as ``op`` says.
+
+    Use :func:`apply` to set it on every FSDP module of a model: residuals are
+    then kept per parameter. Set by hand with ``set_custom_reduce_scatter``
+    the comm cannot tell modules apart and keys residuals by the input's size,
+    world size and rank only: give every module its own instance then.
+
+    Args:
+        compressor: a dense gradcomp compressor with a fixed wire size
+            (default ``Int8Quantizer()``: block size 256, nearest rounding),
+            not wrapped in ErrorFeedback.
+        error_feedback: keep residuals (ignored for a lossless compressor).
+        meter: optional :class:`~gradcomp.TrafficMeter`.
+        timeout: seconds any exchange may take before the step fails.
+
+    Attributes:
+        residuals: key -> float32 residual: through :func:`apply`
+            ``(name, shape, shard_dim, world_size, rank)`` -> ``[N, S_p]``
+            (row ``j``: the error left on the parameter's chunk ``j``), else
+            ``("", numel, world_size, rank)`` -> ``[numel]``.
+
+    Raises:
+        TypeError / ValueError: a bad setting (the message gives the reason).
+    """
+
+    def __init__(self, compressor: Compressor | None = None, error_feedback: bool = True,
+                 meter: TrafficMeter | None = None, *, timeout: float = DEFAULT_TIMEOUT):
+        compressor = Int8Quantizer() if compressor is None else compressor
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a gradcomp compressor (e.g. gc.Int8Quantizer()), "
+                            f"got {type(compressor).__name__}")
+        if isinstance(compressor, ErrorFeedback):
+            raise ValueError("compressor must not be an ErrorFeedback: pass the compressor itself with "
+                             "error_feedback=True; the comm keeps residuals per parameter shard")
+        if compressor.sparse or compressor.wire_nbytes((1,), torch.float32) is None:
+            raise ValueError(f"compressor must be dense with a fixed wire size (NoCompression, FP16, BF16, "
+                             f"Int8Quantizer) for a reduce-scatter, got {compressor!r}")
+        v.flag("error_feedback", error_feedback)
+        if meter is not None and not isinstance(meter, TrafficMeter):
+            raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
+        self.compressor = compressor
+        self.error_feedback = error_feedback
+        self.meter = meter
+        self.timeout = v.timeout("timeout", timeout)
+        self.residuals: dict[tuple, torch.Tensor] = {}
+        self._flat: dict[object, tuple[tuple, torch.Tensor]] = {}  # module -> (keys, flat residual)
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._agreed: set[tuple] = set()
+        self._warned: set[str] = set()
+
+    @property
+    def uses_residuals(self) -> bool:
+        """Error feedback is on and the compressor is lossy."""
+        return self.error_feedback and self.compressor.lossy
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP's staging buffers: plain ``torch.empty`` (the caching allocator on CUDA)."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op, async_op: bool = False) -> None:
+        """Reduce-scatter ``input_tensor`` into ``output_tensor`` (see the class docstring).
+
+        Raises:
+            ValueError: ``async_op=True``, an op other than AVG / SUM /
+                PREMUL_SUM, or ranks that disagree (see :func:`gradcomp.comm.reduce_scatter`).
+            TimeoutError / RuntimeError / gradcomp.PayloadError: the exchange failed.
+        """
+        return self._reduce(output_tensor, input_tensor, group, op, async_op, None)
+
+    # ---- the reduction -----------------------------------------------------------
+    def _reduce(self, output, inp, group, op, async_op, module: "_Module | None") -> None:
+        if async_op:
+            raise ValueError("CompressedReduceScatter runs synchronously: call it with async_op=False")
+        op_name, factor = _op(op)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        n = inp.numel()
+        if n % world or output.numel() != n // world:
+            raise ValueError(f"FSDP reduce-scatter: input of {n} elements and output of {output.numel()} "
+                             f"do not make {world} equal chunks")
+        residual = None
+        if self.uses_residuals:
+            keys = module.keys(n, world, rank) if module is not None else None
+            if module is not None and keys is None:
+                if module.name not in self._warned:
+                    self._warned.add(module.name)
+                    logger.warning("gradcomp.fsdp: module %r: the parameters with gradients this step are "
+                                   "ambiguous from the input size %d; this reduce-scatter runs without error "
+                                   "feedback", module.name, n)
+            else:
+                residual = self._residual(module, keys, n, world, rank, inp.device)
+        own = self._own_group(group)
+        described = (id(module), n, op_name, world)
+        reduce_scatter(inp, self.compressor, op=op_name, factor=factor, group=own, meter=self.meter,
+                       timeout=self.timeout, residual=residual, out=output.view(-1),
+                       check=described not in self._agreed)
+        self._agreed.add(described)
+        return None
+
+    def _own_group(self, group) -> dist.ProcessGroup:
+        """gradcomp's process group over ``group``'s ranks (made on first use)."""
+        ranks = tuple(dist.get_process_group_ranks(group))
+        own = self._groups.get(ranks)
+        if own is None:
+            own = self._groups[ranks] = dist.new_group(
+                list(ranks), use_local_synchronization=True,
+                timeout=datetime.timedelta(seconds=self.timeout))
+        return own
+
+    def _residual(self, module, keys, n, world, rank, device) -> torch.Tensor:
+        """The flat float32 residual of this call, laid out like FSDP's input.
+
+        Each parameter's residual is a ``[N, S_p]`` view into it (its columns
+        of the ``[N, S]`` buffer), reused as is while the layout stays the same.
+        """
+        slot = id(module) if module is not None else ("", n)
+        if module is None:
+            keys = (("", n, world, rank),)
+            spans = [(0, n // world)]
+        else:
+            spans = module.spans(keys)
+        held = self._flat.get(slot)
+        if held is not None and held[0] == keys and all(
+                self.residuals.get(k) is held[1] or getattr(self.residuals.get(k), "_base", None) is held[1]
+                for k in keys):
+            return held[1]
+        flat = torch.zeros(n, dtype=torch.float32, device=device)
+        grid = flat.view(world, n // world)
+        for k, (lo, hi) in zip(keys, spans):
+            view = grid[:, lo:hi] if module is not None else flat
+            old = self.residuals.get(k)
+            if old is not None and old.numel() == view.numel():
+                view.copy_(old.view(view.shape))
+            self.residuals[k] = view
+        self._flat[slot] = (keys, flat)
+        return flat
+
+    # ---- checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Residuals (CPU copies, by key) and the compressor's state (its RNG counter)."""
+        return {"residuals": {k: r.detach().to("cpu", copy=True).contiguous() for k, r in self.residuals.items()},
+                "compressor": self.compressor.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output (residuals move to the parameters'
+        device at the next step; keys that do not occur there are kept, never used).
+
+        Raises:
+            ValueError: ``state`` is not a state dict of this class.
+        """
+        if not isinstance(state, dict) or not isinstance(state.get("residuals"), dict):
+            raise ValueError("state must be a dict from CompressedReduceScatter.state_dict()")
+        for k, r in state["residuals"].items():
+            if not isinstance(k, tuple) or not isinstance(r, torch.Tensor) or r.dtype != torch.float32:
+                raise ValueError(f"state['residuals'] must map key tuples to float32 tensors, got {k!r}")
+        self.residuals = {k: r.clone() for k, r in state["residuals"].items()}
+        self._flat.clear()
+        if "compressor" in state:
+            self.compressor.load_state_dict(state["compressor"])
+
+    def _bind(self, name: str, param_group, names: dict[int, str]) -> "_BoundReduceScatter":
+        return _BoundReduceScatter(self, _Module(name, param_group, names))
+
+    def __repr__(self) -> str:
+        return (f"CompressedReduceScatter(compressor={self.compressor!r}, "
+                f"error_feedback={self.error_feedback}, {len(self.residuals)} residuals)")
+
+
+class _Module:
+    """One FSDP module's parameters, in FSDP's reduce-scatter order."""
+
+    def __init__(self, name: str, param_group, names: dict[int, str]):
+        self.name = name
+        self._group = param_group
+        self._names = names
+
+    def _params(self, world: int) -> list[tuple[str, tuple, int, int]]:
+        """``(name, shape, shard_dim, S_p)`` of each trainable parameter, ``S_p``
+        its elements per chunk (FSDP pads dim 0 to a multiple of ``world``)."""
+        out = []
+        for i, fp in enumerate(self._group.fsdp_params):
+            p = fp.sharded_param
+            if not p.requires_grad:
+                continue
+            shape, dim = tuple(p.shape), fp.fsdp_placement.dim
+            if dim == 0:
+                per = math.ceil(shape[0] / world) * math.prod(shape[1:]) if shape else 1
+            else:
+                per = math.prod(shape) // world
+            out.append((self._names.get(id(p), f"{self.name}#{i}"), shape, dim, per))
+        return out
+
+    def keys(self, n: int, world: int, rank: int) -> tuple | None:
+        """Residual keys of the parameters in an input of ``n`` elements, or
+        None when more than one subset of the trainable parameters fits."""
+        params = self._params(world)
+        chosen = _unique_subset([p[3] for p in params], n // world)
+        if chosen is None:
+            return None
+        self._per = {(name, shape, dim, world, rank): per
+                     for i, (name, shape, dim, per) in enumerate(params) if i in chosen}
+        return tuple((name, shape, dim, world, rank)
+                     for i, (name, shape, dim, per) in enumerate(params) if i in chosen)
+
+    def spans(self, keys) -> list[tuple[int, int]]:
+        """Column range of each key's parameter within a chunk."""
+        out, off = [], 0
+        for k in keys:
+            out.append((off, off + self._per[k]))
+            off += self._per[k]
+        return out
+
+
+def _unique_subset(sizes: list[int], total: int) -> set[int] | None:
+    """Indices of the one subset of ``sizes`` (kept in order) summing to
+    ``total``; None if there are none or several (or too many to tell)."""
+    if sum(sizes) == total:
+        return set(range(len(sizes)))
+    # sum -> (count of subsets reaching it, capped at 2; one subset reaching it)
+    reach: dict[int, tuple[int, frozenset]] = {0: (1, frozenset())}
+    for i, s in enumerate(sizes):
+        nxt = dict(reach)
+        for t, (c, sub) in reach.items():
+            if t + s > total:
+                continue
+            c0, sub0 = nxt.get(t + s, (0, None))
+            nxt[t + s] = (min(2, c0 + c), sub0 if sub0 is not None else sub | {i})
+        reach = nxt
+        if len(reach) > _MAX_LAYOUTS:
+            return None
+    count, sub = reach.get(total, (0, None))
+    return set(sub) if count == 1 else None
+
+
+class _BoundReduceScatter(ReduceScatter):
+    """The comm one FSDP module calls: the shared :class:`CompressedReduceScatter`
+    with that module's parameter layout."""
+
+    def __init__(self, parent: CompressedReduceScatter, module: _Module):
+        self.parent, self.module = parent, module
+
+    def allocate(self, size, *, dtype, device):
+        return self.parent.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        return self.parent._reduce(output_tensor, input_tensor, group, op, async_op, self.module)
+
+
+def _op(op) -> tuple[str, float]:
+    """``(op, factor)`` for :func:`gradcomp.comm.reduce_scatter` from FSDP's ReduceOp."""
+    kind = getattr(op, "op", op)  # a ReduceOp object, or a RedOpType such as ReduceOp.AVG
+    if kind == _RedOpType.AVG:
+        return "avg", 1.0
+    if kind == _RedOpType.SUM:
+        return "sum", 1.0
+    if kind == _RedOpType.PREMUL_SUM:
+        f = op.factor
+        return "sum", float(f.item() if isinstance(f, torch.Tensor) else f)
+    raise ValueError(f"op must be ReduceOp.AVG, SUM or PREMUL_SUM (what FSDP2 uses for gradients), got {kind}")
+
+
+def apply(module: nn.Module, compressor: Compressor | None = None, error_feedback: bool = True,
+          meter: TrafficMeter | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> CompressedReduceScatter:
+    """Set one :class:`CompressedReduceScatter` on every FSDP2 module of ``module``.
+
+    Call it on every rank, after ``fully_shard`` and before the first
+    backward. It checks everything a step would otherwise trip on and raises
+    here: no FSDP module, a module with several parameter groups, a mesh that
+    is not 1-D (HSDP), a device other than CPU or CUDA, a reduce dtype other
+    than float32 / bfloat16 / float16, a custom reduce-scatter already set,
+    a bad compressor. Parameters outside FSDP modules are left alone (their
+    gradients are the caller's to reduce, as with plain FSDP2).
+
+    Args:
+        module: a model with ``fully_shard`` applied to it or to submodules.
+        compressor, error_feedback, meter, timeout: see :class:`CompressedReduceScatter`.
+
+    Returns:
+        The comm: its :meth:`~CompressedReduceScatter.state_dict` holds the residuals.
+
+    Raises:
+        TypeError / ValueError: see above (the message names the module).
+        RuntimeError: torch.distributed is not initialised.
+    """
+    comm = CompressedReduceScatter(compressor, error_feedback, meter, timeout=timeout)
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if not dist.is_initialized():
+        raise RuntimeError("gradcomp.fsdp.apply needs torch.distributed initialised first")
+    found = [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+    if not found:
+        raise ValueError("module has no FSDP2 module: call torch.distributed.fsdp.fully_shard on it "
+                         "(or on its submodules) first")
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    bound = []
+    for name, m in found:
+        label = name or "<root>"
+        groups = m._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise ValueError(f"FSDP module {label!r} has {len(groups)} parameter groups (per-parameter "
+                             "meshes); a custom reduce-scatter needs one")
+        if not groups:
+            continue  # no parameters of its own: FSDP never reduce-scatters for it
+        _check_group(label, groups[0])
+        bound.append((m, comm._bind(name, groups[0], names), groups[0].mesh_info.shard_process_group))
+    for m, b, group in bound:
+        comm._own_group(group)  # every rank makes gradcomp's group now, not mid-step
+        m.set_custom_reduce_scatter(b)
+    return comm
+
+
+def _check_group(label: str, group) -> None:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    mesh_info = group.mesh_info
+    if not hasattr(mesh_info, "shard_process_group") or mesh_info.mesh.ndim != 1:
+        raise ValueError(f"FSDP module {label!r}: only 1-D FSDP meshes are supported (HSDP and replicate-only "
+                         f"meshes are not), got a {mesh_info.mesh.ndim}-D mesh")
+    if group.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"FSDP module {label!r}: device must be cpu (gloo) or cuda (NCCL), got {group.device}")
+    current = group._reduce_scatter_comm
+    if not isinstance(current, DefaultReduceScatter):
+        raise ValueError(f"FSDP module {label!r} already has a custom reduce-scatter "
+                         f"({type(current).__name__}); apply gradcomp to a model once")
+    policy = group.mp_policy
+    for fp in group.fsdp_params:
+        p = fp.sharded_param
+        if not p.requires_grad:
+            continue
+        dtype = policy.reduce_dtype or policy.param_dtype or p.dtype
+        if dtype not in INPUT_DTYPES:
+            raise TypeError(f"FSDP module {label!r}: parameter gradients would be reduced in {dtype}; "
+                            "gradcomp reduces float32, bfloat16 or float16 (set MixedPrecisionPolicy(reduce_dtype=...))")
