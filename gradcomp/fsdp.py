@@ -56,14 +56,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import is_bw
 
 from gradcomp import _validate as v
+from gradcomp import wire as W
 from gradcomp.comm import DEFAULT_TIMEOUT, INPUT_DTYPES, reduce_scatter
+from gradcomp.comm.agreement import agree, needs_check
+from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["CompressedReduceScatter", "apply"]
+__all__ = ["CompressedReduceScatter", "CompressedAllGather", "apply"]
 
 logger = logging.getLogger(__name__)
 
@@ -110,26 +114,17 @@ class CompressedReduceScatter(ReduceScatter):
 
     def __init__(self, compressor: Compressor | None = None, error_feedback: bool = True,
                  meter: TrafficMeter | None = None, *, timeout: float = DEFAULT_TIMEOUT):
-        compressor = Int8Quantizer() if compressor is None else compressor
-        if not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a gradcomp compressor (e.g. gc.Int8Quantizer()), "
-                            f"got {type(compressor).__name__}")
-        if isinstance(compressor, ErrorFeedback):
-            raise ValueError("compressor must not be an ErrorFeedback: pass the compressor itself with "
-                             "error_feedback=True; the comm keeps residuals per parameter shard")
-        if compressor.sparse or compressor.wire_nbytes((1,), torch.float32) is None:
-            raise ValueError(f"compressor must be dense with a fixed wire size (NoCompression, FP16, BF16, "
-                             f"Int8Quantizer) for a reduce-scatter, got {compressor!r}")
-        v.flag("error_feedback", error_feedback)
-        if meter is not None and not isinstance(meter, TrafficMeter):
-            raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
-        self.compressor = compressor
-        self.error_feedback = error_feedback
-        self.meter = meter
+        self.compressor = _dense("compressor", Int8Quantizer() if compressor is None else compressor,
+                                 "error_feedback=True; the comm keeps residuals per parameter shard")
+        self.error_feedback = v.flag("error_feedback", error_feedback)
+        self.meter = _meter(meter)
         self.timeout = v.timeout("timeout", timeout)
+        #: gradcomp's process groups (shared with an all-gather comm by :func:`apply`)
+        self.groups = _OwnGroups(self.timeout)
+        #: the 8-bit parameter all-gather :func:`apply` set with it, if any
+        self.allgather: CompressedAllGather | None = None
         self.residuals: dict[tuple, torch.Tensor] = {}
         self._flat: dict[object, tuple[tuple, torch.Tensor]] = {}  # module -> (keys, flat residual)
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._agreed: set[tuple] = set()
         self._warned: set[str] = set()
 
@@ -174,23 +169,13 @@ class CompressedReduceScatter(ReduceScatter):
                                    "feedback", module.name, n)
             else:
                 residual = self._residual(module, keys, n, world, rank, inp.device)
-        own = self._own_group(group)
+        own = self.groups.get(group)
         described = (id(module), n, op_name, world)
         reduce_scatter(inp, self.compressor, op=op_name, factor=factor, group=own, meter=self.meter,
                        timeout=self.timeout, residual=residual, out=output.view(-1),
                        check=described not in self._agreed)
         self._agreed.add(described)
         return None
-
-    def _own_group(self, group) -> dist.ProcessGroup:
-        """gradcomp's process group over ``group``'s ranks (made on first use)."""
-        ranks = tuple(dist.get_process_group_ranks(group))
-        own = self._groups.get(ranks)
-        if own is None:
-            own = self._groups[ranks] = dist.new_group(
-                list(ranks), use_local_synchronization=True,
-                timeout=datetime.timedelta(seconds=self.timeout))
-        return own
 
     def _residual(self, module, keys, n, world, rank, device) -> torch.Tensor:
         """The flat float32 residual of this call, laid out like FSDP's input.
@@ -249,6 +234,150 @@ class CompressedReduceScatter(ReduceScatter):
     def __repr__(self) -> str:
         return (f"CompressedReduceScatter(compressor={self.compressor!r}, "
                 f"error_feedback={self.error_feedback}, {len(self.residuals)} residuals)")
+
+
+class _OwnGroups:
+    """gradcomp's process group over each FSDP group's ranks, made on first
+    use (``dist.new_group(ranks, use_local_synchronization=True)``: only those
+    ranks take part), so its point-to-point tags never meet FSDP's collectives."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def get(self, group) -> dist.ProcessGroup:
+        ranks = tuple(dist.get_process_group_ranks(group))
+        own = self._by_ranks.get(ranks)
+        if own is None:
+            own = self._by_ranks[ranks] = dist.new_group(
+                list(ranks), use_local_synchronization=True, timeout=datetime.timedelta(seconds=self.timeout))
+        return own
+
+
+def _dense(name: str, compressor, hint: str) -> Compressor:
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"{name} must be a gradcomp compressor (e.g. gc.Int8Quantizer()), "
+                        f"got {type(compressor).__name__}")
+    if isinstance(compressor, ErrorFeedback):
+        raise ValueError(f"{name} must not be an ErrorFeedback: pass the compressor itself ({hint})")
+    if compressor.sparse or compressor.wire_nbytes((1,), torch.float32) is None:
+        raise ValueError(f"{name} must be dense with a fixed wire size (NoCompression, FP16, BF16, "
+                         f"Int8Quantizer), got {compressor!r}")
+    return compressor
+
+
+def _meter(meter):
+    if meter is not None and not isinstance(meter, TrafficMeter):
+        raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
+    return meter
+
+
+#: agreement ``algorithm`` code of the parameter all-gather (after the
+#: collectives' 0-3), so ranks that mix it up with another call fail cleanly
+_ALLGATHER_CODE = 4
+
+
+class CompressedAllGather(AllGather):
+    """FSDP2 ``AllGather`` comm: parameters all-gathered in 8 bits in forward (qwZ).
+
+    ZeRO++'s quantized weight communication (Wang et al. 2023): in forward
+    each rank compresses its parameter shard once, the bytes travel the ring
+    unchanged (:meth:`gradcomp.comm.p2p.Comm.ring_allgather`) and every rank,
+    the owner included, decompresses every shard, so all ranks compute with
+    the same (bit-identical) unsharded parameters. In backward
+    (``reshard_after_forward=True`` gathers again) and for all-gather inputs
+    that are not float32 / bfloat16 / float16 (FSDP packs mixed dtypes as
+    uint8) it is FSDP's exact all-gather. With ``reshard_after_forward=False``
+    backward reuses the forward's (quantized) parameters. Optimizer state and
+    the sharded parameters stay exact; no error feedback (the error does not
+    accumulate: every step quantizes the current exact shard afresh).
+
+    Called by FSDP as ``comm(output_tensor, input_tensor, group, async_op)``
+    with ``input_tensor`` this rank's ``M`` elements (a view of
+    ``output_tensor[rank M:(rank + 1) M]``) and ``output_tensor`` ``N M``
+    elements; it runs synchronously and returns None (FSDP then treats the
+    gather as done).
+
+    Error: with :class:`~gradcomp.Int8Quantizer` (nearest rounding) each
+    gathered element is off by at most ``0.5 * A / 127`` (``A``: absmax of its
+    block of this shard). :attr:`max_relative_error` records the largest
+    ``||D(C(x)) - x|| / ||x||`` over this rank's shards so far.
+
+    Traffic: meter phase ``"allgather"``: ``N - 1`` payloads sent and received
+    per call, raw bytes ``(N - 1) * M * itemsize`` (what FSDP's all-gather of
+    the same input moves); exact gathers in phase ``"allgather_exact"`` at that
+    nominal volume.
+
+    Args:
+        compressor: dense gradcomp compressor (default ``Int8Quantizer()``).
+        meter: optional :class:`~gradcomp.TrafficMeter`.
+        timeout: seconds any exchange may take.
+    """
+
+    def __init__(self, compressor: Compressor | None = None, meter: TrafficMeter | None = None, *,
+                 timeout: float = DEFAULT_TIMEOUT, groups: "_OwnGroups | None" = None):
+        self.compressor = _dense("allgather", Int8Quantizer() if compressor is None else compressor,
+                                 "parameters are gathered without error feedback")
+        self.meter = _meter(meter)
+        self.timeout = v.timeout("timeout", timeout)
+        self.groups = _OwnGroups(self.timeout) if groups is None else groups
+        self.max_relative_error = 0.0
+        self._agreed: set[tuple] = set()
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """FSDP's all-gather output buffer: plain ``torch.empty``."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> None:
+        """All-gather ``input_tensor`` into ``output_tensor`` (see the class docstring).
+
+        Raises:
+            ValueError: the ranks disagree on sizes or compressor settings.
+            TimeoutError / RuntimeError / gradcomp.PayloadError: the exchange failed.
+        """
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        m = input_tensor.numel()
+        if output_tensor.numel() != world * m:
+            raise ValueError(f"FSDP all-gather: output of {output_tensor.numel()} elements for {world} "
+                             f"inputs of {m}")
+        if is_bw() or input_tensor.dtype not in INPUT_DTYPES:
+            dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+            if self.meter is not None:
+                nbytes = (world - 1) * m * input_tensor.element_size()
+                self.meter.record_send(nbytes, nbytes, phase="allgather_exact")
+                self.meter.record_recv(nbytes, nbytes, phase="allgather_exact")
+            return None
+        comm = Comm(self.groups.get(group), self.timeout, self.meter)
+        x = input_tensor.detach().reshape(-1)
+        wire_nbytes = self.compressor.wire_nbytes((m,), x.dtype)
+        described = (m, world, x.dtype)
+        if described not in self._agreed:
+            descriptor = {"numel": world * m, "op": 0, "algorithm": _ALLGATHER_CODE,
+                          "codec": W.CODECS[self.compressor.codec], "wire_nbytes": wire_nbytes}
+            if needs_check(comm.group, descriptor):
+                agree(comm, descriptor, {"algorithm": {_ALLGATHER_CODE: "fsdp parameter all-gather"}},
+                      device=x.device)
+            self._agreed.add(described)
+        mine = self.compressor.compress(x).wire
+        if mine.numel() != wire_nbytes:
+            raise RuntimeError(f"{self.compressor!r} wrote {mine.numel()} bytes for {m} elements, "
+                               f"its wire_nbytes() says {wire_nbytes}")
+        exact = x.clone() if m else x
+        out = output_tensor.view(world, m)
+
+        def decompress(j: int, blob: torch.Tensor) -> None:
+            self.compressor.decompress(W.decode(blob), out=out[j])
+
+        comm.ring_allgather(mine, [wire_nbytes] * world, [m * x.element_size()] * world,
+                            phase="allgather", consume=decompress)
+        comm.release()
+        if m:
+            norm = exact.float().norm()
+            if norm > 0:
+                err = (out[rank].float() - exact.float()).norm() / norm
+                self.max_relative_error = max(self.max_relative_error, float(err))
+        return None
 
 
 class _Module:
@@ -345,29 +474,37 @@ def _op(op) -> tuple[str, float]:
 
 
 def apply(module: nn.Module, compressor: Compressor | None = None, error_feedback: bool = True,
-          meter: TrafficMeter | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> CompressedReduceScatter:
+          meter: TrafficMeter | None = None, *, allgather: Compressor | None = None,
+          timeout: float = DEFAULT_TIMEOUT) -> CompressedReduceScatter:
     """Set one :class:`CompressedReduceScatter` on every FSDP2 module of ``module``.
 
     Call it on every rank, after ``fully_shard`` and before the first
     backward. It checks everything a step would otherwise trip on and raises
     here: no FSDP module, a module with several parameter groups, a mesh that
     is not 1-D (HSDP), a device other than CPU or CUDA, a reduce dtype other
-    than float32 / bfloat16 / float16, a custom reduce-scatter already set,
-    a bad compressor. Parameters outside FSDP modules are left alone (their
-    gradients are the caller's to reduce, as with plain FSDP2).
+    than float32 / bfloat16 / float16, a custom reduce-scatter (or, with
+    ``allgather``, all-gather) already set, a bad compressor. Parameters
+    outside FSDP modules are left alone (their gradients are the caller's to
+    reduce, as with plain FSDP2).
 
     Args:
         module: a model with ``fully_shard`` applied to it or to submodules.
         compressor, error_feedback, meter, timeout: see :class:`CompressedReduceScatter`.
+        allgather: optional dense compressor (e.g. ``gc.Int8Quantizer()``)
+            for the forward all-gather of parameters (:class:`CompressedAllGather`,
+            same meter); None keeps FSDP's exact all-gather.
 
     Returns:
-        The comm: its :meth:`~CompressedReduceScatter.state_dict` holds the residuals.
+        The comm: its :meth:`~CompressedReduceScatter.state_dict` holds the
+        residuals; its ``allgather`` attribute the all-gather comm (or None).
 
     Raises:
         TypeError / ValueError: see above (the message names the module).
         RuntimeError: torch.distributed is not initialised.
     """
     comm = CompressedReduceScatter(compressor, error_feedback, meter, timeout=timeout)
+    if allgather is not None:
+        comm.allgather = CompressedAllGather(allgather, meter, timeout=timeout, groups=comm.groups)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not dist.is_initialized():
@@ -386,16 +523,18 @@ def apply(module: nn.Module, compressor: Compressor | None = None, error_feedbac
                              "meshes); a custom reduce-scatter needs one")
         if not groups:
             continue  # no parameters of its own: FSDP never reduce-scatters for it
-        _check_group(label, groups[0])
+        _check_group(label, groups[0], comm.allgather is not None)
         bound.append((m, comm._bind(name, groups[0], names), groups[0].mesh_info.shard_process_group))
     for m, b, group in bound:
-        comm._own_group(group)  # every rank makes gradcomp's group now, not mid-step
+        comm.groups.get(group)  # every rank makes gradcomp's group now, not mid-step
         m.set_custom_reduce_scatter(b)
+        if comm.allgather is not None:
+            m.set_custom_all_gather(comm.allgather)
     return comm
 
 
-def _check_group(label: str, group) -> None:
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+def _check_group(label: str, group, allgather: bool) -> None:
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     mesh_info = group.mesh_info
     if not hasattr(mesh_info, "shard_process_group") or mesh_info.mesh.ndim != 1:
@@ -403,10 +542,11 @@ def _check_group(label: str, group) -> None:
                          f"meshes are not), got a {mesh_info.mesh.ndim}-D mesh")
     if group.device.type not in ("cpu", "cuda"):
         raise ValueError(f"FSDP module {label!r}: device must be cpu (gloo) or cuda (NCCL), got {group.device}")
-    current = group._reduce_scatter_comm
-    if not isinstance(current, DefaultReduceScatter):
-        raise ValueError(f"FSDP module {label!r} already has a custom reduce-scatter "
-                         f"({type(current).__name__}); apply gradcomp to a model once")
+    current = [group._reduce_scatter_comm] + ([group._all_gather_comm] if allgather else [])
+    for c, default, what in zip(current, (DefaultReduceScatter, DefaultAllGather), ("reduce-scatter", "all-gather")):
+        if not isinstance(c, default):
+            raise ValueError(f"FSDP module {label!r} already has a custom {what} comm "
+                             f"({type(c).__name__}); apply gradcomp to a model once")
     policy = group.mp_policy
     for fp in group.fsdp_params:
         p = fp.sharded_param

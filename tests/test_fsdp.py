@@ -88,17 +88,25 @@ def _flat_of(grads, pos, S, world, dtype=torch.float64):
     return flat
 
 
+def _block_bound(flat, world, S):
+    """Per element of one [world * S] buffer: 0.5 * (absmax of its block) / 127,
+    blocks of 256 counted from each chunk's start."""
+    bound = torch.zeros(world * S, dtype=torch.float64)
+    for j in range(world):
+        chunk = flat[j * S:(j + 1) * S].abs().double()
+        for b in range(0, S, BLOCK):
+            bound[j * S + b:j * S + min(S, b + BLOCK)] = 0.5 * chunk[b:b + BLOCK].max() / 127
+    return bound
+
+
 def _int8_bound(flats, world, S):
     """Per element of the [world * S] buffer: sum over ranks s != owner of
     0.5 * (block absmax) / 127, from each rank's float32 values."""
     bound = torch.zeros(world * S, dtype=torch.float64)
     for s, flat in enumerate(flats):
-        for j in range(world):
-            if j == s:
-                continue
-            chunk = flat[j * S:(j + 1) * S].abs()
-            for b in range(0, S, BLOCK):
-                bound[j * S + b:j * S + min(S, b + BLOCK)] += 0.5 * chunk[b:b + BLOCK].max() / 127
+        b = _block_bound(flat, world, S)
+        b.view(world, S)[s] = 0  # the owner's own chunk is added exactly
+        bound += b
     return bound
 
 
@@ -194,7 +202,36 @@ def _residuals(rank, world):
     return out
 
 
-def _train(rank, world, compress, reshard=True, mp=None, mixed=False):
+def _qwz(rank, world):
+    """8-bit parameter all-gather: forward sees the same quantized parameters
+    on every rank, within the int8 bound of the exact ones; backward re-gathers exactly."""
+    model = _shard(_model())
+    meter = gc.TrafficMeter()
+    rs = gc.fsdp.apply(model, allgather=gc.Int8Quantizer(), meter=meter)
+    layer = model[0]
+    own = _own_params(layer)
+    exact = [p.full_tensor() for _, p in own]
+    seen = []
+    layer.register_forward_pre_hook(lambda m, args: seen.append([m.weight.detach().clone(), m.bias.detach().clone()]))
+    _loss(model, rank, 0).backward()
+    shapes = [tuple(p.shape) for _, p in own]
+    pos, S = _fsdp_layout(shapes, world)
+    flat_exact = _flat_of(exact, pos, S, world)
+    bound = _block_bound(flat_exact, world, S)
+    got = _flat_of(seen[0], pos, S, world)
+    mask = torch.zeros(world * S, dtype=torch.bool)
+    for p in pos:
+        mask[p.reshape(-1)] = True
+    err = (got - flat_exact).abs()[mask]
+    mine = got.float()
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    return {"excess": (err - bound[mask] - 1e-6 * flat_exact.abs().max()).max().item(),
+            "max_err": err.max().item(), "same_on_ranks": all(torch.equal(e, mine) for e in every),
+            "max_relative_error": rs.allgather.max_relative_error, "phases": meter.as_dict()["phases"]}
+
+
+def _train(rank, world, compress, reshard=True, mp=None, mixed=False, allgather=False):
     torch.manual_seed(0)
     if mixed:
         model = _Mixed()
@@ -202,7 +239,9 @@ def _train(rank, world, compress, reshard=True, mp=None, mixed=False):
     else:
         model = _shard(_model(), reshard, mp)
     meter = gc.TrafficMeter()
-    rs = gc.fsdp.apply(model, meter=meter) if compress else None
+    rs = None
+    if compress:
+        rs = gc.fsdp.apply(model, meter=meter, allgather=gc.Int8Quantizer() if allgather else None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(STEPS):
@@ -323,12 +362,14 @@ CONFIGS = {
     "no_reshard": {"reshard": False},
     "bf16_params_fp32_reduce": {"mp": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
     "mixed_fsdp_and_plain": {"mixed": True},
+    "int8_allgather_too": {"allgather": True},
+    "int8_allgather_no_reshard": {"allgather": True, "reshard": False},
 }
 
 
 def _all(rank, world):
     torch.set_num_threads(1)
-    out = {"bound": _bound(rank, world), "residuals": _residuals(rank, world)}
+    out = {"bound": _bound(rank, world), "residuals": _residuals(rank, world), "qwz": _qwz(rank, world)}
     for name, kw in CONFIGS.items():
         out[name] = {"plain": _train(rank, world, False, **kw), "gradcomp": _train(rank, world, True, **kw)}
     out["state_dict"] = _state_dict(rank, world)
@@ -405,6 +446,24 @@ def test_training_within_2_percent_of_plain_fsdp2(results, config):
             out = r[config]["gradcomp"]
             assert out["head_is_plain"] and out["head_same"]
             assert out["keys"] == ["body.0.bias", "body.0.weight"]
+
+
+@pytest.mark.slow
+def test_int8_parameter_allgather_in_forward_only(results):
+    world, res = results
+    for r in res:
+        q = r["qwz"]
+        assert q["excess"] <= 0 and q["max_err"] > 0, q
+        assert q["same_on_ranks"]
+        assert 0 < q["max_relative_error"] < 0.01, q
+        ph = q["phases"]
+        assert ph["allgather"]["messages_sent"] == 3 * (world - 1)  # one forward gather per module
+        assert ph["allgather"]["raw_bytes_sent"] / ph["allgather"]["bytes_sent"] > 2.0
+        assert ph["allgather_exact"]["bytes_sent"] > 0  # backward re-gathers exactly
+    for r in res:
+        tr = r["int8_allgather_no_reshard"]["gradcomp"]["meter"]["phases"]
+        assert "allgather_exact" not in tr  # reshard_after_forward=False: no backward gather
+        assert tr["allgather"]["messages_sent"] == STEPS * 3 * (world - 1)
 
 
 @pytest.mark.slow
