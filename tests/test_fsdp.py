@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 import gradcomp as gc
@@ -41,8 +42,14 @@ def _model(seed=0, dtype=torch.float32):
                          nn.Linear(7, 1)).to(dtype)
 
 
-def _shard(model, reshard=True, mp=None):
-    kw = {"reshard_after_forward": reshard}
+def _mesh(device="cpu"):
+    # explicit: fully_shard's default mesh is CUDA wherever CUDA exists, even on a gloo group
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
+def _shard(model, reshard=True, mp=None, device="cpu"):
+    model.to(device)
+    kw = {"reshard_after_forward": reshard, "mesh": _mesh(device)}
     if mp is not None:
         kw["mp_policy"] = mp
     for layer in model:
@@ -60,7 +67,7 @@ def _data(rank, step):
 
 
 def _loss(model, rank, step):
-    x, y = _data(rank, step)
+    x, y = (t.to(next(model.parameters()).device) for t in _data(rank, step))
     return nn.functional.mse_loss(model(x).float(), y)
 
 
@@ -231,13 +238,13 @@ def _qwz(rank, world):
             "max_relative_error": rs.allgather.max_relative_error, "phases": meter.as_dict()["phases"]}
 
 
-def _train(rank, world, compress, reshard=True, mp=None, mixed=False, allgather=False):
+def _train(rank, world, compress, reshard=True, mp=None, mixed=False, allgather=False, device="cpu"):
     torch.manual_seed(0)
     if mixed:
         model = _Mixed()
-        fully_shard(model.body, reshard_after_forward=reshard)
+        fully_shard(model.body, reshard_after_forward=reshard, mesh=_mesh())
     else:
-        model = _shard(_model(), reshard, mp)
+        model = _shard(_model(), reshard, mp, device)
     meter = gc.TrafficMeter()
     rs = None
     if compress:
@@ -375,6 +382,29 @@ def _all(rank, world):
     out["state_dict"] = _state_dict(rank, world)
     out["bad"] = _bad_config(rank, world)
     return out
+
+
+def _nccl(rank, world):
+    torch.cuda.set_device(rank)
+    out = {}
+    for name, kw in (("fp32", {}), ("int8_allgather_too", {"allgather": True})):
+        out[name] = {"plain": _train(rank, world, False, device="cuda", **kw),
+                     "gradcomp": _train(rank, world, True, device="cuda", **kw)}
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL, one per rank)")
+def test_nccl_training_within_2_percent_of_plain_fsdp2():
+    res = launch(_nccl, 2, timeout=TIMEOUT, backend="nccl")
+    for r in res:
+        for name, out in r.items():
+            plain, ours = out["plain"]["losses"], out["gradcomp"]["losses"]
+            assert plain[-1] < 0.8 * plain[0]
+            for lp, lc in zip(plain, ours):
+                assert abs(lc - lp) <= 0.02 * lp, (name, plain, ours)
+            ph = out["gradcomp"]["meter"]["phases"]["reduce_scatter"]
+            assert ph["raw_bytes_sent"] / ph["bytes_sent"] > 2.0
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
