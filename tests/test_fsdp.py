@@ -168,6 +168,33 @@ def _bound(rank, world):
     return out
 
 
+def _oracle_residual(flat, rank, world, S):
+    """What rank ``rank`` should remember after compressing the [world, S]
+    float32 buffer ``flat``: chunk - D(Q(chunk)) for every chunk but its own."""
+    expect = torch.zeros_like(flat)
+    for j in range(world):
+        if j == rank:
+            continue
+        chunk = flat[j * S:(j + 1) * S].numpy()
+        codes, scales = quantize(chunk, BLOCK)
+        deq = codes.astype(np.float32) * np.repeat(scales, BLOCK)[:S]
+        expect[j * S:(j + 1) * S] = torch.from_numpy(chunk - deq)
+    return expect
+
+
+def _held_residual(rs, params, world, rank, S):
+    """The comm's residuals of ``params`` ([(name, shape)], FSDP order) as one [world * S] buffer."""
+    got = torch.zeros(world * S)
+    lo = 0
+    for name, shape in params:
+        r = rs.residuals[(name, shape, 0, world, rank)]
+        c = math.ceil(shape[0] / world) * math.prod(shape[1:])
+        assert tuple(r.shape) == (world, c), r.shape
+        got.view(world, S)[:, lo:lo + c] = r
+        lo += c
+    return got
+
+
 def _residuals(rank, world):
     """Two steps with error feedback: residuals equal the oracle's and carry over."""
     ref = _model()
@@ -186,27 +213,68 @@ def _residuals(rank, world):
         flat = _flat_of([getattr(refl, n).grad for n, _ in own], pos, S, world, torch.float32)
         if prev is not None:
             flat = flat + prev
-        expect = torch.zeros_like(flat)
-        for j in range(world):
-            if j == rank:
-                continue
-            chunk = flat[j * S:(j + 1) * S].numpy()
-            codes, scales = quantize(chunk, BLOCK)
-            deq = codes.astype(np.float32) * np.repeat(scales, BLOCK)[:S]
-            expect[j * S:(j + 1) * S] = torch.from_numpy(chunk - deq)
-        got = torch.zeros_like(flat)
-        lo = 0
-        for n, p in own:
-            r = rs.residuals[(f"0.{n}", tuple(p.shape), 0, world, rank)]
-            c = math.ceil(p.shape[0] / world) * math.prod(p.shape[1:])
-            assert tuple(r.shape) == (world, c), r.shape
-            got.view(world, S)[:, lo:lo + c] = r
-            lo += c
-        scale_max = float(flat.abs().max()) / 127
-        out.append({"max_diff": (got - expect).abs().max().item(), "scale": scale_max,
+        expect = _oracle_residual(flat, rank, world, S)
+        got = _held_residual(rs, [(f"0.{n}", tuple(p.shape)) for n, p in own], world, rank, S)
+        out.append({"max_diff": (got - expect).abs().max().item(), "scale": float(flat.abs().max()) / 127,
                     "norm": got.norm().item(), "own_zero": bool((got.view(world, S)[rank] == 0).all())})
         prev = got
     return out
+
+
+class _TwoHeads(nn.Module):
+    """One FSDP module whose second head is used only in some steps."""
+
+    def __init__(self, b_out):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(300, 15), nn.Linear(300, b_out)
+        self.use_b = True
+
+    def forward(self, x):
+        y = self.a(x).sum(1, keepdim=True)
+        return y + self.b(x).sum(1, keepdim=True) if self.use_b else y
+
+
+def _unused(rank, world):
+    """A parameter without a gradient: the others' residuals stay in place
+    (oracle), its own is kept; an ambiguous layout uses no residual at all."""
+    out = {}
+    for b_out in (9, 15):  # 9: one subset fits the input; 15: a and b are the same size
+        ref, model = _TwoHeads(b_out), _TwoHeads(b_out)
+        fully_shard(model, mesh=_mesh())
+        rs = gc.fsdp.apply(model)
+        a_params = [(f"a.{n}", tuple(p.shape)) for n, p in ref.a.named_parameters()]
+        b_params = [(f"b.{n}", tuple(p.shape)) for n, p in ref.b.named_parameters()]
+        pos, S = _fsdp_layout([s for _, s in a_params], world)
+        _, Sb = _fsdp_layout([s for _, s in b_params], world)
+        _loss(model, rank, 0).backward()
+        before_a = _held_residual(rs, a_params, world, rank, S)
+        before_b = _held_residual(rs, b_params, world, rank, Sb)
+        for m in (model, ref):
+            m.zero_grad()
+            m.use_b = False
+            _loss(m, rank, 1).backward()
+        flat = _flat_of([p.grad for p in ref.a.parameters()], pos, S, world, torch.float32) + before_a
+        after_a = _held_residual(rs, a_params, world, rank, S)
+        out[b_out] = {"a_vs_oracle": (after_a - _oracle_residual(flat, rank, world, S)).abs().max().item(),
+                      "scale": float(flat.abs().max()) / 127, "a_kept": torch.equal(after_a, before_a),
+                      "b_kept": torch.equal(_held_residual(rs, b_params, world, rank, Sb), before_b),
+                      "n_residuals": len(rs.residuals)}
+    return out
+
+
+def _direct(rank, world):
+    """set_custom_reduce_scatter by hand on a one-module model: residuals keyed by size."""
+    model = _model()
+    fully_shard(model, mesh=_mesh())
+    rs = gc.fsdp.CompressedReduceScatter()
+    model.set_custom_reduce_scatter(rs)
+    for step in range(2):
+        model.zero_grad()
+        _loss(model, rank, step).backward()
+    n = world * _fsdp_layout([tuple(p.shape) for p in model.parameters()], world)[1]
+    return {"keys": list(rs.residuals), "expect": [("", n, world, rank)],
+            "norm": rs.residuals[("", n, world, rank)].norm().item() if rs.residuals else 0.0}
 
 
 def _qwz(rank, world):
@@ -376,7 +444,8 @@ CONFIGS = {
 
 def _all(rank, world):
     torch.set_num_threads(1)
-    out = {"bound": _bound(rank, world), "residuals": _residuals(rank, world), "qwz": _qwz(rank, world)}
+    out = {"bound": _bound(rank, world), "residuals": _residuals(rank, world), "qwz": _qwz(rank, world),
+           "unused": _unused(rank, world), "direct": _direct(rank, world)}
     for name, kw in CONFIGS.items():
         out[name] = {"plain": _train(rank, world, False, **kw), "gradcomp": _train(rank, world, True, **kw)}
     out["state_dict"] = _state_dict(rank, world)
@@ -476,6 +545,24 @@ def test_training_within_2_percent_of_plain_fsdp2(results, config):
             out = r[config]["gradcomp"]
             assert out["head_is_plain"] and out["head_same"]
             assert out["keys"] == ["body.0.bias", "body.0.weight"]
+
+
+@pytest.mark.slow
+def test_parameter_without_gradient_keeps_every_residual_in_place(results):
+    world, res = results
+    for r in res:
+        unique, ambiguous = r["unused"][9], r["unused"][15]
+        assert unique["a_vs_oracle"] <= 1e-6 * unique["scale"] + 1e-9, unique
+        assert not unique["a_kept"] and unique["b_kept"] and unique["n_residuals"] == 4
+        # two subsets fit: no residual is used or changed (and no step fails)
+        assert ambiguous["a_kept"] and ambiguous["b_kept"] and ambiguous["n_residuals"] == 4
+
+
+@pytest.mark.slow
+def test_comm_set_by_hand_keys_residuals_by_size(results):
+    world, res = results
+    for r in res:
+        assert r["direct"]["keys"] == r["direct"]["expect"] and r["direct"]["norm"] > 0
 
 
 @pytest.mark.slow
