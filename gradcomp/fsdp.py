@@ -72,6 +72,8 @@ __all__ = ["CompressedReduceScatter", "CompressedAllGather", "apply"]
 logger = logging.getLogger(__name__)
 
 _RedOpType = dist.ReduceOp.RedOpType
+# FSDP's own exact all-gather (all_gather_into_tensor before torch 2.10)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # an ambiguous layout search stops at this many distinct partial sums
 _MAX_LAYOUTS = 4096
 
@@ -342,7 +344,7 @@ class CompressedAllGather(AllGather):
             raise ValueError(f"FSDP all-gather: output of {output_tensor.numel()} elements for {world} "
                              f"inputs of {m}")
         if is_bw() or input_tensor.dtype not in INPUT_DTYPES:
-            dist.all_gather_into_tensor(output_tensor, input_tensor, group=group)
+            _all_gather_single(output_tensor, input_tensor, group=group)
             if self.meter is not None:
                 nbytes = (world - 1) * m * input_tensor.element_size()
                 self.meter.record_send(nbytes, nbytes, phase="allgather_exact")

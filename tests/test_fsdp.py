@@ -306,13 +306,55 @@ def _qwz(rank, world):
             "max_relative_error": rs.allgather.max_relative_error, "phases": meter.as_dict()["phases"]}
 
 
-def _train(rank, world, compress, reshard=True, mp=None, mixed=False, allgather=False, device="cpu"):
+def _collective(rank, world):
+    """gc.comm.reduce_scatter on its own: uneven and empty chunks, dtypes, ops, agreement."""
+    from gradcomp.comm.chunks import chunk_bounds
+
+    out = {}
+    for n in (1001, 1):
+        g = torch.Generator().manual_seed(rank)
+        ints = torch.randint(-50, 51, (n,), generator=g).float()
+        every = [torch.empty_like(ints) for _ in range(world)]
+        dist.all_gather(every, ints)
+        lo, hi = chunk_bounds(n, world)[rank]
+        exact = sum(e.double() for e in every)[lo:hi]
+        # lossless: integers sum exactly, whatever the order
+        plain = gc.comm.reduce_scatter(ints, gc.NoCompression(), op="sum")
+        # int8, avg times a factor, into a bfloat16 out
+        real = ints * 0.37 + 0.01 * rank
+        allr = [torch.empty_like(real) for _ in range(world)]
+        dist.all_gather(allr, real)
+        exact_r = (sum(a.double() for a in allr) / world * 0.5)[lo:hi]
+        got = gc.comm.reduce_scatter(real, gc.Int8Quantizer(), op="avg", factor=0.5)
+        bound = torch.zeros(hi - lo, dtype=torch.float64)
+        for s_, a in enumerate(allr):
+            if s_ != rank:
+                bound += _block_bound(a[lo:hi], 1, hi - lo)
+        bf = torch.empty(hi - lo, dtype=torch.bfloat16)
+        gc.comm.reduce_scatter(real.bfloat16(), gc.Int8Quantizer(), op="avg", factor=0.5, out=bf)
+        out[n] = {"plain_exact": torch.equal(plain.double(), exact), "len": hi - lo,
+                  "int8_excess": ((got.double() - exact_r).abs() - bound / world * 0.5 - 1e-5).max().item()
+                  if hi > lo else 0.0, "dtype": str(got.dtype),
+                  "bf16_err": (bf.double() - exact_r).abs().max().item() if hi > lo else 0.0,
+                  "scale": exact_r.abs().max().item() if hi > lo else 0.0}
+    try:
+        gc.comm.reduce_scatter(torch.ones(10 + rank), gc.Int8Quantizer())
+        out["mismatch"] = None
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+def _train(rank, world, compress, reshard=True, mp=None, mixed=False, allgather=False, device="cpu",
+           force_sum=False):
     torch.manual_seed(0)
     if mixed:
         model = _Mixed()
         fully_shard(model.body, reshard_after_forward=reshard, mesh=_mesh())
     else:
         model = _shard(_model(), reshard, mp, device)
+    if force_sum:
+        model.set_force_sum_reduction_for_comms(True)
     meter = gc.TrafficMeter()
     rs = None
     if compress:
@@ -437,6 +479,7 @@ CONFIGS = {
     "no_reshard": {"reshard": False},
     "bf16_params_fp32_reduce": {"mp": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
     "mixed_fsdp_and_plain": {"mixed": True},
+    "force_sum_reduction": {"force_sum": True},
     "int8_allgather_too": {"allgather": True},
     "int8_allgather_no_reshard": {"allgather": True, "reshard": False},
 }
@@ -445,7 +488,7 @@ CONFIGS = {
 def _all(rank, world):
     torch.set_num_threads(1)
     out = {"bound": _bound(rank, world), "residuals": _residuals(rank, world), "qwz": _qwz(rank, world),
-           "unused": _unused(rank, world), "direct": _direct(rank, world)}
+           "unused": _unused(rank, world), "direct": _direct(rank, world), "collective": _collective(rank, world)}
     for name, kw in CONFIGS.items():
         out[name] = {"plain": _train(rank, world, False, **kw), "gradcomp": _train(rank, world, True, **kw)}
     out["state_dict"] = _state_dict(rank, world)
@@ -556,6 +599,22 @@ def test_parameter_without_gradient_keeps_every_residual_in_place(results):
         assert not unique["a_kept"] and unique["b_kept"] and unique["n_residuals"] == 4
         # two subsets fit: no residual is used or changed (and no step fails)
         assert ambiguous["a_kept"] and ambiguous["b_kept"] and ambiguous["n_residuals"] == 4
+
+
+@pytest.mark.slow
+def test_reduce_scatter_collective(results):
+    world, res = results
+    lens = set()
+    for rank, r in enumerate(res):
+        c = r["collective"]
+        for n in (1001, 1):
+            assert c[n]["plain_exact"] and c[n]["dtype"] == "torch.float32", c[n]
+            assert c[n]["int8_excess"] <= 0, c[n]
+            assert c[n]["bf16_err"] <= 0.01 * c[n]["scale"] + 1e-6, c[n]  # bfloat16 rounding + int8
+        lens.add(c[1001]["len"])
+        assert c[1]["len"] == (1 if rank == 0 else 0)  # fewer elements than ranks: empty chunks
+        assert "numbers of elements" in c["mismatch"]
+    assert lens == {1001 // world, 1001 // world + 1}  # uneven chunks
 
 
 @pytest.mark.slow
