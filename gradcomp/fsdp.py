@@ -60,6 +60,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.fsdp._fully_shard._fsdp_common import is_bw
 
 from gradcomp import _validate as v
+from gradcomp import timeline as _timeline
 from gradcomp import wire as W
 from gradcomp.comm import DEFAULT_TIMEOUT, INPUT_DTYPES, reduce_scatter
 from gradcomp.comm.agreement import agree, needs_check
@@ -361,7 +362,8 @@ class CompressedAllGather(AllGather):
                 agree(comm, descriptor, {"algorithm": {_ALLGATHER_CODE: "fsdp parameter all-gather"}},
                       device=x.device)
             self._agreed.add(described)
-        mine = self.compressor.compress(x).wire
+        with _timeline.span("compress"):
+            mine = self.compressor.compress(x).wire
         if mine.numel() != wire_nbytes:
             raise RuntimeError(f"{self.compressor!r} wrote {mine.numel()} bytes for {m} elements, "
                                f"its wire_nbytes() says {wire_nbytes}")
@@ -369,7 +371,8 @@ class CompressedAllGather(AllGather):
         out = output_tensor.view(world, m)
 
         def decompress(j: int, blob: torch.Tensor) -> None:
-            self.compressor.decompress(W.decode(blob), out=out[j])
+            with _timeline.span("decompress"):
+                self.compressor.decompress(W.decode(blob), out=out[j])
 
         comm.ring_allgather(mine, [wire_nbytes] * world, [m * x.element_size()] * world,
                             phase="allgather", consume=decompress)

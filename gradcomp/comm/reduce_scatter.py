@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import _validate as v
+from gradcomp import timeline as _timeline
 from gradcomp import wire as W
 from gradcomp.comm import two_phase as _two_phase
 from gradcomp.comm.agreement import agree, forget, needs_check
@@ -152,7 +153,8 @@ def reduce_scatter(
             names = dict(_NAMES, algorithm={**_NAMES["algorithm"], AGREEMENT_CODE: "reduce_scatter"})
             agree(comm, descriptor, names, device=x.device)
         pending = _two_phase.reduce_scatter(comm, local, plan, None, own=own)
-        local.inner.decompress_add_(plan.received(pending), own)
+        with _timeline.span("decompress"):
+            local.inner.decompress_add_(plan.received(pending), own)
     except BaseException:
         forget(group)
         raise
