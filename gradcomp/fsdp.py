@@ -64,6 +64,7 @@ from gradcomp import timeline as _timeline
 from gradcomp import wire as W
 from gradcomp.comm import DEFAULT_TIMEOUT, INPUT_DTYPES, reduce_scatter
 from gradcomp.comm.agreement import agree, needs_check
+from gradcomp.comm.reduce_scatter import agree_settings
 from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
 from gradcomp.meter import TrafficMeter
@@ -231,6 +232,16 @@ class CompressedReduceScatter(ReduceScatter):
         if "compressor" in state:
             self.compressor.load_state_dict(state["compressor"])
 
+    def _agree_settings(self, module: "_Module", own: dist.ProcessGroup, device) -> None:
+        """Check with every rank at :func:`apply` that they reduce the same
+        layout with the same compressor (so the first step need not)."""
+        world = dist.get_world_size(own)
+        if world == 1:
+            return
+        n = world * sum(p[3] for p in module._params(world))
+        agree_settings(Comm(own, self.timeout, self.meter), n, self.compressor, "avg", device)
+        self._agreed.add((id(module), n, "avg", world))
+
     def _bind(self, name: str, param_group, names: dict[int, str]) -> "_BoundReduceScatter":
         return _BoundReduceScatter(self, _Module(name, param_group, names))
 
@@ -354,14 +365,7 @@ class CompressedAllGather(AllGather):
         comm = Comm(self.groups.get(group), self.timeout, self.meter)
         x = input_tensor.detach().reshape(-1)
         wire_nbytes = self.compressor.wire_nbytes((m,), x.dtype)
-        described = (m, world, x.dtype)
-        if described not in self._agreed:
-            descriptor = {"numel": world * m, "op": 0, "algorithm": _ALLGATHER_CODE,
-                          "codec": W.CODECS[self.compressor.codec], "wire_nbytes": wire_nbytes}
-            if needs_check(comm.group, descriptor):
-                agree(comm, descriptor, {"algorithm": {_ALLGATHER_CODE: "fsdp parameter all-gather"}},
-                      device=x.device)
-            self._agreed.add(described)
+        self._agree(comm, m, x.dtype, x.device)
         with _timeline.span("compress"):
             mine = self.compressor.compress(x).wire
         if mine.numel() != wire_nbytes:
@@ -385,19 +389,42 @@ class CompressedAllGather(AllGather):
         return None
 
 
+    def _agree(self, comm: Comm, m: int, dtype: torch.dtype, device) -> None:
+        """Every rank gathers ``m`` elements of ``dtype`` with the same
+        compressor: checked once per size (at :func:`apply`, or the first gather)."""
+        described = (m, comm.world_size, dtype)
+        if described in self._agreed or comm.world_size == 1:
+            return
+        descriptor = {"numel": comm.world_size * m, "op": 0, "algorithm": _ALLGATHER_CODE,
+                      "codec": W.CODECS[self.compressor.codec],
+                      "wire_nbytes": self.compressor.wire_nbytes((m,), dtype)}
+        if needs_check(comm.group, descriptor):
+            agree(comm, descriptor, {"algorithm": {_ALLGATHER_CODE: "fsdp parameter all-gather"}}, device=device)
+        self._agreed.add(described)
+
+    def _agree_settings(self, param_group, own: dist.ProcessGroup) -> None:
+        """:meth:`_agree` at :func:`apply` for a module whose parameters gather in one float dtype."""
+        policy = param_group.mp_policy
+        dtypes = {policy.param_dtype or fp.sharded_param.dtype for fp in param_group.fsdp_params}
+        if len(dtypes) == 1 and next(iter(dtypes)) in INPUT_DTYPES:
+            m = sum(fp.padded_sharded_param_size.numel() for fp in param_group.fsdp_params)
+            self._agree(Comm(own, self.timeout, self.meter), m, dtypes.pop(), param_group.device)
+
+
 class _Module:
     """One FSDP module's parameters, in FSDP's reduce-scatter order."""
 
     def __init__(self, name: str, param_group, names: dict[int, str]):
         self.name = name
-        self._group = param_group
+        self.param_group = param_group
+        self.device = param_group.device
         self._names = names
 
     def _params(self, world: int) -> list[tuple[str, tuple, int, int]]:
         """``(name, shape, shard_dim, S_p)`` of each trainable parameter, ``S_p``
         its elements per chunk (FSDP pads dim 0 to a multiple of ``world``)."""
         out = []
-        for i, fp in enumerate(self._group.fsdp_params):
+        for i, fp in enumerate(self.param_group.fsdp_params):
             p = fp.sharded_param
             if not p.requires_grad:
                 continue
@@ -488,7 +515,9 @@ def apply(module: nn.Module, compressor: Compressor | None = None, error_feedbac
     here: no FSDP module, a module with several parameter groups, a mesh that
     is not 1-D (HSDP), a device other than CPU or CUDA, a reduce dtype other
     than float32 / bfloat16 / float16, a custom reduce-scatter (or, with
-    ``allgather``, all-gather) already set, a bad compressor. Parameters
+    ``allgather``, all-gather) already set, a bad compressor, and (one
+    40-byte message to each peer per FSDP module) ranks whose compressors or
+    parameter layouts differ: every rank raises the same ValueError. Parameters
     outside FSDP modules are left alone (their gradients are the caller's to
     reduce, as with plain FSDP2).
 
@@ -530,8 +559,12 @@ def apply(module: nn.Module, compressor: Compressor | None = None, error_feedbac
             continue  # no parameters of its own: FSDP never reduce-scatters for it
         _check_group(label, groups[0], comm.allgather is not None)
         bound.append((m, comm._bind(name, groups[0], names), groups[0].mesh_info.shard_process_group))
+    for m, b, group in bound:  # every rank makes gradcomp's group and checks the settings now
+        own = comm.groups.get(group)
+        comm._agree_settings(b.module, own, b.module.device)
+        if comm.allgather is not None:
+            comm.allgather._agree_settings(b.module.param_group, own)
     for m, b, group in bound:
-        comm.groups.get(group)  # every rank makes gradcomp's group now, not mid-step
         m.set_custom_reduce_scatter(b)
         if comm.allgather is not None:
             m.set_custom_all_gather(comm.allgather)

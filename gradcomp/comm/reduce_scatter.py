@@ -27,9 +27,9 @@ from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.dense import Plan
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
-from gradcomp.compressors import Compressor
+from gradcomp.compressors import Compressor, ErrorFeedback
 
-__all__ = ["reduce_scatter", "AGREEMENT_CODE"]
+__all__ = ["reduce_scatter", "agree_settings", "AGREEMENT_CODE"]
 
 #: the ``algorithm`` code this collective agrees under (the allreduce
 #: algorithms use 0, 1, 2), so a rank calling it while another calls
@@ -110,7 +110,7 @@ def reduce_scatter(
         TimeoutError / RuntimeError / gradcomp.PayloadError: as
             :func:`gradcomp.allreduce`.
     """
-    from gradcomp.comm import _NAMES, DEFAULT_TIMEOUT, OPS, _check_args  # (this module is imported by it)
+    from gradcomp.comm import DEFAULT_TIMEOUT, _check_args  # (this module is imported by it)
 
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     _check_args(tensor, compressor, op, "two_phase", timeout, residual, None, meter)
@@ -146,12 +146,9 @@ def reduce_scatter(
         own = comm.buffer(4 * (hi - lo), x.device).view(torch.float32)
     local = Local(flat, compressor, key, residual)
     plan = Plan(n, world, local.inner)
-    descriptor = {"numel": n, "op": OPS.index(op), "algorithm": AGREEMENT_CODE,
-                  "codec": W.CODECS[local.inner.codec], "wire_nbytes": sum(plan.wire_nbytes)}
     try:
-        if check and needs_check(group, descriptor):
-            names = dict(_NAMES, algorithm={**_NAMES["algorithm"], AGREEMENT_CODE: "reduce_scatter"})
-            agree(comm, descriptor, names, device=x.device)
+        if check:
+            agree_settings(comm, n, local.inner, op, x.device)  # before anything changes
         pending = _two_phase.reduce_scatter(comm, local, plan, None, own=own)
         with _timeline.span("decompress"):
             local.inner.decompress_add_(plan.received(pending), own)
@@ -170,6 +167,30 @@ def reduce_scatter(
             out.view(-1).copy_(own)
     comm.release()  # after the last read of pooled buffers
     return result
+
+
+def agree_settings(comm: Comm, numel: int, compressor: Compressor, op: str, device) -> None:
+    """The agreement :func:`reduce_scatter` makes with ``check=True``, on its own.
+
+    Every rank of ``comm``'s group sends the descriptor of a reduce-scatter
+    of ``numel`` elements with ``compressor`` and ``op`` (40 bytes to each
+    peer, meter phase ``"agreement"``) unless it equals the one the group last
+    agreed on; a later :func:`reduce_scatter` with the same settings then skips it.
+
+    Raises:
+        ValueError: the ranks passed different numels, ops or compressor
+            settings (raised on every rank).
+        TimeoutError / RuntimeError: as :func:`gradcomp.comm.agreement.agree`.
+    """
+    from gradcomp.comm import _NAMES, OPS
+
+    inner = compressor.wraps if isinstance(compressor, ErrorFeedback) else compressor
+    wire = sum(inner.wire_nbytes((hi - lo,), torch.float32) for lo, hi in chunk_bounds(numel, comm.world_size))
+    descriptor = {"numel": numel, "op": OPS.index(op), "algorithm": AGREEMENT_CODE,
+                  "codec": W.CODECS[inner.codec], "wire_nbytes": wire}
+    if needs_check(comm.group, descriptor):
+        names = dict(_NAMES, algorithm={**_NAMES["algorithm"], AGREEMENT_CODE: "reduce_scatter"})
+        agree(comm, descriptor, names, device=device)
 
 
 def _check_out(out, numel: int, device) -> None:
