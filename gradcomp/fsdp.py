@@ -42,7 +42,7 @@ FSDP's all-gathers); the meter gets the bytes each rank really sent and
 received in phase ``"reduce_scatter"`` and, as raw bytes, what a float32
 reduce-scatter would move: ``(N - 1) * 4 * S`` sent per rank for a chunk of
 ``S`` elements (FSDP's own, NCCL or gloo, with a float32 reduce dtype), plus
-the ``"agreement"`` check of each module's first step.
+the ``"agreement"`` check :func:`apply` makes for each module.
 """
 
 from __future__ import annotations

@@ -447,6 +447,8 @@ def _bad_config(rank, world):
         "timeout": lambda: gc.fsdp.apply(_shard(_model()), timeout=-1),
         "float64": lambda: gc.fsdp.apply(_shard(_model(dtype=torch.float64))),
         "float64_reduce": lambda: gc.fsdp.apply(_shard(_model(), mp=MixedPrecisionPolicy(reduce_dtype=torch.float64))),
+        "hsdp": lambda: gc.fsdp.apply(fully_shard(_model(), mesh=init_device_mesh(
+            "cpu", (1, world), mesh_dim_names=("replicate", "shard")))),
         # settings that differ between ranks: every rank raises at apply
         "ranks_differ": lambda: gc.fsdp.apply(_shard(_model()), compressor=gc.Int8Quantizer(128 if rank else 256)),
         "ranks_differ_allgather": lambda: gc.fsdp.apply(_shard(_model()),
@@ -664,7 +666,7 @@ def test_bad_configuration_raises_at_apply(results):
               "compressor_name": ("TypeError", "compressor"), "error_feedback_int": ("TypeError", "error_feedback"),
               "meter": ("TypeError", "meter"), "timeout": ("ValueError", "timeout"),
               "float64": ("TypeError", "float64"), "float64_reduce": ("TypeError", "float64"),
-              "twice": ("ValueError", "already"), "ranks_differ": ("ValueError", "compressor settings"),
+              "twice": ("ValueError", "already"), "hsdp": ("ValueError", "1-D"), "ranks_differ": ("ValueError", "compressor settings"),
               "ranks_differ_allgather": ("ValueError", "compressor settings")}
     for r in res:
         bad = r["bad"]
