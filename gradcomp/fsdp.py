@@ -164,15 +164,16 @@ class CompressedReduceScatter(ReduceScatter):
                              f"do not make {world} equal chunks")
         residual = None
         if self.uses_residuals:
-            keys = module.keys(n, world, rank) if module is not None else None
-            if module is not None and keys is None:
+            layout = module.layout(n, world, rank) if module is not None else [(("", n, world, rank), 0, n)]
+            if layout is None:
                 if module.name not in self._warned:
                     self._warned.add(module.name)
                     logger.warning("gradcomp.fsdp: module %r: the parameters with gradients this step are "
                                    "ambiguous from the input size %d; this reduce-scatter runs without error "
                                    "feedback", module.name, n)
             else:
-                residual = self._residual(module, keys, n, world, rank, inp.device)
+                slot = id(module) if module is not None else ("by size", n)  # by hand: one per input size
+                residual = self._residual(slot, layout, n, world, inp.device, per_param=module is not None)
         own = self.groups.get(group)
         described = (id(module), n, op_name, world)
         reduce_scatter(inp, self.compressor, op=op_name, factor=factor, group=own, meter=self.meter,
@@ -181,18 +182,14 @@ class CompressedReduceScatter(ReduceScatter):
         self._agreed.add(described)
         return None
 
-    def _residual(self, module, keys, n, world, rank, device) -> torch.Tensor:
+    def _residual(self, slot, layout, n, world, device, per_param: bool) -> torch.Tensor:
         """The flat float32 residual of this call, laid out like FSDP's input.
 
-        Each parameter's residual is a ``[N, S_p]`` view into it (its columns
-        of the ``[N, S]`` buffer), reused as is while the layout stays the same.
+        With ``per_param`` each parameter's residual is a ``[N, S_p]`` view into
+        it (its columns ``[lo, hi)`` of the ``[N, S]`` buffer), else the one key
+        holds the flat tensor itself; reused as is while the layout stays the same.
         """
-        slot = id(module) if module is not None else ("", n)
-        if module is None:
-            keys = (("", n, world, rank),)
-            spans = [(0, n // world)]
-        else:
-            spans = module.spans(keys)
+        keys = tuple(k for k, _, _ in layout)
         held = self._flat.get(slot)
         if held is not None and held[0] == keys and all(
                 self.residuals.get(k) is held[1] or getattr(self.residuals.get(k), "_base", None) is held[1]
@@ -200,8 +197,8 @@ class CompressedReduceScatter(ReduceScatter):
             return held[1]
         flat = torch.zeros(n, dtype=torch.float32, device=device)
         grid = flat.view(world, n // world)
-        for k, (lo, hi) in zip(keys, spans):
-            view = grid[:, lo:hi] if module is not None else flat
+        for k, lo, hi in layout:
+            view = grid[:, lo:hi] if per_param else flat
             old = self.residuals.get(k)
             if old is not None and old.numel() == view.numel():
                 view.copy_(old.view(view.shape))
@@ -436,24 +433,19 @@ class _Module:
             out.append((self._names.get(id(p), f"{self.name}#{i}"), shape, dim, per))
         return out
 
-    def keys(self, n: int, world: int, rank: int) -> tuple | None:
-        """Residual keys of the parameters in an input of ``n`` elements, or
-        None when more than one subset of the trainable parameters fits."""
+    def layout(self, n: int, world: int, rank: int) -> list[tuple[tuple, int, int]] | None:
+        """``(residual key, lo, hi)`` of each parameter in an input of ``n``
+        elements (its columns ``[lo, hi)`` of each chunk), or None when more
+        than one subset of the trainable parameters fits."""
         params = self._params(world)
         chosen = _unique_subset([p[3] for p in params], n // world)
         if chosen is None:
             return None
-        self._per = {(name, shape, dim, world, rank): per
-                     for i, (name, shape, dim, per) in enumerate(params) if i in chosen}
-        return tuple((name, shape, dim, world, rank)
-                     for i, (name, shape, dim, per) in enumerate(params) if i in chosen)
-
-    def spans(self, keys) -> list[tuple[int, int]]:
-        """Column range of each key's parameter within a chunk."""
         out, off = [], 0
-        for k in keys:
-            out.append((off, off + self._per[k]))
-            off += self._per[k]
+        for i, (name, shape, dim, per) in enumerate(params):
+            if i in chosen:
+                out.append(((name, shape, dim, world, rank), off, off + per))
+                off += per
         return out
 
 
