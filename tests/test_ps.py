@@ -316,7 +316,8 @@ def _failing_rank(rank, world_size, mode, policy, victim, steps):
     _joined()
     if rank == 0:
         server = ps.ParameterServer({"x": torch.zeros(64)}, mode=mode, on_worker_failure=policy,
-                                    worker_timeout=20.0, optimizer=_sgd(0.01), clip_grad_norm=1.0)
+                                    worker_timeout=20.0, heartbeat_timeout=3.0, optimizer=_sgd(0.01),
+                                    clip_grad_norm=1.0)
         try:
             return ("served", server.serve(), _ps_threads())
         except ps.WorkerFailedError as e:
@@ -342,7 +343,7 @@ def test_async_killed_worker_others_finish():
     assert out[2] is None
     kind, stats, threads_left = out[0]
     assert kind == "served" and threads_left == []  # receiving threads all ended
-    assert list(stats["dead_workers"]) == [2] and "connection" in stats["dead_workers"][2]
+    assert list(stats["dead_workers"]) == [2] and "heartbeat" in stats["dead_workers"][2]
     assert stats["done_workers"] == [1, 3]
     assert out[1][0] == out[3][0] == "finished"
     assert stats["version"] == stats["accepted"] == 3 + 2 * 20
