@@ -23,6 +23,8 @@ from gradcomp.launch import launch
 from gradcomp.ps import protocol as P
 from gradcomp.ps.sharding import layout_checksum, param_specs
 
+import ps_peers as PP
+
 LAUNCH_TIMEOUT = 100.0
 
 
@@ -89,17 +91,44 @@ def test_bundle_roundtrip_and_malformed_bundles():
 
 
 def test_header_validation():
-    h = P.Header(P.PUSH, 3, version=7, nbytes=100, layout=11, aux=2)
-    back = P.Header.from_tensor(h.to_tensor(), P.REQUESTS, 1000)
-    assert back == h
-    bad = h.to_tensor()
-    bad[0] = 1234
+    h = P.Header(P.PUSH, 3, version=7, nbytes=100, layout=11, aux=2, seq=5, session=9)
+    frame = h.pack()
+    assert len(frame) == P.HEADER_NBYTES == 80
+    assert P.Header.unpack(frame, P.REQUESTS, 100) == h
+    bad = bytearray(frame)
+    bad[0] ^= 1
     with pytest.raises(ps.ProtocolError, match="magic"):
-        P.Header.from_tensor(bad, P.REQUESTS, 1000)
+        P.Header.unpack(bytes(bad), P.REQUESTS, 100)
     with pytest.raises(ps.ProtocolError, match="kind"):
-        P.Header.from_tensor(P.Header(P.PULL_REPLY, 0).to_tensor(), P.REQUESTS, 1000)
-    with pytest.raises(ps.ProtocolError, match="length"):
-        P.Header.from_tensor(P.Header(P.PUSH, 0, nbytes=10**12).to_tensor(), P.REQUESTS, 1000)
+        P.Header.unpack(P.Header(P.PULL_REPLY, 0).pack(), P.REQUESTS, None)
+    with pytest.raises(ps.ProtocolError, match="announces 100 data bytes, the message carries 101"):
+        P.Header.unpack(frame, P.REQUESTS, 101)  # a push larger than its header says
+    with pytest.raises(ps.ProtocolError, match="carries 0"):
+        P.Header.unpack(frame, P.REQUESTS, None)
+    with pytest.raises(ps.ProtocolError, match="header frame of 79 bytes"):
+        P.Header.unpack(frame[:-1], P.REQUESTS, 100)
+    # ZMTP/3.1 framing (RFC 37): flags + 1-byte length up to 255 bytes, flags + 8-byte length above
+    assert P.message_nbytes() == 80 + 2
+    assert P.message_nbytes(255) == 82 + 255 + 2 and P.message_nbytes(256) == 82 + 256 + 9
+
+
+def test_addresses_normalized_and_default_host(monkeypatch):
+    from gradcomp.ps import transport as T
+
+    assert T.normalize_address("10.0.0.1") == "tcp://10.0.0.1:0"
+    assert T.normalize_address("node3:5555") == "tcp://node3:5555"
+    assert T.normalize_address("tcp://127.0.0.1:7") == "tcp://127.0.0.1:7"
+    assert T.normalize_address("::1") == "tcp://[::1]:0" and T.normalize_address("[::1]:9") == "tcp://[::1]:9"
+    for bad in ("udp://x:1", "host:port", "h:70000", ""):
+        with pytest.raises(ValueError, match="address"):
+            T.normalize_address(bad)
+    with pytest.raises(TypeError, match="address"):
+        T.normalize_address(5555)
+    monkeypatch.delenv("GRADCOMP_PS_HOST", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert T.default_host() == "127.0.0.1"  # the interface that routes to the master
+    monkeypatch.setenv("GRADCOMP_PS_HOST", "192.0.2.7")
+    assert T.default_host() == "192.0.2.7"
 
 
 def test_config_and_constructor_errors_name_the_argument():
@@ -436,34 +465,30 @@ def test_server_restart_resumes_from_checkpoint(tmp_path):
 def _garbage_rank(rank, world_size):
     _joined()
     params = {"x": torch.zeros(8)}
+    layout = layout_checksum(param_specs(params))
     if rank == 0:
         server = ps.ParameterServer(params, mode="async", staleness_lr=True, optimizer=_sgd(1.0),
                                     worker_timeout=20.0)
         return server.serve()
+    if rank == 2:  # breaks the protocol itself: a header with a bad magic number
+        peer = PP.RawPeer(PP.server_addresses()[0], rank, layout)
+        peer.hello()
+        bad = bytearray(peer.header(P.PUSH).pack())
+        bad[0] = 42
+        peer.send(bad)
+        reply = peer.recv()
+        peer.close()
+        return (P.KIND_NAMES[reply[0].kind], reply[1].decode())
     worker = ps.Worker(params, timeout=20.0)
     worker.pull()
-    if rank == 2:  # breaks the protocol itself: a header with a bad magic number
-        bad = P.Header(P.PUSH, rank).to_tensor()
-        bad[0] = 42
-        dist.isend(bad, 0, tag=P.TAG_REQUEST).wait()
-        return "sent bad header"
     g = torch.arange(8, dtype=torch.float32)
     statuses = [worker.push({"x": g}).statuses[0]]      # staleness 0: x = -g
     statuses.append(worker.push({"x": g}).statuses[0])  # stamped 0, server at 1: lr / 2
-    layout = layout_checksum(param_specs(params))
-
-    def send_raw(blob):
-        h = P.Header(P.PUSH, rank, version=2, nbytes=blob.numel(), layout=layout)
-        P.send_message(h, blob, 0, header_tag=P.TAG_REQUEST, data_tag=P.TAG_PUSH_DATA, timeout=20)
-        reply, _ = P.recv_message(0, kinds=P.REPLIES, header_tag=P.TAG_REPLY, data_tag=P.TAG_PULL_DATA,
-                                  timeout=20, max_nbytes=1 << 20)
-        return P.STATUS_NAMES[reply.status]
-
-    statuses.append(send_raw(torch.randint(0, 256, (100,), dtype=torch.uint8)))  # garbage bytes
-    statuses.append(send_raw(P.pack_bundle([gc.Int8Quantizer().compress(torch.ones(4)).wire])))  # shape
+    statuses.append(PP.raw_push(worker, torch.randint(0, 256, (100,), dtype=torch.uint8), 2))  # garbage
+    statuses.append(PP.raw_push(worker, P.pack_bundle([gc.Int8Quantizer().compress(torch.ones(4)).wire]), 2))
     wire = gc.NoCompression().compress(torch.ones(8)).wire.clone()
     wire[5] = 99  # unknown codec id -> PayloadError (header CRC)
-    statuses.append(send_raw(P.pack_bundle([wire])))
+    statuses.append(PP.raw_push(worker, P.pack_bundle([wire]), 2))
     statuses.append(worker.push({"x": torch.full((8,), float("nan"))}).statuses[0])  # non-finite
     x_mid = worker.pull()["x"].clone()
     statuses.append(worker.push({"x": g}).statuses[0])  # still serving
@@ -475,7 +500,8 @@ def _garbage_rank(rank, world_size):
 @pytest.mark.timeout(120)
 def test_garbage_payload_rejected_and_counted():
     out = launch(_garbage_rank, 3, timeout=LAUNCH_TIMEOUT)
-    stats, (statuses, x_mid, x_end), _ = out
+    stats, (statuses, x_mid, x_end), evicted = out
+    assert evicted[0] == "EVICTED" and "bad header magic 0x5350432a" in evicted[1]
     x_mid, x_end = _t(x_mid), _t(x_end)
     assert statuses == ["accepted", "accepted", "rejected", "rejected", "rejected", "rejected", "accepted"]
     g = torch.arange(8, dtype=torch.float32)
@@ -509,7 +535,7 @@ def _traffic_rank(rank, world_size, compressor, compress_pull, steps):
             worker.pull()
         end = worker.meter.as_dict()
     keys = ("bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received")
-    return {"steady": {k: end[k] - start[k] for k in keys}, "total": end}
+    return {"steady": {k: end[k] - start[k] for k in keys}, "total": worker.meter.as_dict()}  # with DONE
 
 
 def _ratio(out, steps):
@@ -558,12 +584,7 @@ def _overflow_push_rank(rank, world_size):
     worker.pull()
     body = struct.pack("<4sBBBBB3sIQQq", b"GCMP", 1, 2, 1, 1, 0, b"\0\0\0", 1024, 8, 0, 8)
     wire = body + struct.pack("<I", zlib.crc32(body)) + b"\0\0\0\0" + struct.pack("<8e", *[1.0] * 8)
-    blob = P.pack_bundle([torch.frombuffer(bytearray(wire), dtype=torch.uint8)])
-    h = P.Header(P.PUSH, rank, version=0, nbytes=blob.numel(), layout=layout_checksum(param_specs(params)))
-    P.send_message(h, blob, 0, header_tag=P.TAG_REQUEST, data_tag=P.TAG_PUSH_DATA, timeout=20)
-    reply, _ = P.recv_message(0, kinds=P.REPLIES, header_tag=P.TAG_REPLY, data_tag=P.TAG_PULL_DATA,
-                              timeout=20, max_nbytes=1 << 20)
-    status = P.STATUS_NAMES[reply.status]
+    status = PP.raw_push(worker, P.pack_bundle([torch.frombuffer(bytearray(wire), dtype=torch.uint8)]), 0)
     after = worker.push({"x": torch.ones(8)}).statuses[0]  # the server still serves
     worker.done()
     return status, after
