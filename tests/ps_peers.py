@@ -85,3 +85,32 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
+
+
+def process_gone(pid: int) -> bool:
+    """The process ``pid`` has exited (or is a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def restarted_worker_main(address: str, rank: int, numel: int, pad: int, pushes: int, out_path: str) -> None:
+    """A worker process started again with the rank of one that was killed:
+    outside the process group, with the server's address given."""
+    import json
+
+    from gradcomp import ps
+
+    params = {"x": torch.zeros(numel), "pad": torch.zeros(pad)}
+    g = {"x": torch.zeros(numel)}
+    g["x"][rank] = 1.0
+    worker = ps.Worker(params, rank=rank, num_servers=1, server_addresses=[address], timeout=30.0)
+    before = worker.accepted_before[0]
+    with worker:
+        worker.pull()
+        accepted = sum(worker.push(g).accepted for _ in range(pushes))
+        worker.pull()
+    with open(out_path, "w") as f:
+        json.dump({"accepted_before": before, "accepted": accepted}, f)
