@@ -596,3 +596,92 @@ def test_overflowing_fp16_push_is_rejected_not_fatal():
     assert (status, after) == ("rejected", "accepted")
     assert reasons == {"payload": 1}
     torch.testing.assert_close(_t(x), -torch.ones(8))
+
+
+# ---------------------------------------------------------------- checkpoints that cannot be resumed
+def _good_checkpoint(path):
+    from gradcomp.ps import checkpoint as ckpt
+
+    params = {"x": torch.arange(4.0)}
+    opt = torch.optim.SGD([torch.nn.Parameter(params["x"].clone())], lr=0.1, momentum=0.9)
+    ckpt.save_atomic({"format": ckpt.FORMAT, "server_index": 0, "num_servers": 1, "mode": "async",
+                      "layout": [["x", [4]]], "version": 5, "params": params,
+                      "optimizer": opt.state_dict()}, path)
+
+
+def test_bad_checkpoints_raise_one_checkpoint_error(tmp_path):
+    import pickle
+
+    from gradcomp.ps import checkpoint as ckpt
+
+    good = str(tmp_path / "good.pt")
+    _good_checkpoint(good)
+    assert ckpt.load(good, [["x", [4]]], 1)["version"] == 5
+    blob = open(good, "rb").read()
+    cases = {
+        "truncated": (blob[: len(blob) // 2], "unreadable"),
+        "random": (os.urandom(4096), "unreadable"),
+        "foreign pickle": (pickle.dumps({"format": "gradcomp.ps/1", "x": print}, protocol=2), "unreadable"),
+        "empty": (b"", "unreadable"),
+    }
+    for name, (data, match) in cases.items():
+        path = str(tmp_path / f"{name}.pt")
+        with open(path, "wb") as f:
+            f.write(data)
+        with pytest.raises(ps.CheckpointError, match=match) as e:
+            ckpt.load(path)
+        assert e.value.path == path and path in str(e.value), name
+    foreign = str(tmp_path / "foreign.pt")
+    torch.save({"model": torch.zeros(3)}, foreign)
+    with pytest.raises(ps.CheckpointError, match="not a gradcomp parameter-server checkpoint"):
+        ckpt.load(foreign)
+    with pytest.raises(ps.CheckpointError, match="another parameter placement"):
+        ckpt.load(good, [["x", [5]]], 1)
+    state = torch.load(good, weights_only=True)
+    state["params"]["x"] = torch.zeros(3)
+    torch.save(state, foreign)
+    with pytest.raises(ps.CheckpointError, match="parameter 'x'"):
+        ckpt.load(foreign)
+    assert issubclass(ps.CheckpointError, ValueError)
+
+
+def _resume_bad_rank(rank, world_size, ckpt_dir):
+    _joined()
+    if rank == 1:
+        with ps.Worker({"x": torch.zeros(4)}, timeout=30.0) as worker:
+            worker.pull()
+            first = worker.replica["x"].clone()
+            worker.push({"x": torch.ones(4)})
+        return _np(first)
+    path = os.path.join(ckpt_dir, "ps-server-0.pt")
+    _good_checkpoint(path)
+    blob = open(path, "rb").read()
+    errors = []
+    for data in (blob[:-100], os.urandom(len(blob))):  # truncated, random
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            ps.ParameterServer({"x": torch.zeros(4)}, mode="async", checkpoint_dir=ckpt_dir, resume=True)
+        except ps.CheckpointError as e:
+            errors.append(e.reason.split(" ")[0])
+    _good_checkpoint(path)
+    state = torch.load(path, weights_only=True)
+    state["optimizer"]["param_groups"].append(dict(state["optimizer"]["param_groups"][0]))
+    torch.save(state, path)  # an optimizer state of two parameter groups: rejected before any change
+    try:
+        ps.ParameterServer({"x": torch.zeros(4)}, mode="async", checkpoint_dir=ckpt_dir, resume=True)
+    except ps.CheckpointError as e:
+        errors.append(e.reason.split(" ")[0])
+    _good_checkpoint(path)
+    server = ps.ParameterServer({"x": torch.zeros(4)}, mode="async", checkpoint_dir=ckpt_dir, resume=True,
+                                optimizer=_sgd(0.1, 0.9))
+    return errors, server.resumed_from, server.serve()["version"]
+
+
+@pytest.mark.timeout(120)
+def test_resume_from_a_bad_checkpoint_raises_before_serving(tmp_path):
+    (errors, resumed, version), first = launch(_resume_bad_rank, 2, args=(str(tmp_path),),
+                                               timeout=LAUNCH_TIMEOUT)
+    assert errors == ["unreadable", "unreadable", "its"], errors
+    assert resumed == 5 and version == 6
+    assert torch.equal(_t(first), torch.arange(4.0))  # the good checkpoint's parameters

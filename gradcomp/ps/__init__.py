@@ -75,7 +75,8 @@ With torchrun (a least-squares demo; prints the server's stats as JSON)::
 
 from __future__ import annotations
 
-from gradcomp.ps.errors import PeerError, ProtocolError, PSAbortedError, PSError, WorkerFailedError
+from gradcomp.ps.errors import (CheckpointError, PeerError, ProtocolError, PSAbortedError, PSError,
+                                WorkerFailedError)
 from gradcomp.ps.run import PSConfig, role, run
 from gradcomp.ps.server import ParameterServer
 from gradcomp.ps.sharding import ParamSpec, shard_parameters
@@ -95,4 +96,5 @@ __all__ = [
     "ProtocolError",
     "PSAbortedError",
     "WorkerFailedError",
+    "CheckpointError",
 ]

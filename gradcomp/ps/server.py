@@ -22,7 +22,7 @@ from gradcomp.wire import decode
 from gradcomp.ps import checkpoint as ckpt
 from gradcomp.ps import protocol as P
 from gradcomp.ps import transport as T
-from gradcomp.ps.errors import ProtocolError, WorkerFailedError
+from gradcomp.ps.errors import CheckpointError, ProtocolError, WorkerFailedError
 from gradcomp.ps.sharding import layout_checksum, named_tensors, param_specs, shard_parameters
 
 __all__ = ["ParameterServer", "MODES", "FAILURE_POLICIES"]
@@ -173,6 +173,9 @@ class ParameterServer:
     Raises:
         ValueError / TypeError: an invalid argument (the message names it);
             this rank is not a server rank; ``address`` cannot be bound.
+        CheckpointError: ``resume=True`` and the checkpoint is truncated,
+            random or foreign bytes, or of another placement (nothing is
+            loaded then).
         RuntimeError: torch.distributed is not initialised.
     """
 
@@ -520,7 +523,8 @@ class ParameterServer:
         if data is None:
             raise _Rejected("payload")
         try:
-            payloads = [decode(w) for w in P.unpack_bundle(data, len(self.shard))]
+            payloads = [decode(w, max_numel=spec.numel)
+                        for spec, w in zip(self.shard, P.unpack_bundle(data, len(self.shard)))]
         except PayloadError:
             raise _Rejected("payload") from None
         for spec, p in zip(self.shard, payloads):
@@ -694,20 +698,23 @@ class ParameterServer:
         self._record(self.meter, peer.meter, n, phase, raw=raw, recv=True)
 
     def _resume(self) -> None:
+        """Load this server's checkpoint, if any: validated whole before
+        anything changes (:class:`~gradcomp.ps.CheckpointError` otherwise)."""
         path = ckpt.checkpoint_path(self.checkpoint_dir, self.rank)
         if not os.path.exists(path):
             return
-        state = ckpt.load(path)
-        layout = [[s.name, list(s.shape)] for s in self.shard]
-        if state["layout"] != layout or state["num_servers"] != self.num_servers:
-            raise ValueError(f"checkpoint {path} holds another parameter placement "
-                             f"({state['num_servers']} servers, {len(state['layout'])} parameters); "
-                             "resume needs the same model and num_servers")
+        state = ckpt.load(path, [[s.name, list(s.shape)] for s in self.shard], self.num_servers)
+        before = self.optimizer.state_dict()
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except Exception as e:
+            self.optimizer.load_state_dict(before)
+            raise CheckpointError(path, f"its optimizer state does not fit this optimizer "
+                                        f"({type(e).__name__}: {e})") from None
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(state["params"][n])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.version = int(state["version"])
+        self.version = state["version"]
         self.resumed_from = self.version
 
 
