@@ -64,7 +64,7 @@ class FP16(Compressor):
             amax = float(torch.maximum(mn.abs(), mx.abs()).to(torch.float64))
             if math.isfinite(amax) and amax > 0:
                 lo, hi = W.FP16_EXPONENT_RANGE[x.dtype == torch.float64]
-                e = math.ceil(math.log2(amax / _FP16_MAX))
+                e = math.ceil(math.log2(amax) - math.log2(_FP16_MAX))
                 while math.ldexp(amax, -e) > _FP16_MAX:  # log2's rounding
                     e += 1
                 while math.ldexp(amax, -(e - 1)) <= _FP16_MAX:
