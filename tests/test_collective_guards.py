@@ -84,3 +84,58 @@ def test_one_error_feedback_for_several_sizes_keeps_a_residual_per_size():
         j = (rank - 1) % 3  # the ring chunk this rank compresses alone
         assert keys == sorted([repr((("numel", 3000), j)), repr((("numel", 3001), j))])
         assert alone_keys == [repr((("numel", 3000), j))]
+
+
+CASES = {"numel-ring": "numbers of elements", "numel-two_phase": "numbers of elements",
+         "numel-allgather": "numbers of elements", "op": "ops", "algorithm": "algorithms",
+         "codec": "compressor types", "block_size": "payload sizes"}
+
+
+def _one_rank_changes(rank, world):
+    out = {}
+    for case in CASES:
+        group = dist.new_group(list(range(world)))  # each case on a group of its own
+        n, comp, op, algorithm = 3000, gc.Int8Quantizer(), "avg", "ring"
+        if case == "numel-allgather":
+            comp, algorithm = gc.TopK(ratio=0.1), "allgather"
+        elif case == "numel-two_phase":
+            algorithm = "two_phase"
+        for _ in range(2):  # the group agrees on the call, then skips the check
+            gc.allreduce(torch.randn(n), comp, op=op, algorithm=algorithm, group=group, timeout=20)
+        if rank == 1:  # one rank alone changes one thing
+            if case.startswith("numel"):
+                n = 2999
+            elif case == "op":
+                op = "sum"
+            elif case == "algorithm":
+                algorithm = "two_phase"
+            elif case == "codec":
+                comp = gc.FP16()
+            elif case == "block_size":
+                comp = gc.Int8Quantizer(block_size=32)
+        t0 = time.perf_counter()
+        try:
+            gc.allreduce(torch.randn(n), comp, op=op, algorithm=algorithm, group=group, timeout=20)
+            outcome = "ok"
+        except ValueError as e:
+            outcome = str(e)
+        seconds = time.perf_counter() - t0
+        y = gc.allreduce(torch.full((10,), float(rank)), gc.NoCompression(), op="sum", group=group, timeout=20)
+        z = gc.allreduce(torch.full((3000,), float(rank)), gc.Int8Quantizer(), op="sum", group=group,
+                         timeout=20)
+        out[case] = (outcome, seconds, y.tolist(), float(z.max() - z.min()), float(z.mean()))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_one_rank_changing_after_the_agreement_gets_every_rank_a_value_error():
+    """It used to cost every rank a bare TimeoutError after the full timeout."""
+    for rank, cases in enumerate(launch(_one_rank_changes, 4, timeout=TIMEOUT)):
+        for case, (outcome, seconds, y, spread, mean) in cases.items():
+            where = (rank, case, outcome)
+            assert "ranks of the group passed different" in outcome and CASES[case] in outcome, where
+            assert "rank 1:" in outcome, where
+            assert seconds < 10, (where, seconds)  # not the 20 s timeout
+            assert y == [6.0] * 10, where  # 0 + 1 + 2 + 3: every message was matched, the group works
+            assert spread == 0 and mean == pytest.approx(6.0, rel=0.01), where

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.comm import allgather as _allgather
-from gradcomp.comm.agreement import agree, forget, needs_check
+from gradcomp.comm.agreement import (Disagreement, agree, forget, needs_check, pattern, remember_pattern,
+                                     replay)
 from gradcomp.comm import ring as _ring
 from gradcomp.comm import two_phase as _two_phase
 from gradcomp.comm.chunks import chunk_bounds, ring_raw_bytes
@@ -228,12 +229,23 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
             plan = Plan(n, comm.world_size, local.inner)
             descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
         if check and needs_check(group, descriptor):
+            last = pattern(group)
+            if last is not None:  # tell ranks that skip the check, if any (see agreement)
+                replay(comm, last, x.device)
             agree(comm, descriptor, _NAMES, device=x.device)  # before anything changes
-        if algorithm == "allgather":
-            _allgather.allreduce(comm, local, work, op)
-        else:
-            pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
-            share_owned(comm, plan, work, op, pending)
+        try:
+            if algorithm == "allgather":
+                _allgather.allreduce(comm, local, work, op)
+            else:
+                pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
+                share_owned(comm, plan, work, op, pending)
+        except Disagreement:  # a peer changed its call: finish its pattern, then agree (raises)
+            replay(comm, (pattern(group) or [])[len(comm.trace):], x.device)
+            agree(comm, descriptor, _NAMES, device=x.device)
+            raise RuntimeError("gradcomp collective: a peer sent a disagreement envelope but "
+                               "agreed afterwards") from None
+        if check:
+            remember_pattern(group, descriptor, comm.trace)
     except BaseException:
         forget(group)  # this rank's next call on the group checks again
         raise
