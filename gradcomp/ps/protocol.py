@@ -64,8 +64,12 @@ __all__ = [
     "PUSH", "PULL", "DONE", "HELLO", "HEARTBEAT", "PUSH_REPLY", "PULL_REPLY", "ABORT", "WELCOME",
     "EVICTED", "ACCEPTED", "DROPPED", "REJECTED", "WANT_FULL", "FULL", "DELTA",
     "REQUESTS", "REPLIES", "Header", "frame_overhead", "message_nbytes", "pack_bundle",
-    "unpack_bundle", "raw_bundle_nbytes", "decoder_for", "join_layout",
+    "unpack_bundle", "raw_bundle_nbytes", "decoder_for", "join_layout", "MODES", "FAILURE_POLICIES",
 ]
+
+#: server modes and worker-failure policies (validated by every role)
+MODES = ("sync", "async")
+FAILURE_POLICIES = ("continue", "fail")
 
 MAGIC = 0x53504347
 HEADER_NUMEL = 10

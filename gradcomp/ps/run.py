@@ -11,9 +11,8 @@ import torch
 
 from gradcomp import _validate as v
 from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
+from gradcomp.ps.protocol import FAILURE_POLICIES, MODES
 from gradcomp.ps.transport import normalize_address
-from gradcomp.ps.server import FAILURE_POLICIES, MODES, ParameterServer
-from gradcomp.ps.worker import PushResult, Worker
 
 __all__ = ["PSConfig", "run", "role"]
 
@@ -107,7 +106,7 @@ def role(rank: int, num_servers: int) -> str:
 
 def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         loss_fn: Callable[[torch.nn.Module, int, int], torch.Tensor], config: PSConfig, *,
-        on_step: Callable[[int, float, Worker, PushResult], Any] | None = None,
+        on_step: Callable[[int, float, "Worker", "PushResult"], Any] | None = None,
         group=None) -> dict:
     """Run this rank's role of a parameter-server training job.
 
@@ -146,6 +145,9 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         WorkerFailedError (server) / PSAbortedError (worker): a worker died
             with ``on_worker_failure="fail"``.
     """
+    from gradcomp.ps.server import ParameterServer
+    from gradcomp.ps.worker import Worker
+
     if not isinstance(config, PSConfig):
         raise TypeError(f"config must be a gradcomp.ps.PSConfig, got {type(config).__name__}")
     if world_size <= config.num_servers:

@@ -29,8 +29,7 @@ __all__ = ["ParameterServer", "MODES", "FAILURE_POLICIES"]
 
 log = logging.getLogger("gradcomp.ps")
 
-MODES = ("sync", "async")
-FAILURE_POLICIES = ("continue", "fail")
+MODES, FAILURE_POLICIES = P.MODES, P.FAILURE_POLICIES
 _REJECT_REASONS = ("payload", "shape", "nonfinite", "layout", "version", "duplicate", "protocol",
                    "session", "unknown_peer")
 #: most messages handled per poll before the deadlines are checked again

@@ -27,7 +27,6 @@ import os
 import socket
 
 import torch.distributed as dist
-import zmq
 
 __all__ = ["default_host", "normalize_address", "bind_router", "connect_dealer", "exchange_addresses"]
 
@@ -98,8 +97,8 @@ def _is_v6(address: str) -> bool:
     return address.startswith("tcp://[")
 
 
-def bind_router(ctx: zmq.Context, address: str, *, max_message: int, send_hwm: int,
-                recv_hwm: int) -> tuple[zmq.Socket, str]:
+def bind_router(ctx: "zmq.Context", address: str, *, max_message: int, send_hwm: int,
+                recv_hwm: int) -> tuple["zmq.Socket", str]:
     """A ROUTER socket bound to ``address`` (normalized; port 0: any free port).
 
     Returns:
@@ -109,6 +108,8 @@ def bind_router(ctx: zmq.Context, address: str, *, max_message: int, send_hwm: i
     Raises:
         ValueError: the address cannot be bound (names it and the reason).
     """
+    import zmq
+
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or unknown peer fails the send, never blocks
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its routing id over
@@ -135,10 +136,12 @@ def bind_router(ctx: zmq.Context, address: str, *, max_message: int, send_hwm: i
     return sock, endpoint
 
 
-def connect_dealer(ctx: zmq.Context, address: str, identity: bytes, *, max_message: int,
-                   hwm: int) -> zmq.Socket:
+def connect_dealer(ctx: "zmq.Context", address: str, identity: bytes, *, max_message: int,
+                   hwm: int) -> "zmq.Socket":
     """A DEALER with routing id ``identity`` connecting to ``address`` (ZeroMQ
     retries the connection until the server is up)."""
+    import zmq
+
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, identity)
     sock.setsockopt(zmq.SNDHWM, hwm)
