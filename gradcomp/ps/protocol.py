@@ -15,7 +15,8 @@ header):
        4 nbytes    length of the data frame (0: no data frame); must equal
                    the length ZeroMQ delivered, or the message is rejected
        5 status    push reply: ACCEPTED / DROPPED / REJECTED; pull request:
-                   WANT_FULL flag; pull reply: FULL / DELTA
+                   WANT_FULL flag; pull reply: FULL / DELTA; WELCOME: the
+                   server's heartbeat port
        6 layout    CRC-32 of the shard's names and shapes (requests)
        7 aux       pull request: minimum version wanted; push reply: staleness;
                    ABORT: the failed worker's rank; WELCOME: pushes of this
@@ -32,10 +33,11 @@ header):
    (an EVICTED reply carries the reason as UTF-8 text instead).
 
 A worker holds one DEALER per server for requests (routing id ``w<rank>``)
-and, on a background thread, one per server for heartbeats (``h<rank>``),
-answered by the server; so the server tells a dead process (no heartbeat)
-from a live one that makes no progress (no request), and a worker tells a
-dead server from a slow step.
+and, on a background thread, one per server for heartbeats (``h<rank>``)
+to the server's heartbeat port, where a thread of the server answers them
+even while a step computes; so the server tells a dead process (no
+heartbeat) from a live one that makes no progress (no request), and a worker
+tells a dead server from a slow step.
 
 Version semantics: a push carries the server version of the parameters its
 gradient was computed from; a push reply and a pull reply carry the server's

@@ -6,6 +6,7 @@ import functools
 import logging
 import math
 import os
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -244,10 +245,7 @@ class ParameterServer:
         self.dropped_staleness_histogram: Counter = Counter()
         self.rejected_reasons: Counter = Counter()
         self.peers = {r: _Peer(r) for r in (_global(group, i) for i in range(self.num_servers, world))}
-        self._by_ident = {}
-        for p in self.peers.values():
-            self._by_ident[p.ident] = (p, False)
-            self._by_ident[b"h%d" % p.rank] = (p, True)
+        self._by_ident = {p.ident: p for p in self.peers.values()}
         self._sum: dict[str, torch.Tensor] = {}
         self._contributors: set[int] = set()
         self._failure: tuple[int, str] | None = None
@@ -261,9 +259,17 @@ class ParameterServer:
             self._sock, self.address = T.bind_router(
                 self._ctx, bind_address, max_message=self._max_message, send_hwm=self.send_hwm,
                 recv_hwm=max(16, 4 * self.send_hwm))
+            # heartbeats on a socket and thread of their own: answered while a step computes
+            host = bind_address.rsplit(":", 1)[0]
+            hb_sock, hb_endpoint = T.bind_router(self._ctx, f"{host}:0", max_message=1024, send_hwm=4,
+                                                 recv_hwm=16)
         except BaseException:
+            if hasattr(self, "_sock"):
+                self._sock.close(0)
             self._ctx.term()
             raise
+        self._heartbeats = _HeartbeatResponder(self, hb_sock)
+        self.heartbeat_port = int(hb_endpoint.rsplit(":", 1)[1])
         T.exchange_addresses(group, self.address, self.num_servers)
 
     # ---- public ---------------------------------------------------------------------
@@ -284,6 +290,7 @@ class ParameterServer:
         start = time.monotonic()
         for p in self.peers.values():
             p.clock = p.heard = start
+        self._heartbeats.start()
         try:
             while any(p.status == "active" for p in self.peers.values()):
                 if self._sock.poll(50):
@@ -295,6 +302,7 @@ class ParameterServer:
                         self._on_message(frames)
                 self._check_deadlines()
         finally:
+            self._heartbeats.stop()
             self._sock.close(linger=2000)
             self._ctx.term()
             if self.checkpoint_dir is not None:
@@ -355,6 +363,7 @@ class ParameterServer:
             "done_workers": sorted(r for r, p in self.peers.items() if p.status == "done"),
             "traffic": self.meter.as_dict(),
             "heartbeat_traffic": self.heartbeat_meter.as_dict(),
+            "malformed_heartbeats": self._heartbeats.malformed,
             "address": self.address,
         }
 
@@ -387,7 +396,7 @@ class ParameterServer:
         if entry is None:
             self.rejected_reasons["unknown_peer"] += 1
             return
-        peer, heartbeat = entry
+        peer = entry
         data = frames[2] if len(frames) == 3 else None
         try:
             if len(frames) not in (2, 3):
@@ -395,23 +404,11 @@ class ParameterServer:
             h = P.Header.unpack(frames[1].buffer, P.REQUESTS, None if data is None else len(data))
             if h.sender != peer.rank:
                 raise ProtocolError(f"header names sender {h.sender}, received from rank {peer.rank}")
-            if heartbeat != (h.kind == P.HEARTBEAT):
-                raise ProtocolError(f"{P.KIND_NAMES[h.kind]} on the "
-                                    f"{'heartbeat' if heartbeat else 'request'} connection")
+            if h.kind == P.HEARTBEAT:
+                raise ProtocolError("HEARTBEAT on the request connection (heartbeats have their own port)")
         except ProtocolError as e:
             return self._on_protocol_error(peer, str(e))
         now = time.monotonic()
-        if h.kind == P.HEARTBEAT:
-            if h.session == peer.session and peer.status == "active":
-                peer.heard = now
-            self._record(self.heartbeat_meter, None, P.message_nbytes(), "heartbeat", recv=True)
-            reply = P.Header(P.HEARTBEAT, self.global_rank, self.version, seq=h.seq, session=h.session)
-            try:
-                self._sock.send_multipart([frames[0], reply.pack()], zmq.NOBLOCK)
-                self._record(self.heartbeat_meter, None, P.message_nbytes(), "heartbeat")
-            except zmq.ZMQError:
-                pass  # a worker not reading its heartbeat replies finds the server silent
-            return
         if h.kind == P.HELLO:
             return self._on_hello(peer, h, now)
         if h.session != peer.session:
@@ -457,7 +454,8 @@ class ParameterServer:
         peer.heard = peer.clock = now
         if self._failure is not None:
             return self._abort(peer, h, "connect")
-        self._reply(peer, self._header(P.WELCOME, h, aux=peer.accepted), None, "connect")
+        self._reply(peer, self._header(P.WELCOME, h, aux=peer.accepted, status=self.heartbeat_port),
+                    None, "connect")
 
     def _on_protocol_error(self, peer: _Peer, reason: str) -> None:
         """A malformed message: counted; the peer is cut off (it does not speak the protocol)."""
@@ -715,6 +713,58 @@ class ParameterServer:
                 p.copy_(state["params"][n])
         self.version = state["version"]
         self.resumed_from = self.version
+
+
+class _HeartbeatResponder:
+    """A thread answering workers' heartbeats on the server's heartbeat socket
+    (routing ids ``h<rank>``) and noting when each worker was last heard."""
+
+    def __init__(self, server: "ParameterServer", sock):
+        self._server, self._sock = server, sock
+        self._peers = {b"h%d" % p.rank: p for p in server.peers.values()}
+        self.malformed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"gradcomp-ps-heartbeats-{server.global_rank}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        if not self._thread.is_alive():
+            self._sock.close(linger=0)
+
+    def _run(self) -> None:
+        server, n = self._server, P.message_nbytes()
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            while True:
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                peer = self._peers.get(frames[0])
+                try:
+                    if peer is None or len(frames) != 2:
+                        raise ProtocolError("not a heartbeat")
+                    h = P.Header.unpack(frames[1], (P.HEARTBEAT,), None)
+                except ProtocolError:
+                    self.malformed += 1
+                    continue
+                server.heartbeat_meter.record_recv(n, n, "heartbeat")
+                if h.session != peer.session:
+                    continue  # an earlier process of that rank, or before its HELLO
+                if peer.status == "active":
+                    peer.heard = time.monotonic()
+                reply = P.Header(P.HEARTBEAT, server.global_rank, server.version, seq=h.seq, session=h.session)
+                try:
+                    self._sock.send_multipart([frames[0], reply.pack()], zmq.NOBLOCK)
+                    server.heartbeat_meter.record_send(n, n, "heartbeat")
+                except zmq.ZMQError:
+                    pass  # a worker not reading its heartbeat replies finds the server silent
 
 
 class _Rejected(Exception):

@@ -187,16 +187,16 @@ class Worker:
                                     max_message=2 * self._raw_bundle[s] + (1 << 16), hwm=4)
             sock.setsockopt(zmq.SNDTIMEO, int(1000 * min(self.timeout, 1e6)))
             self._socks.append(sock)
-        self._heartbeat = _Heartbeat(self._ctx, self.server_addresses, self.global_rank, self.session,
-                                     self.heartbeat_interval, self.heartbeat_meter)
+        self._heartbeat = _Heartbeat(self._ctx, self.global_rank, self.session, self.heartbeat_interval,
+                                     self.heartbeat_meter)
         self._finalizer = weakref.finalize(self, _close_transport, self._ctx, self._socks, self._heartbeat, 0)
         try:
-            self.accepted_before = self._hello()
+            self.accepted_before, ports = self._hello()
         except BaseException:
             self._broken = True
             self._finalizer()
             raise
-        self._heartbeat.start()
+        self._heartbeat.start([f"{a.rsplit(':', 1)[0]}:{port}" for a, port in zip(self.server_addresses, ports)])
 
     # ---- public ----    # ---- public ---------------------------------------------------------------------
     @property
@@ -398,19 +398,21 @@ class Worker:
         return P.Header(kind, self.global_rank, version, layout=self._layouts[s], seq=self._seq,
                         session=self.session, **fields)
 
-    def _hello(self) -> tuple[int, ...]:
-        """HELLO to every server; returns each one's count of this rank's accepted pushes."""
+    def _hello(self) -> tuple[tuple[int, ...], list[int]]:
+        """HELLO to every server; returns each one's count of this rank's accepted
+        pushes and its heartbeat port."""
         requests = []
         for s in range(self.num_servers):
             requests.append(self._request(P.HELLO, s, 0))
             self._send(requests[-1], None, s, "connect")
-        out = []
+        out, ports = [], []
         for s, src in enumerate(self.servers):
             h, _ = self._recv(s, requests[s], "connect")
-            if h.kind != P.WELCOME or h.aux < 0:
+            if h.kind != P.WELCOME or h.aux < 0 or not 0 < h.status < 65536:
                 raise ProtocolError(f"server rank {src} answered HELLO with {P.KIND_NAMES.get(h.kind)}")
             out.append(h.aux)
-        return tuple(out)
+            ports.append(h.status)
+        return tuple(out), ports
 
     def _send(self, h: P.Header, data, s: int, phase: str, raw: int | None = None) -> None:
         frames = [h.pack()] if data is None else [h.pack(), memoryview(data.numpy())]
@@ -459,17 +461,19 @@ class Worker:
 
 
 class _Heartbeat:
-    """Background thread sending a heartbeat to every server each ``interval``
-    seconds on its own sockets (routing id ``h<rank>``) and noting the replies."""
+    """Background thread sending a heartbeat to every server's heartbeat port
+    each ``interval`` seconds on its own sockets (routing id ``h<rank>``) and
+    noting the replies."""
 
-    def __init__(self, ctx, addresses, rank: int, session: int, interval: float, meter: TrafficMeter):
-        self._ctx, self._addresses, self._rank, self._session = ctx, list(addresses), rank, session
+    def __init__(self, ctx, rank: int, session: int, interval: float, meter: TrafficMeter):
+        self._ctx, self._addresses, self._rank, self._session = ctx, [], rank, session
         self._interval, self._meter = interval, meter
         self._last: list[float] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"gradcomp-ps-heartbeat-{rank}")
 
-    def start(self) -> None:
+    def start(self, addresses) -> None:
+        self._addresses = list(addresses)
         self._last = [time.monotonic()] * len(self._addresses)
         self._thread.start()
 
