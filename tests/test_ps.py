@@ -148,6 +148,21 @@ def test_config_and_constructor_errors_name_the_argument():
     assert ps.role(0, 1) == "server" and ps.role(1, 1) == "worker"
     c = ps.PSConfig(compressor=gc.ErrorFeedback(gc.TopK(0.01)), compress_pull=True)
     assert isinstance(c.server_pull_compressor(), gc.TopK)
+    with pytest.raises(ValueError, match="heartbeat_interval"):
+        ps.PSConfig(heartbeat_interval=10.0, heartbeat_timeout=5.0)
+    with pytest.raises(ValueError, match="address"):
+        ps.PSConfig(address="udp://10.0.0.1:5555")
+    x = {"x": torch.zeros(4)}
+    with pytest.raises(ValueError, match="num_servers=2 endpoints, got 1"):
+        ps.Worker(x, num_servers=2, rank=3, server_addresses=["tcp://127.0.0.1:1"])
+    with pytest.raises(TypeError, match="server_addresses"):
+        ps.Worker(x, rank=3, server_addresses="tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="server rank"):
+        ps.Worker(x, rank=0, server_addresses=["tcp://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="rank is given with server_addresses only"):
+        ps.Worker(x, rank=3)
+    with pytest.raises(ValueError, match="heartbeat_interval"):
+        ps.Worker(x, rank=3, server_addresses=["127.0.0.1:1"], heartbeat_interval=0)
 
 
 # ---------------------------------------------------------------- sync == data-parallel SGD
