@@ -1,11 +1,12 @@
 """Parameter-server traffic per step, measured from the TrafficMeter's real byte counts.
 
-Runs one server and ``--workers`` workers (gradcomp.launch, gloo) in sync mode
+Runs one server and ``--workers`` workers (gradcomp.launch; the parameter
+server's messages travel over ZeroMQ on loopback) in sync mode
 on a two-layer model of 107,200 float32 parameters. Each worker pulls the full
 model once (not counted: it happens once per run), then for ``--steps`` steps
 pushes a random gradient and pulls. Counted per step and worker: every byte
 of the push and pull messages (control headers, bundle tables, payload
-headers and data) and what the same messages weigh uncompressed (float32).
+headers and data, ZMTP frame headers) and what the same messages weigh uncompressed (float32).
 
     python benchmarks/ps_traffic.py [--workers 2] [--steps 5] [--servers 1] [--json out.json]
 
