@@ -3,6 +3,8 @@ a compressor, a mode and a step budget."""
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -104,10 +106,28 @@ def role(rank: int, num_servers: int) -> str:
     return "server" if rank < num_servers else "worker"
 
 
+class _NoTimeline:
+    """Stands in for a :class:`gradcomp.timeline.Timeline` when none is given."""
+
+    def begin_step(self):
+        pass
+
+    def end_step(self):
+        pass
+
+    @contextlib.contextmanager
+    def span(self, phase):
+        yield
+
+    @contextlib.contextmanager
+    def active(self):
+        yield
+
+
 def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         loss_fn: Callable[[torch.nn.Module, int, int], torch.Tensor], config: PSConfig, *,
         on_step: Callable[[int, float, "Worker", "PushResult"], Any] | None = None,
-        group=None) -> dict:
+        group=None, timeline=None) -> dict:
     """Run this rank's role of a parameter-server training job.
 
     Call it on every rank of an initialised process group: under torchrun
@@ -130,6 +150,10 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         on_step: optional ``(step, loss, worker, push_result)`` callback after
             each push (workers only), e.g. for logging or evaluation.
         group: the process group (default: the world).
+        timeline: optional :class:`gradcomp.timeline.Timeline` (workers): one
+            step per pull + compute + push, with the spans ``compute``,
+            ``compress``, ``communicate`` and ``decompress`` (see
+            :func:`gradcomp.timeline.async_step_phases`).
 
     Returns:
         On a server: ``{"role": "server", "rank", "stats", "params"}`` (its
@@ -177,15 +201,19 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
                     heartbeat_timeout=config.heartbeat_timeout, group=group)
     index = rank - config.num_servers
     losses: list[float] = []
-    with worker:
+    tl = timeline if timeline is not None else _NoTimeline()
+    with worker, tl.active():
         for step in range(config.steps):
+            tl.begin_step()
             worker.pull()
-            model.zero_grad(set_to_none=True)
-            loss = loss_fn(model, step, index)
-            loss.backward()
+            with tl.span("compute"):
+                model.zero_grad(set_to_none=True)
+                loss = loss_fn(model, step, index)
+                loss.backward()
             result = worker.push()
             worker.meter.step()
             losses.append(float(loss.detach()))
+            tl.end_step()
             if on_step is not None:
                 on_step(step, losses[-1], worker, result)
         worker.pull()

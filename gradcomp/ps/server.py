@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
@@ -242,6 +243,9 @@ class ParameterServer:
         self.clipped = 0
         self.checkpoints = 0
         self.staleness_histogram: Counter = Counter()
+        #: ``(worker rank, start, end)`` of every request handled, on the
+        #: timeline clock (:func:`time.perf_counter`), the last 2**17 kept
+        self._busy: collections.deque = collections.deque(maxlen=1 << 17)
         self.dropped_staleness_histogram: Counter = Counter()
         self.rejected_reasons: Counter = Counter()
         self.peers = {r: _Peer(r) for r in (_global(group, i) for i in range(self.num_servers, world))}
@@ -299,7 +303,10 @@ class ParameterServer:
                             frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_message(frames)
+                        t0 = time.perf_counter()
+                        rank = self._on_message(frames)
+                        if rank is not None:
+                            self._busy.append((rank, t0, time.perf_counter()))
                 self._check_deadlines()
         finally:
             self._heartbeats.stop()
@@ -332,7 +339,11 @@ class ParameterServer:
         equivalents), ``dead_workers`` (rank -> reason), ``done_workers``,
         ``traffic`` (:meth:`TrafficMeter.as_dict` of :attr:`meter`: phases
         ``"connect"``, ``"push"``, ``"pull"``), ``heartbeat_traffic`` (the
-        heartbeats, counted apart) and ``address`` (the bound endpoint).
+        heartbeats, counted apart), ``address`` (the bound endpoint),
+        ``busy_s`` (seconds spent handling requests) and ``busy_intervals``
+        (``(worker rank, start, end)`` per request handled, on the
+        :mod:`gradcomp.timeline` clock: with the workers' timelines they tell
+        how long each request queued behind other workers').
         """
         workers = {}
         for r, p in self.peers.items():
@@ -365,6 +376,8 @@ class ParameterServer:
             "heartbeat_traffic": self.heartbeat_meter.as_dict(),
             "malformed_heartbeats": self._heartbeats.malformed,
             "address": self.address,
+            "busy_s": sum(t1 - t0 for _, t0, t1 in self._busy),
+            "busy_intervals": list(self._busy),
         }
 
     def save_checkpoint(self) -> str:
@@ -390,13 +403,17 @@ class ParameterServer:
         return path
 
     # ---- messages ---------------------------------------------------------------------
-    def _on_message(self, frames) -> None:
+    def _on_message(self, frames) -> int | None:
+        """Handle one request; returns the sender's rank (None: unknown peer)."""
         ident = frames[0].bytes
         entry = self._by_ident.get(ident)
         if entry is None:
             self.rejected_reasons["unknown_peer"] += 1
-            return
-        peer = entry
+            return None
+        self._handle(entry, frames)
+        return entry.rank
+
+    def _handle(self, peer: "_Peer", frames) -> None:
         data = frames[2] if len(frames) == 3 else None
         try:
             if len(frames) not in (2, 3):

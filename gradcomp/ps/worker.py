@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from gradcomp import timeline as _timeline
 from gradcomp import _validate as v
 from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
 from gradcomp.errors import PayloadError
@@ -232,13 +233,15 @@ class Worker:
 
     def _pull(self) -> dict[str, torch.Tensor]:
         requests = []
-        for s in range(self.num_servers):
-            h = self._request(P.PULL, s, self.versions[s], status=0 if self._has_replica else P.WANT_FULL,
-                              aux=self._min_version[s])
-            self._send(h, None, s, "pull")
-            requests.append(h)
+        with _timeline.span("communicate"):
+            for s in range(self.num_servers):
+                h = self._request(P.PULL, s, self.versions[s],
+                                  status=0 if self._has_replica else P.WANT_FULL, aux=self._min_version[s])
+                self._send(h, None, s, "pull")
+                requests.append(h)
         for s, src in enumerate(self.servers):
-            h, data = self._recv(s, requests[s], "pull")
+            with _timeline.span("communicate"):
+                h, data = self._recv(s, requests[s], "pull")
             if h.kind != P.PULL_REPLY or h.status not in (P.FULL, P.DELTA) or data is None:
                 raise ProtocolError(f"server rank {src} answered a pull with kind "
                                     f"{P.KIND_NAMES.get(h.kind)} status {h.status} "
@@ -246,7 +249,7 @@ class Worker:
             if h.status == P.DELTA and not self._has_replica:
                 raise ProtocolError(f"server rank {src} sent a delta to a worker without a replica")
             wires = P.unpack_bundle(data, len(self.shards[s]))
-            with torch.no_grad():
+            with torch.no_grad(), _timeline.span("decompress"):
                 for spec, wire in zip(self.shards[s], wires):
                     dst_t = self.replica[spec.name]
                     p = decode(wire.to(dst_t.device))
@@ -299,14 +302,17 @@ class Worker:
         stamped = list(self.versions)
         requests = []
         for s in range(self.num_servers):
-            wires = [self._compress(grads[spec.name], spec.name).wire for spec in self.shards[s]]
-            blob = P.pack_bundle(wires)
-            h = self._request(P.PUSH, s, stamped[s], nbytes=blob.numel())
-            self._send(h, blob, s, "push", raw=P.message_nbytes(self._raw_bundle[s]))
+            with _timeline.span("compress"):
+                wires = [self._compress(grads[spec.name], spec.name).wire for spec in self.shards[s]]
+                blob = P.pack_bundle(wires)
+            with _timeline.span("communicate"):
+                h = self._request(P.PUSH, s, stamped[s], nbytes=blob.numel())
+                self._send(h, blob, s, "push", raw=P.message_nbytes(self._raw_bundle[s]))
             requests.append(h)
         statuses, staleness, versions = [], [], []
         for s, src in enumerate(self.servers):
-            h, _ = self._recv(s, requests[s], "push")
+            with _timeline.span("communicate"):
+                h, _ = self._recv(s, requests[s], "push")
             if h.kind != P.PUSH_REPLY or h.status not in P.STATUS_NAMES:
                 raise ProtocolError(f"server rank {src} answered a push with kind "
                                     f"{P.KIND_NAMES.get(h.kind)} status {h.status}")

@@ -194,12 +194,74 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-def summarize_time(mode: str, cfg, workers: list) -> dict:
+class _Busy:
+    """Server busy intervals of other workers' requests, for overlap queries."""
+
+    def __init__(self, intervals, exclude: int):
+        import bisect
+
+        self._bisect = bisect
+        merged: list[list[float]] = []
+        for _, a, b in sorted((iv for iv in intervals if iv[0] != exclude), key=lambda iv: iv[1]):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.starts = [a for a, _ in merged]
+        self.merged = merged
+
+    def overlap(self, lo: float, hi: float) -> float:
+        i = max(0, self._bisect.bisect_right(self.starts, lo) - 1)
+        total = 0.0
+        while i < len(self.merged) and self.merged[i][0] < hi:
+            a, b = self.merged[i]
+            total += max(0.0, min(b, hi) - max(a, lo))
+            i += 1
+        return total
+
+
+def server_queue(server_extra: dict, workers: list) -> dict:
+    """The server's busy share and its queue of waiting requests (async runs).
+
+    ``queue_mean`` / ``queue_histogram``: when the server starts handling a
+    request, how many other workers are blocked on a request of their own
+    (their ``communicate`` spans, same clock): the requests queued behind it.
+    """
+    intervals = server_extra.get("busy_intervals") or []
+    if not intervals:
+        return {}
+    blocked = []
+    for w in workers:
+        spans = sorted((a, b) for rec in w.steps for p, a, b in rec.spans if p == "communicate")
+        blocked.append((w.rank, spans))
+    import bisect
+
+    hist: dict[int, int] = {}
+    for rank, t0, _ in intervals:
+        n = 0
+        for r, spans in blocked:
+            if r == rank:
+                continue
+            i = bisect.bisect_right(spans, (t0, math.inf)) - 1
+            if i >= 0 and spans[i][0] <= t0 < spans[i][1]:
+                n += 1
+        hist[n] = hist.get(n, 0) + 1
+    total = sum(hist.values())
+    span = max(t1 for _, _, t1 in intervals) - min(t0 for _, t0, _ in intervals)
+    return {"server_busy_share": server_extra.get("busy_s", 0.0) / span if span > 0 else math.nan,
+            "queue_mean": sum(k * v for k, v in hist.items()) / total,
+            "queue_histogram": dict(sorted(hist.items()))}
+
+
+def summarize_time(mode: str, cfg, workers: list, server_extra: dict | None = None) -> dict:
     """Time figures of one run from its workers' :class:`~gradcomp.train.common.RankLog`\\ s.
 
     Sync and local steps are attributed with :func:`gradcomp.timeline.sync_step_phases`
     (each step's wait measured against the latest hand-off of any worker in
-    that step); async steps with :func:`gradcomp.timeline.async_step_phases`.
+    that step); async steps with :func:`gradcomp.timeline.async_step_phases`,
+    where the part of a worker's blocked round trips during which the server
+    was handling other workers' requests (``server_extra["busy_intervals"]``,
+    same clock) counts as ``wait``: its request queued behind theirs.
 
     Returns:
         ``step_time_median_s`` / ``step_time_p95_s`` (sync: the slowest
@@ -217,6 +279,8 @@ def summarize_time(mode: str, cfg, workers: list) -> dict:
         return {}
     nsteps = min(len(w.steps) for w in workers)
     per_worker: list[list[dict]] = [[] for _ in workers]
+    intervals = (server_extra or {}).get("busy_intervals") or []
+    busy = [_Busy(intervals, w.rank) if intervals else None for w in workers]
     for i in range(nsteps):
         if mode in ("sync", "local"):  # local: every rank waits for the slowest at a sync
             last = max(w.steps[i].marks.get("handoff", w.steps[i].start) for w in workers)
@@ -224,7 +288,15 @@ def summarize_time(mode: str, cfg, workers: list) -> dict:
                 per_worker[k].append(sync_step_phases(w.steps[i], last))
         else:
             for k, w in enumerate(workers):
-                per_worker[k].append(async_step_phases(w.steps[i]))
+                p = async_step_phases(w.steps[i])
+                if busy[k] is not None:  # blocked while the server served other workers: waiting
+                    rec = w.steps[i]
+                    queued = sum(busy[k].overlap(a, b) for ph, a, b in rec.spans if ph == "communicate")
+                    queued = min(queued, p["communicate"])
+                    p["wait"] += queued
+                    p["communicate"] -= queued
+                    rec.phases.update(wait=p["wait"], communicate=p["communicate"])
+                per_worker[k].append(p)
     walls = [[w.steps[i].wall for i in range(nsteps)] for w in workers]
     if mode in ("sync", "local"):
         step_times = [max(walls[k][i] for k in range(len(workers))) for i in range(nsteps)]
