@@ -100,14 +100,12 @@ def _compressor_list(text: str) -> tuple[str, ...]:
 
 
 def _link(text: str) -> str:
-    if text in ("none", "loopback"):
-        return "none"
-    from gradcomp.cluster import format_rate, parse_rate
+    from gradcomp.cluster import link_argument
 
     try:
-        return format_rate(parse_rate(text))
+        return link_argument(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{e}; or none (the unshaped loopback)") from None
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _fraction(text: str) -> float:
