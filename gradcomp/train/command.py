@@ -82,9 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive_int, default=None,
                    help=f"data-parallel workers (default {d.workers}; async adds a server process; "
                         "under torchrun: WORLD_SIZE for sync, WORLD_SIZE - 1 for async)")
-    p.add_argument("--mode", choices=(*MODES, "both"), default="both",
+    p.add_argument("--mode", choices=(*MODES, "both", "pipeline"), default="both",
                    help="sync (DDP + compressed allreduce hook), async (parameter server) "
-                        "or both (default)")
+                        "or both (default); pipeline: see the pipeline options")
     p.add_argument("--compressors", type=_compressor_list, default=DEFAULT_COMPRESSORS,
                    metavar="LIST",
                    help="comma-separated names among none,fp16,bf16,int8,int8-ef,topk-ef,"
@@ -113,7 +113,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out", default=DEFAULT_OUT,
                    help=f"directory for results.json, results.csv, results.png (default {DEFAULT_OUT})")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p
+    from gradcomp.train.pipeline_args import add_pipeline_arguments
+
+    return add_pipeline_arguments(p)
 
 
 DESCRIPTION = ("Train on scikit-learn's digits with every compressor, sync and async, and report "
@@ -199,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"gradcomp train: error: missing {', '.join(missing)}; "
               'install the study\'s extras: pip install "gradcomp[train]"', file=sys.stderr)
         return 2
+    if args.mode == "pipeline":
+        from gradcomp.train.pipeline import run_pipeline
+
+        return run_pipeline(args)
     from rich.console import Console
     from rich.markup import escape
 

@@ -1,0 +1,88 @@
+"""Reports of ``gradcomp train --mode pipeline``: a table, ``pipeline.json`` and the bubble plot."""
+
+from __future__ import annotations
+
+import json
+import os
+
+__all__ = ["print_report", "write_all", "write_plot"]
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:.0f}"
+
+
+def print_report(result: dict) -> None:
+    """Print the runs table and, for PipeDream runs, the per-stage staleness and update rates."""
+    from rich.console import Console
+    from rich.table import Table
+
+    cfg = result["config"]
+    console = Console(highlight=False, width=max(Console().width, 120))
+    console.print(f"pipeline: MLP {cfg['hidden']} ({result['layers']} layers) in {cfg['stages']} stages x "
+                  f"{cfg['workers'] // cfg['stages']} replica(s), batch {cfg['batch_size']} per replica, "
+                  f"{cfg['steps']} steps, SGD lr {cfg['lr']} momentum {cfg['momentum']}, seed {cfg['seed']}")
+    t = Table()
+    for col in ("schedule", "M", "compressor", "boundary B/step", "reduction", "test acc", "gap (pp)",
+                "bubble", "theory", "idle", "act peak KiB/stage", "wall (s)"):
+        t.add_column(col, justify="left" if col in ("schedule", "compressor") else "right")
+    for r in result["runs"]:
+        th = r["bubble_theory"]
+        t.add_row(r["schedule"], str(r["microbatches"]) if r["schedule"] != "pipedream" else "-",
+                  r["label"], f"{r['bytes_per_step']:,.0f}", f"{r['reduction_x']:.2f}x",
+                  f"{100 * r['test_accuracy']:.2f}%", f"{r['accuracy_gap_pp']:+.2f}",
+                  f"{r['bubble']:.3f}", "-" if th is None else f"{th:.3f}", f"{r['idle_fraction']:.3f}",
+                  "/".join(_kib(s["activation_peak_bytes"]) for s in r["per_stage"]), f"{r['wall_s']:.1f}")
+    console.print(t)
+    for r in result["runs"]:
+        if r["schedule"] != "pipedream":
+            continue
+        parts = [f"stage {i}: staleness {s['staleness_mean']:.2f} (max {s['staleness_max']}), "
+                 f"{s['update_rate_per_s']:.0f} updates/s, first update at {s['first_update_s']:.3f} s"
+                 for i, s in enumerate(r["per_stage"])]
+        console.print(f"pipedream {r['label']}: " + "; ".join(parts))
+
+
+def write_plot(result: dict, path: str) -> bool:
+    """Measured bubble (``none`` runs) and theory over M per schedule; False when no
+    schedule ran with more than one M."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float, float | None]]] = {}
+    for r in result["runs"]:
+        if r["compressor"] == "none" and r["schedule"] != "pipedream":
+            series.setdefault(r["schedule"], []).append((r["microbatches"], r["bubble"], r["bubble_theory"]))
+    if not any(len(v) > 1 for v in series.values()):
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, pts in series.items():
+        pts.sort()
+        line, = ax.plot([m for m, _, _ in pts], [b for _, b, _ in pts], "o-", label=f"{name} measured")
+        if all(t is not None for _, _, t in pts):
+            ax.plot([m for m, _, _ in pts], [t for _, _, t in pts], "--", color=line.get_color(),
+                    label=f"{name} theory")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches per step (M)")
+    ax.set_ylabel("bubble fraction")
+    ax.set_title(f"pipeline bubble, P = {result['config']['stages']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_all(result: dict, out_dir: str) -> list[str]:
+    """Write ``pipeline.json`` (and ``pipeline-bubble.png`` when M varies) to ``out_dir``."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "pipeline.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    paths = [path]
+    png = os.path.join(out_dir, "pipeline-bubble.png")
+    if write_plot(result, png):
+        paths.append(png)
+    return paths
