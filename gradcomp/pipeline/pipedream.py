@@ -250,7 +250,7 @@ class PipeDreamStage:
                 if self.last:
                     y = next(y_iter)
                     out = self.loss_fn(out, y)
-                    self.stats.losses.append(float(out))
+                    self.stats.losses.append(float(out.detach()))
         self.stats.forward_versions.append(version)
         inflight[i] = _InFlight(version, None if self.first else x, out, weights)
         if self.vertical_sync:
@@ -289,6 +289,8 @@ class PipeDreamStage:
         self.stats.staleness.append(self.version - f.version)
         self.version += 1
         self.stats.update_times.append(time.perf_counter())
+        if self.record:
+            self.stats.versions.setdefault(self.version, [p.detach().clone() for p in self.params])
         if not self.vertical_sync:
             self._prune(self.version)
         else:

@@ -1,0 +1,103 @@
+"""Module-level rank functions for the pipeline tests (picklable)."""
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def gpipe_steps(rank, world_size, hidden, x, y, m, steps, lr):
+    """GPipe over ``world_size`` stages of the study's MLP, plain boundaries;
+    returns this rank's stage weights after ``steps`` SGD steps on (x, y)."""
+    from gradcomp.pipeline.boundary import BoundaryCodec
+    from gradcomp.pipeline.engine import build_schedule
+    from gradcomp.pipeline.split import split_sequential
+    from gradcomp.pipeline.stage import GradcompStage
+    from gradcomp.pipeline.timeline import Timeline
+    from gradcomp.train.model import make_model
+    from gradcomp.train.pipeline import _shapes
+
+    parts = split_sequential(make_model(0, hidden), world_size)
+    ex = _shapes(parts, x.shape[0] // m, x.shape[1])
+    stage = GradcompStage(parts[rank], rank, world_size, torch.device("cpu"), codec=BoundaryCodec(None),
+                          timeline=Timeline(rank), input_args=ex[rank], output_args=ex[rank + 1])
+    opt = torch.optim.SGD(parts[rank].parameters(), lr=lr)
+    sched = build_schedule("gpipe", [stage], m, nn.functional.cross_entropy)
+    for _ in range(steps):
+        opt.zero_grad()
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y)
+        opt.step()
+    return {k: v.detach().clone() for k, v in parts[rank].state_dict().items()}
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, fwd_s, bwd_s):
+        time.sleep(fwd_s)
+        ctx.bwd_s = bwd_s
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        time.sleep(ctx.bwd_s)
+        return g * 1.0, None, None
+
+
+class SleepStage(nn.Module):
+    """A stage with fixed compute: its forward sleeps ``fwd_s``, its backward ``bwd_s`` seconds."""
+
+    def __init__(self, fwd_s, bwd_s):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.fwd_s, self.bwd_s = fwd_s, bwd_s
+
+    def forward(self, x):
+        return _Sleep.apply(x * self.w, self.fwd_s, self.bwd_s)
+
+
+def sleep_pipeline(rank, world_size, schedule, m, steps, fwd_s, bwd_s):
+    """``steps`` steps of ``schedule`` over sleep stages; returns this rank's timeline."""
+    from gradcomp.pipeline.boundary import BoundaryCodec
+    from gradcomp.pipeline.engine import build_schedule
+    from gradcomp.pipeline.stage import GradcompStage
+    from gradcomp.pipeline.timeline import Timeline
+
+    tl = Timeline(rank)
+    ex_in = torch.zeros(2, 8, requires_grad=rank > 0)
+    ex_out = torch.zeros(2, 8, requires_grad=True)
+    stage = GradcompStage(SleepStage(fwd_s, bwd_s), rank, world_size, torch.device("cpu"),
+                          codec=BoundaryCodec(None), timeline=tl, input_args=ex_in, output_args=ex_out)
+    sched = build_schedule(schedule, [stage], m, lambda out, y: out.sum() * 0 + ((out - y) ** 2).mean())
+    x = torch.randn(2 * m, 8)
+    for _ in range(steps):
+        dist.barrier()
+        with tl.step_window():
+            if rank == 0:
+                sched.step(x)
+            else:
+                sched.step(target=torch.zeros(2 * m, 8))
+    return tl
+
+
+def pipedream_record(rank, world_size, n, vertical_sync, compressor):
+    """PipeDream on a 2-layer linear pipeline with recording; returns (stats, module init state)."""
+    from gradcomp.comm.p2p import Comm
+    from gradcomp.pipeline.boundary import BoundaryCodec
+    from gradcomp.pipeline.pipedream import PipeDreamStage
+
+    torch.manual_seed(0)
+    mods = [nn.Sequential(nn.Linear(6, 5), nn.Tanh()), nn.Linear(5, 3)]
+    xs = [torch.randn(4, 6) for _ in range(n)]
+    ys = [torch.randint(0, 3, (4,)) for _ in range(n)]
+    mod = mods[rank]
+    opt = torch.optim.SGD(mod.parameters(), lr=0.5)
+    codec = BoundaryCodec(compressor)
+    stage = PipeDreamStage(mod, rank, Comm(dist.group.WORLD, 30.0), codec, opt,
+                           act_shape=(4, 5) if rank == 0 else None, in_shape=(4, 5) if rank == 1 else None,
+                           loss_fn=nn.functional.cross_entropy, vertical_sync=vertical_sync, record=True)
+    stats = stage.run(n, xs if rank == 0 else None, ys if rank == 1 else None)
+    return stats, xs, ys
