@@ -7,31 +7,44 @@ import torch.distributed as dist
 from torch import nn
 
 
-def gpipe_steps(rank, world_size, hidden, x, y, m, steps, lr):
-    """GPipe over ``world_size`` stages of the study's MLP, plain boundaries;
-    returns this rank's stage weights after ``steps`` SGD steps on (x, y)."""
+def engine_steps(rank, world_size, schedules, hidden, x, y, m, steps, lr, int8=False):
+    """Each of ``schedules`` over ``world_size`` ranks on the study's MLP (fresh
+    weights each); returns ``{schedule: {stage: state_dict}}`` of this rank's
+    stages after ``steps`` SGD steps on (x, y), and, with ``int8``, the
+    activations each non-first stage decoded in the first step."""
     from gradcomp.pipeline.boundary import BoundaryCodec
-    from gradcomp.pipeline.engine import build_schedule
+    from gradcomp.pipeline.engine import build_schedule, rank_stages, stages_per_rank
     from gradcomp.pipeline.split import split_sequential
     from gradcomp.pipeline.stage import GradcompStage
     from gradcomp.pipeline.timeline import Timeline
     from gradcomp.train.model import make_model
     from gradcomp.train.pipeline import _shapes
 
-    parts = split_sequential(make_model(0, hidden), world_size)
-    ex = _shapes(parts, x.shape[0] // m, x.shape[1])
-    stage = GradcompStage(parts[rank], rank, world_size, torch.device("cpu"), codec=BoundaryCodec(None),
-                          timeline=Timeline(rank), input_args=ex[rank], output_args=ex[rank + 1])
-    opt = torch.optim.SGD(parts[rank].parameters(), lr=lr)
-    sched = build_schedule("gpipe", [stage], m, nn.functional.cross_entropy)
-    for _ in range(steps):
-        opt.zero_grad()
-        if rank == 0:
-            sched.step(x)
-        else:
-            sched.step(target=y)
-        opt.step()
-    return {k: v.detach().clone() for k, v in parts[rank].state_dict().items()}
+    out, decoded = {}, {}
+    for schedule in schedules:
+        n = world_size * stages_per_rank(schedule)
+        parts = split_sequential(make_model(0, hidden), n)
+        ex = _shapes(parts, x.shape[0] // m, x.shape[1])
+        codec = BoundaryCodec("int8" if int8 else None)
+        ids = rank_stages(schedule, rank, world_size)
+        stages = [GradcompStage(parts[s], s, n, torch.device("cpu"), codec=codec, timeline=Timeline(rank),
+                                input_args=ex[s], output_args=ex[s + 1]) for s in ids]
+        opt = torch.optim.SGD([q for s in ids for q in parts[s].parameters()], lr=lr)
+        sched = build_schedule(schedule, stages, m, nn.functional.cross_entropy)
+        for step in range(steps):
+            opt.zero_grad()
+            kwargs = {"target": y} if any(st.is_last for st in stages) else {}
+            if any(st.is_first for st in stages):
+                sched.step(x, **kwargs)
+            else:
+                sched.step(**kwargs)
+            if step == 0:
+                decoded[schedule] = {st.stage_index: [st.args_recv_info[i][0].buffer.detach().clone()
+                                                      for i in range(m)]
+                                     for st in stages if not st.is_first}
+            opt.step()
+        out[schedule] = {s: {k: v.detach().clone() for k, v in parts[s].state_dict().items()} for s in ids}
+    return out, decoded
 
 
 class _Sleep(torch.autograd.Function):

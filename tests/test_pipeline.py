@@ -40,12 +40,8 @@ def test_int8_boundary_decodes_within_the_bound():
     assert d["raw_bytes_sent"] / d["bytes_sent"] >= 3.9
 
 
-@pytest.mark.slow
-def test_gpipe_matches_gradient_accumulation():
-    hidden, m, steps, lr = (32, 24), 4, 3, 0.2
-    torch.manual_seed(3)
-    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
-    got = launch(F.gpipe_steps, 2, (hidden, x, y, m, steps, lr), timeout=90)
+def _accumulated(hidden, x, y, m, steps, lr):
+    """The single-process reference: SGD on the mean of per-micro-batch losses."""
     ref = make_model(0, hidden)
     opt = torch.optim.SGD(ref.parameters(), lr=lr)
     for _ in range(steps):
@@ -53,11 +49,52 @@ def test_gpipe_matches_gradient_accumulation():
         for xm, ym in zip(x.chunk(m), y.chunk(m)):
             (nn.functional.cross_entropy(ref(xm), ym) / m).backward()
         opt.step()
-    a, b = split_sequential(ref, 2)
-    for part, state in ((a, got[0]), (b, got[1])):
-        for k, v in part.state_dict().items():
-            torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5)
-    assert not torch.equal(a[0].weight, make_model(0, hidden)[0].weight)  # it trained
+    return ref
+
+
+def _check_stages(ref, n, got):
+    parts = split_sequential(ref, n)
+    seen = set()
+    for rank_states in got:
+        for s, state in rank_states.items():
+            seen.add(s)
+            for k, v in parts[s].state_dict().items():
+                torch.testing.assert_close(state[k], v, rtol=0, atol=1e-5)
+    assert seen == set(range(n))
+
+
+@pytest.mark.slow
+def test_gpipe_matches_gradient_accumulation():
+    hidden, m, steps, lr = (32, 24), 4, 3, 0.2
+    torch.manual_seed(3)
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    got = launch(F.engine_steps, 2, (["gpipe"], hidden, x, y, m, steps, lr), timeout=90)
+    ref = _accumulated(hidden, x, y, m, steps, lr)
+    _check_stages(ref, 2, [g[0]["gpipe"] for g in got])
+    assert not torch.equal(ref[0].weight, make_model(0, hidden)[0].weight)  # it trained
+
+
+@pytest.mark.slow
+def test_other_engine_schedules_match_and_int8_boundaries_decode_within_the_bound():
+    hidden, m, steps, lr = (32, 24, 16), 4, 2, 0.2  # 4 layers: 2 ranks x 2 stages
+    torch.manual_seed(4)
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    scheds = ["1f1b", "interleaved", "zb"]
+    got = launch(F.engine_steps, 2, (scheds, hidden, x, y, m, steps, lr), timeout=120)
+    ref = _accumulated(hidden, x, y, m, steps, lr)
+    _check_stages(ref, 2, [g[0]["1f1b"] for g in got])
+    _check_stages(ref, 4, [g[0]["interleaved"] for g in got])
+    _check_stages(ref, 4, [g[0]["zb"] for g in got])
+    # int8 boundaries under 1F1B: what stage 1 decoded is stage 0's exact output within the bound
+    got = launch(F.engine_steps, 2, (["1f1b"], hidden, x, y, m, 1, lr, True), timeout=90)
+    parts = split_sequential(make_model(0, hidden), 2)
+    for i, (xm, dec) in enumerate(zip(x.chunk(m), got[1][1]["1f1b"][1])):
+        exact = parts[0](xm).detach().reshape(-1).double()
+        dec = dec.reshape(-1).double()
+        assert not torch.equal(dec, exact)  # it was compressed
+        for start in range(0, exact.numel(), 256):
+            block = exact[start:start + 256]
+            assert (dec[start:start + 256] - block).abs().max() <= block.abs().max() / 254 * (1 + 1e-6)
 
 
 @pytest.mark.slow
