@@ -1,7 +1,5 @@
 """Module-level rank functions for the pipeline tests (picklable)."""
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -45,55 +43,6 @@ def engine_steps(rank, world_size, schedules, hidden, x, y, m, steps, lr, int8=F
             opt.step()
         out[schedule] = {s: {k: v.detach().clone() for k, v in parts[s].state_dict().items()} for s in ids}
     return out, decoded
-
-
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, fwd_s, bwd_s):
-        time.sleep(fwd_s)
-        ctx.bwd_s = bwd_s
-        return x * 1.0
-
-    @staticmethod
-    def backward(ctx, g):
-        time.sleep(ctx.bwd_s)
-        return g * 1.0, None, None
-
-
-class SleepStage(nn.Module):
-    """A stage with fixed compute: its forward sleeps ``fwd_s``, its backward ``bwd_s`` seconds."""
-
-    def __init__(self, fwd_s, bwd_s):
-        super().__init__()
-        self.w = nn.Parameter(torch.ones(1))
-        self.fwd_s, self.bwd_s = fwd_s, bwd_s
-
-    def forward(self, x):
-        return _Sleep.apply(x * self.w, self.fwd_s, self.bwd_s)
-
-
-def sleep_pipeline(rank, world_size, schedule, m, steps, fwd_s, bwd_s):
-    """``steps`` steps of ``schedule`` over sleep stages; returns this rank's timeline."""
-    from gradcomp.pipeline.boundary import BoundaryCodec
-    from gradcomp.pipeline.engine import build_schedule
-    from gradcomp.pipeline.stage import GradcompStage
-    from gradcomp.pipeline.timeline import Timeline
-
-    tl = Timeline(rank)
-    ex_in = torch.zeros(2, 8, requires_grad=rank > 0)
-    ex_out = torch.zeros(2, 8, requires_grad=True)
-    stage = GradcompStage(SleepStage(fwd_s, bwd_s), rank, world_size, torch.device("cpu"),
-                          codec=BoundaryCodec(None), timeline=tl, input_args=ex_in, output_args=ex_out)
-    sched = build_schedule(schedule, [stage], m, lambda out, y: out.sum() * 0 + ((out - y) ** 2).mean())
-    x = torch.randn(2 * m, 8)
-    for _ in range(steps):
-        dist.barrier()
-        with tl.step_window():
-            if rank == 0:
-                sched.step(x)
-            else:
-                sched.step(target=torch.zeros(2 * m, 8))
-    return tl
 
 
 def pipedream_record(rank, world_size, n, vertical_sync, compressor):

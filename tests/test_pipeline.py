@@ -9,6 +9,7 @@ from torch import nn
 
 from gradcomp.launch import launch
 from gradcomp.pipeline import BoundaryCodec, analyze, split_sequential
+from gradcomp.pipeline.synthetic import run_fixed_time
 from gradcomp.train.model import make_model
 from tests import pipeline_fns as F
 
@@ -101,7 +102,7 @@ def test_other_engine_schedules_match_and_int8_boundaries_decode_within_the_boun
 @pytest.mark.parametrize("m", [1, 4])
 def test_measured_bubble_of_sleep_stages_matches_gpipe_formula(m):
     p, fwd_s, bwd_s = 2, 0.05, 0.05
-    tls = launch(F.sleep_pipeline, p, ("gpipe", m, 3, fwd_s, bwd_s), timeout=90)
+    tls = launch(run_fixed_time, p, ("gpipe", m, 3, fwd_s, bwd_s), timeout=90)
     res = analyze(tls, skip=1)
     assert abs(res["bubble"] - (p - 1) / (m + p - 1)) <= 0.05
     for r in res["per_rank"]:  # every stage computed m forwards and backwards per step

@@ -26,6 +26,7 @@ tensor's wire bytes from a :class:`~gradcomp.pipeline.boundary.BoundaryCodec`
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -128,7 +129,8 @@ class PipeDreamStage:
             raise ValueError(f"stage {stage} must run on group rank {stage}, this is rank {comm.rank}")
         self.first, self.last = stage == 0, stage == self.stages - 1
         if (not self.last and act_shape is None) or (not self.first and in_shape is None):
-            raise ValueError("act_shape (all but the last stage) and in_shape (all but the first) are required")
+            raise ValueError("act_shape (all but the last stage) and in_shape (all but the first) "
+                             "are required")
         if self.last and loss_fn is None:
             raise ValueError("the last stage needs loss_fn")
         self.act_shape, self.in_shape, self.loss_fn = act_shape, in_shape, loss_fn
@@ -244,7 +246,7 @@ class PipeDreamStage:
                 x = self._decode(wire, self.in_shape, "fwd", self.stage - 1).requires_grad_(True)
                 s.inner_codec = self.codec.seconds - before
             weights = self._weights(version)
-            ctx = self.memory.hooks() if self.memory is not None else _null()
+            ctx = self.memory.hooks() if self.memory is not None else contextlib.nullcontext()
             with ctx:
                 out = functional_call(self.module, dict(zip(self.names, weights)), (x,))
                 if self.last:
@@ -296,11 +298,3 @@ class PipeDreamStage:
         else:
             # a later minibatch may still arrive stamped with this version: stash it now
             self._weights(self.version)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

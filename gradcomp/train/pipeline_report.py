@@ -44,26 +44,29 @@ def print_report(result: dict) -> None:
 
 
 def write_plot(result: dict, path: str) -> bool:
-    """Measured bubble (``none`` runs) and theory over M per schedule; False when no
-    schedule ran with more than one M."""
+    """Measured bubble and its idle part (``none`` runs) and the theory over M per
+    schedule; False (nothing written) when no schedule ran with more than one M."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series: dict[str, list[tuple[int, float, float | None]]] = {}
+    series: dict[str, list[tuple[int, float, float | None, float]]] = {}
     for r in result["runs"]:
         if r["compressor"] == "none" and r["schedule"] != "pipedream":
-            series.setdefault(r["schedule"], []).append((r["microbatches"], r["bubble"], r["bubble_theory"]))
+            series.setdefault(r["schedule"], []).append(
+                (r["microbatches"], r["bubble"], r["bubble_theory"], r["idle_fraction"]))
     if not any(len(v) > 1 for v in series.values()):
         return False
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for name, pts in series.items():
         pts.sort()
-        line, = ax.plot([m for m, _, _ in pts], [b for _, b, _ in pts], "o-", label=f"{name} measured")
-        if all(t is not None for _, _, t in pts):
-            ax.plot([m for m, _, _ in pts], [t for _, _, t in pts], "--", color=line.get_color(),
-                    label=f"{name} theory")
+        ms = [pt[0] for pt in pts]
+        line, = ax.plot(ms, [pt[1] for pt in pts], "o-", label=f"{name} measured (idle + wait)")
+        ax.plot(ms, [pt[3] for pt in pts], "s:", color=line.get_color(),
+                label=f"{name} idle (input not sent yet)")
+        if all(pt[2] is not None for pt in pts):
+            ax.plot(ms, [pt[2] for pt in pts], "--", color=line.get_color(), label=f"{name} theory")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches per step (M)")
     ax.set_ylabel("bubble fraction")
