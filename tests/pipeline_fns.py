@@ -46,20 +46,22 @@ def engine_steps(rank, world_size, schedules, hidden, x, y, m, steps, lr, int8=F
 
 
 def pipedream_record(rank, world_size, n, vertical_sync, compressor):
-    """PipeDream on a 2-layer linear pipeline with recording; returns (stats, module init state)."""
+    """PipeDream over ``world_size`` stages (Linear+Tanh, ..., Linear 5->3; 4-row
+    minibatches) with recording; returns (stats, inputs, targets)."""
     from gradcomp.comm.p2p import Comm
     from gradcomp.pipeline.boundary import BoundaryCodec
     from gradcomp.pipeline.pipedream import PipeDreamStage
 
     torch.manual_seed(0)
-    mods = [nn.Sequential(nn.Linear(6, 5), nn.Tanh()), nn.Linear(5, 3)]
+    mods = [nn.Sequential(nn.Linear(6 if s == 0 else 5, 5), nn.Tanh()) for s in range(world_size - 1)]
+    mods.append(nn.Linear(5, 3))
     xs = [torch.randn(4, 6) for _ in range(n)]
     ys = [torch.randint(0, 3, (4,)) for _ in range(n)]
     mod = mods[rank]
     opt = torch.optim.SGD(mod.parameters(), lr=0.5)
-    codec = BoundaryCodec(compressor)
-    stage = PipeDreamStage(mod, rank, Comm(dist.group.WORLD, 30.0), codec, opt,
-                           act_shape=(4, 5) if rank == 0 else None, in_shape=(4, 5) if rank == 1 else None,
+    last = rank == world_size - 1
+    stage = PipeDreamStage(mod, rank, Comm(dist.group.WORLD, 30.0), BoundaryCodec(compressor), opt,
+                           act_shape=None if last else (4, 5), in_shape=None if rank == 0 else (4, 5),
                            loss_fn=nn.functional.cross_entropy, vertical_sync=vertical_sync, record=True)
-    stats = stage.run(n, xs if rank == 0 else None, ys if rank == 1 else None)
+    stats = stage.run(n, xs if rank == 0 else None, ys if last else None)
     return stats, xs, ys

@@ -102,11 +102,16 @@ def test_other_engine_schedules_match_and_int8_boundaries_decode_within_the_boun
 @pytest.mark.parametrize("m", [1, 4])
 def test_measured_bubble_of_sleep_stages_matches_gpipe_formula(m):
     p, fwd_s, bwd_s = 2, 0.05, 0.05
-    tls = launch(run_fixed_time, p, ("gpipe", m, 3, fwd_s, bwd_s), timeout=90)
-    res = analyze(tls, skip=1)
-    assert abs(res["bubble"] - (p - 1) / (m + p - 1)) <= 0.05
-    for r in res["per_rank"]:  # every stage computed m forwards and backwards per step
-        assert r["forward"] == pytest.approx(2 * m * fwd_s, rel=0.25)
+    steps = 5
+    tls = launch(run_fixed_time, p, ("gpipe", m, steps, fwd_s, bwd_s), timeout=90)
+    # per step (the first left out as warm-up); the median keeps a step that the
+    # host's other load delayed from deciding the result
+    per_step = [analyze(tls, steps=[i]) for i in range(1, steps)]
+    bubble = sorted(r["bubble"] for r in per_step)[len(per_step) // 2 - 1: len(per_step) // 2 + 1]
+    assert abs(sum(bubble) / 2 - (p - 1) / (m + p - 1)) <= 0.05
+    for res in per_step:  # every stage computed m forwards (and backwards) per step
+        for r in res["per_rank"]:
+            assert r["forward"] == pytest.approx(m * fwd_s, rel=0.25)
 
 
 def _stage0_grads(x, w, b, grad_out):
@@ -119,11 +124,13 @@ def _stage0_grads(x, w, b, grad_out):
 
 @pytest.mark.slow
 def test_pipedream_backward_uses_its_forward_weights():
-    n = 6
-    (s0, xs, _), (s1, _, _) = launch(F.pipedream_record, 2, (n, False, None), timeout=90)
-    # stage 0 of 2 keeps 2 minibatches in flight: one update lands between forward and backward
-    assert s0.staleness == [0] + [1] * (n - 1)
-    assert s1.staleness == [0] * n
+    n, p = 7, 3
+    out = launch(F.pipedream_record, p, (n, False, None), timeout=90)
+    s0, xs = out[0][0], out[0][1]
+    # stage s of p keeps p - s minibatches in flight: p - 1 - s updates land between forward and backward
+    for s, (stats, _, _) in enumerate(out):
+        steady = p - 1 - s
+        assert stats.staleness == [min(j, steady) for j in range(n)]
     assert [r["mb"] for r in s0.records] == list(range(n))
     for r in s0.records[1:]:
         w, b = s0.versions[r["forward_version"]]

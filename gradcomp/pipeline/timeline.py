@@ -103,15 +103,16 @@ def _split_gap(gap0: float, gap1: float, ready: float | None) -> tuple[float, fl
     return idle, gap1 - gap0 - idle
 
 
-def analyze(timelines: list[Timeline], windows: list[tuple[float, float]] | None = None,
-            skip: int = 0) -> dict:
-    """Time per category and bubble per rank, summed over windows.
+def analyze(timelines: list[Timeline], skip: int = 0, steps: list[int] | None = None) -> dict:
+    """Time per category and bubble per rank, summed over steps.
+
+    Step ``i``'s window runs from the earliest rank's start to the latest
+    rank's end of step ``i`` (:meth:`Timeline.step_window`).
 
     Args:
         timelines: one per rank (rank order), on a shared clock.
-        windows: ``(t0, t1)`` per step; default: step ``i``'s window runs from
-            the earliest rank's start to the latest rank's end of step ``i``.
-        skip: leading windows to leave out (warm-up).
+        skip: leading steps to leave out (warm-up).
+        steps: the step numbers to analyse (default: all after ``skip``).
 
     Returns:
         ``{"per_rank": [{category: seconds, "window": s, "bubble": f, "idle_fraction": f}],
@@ -120,25 +121,25 @@ def analyze(timelines: list[Timeline], windows: list[tuple[float, float]] | None
     marks: dict = {}
     for tl in timelines:
         marks.update(tl.marks)
-    if windows is None:
-        n = min(len(tl.steps) for tl in timelines)
-        windows = [(min(tl.steps[i][0] for tl in timelines), max(tl.steps[i][1] for tl in timelines))
-                   for i in range(n)]
+    n = min(len(tl.steps) for tl in timelines)
+    if steps is None:
+        steps = list(range(skip, n))
+    elif any(not 0 <= i < n for i in steps):
+        raise ValueError(f"steps must be in [0, {n}), got {steps}")
+    windows = {i: (min(tl.steps[i][0] for tl in timelines), max(tl.steps[i][1] for tl in timelines))
+               for i in steps}
     per_rank = []
     for tl in timelines:
         acc = dict.fromkeys(CATEGORIES, 0.0)
         total = 0.0
-        for i, (w0, w1) in enumerate(windows):
-            if i < skip:
-                continue
+        for i, (w0, w1) in windows.items():
             total += w1 - w0
             spans = sorted((s for s in tl.spans if w0 <= s.t0 and s.t1 <= w1), key=lambda s: s.t0)
             cursor = w0
             for s in spans:
                 ready = None
                 if s.needs is not None:
-                    key = (*s.needs, i) if len(s.needs) == 3 else s.needs
-                    ready = marks.get(key)
+                    ready = marks.get((*s.needs, i))
                 if s.t0 > cursor:
                     idle, wait = _split_gap(cursor, s.t0, ready)
                     acc["idle"] += idle
