@@ -5,20 +5,22 @@ Every stage's forward and backward last ``--compute`` seconds each
 stages do not compete for this host's cores and ``--stages 4`` runs on 2
 cores as it would on 4). For each schedule and ``M`` the engine runs
 ``--steps`` steps on ``--stages`` processes (gloo); the bubble is measured from
-the stages' timelines (:func:`gradcomp.pipeline.analyze`, first step left out)
-and printed next to the theory: ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
+the stages' timelines (:func:`gradcomp.pipeline.analyze`; the median over the
+steps after the first, so that a step the host's other load delayed does not
+decide it) and printed next to the theory: ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
 ``(p-1)/(2m+p-1)`` for interleaved 1F1B with 2 chunks per rank (whose
 chunks each last ``--compute``: half a GPipe stage's layers would take half
 as long, so its time per step is not comparable, only its bubble).
 
     python benchmarks/pipeline_bubble.py [--stages 2] [--microbatches 1,2,4,8,16]
-        [--schedules gpipe,1f1b] [--compute 0.02] [--steps 3] [--plot bubble.png] [--json out.json]
+        [--schedules gpipe,1f1b] [--compute 0.02] [--steps 5] [--plot bubble.png] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 from gradcomp.launch import launch
@@ -34,7 +36,7 @@ def main(argv=None) -> int:
     ap.add_argument("--microbatches", default="1,2,4,8,16")
     ap.add_argument("--schedules", default="gpipe,1f1b")
     ap.add_argument("--compute", type=float, default=0.02, help="seconds per forward and per backward")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--plot", default=None, help="write measured vs theory to this PNG")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -50,11 +52,13 @@ def main(argv=None) -> int:
                 continue
             tls = launch(run_fixed_time, p, (schedule, m, args.steps, args.compute, args.compute),
                          timeout=120 + 4 * args.steps * (m + p) * args.compute)
-            res = analyze(tls, skip=1)
+            per_step = [analyze(tls, steps=[i]) for i in range(1, args.steps)]
             th = theory_bubble(schedule, p, m)
-            row = {"schedule": schedule, "microbatches": m, "bubble": res["bubble"], "theory": th,
-                   "idle_fraction": res["idle_fraction"], "step_s": res["window_s"] / (args.steps - 1),
-                   "per_rank": res["per_rank"]}
+            row = {"schedule": schedule, "microbatches": m, "theory": th,
+                   "bubble": statistics.median(r["bubble"] for r in per_step),
+                   "idle_fraction": statistics.median(r["idle_fraction"] for r in per_step),
+                   "step_s": statistics.median(r["window_s"] for r in per_step),
+                   "per_step": per_step}
             rows.append(row)
             print(f"{schedule:<12} {m:>3} {row['bubble']:7.3f} {'-' if th is None else f'{th:7.3f}':>7} "
                   f"{row['idle_fraction']:6.3f} {row['step_s']:9.3f}")
