@@ -5,11 +5,12 @@ import torch.distributed as dist
 from torch import nn
 
 
-def engine_steps(rank, world_size, schedules, hidden, x, y, m, steps, lr, int8=False):
-    """Each of ``schedules`` over ``world_size`` ranks on the study's MLP (fresh
-    weights each); returns ``{schedule: {stage: state_dict}}`` of this rank's
-    stages after ``steps`` SGD steps on (x, y), and, with ``int8``, the
-    activations each non-first stage decoded in the first step."""
+def engine_steps(rank, world_size, runs, hidden, x, y, m, steps, lr):
+    """Each ``(schedule, int8)`` of ``runs`` over ``world_size`` ranks on the
+    study's MLP (fresh weights each; int8 or plain boundaries); returns
+    ``{(schedule, int8): {stage: state_dict}}`` of this rank's stages after
+    ``steps`` SGD steps on (x, y), and the same keys to the activations each
+    non-first stage decoded in the first step."""
     from gradcomp.pipeline.boundary import BoundaryCodec
     from gradcomp.pipeline.engine import build_schedule, rank_stages, stages_per_rank
     from gradcomp.pipeline.split import split_sequential
@@ -19,7 +20,7 @@ def engine_steps(rank, world_size, schedules, hidden, x, y, m, steps, lr, int8=F
     from gradcomp.train.pipeline import _shapes
 
     out, decoded = {}, {}
-    for schedule in schedules:
+    for schedule, int8 in runs:
         n = world_size * stages_per_rank(schedule)
         parts = split_sequential(make_model(0, hidden), n)
         ex = _shapes(parts, x.shape[0] // m, x.shape[1])
@@ -37,12 +38,19 @@ def engine_steps(rank, world_size, schedules, hidden, x, y, m, steps, lr, int8=F
             else:
                 sched.step(**kwargs)
             if step == 0:
-                decoded[schedule] = {st.stage_index: [st.args_recv_info[i][0].buffer.detach().clone()
+                decoded[(schedule, int8)] = {st.stage_index: [st.args_recv_info[i][0].buffer.detach().clone()
                                                       for i in range(m)]
                                      for st in stages if not st.is_first}
             opt.step()
-        out[schedule] = {s: {k: v.detach().clone() for k, v in parts[s].state_dict().items()} for s in ids}
+        out[(schedule, int8)] = {s: {k: v.detach().clone() for k, v in parts[s].state_dict().items()} for s in ids}
     return out, decoded
+
+
+def fixed_time_runs(rank, world_size, ms, steps, fwd_s, bwd_s):
+    """GPipe over fixed-time stages for each M of ``ms``; returns this rank's timelines."""
+    from gradcomp.pipeline.synthetic import run_fixed_time
+
+    return [run_fixed_time(rank, world_size, "gpipe", m, steps, fwd_s, bwd_s) for m in ms]
 
 
 def pipedream_record(rank, world_size, n, vertical_sync, compressor):
@@ -65,3 +73,12 @@ def pipedream_record(rank, world_size, n, vertical_sync, compressor):
                            loss_fn=nn.functional.cross_entropy, vertical_sync=vertical_sync, record=True)
     stats = stage.run(n, xs if rank == 0 else None, ys if last else None)
     return stats, xs, ys
+
+
+def replicated_engine(rank, world_size, cfg, data):
+    """One ``gpipe`` run of the study mode's rank loop (pipeline replicas whose
+    stage gradients are averaged); returns this rank's stage weights."""
+    from gradcomp.train.pipeline import _engine_run, _groups
+
+    pp_group, dp_group = _groups(world_size, cfg.stages)
+    return _engine_run(cfg, "gpipe", cfg.microbatches[0], "none", data, pp_group, dp_group)["state"]
