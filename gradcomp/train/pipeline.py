@@ -362,12 +362,17 @@ def run_pipeline_study(cfg: PipelineConfig) -> dict:
     if in_torchrun():
         from gradcomp.launch import init_from_env
 
+        own_group = not dist.is_initialized()
         rank, world = init_from_env(timeout=cfg.timeout)
-        if world != cfg.workers:
-            raise ValueError(f"--workers {cfg.workers} does not fit this torchrun job of {world} ranks")
-        mine = pipeline_rank(rank, world, cfg, data)
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, mine)
+        try:
+            if world != cfg.workers:
+                raise ValueError(f"--workers {cfg.workers} does not fit this torchrun job of {world} ranks")
+            mine = pipeline_rank(rank, world, cfg, data)
+            everyone: list = [None] * world
+            dist.all_gather_object(everyone, mine)
+        finally:
+            if own_group:
+                dist.destroy_process_group()
     else:
         everyone = launch(pipeline_rank, cfg.workers, (cfg, data), timeout=cfg.timeout * len(cfg.runs()),
                           env={"GRADCOMP_WORKER_THREADS": "1"})
@@ -408,7 +413,11 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
         raise ValueError(f"--stages must be >= 1, got {args.stages}")
     compressors = (DEFAULT_PIPELINE_COMPRESSORS if args.compressors is DEFAULT_COMPRESSORS
                    else tuple(args.compressors))
-    return PipelineConfig(stages=args.stages, workers=args.workers or args.stages, microbatches=micro,
+    workers = args.workers
+    if workers is None:  # one replica, or what a torchrun job holds
+        workers = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ \
+            else args.stages
+    return PipelineConfig(stages=args.stages, workers=workers, microbatches=micro,
                           schedules=schedules, compressors=compressors, steps=args.steps,
                           batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
                           seed=args.seed, hidden=hidden, vertical_sync=args.vertical_sync,
