@@ -20,9 +20,19 @@ from gradcomp.compressors import (
 from gradcomp.meter import TrafficMeter
 from gradcomp.comm import allreduce
 from gradcomp import ddp
+from gradcomp.localsgd import LocalSGD
 from gradcomp import ps
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # gradcomp.fsdp imports torch.distributed.fsdp (about a second): loaded on first use
+    if name == "fsdp":
+        import importlib
+
+        return importlib.import_module("gradcomp.fsdp")
+    raise AttributeError(f"module 'gradcomp' has no attribute {name!r}")
 
 __all__ = [
     "BackendUnavailable",
@@ -41,5 +51,7 @@ __all__ = [
     "TrafficMeter",
     "allreduce",
     "ddp",
+    "LocalSGD",
     "ps",
+    "fsdp",
 ]

@@ -10,6 +10,9 @@ on any process group (gloo on CPU, NCCL on GPU):
   (:mod:`gradcomp.comm.two_phase`), then the same allgather;
 * ``"allgather"``: for sparse compressors, every rank's payload gathered and
   the union summed (:mod:`gradcomp.comm.allgather`).
+
+:func:`reduce_scatter` is the two-phase reduce-scatter on its own
+(:mod:`gradcomp.comm.reduce_scatter`), for sharded data parallelism.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from gradcomp.comm.chunks import chunk_bounds, ring_raw_bytes
 from gradcomp.comm.dense import Plan, share_owned
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
+from gradcomp.comm.reduce_scatter import reduce_scatter
 from gradcomp import _validate as v
 from gradcomp import wire as W
 from gradcomp.compressors import Compressor, ErrorFeedback
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["allreduce", "ALGORITHMS", "DENSE_ALGORITHMS", "OPS", "INPUT_DTYPES",
+__all__ = ["allreduce", "reduce_scatter", "ALGORITHMS", "DENSE_ALGORITHMS", "OPS", "INPUT_DTYPES",
            "DEFAULT_TIMEOUT", "chunk_bounds", "ring_raw_bytes"]
 
 #: every algorithm name

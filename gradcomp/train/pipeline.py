@@ -125,11 +125,14 @@ class PipelineConfig:
 
 def theory_bubble(schedule: str, p: int, m: int) -> float | None:
     """The textbook bubble fraction: GPipe and 1F1B ``(p-1)/(m+p-1)`` (Huang et al.
-    2019; 1F1B reorders, it does not shorten), interleaved with ``v = 2`` chunks
+    2019; 1F1B reorders, it does not shorten; the step-time model's
+    :func:`gradcomp.plan.model.bubble_fraction`), interleaved with ``v = 2`` chunks
     ``(p-1)/(v m + p-1)`` (Narayanan et al. 2021); None where the paper gives no
     closed form for unequal F/B/W (zero bubble, PipeDream's steady state is 0)."""
     if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
+        from gradcomp.plan.model import bubble_fraction
+
+        return bubble_fraction(p, m)
     if schedule == "interleaved":
         return (p - 1) / (2 * m + p - 1)
     return None
