@@ -77,6 +77,8 @@ def _modes(text: str) -> tuple[str, ...]:
     if text == "pipeline":
         return ("pipeline",)  # runs alone (gradcomp.train.pipeline)
     names = [m.strip() for m in text.split(",")]
+    if "pipeline" in names:
+        raise argparse.ArgumentTypeError("pipeline runs alone: --mode pipeline")
     bad = [m for m in names if m not in ALL_MODES]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"invalid choice: {(bad or [text])[0]!r} (choose from "

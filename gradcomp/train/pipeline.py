@@ -429,7 +429,8 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
 
 def run_pipeline(args: argparse.Namespace) -> int:
     """``gradcomp train --mode pipeline``: run, print, write ``pipeline.json`` and
-    ``pipeline-bubble.png`` to ``--out``; returns the exit status (2: bad settings)."""
+    ``pipeline-bubble.png`` to ``--out`` (default: a new timestamped directory, as
+    the study's); returns the exit status (2: bad settings)."""
     from gradcomp.launch import WorkerError
     from gradcomp.train import pipeline_report
 
@@ -437,10 +438,17 @@ def run_pipeline(args: argparse.Namespace) -> int:
         print(f"gradcomp train: error: {msg}", file=sys.stderr)
         return status
 
+    from gradcomp.train.command import prepare_out
+
+    lead = os.environ.get("RANK", "0") == "0"
     try:
         cfg = config_from_args(args)
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            raise ValueError(f"--out {args.out} exists and is not a directory")
+        if lead:
+            if (args.out is not None and not getattr(args, "overwrite", False)
+                    and os.path.exists(os.path.join(args.out, "pipeline.json"))):
+                raise ValueError(f"--out {args.out} already holds results (pipeline.json); pass "
+                                 "--overwrite to replace them, or choose another directory")
+            args.out = prepare_out(args.out, getattr(args, "overwrite", False))
         result = run_pipeline_study(cfg)
     except ValueError as e:
         return fail(str(e), 2)
@@ -451,7 +459,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
         return fail(f"rank {e.rank} failed (its traceback is above)", 1)
     except (TimeoutError, RuntimeError, ImportError) as e:
         return fail(f"{type(e).__name__}: {e}", 1)
-    if os.environ.get("RANK", "0") != "0":
+    if not lead:
         return 0
     pipeline_report.print_report(result)
     try:
