@@ -30,7 +30,7 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -324,7 +324,7 @@ def _summarize(cfg: PipelineConfig, run: tuple[str, int, str], logs: list[dict])
                          stash_peak_bytes=pd["stash_peak_bytes"])
         per_stage.append(entry)
     test_loss, test_acc = logs[0]["final"]
-    return {"mode": "pipeline", "schedule": schedule, "microbatches": m, "compressor": compressor,
+    return {"mode": "pipeline", "seed": cfg.seed, "schedule": schedule, "microbatches": m, "compressor": compressor,
             "label": COMPRESSORS[compressor].label, "stages": p, "replicas": cfg.replicas,
             "steps": cfg.steps,
             "bytes_per_step": sent / cfg.steps, "raw_bytes_per_step": raw / cfg.steps,
@@ -339,22 +339,23 @@ def _summarize(cfg: PipelineConfig, run: tuple[str, int, str], logs: list[dict])
 
 
 def _compare(rows: list[dict]) -> None:
-    base = {(r["schedule"], r["microbatches"]): r for r in rows if r["compressor"] == "none"}
+    base = {(r["schedule"], r["microbatches"], r["seed"]): r for r in rows if r["compressor"] == "none"}
     for r in rows:
-        b = base.get((r["schedule"], r["microbatches"]))
+        b = base.get((r["schedule"], r["microbatches"], r["seed"]))
         if b is not None and r["bytes_per_step"]:
             r["reduction_x"] = b["bytes_per_step"] / r["bytes_per_step"]
             r["accuracy_gap_pp"] = 100.0 * (b["test_accuracy"] - r["test_accuracy"])
 
 
-def run_pipeline_study(cfg: PipelineConfig) -> dict:
-    """Run every (schedule, M, compressor) of ``cfg``; returns the results (JSON-ready).
+def run_pipeline_study(cfg: PipelineConfig, seeds: int = 1) -> dict:
+    """Run every (schedule, M, compressor) of ``cfg`` with ``seeds`` seeds
+    (``cfg.seed``, ``cfg.seed + 1``, ...: model, data split and order); returns
+    the results (JSON-ready; each run carries its ``seed``).
 
     Raises:
         ValueError: settings that cannot run (see :meth:`PipelineConfig.validate`).
         gradcomp.launch.WorkerError / TimeoutError: a rank failed or hung.
     """
-    from gradcomp.launch import launch
     from gradcomp.pipeline.split import layer_blocks
     from gradcomp.train.study import in_torchrun
 
@@ -362,28 +363,41 @@ def run_pipeline_study(cfg: PipelineConfig) -> dict:
     layers = len(layer_blocks(make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes)))
     cfg.validate(layers, len(data.y_train))
     t0 = time.perf_counter()
-    if in_torchrun():
+    distributed, own_group = in_torchrun(), False
+    if distributed:
         from gradcomp.launch import init_from_env
 
         own_group = not dist.is_initialized()
-        rank, world = init_from_env(timeout=cfg.timeout)
-        try:
-            if world != cfg.workers:
-                raise ValueError(f"--workers {cfg.workers} does not fit this torchrun job of {world} ranks")
-            mine = pipeline_rank(rank, world, cfg, data)
-            everyone: list = [None] * world
-            dist.all_gather_object(everyone, mine)
-        finally:
-            if own_group:
-                dist.destroy_process_group()
+        init_from_env(timeout=cfg.timeout)
+    rows = []
+    try:
+        for seed in range(cfg.seed, cfg.seed + seeds):
+            rows += _one_seed(replace(cfg, seed=seed), distributed)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    _compare(rows)
+    return {"config": asdict(cfg), "seeds": seeds, "layers": layers, "runs": rows,
+            "wall_s": time.perf_counter() - t0}
+
+
+def _one_seed(cfg: PipelineConfig, distributed: bool) -> list[dict]:
+    """Every run of ``cfg`` (one seed): on local processes, or as this rank of a torchrun job."""
+    from gradcomp.launch import launch
+
+    data = load_digits_split(0.25, cfg.seed)
+    if distributed:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if world != cfg.workers:
+            raise ValueError(f"--workers {cfg.workers} does not fit this torchrun job of {world} ranks")
+        mine = pipeline_rank(rank, world, cfg, data)
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, mine)
     else:
         everyone = launch(pipeline_rank, cfg.workers, (cfg, data), timeout=cfg.timeout * len(cfg.runs()),
                           env={"GRADCOMP_WORKER_THREADS": "1"})
-    rows = [_summarize(cfg, run, [everyone[r][i] for r in range(cfg.workers)])
+    return [_summarize(cfg, run, [everyone[r][i] for r in range(cfg.workers)])
             for i, run in enumerate(cfg.runs())]
-    _compare(rows)
-    cfg_d = asdict(cfg)
-    return {"config": cfg_d, "layers": layers, "runs": rows, "wall_s": time.perf_counter() - t0}
 
 
 def _int_list(option: str, text: str) -> tuple[int, ...]:
@@ -449,7 +463,7 @@ def run_pipeline(args: argparse.Namespace) -> int:
                 raise ValueError(f"--out {args.out} already holds results (pipeline.json); pass "
                                  "--overwrite to replace them, or choose another directory")
             args.out = prepare_out(args.out, getattr(args, "overwrite", False))
-        result = run_pipeline_study(cfg)
+        result = run_pipeline_study(cfg, getattr(args, "seeds", 1))
     except ValueError as e:
         return fail(str(e), 2)
     except KeyboardInterrupt:

@@ -23,24 +23,37 @@ def print_report(result: dict) -> None:
                   f"{cfg['workers'] // cfg['stages']} replica(s), batch {cfg['batch_size']} per replica, "
                   f"{cfg['steps']} steps, SGD lr {cfg['lr']} momentum {cfg['momentum']}, seed {cfg['seed']}")
     t = Table()
-    for col in ("schedule", "M", "compressor", "boundary B/step", "reduction", "test acc", "gap (pp)",
+    seeds = result.get("seeds", 1) > 1
+    for col in (("seed",) if seeds else ()) + ("schedule", "M", "compressor", "boundary B/step", "reduction", "test acc", "gap (pp)",
                 "bubble", "theory", "idle", "act peak KiB/stage", "wall (s)"):
         t.add_column(col, justify="left" if col in ("schedule", "compressor") else "right")
     for r in result["runs"]:
         th = r["bubble_theory"]
-        t.add_row(r["schedule"], str(r["microbatches"]) if r["schedule"] != "pipedream" else "-",
+        t.add_row(*((str(r["seed"]),) if seeds else ()), r["schedule"], str(r["microbatches"]) if r["schedule"] != "pipedream" else "-",
                   r["label"], f"{r['bytes_per_step']:,.0f}", f"{r['reduction_x']:.2f}x",
                   f"{100 * r['test_accuracy']:.2f}%", f"{r['accuracy_gap_pp']:+.2f}",
                   f"{r['bubble']:.3f}", "-" if th is None else f"{th:.3f}", f"{r['idle_fraction']:.3f}",
                   "/".join(_kib(s["activation_peak_bytes"]) for s in r["per_stage"]), f"{r['wall_s']:.1f}")
     console.print(t)
+    if seeds:
+        groups: dict[tuple, list[dict]] = {}
+        for r in result["runs"]:
+            groups.setdefault((r["schedule"], r["microbatches"], r["label"]), []).append(r)
+        for (schedule, m, label), rs in groups.items():
+            n = len(rs)
+            what = f"{schedule} M={m}" if schedule != "pipedream" else schedule
+            console.print(f"{what} {label}: test acc {100 * sum(r['test_accuracy'] for r in rs) / n:.2f}% "
+                          f"mean of {n} seeds, gap {sum(r['accuracy_gap_pp'] for r in rs) / n:+.2f} pp "
+                          f"(max {max(r['accuracy_gap_pp'] for r in rs):+.2f}), reduction "
+                          f"{min(r['reduction_x'] for r in rs):.2f}x")
     for r in result["runs"]:
         if r["schedule"] != "pipedream":
             continue
         parts = [f"stage {i}: staleness {s['staleness_mean']:.2f} (max {s['staleness_max']}), "
                  f"{s['update_rate_per_s']:.0f} updates/s, first update at {s['first_update_s']:.3f} s"
                  for i, s in enumerate(r["per_stage"])]
-        console.print(f"pipedream {r['label']}: " + "; ".join(parts))
+        seed = f" seed {r['seed']}" if seeds else ""
+        console.print(f"pipedream {r['label']}{seed}: " + "; ".join(parts))
 
 
 def write_plot(result: dict, path: str) -> bool:
@@ -53,7 +66,8 @@ def write_plot(result: dict, path: str) -> bool:
 
     series: dict[str, list[tuple[int, float, float | None, float]]] = {}
     for r in result["runs"]:
-        if r["compressor"] == "none" and r["schedule"] != "pipedream":
+        if (r["compressor"] == "none" and r["schedule"] != "pipedream"
+                and r.get("seed", 0) == result["config"]["seed"]):  # the first seed's
             series.setdefault(r["schedule"], []).append(
                 (r["microbatches"], r["bubble"], r["bubble_theory"], r["idle_fraction"]))
     if not any(len(v) > 1 for v in series.values()):
