@@ -10,7 +10,9 @@ steps after the first, so that a step the host's other load delayed does not
 decide it) and printed next to the theory: ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
 ``(p-1)/(2m+p-1)`` for interleaved 1F1B with 2 chunks per rank (whose
 chunks each last ``--compute``: half a GPipe stage's layers would take half
-as long, so its time per step is not comparable, only its bubble).
+as long, so its time per step is not comparable, only its bubble). ``model``
+is the step time of the step-time model (:func:`gradcomp.plan.model.pipeline_step`)
+for the same stages.
 
     python benchmarks/pipeline_bubble.py [--stages 2] [--microbatches 1,2,4,8,16]
         [--schedules gpipe,1f1b] [--compute 0.02] [--steps 5] [--plot bubble.png] [--json out.json]
@@ -27,6 +29,7 @@ from gradcomp.launch import launch
 from gradcomp.pipeline import analyze
 from gradcomp.pipeline.engine import check_schedule, stages_per_rank
 from gradcomp.pipeline.synthetic import run_fixed_time
+from gradcomp.plan.model import pipeline_step
 from gradcomp.train.pipeline import theory_bubble
 
 
@@ -42,7 +45,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     p = args.stages
     rows = []
-    print(f"{'schedule':<12} {'M':>3} {'bubble':>7} {'theory':>7} {'idle':>6} {'step (s)':>9}")
+    print(f"{'schedule':<12} {'M':>3} {'bubble':>7} {'theory':>7} {'idle':>6} {'step (s)':>9} {'model (s)':>9}")
     for schedule in args.schedules.split(","):
         for m in (int(v) for v in args.microbatches.split(",")):
             try:
@@ -59,9 +62,13 @@ def main(argv=None) -> int:
                    "idle_fraction": statistics.median(r["idle_fraction"] for r in per_step),
                    "step_s": statistics.median(r["window_s"] for r in per_step),
                    "per_step": per_step}
+            # the step-time model's step: p stages of m micro-batches of F + B each
+            row["model_step_s"] = (pipeline_step(2 * args.compute * p * m, p, m, schedule)["step_s"]
+                                   if schedule in ("gpipe", "1f1b") else None)
             rows.append(row)
+            model = "-" if row["model_step_s"] is None else f"{row['model_step_s']:9.3f}"
             print(f"{schedule:<12} {m:>3} {row['bubble']:7.3f} {'-' if th is None else f'{th:7.3f}':>7} "
-                  f"{row['idle_fraction']:6.3f} {row['step_s']:9.3f}")
+                  f"{row['idle_fraction']:6.3f} {row['step_s']:9.3f} {model:>9}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"stages": p, "compute_s": args.compute, "rows": rows}, f, indent=1)
