@@ -114,7 +114,7 @@ def test_pipeline_replicas_average_their_stage_gradients():
 def test_measured_bubble_of_fixed_time_stages_matches_gpipe_formula():
     # 100 ms per forward and backward: long against the milliseconds a message can
     # take on a loaded 2-core host, as the formula assumes
-    p, fwd_s, bwd_s, steps, ms = 2, 0.1, 0.1, 4, (1, 4)
+    p, fwd_s, bwd_s, steps, ms = 2, 0.1, 0.1, 6, (1, 4)
     runs = launch(F.fixed_time_runs, p, (ms, steps, fwd_s, bwd_s), timeout=120)
     for i, m in enumerate(ms):
         tls = [r[i] for r in runs]
