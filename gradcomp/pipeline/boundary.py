@@ -41,8 +41,8 @@ class BoundaryCodec:
     """Encodes and decodes stage-boundary tensors; meters their bytes.
 
     Args:
-        compressor: a dense gradcomp compressor (default
-            ``Int8Quantizer()``: 256-element blocks, nearest rounding), or
+        compressor: a dense gradcomp compressor; ``"int8"`` (the default):
+            ``Int8Quantizer()`` (256-element blocks, nearest rounding); or
             None: tensors travel as their own bytes (no header), the engine's
             plain path.
         error_feedback: wrap the compressor in :class:`~gradcomp.ErrorFeedback`
@@ -59,7 +59,7 @@ class BoundaryCodec:
             error feedback without a compressor.
     """
 
-    def __init__(self, compressor: Compressor | None = "int8", error_feedback: bool = False,
+    def __init__(self, compressor: Compressor | str | None = "int8", error_feedback: bool = False,
                  meter: TrafficMeter | None = None):
         if isinstance(compressor, str) and compressor == "int8":
             compressor = Int8Quantizer()

@@ -117,6 +117,9 @@ def analyze(timelines: list[Timeline], skip: int = 0, steps: list[int] | None = 
     Returns:
         ``{"per_rank": [{category: seconds, "window": s, "bubble": f, "idle_fraction": f}],
         "bubble": overall fraction, "idle_fraction": overall, "window_s": total seconds}``.
+
+    Raises:
+        ValueError: a step number that not every timeline recorded.
     """
     marks: dict = {}
     for tl in timelines:
