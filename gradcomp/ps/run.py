@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from gradcomp import _validate as v
-from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
+from gradcomp.compressors import DGC, Compressor, ErrorFeedback, Int8Quantizer, check_optimizer
 from gradcomp.ps.server import FAILURE_POLICIES, MODES, ParameterServer
 from gradcomp.ps.worker import PushResult, Worker
 
@@ -34,7 +34,9 @@ class PSConfig:
             or ``Int8Quantizer()`` when ``compressor`` is None.
         optimizer: server optimizer factory ``f(list[nn.Parameter]) -> Optimizer``
             (picklable, e.g. ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``);
-            None: SGD with lr 0.01 and momentum 0.9.
+            None: SGD with lr 0.01 and momentum 0.9. With a :class:`~gradcomp.DGC`
+            compressor the workers apply the momentum: it must be given, and
+            be plain SGD (:func:`~gradcomp.compressors.check_optimizer`).
         max_staleness, staleness_lr, clip_grad_norm, on_worker_failure,
         worker_timeout, checkpoint_dir, checkpoint_every, resume: server settings.
         timeout: workers' per-transfer timeout in seconds.
@@ -71,6 +73,11 @@ class PSConfig:
                 raise TypeError(f"{name} must be a gradcomp compressor or None, got {type(c).__name__}")
         for name in ("worker_timeout", "timeout"):
             v.timeout(name, getattr(self, name))
+        if isinstance(self.compressor, DGC):
+            if self.optimizer is None:
+                raise ValueError("a DGC compressor needs an explicit plain-SGD optimizer (the default has "
+                                 "momentum 0.9, which DGC already applies on the workers)")
+            check_optimizer(self.optimizer)
 
     def server_pull_compressor(self) -> Compressor | None:
         """The compressor servers use for pull deltas (None without ``compress_pull``)."""
