@@ -27,6 +27,7 @@ from gradcomp.meter import TrafficMeter
 from gradcomp.train.common import RankLog
 from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, worker_batches
+from gradcomp.train.dgc import dgc_compressor, optimizer_momentum
 from gradcomp.train.model import make_model
 
 __all__ = ["train_sync_rank"]
@@ -54,8 +55,11 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
     model = make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes)
     ddp = DistributedDataParallel(model)
     meter = TrafficMeter()
+    codec = choice.build(cfg.threshold)
+    if choice.dgc:
+        codec = dgc_compressor(codec, cfg, len(data.y_train))
     state = GradCompState(
-        compressor=choice.build(cfg.threshold),
+        compressor=codec,
         error_feedback=choice.error_feedback,
         algorithm="allgather" if choice.sparse else cfg.algorithm,
         min_compress_numel=0,
@@ -64,7 +68,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         timeout=cfg.timeout,
     )
     ddp.register_comm_hook(state, compressed_allreduce_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=optimizer_momentum(choice.dgc, cfg))
     log = RankLog(rank)
     dist.barrier()
     log.start()
