@@ -147,7 +147,8 @@ class GradCompState:
             ``compressor=gc.DGC(gc.TopK(...), ...)`` for other settings. The
             state then keeps per parameter the velocity (:attr:`momenta`) and
             the accumulated velocity (:attr:`residuals`), clips each
-            parameter's gradient separately, counts warm-up steps from
+            parameter's gradient and selects its top-k separately (the
+            paper's per-layer selection; one payload per bucket), counts warm-up steps from
             ``start_iter``, and its DGC's ``world_size`` defaults to the
             group's size. The hook owns the momentum: the optimizer must be
             plain SGD (:func:`gradcomp.compressors.check_optimizer` checks

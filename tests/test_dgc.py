@@ -59,6 +59,18 @@ def test_masking_zeroes_exactly_the_sent_coordinates(masking):
         assert torch.equal(d.momenta[0], u_hand)
 
 
+def test_bucket_segments_select_their_own_top_k():
+    # as the paper selects per layer: a bucket of two parameters (20 and 30 elements)
+    # sends ceil(0.1 * 20) = 2 and ceil(0.1 * 30) = 3 values, though the second's are tiny
+    d = gc.DGC(gc.TopK(ratio=0.1), momentum=0.0)
+    g = torch.cat([10.0 + torch.arange(20.0), 0.01 * torch.arange(30.0)])
+    u, r = torch.zeros(50), torch.zeros(50)
+    p = d.bind(u, r, 0, [(0, 20), (20, 30)]).compress(g)
+    assert p.indices.tolist() == [18, 19, 47, 48, 49]
+    assert torch.equal(gc.decode(p.wire).values.data, g[[18, 19, 47, 48, 49]])
+    assert r[[18, 19, 47, 48, 49]].abs().sum() == 0 and torch.equal(r[:18], g[:18])
+
+
 def test_int8_values_leave_their_quantization_error_in_the_residual():
     torch.manual_seed(1)
     d = gc.DGC(gc.TopK(ratio=0.1, values=gc.Int8Quantizer(block_size=32)), momentum=0.0)

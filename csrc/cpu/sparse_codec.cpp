@@ -12,16 +12,6 @@ namespace gradcomp {
 
 namespace {
 
-inline int ctz64(uint64_t m) {
-#ifdef _MSC_VER
-    unsigned long i;
-    _BitScanForward64(&i, m);
-    return int(i);
-#else
-    return __builtin_ctzll(m);
-#endif
-}
-
 template <class I>
 void ef_encode_impl(const I* idx, size_t k, int L, uint8_t* lo, uint8_t* hi) {
     const uint64_t mask = L ? (uint64_t(1) << L) - 1 : 0;

@@ -181,8 +181,10 @@ class DGC(ErrorFeedback):
                 elements on g's device.
             step: the step number (0-based) for the warm-up schedule.
             dtype, shape: recorded in the payload header.
-            segments: ``(offset, numel)`` ranges clipped separately (the
-                parameters of a DDP bucket); None: the whole tensor is one.
+            segments: ``(offset, numel)`` ranges, each clipped and its top-k
+                selected separately, as the paper does per layer (the
+                parameters of a DDP bucket: one payload, indices ascending
+                across them); None: the whole tensor is one.
 
         Returns:
             The payload. A non-finite value in the state (NaN/Inf gradient)
@@ -192,7 +194,12 @@ class DGC(ErrorFeedback):
         n = g.numel()
         self.accumulate_(g, u, r, segments)
         top = self.wraps
-        idx, vals = top._select(r, self.k_at(step, n))
+        if segments is None or len(segments) == 1:
+            idx, vals = top._select(r, self.k_at(step, n))
+        else:
+            picks = [top._select(r[off:off + m], self.k_at(step, m)) for off, m in segments]
+            idx = torch.cat([i.to(torch.int64) + off for (i, _), (off, _) in zip(picks, segments)])
+            vals = torch.cat([val for _, val in picks])
         p = top._pack(n, idx, vals, dtype, shape)
         sent = idx.long()
         if not bool(torch.isfinite(vals).all()):
