@@ -219,6 +219,14 @@ def test_accumulate_kernel_matches_reference(scale):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     want_u = u * 0.9 + (g if scale == 1.0 else g * scale)
     assert torch.equal(outs[0][0], want_u) and torch.equal(outs[0][1], v + want_u)
+    # fused with the top-k of v: the same state and selection as the two ops
+    for k in (1, 100, 5000):
+        outs = []
+        for backend in ("cpu", "reference"):
+            uu, vv = u.clone(), v.clone()
+            outs.append((*kernels.dgc_topk_(g, uu, vv, 0.9, scale, k, backend=backend), uu, vv))
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+        assert torch.equal(outs[0][0], kernels.topk(outs[0][3], k)[0])
     with pytest.raises(TypeError, match="float32"):
         kernels.dgc_accumulate_(g.double(), u, v, 0.9)
     with pytest.raises(ValueError, match="elements"):

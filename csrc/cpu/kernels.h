@@ -72,4 +72,8 @@ int ef_decode(const uint8_t* lo, size_t lo_nbytes, const uint8_t* hi, size_t hi_
 // sum; g * 1 is exact), v <- v + u.
 void dgc_accumulate(const float* g, float* u, float* v, size_t n, float momentum, float scale);
 
+// dgc_accumulate followed by topk(F32, v, n, k), fused: the top-k's
+// compaction pass runs inside the accumulation pass. Same results bit for bit.
+Selection dgc_topk(const float* g, float* u, float* v, size_t n, float momentum, float scale, size_t k);
+
 }  // namespace gradcomp

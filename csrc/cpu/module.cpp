@@ -245,6 +245,23 @@ void py_dgc_accumulate(const py::array& g, const py::array& u, const py::array& 
     dgc_accumulate(gp, up, vp, n, momentum, scale);
 }
 
+py::tuple py_dgc_topk(const py::array& g, const py::array& u, const py::array& v, float momentum, float scale,
+                      py::ssize_t k) {
+    const auto* gp = static_cast<const float*>(data_of(g, "g", "f", 4, false));
+    auto* up = static_cast<float*>(data_of(u, "u", "f", 4, true));
+    auto* vp = static_cast<float*>(data_of(v, "v", "f", 4, true));
+    const size_t n = size_t(g.size());
+    check_len("u", size_t(u.size()), n);
+    check_len("v", size_t(v.size()), n);
+    if (k < 0) throw std::invalid_argument("k must be >= 0, got " + std::to_string(k));
+    Selection s;
+    {
+        py::gil_scoped_release nogil;
+        s = dgc_topk(gp, up, vp, n, momentum, scale, size_t(k));
+    }
+    return to_python(std::move(s), n, DType::F32);
+}
+
 void py_set_num_threads(int n) {
     if (n < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = OpenMP default), got " + std::to_string(n));
     g_num_threads.store(n, std::memory_order_relaxed);
@@ -327,6 +344,8 @@ PYBIND11_MODULE(_C, m) {
           "Decode Elias-Fano indices into out; returns 0, or 1 (bit count), 2 (range), 3 (order).");
     m.def("dgc_accumulate", &py_dgc_accumulate, py::arg("g"), py::arg("u"), py::arg("v"), py::arg("momentum"),
           py::arg("scale"), "u = u * momentum + g * scale; v += u (float32, in place).");
+    m.def("dgc_topk", &py_dgc_topk, py::arg("g"), py::arg("u"), py::arg("v"), py::arg("momentum"),
+          py::arg("scale"), py::arg("k"), "dgc_accumulate, then the exact top-k of v, in one fused pass.");
     m.def("set_num_threads", &py_set_num_threads, py::arg("n"),
           "Threads for every kernel of this module (0 = omp_get_max_threads(), the OpenMP default).");
     m.def("get_num_threads", &max_threads, "Threads the kernels of this module use now.");

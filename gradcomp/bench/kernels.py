@@ -26,9 +26,10 @@ load change on the machine hits every candidate alike):
   8-bit dynamic blockwise code, same block size) when bitsandbytes imports.
 
 Besides the registry's ops, ``dgc`` times one Deep Gradient Compression step
-per backend (:class:`gradcomp.DGC`'s kernel work on float32: the fused
-momentum-correction pass ``u = m u + g; v += u``, the exact top-k of ``v`` and
-the masking of the sent coordinates in ``u`` and ``v``) against two
+per backend (:class:`gradcomp.DGC`'s kernel work on float32: the
+momentum-correction pass ``u = m u + g; v += u`` with the exact top-k of ``v``,
+fused by the native backend (``kernels.dgc_topk_``), and the masking of the
+sent coordinates in ``u`` and ``v``) against two
 baselines on the automatically chosen backend: ``topk`` (the plain top-k
 kernel on the gradient) and ``topk+ef`` (the best plain error-feedback top-k
 a user would write: ``r += g``, top-k of ``r``, ``r[sent] = 0``); ``/topk`` and
@@ -571,8 +572,7 @@ def _run_case(case: Case, backends: list[str], compiled: dict, args, repeat: int
 
 def _dgc_step(K, backend: str, g, u, v, k: int):
     """The kernel work of one DGC step (:meth:`gradcomp.DGC.step_` without the payload)."""
-    K.dgc_accumulate_(g, u, v, 0.9, 1.0, backend=backend)
-    idx, vals = K.topk(v, k, backend=backend)
+    idx, vals = K.dgc_topk_(g, u, v, 0.9, 1.0, k, backend=backend)
     sent = idx.long()
     v.index_fill_(0, sent, 0.0)
     u.index_fill_(0, sent, 0.0)

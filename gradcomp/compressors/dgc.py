@@ -192,12 +192,14 @@ class DGC(ErrorFeedback):
             the state is then reset to zero and :attr:`nonfinite_resets` counted.
         """
         n = g.numel()
-        self.accumulate_(g, u, r, segments)
+        g = g if g.dtype == torch.float32 else g.to(torch.float32)
         top = self.wraps
-        if segments is None or len(segments) == 1:
-            idx, vals = top._select(r, self.k_at(step, n))
+        segments = segments if segments is not None else ((0, n),)
+        picks = [self._accumulate_select(g[off:off + m], u[off:off + m], r[off:off + m], self.k_at(step, m))
+                 for off, m in segments]
+        if len(picks) == 1:
+            idx, vals = picks[0]
         else:
-            picks = [top._select(r[off:off + m], self.k_at(step, m)) for off, m in segments]
             idx = torch.cat([i.to(torch.int64) + off for (i, _), (off, _) in zip(picks, segments)])
             vals = torch.cat([val for _, val in picks])
         p = top._pack(n, idx, vals, dtype, shape)
@@ -215,20 +217,32 @@ class DGC(ErrorFeedback):
             u.index_fill_(0, sent, 0.0)
         return p
 
+    def clip_scale(self, g: torch.Tensor) -> float:
+        """The local clipping factor of gradient ``g``:
+        ``min(1, local_clip_norm / (||g||_2 + 1e-6))`` (1 without clipping or
+        for a non-finite norm)."""
+        limit = self.local_clip_norm
+        if limit is None:
+            return 1.0
+        norm = float(torch.linalg.vector_norm(g))
+        return limit / (norm + _CLIP_EPS) if math.isfinite(norm) and norm + _CLIP_EPS > limit else 1.0
+
     def accumulate_(self, g: torch.Tensor, u: torch.Tensor, r: torch.Tensor, segments=None) -> None:
         """Momentum correction with local clipping, in place: per segment,
-        ``scale = min(1, local_clip_norm / (||g|| + 1e-6))``, ``u = m u + scale g``,
-        ``r += u`` (arguments as for :meth:`step_`)."""
+        ``u = m u + clip_scale(g) g``, ``r += u`` (arguments as for :meth:`step_`)."""
         g = g if g.dtype == torch.float32 else g.to(torch.float32)
-        limit = self.local_clip_norm
         for off, m in (segments if segments is not None else ((0, g.numel()),)):
-            gs, us, rs = g[off:off + m], u[off:off + m], r[off:off + m]
-            scale = 1.0
-            if limit is not None:
-                norm = float(torch.linalg.vector_norm(gs))
-                if math.isfinite(norm) and norm + _CLIP_EPS > limit:
-                    scale = limit / (norm + _CLIP_EPS)
-            kernels.dgc_accumulate_(gs, us, rs, self.momentum, scale, backend=self.wraps.backend)
+            gs = g[off:off + m]
+            kernels.dgc_accumulate_(gs, u[off:off + m], r[off:off + m], self.momentum, self.clip_scale(gs),
+                                    backend=self.wraps.backend)
+
+    def _accumulate_select(self, g, u, r, k: int):
+        """Accumulate one segment and select its top ``k`` (fused for exact top-k)."""
+        top = self.wraps
+        if top.exact:
+            return kernels.dgc_topk_(g, u, r, self.momentum, self.clip_scale(g), k, backend=top.backend)
+        kernels.dgc_accumulate_(g, u, r, self.momentum, self.clip_scale(g), backend=top.backend)
+        return top._select(r, k)
 
     def bind(self, momenta: torch.Tensor, residual: torch.Tensor, step: int, segments=None) -> Compressor:
         """A compressor whose :meth:`~Compressor.compress` runs :meth:`step_` on

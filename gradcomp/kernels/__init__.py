@@ -29,6 +29,7 @@ __all__ = [
     "threshold",
     "scatter_add_",
     "dgc_accumulate_",
+    "dgc_topk_",
     "native_cpu",
 ]
 
@@ -424,3 +425,21 @@ def dgc_accumulate_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum:
     from gradcomp.kernels import reference as R
 
     R.dgc_accumulate_(_flat(g), u.view(-1), v.view(-1), momentum, scale)
+
+
+def dgc_topk_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, scale: float, k: int,
+              *, backend: str | None = None):
+    """:func:`dgc_accumulate_` followed by :func:`topk` of the updated ``v``:
+    one fused pass with the native CPU backend (the top-k's compaction runs
+    inside the accumulation), the two ops elsewhere; the same results.
+
+    Returns:
+        ``(indices, values)`` of the k largest ``|v|`` as :func:`topk`.
+    """
+    mod = native_cpu(g.device, backend)
+    if mod is None or g.dtype != torch.float32:
+        dgc_accumulate_(g, u, v, momentum, scale, backend=backend)
+        return topk(v, k, backend=backend)
+    for name, t in (("u", u), ("v", v)):
+        _check_out(name, t, g.numel(), torch.float32, g.device)
+    return mod.dgc_topk_(_flat(g), u, v, momentum, scale, _check_k(v, k))

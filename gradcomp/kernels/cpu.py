@@ -434,3 +434,12 @@ def dgc_accumulate_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum:
     n = g.numel()
     _native().dgc_accumulate(_flat("g", g).numpy(), _out_np("u", u, torch.float32, n),
                              _out_np("v", v, torch.float32, n), float(momentum), float(scale))
+
+
+def dgc_topk_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, scale: float, k: int):
+    """:func:`dgc_accumulate_` then :func:`topk` of ``v``, fused in one pass
+    (bit for bit the two ops). Returns ``(indices, values)`` as :func:`topk`."""
+    n = g.numel()
+    idx, val = _native().dgc_topk(_flat("g", g).numpy(), _out_np("u", u, torch.float32, n),
+                                  _out_np("v", v, torch.float32, n), float(momentum), float(scale), int(k))
+    return _selection(idx, val, torch.float32)
