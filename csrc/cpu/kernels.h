@@ -72,6 +72,18 @@ int ef_decode(const uint8_t* lo, size_t lo_nbytes, const uint8_t* hi, size_t hi_
 // sum; g * 1 is exact), v <- v + u.
 void dgc_accumulate(const float* g, float* u, float* v, size_t n, float momentum, float scale);
 
+// The same on elements [lo, hi), one thread.
+template <bool Scaled>
+inline void dgc_range(const float* __restrict g, float* __restrict u, float* __restrict v, size_t lo, size_t hi,
+                      float momentum, float scale) {
+    for (size_t i = lo; i < hi; ++i) {
+        const float ui = u[i] * momentum + (Scaled ? g[i] * scale : g[i]);
+        u[i] = ui;
+        v[i] = v[i] + ui;
+    }
+}
+void dgc_accumulate_range(const float* g, float* u, float* v, size_t lo, size_t hi, float momentum, float scale);
+
 // dgc_accumulate followed by topk(F32, v, n, k), fused: the top-k's
 // compaction pass runs inside the accumulation pass. Same results bit for bit.
 Selection dgc_topk(const float* g, float* u, float* v, size_t n, float momentum, float scale, size_t k);

@@ -432,11 +432,6 @@ Selection topk_impl(const typename E::Key* x, size_t n, size_t k) {
 template <class I>
 Selection dgc_topk_impl(const float* g, float* u, float* v, size_t n, float m, float scale, size_t k) {
     using K = F32::Key;
-    const auto step = [&](size_t i) {
-        const float ui = u[i] * m + (scale == 1.0f ? g[i] : g[i] * scale);
-        u[i] = ui;
-        v[i] = v[i] + ui;
-    };
     auto* vk = reinterpret_cast<const K*>(v);
     if (k == 0 || k >= n || n < 8192) {
         dgc_accumulate(g, u, v, n, m, scale);
@@ -452,14 +447,12 @@ Selection dgc_topk_impl(const float* g, float* u, float* v, size_t n, float m, f
     const K bound = lower_bound_of_sample<F32>(keys, n, k);
     Candidates<I, K> cand = collect_ge_scan<F32, I>(
         vk, n, bound, sampled_count_estimate(n, k, sample), [&](size_t lo, size_t hi, K lim, auto&& f) {
-            size_t i = lo;
-            for (; i + 32 <= hi; i += 32) {
-                for (size_t j = i; j < i + 32; ++j) step(j);
-                f(i, pass_mask32<F32>(vk + i, lim));
-            }
-            if (i < hi) {
-                for (size_t j = i; j < hi; ++j) step(j);
-                scan_pass<F32>(vk, i, hi, lim, f);
+            // blocks of 1024 elements: accumulated (vectorised), then scanned while in L1
+            constexpr size_t B = 1024;
+            for (size_t b = lo; b < hi; b += B) {
+                const size_t e = std::min(hi, b + B);
+                dgc_accumulate_range(g, u, v, b, e, m, scale);
+                scan_pass<F32>(vk, b, e, lim, f);
             }
         });
     if (cand.count >= k) return finish_select<F32, I>(cand, k);

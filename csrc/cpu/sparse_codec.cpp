@@ -88,28 +88,18 @@ int ef_decode(const uint8_t* lo, size_t lo_nbytes, const uint8_t* hi, size_t hi_
     return ef_decode_impl(lo, lo_nbytes, hi, hi_nbytes, n, k, L, static_cast<int32_t*>(out));
 }
 
+void dgc_accumulate_range(const float* g, float* u, float* v, size_t lo, size_t hi, float momentum,
+                          float scale) {
+    if (scale == 1.0f) dgc_range<false>(g, u, v, lo, hi, momentum, scale);
+    else dgc_range<true>(g, u, v, lo, hi, momentum, scale);
+}
+
 void dgc_accumulate(const float* g, float* u, float* v, size_t n, float momentum, float scale) {
     const int nchunks = chunks_for(n);
     (void)nchunks;
 #pragma omp parallel for schedule(static) num_threads(nchunks) if (nchunks > 1)
-    for (int c = 0; c < nchunks; ++c) {
-        const size_t lo = chunk_begin(n, nchunks, c), hi = chunk_begin(n, nchunks, c + 1);
-        if (scale == 1.0f) {
-            for (size_t i = lo; i < hi; ++i) {
-                const float m = u[i] * momentum;
-                const float ui = m + g[i];
-                u[i] = ui;
-                v[i] = v[i] + ui;
-            }
-        } else {
-            for (size_t i = lo; i < hi; ++i) {
-                const float m = u[i] * momentum;
-                const float ui = m + g[i] * scale;
-                u[i] = ui;
-                v[i] = v[i] + ui;
-            }
-        }
-    }
+    for (int c = 0; c < nchunks; ++c)
+        dgc_accumulate_range(g, u, v, chunk_begin(n, nchunks, c), chunk_begin(n, nchunks, c + 1), momentum, scale);
 }
 
 }  // namespace gradcomp
