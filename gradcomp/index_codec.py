@@ -84,8 +84,9 @@ def encode(idx: torch.Tensor, n: int) -> torch.Tensor:
     """The Elias-Fano bytes of ``k >= 1`` strictly ascending indices in ``[0, n)``.
 
     Args:
-        idx: int32/int64 ``[k]`` on any device (ascending, not checked: the
-            selection kernels produce them so).
+        idx: int32/int64 ``[k]`` on any device, strictly ascending in
+            ``[0, n)`` (as the selection kernels produce them; the native
+            path raises ValueError otherwise, the torch path trusts them).
         n: the tensor's number of elements.
 
     Returns:

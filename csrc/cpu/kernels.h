@@ -59,11 +59,13 @@ void scatter_add(float* acc, size_t n, const void* indices, bool idx64, size_t m
 
 // Elias-Fano indices (gradcomp/index_codec.py): k ascending indices, L low
 // bits each. ef_encode writes the low fields into lo (ceil(k L / 8) bytes) and
-// ORs the high bits into hi, which the caller zeroed. ef_decode writes k
+// ORs the high bits into hi (hi_nbytes bytes, zeroed by the caller); it
+// returns false, at the first offending index, for indices that are negative,
+// not strictly ascending or too large for hi. ef_decode writes k
 // indices and returns EF_OK, or the first problem found: more or fewer set
 // high bits than k, an index >= n, or indices not strictly ascending.
 enum { EF_OK = 0, EF_COUNT = 1, EF_RANGE = 2, EF_ORDER = 3 };
-void ef_encode(const void* idx, bool idx64, size_t k, int L, uint8_t* lo, uint8_t* hi);
+bool ef_encode(const void* idx, bool idx64, size_t k, int L, uint8_t* lo, uint8_t* hi, size_t hi_nbytes);
 int ef_decode(const uint8_t* lo, size_t lo_nbytes, const uint8_t* hi, size_t hi_nbytes, uint64_t n, size_t k,
               int L, void* out, bool out64);
 

@@ -208,17 +208,12 @@ void py_ef_encode(const py::array& indices, int L, const py::array& lo, const py
     auto* lp = static_cast<uint8_t*>(data_of(lo, "lo", "u", 1, true));
     auto* hp = static_cast<uint8_t*>(data_of(hi, "hi", "u", 1, true));
     check_len("lo", size_t(lo.size()), (k * size_t(L) + 7) / 8);
-    if (k && hi.size() == 0) throw std::invalid_argument("hi must not be empty");
-    // the high bits of the last index must fit: checked by the caller's sizes;
-    // guard the write anyway (an index above what hi holds is a caller bug)
-    if (k) {
-        const uint64_t last = isz == 8 ? uint64_t(static_cast<const int64_t*>(ip)[k - 1])
-                                       : uint64_t(static_cast<const int32_t*>(ip)[k - 1]);
-        if (((last >> L) + k - 1) / 8 >= uint64_t(hi.size()))
-            throw std::invalid_argument("hi is too small for the indices");
+    bool ok;
+    {
+        py::gil_scoped_release nogil;
+        ok = ef_encode(ip, isz == 8, k, L, lp, hp, size_t(hi.size()));
     }
-    py::gil_scoped_release nogil;
-    ef_encode(ip, isz == 8, k, L, lp, hp);
+    if (!ok) throw std::invalid_argument("indices must be ascending and non-negative, with high bits that fit in hi");
 }
 
 int py_ef_decode(const py::array& lo, const py::array& hi, uint64_t n, int L, const py::array& out) {
@@ -234,32 +229,39 @@ int py_ef_decode(const py::array& lo, const py::array& hi, uint64_t n, int L, co
     return ef_decode(lp, size_t(lo.size()), hp, size_t(hi.size()), n, k, L, op, osz == 8);
 }
 
+// g (read), u and v (written): float32 arrays of one length
+struct DgcArrays {
+    const float* g;
+    float* u;
+    float* v;
+    size_t n;
+};
+
+DgcArrays dgc_arrays(const py::array& g, const py::array& u, const py::array& v) {
+    DgcArrays a{static_cast<const float*>(data_of(g, "g", "f", 4, false)),
+                static_cast<float*>(data_of(u, "u", "f", 4, true)),
+                static_cast<float*>(data_of(v, "v", "f", 4, true)), size_t(g.size())};
+    check_len("u", size_t(u.size()), a.n);
+    check_len("v", size_t(v.size()), a.n);
+    return a;
+}
+
 void py_dgc_accumulate(const py::array& g, const py::array& u, const py::array& v, float momentum, float scale) {
-    const auto* gp = static_cast<const float*>(data_of(g, "g", "f", 4, false));
-    auto* up = static_cast<float*>(data_of(u, "u", "f", 4, true));
-    auto* vp = static_cast<float*>(data_of(v, "v", "f", 4, true));
-    const size_t n = size_t(g.size());
-    check_len("u", size_t(u.size()), n);
-    check_len("v", size_t(v.size()), n);
+    const DgcArrays a = dgc_arrays(g, u, v);
     py::gil_scoped_release nogil;
-    dgc_accumulate(gp, up, vp, n, momentum, scale);
+    dgc_accumulate(a.g, a.u, a.v, a.n, momentum, scale);
 }
 
 py::tuple py_dgc_topk(const py::array& g, const py::array& u, const py::array& v, float momentum, float scale,
                       py::ssize_t k) {
-    const auto* gp = static_cast<const float*>(data_of(g, "g", "f", 4, false));
-    auto* up = static_cast<float*>(data_of(u, "u", "f", 4, true));
-    auto* vp = static_cast<float*>(data_of(v, "v", "f", 4, true));
-    const size_t n = size_t(g.size());
-    check_len("u", size_t(u.size()), n);
-    check_len("v", size_t(v.size()), n);
+    const DgcArrays a = dgc_arrays(g, u, v);
     if (k < 0) throw std::invalid_argument("k must be >= 0, got " + std::to_string(k));
     Selection s;
     {
         py::gil_scoped_release nogil;
-        s = dgc_topk(gp, up, vp, n, momentum, scale, size_t(k));
+        s = dgc_topk(a.g, a.u, a.v, a.n, momentum, scale, size_t(k));
     }
-    return to_python(std::move(s), n, DType::F32);
+    return to_python(std::move(s), a.n, DType::F32);
 }
 
 void py_set_num_threads(int n) {

@@ -13,7 +13,7 @@ namespace gradcomp {
 namespace {
 
 template <class I>
-void ef_encode_impl(const I* idx, size_t k, int L, uint8_t* lo, uint8_t* hi) {
+bool ef_encode_impl(const I* idx, size_t k, int L, uint8_t* lo, uint8_t* hi, size_t hi_nbytes) {
     const uint64_t mask = L ? (uint64_t(1) << L) - 1 : 0;
     uint64_t acc = 0;  // low-bit writer: pending bits, LSB first
     int pending = 0;
@@ -33,9 +33,11 @@ void ef_encode_impl(const I* idx, size_t k, int L, uint8_t* lo, uint8_t* hi) {
             }
         }
         const uint64_t p = (x >> L) + i;
+        if (idx[i] < 0 || (i && idx[i] <= idx[i - 1]) || (p >> 3) >= hi_nbytes) return false;
         hi[p >> 3] |= uint8_t(1u << (p & 7));
     }
     for (; pending > 0; pending -= 8, acc >>= 8) lo[out++] = uint8_t(acc);
+    return true;
 }
 
 template <class I>
@@ -77,9 +79,9 @@ int ef_decode_impl(const uint8_t* lo, size_t lo_nbytes, const uint8_t* hi, size_
 
 }  // namespace
 
-void ef_encode(const void* idx, bool idx64, size_t k, int L, uint8_t* lo, uint8_t* hi) {
-    if (idx64) ef_encode_impl(static_cast<const int64_t*>(idx), k, L, lo, hi);
-    else ef_encode_impl(static_cast<const int32_t*>(idx), k, L, lo, hi);
+bool ef_encode(const void* idx, bool idx64, size_t k, int L, uint8_t* lo, uint8_t* hi, size_t hi_nbytes) {
+    if (idx64) return ef_encode_impl(static_cast<const int64_t*>(idx), k, L, lo, hi, hi_nbytes);
+    return ef_encode_impl(static_cast<const int32_t*>(idx), k, L, lo, hi, hi_nbytes);
 }
 
 int ef_decode(const uint8_t* lo, size_t lo_nbytes, const uint8_t* hi, size_t hi_nbytes, uint64_t n, size_t k,
