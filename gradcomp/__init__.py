@@ -10,6 +10,7 @@ from gradcomp.wire import Payload, decode
 from gradcomp.compressors import (
     BF16,
     FP16,
+    DGC,
     Compressor,
     ErrorFeedback,
     Int8Quantizer,
@@ -48,6 +49,7 @@ __all__ = [
     "TopK",
     "Threshold",
     "ErrorFeedback",
+    "DGC",
     "TrafficMeter",
     "allreduce",
     "ddp",

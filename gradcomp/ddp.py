@@ -62,7 +62,7 @@ import torch.distributed as dist
 from gradcomp import _validate as v
 from gradcomp.comm import (ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce,
                            ring_raw_bytes)
-from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
+from gradcomp.compressors import DGC, Compressor, ErrorFeedback, Int8Quantizer, TopK
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import Timeline, span
 
@@ -147,10 +147,26 @@ class GradCompState:
             gradients are computed) and records each bucket's reduction as a
             ``"collective"`` span, with the transfers' ``"communicate"`` and
             ``"decompress"`` spans inside it (see :mod:`gradcomp.timeline`).
+        dgc: Deep Gradient Compression (:class:`~gradcomp.DGC`, Lin et al.
+            2018) around a ``TopK`` compressor with ``algorithm="allgather"``:
+            ``True`` with DGC's defaults (momentum 0.9), or pass
+            ``compressor=gc.DGC(gc.TopK(...), ...)`` for other settings. The
+            state then keeps per parameter the velocity (:attr:`momenta`) and
+            the accumulated velocity (:attr:`residuals`), clips each
+            parameter's gradient and selects its top-k separately (the
+            paper's per-layer selection; one payload per bucket), counts warm-up steps from
+            ``start_iter``, and its DGC's ``world_size`` defaults to the
+            group's size. The hook owns the momentum: the optimizer must be
+            plain SGD (:func:`gradcomp.compressors.check_optimizer` checks
+            one). Plain-allreduce buckets (small, or before ``start_iter``)
+            get exact momentum SGD: ``u = m u + g`` is sent whole.
 
     Attributes:
         iter: completed steps (advanced when the last bucket is handed over).
-        residuals: parameter key -> flat float32 residual.
+        residuals: parameter key -> flat float32 residual (with DGC: the
+            accumulated velocity).
+        momenta: parameter key -> flat float32 velocity (DGC only).
+        dgc: the :class:`~gradcomp.DGC` settings, or None.
 
     Raises:
         TypeError / ValueError: a bad setting (the message gives the reason).
@@ -158,7 +174,7 @@ class GradCompState:
     """
 
     _PICKLED = ("compressor", "error_feedback", "algorithm", "min_compress_numel", "start_iter",
-                "timeout", "iter", "residuals")
+                "timeout", "iter", "residuals", "momenta", "dgc")
 
     def __init__(
         self,
@@ -171,8 +187,21 @@ class GradCompState:
         meter: TrafficMeter | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         timeline=None,
+        dgc: bool = False,
     ):
         compressor = Int8Quantizer() if compressor is None else compressor
+        if not isinstance(dgc, bool):
+            raise TypeError(f"dgc must be a bool, got {type(dgc).__name__}")
+        if isinstance(compressor, DGC):
+            dgc, compressor = compressor.clone(), compressor.wraps
+        elif dgc:
+            if not isinstance(compressor, TopK):
+                raise ValueError(f"dgc=True needs a TopK compressor (e.g. gc.TopK(ratio=0.001)), got {compressor!r}")
+            dgc = DGC(compressor)
+        else:
+            dgc = None
+        if dgc is not None and not error_feedback:
+            raise ValueError("DGC accumulates the unsent velocity in the residual: it needs error_feedback=True")
         if not isinstance(compressor, Compressor):
             raise TypeError(f"compressor must be a gradcomp compressor, got {type(compressor).__name__}")
         if isinstance(compressor, ErrorFeedback):
@@ -215,8 +244,12 @@ class GradCompState:
         self.timeline = timeline
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}
+        self.momenta: dict[int, torch.Tensor] = {}
         self._init_runtime()
         self._ensure_group()
+        if dgc is not None and dgc.world_size is None:
+            dgc.world_size = dist.get_world_size(self._group)
+        self.dgc = dgc
 
     # ---- runtime (not pickled) ------------------------------------------------
     def _init_runtime(self) -> None:
@@ -286,13 +319,14 @@ class GradCompState:
             self._worker = None
 
     # ---- the work done on the communication thread ------------------------------
-    def _reduce(self, buf: torch.Tensor, compress: bool, segments, ready) -> torch.Tensor:
+    def _reduce(self, buf: torch.Tensor, compress: bool, segments, ready, step: int = 0) -> torch.Tensor:
         if self.timeline is None:
-            return self._reduce_bucket(buf, compress, segments, ready)
+            return self._reduce_bucket(buf, compress, segments, ready, step)
         with self.timeline.active(), self.timeline.span("collective"):
-            return self._reduce_bucket(buf, compress, segments, ready)
+            return self._reduce_bucket(buf, compress, segments, ready, step)
 
-    def _reduce_bucket(self, buf: torch.Tensor, compress: bool, segments, ready) -> torch.Tensor:
+    def _reduce_bucket(self, buf: torch.Tensor, compress: bool, segments, ready,
+                       step: int = 0) -> torch.Tensor:
         if self._failure is not None:
             raise RuntimeError("gradcomp: an earlier bucket of this GradCompState failed; the process "
                                f"group may be out of step: {self._failure!r}") from self._failure
@@ -301,7 +335,7 @@ class GradCompState:
                 torch.cuda.set_device(buf.device)
                 ready.synchronize()  # the gradients are written
             if compress:
-                self._reduce_compressed(buf, segments)
+                self._reduce_compressed(buf, segments, step)
             else:
                 self._reduce_plain(buf, segments)
             if buf.is_cuda:
@@ -314,6 +348,9 @@ class GradCompState:
     def _reduce_plain(self, buf: torch.Tensor, segments) -> None:
         group = self._group
         world = dist.get_world_size(group)
+        if self.dgc is not None and segments is not None:
+            self._momentum_plain(buf, segments)
+            segments = None
         for key, off, n in segments or ():
             r = self.residuals.pop(key, None)  # delivered exactly: nothing left to remember
             if r is not None and r.numel() == n:
@@ -328,38 +365,56 @@ class GradCompState:
             self.meter.record_send(int((rs + ag) * scale), rs + ag, phase="plain_allreduce")
             self.meter.record_recv(int((rs_in + ag_in) * scale), rs_in + ag_in, phase="plain_allreduce")
 
-    def _reduce_compressed(self, buf: torch.Tensor, segments) -> None:
-        residual = self._bucket_residual(segments, buf) if segments is not None else None
+    def _momentum_plain(self, buf: torch.Tensor, segments) -> None:
+        """DGC on a plain-allreduce bucket: exact momentum SGD. ``u = m u + g``
+        (clipped per parameter as on the compressed path) is added to the
+        accumulated velocity, which is sent whole and resets; no masking."""
+        u = self._bucket_state(self.momenta, segments, buf)
+        r = self._bucket_state(self.residuals, segments, buf)
+        g = buf if buf.dtype == torch.float32 else buf.to(torch.float32)
+        self.dgc.accumulate_(g, u, r, [(off, n) for _, off, n in segments])
+        buf.copy_(r)
+        r.zero_()
+
+    def _reduce_compressed(self, buf: torch.Tensor, segments, step: int = 0) -> None:
+        compressor, residual = self.compressor, None
+        if self.dgc is not None and segments is not None:
+            compressor = self.dgc.bind(self._bucket_state(self.momenta, segments, buf),
+                                       self._bucket_state(self.residuals, segments, buf),
+                                       step, [(off, n) for _, off, n in segments])
+        elif segments is not None:
+            residual = self._bucket_state(self.residuals, segments, buf)
         # the first compressed bucket checks that every rank uses the same
         # settings; later buckets rely on DDP's identical bucket layout
-        allreduce(buf, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
+        allreduce(buf, compressor, op="avg", algorithm=self.algorithm, group=self._group,
                   meter=self.meter, timeout=self.timeout, residual=residual, out=buf,
                   check=not self._checked)
         self._checked = True
 
-    def _bucket_residual(self, segments, buf: torch.Tensor) -> torch.Tensor:
-        """The bucket's flat float32 residual, laid out like its buffer.
+    def _bucket_state(self, store: dict, segments, buf: torch.Tensor) -> torch.Tensor:
+        """The bucket's flat float32 state from ``store`` (the residuals, or the
+        DGC velocities), laid out like its buffer.
 
-        Each parameter's residual is kept as a view into the flat residual of
-        the bucket that last reduced it. While the bucket layout stays the same
+        Each parameter's state is kept as a view into the flat tensor of the
+        bucket that last reduced it. While the bucket layout stays the same
         (every step after DDP's rebuild) that flat tensor is reused as is;
-        after a change the parameters' residuals are gathered into a new one.
+        after a change the parameters' states are gathered into a new one.
         """
         def view_of(flat, key, off, n):
-            r = self.residuals.get(key)
+            r = store.get(key)
             return r is not None and r._base is flat and r.storage_offset() == off and r.numel() == n
 
-        first = self.residuals.get(segments[0][0]) if segments else None
+        first = store.get(segments[0][0]) if segments else None
         flat = first._base if first is not None else None
         if (flat is not None and flat.numel() == buf.numel() and flat.device == buf.device
                 and all(view_of(flat, *seg) for seg in segments)):
             return flat
         flat = torch.zeros(buf.numel(), dtype=torch.float32, device=buf.device)
         for key, off, n in segments:
-            r = self.residuals.get(key)
+            r = store.get(key)
             if r is not None and r.numel() == n:
                 flat[off:off + n].copy_(r)
-            self.residuals[key] = flat[off:off + n]
+            store[key] = flat[off:off + n]
         return flat
 
     # ---- pickling (like PowerSGDState: without process groups) -------------------
@@ -369,7 +424,8 @@ class GradCompState:
         self.flush()
         state = {name: getattr(self, name) for name in self._PICKLED}
         state["timeline"] = None
-        state["residuals"] = {k: r.detach().cpu().clone() for k, r in self.residuals.items()}
+        for name in ("residuals", "momenta"):
+            state[name] = {k: r.detach().cpu().clone() for k, r in getattr(self, name).items()}
         state["meter"] = self.meter.as_dict() if self.meter is not None else None
         return state
 
@@ -378,6 +434,7 @@ class GradCompState:
         first step to use another) and gradcomp's own group is made at the first
         bucket."""
         meter = state.pop("meter", None)
+        self.momenta, self.dgc = {}, None  # absent from states pickled before DGC
         for name, value in state.items():
             setattr(self, name, value)
         self.process_group = None
@@ -390,7 +447,7 @@ class GradCompState:
                     "group", self.iter, len(self.residuals))
 
     def __repr__(self) -> str:
-        return (f"GradCompState(compressor={self.compressor!r}, algorithm={self.algorithm!r}, "
+        return (f"GradCompState(compressor={self.compressor!r}, dgc={self.dgc!r}, algorithm={self.algorithm!r}, "
                 f"error_feedback={self.error_feedback}, min_compress_numel={self.min_compress_numel}, "
                 f"start_iter={self.start_iter}, iter={self.iter})")
 
@@ -431,7 +488,9 @@ def compressed_allreduce_hook(
     if buf.is_cuda:
         ready = torch.cuda.Event()
         ready.record()
-    fut = state._submit(functools.partial(state._reduce, buf, compress, segments, ready))
+    # the step (for DGC's warm-up) is read here: the thread may run after iter advances
+    fut = state._submit(functools.partial(state._reduce, buf, compress, segments, ready,
+                                          state.iter - state.start_iter))
     if bucket.is_last():
         if state.timeline is not None:
             state.timeline.mark("handoff")

@@ -4,13 +4,15 @@ Only these bytes travel between ranks; a payload decodes from them alone.
 All integers are little-endian. Layout (offsets in bytes)::
 
     0   4  magic            b"GCMP"
-    4   1  version          1
+    4   1  version          1, or 2 for a sparse payload with compact indices
     5   1  codec            1 raw, 2 fp16, 3 bf16, 4 int8, 5 topk, 6 threshold
     6   1  dtype            original dtype: 1 float32, 2 float16, 3 bfloat16, 4 float64
     7   1  ndim             0 .. 8
-    8   1  flags            bit 0: stochastic rounding (int8); bit 1: int64 indices (sparse)
+    8   1  flags            bit 0: stochastic rounding (int8); bit 1: int64 indices (sparse);
+                            bit 2: compact (Elias-Fano) indices (sparse, version 2 only)
     9   3  reserved         zero
-    12  4  param            int8: block size; fp16: power-of-two exponent e (signed int32)
+    12  4  param            int8: block size; fp16: power-of-two exponent e (signed int32);
+                            compact sparse: L, the low-bit width (floor(log2(n / nnz)))
     16  8  numel            n = product of shape
     24  8  nnz              sparse: kept elements; dense: 0
     32  8*ndim shape        int64 each, >= 0
@@ -30,6 +32,15 @@ Sections after the header (``H = 40 + 8 * ndim``):
   values as a nested dense payload of shape ``(nnz,)`` and the same dtype
   (raw unless a values compressor such as int8 was given)
                                                               size H + pad8(nnz * isz) + nested
+  With flag bit 2 (version 2) the indices are Elias-Fano coded instead
+  (:mod:`gradcomp.index_codec`: ceil(nnz L / 8) bytes of low bits, then
+  ceil((nnz + ((n - 1) >> L)) / 8) bytes of unary-coded high-part gaps);
+  an encoder uses it whenever that section, padded to 8, is smaller than the
+  fixed-width one, which depends on n and nnz alone (about 1.5 bytes per index
+  at density 0.1%).                                     size H + pad8(ef) + nested
+
+Version 1 readers cannot read compact indices; every other payload is still
+written as version 1, and this reader decodes both versions.
 
 Decoding validates the header (magic, version, known codes, reserved bytes,
 CRC, shape against numel, numel against ``max_numel``, parameters) and every section against the byte
@@ -52,6 +63,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gradcomp import _validate as v
+from gradcomp import index_codec
 from gradcomp.errors import PayloadError
 
 __all__ = [
@@ -63,12 +75,15 @@ __all__ = [
     "header_nbytes",
     "dense_nbytes",
     "sparse_nbytes",
+    "index_section",
     "build_header",
     "DEFAULT_MAX_NUMEL",
 ]
 
 MAGIC = b"GCMP"
-VERSION = 1
+#: the newest version written (compact sparse indices); version 1 is the rest
+VERSION = 2
+VERSIONS = (1, 2)
 MAX_NDIM = 8
 _FIXED = struct.Struct("<4sBBBBB3sIQQ")  # 32 bytes
 assert _FIXED.size == 32
@@ -80,6 +95,7 @@ DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 
 _DTYPE_OF = {v: k for k, v in DTYPES.items()}
 FLAG_STOCHASTIC = 1
 FLAG_INDEX64 = 2
+FLAG_COMPACT = 4
 _MAX_NUMEL = 1 << 48
 #: default largest number of elements :func:`decode` accepts (2**31, 8 GiB as
 #: float32): a sparse payload of a few bytes may declare any numel, and
@@ -113,12 +129,24 @@ def dense_nbytes(codec: str, shape, dtype: torch.dtype = torch.float32, block_si
     raise ValueError(f"codec must be one of ('raw', 'fp16', 'bf16', 'int8'), got {codec!r}")
 
 
-def sparse_nbytes(shape, nnz: int, values_nbytes: int) -> int:
+def index_section(n: int, nnz: int, compact: bool = True) -> tuple[bool, int]:
+    """``(compact, nbytes)``: how ``nnz`` indices in ``[0, n)`` are written and
+    their section's size in bytes, padding included. ``compact`` (Elias-Fano)
+    is used when asked and smaller than fixed-width int32/int64 indices."""
+    fixed = _pad8(nnz * (4 if n < 2**31 else 8))
+    if compact and nnz:
+        ef = _pad8(index_codec.section_nbytes(n, nnz))
+        if ef < fixed:
+            return True, ef
+    return False, fixed
+
+
+def sparse_nbytes(shape, nnz: int, values_nbytes: int, compact: bool = True) -> int:
     """Exact wire size in bytes of a top-k/threshold payload whose nested values
-    payload has ``values_nbytes`` bytes."""
+    payload has ``values_nbytes`` bytes (``compact``: indices coded compactly
+    where that is smaller, as the sparse compressors do by default)."""
     shape = tuple(shape)
-    isz = 4 if math.prod(shape) < 2**31 else 8
-    return header_nbytes(len(shape)) + _pad8(nnz * isz) + values_nbytes
+    return header_nbytes(len(shape)) + index_section(math.prod(shape), nnz, compact)[1] + values_nbytes
 
 
 def build_header(
@@ -130,13 +158,14 @@ def build_header(
     nnz: int = 0,
     flags: int = 0,
 ) -> bytes:
-    """The header bytes (see the module docstring)."""
+    """The header bytes (see the module docstring); version 2 when ``flags``
+    has :data:`FLAG_COMPACT`, else 1."""
     shape = tuple(int(d) for d in shape)
     if len(shape) > MAX_NDIM:
         raise ValueError(f"tensors of at most {MAX_NDIM} dimensions are supported, got {len(shape)}")
     n = math.prod(shape)
     fixed = _FIXED.pack(
-        MAGIC, VERSION, CODECS[codec], DTYPES[dtype], len(shape), flags, b"\0\0\0",
+        MAGIC, 2 if flags & FLAG_COMPACT else 1, CODECS[codec], DTYPES[dtype], len(shape), flags, b"\0\0\0",
         param & 0xFFFFFFFF, n, nnz,
     )
     body = fixed + struct.pack(f"<{len(shape)}q", *shape)
@@ -230,16 +259,19 @@ def _parse_header(wire: torch.Tensor):
     magic, version, codec, dtype, ndim, flags, reserved, param, n, nnz = _FIXED.unpack_from(head)
     if magic != MAGIC:
         _fail(f"bad magic {magic!r}, expected {MAGIC!r}: not a gradcomp payload")
-    if version != VERSION:
-        _fail(f"unsupported payload version {version}, this gradcomp reads version {VERSION}")
+    if version not in VERSIONS:
+        _fail(f"unsupported payload version {version}, this gradcomp reads versions {VERSIONS}")
     if codec not in _CODEC_NAMES:
         _fail(f"unknown codec id {codec}, expected one of {sorted(_CODEC_NAMES)}")
     if dtype not in _DTYPE_OF:
         _fail(f"unknown dtype id {dtype}, expected one of {sorted(_DTYPE_OF)}")
     if ndim > MAX_NDIM:
         _fail(f"ndim {ndim} exceeds the maximum {MAX_NDIM}")
-    if reserved != b"\0\0\0" or flags & ~(FLAG_STOCHASTIC | FLAG_INDEX64):
+    if reserved != b"\0\0\0" or flags & ~(FLAG_STOCHASTIC | FLAG_INDEX64 | FLAG_COMPACT):
         _fail("reserved header bits are set")
+    if bool(flags & FLAG_COMPACT) != (version == 2):
+        _fail(f"compact-index flag {'set' if flags & FLAG_COMPACT else 'clear'} in a version {version} "
+              "payload (version 2 is exactly the payloads with compact indices)")
     h = header_nbytes(ndim)
     if total < h:
         _fail(f"payload truncated: {total} bytes, header alone needs {h}")
@@ -305,9 +337,10 @@ def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True
         _fail(f"dense codec {codec!r} with nonzero nnz {nnz}")
     if codec != "int8" and flags & FLAG_STOCHASTIC:
         _fail(f"stochastic flag set on codec {codec!r}")
-    if codec not in SPARSE_CODECS and flags & FLAG_INDEX64:
+    if codec not in SPARSE_CODECS and flags & (FLAG_INDEX64 | FLAG_COMPACT):
         _fail(f"index flag set on codec {codec!r}")
-    if codec not in ("int8", "fp16") and param != 0:
+    compact = bool(flags & FLAG_COMPACT)
+    if codec not in ("int8", "fp16") and not compact and param != 0:
         _fail(f"codec {codec!r} with nonzero parameter {param}")
 
     def expect(size: int):
@@ -357,20 +390,30 @@ def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True
         big = bool(flags & FLAG_INDEX64)
         if big != (n >= 2**31):
             _fail("index width flag does not match numel")
-        isz = 8 if big else 4
-        off = h + _pad8(nnz * isz)
+        if compact:
+            if nnz == 0 or not index_section(n, nnz)[0]:
+                _fail(f"compact indices for nnz {nnz} of numel {n}, where they are not smaller")
+            if param != index_codec.low_bits(n, nnz):
+                _fail(f"compact-index low-bit width {param}, expected {index_codec.low_bits(n, nnz)}")
+            used = index_codec.section_nbytes(n, nnz)
+        else:
+            used = nnz * (8 if big else 4)
+        off = h + _pad8(used)
         if total < off + 40:
             _fail(f"{codec} payload truncated: {total} bytes, indices end at {off}")
-        if bool(wire[h + nnz * isz : off].any()):
+        if bool(wire[h + used : off].any()):
             _fail("nonzero padding after the indices")
         p.nnz = nnz
-        p.indices = _view(wire, h, nnz, torch.int64 if big else torch.int32)
-        if nnz:
-            first, last = int(p.indices[0]), int(p.indices[-1])
-            if first < 0 or last >= n:
-                _fail(f"sparse index out of range [0, {n})")
-            if nnz > 1 and not bool((p.indices[1:] > p.indices[:-1]).all()):
-                _fail("sparse indices are not strictly ascending")
+        if compact:
+            p.indices = index_codec.decode(wire[h : h + used], n, nnz, torch.int64 if big else torch.int32)
+        else:
+            p.indices = _view(wire, h, nnz, torch.int64 if big else torch.int32)
+            if nnz:
+                first, last = int(p.indices[0]), int(p.indices[-1])
+                if first < 0 or last >= n:
+                    _fail(f"sparse index out of range [0, {n})")
+                if nnz > 1 and not bool((p.indices[1:] > p.indices[:-1]).all()):
+                    _fail("sparse indices are not strictly ascending")
         try:
             p.values = decode(wire[off:], _nested=True, max_numel=max_numel)
         except PayloadError as e:

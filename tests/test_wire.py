@@ -37,12 +37,17 @@ def test_dense_size_formulas(dtype):
 
 def test_sparse_size_formula():
     x = torch.randn(10, 100)
-    p = gc.TopK(ratio=0.013).compress(x)  # k = 13
-    assert p.nnz == 13
+    p = gc.TopK(ratio=0.013, compact_indices=False).compress(x)  # k = 13, int32 indices
+    assert p.nnz == 13 and p.wire[4] == 1  # version 1
     pad8 = (13 * 4 + 7) // 8 * 8
     assert p.nbytes == H(2) + pad8 + (H(1) + 13 * 4)
+    # compact: L = floor(log2(1000 / 13)) = 6; 13 * 6 = 78 low bits -> 10 bytes,
+    # 13 + (999 >> 6) = 28 high bits -> 4 bytes; 14 padded to 16 (int32: 56)
+    p = gc.TopK(ratio=0.013).compress(x)
+    assert p.wire[4] == 2 and p.nbytes == H(2) + 16 + (H(1) + 13 * 4)
     p = gc.TopK(k=13, values=gc.Int8Quantizer(block_size=32)).compress(x)
-    assert p.nbytes == H(2) + pad8 + (H(1) + 13 + 4)
+    assert p.nbytes == H(2) + 16 + (H(1) + 13 + 4)
+    assert p.nbytes == gc.TopK(k=13, values=gc.Int8Quantizer(block_size=32)).wire_nbytes((10, 100))
     p = gc.Threshold(100.0).compress(x)  # nothing kept: still a valid payload
     assert p.nnz == 0 and p.nbytes == H(2) + H(1)
     assert torch.equal(gc.Threshold(100.0).decompress(p.wire), torch.zeros(10, 100))
@@ -59,8 +64,11 @@ def _samples():
         gc.BF16().compress(x16),
         gc.Int8Quantizer(block_size=32).compress(x),
         gc.Int8Quantizer(block_size=64, rounding="stochastic").compress(x16),
-        gc.TopK(ratio=0.05).compress(x),
+        gc.TopK(ratio=0.05).compress(x),  # compact indices (version 2)
         gc.TopK(ratio=0.05, values=gc.Int8Quantizer(block_size=32)).compress(x),
+        gc.TopK(ratio=0.05, compact_indices=False).compress(x),  # int32 indices (version 1)
+        gc.TopK(k=40).compress(torch.randn(5000)),  # L = 6, fields crossing bytes
+        gc.TopK(k=1).compress(torch.randn(300)),  # one index
         gc.Threshold(1.0, values=gc.FP16()).compress(x),
         gc.Int8Quantizer().compress(torch.randn(())),
     ]
@@ -74,7 +82,7 @@ def _decompressor(p):
     return compressor_for_codec(p.codec)
 
 
-@pytest.mark.parametrize("i", range(10))
+@pytest.mark.parametrize("i", range(13))
 def test_decode_round_trip(i):
     p = _samples()[i]
     q = gc.decode(p.wire.clone())
@@ -105,7 +113,7 @@ def test_fuzz_random_truncated_mutated():
         n = rng.randrange(0, 300)
         b = bytes(rng.randrange(256) for _ in range(n))
         if rng.random() < 0.5:
-            b = W.MAGIC + bytes([1]) + b
+            b = W.MAGIC + bytes([rng.choice(W.VERSIONS)]) + b
         outcomes[_check_only_payload_errors(torch.frombuffer(bytearray(b), dtype=torch.uint8) if b else torch.empty(0, dtype=torch.uint8))] += 1
     for p in samples:
         raw = p.wire.numpy().tobytes()
@@ -184,7 +192,7 @@ def test_specific_corruptions_are_named():
     with pytest.raises(TypeError):
         gc.decode(torch.zeros(50, dtype=torch.float32))
     # sparse index out of range / not ascending, with a valid header
-    s = gc.TopK(k=3).compress(torch.tensor([5.0, 0, 0, 4, 0, 3]))
+    s = gc.TopK(k=3, compact_indices=False).compress(torch.tensor([5.0, 0, 0, 4, 0, 3]))
     raw = bytearray(s.wire.numpy().tobytes())
     struct.pack_into("<i", raw, H(1), 7)
     with pytest.raises(gc.PayloadError, match="range|ascending"):

@@ -218,6 +218,15 @@ static inline int ctz32(uint32_t m) {
     return __builtin_ctz(m);
 #endif
 }
+static inline int ctz64(uint64_t m) {
+#ifdef _MSC_VER
+    unsigned long i;
+    _BitScanForward64(&i, m);
+    return int(i);
+#else
+    return __builtin_ctzll(m);
+#endif
+}
 
 // ---------------------------------------------------------------------------
 // counter-based randomness (reference.py: mix32 = lowbias32, C. Wellons)

@@ -57,4 +57,37 @@ Selection approx_topk(DType dt, const void* x, size_t n, size_t k, size_t sample
 void scatter_add(float* acc, size_t n, const void* indices, bool idx64, size_t m, DType vdt,
                  const void* values);
 
+// Elias-Fano indices (gradcomp/index_codec.py): k ascending indices, L low
+// bits each. ef_encode writes the low fields into lo (ceil(k L / 8) bytes) and
+// ORs the high bits into hi (hi_nbytes bytes, zeroed by the caller); it
+// returns false, at the first offending index, for indices that are negative,
+// not strictly ascending or too large for hi. ef_decode writes k
+// indices and returns EF_OK, or the first problem found: more or fewer set
+// high bits than k, an index >= n, or indices not strictly ascending.
+enum { EF_OK = 0, EF_COUNT = 1, EF_RANGE = 2, EF_ORDER = 3 };
+bool ef_encode(const void* idx, bool idx64, size_t k, int L, uint8_t* lo, uint8_t* hi, size_t hi_nbytes);
+int ef_decode(const uint8_t* lo, size_t lo_nbytes, const uint8_t* hi, size_t hi_nbytes, uint64_t n, size_t k,
+              int L, void* out, bool out64);
+
+// Deep Gradient Compression's momentum correction (Lin et al. 2018), one pass:
+// u <- u * momentum + g * scale (each product rounded to float32, then the
+// sum; g * 1 is exact), v <- v + u.
+void dgc_accumulate(const float* g, float* u, float* v, size_t n, float momentum, float scale);
+
+// The same on elements [lo, hi), one thread.
+template <bool Scaled>
+inline void dgc_range(const float* __restrict g, float* __restrict u, float* __restrict v, size_t lo, size_t hi,
+                      float momentum, float scale) {
+    for (size_t i = lo; i < hi; ++i) {
+        const float ui = u[i] * momentum + (Scaled ? g[i] * scale : g[i]);
+        u[i] = ui;
+        v[i] = v[i] + ui;
+    }
+}
+void dgc_accumulate_range(const float* g, float* u, float* v, size_t lo, size_t hi, float momentum, float scale);
+
+// dgc_accumulate followed by topk(F32, v, n, k), fused: the top-k's
+// compaction pass runs inside the accumulation pass. Same results bit for bit.
+Selection dgc_topk(const float* g, float* u, float* v, size_t n, float momentum, float scale, size_t k);
+
 }  // namespace gradcomp

@@ -198,6 +198,72 @@ void py_scatter_add(const py::array& acc, const py::array& indices, const py::ar
     scatter_add(ap, n, ip, isz == 8, m, vdt, vp);
 }
 
+void py_ef_encode(const py::array& indices, int L, const py::array& lo, const py::array& hi) {
+    const size_t isz = size_t(indices.itemsize());
+    if (isz != 4 && isz != 8)
+        throw std::invalid_argument("indices must be int32 or int64, got " + describe(indices));
+    if (L < 0 || L > 62) throw std::invalid_argument("L must be in [0, 62], got " + std::to_string(L));
+    const void* ip = data_of(indices, "indices", "i", isz, false);
+    const size_t k = size_t(indices.size());
+    auto* lp = static_cast<uint8_t*>(data_of(lo, "lo", "u", 1, true));
+    auto* hp = static_cast<uint8_t*>(data_of(hi, "hi", "u", 1, true));
+    check_len("lo", size_t(lo.size()), (k * size_t(L) + 7) / 8);
+    bool ok;
+    {
+        py::gil_scoped_release nogil;
+        ok = ef_encode(ip, isz == 8, k, L, lp, hp, size_t(hi.size()));
+    }
+    if (!ok) throw std::invalid_argument("indices must be ascending and non-negative, with high bits that fit in hi");
+}
+
+int py_ef_decode(const py::array& lo, const py::array& hi, uint64_t n, int L, const py::array& out) {
+    if (L < 0 || L > 62) throw std::invalid_argument("L must be in [0, 62], got " + std::to_string(L));
+    const size_t osz = size_t(out.itemsize());
+    if (osz != 4 && osz != 8) throw std::invalid_argument("out must be int32 or int64, got " + describe(out));
+    auto* op = data_of(out, "out", "i", osz, true);
+    const size_t k = size_t(out.size());
+    const auto* lp = static_cast<const uint8_t*>(data_of(lo, "lo", "u", 1, false));
+    const auto* hp = static_cast<const uint8_t*>(data_of(hi, "hi", "u", 1, false));
+    check_len("lo", size_t(lo.size()), (k * size_t(L) + 7) / 8);
+    py::gil_scoped_release nogil;
+    return ef_decode(lp, size_t(lo.size()), hp, size_t(hi.size()), n, k, L, op, osz == 8);
+}
+
+// g (read), u and v (written): float32 arrays of one length
+struct DgcArrays {
+    const float* g;
+    float* u;
+    float* v;
+    size_t n;
+};
+
+DgcArrays dgc_arrays(const py::array& g, const py::array& u, const py::array& v) {
+    DgcArrays a{static_cast<const float*>(data_of(g, "g", "f", 4, false)),
+                static_cast<float*>(data_of(u, "u", "f", 4, true)),
+                static_cast<float*>(data_of(v, "v", "f", 4, true)), size_t(g.size())};
+    check_len("u", size_t(u.size()), a.n);
+    check_len("v", size_t(v.size()), a.n);
+    return a;
+}
+
+void py_dgc_accumulate(const py::array& g, const py::array& u, const py::array& v, float momentum, float scale) {
+    const DgcArrays a = dgc_arrays(g, u, v);
+    py::gil_scoped_release nogil;
+    dgc_accumulate(a.g, a.u, a.v, a.n, momentum, scale);
+}
+
+py::tuple py_dgc_topk(const py::array& g, const py::array& u, const py::array& v, float momentum, float scale,
+                      py::ssize_t k) {
+    const DgcArrays a = dgc_arrays(g, u, v);
+    if (k < 0) throw std::invalid_argument("k must be >= 0, got " + std::to_string(k));
+    Selection s;
+    {
+        py::gil_scoped_release nogil;
+        s = dgc_topk(a.g, a.u, a.v, a.n, momentum, scale, size_t(k));
+    }
+    return to_python(std::move(s), a.n, DType::F32);
+}
+
 void py_set_num_threads(int n) {
     if (n < 0) throw std::invalid_argument("num_threads must be >= 0 (0 = OpenMP default), got " + std::to_string(n));
     g_num_threads.store(n, std::memory_order_relaxed);
@@ -274,6 +340,14 @@ PYBIND11_MODULE(_C, m) {
     m.def("scatter_add", &py_scatter_add, py::arg("acc"), py::arg("indices"), py::arg("values"),
           py::arg("values_dtype"),
           "acc[indices[j]] += values[j] in order; ValueError if an index is outside [0, acc.size).");
+    m.def("ef_encode", &py_ef_encode, py::arg("indices"), py::arg("L"), py::arg("lo"), py::arg("hi"),
+          "Elias-Fano code ascending indices: low bits into lo, high bits OR-ed into zeroed hi.");
+    m.def("ef_decode", &py_ef_decode, py::arg("lo"), py::arg("hi"), py::arg("n"), py::arg("L"), py::arg("out"),
+          "Decode Elias-Fano indices into out; returns 0, or 1 (bit count), 2 (range), 3 (order).");
+    m.def("dgc_accumulate", &py_dgc_accumulate, py::arg("g"), py::arg("u"), py::arg("v"), py::arg("momentum"),
+          py::arg("scale"), "u = u * momentum + g * scale; v += u (float32, in place).");
+    m.def("dgc_topk", &py_dgc_topk, py::arg("g"), py::arg("u"), py::arg("v"), py::arg("momentum"),
+          py::arg("scale"), py::arg("k"), "dgc_accumulate, then the exact top-k of v, in one fused pass.");
     m.def("set_num_threads", &py_set_num_threads, py::arg("n"),
           "Threads for every kernel of this module (0 = omp_get_max_threads(), the OpenMP default).");
     m.def("get_num_threads", &max_threads, "Threads the kernels of this module use now.");

@@ -191,10 +191,11 @@ void write_ge(const typename E::Key* x, size_t n, int nchunks, typename E::Key t
 // All elements with key >= t, ascending, in one pass over x: each chunk
 // appends to its own growing buffer (first sized for `expect` elements in
 // all, when the caller has an estimate), then the buffers are concatenated at
-// the prefix sums of their sizes.
-template <class E, class I>
-Candidates<I, typename E::Key> collect_ge(const typename E::Key* x, size_t n, typename E::Key t,
-                                          size_t expect = 0) {
+// the prefix sums of their sizes. `scan(lo, hi, lim, f)` walks a chunk as
+// scan_pass does (x must hold the chunk's final values before f reads them).
+template <class E, class I, class Scan>
+Candidates<I, typename E::Key> collect_ge_scan(const typename E::Key* x, size_t n, typename E::Key t,
+                                               size_t expect, Scan&& scan) {
     using K = typename E::Key;
     const K lim = ge_limit<E>(t);
     const int nchunks = select_chunks(n);
@@ -206,7 +207,7 @@ Candidates<I, typename E::Key> collect_ge(const typename E::Key* x, size_t n, ty
         Candidates<I, K>& part = parts[size_t(c)];
         const size_t guess = size_t(double(expect) * double(hi - lo) / double(n)) + 4096;
         bool ok = part.reserve(std::min(hi - lo, guess));
-        scan_pass<E>(x, lo, hi, lim, [&](size_t i, uint32_t m) {
+        scan(lo, hi, lim, [&](size_t i, uint32_t m) {
             if (!m || !ok) return;
             const size_t need = part.count + size_t(popcount32(m));
             if (need > part.capacity) ok = part.reserve(std::min(hi - lo, std::max(need, 2 * part.capacity)));
@@ -237,6 +238,15 @@ Candidates<I, typename E::Key> collect_ge(const typename E::Key* x, size_t n, ty
         std::memcpy(out.values() + offs[size_t(c)], part.values(), part.count * sizeof(K));
     }
     return out;
+}
+
+template <class E, class I>
+Candidates<I, typename E::Key> collect_ge(const typename E::Key* x, size_t n, typename E::Key t,
+                                          size_t expect = 0) {
+    using K = typename E::Key;
+    return collect_ge_scan<E, I>(x, n, t, expect, [x](size_t lo, size_t hi, K lim, auto&& f) {
+        scan_pass<E>(x, lo, hi, lim, f);
+    });
 }
 
 // The k largest keys of the candidates (0 < k <= count), ties to the lower
@@ -334,6 +344,17 @@ Selection all_elements(const typename E::Key* x, size_t n) {
     return out.release();
 }
 
+// The bound above from the sampled keys (destroys their order).
+template <class E>
+typename E::Key lower_bound_of_sample(std::vector<typename E::Key>& keys, size_t n, size_t k) {
+    using K = typename E::Key;
+    const size_t sample = keys.size();
+    const double expect = double(sample) * double(k) / double(n);
+    const size_t r = std::min(sample, size_t(std::ceil(expect + 4.0 * std::sqrt(expect) + 8.0)));
+    std::nth_element(keys.begin(), keys.begin() + std::ptrdiff_t(r - 1), keys.end(), std::greater<K>());
+    return keys[r - 1];
+}
+
 // Lower bound of the k-th largest key from a strided sample of `sample`
 // elements: the r-th largest sampled key, r = expected count k * sample / n
 // plus four standard deviations (binomial) plus 8.
@@ -343,10 +364,7 @@ typename E::Key sampled_lower_bound(const typename E::Key* x, size_t n, size_t k
     const size_t stride = n / sample;
     std::vector<K> keys(sample);
     for (size_t j = 0; j < sample; ++j) keys[j] = sel_key<E>(x[j * stride]);
-    const double expect = double(sample) * double(k) / double(n);
-    const size_t r = std::min(sample, size_t(std::ceil(expect + 4.0 * std::sqrt(expect) + 8.0)));
-    std::nth_element(keys.begin(), keys.begin() + std::ptrdiff_t(r - 1), keys.end(), std::greater<K>());
-    return keys[r - 1];
+    return lower_bound_of_sample<E>(keys, n, k);
 }
 
 // Expected number of elements >= the bound above: k scaled by the margin.
@@ -404,6 +422,41 @@ Selection topk_impl(const typename E::Key* x, size_t n, size_t k) {
                                              sampled_count_estimate(n, k, sample));
     if (cand.count >= k) return finish_select<E, I>(cand, k);
     return topk_by_histogram<E, I>(x, n, k);  // the bound missed: exact histogram path
+}
+
+// Deep Gradient Compression's accumulation fused with the top-k of its
+// result: u = u * m + g * scale, v = v + u (dgc_accumulate's arithmetic),
+// then exactly topk_impl(v): the sample is drawn from the new values of v at
+// the same positions, and the compaction pass runs inside the accumulation
+// pass, 32 elements at a time, on the values just written.
+template <class I>
+Selection dgc_topk_impl(const float* g, float* u, float* v, size_t n, float m, float scale, size_t k) {
+    using K = F32::Key;
+    auto* vk = reinterpret_cast<const K*>(v);
+    if (k == 0 || k >= n || n < 8192) {
+        dgc_accumulate(g, u, v, n, m, scale);
+        return topk_impl<F32, I>(vk, n, k);
+    }
+    const size_t sample = std::min<size_t>(size_t(1) << 16, n / 4), stride = n / sample;
+    std::vector<K> keys(sample);
+    for (size_t j = 0; j < sample; ++j) {
+        const size_t i = j * stride;
+        const float ui = u[i] * m + (scale == 1.0f ? g[i] : g[i] * scale);
+        keys[j] = sel_key<F32>(f32_bits(v[i] + ui));
+    }
+    const K bound = lower_bound_of_sample<F32>(keys, n, k);
+    Candidates<I, K> cand = collect_ge_scan<F32, I>(
+        vk, n, bound, sampled_count_estimate(n, k, sample), [&](size_t lo, size_t hi, K lim, auto&& f) {
+            // blocks of 1024 elements: accumulated (vectorised), then scanned while in L1
+            constexpr size_t B = 1024;
+            for (size_t b = lo; b < hi; b += B) {
+                const size_t e = std::min(hi, b + B);
+                dgc_accumulate_range(g, u, v, b, e, m, scale);
+                scan_pass<F32>(vk, b, e, lim, f);
+            }
+        });
+    if (cand.count >= k) return finish_select<F32, I>(cand, k);
+    return topk_by_histogram<F32, I>(vk, n, k);  // the bound missed: exact histogram path over v
 }
 
 template <class E>
@@ -494,6 +547,12 @@ struct ApproxOp {
 
 Selection topk(DType dt, const void* x, size_t n, size_t k) {
     return dispatch<TopkOp>(dt, x, n, std::min(k, n));
+}
+
+Selection dgc_topk(const float* g, float* u, float* v, size_t n, float momentum, float scale, size_t k) {
+    k = std::min(k, n);
+    if (n >= (size_t(1) << 31)) return dgc_topk_impl<int64_t>(g, u, v, n, momentum, scale, k);
+    return dgc_topk_impl<int32_t>(g, u, v, n, momentum, scale, k);
 }
 
 Selection threshold(DType dt, const void* x, size_t n, double tau) {

@@ -25,6 +25,16 @@ load change on the machine hits every candidate alike):
 * ``bitsandbytes``: ``quantize_blockwise`` / ``dequantize_blockwise`` (its
   8-bit dynamic blockwise code, same block size) when bitsandbytes imports.
 
+Besides the registry's ops, ``dgc`` times one Deep Gradient Compression step
+per backend (:class:`gradcomp.DGC`'s kernel work on float32: the
+momentum-correction pass ``u = m u + g; v += u`` with the exact top-k of ``v``,
+fused by the native backend (``kernels.dgc_topk_``), and the masking of the
+sent coordinates in ``u`` and ``v``) against two
+baselines on the automatically chosen backend: ``topk`` (the plain top-k
+kernel on the gradient) and ``topk+ef`` (the best plain error-feedback top-k
+a user would write: ``r += g``, top-k of ``r``, ``r[sent] = 0``); ``/topk`` and
+``/topk+ef`` are its time over theirs.
+
 Outputs are preallocated where the op accepts them (``out_q``/``out_scales``,
 ``out``) for backends and reference alike. Reported per row: median, p10 and
 p90 seconds over the rounds, effective bandwidth (bytes read + written by the
@@ -62,7 +72,9 @@ from gradcomp.kernels.registry import OPS
 
 __all__ = ["main", "build_parser", "parse_size", "TARGETS"]
 
-SPARSE_OPS = ("topk", "approx_topk", "threshold", "scatter_add_")
+#: ops of this benchmark: the registry's and ``dgc`` (a DGC step, see above)
+BENCH_OPS = (*OPS, "dgc")
+SPARSE_OPS = ("topk", "approx_topk", "threshold", "scatter_add_", "dgc")
 TOPK_OPS = ("topk", "approx_topk")
 DEFAULT_COMPILE_OPS = ("quantize_int8", "dequantize_int8")
 DTYPES = {
@@ -93,6 +105,8 @@ TARGETS = (
     ("approx_topk", 0.001, "speedup_vs_torch_topk", ">=", 20.0),
     ("threshold", 0.01, "vs_copy_bw", ">=", 0.40),
     ("threshold", 0.001, "vs_copy_bw", ">=", 0.40),
+    ("dgc", 0.001, "time_vs_topk", "<=", 1.5),
+    ("dgc", 0.01, "time_vs_topk", "<=", 1.5),
 )
 
 
@@ -140,7 +154,7 @@ def build_parser(prog: str = "gradcomp bench kernels") -> argparse.ArgumentParse
                         "(default: 2**16,2**20,2**24; with --quick: 2**16,2**20)")
     p.add_argument("--dtypes", type=_list, default="float32",
                    help=f"comma-separated input dtypes from {', '.join(DTYPES)} (default: float32)")
-    p.add_argument("--ops", type=_list, default=",".join(OPS),
+    p.add_argument("--ops", type=_list, default=",".join(BENCH_OPS),
                    help="comma-separated ops (default: all)")
     p.add_argument("--threads", type=_list, default="1,all",
                    help="comma-separated thread settings, a number or 'all' (default: 1,all)")
@@ -221,6 +235,10 @@ def _inputs(case: Case, block: int, seed: int) -> dict:
     if case.op == "threshold":
         a = x.abs().to(torch.float64 if dtype == torch.float64 else torch.float32)
         d["tau"] = float(torch.topk(a, case.k).values[-1])
+    if case.op == "dgc":
+        d["u"] = torch.zeros(n, dtype=torch.float32, device=dev)
+        d["v"] = torch.zeros(n, dtype=torch.float32, device=dev)
+        d["r"] = torch.zeros(n, dtype=torch.float32, device=dev)
     if case.op == "scatter_add_":
         idx = torch.randperm(n, generator=g)[: case.k].sort().values.to(torch.int32)
         d["idx"] = idx.to(dev)
@@ -247,6 +265,8 @@ def _op_call(case: Case, fn_for: Callable[[str], Callable], d: dict, block: int,
         return lambda: f(d["x"], d["tau"])
     if op == "scatter_add_":
         return lambda: f(d["acc"], d["idx"], d["vals"])
+    if op == "dgc":
+        return lambda: f(d["x"], d["u"], d["v"], k)
     raise ValueError(f"unknown op {op!r}")
 
 
@@ -263,6 +283,9 @@ def _op_bytes(case: Case, block: int, result) -> int:
         return n + 4 * nb + 8 * n
     if op == "quantize_int8_ef":
         return n * isz + 8 * n + n + 4 * nb
+    if op == "dgc":  # g, u, v read; u, v written; v read by the selection
+        idx, val = result
+        return 24 * n + idx.numel() * (idx.element_size() + val.element_size())
     if op in ("topk", "approx_topk", "threshold"):
         idx, val = result
         return n * isz + idx.numel() * (idx.element_size() + val.element_size())
@@ -293,6 +316,19 @@ def _baselines(case: Case, d: dict, block: int, rounding: str, compiled: dict, n
             out["torch.topk"] = Timed(lambda: torch.topk(x.abs(), k), "baseline")
         except RuntimeError as e:  # e.g. a dtype topk does not support here
             notes.append(f"torch.topk skipped for {case.dtype}: {e}")
+    if case.op == "dgc":
+        from gradcomp import kernels as K
+
+        x, r, k = d["x"], d["r"], case.k
+        out["topk"] = Timed(lambda: K.topk(x, k), "baseline")
+
+        def topk_ef():
+            r.add_(x)
+            idx, vals = K.topk(r, k)
+            r.index_fill_(0, idx.long(), 0.0)
+            return idx, vals
+
+        out["topk+ef"] = Timed(topk_ef, "baseline")
     if case.op in ("quantize_int8", "dequantize_int8") and dtype != torch.float64:
         bnb = _bitsandbytes()
         if bnb is not None:
@@ -394,7 +430,7 @@ def _backends_for(op: str, device: str) -> list[str]:
         if reason is not None:
             continue
         try:
-            registry.resolve(op, device, name)
+            registry.resolve("topk" if op == "dgc" else op, device, name)  # dgc: its selection's backend
         except BackendUnavailable:
             continue
         names.append(name)
@@ -446,8 +482,8 @@ def run(args) -> dict:
         if dt not in DTYPES:
             raise SystemExit(f"--dtypes: unknown dtype {dt!r} (choose from {', '.join(DTYPES)})")
     for op in args.ops:
-        if op not in OPS:
-            raise SystemExit(f"--ops: unknown op {op!r} (choose from {', '.join(OPS)})")
+        if op not in BENCH_OPS:
+            raise SystemExit(f"--ops: unknown op {op!r} (choose from {', '.join(BENCH_OPS)})")
     compile_ops = [] if args.no_compile else (
         list(OPS) if args.compile_ops == ["all"] else [o for o in args.compile_ops if o != "none"])
     devices = args.devices or (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
@@ -471,8 +507,8 @@ def run(args) -> dict:
                 for op in args.ops:
                     op_backends = _backends_for(op, device)
                     for dtype in args.dtypes:
-                        if op == "dequantize_int8_add_" and dtype != "float32":
-                            continue  # acc is float32 whatever the dtype
+                        if op in ("dequantize_int8_add_", "dgc") and dtype != "float32":
+                            continue  # acc / the DGC state are float32 whatever the dtype
                         for n in sizes:
                             dens = args.densities if op in SPARSE_OPS else [None]
                             for density in dens:
@@ -534,8 +570,19 @@ def _run_case(case: Case, backends: list[str], compiled: dict, args, repeat: int
     return rows
 
 
+def _dgc_step(K, backend: str, g, u, v, k: int):
+    """The kernel work of one DGC step (:meth:`gradcomp.DGC.step_` without the payload)."""
+    idx, vals = K.dgc_topk_(g, u, v, 0.9, 1.0, k, backend=backend)
+    sent = idx.long()
+    v.index_fill_(0, sent, 0.0)
+    u.index_fill_(0, sent, 0.0)
+    return idx, vals
+
+
 def _public(K, op: str, backend: str, *a):
     """Call op through the public wrapper with the reference's positional arguments."""
+    if op == "dgc":
+        return _dgc_step(K, backend, *a)
     if op == "quantize_int8":
         x, bs, rnd, seed, ctr, q, s = a
         return K.quantize_int8(x, bs, rnd, seed, ctr, out_q=q, out_scales=s, backend=backend)
@@ -567,6 +614,9 @@ def _ratios(rows: list[dict]) -> None:
                                  ("bitsandbytes", "speedup_vs_bitsandbytes")):
                 if base in by_name and base != r["name"] and t > 0:
                     r[metric] = by_name[base]["median_s"] / t
+            for base, metric in (("topk", "time_vs_topk"), ("topk+ef", "time_vs_topk_ef")):
+                if r["op"] == "dgc" and base in by_name and by_name[base]["median_s"] > 0:
+                    r[metric] = t / by_name[base]["median_s"]
             if r["op"] == "quantize_int8_ef":
                 qkey = key[:2] + ("quantize_int8",) + key[3:]
                 plain = cases.get(qkey, {}).get(r["name"])
@@ -658,7 +708,7 @@ def _size(n: int) -> str:
 
 
 COLUMNS = ("dev", "thr", "op", "dtype", "n", "dens", "name", "median ms", "p10", "p90", "GB/s",
-           "%copy", "x ref", "x compiled", "x topk", "x bnb", "ef/q")
+           "%copy", "x ref", "x compiled", "x topk", "x bnb", "ef/q", "/topk", "/topk+ef")
 
 
 def _table_rows(rows: list[dict]) -> list[list[str]]:
@@ -673,6 +723,7 @@ def _table_rows(rows: list[dict]) -> list[list[str]]:
             _fmt(r.get("speedup_vs_reference"), ".1f"), _fmt(r.get("speedup_vs_compiled"), ".1f"),
             _fmt(r.get("speedup_vs_torch_topk"), ".1f"), _fmt(r.get("speedup_vs_bitsandbytes"), ".1f"),
             _fmt(r.get("time_vs_quantize"), ".2f"),
+            _fmt(r.get("time_vs_topk"), ".2f"), _fmt(r.get("time_vs_topk_ef"), ".2f"),
         ])
     return out
 
@@ -711,7 +762,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     """Reject settings that cannot run (``p.error``: exit status 2, no traceback)."""
     from gradcomp import _validate as v
 
-    for name, vals, allowed in (("--dtypes", args.dtypes, DTYPES), ("--ops", args.ops, OPS),
+    for name, vals, allowed in (("--dtypes", args.dtypes, DTYPES), ("--ops", args.ops, BENCH_OPS),
                                 ("--compile-ops", args.compile_ops, (*OPS, "all", "none")),
                                 ("--devices", args.devices or [], ("cpu", "cuda"))):
         bad = [x for x in vals if x not in allowed]

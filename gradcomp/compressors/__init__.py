@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from gradcomp.compressors.base import Compressor
 from gradcomp.compressors.dense import BF16, FP16, NoCompression
+from gradcomp.compressors.dgc import DGC, check_optimizer
 from gradcomp.compressors.error_feedback import ErrorFeedback
 from gradcomp.compressors.int8 import Int8Quantizer
 from gradcomp.compressors.sparse import Threshold, TopK
@@ -17,6 +18,8 @@ __all__ = [
     "TopK",
     "Threshold",
     "ErrorFeedback",
+    "DGC",
+    "check_optimizer",
     "compressor_for_codec",
 ]
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from gradcomp import _validate as v
-from gradcomp import kernels
+from gradcomp import index_codec, kernels
 from gradcomp import wire as W
 from gradcomp.compressors.base import Compressor, _check_acc
 from gradcomp.compressors.dense import NoCompression
@@ -27,7 +27,7 @@ class _Sparse(Compressor):
 
     sparse = True
 
-    def __init__(self, values: Compressor | None, backend: str | None):
+    def __init__(self, values: Compressor | None, backend: str | None, compact_indices: bool = True):
         if values is not None:
             if not isinstance(values, Compressor):
                 raise TypeError(f"values must be a gradcomp compressor or None, got {type(values).__name__}")
@@ -35,6 +35,7 @@ class _Sparse(Compressor):
                 raise ValueError(f"values must be a dense compressor (e.g. Int8Quantizer()), got {values!r}")
         self.values = values
         self.backend = v.backend(backend)
+        self.compact_indices = v.flag("compact_indices", compact_indices)
         self._raw = NoCompression()
 
     @abc.abstractmethod
@@ -43,26 +44,32 @@ class _Sparse(Compressor):
 
     def _encode(self, x, dtype, shape, out=None):  # out: never given (no fixed wire size)
         idx, vals = self._select(x)
+        return self._pack(x.numel(), idx, vals, dtype, shape)
+
+    def _pack(self, n: int, idx: torch.Tensor, vals: torch.Tensor, dtype, shape) -> W.Payload:
+        """The payload of a selection: ascending ``idx`` of ``n`` elements and the values there."""
         nnz = idx.numel()
-        n = x.numel()
+        device = vals.device
         inner = self.values if self.values is not None else self._raw
         vp = inner._encode(vals, dtype, (nnz,))
-        flags = W.FLAG_INDEX64 if n >= 2**31 else 0
-        idx = idx.to(torch.int64 if flags else torch.int32)
+        compact, section = W.index_section(n, nnz, self.compact_indices)
+        flags = (W.FLAG_INDEX64 if n >= 2**31 else 0) | (W.FLAG_COMPACT if compact else 0)
+        idx = idx.to(torch.int64 if n >= 2**31 else torch.int32)
         if nnz == 0:  # an empty selection may have stride 0, which cannot be viewed as bytes
             idx = idx.new_empty(0)
-        h = W.build_header(self.codec, dtype, shape, nnz=nnz, flags=flags)
-        ib = nnz * idx.element_size()
-        pad = (-ib) % 8
-        parts = [W.header_tensor(h, x.device), idx.view(torch.uint8)]
-        if pad:
-            parts.append(torch.zeros(pad, dtype=torch.uint8, device=x.device))
+        param = index_codec.low_bits(n, nnz) if compact else 0
+        h = W.build_header(self.codec, dtype, shape, nnz=nnz, flags=flags, param=param)
+        ib = index_codec.encode(idx, n) if compact else idx.view(torch.uint8)
+        parts = [W.header_tensor(h, device), ib]
+        if section > ib.numel():
+            parts.append(torch.zeros(section - ib.numel(), dtype=torch.uint8, device=device))
         parts.append(vp.wire)
         w = torch.cat(parts)
-        off = len(h) + ib + pad
+        off = len(h) + section
         vp.wire = w[off:]
+        indices = idx if compact else w[len(h): len(h) + ib.numel()].view(idx.dtype)
         return W.Payload(wire=w, codec=self.codec, dtype=dtype, shape=torch.Size(shape), nnz=nnz,
-                         indices=w[len(h): len(h) + ib].view(idx.dtype), values=vp)
+                         indices=indices, values=vp)
 
     def _values_f32(self, p):
         vp = p.values
@@ -108,9 +115,13 @@ class TopK(_Sparse):
     index first); ``exact=False`` the sampled threshold of Deep Gradient
     Compression (Lin et al. 2018), which keeps between 0.9 k and 1.1 k elements.
 
-    Wire: header, ascending indices (int32 when n < 2**31, else int64), padded
-    to 8 bytes, then the values as a nested payload (raw, or ``values``-compressed).
-    Size ``header + pad8(4 k) + values_payload`` bytes.
+    Wire: header, ascending indices padded to 8 bytes, then the values as a
+    nested payload (raw, or ``values``-compressed). The indices are Elias-Fano
+    coded (:mod:`gradcomp.index_codec`, wire version 2) where that is smaller
+    than int32 (int64 when n >= 2**31), which depends on n and k alone: about
+    1.5 bytes per index at density 0.1%, 1.1 at 1%. Size
+    ``header + index section + values_payload`` bytes
+    (:func:`gradcomp.wire.sparse_nbytes`).
 
     Args:
         ratio: density k / n in (0, 1]. k: number of kept elements (>= 1).
@@ -118,12 +129,15 @@ class TopK(_Sparse):
         values: optional dense compressor for the kept values, e.g. ``Int8Quantizer()``.
         exact: exact select (True) or sampled threshold (False).
         backend: force a kernel backend.
+        compact_indices: code indices compactly where smaller (False: always
+            fixed-width, version-1 payloads that older gradcomp releases read).
     """
 
     codec = "topk"
 
     def __init__(self, ratio: float | None = None, k: int | None = None,
-                 values: Compressor | None = None, exact: bool = True, backend: str | None = None):
+                 values: Compressor | None = None, exact: bool = True, backend: str | None = None,
+                 compact_indices: bool = True):
         if (ratio is None) == (k is None):
             raise ValueError("exactly one of ratio and k must be given")
         if ratio is not None:
@@ -135,7 +149,7 @@ class TopK(_Sparse):
         if not isinstance(exact, bool):
             raise TypeError(f"exact must be a bool, got {type(exact).__name__}")
         self.ratio, self.k, self.exact = ratio, k, exact
-        super().__init__(values, backend)
+        super().__init__(values, backend, compact_indices)
 
     def k_for(self, n: int) -> int:
         """Elements kept from a tensor of n elements.
@@ -151,8 +165,9 @@ class TopK(_Sparse):
             raise ValueError(f"k must be <= the tensor's numel {n}, got {self.k}")
         return self.k
 
-    def _select(self, x):
-        k = self.k_for(x.numel())
+    def _select(self, x, k: int | None = None):
+        """The top ``k`` (default :meth:`k_for`) of flat ``x`` by magnitude."""
+        k = self.k_for(x.numel()) if k is None else k
         if self.exact:
             return kernels.topk(x, k, backend=self.backend)
         return kernels.approx_topk(x, k, backend=self.backend)
@@ -162,7 +177,7 @@ class TopK(_Sparse):
             return None
         k = self.k_for(math.prod(shape))
         inner = self.values if self.values is not None else self._raw
-        return W.sparse_nbytes(shape, k, inner.wire_nbytes((k,), dtype))
+        return W.sparse_nbytes(shape, k, inner.wire_nbytes((k,), dtype), self.compact_indices)
 
     def __repr__(self):
         sel = f"ratio={self.ratio}" if self.ratio is not None else f"k={self.k}"
@@ -178,18 +193,20 @@ class Threshold(_Sparse):
         threshold: finite number >= 0 (compared in float32; float64 for float64 input).
         values: optional dense compressor for the kept values.
         backend: force a kernel backend.
+        compact_indices: as for :class:`TopK`.
     """
 
     codec = "threshold"
 
-    def __init__(self, threshold: float, values: Compressor | None = None, backend: str | None = None):
+    def __init__(self, threshold: float, values: Compressor | None = None, backend: str | None = None,
+                 compact_indices: bool = True):
         if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real):
             raise TypeError(f"threshold must be a real number, got {type(threshold).__name__}")
         threshold = float(threshold)
         if not (threshold >= 0 and math.isfinite(threshold)):
             raise ValueError(f"threshold must be a finite number >= 0, got {threshold}")
         self.threshold = threshold
-        super().__init__(values, backend)
+        super().__init__(values, backend, compact_indices)
 
     def _select(self, x):
         return kernels.threshold(x, self.threshold, backend=self.backend)

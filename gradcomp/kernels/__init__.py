@@ -28,6 +28,9 @@ __all__ = [
     "approx_topk",
     "threshold",
     "scatter_add_",
+    "dgc_accumulate_",
+    "dgc_topk_",
+    "native_cpu",
 ]
 
 
@@ -375,3 +378,68 @@ def scatter_add_(
             bad = lo if lo < 0 else hi
             raise ValueError(f"indices must be in [0, {acc.numel()}) (acc's numel), got {bad}")
     return fn(acc, ix, _flat(values))
+
+
+def native_cpu(device: torch.device, backend: str | None = None):
+    """The native CPU backend module (:mod:`gradcomp.kernels.cpu`) when the
+    registry picks it for tensors on ``device`` (given ``backend`` /
+    ``GRADCOMP_BACKEND``), else None: the ops outside the registry (fused
+    extras) use it then, and their torch version otherwise."""
+    fn = resolve("topk", torch.device(device).type, backend)
+    if fn.__module__ == "gradcomp.kernels.cpu":
+        from gradcomp.kernels import cpu
+
+        return cpu
+    return None
+
+
+def dgc_accumulate_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, scale: float = 1.0,
+                    *, backend: str | None = None) -> None:
+    """Deep Gradient Compression's momentum correction (Lin et al. 2018) in place:
+    ``u = u * momentum + g * scale; v += u`` (the velocity ``u`` and the
+    accumulated velocity ``v``, Algorithm 1 of the paper).
+
+    One fused pass with the native CPU backend, bit for bit the reference
+    (:func:`gradcomp.kernels.reference.dgc_accumulate_`) on every backend.
+
+    Args:
+        g: float32 tensor, n elements (the gradient, already clipped or to be
+            scaled by ``scale``). u, v: contiguous float32 tensors of n
+            elements on g's device, updated in place.
+        momentum: the momentum factor m. scale: factor applied to g
+            (clipping), ``1.0`` for none.
+
+    Raises:
+        TypeError / ValueError: wrong dtypes, sizes or devices.
+    """
+    for name, t in (("g", g), ("u", u), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be a float32 tensor, got {got}")
+    for name, t in (("u", u), ("v", v)):
+        _check_out(name, t, g.numel(), torch.float32, g.device)
+    mod = native_cpu(g.device, backend)
+    if mod is not None:
+        mod.dgc_accumulate_(_flat(g), u, v, momentum, scale)
+        return
+    from gradcomp.kernels import reference as R
+
+    R.dgc_accumulate_(_flat(g), u.view(-1), v.view(-1), momentum, scale)
+
+
+def dgc_topk_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, scale: float, k: int,
+              *, backend: str | None = None):
+    """:func:`dgc_accumulate_` followed by :func:`topk` of the updated ``v``:
+    one fused pass with the native CPU backend (the top-k's compaction runs
+    inside the accumulation), the two ops elsewhere; the same results.
+
+    Returns:
+        ``(indices, values)`` of the k largest ``|v|`` as :func:`topk`.
+    """
+    mod = native_cpu(g.device, backend)
+    if mod is None or g.dtype != torch.float32:
+        dgc_accumulate_(g, u, v, momentum, scale, backend=backend)
+        return topk(v, k, backend=backend)
+    for name, t in (("u", u), ("v", v)):
+        _check_out(name, t, g.numel(), torch.float32, g.device)
+    return mod.dgc_topk_(_flat(g), u, v, momentum, scale, _check_k(v, k))

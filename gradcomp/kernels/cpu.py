@@ -403,3 +403,43 @@ def scatter_add_(acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor)
         raise TypeError(f"indices must have dtype in (int32, int64), got {ix.dtype}")
     _native().scatter_add(av, ix.numpy(), _np(vf), _dtype_name("values", vf))
     return acc
+
+
+# ---------------------------------------------------------------------------
+# extras outside the registry (used where the registry picks this backend for
+# CPU tensors): Elias-Fano index coding and the DGC accumulation pass
+
+
+def ef_encode(idx: torch.Tensor, L: int, lo_nbytes: int, hi_nbytes: int) -> torch.Tensor:
+    """The Elias-Fano bytes of ascending int32/int64 CPU indices
+    (:func:`gradcomp.index_codec.encode`): ``lo_nbytes`` low-bit bytes, then
+    ``hi_nbytes`` high-bit bytes."""
+    out = torch.zeros(lo_nbytes + hi_nbytes, dtype=torch.uint8)
+    ix = _flat("idx", idx)
+    _native().ef_encode(ix.numpy(), int(L), out[:lo_nbytes].numpy(), out[lo_nbytes:].numpy())
+    return out
+
+
+def ef_decode(lo: torch.Tensor, hi: torch.Tensor, n: int, k: int, L: int, dtype: torch.dtype):
+    """``(indices, status)``: ``k`` decoded indices of ``dtype`` (int32/int64)
+    and 0, or 1 (set-bit count), 2 (index >= n), 3 (not strictly ascending)."""
+    out = torch.empty(k, dtype=dtype)
+    status = _native().ef_decode(_flat("lo", lo).numpy(), _flat("hi", hi).numpy(), int(n), int(L), out.numpy())
+    return out, int(status)
+
+
+def dgc_accumulate_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, scale: float) -> None:
+    """``u = u * momentum + g * scale; v += u`` in one pass (float32 CPU tensors
+    of one numel; bit for bit :func:`gradcomp.kernels.reference.dgc_accumulate_`)."""
+    n = g.numel()
+    _native().dgc_accumulate(_flat("g", g).numpy(), _out_np("u", u, torch.float32, n),
+                             _out_np("v", v, torch.float32, n), float(momentum), float(scale))
+
+
+def dgc_topk_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, scale: float, k: int):
+    """:func:`dgc_accumulate_` then :func:`topk` of ``v``, fused in one pass
+    (bit for bit the two ops). Returns ``(indices, values)`` as :func:`topk`."""
+    n = g.numel()
+    idx, val = _native().dgc_topk(_flat("g", g).numpy(), _out_np("u", u, torch.float32, n),
+                                  _out_np("v", v, torch.float32, n), float(momentum), float(scale), int(k))
+    return _selection(idx, val, torch.float32)

@@ -343,3 +343,12 @@ def scatter_add_(acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor)
     """``acc.view(-1)[indices] += values`` (duplicates accumulate); acc float32."""
     acc.view(-1).index_add_(0, indices.long(), values.to(acc.dtype))
     return acc
+
+
+def dgc_accumulate_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, scale: float) -> None:
+    """Deep Gradient Compression's momentum correction (Lin et al. 2018):
+    ``u = u * momentum + g * scale`` (each product rounded to float32, then
+    the sum), ``v += u``; float32 tensors of one numel, updated in place."""
+    u.mul_(momentum)
+    u.add_(g if scale == 1.0 else g * scale)
+    v.add_(u)

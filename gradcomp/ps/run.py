@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from gradcomp import _validate as v
-from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
+from gradcomp.compressors import DGC, Compressor, ErrorFeedback, Int8Quantizer, check_optimizer
 from gradcomp.ps.protocol import FAILURE_POLICIES, MODES
 from gradcomp.ps.transport import normalize_address
 
@@ -36,7 +36,9 @@ class PSConfig:
             or ``Int8Quantizer()`` when ``compressor`` is None.
         optimizer: server optimizer factory ``f(list[nn.Parameter]) -> Optimizer``
             (picklable, e.g. ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``);
-            None: SGD with lr 0.01 and momentum 0.9.
+            None: SGD with lr 0.01 and momentum 0.9. With a :class:`~gradcomp.DGC`
+            compressor the workers apply the momentum: it must be given, and
+            be plain SGD (:func:`~gradcomp.compressors.check_optimizer`).
         max_staleness, staleness_lr, clip_grad_norm, on_worker_failure,
         worker_timeout, heartbeat_timeout, checkpoint_dir, checkpoint_every,
         resume: server settings.
@@ -88,6 +90,11 @@ class PSConfig:
                              f"heartbeat_timeout ({self.heartbeat_timeout:g} s)")
         if self.address is not None:
             normalize_address(self.address)
+        if isinstance(self.compressor, DGC):
+            if self.optimizer is None:
+                raise ValueError("a DGC compressor needs an explicit plain-SGD optimizer (the default has "
+                                 "momentum 0.9, which DGC already applies on the workers)")
+            check_optimizer(self.optimizer)
 
     def server_pull_compressor(self) -> Compressor | None:
         """The compressor servers use for pull deltas (None without ``compress_pull``)."""

@@ -32,6 +32,7 @@ from gradcomp.train.common import RankLog
 from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, worker_batches
 from gradcomp.timeline import Timeline, now
+from gradcomp.train.dgc import dgc_compressor, optimizer_momentum
 from gradcomp.train.model import evaluate, make_model
 from gradcomp.train.timing import ComputeDelay
 
@@ -69,13 +70,16 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
                          f"workers), got {world_size}")
     choice = COMPRESSORS[compressor]
     compressed = compressor != "none"
+    codec = choice.build(cfg.threshold) if compressed else NoCompression()
+    if choice.dgc:
+        codec = dgc_compressor(codec, cfg, len(data.y_train))
     config = ps.PSConfig(
         mode="async", steps=cfg.steps, num_servers=1,
-        compressor=choice.build(cfg.threshold) if compressed else NoCompression(),
+        compressor=codec,
         error_feedback=choice.error_feedback,
         compress_pull=compressed,
         optimizer=functools.partial(torch.optim.SGD, lr=cfg.lr / cfg.workers,
-                                    momentum=cfg.momentum),
+                                    momentum=optimizer_momentum(choice.dgc, cfg)),
         on_worker_failure="fail", worker_timeout=WORKER_TIMEOUT_S, timeout=cfg.timeout)
 
     models: list[nn.Module] = []

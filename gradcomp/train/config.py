@@ -32,11 +32,13 @@ class CompressorChoice:
         name: command-line name (``--compressors``).
         label: name shown in reports.
         error_feedback: wrap the codec in error feedback (residual memory per tensor).
+        dgc: Deep Gradient Compression around the top-k (:mod:`gradcomp.train.dgc`).
     """
 
     name: str
     label: str
     error_feedback: bool
+    dgc: bool = False
 
     def build(self, threshold: float | None = None) -> Compressor:
         """A fresh codec (without error feedback: the transport's state adds it).
@@ -56,6 +58,10 @@ class CompressorChoice:
             return TopK(ratio=TOPK_RATIO)
         if self.name == "topk-int8-ef":
             return TopK(ratio=TOPK_RATIO, values=Int8Quantizer())
+        if self.name in ("dgc", "dgc-int8"):
+            from gradcomp.train.dgc import DGC_RATIO
+
+            return TopK(ratio=DGC_RATIO, values=Int8Quantizer() if self.name == "dgc-int8" else None)
         if self.name == "threshold-ef":
             if threshold is None:
                 raise ValueError("threshold-ef needs a threshold")
@@ -64,7 +70,7 @@ class CompressorChoice:
 
     @property
     def sparse(self) -> bool:
-        return self.name in ("topk-ef", "topk-int8-ef", "threshold-ef")
+        return self.name in ("topk-ef", "topk-int8-ef", "threshold-ef", "dgc", "dgc-int8")
 
 
 COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
@@ -76,10 +82,13 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
     CompressorChoice("topk-ef", "topk1%+ef", True),
     CompressorChoice("topk-int8-ef", "topk1%+int8+ef", True),
     CompressorChoice("threshold-ef", "threshold+ef", True),
+    CompressorChoice("dgc", "dgc0.1%", True, dgc=True),
+    CompressorChoice("dgc-int8", "dgc0.1%+int8", True, dgc=True),
 )}
 
 #: The default study's menu, baseline first.
-DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "int8-ef", "topk-ef", "topk-int8-ef", "threshold-ef")
+DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "int8-ef", "topk-ef", "topk-int8-ef", "threshold-ef",
+                       "dgc", "dgc-int8")
 
 
 def parse_compressors(text: str) -> tuple[str, ...]:

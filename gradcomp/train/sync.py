@@ -28,6 +28,7 @@ from gradcomp.timeline import Timeline, now
 from gradcomp.train.common import RankLog, param_digest
 from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, worker_batches
+from gradcomp.train.dgc import dgc_compressor, optimizer_momentum
 from gradcomp.train.model import make_model
 from gradcomp.train.timing import ComputeDelay
 
@@ -57,8 +58,11 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
     ddp = DistributedDataParallel(model)
     meter = TrafficMeter()
     timeline = Timeline()
+    codec = choice.build(cfg.threshold)
+    if choice.dgc:
+        codec = dgc_compressor(codec, cfg, len(data.y_train))
     state = GradCompState(
-        compressor=choice.build(cfg.threshold),
+        compressor=codec,
         error_feedback=choice.error_feedback,
         algorithm="allgather" if choice.sparse else cfg.algorithm,
         min_compress_numel=0,
@@ -68,7 +72,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         timeline=timeline,
     )
     ddp.register_comm_hook(state, compressed_allreduce_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=optimizer_momentum(choice.dgc, cfg))
     log = RankLog(rank)
     delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed)
     # the first layer's weight gets its gradient last: a slow worker's gradients come late
