@@ -19,6 +19,7 @@ from gradcomp.compressors import (
 )
 from gradcomp.meter import TrafficMeter
 from gradcomp.comm import allreduce
+from gradcomp.adaptive import Adaptive
 from gradcomp import ddp
 from gradcomp import ps
 
@@ -40,6 +41,7 @@ __all__ = [
     "ErrorFeedback",
     "TrafficMeter",
     "allreduce",
+    "Adaptive",
     "ddp",
     "ps",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from gradcomp.adaptive import Adaptive
 from gradcomp.compressors import (BF16, FP16, Compressor, Int8Quantizer, NoCompression, Threshold,
                                   TopK)
 from gradcomp.train.model import DEFAULT_HIDDEN
@@ -28,14 +29,18 @@ class CompressorChoice:
         name: command-line name (``--compressors``).
         label: name shown in reports.
         error_feedback: wrap the codec in error feedback (residual memory per tensor).
+        modes: the modes it can run in (``auto``, adaptive compression, needs
+            the DDP hook: sync only).
     """
 
     name: str
     label: str
     error_feedback: bool
+    modes: tuple[str, ...] = MODES
 
-    def build(self, threshold: float | None = None) -> Compressor:
-        """A fresh codec (without error feedback: the transport's state adds it).
+    def build(self, threshold: float | None = None) -> "Compressor | Adaptive":
+        """A fresh codec (without error feedback: the transport's state adds it);
+        for ``auto`` a fresh :class:`gradcomp.Adaptive` policy.
 
         Args:
             threshold: magnitude threshold for ``threshold-ef`` (required there).
@@ -52,6 +57,8 @@ class CompressorChoice:
             return TopK(ratio=TOPK_RATIO)
         if self.name == "topk-int8-ef":
             return TopK(ratio=TOPK_RATIO, values=Int8Quantizer())
+        if self.name == "auto":
+            return Adaptive()
         if self.name == "threshold-ef":
             if threshold is None:
                 raise ValueError("threshold-ef needs a threshold")
@@ -72,6 +79,7 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
     CompressorChoice("topk-ef", "topk1%+ef", True),
     CompressorChoice("topk-int8-ef", "topk1%+int8+ef", True),
     CompressorChoice("threshold-ef", "threshold+ef", True),
+    CompressorChoice("auto", "auto", True, modes=("sync",)),
 )}
 
 #: The default study's menu, baseline first.

@@ -315,6 +315,9 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
     for c in names:
         if c not in COMPRESSORS:
             raise ValueError(f"unknown compressor {c!r}; allowed: {','.join(COMPRESSORS)}")
+        if set(modes) - set(COMPRESSORS[c].modes):
+            raise ValueError(f"compressor {c!r} runs in mode(s) {','.join(COMPRESSORS[c].modes)} only, "
+                             f"got modes {','.join(modes)}: use --mode {COMPRESSORS[c].modes[0]}")
     if "sync" in modes and cfg.workers < 2:
         raise ValueError(f"sync mode needs at least 2 workers (a single worker exchanges no "
                          f"gradient, so there is nothing to compress), got {cfg.workers}")
