@@ -30,7 +30,8 @@ does and may replace it (tests inject the timings of a slowing link; a link
 emulator may sleep there: it runs on the communication thread, so the sleep
 delays the bucket like a slower link would).
 
-Decision (every ``interval`` steps, the same on every rank): each rank takes
+Decision (every ``interval`` steps, and ``probe`` steps after the start and
+after a switch, so that a new codec is judged soon; the same on every rank): each rank takes
 the median of its window's ``comm_s``, ``compute_s`` and ``exposed_s`` per
 bucket; one tiny allreduce (float64, ``MAX``, on the collective's group) agrees
 on the largest communication time, the smallest compute time and the largest
@@ -163,9 +164,11 @@ def next_level(rho: float, level: int, nbytes: Sequence[float], seen: dict[int, 
 class _Track:
     """The policy's state for one bucket (or key)."""
 
-    def __init__(self, bucket: Hashable, numel: int, ladder: list[int], nbytes: list[int], patience: int):
+    def __init__(self, bucket: Hashable, numel: int, ladder: list[int], nbytes: list[int], patience: int,
+                 window: int):
         self.bucket, self.numel, self.ladder, self.nbytes = bucket, numel, ladder, nbytes
         self.level = 0
+        self.window = window  # samples before the next decision
         self.changed = True  # the next call checks the ranks' arguments (a new codec)
         self.samples: list[tuple[float, float, float]] = []  # (comm_s, compute_s, exposed_s)
         self.seen: dict[int, tuple[float, int]] = {}  # position -> (rho, decision number)
@@ -207,6 +210,8 @@ class Adaptive(CodecPolicy):
             wire size (not ErrorFeedback); at least one, no repeats. Their
             order does not matter: each bucket ranks them by wire bytes.
         interval: steps (calls per key) between decisions (>= 1).
+        probe: steps (calls per key) measured at the start and after a switch
+            before the next decision (>= 1).
         upper: ``rho`` above which communication counts as exposed (> 0).
         lower: predicted ``rho`` at or below which a lighter codec is taken
             (0 < lower < upper).
@@ -235,6 +240,7 @@ class Adaptive(CodecPolicy):
         candidates: Sequence[str | Compressor] = DEFAULT_CANDIDATES,
         *,
         interval: int = 10,
+        probe: int = 3,
         upper: float = 1.0,
         lower: float = 0.5,
         patience: int = 2,
@@ -245,6 +251,7 @@ class Adaptive(CodecPolicy):
     ):
         self.candidates, self.names = _candidates(candidates)
         self.interval = v.integer("interval", interval, 1)
+        self.probe = v.integer("probe", probe, 1)
         self.upper = v.real("upper", upper)
         self.lower = v.real("lower", lower)
         if not (math.isfinite(self.upper) and self.upper > 0):
@@ -322,7 +329,7 @@ class Adaptive(CodecPolicy):
         start = self.clock()
         calls, last_end = self._calls.get(key, (0, None))
         track = self._track(key, tensor.numel(), dist.get_world_size(group), algorithm)
-        if len(track.samples) >= self.interval:
+        if len(track.samples) >= track.window:
             self._decide([track], group, timeout, tensor.device, calls, meter)
         if residual is None and self.error_feedback and self.lossy:
             residual = self._residual(key, tensor)
@@ -346,7 +353,7 @@ class Adaptive(CodecPolicy):
         if ticket.step != self._step:
             self._close_step()
             self._step = ticket.step
-            if self._window_steps >= self.interval:
+            if self._tracks and self._window_steps >= min(t.window for t in self._tracks.values()):
                 self._decide(list(self._tracks.values()), group, timeout, buf.device, ticket.step, meter)
                 self._window_steps = 0
         track = self._track(ticket.bucket, ticket.numel, dist.get_world_size(group), algorithm)
@@ -378,7 +385,7 @@ class Adaptive(CodecPolicy):
             sizes = [_wire_bytes(c, numel, world) for c in self.candidates]
             ladder = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
             t = self._tracks[bucket] = _Track(bucket, numel, ladder, [sizes[i] for i in ladder],
-                                              self.patience)
+                                              self.patience, self.probe)
         return t
 
     def _residual(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
@@ -427,6 +434,7 @@ class Adaptive(CodecPolicy):
         for i, t in enumerate(tracks):
             comm, compute, exposed = agreed[3 * i], -agreed[3 * i + 1], agreed[3 * i + 2]
             t.samples = []
+            t.window = self.interval
             rho = comm / compute if compute > 0 else math.inf
             t.seen[t.level] = (rho, number)
             seen = {j: r for j, (r, at) in t.seen.items() if j != t.level and number - at <= self.memory}
@@ -448,6 +456,7 @@ class Adaptive(CodecPolicy):
                      "rho": rho, "comm_s": comm, "compute_s": compute, "exposed_s": exposed}
             t.level = new
             t.changed = True
+            t.window = self.probe
             self.switches.append(entry)
             if meter is not None:
                 meter.record_switch(entry)
@@ -472,7 +481,8 @@ class Adaptive(CodecPolicy):
         return state
 
     def __repr__(self) -> str:
-        return (f"Adaptive(candidates={self.names!r}, interval={self.interval}, upper={self.upper:g}, "
+        return (f"Adaptive(candidates={self.names!r}, interval={self.interval}, probe={self.probe}, "
+                f"upper={self.upper:g}, "
                 f"lower={self.lower:g}, patience={self.patience})")
 
 

@@ -70,6 +70,7 @@ def test_candidates_ranked_by_wire_bytes_per_bucket():
     (dict(candidates=[3]), TypeError, "candidates must hold names"),
     (dict(interval=0), ValueError, "interval must be >= 1"),
     (dict(interval=2.5), TypeError, "interval must be an int"),
+    (dict(probe=0), ValueError, "probe must be >= 1"),
     (dict(upper=0), ValueError, "upper must be a finite number > 0"),
     (dict(upper="1"), TypeError, "upper must be a real number"),
     (dict(lower=1.0), ValueError, "lower must be > 0 and < upper"),
@@ -118,6 +119,7 @@ INTERVAL = 5
 COMPUTE_S = (0.02, 0.01)  # rank 0 computes slower; the agreed compute is rank 1's
 SLOW_FROM, FAST_FROM, STEPS = 20, 50, 72
 SLOWDOWN = 25
+PROBE = 2  # the collective's short windows (the DDP run decides every INTERVAL steps)
 
 
 def _rate(rank, step, fast):
@@ -181,7 +183,7 @@ def _ddp_run(rank):
     n = sum(p.numel() for p in model.parameters())
     fast = 4 * n / (0.4 * COMPUTE_S[1])  # uncompressed takes 0.4 x the compute
     meter = gc.TrafficMeter()
-    policy = Adaptive(interval=INTERVAL, timing=_link(rank, fast))
+    policy = Adaptive(interval=INTERVAL, probe=INTERVAL, timing=_link(rank, fast))
     state = GradCompState(compressor=policy, min_compress_numel=0, start_iter=0, meter=meter, timeout=30)
     records = {}
 
@@ -227,7 +229,7 @@ def _collective_run(rank):
     the int8 residual exactly."""
     n = 3000
     fast = 4 * n / (0.4 * COMPUTE_S[1])
-    policy = Adaptive(["int8", "none"], interval=INTERVAL, timing=_link(rank, fast))
+    policy = Adaptive(["int8", "none"], interval=INTERVAL, probe=PROBE, timing=_link(rank, fast))
     meter = gc.TrafficMeter()
     codecs, identical, carried = [], True, None
     for step in range(STEPS):
@@ -298,11 +300,14 @@ def test_ddp_residuals_carry_over_a_switch(runs):
 @pytest.mark.slow
 def test_collective_auto_switches_and_delivers_residuals(runs):
     got = [[(s["step"], s["from"], s["to"]) for s in r["collective"]["switches"]] for r in runs]
-    # candidates none (light) and int8: slow -> int8; fast again -> none (int8 rho
-    # ~ 0.1, none predicted ~ 0.4 <= 0.5). Steps count the key's calls; call 0
-    # has no compute time, so the first window closes one call later.
-    assert got[0] == got[1] == [(SLOW_FROM + INTERVAL + 1, "none", "int8"),
-                                (FAST_FROM + INTERVAL + 1, "int8", "none")]
+    # Steps count the key's calls; call 0 has no compute time (no sample). With
+    # probe 2 and interval 5, decisions come at calls 3 (samples of calls 1-2,
+    # the first probe), 8, 13, 18, 23: the window 18-22 has 3 slow calls of 5, so
+    # its median is slow: rho(none) = 10 -> int8 (the only heavier one). The
+    # probe after the switch decides at 25 (int8 ~ 2.5: nothing better), then
+    # 30, ..., 50 (slow: stay) and 55: window 50-54 fast, rho(int8) ~ 0.1, none
+    # predicted ~ 0.4 <= 0.5, and the hold (patience 2) has run out -> none.
+    assert got[0] == got[1] == [(23, "none", "int8"), (55, "int8", "none")]
     assert runs[0]["collective"]["meter"] == runs[1]["collective"]["meter"]
     assert all(r["collective"]["identical"] for r in runs)
     ts, rs, out, after = runs[0]["collective"]["carried"]
