@@ -46,8 +46,9 @@ picks the same codec and the results stay bit-identical across ranks:
 * ``rho > upper`` (communication not hidden): the lightest heavier codec whose
   predicted ``rho`` is ``<= upper``; predictions are ``rho`` scaled by the
   ratio of wire bytes, or the codec's own ``rho`` when it was measured within
-  the last ``memory`` decisions. If none is predicted to fit, the codec with
-  the smallest predicted ``rho`` (it may be the current one);
+  the last ``memory`` decisions. If none is predicted to fit, the lightest
+  codec whose predicted ``rho`` is within 10% (:data:`NEAR`) of the smallest
+  (it may be the current one, or a lighter one measured as fast);
 * ``rho`` scaled to the next lighter codec's bytes ``<= lower``: one step
   lighter (the byte scaling over-estimates the lighter codec's time, since the
   per-message latency does not scale, so this move is a cautious one);
@@ -101,6 +102,9 @@ CANDIDATES: dict[str, Callable[[], Compressor]] = {
 }
 #: the default ladder: none, fp16, int8, top-k 1% with int8 values
 DEFAULT_CANDIDATES = ("none", "fp16", "int8", "topk-int8")
+#: when no codec is predicted to hide the communication, the lightest codec whose
+#: predicted rho is within this fraction of the smallest one is taken (measurement noise)
+NEAR = 0.1
 #: largest wait (decisions) before a lighter move after repeated reverts
 MAX_PATIENCE = 64
 
@@ -154,8 +158,9 @@ def next_level(rho: float, level: int, nbytes: Sequence[float], seen: dict[int, 
         for j in range(level + 1, len(nbytes)):
             if predict(j) <= upper:
                 return j
-        best = min(range(len(nbytes)), key=lambda j: rho if j == level else predict(j))
-        return best if (rho if best == level else predict(best)) < rho else level
+        preds = [rho if j == level else predict(j) for j in range(len(nbytes))]
+        fastest = min(preds)
+        return next(j for j in range(len(nbytes)) if preds[j] <= (1 + NEAR) * fastest)
     if lighter_allowed and level > 0 and nbytes[level] > 0 and rho * nbytes[level - 1] / nbytes[level] <= lower:
         return level - 1
     return level
@@ -320,6 +325,11 @@ class Adaptive(CodecPolicy):
                 :func:`gradcomp.allreduce` raises.
         """
         v.choice("algorithm", algorithm, DENSE_ALGORITHMS)
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(f"key must be hashable (it names the tensor across calls), "
+                            f"got {type(key).__name__}") from None
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}")
         if not dist.is_initialized():

@@ -37,10 +37,13 @@ TIMEOUT = 120
     (0.3, 2, {}, True, 2),      # 0.6 > 0.5: inside the band, stay
     (0.2, 2, {}, False, 2),     # waiting after a heavier move
     (0.9, 1, {}, True, 1),      # 0.9 <= upper, lighter predicted 1.8: stay
-    # nothing heavier fits: the smallest predicted rho, measured ones trusted
-    (1.5, 1, {2: 1.2, 3: 1.1}, True, 3),
+    # nothing fits: the lightest within 10% of the smallest predicted rho, measured ones trusted
+    (1.5, 1, {2: 1.2, 3: 1.1}, True, 2),          # 1.2 <= 1.1 x 1.1
+    (1.5, 1, {2: 1.3, 3: 1.1}, True, 3),          # 1.3 > 1.21
     (1.5, 1, {0: 1.4, 2: 1.6, 3: 1.7}, True, 0),
-    (1.5, 3, {0: 1.6, 1: 1.7, 2: 1.8}, True, 3),
+    (1.5, 3, {0: 1.6, 1: 1.7, 2: 1.8}, True, 0),  # 1.6 <= 1.65: as fast within noise, lighter
+    (1.5, 3, {0: 1.7, 1: 1.7, 2: 1.8}, True, 3),
+    (3.0, 0, {}, True, 2),                        # nothing seen: fp16 1.5, int8 0.75 fits
 ])
 def test_next_level(rho, level, seen, allowed, expected):
     nbytes = [400, 200, 100, 5]
@@ -94,6 +97,8 @@ def test_bad_uses():
         GradCompState(compressor="fast")
     with pytest.raises(ValueError, match="algorithm must be one of \\('ring', 'two_phase'\\)"):
         GradCompState(compressor="auto", algorithm="allgather")
+    with pytest.raises(TypeError, match="key must be hashable"):
+        gc.allreduce(torch.ones(4), a, key=["w"])
     with pytest.raises(RuntimeError, match="torch.distributed initialised"):
         gc.allreduce(torch.ones(4), a)
 
