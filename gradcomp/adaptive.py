@@ -46,7 +46,9 @@ picks the same codec and the results stay bit-identical across ranks:
 * ``rho > upper`` (communication not hidden): the lightest heavier codec whose
   predicted ``rho`` is ``<= upper``; predictions are ``rho`` scaled by the
   ratio of wire bytes, or the codec's own ``rho`` when it was measured within
-  the last ``memory`` decisions. If none is predicted to fit, the lightest
+  the last ``memory`` decisions (and since the current codec's ``rho`` last
+  moved by more than 2x, :data:`CHANGE`: a changed link makes older
+  measurements mislead). If none is predicted to fit, the lightest
   codec whose predicted ``rho`` is within 10% (:data:`NEAR`) of the smallest
   (it may be the current one, or a lighter one measured as fast);
 * ``rho`` scaled to the next lighter codec's bytes ``<= lower``: one step
@@ -105,6 +107,9 @@ DEFAULT_CANDIDATES = ("none", "fp16", "int8", "topk-int8")
 #: when no codec is predicted to hide the communication, the lightest codec whose
 #: predicted rho is within this fraction of the smallest one is taken (measurement noise)
 NEAR = 0.1
+#: a codec's rho changing by more than this factor since its last measurement means
+#: the link changed: the other codecs' measurements are forgotten
+CHANGE = 2.0
 #: largest wait (decisions) before a lighter move after repeated reverts
 MAX_PATIENCE = 64
 
@@ -249,7 +254,7 @@ class Adaptive(CodecPolicy):
         upper: float = 1.0,
         lower: float = 0.5,
         patience: int = 2,
-        memory: int = 10,
+        memory: int = 30,
         error_feedback: bool = True,
         clock: Callable[[], float] | None = None,
         timing: Callable[[Timing], Timing] | None = None,
@@ -446,6 +451,9 @@ class Adaptive(CodecPolicy):
             t.samples = []
             t.window = self.interval
             rho = comm / compute if compute > 0 else math.inf
+            before = t.seen.get(t.level)
+            if before is not None and not 1 / CHANGE <= rho / before[0] <= CHANGE:
+                t.seen = {}  # the link (or the load) changed: older measurements of other codecs mislead
             t.seen[t.level] = (rho, number)
             seen = {j: r for j, (r, at) in t.seen.items() if j != t.level and number - at <= self.memory}
             new = next_level(rho, t.level, t.nbytes, seen, upper=self.upper, lower=self.lower,
