@@ -368,7 +368,8 @@ class Adaptive(CodecPolicy):
         if ticket.step != self._step:
             self._close_step()
             self._step = ticket.step
-            if self._tracks and self._window_steps >= min(t.window for t in self._tracks.values()):
+            due = min((t.window for t in self._tracks.values() if t.samples), default=None)
+            if due is not None and self._window_steps >= due:  # buckets gone after a rebuild hold no samples
                 self._decide(list(self._tracks.values()), group, timeout, buf.device, ticket.step, meter)
                 self._window_steps = 0
         track = self._track(ticket.bucket, ticket.numel, dist.get_world_size(group), algorithm)

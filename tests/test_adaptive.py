@@ -127,17 +127,15 @@ SLOWDOWN = 25
 PROBE = 2  # the collective's short windows (the DDP run decides every INTERVAL steps)
 
 
-def _rate(rank, step, fast):
-    """Bytes per second of ``rank``'s link at ``step``; rank 1's slows down 25x
-    for steps [SLOW_FROM, FAST_FROM)."""
-    if rank == 1 and SLOW_FROM <= step < FAST_FROM:
-        return fast / SLOWDOWN
-    return fast
-
-
-def _link(rank, fast):
+def _link(rank, steady=None):
+    """The injected link of ``rank``: for each bucket (or key), fast enough that
+    uncompressed traffic takes 0.4 x the agreed compute; rank 1's slows down
+    25x for steps [SLOW_FROM, FAST_FROM), except for bucket ``steady``."""
     def timing(s: Timing) -> Timing:
-        return dataclasses.replace(s, comm_s=s.wire_bytes / _rate(rank, s.step, fast),
+        rate = 4 * s.numel / (0.4 * COMPUTE_S[1])  # bytes per second
+        if rank == 1 and SLOW_FROM <= s.step < FAST_FROM and s.bucket != steady:
+            rate /= SLOWDOWN
+        return dataclasses.replace(s, comm_s=s.wire_bytes / rate,
                                    compute_s=COMPUTE_S[rank] if s.compute_s is not None else None)
     return timing
 
@@ -181,14 +179,13 @@ def _gathered(t):
 
 
 def _ddp_run(rank):
-    """DDP with compressor="auto" on the injected link; records each step's
-    bucket input, residual before the step and output, around the switches."""
+    """DDP with compressor="auto" on the injected link, two buckets after DDP's
+    rebuild (1667 and 624 elements; bucket 1's link never slows); records each
+    step's bucket input, residual before the step and output."""
     torch.manual_seed(0)
-    model = DDP(_Net())
-    n = sum(p.numel() for p in model.parameters())
-    fast = 4 * n / (0.4 * COMPUTE_S[1])  # uncompressed takes 0.4 x the compute
+    model = DDP(_Net(), bucket_cap_mb=0.004)
     meter = gc.TrafficMeter()
-    policy = Adaptive(interval=INTERVAL, probe=INTERVAL, timing=_link(rank, fast))
+    policy = Adaptive(interval=INTERVAL, probe=INTERVAL, timing=_link(rank, steady=1))
     state = GradCompState(compressor=policy, min_compress_numel=0, start_iter=0, meter=meter, timeout=30)
     records = {}
 
@@ -200,8 +197,8 @@ def _ddp_run(rank):
                   torch.cat([r.clone() if r is not None else torch.zeros(p.numel())
                              for r, p in zip(res, bucket.parameters())]))
 
-        def done(f):
-            records[step] = (*before, f.value().clone())
+        def done(f, index=bucket.index()):
+            records[step, index] = (*before, f.value().clone())
             return f.value()
         return compressed_allreduce_hook(st, bucket).then(done)
 
@@ -213,19 +210,20 @@ def _ddp_run(rank):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-        codecs.append(policy.codec(0))
+        codecs.append((policy.codec(0), policy.codec(1)))
         p = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
         ps = _gathered(p)
         identical &= all(torch.equal(ps[0], q) for q in ps)
     # the switch out of top-k: this step's codec (int8) must apply the residual top-k left
     at = _expected(INTERVAL, COMPUTE_S[1])[1][0]
-    g, r, out = records[at]
+    g, r, out = records[at, 0]
     everyone = [_gathered(t) for t in (g, r)]
     restored = pickle.loads(pickle.dumps(state))
     state.close()
     return {"switches": meter.as_dict()["switches"], "policy_switches": policy.switches, "codecs": codecs,
             "identical": identical, "out": out, "g": everyone[0], "r": everyone[1],
-            "restored_codec": restored.adaptive.codec(0), "restored_switches": len(restored.adaptive.switches)}
+            "restored_codec": restored.adaptive.codec(0), "restored_switches": len(restored.adaptive.switches),
+            "numels": (policy._tracks[0].numel, policy._tracks[1].numel)}
 
 
 def _collective_run(rank):
@@ -233,8 +231,7 @@ def _collective_run(rank):
     keys; candidates none and int8 only, so the switch back to none delivers
     the int8 residual exactly."""
     n = 3000
-    fast = 4 * n / (0.4 * COMPUTE_S[1])
-    policy = Adaptive(["int8", "none"], interval=INTERVAL, probe=PROBE, timing=_link(rank, fast))
+    policy = Adaptive(["int8", "none"], interval=INTERVAL, probe=PROBE, timing=_link(rank))
     meter = gc.TrafficMeter()
     codecs, identical, carried = [], True, None
     for step in range(STEPS):
@@ -272,8 +269,11 @@ def runs():
 
 @pytest.mark.slow
 def test_ddp_auto_switches_with_the_link_and_ranks_agree(runs):
-    got = [[(s["step"], s["from"], s["to"]) for s in r["ddp"]["switches"]] for r in runs]
-    assert got[0] == got[1] == _expected(INTERVAL, COMPUTE_S[1])
+    got = [[(s["step"], s["bucket"], s["from"], s["to"]) for s in r["ddp"]["switches"]] for r in runs]
+    # bucket 1's link stays fast: it keeps "none"; bucket 0 follows the link
+    assert got[0] == got[1] == [(step, 0, a, b) for step, a, b in _expected(INTERVAL, COMPUTE_S[1])]
+    assert runs[0]["ddp"]["numels"] == (1667, 624)
+    assert {c[1] for c in runs[0]["ddp"]["codecs"][1:]} == {"none"}
     assert runs[0]["ddp"]["switches"] == runs[1]["ddp"]["switches"]  # the agreed numbers too
     assert runs[0]["ddp"]["policy_switches"] == runs[0]["ddp"]["switches"]
     assert runs[0]["ddp"]["codecs"] == runs[1]["ddp"]["codecs"]
