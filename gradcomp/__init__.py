@@ -21,6 +21,7 @@ from gradcomp.meter import TrafficMeter
 from gradcomp.comm import allreduce
 from gradcomp.adaptive import Adaptive
 from gradcomp import ddp
+from gradcomp.localsgd import LocalSGD
 from gradcomp import ps
 
 __version__ = "0.1.0"
@@ -43,5 +44,6 @@ __all__ = [
     "allreduce",
     "Adaptive",
     "ddp",
+    "LocalSGD",
     "ps",
 ]

@@ -94,6 +94,29 @@ def rounding(v) -> str:
     return v
 
 
+def writable_dir(name: str, path: str) -> str:
+    """Create directory ``path`` if needed and check that a file can be written
+    there (a probe, removed again); returns ``path``.
+
+    Raises:
+        ValueError: ``path`` is a file, or cannot be created or written (one
+            line naming ``name`` and the reason).
+    """
+    import os
+
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{name} {path} exists and is not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".gradcomp-write-probe-{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("probe")
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"{name} {path} cannot be written: {e.strerror or e}") from None
+    return path
+
+
 def choice(name: str, v, allowed) -> str:
     if v not in allowed:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {v!r}")

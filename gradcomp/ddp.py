@@ -65,6 +65,7 @@ from gradcomp.comm import (ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_
                            ring_raw_bytes)
 from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
 from gradcomp.meter import TrafficMeter
+from gradcomp.timeline import Timeline, span
 
 __all__ = ["GradCompState", "compressed_allreduce_hook", "DEFAULT_MIN_COMPRESS_NUMEL"]
 
@@ -147,6 +148,11 @@ class GradCompState:
             nominal ring volume ``2 (N - 1) / N * itemsize * n``, since gloo /
             NCCL choose their own algorithm).
         timeout: seconds any exchange may take before the step fails.
+        timeline: optional :class:`gradcomp.timeline.Timeline`: the hook marks
+            ``"handoff"`` when DDP hands over the last bucket of a step (the
+            gradients are computed) and records each bucket's reduction as a
+            ``"collective"`` span, with the transfers' ``"communicate"`` and
+            ``"decompress"`` spans inside it (see :mod:`gradcomp.timeline`).
 
     Attributes:
         iter: completed steps (advanced when the last bucket is handed over).
@@ -170,6 +176,7 @@ class GradCompState:
         start_iter: int = 2,
         meter: TrafficMeter | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        timeline=None,
     ):
         compressor = Int8Quantizer() if compressor is None else compressor
         if isinstance(compressor, str) and compressor == "auto":
@@ -200,6 +207,9 @@ class GradCompState:
         if meter is not None and not isinstance(meter, TrafficMeter):
             raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
         timeout = v.timeout("timeout", timeout)
+        if timeline is not None and not isinstance(timeline, Timeline):
+            raise TypeError(f"timeline must be a gradcomp.timeline.Timeline or None, "
+                            f"got {type(timeline).__name__}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
                             f"got {type(process_group).__name__}")
@@ -214,6 +224,7 @@ class GradCompState:
         self.start_iter = start_iter
         self.meter = meter
         self.timeout = float(timeout)
+        self.timeline = timeline
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}
         #: the adaptive policy (compressor "auto" or a gradcomp.Adaptive), else None
@@ -290,6 +301,12 @@ class GradCompState:
 
     # ---- the work done on the communication thread ------------------------------
     def _reduce(self, buf: torch.Tensor, compress: bool, segments, ready, ticket=None) -> torch.Tensor:
+        if self.timeline is None:
+            return self._reduce_bucket(buf, compress, segments, ready, ticket)
+        with self.timeline.active(), self.timeline.span("collective"):
+            return self._reduce_bucket(buf, compress, segments, ready, ticket)
+
+    def _reduce_bucket(self, buf: torch.Tensor, compress: bool, segments, ready, ticket=None) -> torch.Tensor:
         if self._failure is not None:
             raise RuntimeError("gradcomp: an earlier bucket of this GradCompState failed; the process "
                                f"group may be out of step: {self._failure!r}") from self._failure
@@ -317,7 +334,8 @@ class GradCompState:
                 buf[off:off + n].add_(r.to(buf.dtype))
         buf.div_(world)
         work = dist.all_reduce(buf, group=group, async_op=True)
-        work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        with span("communicate"):
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         if self.meter is not None and world > 1:
             rs, ag, rs_in, ag_in = ring_raw_bytes(buf.numel(), world, dist.get_rank(group))
             scale = buf.element_size() / 4
@@ -368,6 +386,7 @@ class GradCompState:
         and the meter's counters; not the process groups or the thread."""
         self.flush()
         state = {name: getattr(self, name) for name in self._PICKLED}
+        state["timeline"] = None
         state["residuals"] = {k: r.detach().cpu().clone() for k, r in self.residuals.items()}
         state["meter"] = self.meter.as_dict() if self.meter is not None else None
         return state
@@ -434,6 +453,8 @@ def compressed_allreduce_hook(
               if compress and state.adaptive is not None else None)
     fut = state._submit(functools.partial(state._reduce, buf, compress, segments, ready, ticket))
     if bucket.is_last():
+        if state.timeline is not None:
+            state.timeline.mark("handoff")
         state.iter += 1
         if state.meter is not None:
             state.meter.step()

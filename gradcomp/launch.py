@@ -19,7 +19,7 @@ import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Sequence
 
 __all__ = ["launch", "WorkerError", "init_from_env"]
 
@@ -33,7 +33,31 @@ class WorkerError(RuntimeError):
         self.traceback = tb
 
 
-def _worker(fn, rank, world_size, args, init_file, backend, timeout, env, results):
+def _enter_netns(name: str) -> None:
+    """Move this (still single-threaded) process into the network namespace
+    ``/run/netns/<name>``: every socket it opens from now on lives there."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(os.path.join("/run/netns", name), os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name!r}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def _worker(fn, rank, world_size, args, init_file, backend, timeout, env, results, netns=None):
+    if netns is not None:
+        try:
+            _enter_netns(netns)
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+            return
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
@@ -85,6 +109,8 @@ def launch(
     env: dict[str, str] | None = None,
     expected_failures: Collection[int] = (),
     start_method: str | None = None,
+    rank_env: Sequence[dict[str, str]] | None = None,
+    netns: Sequence[str] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local processes.
 
@@ -98,12 +124,17 @@ def launch(
             (``GRADCOMP_WORKER_THREADS`` sets torch threads per worker, default 1).
         expected_failures: ranks allowed to die (failure tests); their result is None.
         start_method: multiprocessing start method (default ``forkserver``).
+        rank_env: per-rank environment variables on top of ``env`` (one dict per rank).
+        netns: per-rank network namespace names (``ip netns`` names, one per
+            rank): each rank enters its namespace before it opens a socket
+            (used by :class:`gradcomp.cluster.LocalCluster`; needs root).
 
     Returns:
         The per-rank return values, indexed by rank.
 
     Raises:
-        ValueError: world_size < 1, or timeout not a finite number in (0, 1e9].
+        ValueError: world_size < 1, timeout not a finite number in (0, 1e9], or
+            ``rank_env`` / ``netns`` not of length ``world_size``.
         WorkerError: a rank raised or died (the first such rank is reported).
         TimeoutError: the run did not finish within ``timeout`` seconds.
     """
@@ -112,6 +143,9 @@ def launch(
     from gradcomp._validate import timeout as _timeout
 
     timeout = _timeout("timeout", timeout)
+    for name, seq in (("rank_env", rank_env), ("netns", netns)):
+        if seq is not None and len(seq) != world_size:
+            raise ValueError(f"{name} must have one entry per rank ({world_size}), got {len(seq)}")
     ctx = _context(start_method)
     results = ctx.Queue()
     env = dict(env or {})
@@ -119,7 +153,9 @@ def launch(
     init_file = os.path.join(tmpdir, "store")
     procs = [
         ctx.Process(target=_worker, daemon=True,
-                    args=(fn, r, world_size, args, init_file, backend, timeout, env, results))
+                    args=(fn, r, world_size, args, init_file, backend, timeout,
+                          {**env, **(rank_env[r] if rank_env is not None else {})}, results,
+                          netns[r] if netns is not None else None))
         for r in range(world_size)
     ]
     for p in procs:

@@ -138,8 +138,8 @@ def tiny_study(tmp_path_factory):
 @pytest.mark.slow
 def test_study_writes_table_json_csv_png(tiny_study):
     out, terminal = tiny_study
-    for header in ("mode", "compressor", "bytes/worker/step", "reduction", "saved", "test acc",
-                   "gap (pp)", "wall (s)"):
+    for header in ("mode", "compressor", "bytes/step", "reduction", "test acc",
+                   "gap (pp)", "step ms", "idle", "exp comm", "to target s", "wall s"):
         assert header in terminal
     assert "MLP 64-384-256-10 (126,090 params), 2 workers x batch 64, 24 steps" in terminal
     assert terminal.count("int8") >= 2 and "results.png" in terminal
@@ -197,4 +197,4 @@ def test_a_failing_worker_stops_the_study_with_its_error():
     cfg = TrainConfig(workers=2, steps=2, timeout=60)
     data = load_digits_split(cfg.test_fraction, cfg.seed)
     with pytest.raises(WorkerError, match="KeyError: 'no-such-codec'"):
-        _launch_local("sync", ["no-such-codec"], cfg, data, None)
+        _launch_local("sync", [(cfg, "no-such-codec", 0)], [data], None)

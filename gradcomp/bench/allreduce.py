@@ -3,11 +3,17 @@
 Usage::
 
     gradcomp bench allreduce [--sizes 1048576,4194304,16777216] [--worlds 2,4]
+                             [--link none,1gbit,100mbit] [--link-jitter F]
                              [--repeat 5] [--out DIR] [--quick]
     python benchmarks/allreduce.py ...
 
-For each world size (ranks started on this host with :func:`gradcomp.launch`,
-gloo over loopback) and each size ``n`` (float32 elements), every rank holds
+For each link (``--link``: ``none`` is gloo over the unshaped loopback of
+this host; a rate such as ``1gbit`` runs every rank in its own network
+namespace of a :class:`gradcomp.cluster.LocalCluster`, each link shaped to
+that rate in both directions, whose achieved rate is measured by a
+calibration transfer before anything is timed), each world size (ranks
+started with :func:`gradcomp.launch`) and each size ``n`` (float32
+elements), every rank holds
 ``randn(n)`` (seed = rank) and each method averages it across ranks:
 
 * ``torch all_reduce f32``: ``dist.all_reduce`` of the float32 tensor (the baseline);
@@ -45,10 +51,16 @@ group, so its ranks agree on its settings once, in the warm-up call (see
 * ``x f32``: the baseline's median time over the method's;
 * ``ratio``: ``2 (N-1)/N * 4 n`` bytes (a float32 ring) over the bytes sent;
 * ``rel_err``: ``||result - exact mean|| / ||exact mean||`` on the first timed
-  call (float64 exact mean).
+  call (float64 exact mean);
+* ``link%`` (shaped links only): the bytes this rank sent per call over the
+  time, as a share of the configured rate. For the float32 baseline this is
+  its bus bandwidth (``2 (N-1)/N x 4 n`` bytes over the time, NCCL's
+  ``busbw``) over the rate: how close the link is to what was configured.
 
 Results print as a table and, with ``--out DIR``, go to
-``DIR/allreduce.json`` with the machine, kernel backends and settings.
+``DIR/allreduce.json`` with the machine, kernel backends, settings and every
+link's configured and achieved rate, and ``DIR/allreduce.png`` (time against
+size per method, one panel per link and world size).
 """
 
 import argparse
@@ -276,36 +288,126 @@ def _bench_worker(rank, world, sizes, repeat, names):
     return rows if rank == 0 else None
 
 
-def run(sizes, worlds, repeat=5, names=None, timeout=3600.0) -> list[dict]:
-    """Run the benchmark; returns one row per (world, size, method).
+def run(sizes, worlds, repeat=5, names=None, timeout=3600.0, links=("none",),
+        link_jitter=0.0, seed=0, on_link=None) -> list[dict]:
+    """Run the benchmark; returns one row per (link, world, size, method).
 
     Args:
         sizes: float32 element counts. worlds: rank counts (>= 2).
         repeat: timed calls per method. names: method names to keep (None: all).
         timeout: seconds for each world size's run.
+        links: ``"none"`` (loopback) and/or rates for :class:`gradcomp.cluster.LocalCluster`.
+        link_jitter, seed: the cluster's ``rate_jitter`` and ``seed``.
+        on_link: called with each link's description (configured and achieved rate).
     """
     from gradcomp.launch import launch
 
     rows = []
-    for world in worlds:
-        rows += launch(_bench_worker, world, (list(sizes), repeat, names), timeout=timeout)[0]
+    for link in links:
+        for world in worlds:
+            args = (list(sizes), repeat, names)
+            if link == "none":
+                out = launch(_bench_worker, world, args, timeout=timeout)[0]
+                info = {"name": "none", "configured_bps": None, "achieved_bps": None,
+                        "emulation": "loopback"}
+            else:
+                from gradcomp.cluster import LocalCluster
+
+                with LocalCluster(world, rate=link, rate_jitter=link_jitter, seed=seed) as c:
+                    info = c.describe()
+                    if on_link is not None:
+                        on_link(info)
+                    out = c.run(_bench_worker, *args, timeout=timeout)[0]
+            for r in out:
+                r["link"] = info
+                rate = info["configured_bps"]
+                r["link_share"] = (8 * r["bytes_per_rank"] / (r["median_ms"] / 1000) / rate
+                                   if rate else None)
+            rows += out
     for r in rows:
         base = next(b for b in rows if b["world"] == r["world"] and b["numel"] == r["numel"]
-                    and b["method"] == BASELINE)
+                    and b["link"]["name"] == r["link"]["name"] and b["method"] == BASELINE)
         r["speedup_vs_f32"] = base["median_ms"] / r["median_ms"]
     return rows
 
 
+def plot(rows, path: str) -> str:
+    """Time against size per method, one panel per (link, world); writes ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(dict.fromkeys((r["link"]["name"], r["world"]) for r in rows))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.5), squeeze=False)
+    for ax, (link, world) in zip(axes[0], panels):
+        sub = [r for r in rows if r["link"]["name"] == link and r["world"] == world]
+        info = sub[0]["link"]
+        for name in dict.fromkeys(r["method"] for r in sub):
+            pts = sorted((r["numel"], r["median_ms"]) for r in sub if r["method"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                    lw=2.5 if name == BASELINE else 1.2, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("float32 elements per rank")
+        ax.set_ylabel("median time per allreduce (ms, slowest rank)")
+        if info["configured_bps"]:
+            from gradcomp.cluster import format_rate
+
+            title = (f"link {format_rate(info['configured_bps'])} (achieved "
+                     f"{format_rate(info['achieved_bps'])}), world {world}")
+        else:
+            title = f"loopback (unshaped), world {world}"
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.suptitle("gradcomp allreduce: time against size per method")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _table(rows) -> str:
-    head = (f"{'world':>5} {'numel':>9} {'method':<38} {'ms':>9} {'x f32':>6} {'MiB/rank':>9} "
-            f"{'ratio':>7} {'rel_err':>9}")
+    head = (f"{'link':>8} {'world':>5} {'numel':>9} {'method':<38} {'ms':>9} {'x f32':>6} "
+            f"{'MiB/rank':>9} {'ratio':>7} {'rel_err':>9} {'link%':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = f"{r['compression_ratio']:.2f}" if r["compression_ratio"] else "-"
-        lines.append(f"{r['world']:>5} {r['numel']:>9} {r['method']:<38} {r['median_ms']:>9.1f} "
-                     f"{r['speedup_vs_f32']:>6.2f} {r['bytes_per_rank'] / 2**20:>9.3f} {ratio:>7} "
-                     f"{r['rel_err']:>9.2e}")
+        share = f"{100 * r['link_share']:.1f}" if r.get("link_share") is not None else "-"
+        lines.append(f"{r['link']['name']:>8} {r['world']:>5} {r['numel']:>9} {r['method']:<38} "
+                     f"{r['median_ms']:>9.1f} {r['speedup_vs_f32']:>6.2f} "
+                     f"{r['bytes_per_rank'] / 2**20:>9.3f} {ratio:>7} {r['rel_err']:>9.2e} {share:>6}")
     return "\n".join(lines)
+
+
+def _links(text: str) -> list[str]:
+    from gradcomp.cluster import format_rate, parse_rate
+
+    out = []
+    for t in (t.strip() for t in text.split(",")):
+        if not t:
+            continue
+        if t == "none":
+            out.append(t)
+            continue
+        try:
+            out.append(format_rate(parse_rate(t)))
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{e}; or none (the unshaped loopback)") from None
+    if not out:
+        raise argparse.ArgumentTypeError("expected link names, e.g. none,1gbit,100mbit")
+    return list(dict.fromkeys(out))
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return v
 
 
 def _int(text: str) -> int:
@@ -333,7 +435,13 @@ def main(argv=None) -> int:
     p.add_argument("--repeat", type=int, default=5, help="timed calls per method (default 5)")
     p.add_argument("--methods", default=None,
                    help="comma-separated method names to run (default: all); see the table for names")
-    p.add_argument("--out", default=None, help="directory for allreduce.json")
+    p.add_argument("--link", type=_links, default=["none"], metavar="LIST",
+                   help="comma-separated links: none (loopback, default) or rates such as "
+                        "100mbit,1gbit,10gbit (an emulated cluster, needs root and iproute2)")
+    p.add_argument("--link-jitter", type=_fraction, default=0.0, metavar="F",
+                   help="redraw each shaped link's rate every second from rate x U(1-F, 1+F) (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the link jitter (default 0)")
+    p.add_argument("--out", default=None, help="directory for allreduce.json and allreduce.png")
     p.add_argument("--quick", action="store_true", help="size 2**20, world 2, 3 repeats")
     args = p.parse_args(argv)
     sizes = args.size if args.size else args.sizes
@@ -344,8 +452,19 @@ def main(argv=None) -> int:
         p.error("--repeat must be >= 1")
     if min(worlds) < 2:
         p.error("--worlds must be >= 2 (a world of one sends nothing)")
-    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
-        p.error(f"--out: {args.out} exists and is not a directory")
+    if args.out:
+        from gradcomp._validate import writable_dir
+
+        try:
+            writable_dir("--out", args.out)
+        except ValueError as e:
+            p.error(str(e).replace("--out ", "--out: ", 1))
+    if any(link != "none" for link in args.link):
+        from gradcomp.cluster import requirements_missing
+
+        reason = requirements_missing()
+        if reason is not None:
+            p.error(f"--link {','.join(args.link)} needs the emulated cluster: {reason}")
     names = [s.strip() for s in args.methods.split(",")] if args.methods else None
     if names:
         unknown = sorted(set(names) - set(method_names()))
@@ -356,7 +475,9 @@ def main(argv=None) -> int:
 
     backends = gc.kernels.available_backends()
     config = {
-        "sizes": sizes, "worlds": worlds, "repeat": repeat, "transport": "gloo over loopback",
+        "sizes": sizes, "worlds": worlds, "repeat": repeat, "links": args.link,
+        "link_jitter": args.link_jitter, "seed": args.seed,
+        "transport": "gloo (loopback for link none, veth + tbf in network namespaces otherwise)",
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "threads_per_rank": int(os.environ.get("GRADCOMP_WORKER_THREADS", "1")),
@@ -366,7 +487,19 @@ def main(argv=None) -> int:
     print(f"gradcomp allreduce benchmark: worlds {worlds}, sizes {sizes}, {repeat} repeats; "
           f"CPU kernels: {'native (gradcomp._C)' if config['native_cpu_kernels'] else 'reference (torch)'}",
           flush=True)
-    rows = run(sizes, worlds, repeat, names)
+    links = []
+
+    def on_link(info):
+        from gradcomp.cluster import format_rate
+
+        links.append(info)
+        print(f"link {info['name']}, world {info['world_size']}: configured "
+              f"{format_rate(info['configured_bps'])}, achieved {format_rate(info['achieved_bps'])} "
+              "(calibration transfer rank 0 -> 1)", flush=True)
+
+    rows = run(sizes, worlds, repeat, names, links=args.link, link_jitter=args.link_jitter,
+               seed=args.seed, on_link=on_link)
+    config["link_calibrations"] = links
     print(_table(rows))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -374,6 +507,7 @@ def main(argv=None) -> int:
         with open(path, "w") as f:
             json.dump({"config": config, "results": rows}, f, indent=1)
         print(f"wrote {path}")
+        print(f"wrote {plot(rows, os.path.join(args.out, 'allreduce.png'))}")
     return 0
 
 

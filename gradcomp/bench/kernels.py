@@ -730,8 +730,12 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error(f"--repeat: expected an integer >= 1, got {args.repeat}")
     if not (args.budget > 0 and math.isfinite(args.budget)):
         p.error(f"--budget: expected a finite number of seconds > 0, got {args.budget}")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        p.error(f"--out: {args.out} exists and is not a directory")
+    from gradcomp._validate import writable_dir
+
+    try:
+        writable_dir("--out", args.out)
+    except ValueError as e:
+        p.error(str(e).replace("--out ", "--out: ", 1))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from gradcomp import timeline as _timeline
 from gradcomp.comm.agreement import TAG
 from gradcomp.comm.chunks import ring_raw_bytes
 from gradcomp.comm.local import Local
@@ -82,8 +83,9 @@ def allreduce(comm: Comm, local: Local, work: torch.Tensor, op: str) -> None:
         rs_sent, ag_sent, rs_recv, ag_recv = ring_raw_bytes(numel, n, r)
         comm.meter.record_raw(sent=rs_sent + ag_sent, received=rs_recv + ag_recv, phase="allgather")
     blobs = comm.ring_allgather(wire, sizes, [0] * n, phase="allgather")
-    work.zero_()
-    for blob in blobs:
-        local.inner.decompress_add_(blob, work)
-    if op == "avg":
-        work.div_(n)
+    with _timeline.span("decompress"):
+        work.zero_()
+        for blob in blobs:
+            local.inner.decompress_add_(blob, work)
+        if op == "avg":
+            work.div_(n)

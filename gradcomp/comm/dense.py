@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from gradcomp import timeline as _timeline
 from gradcomp.comm.chunks import FLOAT32_BYTES, chunk_bounds
 from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import Compressor
@@ -100,13 +101,15 @@ def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str, pending: to
     """
     r = comm.rank
     lo, hi = plan.bounds[r]
-    mine = plan.expect(plan.compressor.reduce_compress_(
-        plan.received(pending), work[lo:hi], divisor=comm.world_size if op == "avg" else 1,
-        out=plan.wire_buffer(comm, r, work.device), decode=True), r)
+    with _timeline.span("compress"):
+        mine = plan.expect(plan.compressor.reduce_compress_(
+            plan.received(pending), work[lo:hi], divisor=comm.world_size if op == "avg" else 1,
+            out=plan.wire_buffer(comm, r, work.device), decode=True), r)
 
     def decompress(j: int, blob: torch.Tensor) -> None:
         if j != r:  # the owner's chunk is already decoded
             lo, hi = plan.bounds[j]
-            plan.compressor.decompress(plan.received(blob), out=work[lo:hi])
+            with _timeline.span("decompress"):
+                plan.compressor.decompress(plan.received(blob), out=work[lo:hi])
 
     comm.ring_allgather(mine, plan.wire_nbytes, plan.raw_nbytes, phase="allgather", consume=decompress)

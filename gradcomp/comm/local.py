@@ -31,6 +31,8 @@ from collections.abc import Hashable
 
 import torch
 
+from gradcomp import timeline as _timeline
+
 from gradcomp.compressors import Compressor, ErrorFeedback
 from gradcomp.wire import Payload
 
@@ -85,6 +87,11 @@ class Local:
         return dst
 
     def compress(self, lo: int, hi: int, chunk: Hashable, out: torch.Tensor | None = None) -> Payload:
+        """:meth:`_compress`, recorded as a ``"compress"`` span of the active timeline."""
+        with _timeline.span("compress"):
+            return self._compress(lo, hi, chunk, out)
+
+    def _compress(self, lo: int, hi: int, chunk: Hashable, out: torch.Tensor | None = None) -> Payload:
         """Compress elements ``[lo, hi)`` of this rank's contribution alone,
         with error feedback when configured.
 

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from gradcomp import timeline as _timeline
 from gradcomp.comm.buffers import POOL
 
 __all__ = ["PIECES", "MIN_PIECE_BYTES", "Message", "Comm", "Transfer", "pieces"]
@@ -216,6 +217,18 @@ class Transfer:
         """
         comm = self.comm
         deadline = time.monotonic() + comm.timeout
+        with _timeline.span("communicate"):
+            self._wait_all(deadline)
+        meter = comm.meter
+        if meter is not None:
+            for m in self.sends:
+                meter.record_send(m.buf.numel(), m.raw_nbytes, phase=self.phase)
+            for m in self.recvs:
+                meter.record_recv(m.buf.numel(), m.raw_nbytes, phase=self.phase)
+            meter.record_time(time.perf_counter() - self.t0, phase=self.phase)
+
+    def _wait_all(self, deadline: float) -> None:
+        comm = self.comm
         for w in self.works:
             left = max(0.001, deadline - time.monotonic())
             try:
@@ -226,10 +239,3 @@ class Transfer:
                 if "timed out" in str(e).lower() or time.monotonic() >= deadline:
                     raise TimeoutError(f"{what} did not finish within {comm.timeout} s: {e}") from e
                 raise RuntimeError(f"{what} failed: {e}") from e
-        meter = comm.meter
-        if meter is not None:
-            for m in self.sends:
-                meter.record_send(m.buf.numel(), m.raw_nbytes, phase=self.phase)
-            for m in self.recvs:
-                meter.record_recv(m.buf.numel(), m.raw_nbytes, phase=self.phase)
-            meter.record_time(time.perf_counter() - self.t0, phase=self.phase)

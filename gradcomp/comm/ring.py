@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from gradcomp import timeline as _timeline
 from gradcomp.comm.dense import Plan
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm, Message
@@ -64,6 +65,7 @@ def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> 
         if s == n - 2:
             return inbox  # in_j == r
         # decompress, add and recompress in one pass
-        wire = plan.expect(plan.compressor.reduce_compress_(plan.received(inbox), acc,
-                                                            out=plan.wire_buffer(comm, in_j, dev)), in_j)
+        with _timeline.span("compress"):
+            wire = plan.expect(plan.compressor.reduce_compress_(
+                plan.received(inbox), acc, out=plan.wire_buffer(comm, in_j, dev)), in_j)
     raise AssertionError("unreachable: world_size >= 2")  # pragma: no cover

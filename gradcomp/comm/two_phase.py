@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from gradcomp import timeline as _timeline
+
 from gradcomp.comm.dense import Plan
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm, Message
@@ -56,5 +58,6 @@ def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> 
     acc = local.exact_into(lo, hi, work[lo:hi])  # while the payloads travel
     transfer.wait()
     for m in recvs[:-1]:  # in rank order; the last one is added by share_owned
-        plan.compressor.decompress_add_(plan.received(m.buf), acc)
+        with _timeline.span("decompress"):
+            plan.compressor.decompress_add_(plan.received(m.buf), acc)
     return recvs[-1].buf

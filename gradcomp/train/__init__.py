@@ -9,7 +9,7 @@ test accuracy, wall time) come from the compressor alone.
 
 Modules: :mod:`~gradcomp.train.data` (split, sharding), :mod:`~gradcomp.train.model`,
 :mod:`~gradcomp.train.config` (settings, compressor menu), :mod:`~gradcomp.train.sync`,
-:mod:`~gradcomp.train.async_` (per-rank loops), :mod:`~gradcomp.train.study` (the grid),
+:mod:`~gradcomp.train.async_`, :mod:`~gradcomp.train.local` (per-rank loops), :mod:`~gradcomp.train.study` (the grid),
 :mod:`~gradcomp.train.report` (table, JSON, CSV, PNG), :mod:`~gradcomp.train.command` (CLI).
 
 Command line (``gradcomp train`` or ``python -m gradcomp.train``)::

@@ -109,4 +109,4 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         stats = out["stats"]
         log.extra = {k: stats[k] for k in ("updates", "accepted", "dropped", "rejected",
                                            "staleness_histogram")}
-    return log.finish(meter_dict)
+    return log.finish(meter_dict, models[0] if rank != 0 and index == 0 else None, data)

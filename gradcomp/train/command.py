@@ -14,6 +14,7 @@ Exit status: 0 done; 2 a wrong option or settings that cannot work together;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import signal
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 
-from gradcomp.train.config import (ALGORITHMS, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
+from gradcomp.train.config import (ALGORITHMS, ALL_MODES, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
                                    TrainConfig, parse_compressors)
 
 __all__ = ["add_arguments", "build_parser", "run", "main"]
@@ -59,6 +60,28 @@ def _nonnegative_float(text: str) -> float:
     return _positive_float(text)
 
 
+def _nonnegative_int(text: str) -> int:
+    try:
+        val = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if val < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {val}")
+    return val
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    """``--mode``: ``both`` (sync and async) or a comma-separated list of ALL_MODES."""
+    if text == "both":
+        return MODES
+    names = [m.strip() for m in text.split(",")]
+    bad = [m for m in names if m not in ALL_MODES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"invalid choice: {(bad or [text])[0]!r} (choose from "
+                                         f"{', '.join(ALL_MODES)}, both or a comma-separated list)")
+    return tuple(dict.fromkeys(names))
+
+
 def _seed(text: str) -> int:
     try:
         val = int(text)
@@ -76,15 +99,76 @@ def _compressor_list(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _link(text: str) -> str:
+    if text in ("none", "loopback"):
+        return "none"
+    from gradcomp.cluster import format_rate, parse_rate
+
+    try:
+        return format_rate(parse_rate(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e}; or none (the unshaped loopback)") from None
+
+
+def _fraction(text: str) -> float:
+    try:
+        val = float(text)
+    except ValueError:
+        val = -1.0
+    if not 0 <= val < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return val
+
+
+def _cv(text: str) -> float:
+    try:
+        val = float(text)
+    except ValueError:
+        val = -1.0
+    if not 0 <= val <= 10:
+        raise argparse.ArgumentTypeError(f"expected a coefficient of variation in [0, 10], got {text!r}")
+    return val
+
+
+def _straggler(text: str) -> tuple[int, float]:
+    from gradcomp.train.timing import parse_straggler
+
+    try:
+        return parse_straggler(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).replace("--straggler ", "")) from None
+
+
+def _accuracy(text: str) -> float:
+    try:
+        val = float(text)
+    except ValueError:
+        val = -1.0
+    if not 0 < val <= 1:
+        raise argparse.ArgumentTypeError(f"expected an accuracy in (0, 1], got {text!r}")
+    return val
+
+
+def _scenarios(text: str):
+    from gradcomp.train.scenarios import parse_scenarios
+
+    try:
+        return parse_scenarios(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the study's options to ``p``."""
     d = TrainConfig()
     p.add_argument("--workers", type=_positive_int, default=None,
                    help=f"data-parallel workers (default {d.workers}; async adds a server process; "
                         "under torchrun: WORLD_SIZE for sync, WORLD_SIZE - 1 for async)")
-    p.add_argument("--mode", choices=(*MODES, "both"), default="both",
-                   help="sync (DDP + compressed allreduce hook), async (parameter server) "
-                        "or both (default)")
+    p.add_argument("--mode", type=_modes, default=MODES, metavar="MODE[,MODE]",
+                   help="sync (DDP + compressed allreduce hook), async (parameter server), "
+                        "local (local SGD / DiLoCo: compressed pseudo-gradients every "
+                        "--sync-every steps), a comma-separated list of them (e.g. sync,local), "
+                        "or both (sync and async, the default)")
     p.add_argument("--compressors", type=_compressor_list, default=DEFAULT_COMPRESSORS,
                    metavar="LIST",
                    help="comma-separated names among none,fp16,bf16,int8,int8-ef,topk-ef,"
@@ -111,8 +195,48 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive_float, default=d.timeout,
                    help=f"seconds allowed per run before its processes are stopped "
                         f"(default {d.timeout:g})")
-    p.add_argument("--out", default=DEFAULT_OUT,
-                   help=f"directory for results.json, results.csv, results.png (default {DEFAULT_OUT})")
+    time = p.add_argument_group("time (shaped links, stragglers, time to accuracy)")
+    time.add_argument("--link", type=_link, default="none", metavar="RATE",
+                      help="none (the unshaped loopback, default) or a link rate: 100mbit, 1gbit, "
+                           "10gbit, ... (every rank in its own network namespace, links shaped with "
+                           "tc tbf; needs root and iproute2)")
+    time.add_argument("--link-jitter", type=_fraction, default=0.0, metavar="F",
+                      help="redraw each link's rate every second from rate x U(1-F, 1+F) (default 0)")
+    time.add_argument("--straggler", type=_straggler, default=None, metavar="RANK:FACTOR",
+                      help="worker RANK's compute takes FACTOR (>= 1) times as long")
+    time.add_argument("--compute-jitter", type=_cv, default=0.0, metavar="CV",
+                      help="stretch every worker's compute each step by a lognormal factor with "
+                           "mean 1 and this coefficient of variation (seeded; default 0)")
+    time.add_argument("--target-acc", type=_accuracy, default=None, metavar="A",
+                      help="target test accuracy in (0, 1] for the time to target (default "
+                           "0.98 x the first mode's none baseline's final accuracy)")
+    time.add_argument("--seeds", type=_positive_int, default=1, metavar="N",
+                      help="repeat every run with N seeds (seed, seed+1, ...): means and 95%% "
+                           "intervals (default 1)")
+    time.add_argument("--scenarios", type=_scenarios, default=None, metavar="LIST",
+                      help="run the grid in each scenario and write decision.md/json: "
+                           "loopback, a rate (10gbit, 1gbit, 100mbit, ...) with optional +straggler "
+                           "(worker 1 x3) and +jitter (link and compute jitter 0.2), e.g. "
+                           "loopback,1gbit,100mbit,100mbit+straggler")
+    time.add_argument("--max-gap", type=_nonnegative_float, default=None, metavar="PTS",
+                      help="accuracy bound of the decision table in points (default 0.5)")
+    local = p.add_argument_group("local mode (local SGD / DiLoCo, gradcomp.LocalSGD)")
+    local.add_argument("--sync-every", type=_positive_int, default=None, metavar="H",
+                       help=f"steps between synchronisations (default {d.sync_every})")
+    local.add_argument("--outer", choices=("avg", "nesterov"), default=None,
+                       help="average the replicas (avg, the default) or take DiLoCo's outer "
+                            "Nesterov step (nesterov: lr 0.7, momentum 0.9)")
+    local.add_argument("--fragments", type=_positive_int, default=None, metavar="F",
+                       help="fragments synchronised in turn, one every H/F steps (default 1)")
+    local.add_argument("--overlap", type=_nonnegative_int, default=None, metavar="TAU",
+                       help="steps a fragment's exchange overlaps training before its update "
+                            "is applied, 0 <= TAU < H/F (default 0)")
+    p.add_argument("--out", default=None,
+                   help=f"directory for the results (results.json/.csv/.png, time.png, decision.md/"
+                        f".json); default: a new timestamped directory under {DEFAULT_OUT}/. "
+                        "An existing results.json there is never replaced without --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -141,37 +265,90 @@ def _workers(args: argparse.Namespace) -> int:
     if not in_torchrun():
         return args.workers if args.workers is not None else TrainConfig().workers
     world = int(os.environ["WORLD_SIZE"])
-    if args.mode == "both":
-        raise ValueError("under torchrun run one mode per job: --mode sync (WORLD_SIZE workers) or "
-                         "--mode async (1 server + WORLD_SIZE - 1 workers)")
-    expected = world if args.mode == "sync" else world - 1
+    if len(args.mode) > 1:
+        raise ValueError("under torchrun run one mode per job: --mode sync or local (WORLD_SIZE "
+                         "workers) or --mode async (1 server + WORLD_SIZE - 1 workers)")
+    mode = args.mode[0]
+    expected = world - 1 if mode == "async" else world
     if expected < 1:
         raise ValueError(f"async mode needs at least 2 ranks (1 server + workers), the job has {world}")
     if args.workers is not None and args.workers != expected:
         raise ValueError(f"--workers {args.workers} does not fit this torchrun job of {world} ranks: "
-                         f"{args.mode} mode with {world} ranks has {expected} workers")
+                         f"{mode} mode with {world} ranks has {expected} workers")
     return expected
 
 
+#: options of the local mode only, with their TrainConfig field
+LOCAL_OPTIONS = {"--sync-every": "sync_every", "--outer": "outer", "--fragments": "fragments",
+                 "--overlap": "overlap"}
+
+
 def _config(args: argparse.Namespace) -> TrainConfig:
+    local = {field: getattr(args, field) for field in LOCAL_OPTIONS.values()
+             if getattr(args, field, None) is not None}
+    if local and "local" not in args.mode:
+        given = [opt for opt, field in LOCAL_OPTIONS.items() if field in local]
+        raise ValueError(f"{', '.join(given)} only apply to --mode local, got --mode {','.join(args.mode)}")
     return TrainConfig(workers=_workers(args), steps=args.steps, batch_size=args.batch_size,
                        lr=args.lr, momentum=args.momentum, seed=args.seed,
                        algorithm=args.algorithm, eval_every=args.eval_every,
-                       threshold=args.threshold, timeout=args.timeout)
+                       threshold=args.threshold, timeout=args.timeout,
+                       straggler=args.straggler, compute_jitter=args.compute_jitter, **local)
+
+
+def _scenario_list(args: argparse.Namespace, workers: int):
+    """The scenarios to run: ``--scenarios``, or one from ``--link`` and friends.
+
+    Raises:
+        ValueError: a straggler rank that is not a worker; --scenarios with
+            --link / --straggler / --compute-jitter; a link without the emulated cluster.
+    """
+    from gradcomp.train.scenarios import Scenario
+
+    if args.scenarios is not None:
+        if args.link != "none" or args.straggler or args.compute_jitter or args.link_jitter:
+            raise ValueError("--scenarios sets link, jitter and stragglers itself: drop --link, "
+                             "--link-jitter, --straggler and --compute-jitter")
+        scenarios = list(args.scenarios)
+    else:
+        if args.link_jitter and args.link == "none":
+            raise ValueError("--link-jitter needs a shaped --link (e.g. --link 100mbit)")
+        name = "loopback" if args.link == "none" else args.link
+        if args.straggler or args.compute_jitter or args.link_jitter:
+            name += "+custom"
+        scenarios = [Scenario(name=name, link=None if args.link == "none" else args.link,
+                              link_jitter=args.link_jitter, straggler=args.straggler,
+                              compute_jitter=args.compute_jitter)]
+    for s in scenarios:
+        if s.straggler is not None and not s.straggler[0] < workers:
+            raise ValueError(f"--straggler rank {s.straggler[0]} is not a worker: "
+                             f"the study has workers 0..{workers - 1}")
+    if any(s.link for s in scenarios):
+        from gradcomp.cluster import requirements_missing
+
+        reason = requirements_missing()
+        if reason is not None:
+            raise ValueError(f"a shaped link needs the emulated cluster: {reason}")
+    return scenarios
 
 
 class _Bars:
     """One rich progress bar per run."""
 
-    def __init__(self, console, total: int):
+    def __init__(self, console, total: int, grand_total: int, seeds: int = 1):
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                    TimeElapsedColumn)
 
-        self.progress = Progress(TextColumn("{task.description:<22}"), BarColumn(),
+        from rich.progress import TimeRemainingColumn
+
+        self.progress = Progress(TextColumn("{task.description:<30}"), BarColumn(),
                                  MofNCompleteColumn(), TextColumn("steps"), TimeElapsedColumn(),
-                                 console=console)
+                                 TimeRemainingColumn(), console=console)
         self.total = total
-        self.tasks: dict[tuple[str, str], int] = {}
+        self.seeds = seeds
+        self.prefix = ""
+        self.tasks: dict[tuple, int] = {}
+        self.overall = self.progress.add_task("all runs (time left: estimate)", total=grand_total)
 
     def __enter__(self):
         self.progress.start()
@@ -180,12 +357,40 @@ class _Bars:
     def __exit__(self, *exc):
         self.progress.stop()
 
-    def __call__(self, mode: str, compressor: str, step: int) -> None:
-        key = (mode, compressor)
+    def __call__(self, mode: str, compressor: str, step: int, seed: int = 0) -> None:
+        key = (self.prefix, mode, compressor, seed)
         if key not in self.tasks:
-            label = f"{mode} {COMPRESSORS[compressor].label}"
+            label = f"{self.prefix}{mode} {COMPRESSORS[compressor].label}"
+            if self.seeds > 1:
+                label += f" s{seed}"
             self.tasks[key] = self.progress.add_task(label, total=self.total)
         self.progress.update(self.tasks[key], completed=step)
+        self.progress.update(self.overall, completed=sum(
+            t.completed for i, t in enumerate(self.progress.tasks) if t.id != self.overall))
+
+
+def prepare_out(out: str | None, overwrite: bool = False) -> str:
+    """The directory the results go to, created and checked writable before
+    anything runs: ``out``, or a new ``DEFAULT_OUT/<YYYYmmdd-HHMMSS>`` (``-2``,
+    ``-3``, ... when taken).
+
+    Raises:
+        ValueError: ``out`` is a file, cannot be created or written, or already
+            holds results and ``overwrite`` is False (one-line reasons).
+    """
+    if out is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        out = os.path.join(DEFAULT_OUT, stamp)
+        k = 2
+        while os.path.exists(out):
+            out = os.path.join(DEFAULT_OUT, f"{stamp}-{k}")
+            k += 1
+    from gradcomp._validate import writable_dir
+
+    if os.path.isdir(out) and not overwrite and os.path.exists(os.path.join(out, "results.json")):
+        raise ValueError(f"--out {out} already holds results (results.json); pass --overwrite to "
+                         "replace them, or choose another directory")
+    return writable_dir("--out", out)
 
 
 def _interrupt(signum, frame):
@@ -203,9 +408,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from gradcomp.launch import WorkerError
-    from gradcomp.train import report
-    from gradcomp.train.study import in_torchrun, run_study
+    from gradcomp.train.study import in_torchrun
 
     err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -217,22 +420,59 @@ def run(args: argparse.Namespace) -> int:
         cfg = _config(args)
     except ValueError as e:
         return fail(str(e), 2)
-    modes = MODES if args.mode == "both" else (args.mode,)
+    modes = args.mode
     lead = not in_torchrun() or os.environ.get("RANK") == "0"
-    if lead and os.path.exists(args.out) and not os.path.isdir(args.out):
-        return fail(f"--out {args.out} exists and is not a directory", 2)
+    try:
+        scenarios = _scenario_list(args, cfg.workers)
+    except ValueError as e:
+        return fail(str(e), 2)
+    made = None
+    if lead:
+        try:
+            existed = args.out is not None and os.path.isdir(args.out)
+            args.out = prepare_out(args.out, args.overwrite)
+            made = None if existed else args.out
+        except ValueError as e:
+            return fail(str(e), 2)
     console = Console(quiet=not lead)
     if not console.is_terminal:
-        console = Console(quiet=not lead, width=max(console.width, 100))
+        console = Console(quiet=not lead, width=max(console.width, 120))
+    status = _run_and_report(args, cfg, modes, scenarios, lead, console, fail)
+    if status != 0 and made is not None:
+        try:
+            os.rmdir(made)  # only if the failed run left it empty
+        except OSError:
+            pass
+    return status
+
+
+def _run_and_report(args, cfg, modes, scenarios, lead, console, fail) -> int:
+    from gradcomp.launch import WorkerError
+    from gradcomp.train import report
+    from gradcomp.train.study import fill_targets, run_study
     t0 = time.perf_counter()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
+    names = list(dict.fromkeys(["none", *args.compressors]))
+    grand = cfg.steps * len(modes) * len(names) * args.seeds * len(scenarios)
+    studies = []
     try:
-        if args.no_progress or not lead:
-            study = run_study(cfg, modes, args.compressors)
-        else:
-            with _Bars(console, cfg.steps) as bars:
-                study = run_study(cfg, modes, args.compressors, on_progress=bars)
+        with contextlib.ExitStack() as stack:
+            bars = None
+            if not (args.no_progress or not lead):
+                bars = stack.enter_context(_Bars(console, cfg.steps, grand, args.seeds))
+            for sc in scenarios:
+                if bars is not None and len(scenarios) > 1:
+                    bars.prefix = f"{sc.name}: "
+                studies.append(run_study(cfg, modes, args.compressors, on_progress=bars,
+                                         scenario=sc, seeds=args.seeds, target_acc=args.target_acc))
+        if args.target_acc is None and len(studies) > 1:
+            # one target for every scenario: the first scenario's baseline
+            common = studies[0].target_accuracy
+            for s in studies[1:]:
+                fill_targets(s.runs, common)
+                s.target_accuracy, s.target_fraction = common, studies[0].target_fraction
+        study = studies[0]
     except KeyboardInterrupt:
         return fail("interrupted", 130)
     except WorkerError as e:
@@ -243,16 +483,19 @@ def run(args: argparse.Namespace) -> int:
     except (TimeoutError, ImportError, RuntimeError) as e:
         return fail(f"{type(e).__name__}: {e}", 1)
     if lead:
-        try:
-            paths = report.write_all(study, args.out)
-        except OSError as e:
-            return fail(f"cannot write the results to --out {args.out}: {e}", 1)
         console.print(report.title(study), highlight=False)
-        console.print(report.table(study))
+        for s in studies:
+            console.print(report.link_line(s), highlight=False)
+            console.print(report.table(s))
         if "threshold-ef" in {r.compressor for r in study.runs}:
             console.print(f"threshold+ef: threshold {study.threshold:.3g}", highlight=False)
         console.print(f"total wall time {time.perf_counter() - t0:.1f} s", highlight=False)
-        console.print("wrote " + ", ".join(paths.values()), highlight=False)
+        try:
+            paths = report.write_all(study, args.out, studies, args.max_gap)
+        except OSError as e:
+            return fail(f"cannot write the results to --out {args.out}: {e}", 1)
+        console.print(f"results in {args.out}: " + ", ".join(os.path.basename(p) for p in paths.values()),
+                      highlight=False)
     return 0
 
 

@@ -11,18 +11,29 @@ from gradcomp.train.config import TrainConfig
 from gradcomp.train.data import Digits
 from gradcomp.train.model import evaluate
 
-__all__ = ["RankLog", "counted_bytes"]
+__all__ = ["RankLog", "counted_bytes", "param_digest"]
+
+
+def param_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's parameters' bytes, in order (equal digests:
+    bit-identical parameters)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
 
 
 def counted_bytes(mode: str, meter, raw: bool = False) -> int:
     """The bytes a worker's meter (a TrafficMeter or its ``as_dict()``) counts
-    for the report: what it sent in sync mode (a ring rank receives as much as
-    it sends), what it sent plus received in async mode (pushes and pulls).
+    for the report: what it sent in sync and local mode (a ring rank receives
+    as much as it sends), what it sent plus received in async mode (pushes and pulls).
     ``raw``: the uncompressed float32 equivalent of the same."""
     d = meter if isinstance(meter, dict) else meter.as_dict()
     prefix = "raw_" if raw else ""
     sent = d[f"{prefix}bytes_sent"]
-    return sent if mode == "sync" else sent + d[f"{prefix}bytes_received"]
+    return sent if mode in ("sync", "local") else sent + d[f"{prefix}bytes_received"]
 
 
 @dataclass
@@ -38,8 +49,14 @@ class RankLog:
         final: ``(test_loss, test_accuracy)`` of the trained model (on the rank
             that holds it: sync rank 0, the async server).
         meter: the rank's ``TrafficMeter.as_dict()`` at the end.
-        wall_s: seconds of the training loop on this rank.
+        wall_s: seconds of the training loop on this rank (evaluation excluded).
+        clock: training-clock seconds at each mark (evaluation excluded).
+        steps: the per-step timeline (:class:`gradcomp.timeline.StepRecord`), if recorded.
         extra: role-specific counters (e.g. the server's staleness histogram).
+
+    Evaluation never runs inside the timed loop: at a mark the evaluating
+    rank copies its parameters (a snapshot, its copy time excluded from the
+    clock) and :meth:`finish` evaluates the snapshots after the loop.
     """
 
     rank: int
@@ -51,11 +68,20 @@ class RankLog:
     final: tuple[float, float] | None = None
     meter: dict = field(default_factory=dict)
     wall_s: float = 0.0
+    clock: list[float] = field(default_factory=list)
+    steps: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
     _t0: float = field(default=0.0, repr=False)
+    _paused: float = field(default=0.0, repr=False)
+    _snapshots: list = field(default_factory=list, repr=False)
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
+        self._paused = 0.0
+
+    def elapsed(self) -> float:
+        """Training-clock seconds since :meth:`start` (snapshot copies excluded)."""
+        return time.perf_counter() - self._t0 - self._paused
 
     def record(self, cfg: TrainConfig, mode: str, step: int, loss: float, meter,
                model: torch.nn.Module | None, data: Digits, progress=None) -> None:
@@ -64,15 +90,34 @@ class RankLog:
         is given, a test evaluation. ``progress.put(step)`` now and then."""
         self.losses.append(float(loss))
         if step % cfg.eval_every == 0 or step == cfg.steps:
+            t = time.perf_counter()
             self.marks.append(step)
+            self.clock.append(t - self._t0 - self._paused)
             self.traffic.append(counted_bytes(mode, meter))
             if model is not None:
-                self.evals.append(evaluate(model, data.x_test, data.y_test))
+                self._snapshots.append([p.detach().clone() for p in model.parameters()])
+            self._paused += time.perf_counter() - t
         if progress is not None and (step % max(1, cfg.steps // 100) == 0 or step == cfg.steps):
             progress.put(step)
 
-    def finish(self, meter) -> "RankLog":
-        """Stop the clock and keep the meter's counters (a TrafficMeter or its ``as_dict()``)."""
-        self.wall_s = time.perf_counter() - self._t0
+    def finish(self, meter, model: torch.nn.Module | None = None, data: Digits | None = None,
+               timeline=None) -> "RankLog":
+        """Stop the clock, keep the meter's counters (a TrafficMeter or its
+        ``as_dict()``) and the timeline's steps, and evaluate the snapshots
+        taken at the marks on ``model`` (its parameters are restored after)."""
+        self.wall_s = self.elapsed()
         self.meter = meter if isinstance(meter, dict) else meter.as_dict()
+        if timeline is not None:
+            self.steps = list(timeline.steps)
+        if self._snapshots and model is not None:
+            params = list(model.parameters())
+            keep = [p.detach().clone() for p in params]
+            with torch.no_grad():
+                for snap in self._snapshots:
+                    for p, s in zip(params, snap):
+                        p.copy_(s)
+                    self.evals.append(evaluate(model, data.x_test, data.y_test))
+                for p, s in zip(params, keep):
+                    p.copy_(s)
+            self._snapshots = []
         return self

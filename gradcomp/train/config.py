@@ -7,12 +7,16 @@ from dataclasses import asdict, dataclass, field
 from gradcomp.adaptive import Adaptive
 from gradcomp.compressors import (BF16, FP16, Compressor, Int8Quantizer, NoCompression, Threshold,
                                   TopK)
+from gradcomp.localsgd import OUTER_OPTIMIZERS, check_schedule
 from gradcomp.train.model import DEFAULT_HIDDEN
 
 __all__ = ["TrainConfig", "CompressorChoice", "COMPRESSORS", "DEFAULT_COMPRESSORS", "MODES",
-           "ALGORITHMS", "TOPK_RATIO", "parse_compressors"]
+           "ALGORITHMS", "TOPK_RATIO", "parse_compressors", "ALL_MODES"]
 
 MODES = ("sync", "async")
+#: Every mode ``--mode`` accepts: MODES (``both``) plus local SGD / DiLoCo
+#: (:mod:`gradcomp.train.local`).
+ALL_MODES = (*MODES, "local")
 #: Dense algorithms of the sync mode; sparse compressors always use ``allgather``.
 ALGORITHMS = ("ring", "two_phase")
 #: Density of the top-k compressors (k = 1% of each tensor's elements).
@@ -36,7 +40,7 @@ class CompressorChoice:
     name: str
     label: str
     error_feedback: bool
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = ALL_MODES
 
     def build(self, threshold: float | None = None) -> "Compressor | Adaptive":
         """A fresh codec (without error feedback: the transport's state adds it);
@@ -120,6 +124,13 @@ class TrainConfig:
         eval_every: steps between test-set evaluations (and the last step).
         threshold: threshold of ``threshold-ef`` (None: calibrated, see :mod:`gradcomp.train.study`).
         timeout: seconds allowed for one run before its processes are stopped.
+        straggler: ``(worker, factor)``: that worker's compute takes ``factor``
+            times as long (see :mod:`gradcomp.train.timing`); None: no straggler.
+        compute_jitter: coefficient of variation of every worker's per-step
+            compute stretch (lognormal, seeded; 0: none).
+        sync_every, outer, fragments, overlap: the local mode's schedule
+            (:class:`gradcomp.LocalSGD`: ``H``, ``"avg"`` or ``"nesterov"``,
+            ``F``, ``tau``).
     """
 
     workers: int = 4
@@ -134,6 +145,12 @@ class TrainConfig:
     eval_every: int = 10
     threshold: float | None = None
     timeout: float = 600.0
+    straggler: tuple[int, float] | None = None
+    compute_jitter: float = 0.0
+    sync_every: int = 32
+    outer: str = "avg"
+    fragments: int = 1
+    overlap: int = 0
 
     def __post_init__(self):
         for name in ("workers", "steps", "batch_size", "eval_every"):
@@ -153,7 +170,20 @@ class TrainConfig:
             raise ValueError(f"timeout must be > 0 and <= {MAX_TIMEOUT:g} seconds (finite), "
                              f"got {self.timeout!r}")
 
+        if self.straggler is not None:
+            rank, factor = self.straggler
+            if not (isinstance(rank, int) and 0 <= rank < self.workers):
+                raise ValueError(f"straggler rank must be a worker in 0..{self.workers - 1}, got {rank!r}")
+            if not 1 <= factor < 1e3:
+                raise ValueError(f"straggler factor must be >= 1 (and < 1000), got {factor!r}")
+        if not 0 <= self.compute_jitter <= 10:
+            raise ValueError(f"compute_jitter must be a CV in [0, 10], got {self.compute_jitter!r}")
+        check_schedule(self.sync_every, self.fragments, self.overlap)
+        if self.outer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"outer must be one of {OUTER_OPTIMIZERS}, got {self.outer!r}")
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["hidden"] = list(self.hidden)
+        d["straggler"] = list(self.straggler) if self.straggler is not None else None
         return d

@@ -35,6 +35,7 @@ the training loop alone (the slowest rank's), start-up excluded.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -51,15 +52,23 @@ from gradcomp.launch import launch
 from gradcomp.meter import TrafficMeter
 from gradcomp.train.async_ import async_world_size, train_async_rank
 from gradcomp.train.common import RankLog, counted_bytes
-from gradcomp.train.config import COMPRESSORS, MODES, TOPK_RATIO, TrainConfig
+from gradcomp.train.config import ALL_MODES, COMPRESSORS, TOPK_RATIO, TrainConfig
+from gradcomp.train.scenarios import Scenario
+from gradcomp.train.timing import summarize_time, time_to_target
 from gradcomp.train.data import Digits, load_digits_split, steps_per_epoch, worker_batches
 from gradcomp.train.model import make_model, num_parameters
+from gradcomp.train.local import train_local_rank
 from gradcomp.train.sync import train_sync_rank
 
-__all__ = ["RunResult", "StudyResult", "calibrate_threshold", "run_study", "in_torchrun"]
+__all__ = ["RunResult", "StudyResult", "calibrate_threshold", "run_study", "in_torchrun",
+           "fill_targets", "TARGET_FRACTION"]
 
-#: ``on_progress(mode, compressor, step)``: called in the launching process as a run advances.
-ProgressFn = Callable[[str, str, int], None]
+#: ``on_progress(mode, compressor, step, seed)``: called in the launching process as a run advances.
+ProgressFn = Callable[[str, str, int, int], None]
+
+#: Default target accuracy: this fraction of the first mode's ``none`` baseline
+#: final test accuracy (mean over seeds), the same target for every run of a study.
+TARGET_FRACTION = 0.98
 
 
 @dataclass
@@ -78,6 +87,12 @@ class RunResult:
         losses: mean training loss over workers at every step.
         meter: the workers' meters, summed.
         extra: role-specific counters (async: the server's updates, drops, staleness histogram).
+        seed: the run's seed; scenario: :meth:`Scenario.as_dict` of where it ran;
+        link: the link it ran on (configured and achieved rate; ``name`` ``"none"`` on loopback).
+        clock_at_marks: training-clock seconds at the marks (evaluation excluded).
+        time: :func:`gradcomp.train.timing.summarize_time` (step time, phases, idle share).
+        target_accuracy, time_to_target_s, steps_to_target: the study's target
+            and when this run first reached it (None: not reached).
         reduction_x / reduction_pct / accuracy_gap_pp: against the mode's baseline
             (``baseline bytes / bytes``, ``1 - bytes / baseline bytes`` in %, and
             ``baseline accuracy - accuracy`` in percentage points).
@@ -102,6 +117,14 @@ class RunResult:
     reduction_x: float = 1.0
     reduction_pct: float = 0.0
     accuracy_gap_pp: float = 0.0
+    seed: int = 0
+    scenario: dict = field(default_factory=dict)
+    link: dict = field(default_factory=dict)
+    clock_at_marks: list[float] = field(default_factory=list)
+    time: dict = field(default_factory=dict)
+    target_accuracy: float | None = None
+    time_to_target_s: float | None = None
+    steps_to_target: int | None = None
 
 
 @dataclass
@@ -115,6 +138,11 @@ class StudyResult:
     train_samples: int
     test_samples: int
     wall_s: float = 0.0
+    seeds: list[int] = field(default_factory=list)
+    scenario: dict = field(default_factory=dict)
+    links: dict = field(default_factory=dict)
+    target_accuracy: float | None = None
+    target_fraction: float | None = None
 
 
 def in_torchrun() -> bool:
@@ -137,69 +165,101 @@ def calibrate_threshold(cfg: TrainConfig, data: Digits | None = None) -> float:
 
 
 def _rank_fn(mode: str):
-    return train_sync_rank if mode == "sync" else train_async_rank
+    return {"sync": train_sync_rank, "local": train_local_rank}.get(mode, train_async_rank)
 
 
 def _world_size(mode: str, cfg: TrainConfig) -> int:
-    return cfg.workers if mode == "sync" else async_world_size(cfg)
+    return async_world_size(cfg) if mode == "async" else cfg.workers
+
+
+#: One run of a launch: ``(cfg, compressor name, index into the data list)``.
+Job = tuple[TrainConfig, str, int]
 
 
 class _Tagged:
-    """Forwards a run's ``put(step)`` as ``(compressor, step)`` to the study's queue."""
+    """Forwards a run's ``put(step)`` as ``(compressor, seed, step)`` to the study's queue."""
 
-    def __init__(self, q, compressor: str):
-        self.q, self.compressor = q, compressor
+    def __init__(self, q, compressor: str, seed: int):
+        self.q, self.compressor, self.seed = q, compressor, seed
 
     def put(self, step: int) -> None:
-        self.q.put((self.compressor, step))
+        self.q.put((self.compressor, self.seed, step))
 
 
 class _Relay:
-    """A queue-like ``put((compressor, step))`` that calls ``fn(compressor, step)`` in place."""
+    """A queue-like ``put((compressor, seed, step))`` that calls ``fn(compressor, seed, step)`` in place."""
 
-    def __init__(self, fn: Callable[[str, int], None]):
+    def __init__(self, fn: Callable[[str, int, int], None]):
         self.fn = fn
 
-    def put(self, item: tuple[str, int]) -> None:
+    def put(self, item: tuple[str, int, int]) -> None:
         self.fn(*item)
 
 
-def mode_rank(rank: int, world_size: int, mode: str, cfg: TrainConfig, compressors: list[str],
-              data: Digits, progress=None) -> list[RankLog]:
-    """Run every compressor of one mode, one after the other, as ``rank`` of an
+def mode_rank(rank: int, world_size: int, mode: str, jobs: list[Job], datas: list[Digits],
+              progress=None) -> list[RankLog]:
+    """Run every job of one mode, one after the other, as ``rank`` of an
     initialised process group. Each run starts afresh (model, optimizer,
     compressor state, meter); the processes and the process group are reused.
 
     Returns:
-        This rank's :class:`RankLog` per compressor, in order.
+        This rank's :class:`RankLog` per job, in order.
     """
     fn = _rank_fn(mode)
     logs = []
-    for name in compressors:
-        logs.append(fn(rank, world_size, cfg, name, data,
-                       _Tagged(progress, name) if progress is not None else None))
+    for cfg, name, d in jobs:
+        logs.append(fn(rank, world_size, cfg, name, datas[d],
+                       _Tagged(progress, name, cfg.seed) if progress is not None else None))
     return logs
 
 
-def _launch_local(mode: str, compressors: list[str], cfg: TrainConfig, data: Digits,
-                  on_step: Callable[[str, int], None] | None) -> list[list[RankLog]]:
-    """Launch one mode's runs on local processes, relaying rank 0's progress to
-    ``on_step(compressor, step)``; returns the logs indexed [rank][run]."""
+def _launch_local(mode: str, jobs: list[Job], datas: list[Digits],
+                  on_step: Callable[[str, int, int], None] | None,
+                  scenario: Scenario | None = None) -> tuple[list[list[RankLog]], dict]:
+    """Launch one mode's runs on local processes (in an emulated cluster when
+    the scenario has a link), relaying rank 0's progress to
+    ``on_step(compressor, seed, step)``; returns the logs indexed [rank][run]
+    and the link's description."""
     method = os.environ.get("GRADCOMP_START_METHOD", "forkserver")
     progress = mp.get_context(method).Queue() if on_step is not None else None
+    cfg = jobs[0][0]
+    world = _world_size(mode, cfg)
+    timeout = max(c.timeout for c, _, _ in jobs) * len(jobs)
+    env = {"GRADCOMP_WORKER_THREADS": "1"}
+    args = (mode, jobs, datas, progress)
+    with contextlib.ExitStack() as stack:
+        if scenario is not None and scenario.link is not None:
+            from gradcomp.cluster import LocalCluster
+
+            cluster = stack.enter_context(LocalCluster(world, rate=scenario.link,
+                                                       rate_jitter=scenario.link_jitter,
+                                                       seed=cfg.seed))
+            link = cluster.describe()
+
+            def start():
+                return cluster.run(mode_rank, *args, timeout=timeout, env=env)
+        else:
+            link = {"name": "none", "configured_bps": None, "achieved_bps": None,
+                    "emulation": "loopback"}
+
+            def start():
+                return launch(mode_rank, world, args, timeout=timeout, env=env)
+        return _watch(start, progress, on_step), link
+
+
+def _watch(start: Callable[[], list], progress, on_step) -> list:
+    """Run ``start()`` on a thread while relaying ``progress`` to ``on_step``;
+    Ctrl-C / SIGTERM kill the launch's processes."""
     box: dict = {}
 
     def target():
         try:
-            box["logs"] = launch(mode_rank, _world_size(mode, cfg),
-                                 (mode, cfg, compressors, data, progress),
-                                 timeout=cfg.timeout * len(compressors),
-                                 env={"GRADCOMP_WORKER_THREADS": "1"})
+            box["logs"] = start()
         except BaseException as e:  # re-raised in the calling thread
             box["error"] = e
 
     before = set(mp.active_children())
-    thread = threading.Thread(target=target, name=f"gradcomp-train-{mode}", daemon=True)
+    thread = threading.Thread(target=target, name="gradcomp-train-launch", daemon=True)
     thread.start()
     try:
         while thread.is_alive():
@@ -228,22 +288,25 @@ def _launch_local(mode: str, compressors: list[str], cfg: TrainConfig, data: Dig
     return box["logs"]
 
 
-def _run_distributed(mode: str, compressors: list[str], cfg: TrainConfig, data: Digits,
-                     on_step: Callable[[str, int], None] | None) -> list[list[RankLog]]:
+def _run_distributed(mode: str, jobs: list[Job], datas: list[Digits],
+                     on_step: Callable[[str, int, int], None] | None,
+                     scenario: Scenario | None = None) -> tuple[list[list[RankLog]], dict]:
     """One mode's runs as this process's rank of the current process group;
     every rank gets every rank's logs, indexed [rank][run]."""
     import torch.distributed as dist
 
+    cfg = jobs[0][0]
     rank, world = dist.get_rank(), dist.get_world_size()
     expected = _world_size(mode, cfg)
     if world != expected:
         raise ValueError(f"{mode} mode with {cfg.workers} workers needs {expected} ranks, "
                          f"the job has {world}")
-    logs = mode_rank(rank, world, mode, cfg, compressors, data,
-                     _Relay(on_step) if on_step is not None else None)
+    logs = mode_rank(rank, world, mode, jobs, datas, _Relay(on_step) if on_step is not None else None)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, logs)
-    return everyone
+    link = {"name": os.environ.get("GRADCOMP_LINK", "unknown"), "configured_bps": None,
+            "achieved_bps": None, "emulation": "torchrun job"}
+    return everyone, link
 
 
 def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog]) -> RunResult:
@@ -259,7 +322,11 @@ def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog])
     total = TrafficMeter()
     for log in workers:
         total.merge(log.meter)
-    extra = {k: v for log in logs for k, v in log.extra.items()}
+    extra = {k: v for log in logs for k, v in log.extra.items() if k != "param_sha256"}
+    extra.update(staleness_stats(extra))
+    digests = [log.extra.get("param_sha256") for log in workers]
+    if any(digests):
+        extra["param_sha256_per_worker"] = digests
     return RunResult(
         mode=mode, compressor=compressor, label=COMPRESSORS[compressor].label,
         workers=n, steps=steps,
@@ -273,15 +340,33 @@ def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog])
         losses=[sum(log.losses[s] for log in workers) / n for s in range(steps)],
         meter=total.as_dict(),
         extra=extra,
+        seed=cfg.seed,
+        clock_at_marks=list(evaluator.clock),
+        time=summarize_time(mode, cfg, workers),
     )
 
 
+def staleness_stats(extra: dict) -> dict:
+    """Mean and max staleness of the applied pushes and the share of pushes
+    dropped by ``max_staleness``, from the server's counters (async runs)."""
+    hist = extra.get("staleness_histogram")
+    if not hist:
+        return {}
+    pairs = [(int(k), int(v)) for k, v in hist.items()]
+    n = sum(v for _, v in pairs)
+    pushes = extra.get("accepted", n) + extra.get("dropped", 0)
+    return {"staleness_mean": sum(k * v for k, v in pairs) / n if n else math.nan,
+            "staleness_max": max((k for k, v in pairs if v), default=0),
+            "dropped_share": extra.get("dropped", 0) / pushes if pushes else 0.0}
+
+
 def compare(runs: Iterable[RunResult]) -> None:
-    """Fill reductions and accuracy gaps against each mode's ``none`` run."""
+    """Fill reductions and accuracy gaps against the ``none`` run of the same
+    mode, seed and scenario."""
     runs = list(runs)
-    base = {r.mode: r for r in runs if r.compressor == "none"}
+    base = {(r.mode, r.seed, r.scenario.get("name")): r for r in runs if r.compressor == "none"}
     for r in runs:
-        b = base.get(r.mode)
+        b = base.get((r.mode, r.seed, r.scenario.get("name")))
         if b is None:
             continue
         r.reduction_x = b.bytes_per_worker_per_step / r.bytes_per_worker_per_step
@@ -289,28 +374,52 @@ def compare(runs: Iterable[RunResult]) -> None:
         r.accuracy_gap_pp = 100.0 * (b.test_accuracy - r.test_accuracy)
 
 
+def default_target(runs: list[RunResult], fraction: float = TARGET_FRACTION) -> float:
+    """``fraction`` x the mean final accuracy of the first mode's ``none`` runs."""
+    first = runs[0].mode
+    accs = [r.test_accuracy for r in runs if r.compressor == "none" and r.mode == first]
+    return fraction * sum(accs) / len(accs)
+
+
+def fill_targets(runs: Iterable[RunResult], target: float) -> None:
+    """Set every run's target accuracy and its time and steps to reach it."""
+    for r in runs:
+        r.target_accuracy = target
+        hit = time_to_target(r.clock_at_marks, r.marks, r.accuracy_at_marks, target)
+        r.time_to_target_s, r.steps_to_target = hit if hit is not None else (None, None)
+
+
 def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str],
               on_progress: ProgressFn | None = None,
-              on_run: Callable[[RunResult], None] | None = None) -> StudyResult:
-    """Run every (mode, compressor) pair, the ``none`` baseline first in each mode.
+              on_run: Callable[[RunResult], None] | None = None,
+              scenario: Scenario | None = None, seeds: int = 1,
+              target_acc: float | None = None) -> StudyResult:
+    """Run every (mode, compressor, seed), the ``none`` baseline first in each mode.
 
     Args:
-        cfg: the shared settings (``cfg.threshold=None``: calibrated, see the module docstring).
-        modes: subset of ``("sync", "async")``.
+        cfg: the shared settings (``cfg.threshold=None``: calibrated per seed, see
+            the module docstring). A scenario's straggler and compute jitter
+            replace ``cfg``'s.
+        modes: subset of ``("sync", "async", "local")``.
         compressors: names from :data:`~gradcomp.train.config.COMPRESSORS`.
-        on_progress: ``(mode, compressor, step)`` callback (local runs only).
+        on_progress: ``(mode, compressor, step, seed)`` callback.
         on_run: called with each finished run.
+        scenario: where to run (default: the loopback, ``cfg``'s straggler and jitter).
+        seeds: repeats with seeds ``cfg.seed, cfg.seed + 1, ...``.
+        target_acc: target test accuracy in [0, 1] (default: :data:`TARGET_FRACTION`
+            of the baseline's, see :func:`default_target`).
 
     Raises:
         ValueError: an unknown mode or compressor; a global batch larger than
-            the training set; sync mode with one worker.
+            the training set; sync mode with one worker; seeds < 1.
         gradcomp.launch.WorkerError: a rank failed (its traceback is attached).
         TimeoutError: a run exceeded ``cfg.timeout``.
+        gradcomp.cluster.ClusterError: the scenario's link cannot be emulated here.
     """
     modes = list(dict.fromkeys(modes))
     for m in modes:
-        if m not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {m!r}")
+        if m not in ALL_MODES:
+            raise ValueError(f"mode must be one of {ALL_MODES}, got {m!r}")
     names = list(dict.fromkeys(["none", *compressors]))
     for c in names:
         if c not in COMPRESSORS:
@@ -318,16 +427,30 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
         if set(modes) - set(COMPRESSORS[c].modes):
             raise ValueError(f"compressor {c!r} runs in mode(s) {','.join(COMPRESSORS[c].modes)} only, "
                              f"got modes {','.join(modes)}: use --mode {COMPRESSORS[c].modes[0]}")
-    if "sync" in modes and cfg.workers < 2:
-        raise ValueError(f"sync mode needs at least 2 workers (a single worker exchanges no "
-                         f"gradient, so there is nothing to compress), got {cfg.workers}")
-    data = load_digits_split(cfg.test_fraction, cfg.seed)
-    if steps_per_epoch(len(data.y_train), cfg.workers, cfg.batch_size) < 1:
-        raise ValueError(f"a global batch of {cfg.workers} workers x {cfg.batch_size} samples exceeds "
-                         f"the {len(data.y_train)} training samples")
-    if cfg.threshold is None and "threshold-ef" in names:
-        cfg = replace(cfg, threshold=calibrate_threshold(cfg, data))
-    params = num_parameters(make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes))
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
+        raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
+    for m in modes:
+        if m in ("sync", "local") and cfg.workers < 2:
+            raise ValueError(f"{m} mode needs at least 2 workers (a single worker exchanges no "
+                             f"gradient, so there is nothing to compress), got {cfg.workers}")
+    if scenario is None:
+        scenario = Scenario(name="custom" if cfg.straggler or cfg.compute_jitter else "loopback",
+                            straggler=cfg.straggler, compute_jitter=cfg.compute_jitter)
+    cfg = replace(cfg, straggler=scenario.straggler, compute_jitter=scenario.compute_jitter)
+    datas, cfgs = [], []
+    for i in range(seeds):
+        c = replace(cfg, seed=cfg.seed + i)
+        data = load_digits_split(c.test_fraction, c.seed)
+        if steps_per_epoch(len(data.y_train), c.workers, c.batch_size) < 1:
+            raise ValueError(f"a global batch of {c.workers} workers x {c.batch_size} samples exceeds "
+                             f"the {len(data.y_train)} training samples")
+        if c.threshold is None and "threshold-ef" in names:
+            c = replace(c, threshold=calibrate_threshold(c, data))
+        datas.append(data)
+        cfgs.append(c)
+    jobs = [(c, name, i) for i, c in enumerate(cfgs) for name in names]
+    params = num_parameters(make_model(cfg.seed, cfg.hidden, datas[0].num_features,
+                                       datas[0].num_classes))
     distributed = in_torchrun()
     own_group = False
     if distributed:
@@ -339,23 +462,30 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
         init_from_env(timeout=cfg.timeout)
     t0 = time.perf_counter()
     runs: list[RunResult] = []
+    links: dict = {}
     try:
         for mode in modes:
             on_step = None
             if on_progress is not None:
-                def on_step(name, step, _mode=mode):
-                    on_progress(_mode, name, step)
+                def on_step(name, seed, step, _mode=mode):
+                    on_progress(_mode, name, step, seed)
             run = _run_distributed if distributed else _launch_local
-            logs = run(mode, names, cfg, data, on_step)
-            for i, name in enumerate(names):
-                runs.append(summarize(mode, name, cfg, [rank_logs[i] for rank_logs in logs]))
+            logs, links[mode] = run(mode, jobs, datas, on_step, scenario)
+            for i, (c, name, _) in enumerate(jobs):
+                r = summarize(mode, name, c, [rank_logs[i] for rank_logs in logs])
+                r.scenario, r.link = scenario.as_dict(), links[mode]
+                runs.append(r)
                 compare(runs)
                 if on_run is not None:
                     on_run(runs[-1])
     finally:
         if own_group:
             dist.destroy_process_group()
+    fill_targets(runs, default_target(runs) if target_acc is None else target_acc)
     return StudyResult(config=cfg, runs=runs, num_parameters=params,
-                       threshold=cfg.threshold if cfg.threshold is not None else float("nan"),
-                       train_samples=len(data.y_train), test_samples=len(data.y_test),
-                       wall_s=time.perf_counter() - t0)
+                       threshold=cfgs[0].threshold if cfgs[0].threshold is not None else float("nan"),
+                       train_samples=len(datas[0].y_train), test_samples=len(datas[0].y_test),
+                       wall_s=time.perf_counter() - t0, seeds=[c.seed for c in cfgs],
+                       scenario=scenario.as_dict(), links=links,
+                       target_accuracy=runs[0].target_accuracy,
+                       target_fraction=None if target_acc is not None else TARGET_FRACTION)

@@ -24,10 +24,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp.meter import TrafficMeter
-from gradcomp.train.common import RankLog
+from gradcomp.timeline import Timeline, now
+from gradcomp.train.common import RankLog, param_digest
 from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, worker_batches
 from gradcomp.train.model import make_model
+from gradcomp.train.timing import ComputeDelay
 
 __all__ = ["train_sync_rank"]
 
@@ -54,6 +56,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
     model = make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes)
     ddp = DistributedDataParallel(model)
     meter = TrafficMeter()
+    timeline = Timeline()
     state = GradCompState(
         compressor=choice.build(cfg.threshold),
         error_feedback=choice.error_feedback,
@@ -62,21 +65,35 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         start_iter=0,
         meter=meter,
         timeout=cfg.timeout,
+        timeline=timeline,
     )
     ddp.register_comm_hook(state, compressed_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     log = RankLog(rank)
+    delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed)
     dist.barrier()
     log.start()
     batches = worker_batches(len(data.y_train), cfg.workers, rank, cfg.batch_size, cfg.seed, cfg.steps)
     for step, idx in enumerate(batches, 1):
+        t0 = now()
+        timeline.begin_step(t0)
         loss = nn.functional.cross_entropy(ddp(data.x_train[idx]), data.y_train[idx])
+        with timeline.span("delay"):  # a slow worker's gradients come late
+            slept = delay.sleep(step, now() - t0)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # returns when DDP has waited for every bucket's collective
+        timeline.mark("backward_end")
+        handoff = timeline.marked("handoff")  # set by the hook: gradients computed
+        delay.observe((handoff if handoff is not None else now()) - t0 - slept)
+        timeline.mark("apply_start")
         opt.step()
-        log.record(cfg, "sync", step, loss.item(), meter, model if rank == 0 else None, data,
+        lossf = loss.item()
+        timeline.end_step()
+        log.record(cfg, "sync", step, lossf, meter, model if rank == 0 else None, data,
                    progress if rank == 0 else None)
     state.close()
+    log.extra["param_sha256"] = param_digest(model)
+    log.finish(meter, model if rank == 0 else None, data, timeline)
     if rank == 0:
         log.final = log.evals[-1]
-    return log.finish(meter)
+    return log

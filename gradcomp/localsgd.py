@@ -1,0 +1,535 @@
+"""Local SGD and DiLoCo: synchronise every H steps with compressed pseudo-gradients.
+
+Usage (every rank of the group, after ``dist.init_process_group``)::
+
+    ls = gc.LocalSGD(model, sync_every=32, compressor=gc.Int8Quantizer(),
+                     outer_optimizer="nesterov")           # DiLoCo; None: local SGD
+    for x, y in loader:
+        loss_fn(model(x), y).backward()
+        inner_opt.step(); inner_opt.zero_grad()
+        ls.step()                                           # after every inner step
+    ls.sync(); ls.close()                                   # final synchronisation
+
+Every rank trains on its own for ``H`` steps; then every rank computes the
+*pseudo-gradient* ``delta = anchor - params`` (how far its parameters moved
+since the last synchronisation, ``anchor`` being the parameters every rank
+held then), averages it over the group with :func:`gradcomp.allreduce`
+(dense codecs over the ring or two-phase algorithm, sparse ones over the
+allgather) with error feedback on the pseudo-gradient, and updates the
+anchor:
+
+* ``outer_optimizer=None`` (local SGD, Stich 2019; Lin et al. 2020):
+  ``anchor <- anchor - mean(delta)``, the average of the ranks' parameters
+  (up to compression);
+* ``outer_optimizer="nesterov"`` (DiLoCo, Douillard et al. 2023): the
+  averaged pseudo-gradient is the gradient of an outer SGD step with Nesterov
+  momentum on the anchor, with DiLoCo's defaults ``lr=0.7``, ``momentum=0.9``
+  (:data:`OUTER_LR`, :data:`OUTER_MOMENTUM`); or a factory
+  ``params -> torch.optim.Optimizer`` for any other outer optimizer, e.g.
+  ``functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9, nesterov=True)``.
+
+Then every rank loads the new anchor into its parameters: they are
+bit-identical on every rank after each synchronisation, because the averaged
+pseudo-gradient is (:func:`gradcomp.allreduce` returns the same bytes' decoding
+everywhere) and the anchor update is the same float32 arithmetic everywhere.
+The inner optimizer's state (e.g. its momentum) stays local, as in DiLoCo.
+Buffers (e.g. BatchNorm statistics) are not synchronised.
+
+Error feedback (Seide et al. 2014; Karimireddy et al. 2019) runs on the
+pseudo-gradient: a rank keeps one flat float32 residual per fragment, the
+part of its pseudo-gradients that compression has not delivered yet, and adds
+it to the next one (see :mod:`gradcomp.comm.local` for where it applies inside
+a collective). Over any number of synchronisations with the allgather
+algorithm, ``N * (anchor_0 - anchor_T) + sum_r residual_r = sum_r sum_t delta_{r,t}``
+under averaging: nothing is lost, only delayed.
+
+Streaming (Streaming DiLoCo, Douillard et al. 2025): ``fragments=F`` splits
+the parameters into ``F`` fragments (contiguous runs of ``model.parameters()``,
+balanced by element count at parameter granularity), each with its own anchor,
+residual and outer-optimizer state. Fragment ``f`` starts its exchange after
+the inner steps ``t`` with ``t mod H == ((f + 1) H / F) mod H``: one fragment
+every ``H / F`` steps, each parameter once every ``H`` steps, so the peak
+traffic of one exchange is ``1 / F`` of the model's. ``overlap=tau`` (``0 <=
+tau < H / F``) runs the exchange on a background thread while training goes
+on and applies the fragment's update after inner step ``t + tau``: the update
+then has a **staleness of tau inner steps** (its pseudo-gradient measured the
+parameters at step ``t``), and loading the new anchor replaces the fragment's
+parameters, so the fragment's last ``tau`` local steps are dropped (the
+paper's mixing factor ``alpha = 0``, torchft's default; it keeps the ranks
+bit-identical). At most one exchange is in flight at a time.
+
+Traffic: the exchanges run on a process group of gradcomp's own (made with
+``dist.new_group`` over ``group``'s ranks), so they never interleave with the
+user's collectives, also from the background thread. Each fragment's first
+exchange checks that the ranks agree (:mod:`gradcomp.comm.agreement`, 40 bytes
+per peer); later ones rely on every rank running the same schedule. ``meter``
+gets the bytes per phase as :func:`gradcomp.allreduce` records them and one
+:meth:`~gradcomp.TrafficMeter.step` per :meth:`LocalSGD.step`. A ring
+exchange of a fragment of ``n`` elements sends ``2 (N - 1)`` chunk payloads
+per rank: for :class:`~gradcomp.Int8Quantizer` and ``N`` dividing ``n``,
+``2 (N - 1) (48 + n / N + 4 ceil(n / (256 N))`` bytes, once per ``H`` steps.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import datetime
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradcomp import _validate as v
+from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce
+from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
+from gradcomp.meter import TrafficMeter
+from gradcomp.timeline import Timeline
+
+__all__ = ["LocalSGD", "OUTER_LR", "OUTER_MOMENTUM", "OUTER_OPTIMIZERS", "check_schedule"]
+
+#: DiLoCo's outer learning rate (Douillard et al. 2023, section 3)
+OUTER_LR = 0.7
+#: DiLoCo's outer Nesterov momentum
+OUTER_MOMENTUM = 0.9
+#: names ``outer_optimizer`` accepts besides None and a factory
+OUTER_OPTIMIZERS = ("avg", "nesterov")
+
+
+def check_schedule(sync_every, fragments=1, overlap=0) -> tuple[int, int, int]:
+    """Validate a synchronisation schedule.
+
+    Returns:
+        ``(sync_every, fragments, overlap)`` as ints.
+
+    Raises:
+        TypeError: a value is not an int.
+        ValueError: ``sync_every < 1``, ``fragments < 1`` or not dividing
+            ``sync_every``, ``overlap < 0`` or ``overlap >= sync_every / fragments``.
+    """
+    sync_every = v.integer("sync_every", sync_every, 1)
+    fragments = v.integer("fragments", fragments, 1)
+    if sync_every % fragments:
+        raise ValueError(f"fragments must divide sync_every (one fragment every sync_every / fragments "
+                         f"steps), got fragments={fragments}, sync_every={sync_every}")
+    overlap = v.integer("overlap", overlap, 0)
+    interval = sync_every // fragments
+    if overlap >= interval:
+        raise ValueError(f"overlap must be < sync_every / fragments = {interval} (an exchange must be "
+                         f"applied before the next one starts), got overlap={overlap}")
+    return sync_every, fragments, overlap
+
+
+def _partition(sizes: list[int], fragments: int) -> list[list[int]]:
+    """Indices of ``sizes`` cut into ``fragments`` non-empty contiguous runs,
+    each cut placed where the running element count is nearest ``k / F`` of the total."""
+    total = sum(sizes)
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    f, cum = 0, 0
+    for i, n in enumerate(sizes):
+        must = len(sizes) - i <= fragments - 1 - f  # one parameter left per remaining fragment
+        if out[f] and f < fragments - 1 and (must or (cum + n / 2) * fragments > (f + 1) * total):
+            f += 1
+        out[f].append(i)
+        cum += n
+    return out
+
+
+def _cpu_copy(x):
+    """``x`` with every tensor inside (dicts, lists, tuples) replaced by a CPU copy."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().clone()
+    if isinstance(x, dict):
+        return {k: _cpu_copy(val) for k, val in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cpu_copy(val) for val in x)
+    return x
+
+
+class _Fragment:
+    """One fragment's parameters and its float32 memory (anchor, residual)."""
+
+    def __init__(self, params: list[nn.Parameter], error_feedback: bool):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        device = params[0].device
+        self.anchor = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+        # the outer optimizer's parameters: views of the anchor, shaped like the model's
+        self.views: list[torch.Tensor] = []
+        off = 0
+        for p in params:
+            self.views.append(self.anchor[off:off + p.numel()].view(p.shape))
+            off += p.numel()
+        self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device) if error_feedback else None
+        self.checked = False  # the ranks agreed on this fragment's exchange
+        self.loaded_at = 0  # the step count when the anchor was last loaded into the parameters
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """``anchor - params`` as a new flat float32 tensor."""
+        delta = self.anchor.clone()
+        off = 0
+        for p in self.params:
+            delta[off:off + p.numel()].sub_(p.detach().reshape(-1).to(torch.float32))
+            off += p.numel()
+        return delta
+
+    def load(self) -> None:
+        """Copy the anchor into the parameters."""
+        with torch.no_grad():
+            for p, a in zip(self.params, self.views):
+                p.copy_(a)
+
+
+class LocalSGD:
+    """Local SGD / DiLoCo / Streaming DiLoCo over a torch.distributed group.
+
+    Create it on every rank of ``group`` at the same point, after the model is
+    built and before training: it broadcasts the parameters from the group's
+    first rank (like DistributedDataParallel) and takes them as the first
+    anchor. Call :meth:`step` after every inner ``optimizer.step()``. See the
+    module docstring for the algorithm, the schedule and the staleness.
+
+    Args:
+        model: the module to train; its parameters that require grad are
+            synchronised (float32, float16 or bfloat16, all on one device:
+            CPU for gloo, the current CUDA device for NCCL).
+        sync_every: ``H``, inner steps between two synchronisations of a
+            parameter (>= 1).
+        compressor: a gradcomp compressor (default :class:`~gradcomp.Int8Quantizer`),
+            not wrapped in ErrorFeedback (residuals are kept here).
+        outer_optimizer: None or ``"avg"`` (averaging: local SGD),
+            ``"nesterov"`` (DiLoCo: SGD, lr :data:`OUTER_LR`, Nesterov momentum
+            :data:`OUTER_MOMENTUM`), or a callable taking the list of anchor
+            tensors (float32, shaped like the parameters) and returning a
+            ``torch.optim.Optimizer`` over them.
+        group: the process group (default: the world).
+        meter: optional :class:`~gradcomp.TrafficMeter`.
+        error_feedback: keep residuals of the pseudo-gradients (ignored for
+            lossless compressors).
+        algorithm: ``"ring"`` or ``"two_phase"`` for dense compressors,
+            ``"allgather"`` for sparse ones; None picks ``"ring"`` or ``"allgather"``.
+        fragments: ``F``, fragments synced in turn; must divide ``sync_every``.
+        overlap: ``tau``, inner steps between the start of a fragment's
+            exchange and the application of its update (0: at once, no thread);
+            ``0 <= tau < sync_every / fragments``.
+        timeout: seconds one exchange may take.
+        timeline: optional :class:`gradcomp.timeline.Timeline`: each exchange
+            is recorded as a ``"collective"`` span (with the transport's
+            ``"compress"``, ``"communicate"`` and ``"decompress"`` spans inside),
+            on whichever thread runs it.
+
+    Attributes:
+        steps: calls of :meth:`step` so far.
+        syncs: fragment exchanges applied so far (:meth:`sync` included).
+
+    Raises:
+        TypeError / ValueError: a bad argument (the message names it and the
+            allowed values).
+        RuntimeError: torch.distributed is not initialised.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sync_every: int,
+        compressor: Compressor | None = None,
+        outer_optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+        group=None,
+        meter: TrafficMeter | None = None,
+        *,
+        error_feedback: bool = True,
+        algorithm: str | None = None,
+        fragments: int = 1,
+        overlap: int = 0,
+        timeout: float = DEFAULT_TIMEOUT,
+        timeline: Timeline | None = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.sync_every, self.fragments, self.overlap = check_schedule(sync_every, fragments, overlap)
+        compressor = Int8Quantizer() if compressor is None else compressor
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a gradcomp compressor, got {type(compressor).__name__}")
+        if isinstance(compressor, ErrorFeedback):
+            raise ValueError("compressor must not be an ErrorFeedback: pass the compressor itself; "
+                             "LocalSGD keeps the pseudo-gradient residuals (error_feedback=True)")
+        v.flag("error_feedback", error_feedback)
+        if algorithm is None:
+            algorithm = "allgather" if compressor.sparse else "ring"
+        v.choice("algorithm", algorithm, ALGORITHMS)
+        if (algorithm in DENSE_ALGORITHMS) == compressor.sparse:
+            raise ValueError(f"algorithm {algorithm!r} does not fit {compressor!r}: dense compressors use "
+                             f"{DENSE_ALGORITHMS}, sparse ones 'allgather'")
+        if not (outer_optimizer is None or callable(outer_optimizer) or outer_optimizer in OUTER_OPTIMIZERS):
+            raise ValueError(f"outer_optimizer must be None, one of {OUTER_OPTIMIZERS} or a callable "
+                             f"params -> torch.optim.Optimizer, got {outer_optimizer!r}")
+        if meter is not None and not isinstance(meter, TrafficMeter):
+            raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        self.timeout = v.timeout("timeout", timeout)
+        if timeline is not None and not isinstance(timeline, Timeline):
+            raise TypeError(f"timeline must be a gradcomp.timeline.Timeline or None, "
+                            f"got {type(timeline).__name__}")
+        self.timeline = timeline
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("model has no parameter that requires grad")
+        for p in params:
+            if p.dtype not in INPUT_DTYPES:
+                raise TypeError(f"parameters must be float32, float16 or bfloat16, got {p.dtype}")
+            if p.device != params[0].device:
+                raise ValueError(f"parameters must all be on one device, got {params[0].device} "
+                                 f"and {p.device}")
+        if self.fragments > len(params):
+            raise ValueError(f"fragments must be <= the number of parameters that require grad "
+                             f"({len(params)}), got {self.fragments}")
+        if not dist.is_initialized():
+            raise RuntimeError("LocalSGD needs torch.distributed initialised first (dist.init_process_group)")
+
+        self.compressor = compressor
+        self.algorithm = algorithm
+        self.error_feedback = error_feedback and compressor.lossy
+        self.meter = meter
+        pg = dist.group.WORLD if group is None else group
+        if dist.get_rank(pg) < 0:
+            raise ValueError("this process is not a member of group")
+        self._group = dist.new_group(dist.get_process_group_ranks(pg), backend=dist.get_backend(pg),
+                                     timeout=datetime.timedelta(seconds=self.timeout),
+                                     use_local_synchronization=True)
+        with torch.no_grad():
+            src = dist.get_global_rank(self._group, 0)
+            for p in params:
+                if p.is_contiguous():
+                    dist.broadcast(p.detach(), src=src, group=self._group)
+                else:  # e.g. channels_last: the transport needs contiguous memory
+                    buf = p.detach().contiguous()
+                    dist.broadcast(buf, src=src, group=self._group)
+                    p.copy_(buf)
+        cuts = _partition([p.numel() for p in params], self.fragments)
+        self._frags = [_Fragment([params[i] for i in idx], self.error_feedback) for idx in cuts]
+        self.outer_optimizer = self._make_outer(outer_optimizer)
+        self.steps = 0
+        self.syncs = 0
+        self._pending: tuple[int, int, concurrent.futures.Future] | None = None  # (fragment, due, future)
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _make_outer(self, spec) -> torch.optim.Optimizer | None:
+        if spec is None or spec == "avg":
+            return None
+        views = [t for f in self._frags for t in f.views]
+        if spec == "nesterov":
+            return torch.optim.SGD(views, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+        opt = spec(views)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"outer_optimizer(params) must return a torch.optim.Optimizer, "
+                            f"got {type(opt).__name__}")
+        return opt
+
+    @property
+    def parameter_fragments(self) -> list[list[nn.Parameter]]:
+        """The parameters of each fragment, in order."""
+        return [list(f.params) for f in self._frags]
+
+    @property
+    def pending_fragment(self) -> int | None:
+        """The fragment whose exchange is in flight (started, not applied yet), or None."""
+        return None if self._pending is None else self._pending[0]
+
+    def fragment_due(self, step: int) -> int | None:
+        """The fragment whose exchange starts after inner step ``step`` (1-based), or None."""
+        r = step % self.sync_every
+        interval = self.sync_every // self.fragments
+        return None if r % interval else (r // interval - 1) % self.fragments
+
+    # ---- training loop -------------------------------------------------------------
+    def step(self) -> None:
+        """Count one inner step; synchronise the fragment(s) due now.
+
+        Applies the pending exchange whose ``overlap`` has run out, then starts
+        the exchange due after this step (and, with ``overlap=0``, applies it).
+
+        Raises:
+            TimeoutError / RuntimeError / gradcomp.PayloadError: an exchange
+                failed (see :func:`gradcomp.allreduce`); the group is then not
+                safe to use again.
+        """
+        self.steps += 1
+        if self._pending is not None and self._pending[1] == self.steps:
+            self._finish_pending()
+        f = self.fragment_due(self.steps)
+        if f is not None:
+            self._start(f, self.overlap)
+        if self.meter is not None:
+            self.meter.step()
+
+    def sync(self) -> None:
+        """Synchronise every fragment now (after applying a pending exchange),
+        e.g. before evaluating or saving the final model; fragments loaded
+        since the last :meth:`step` (already identical on every rank) are
+        skipped. The schedule of :meth:`step` is unchanged. Every rank must
+        call it at the same point."""
+        self._finish_pending()
+        for f, frag in enumerate(self._frags):
+            if frag.loaded_at != self.steps:
+                self._start(f, 0)
+
+    def close(self) -> None:
+        """Apply a pending exchange and stop the background thread (it restarts
+        when needed). Call before ``dist.destroy_process_group()``."""
+        self._finish_pending()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def _start(self, f: int, overlap: int) -> None:
+        frag = self._frags[f]
+        delta = frag.pseudo_gradient()
+        if overlap == 0:
+            self._apply(f, self._exchange(frag, delta, None))
+            return
+        ready = None
+        if delta.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gradcomp-localsgd")
+        self._pending = (f, self.steps + overlap, self._executor.submit(self._exchange, frag, delta, ready))
+
+    def _exchange(self, frag: _Fragment, delta: torch.Tensor, ready) -> torch.Tensor:
+        """Average ``delta`` over the group in place (on the caller's or the background thread)."""
+        if ready is not None:  # a new thread starts on device 0
+            torch.cuda.set_device(delta.device)
+            ready.synchronize()
+        with contextlib.ExitStack() as stack:
+            if self.timeline is not None:
+                stack.enter_context(self.timeline.active())
+                stack.enter_context(self.timeline.span("collective"))
+            allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
+                      meter=self.meter, timeout=self.timeout, residual=frag.residual, out=delta,
+                      check=not frag.checked)
+        frag.checked = True
+        if ready is not None:
+            torch.cuda.current_stream(delta.device).synchronize()
+        return delta
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        f, _, fut = self._pending
+        self._pending = None
+        self._apply(f, fut.result())
+
+    def _apply(self, f: int, mean_delta: torch.Tensor) -> None:
+        """The outer step of fragment ``f`` with the averaged pseudo-gradient, then load it."""
+        frag = self._frags[f]
+        if self.outer_optimizer is None:
+            frag.anchor.sub_(mean_delta)
+        else:
+            mine = {id(t) for t in frag.views}
+            off = 0
+            for t in frag.views:
+                t.grad = mean_delta[off:off + t.numel()].view(t.shape)
+                off += t.numel()
+            for group in self.outer_optimizer.param_groups:  # other fragments' anchors stay put
+                for t in group["params"]:
+                    if id(t) not in mine:
+                        t.grad = None
+            self.outer_optimizer.step()
+            for t in frag.views:
+                t.grad = None
+        frag.load()
+        frag.loaded_at = self.steps
+        self.syncs += 1
+
+    # ---- checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Everything needed to resume the same trajectory (tensors on CPU): the
+        schedule, the step count, each fragment's anchor and residual, the outer
+        optimizer's state, the compressor's state and a pending exchange's
+        averaged pseudo-gradient (waited for, not applied). The model's
+        parameters and the inner optimizer are the caller's to save."""
+        pending = None
+        if self._pending is not None:
+            f, due, fut = self._pending
+            pending = {"fragment": f, "due": due, "mean_delta": fut.result().cpu().clone()}
+        return {
+            "sync_every": self.sync_every, "fragments": self.fragments, "overlap": self.overlap,
+            "steps": self.steps, "syncs": self.syncs,
+            "anchors": [f.anchor.cpu().clone() for f in self._frags],
+            "residuals": [None if f.residual is None else f.residual.cpu().clone() for f in self._frags],
+            "outer_optimizer": None if self.outer_optimizer is None else _cpu_copy(self.outer_optimizer.state_dict()),
+            "compressor": self.compressor.state_dict(),
+            "pending": pending,
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore what :meth:`state_dict` returned (validated before anything
+        changes); the parameters keep their values (load the model's own
+        state dict for them).
+
+        Raises:
+            TypeError: ``state`` is not a mapping.
+            ValueError: it was saved with another schedule, fragment sizes,
+                error-feedback setting or outer optimizer, or holds NaN/Inf.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping (from state_dict()), got {type(state).__name__}")
+        for name in ("sync_every", "fragments", "overlap"):
+            if state.get(name) != getattr(self, name):
+                raise ValueError(f"state was saved with {name}={state.get(name)!r}, this LocalSGD has "
+                                 f"{name}={getattr(self, name)!r}")
+        if (state.get("outer_optimizer") is None) != (self.outer_optimizer is None):
+            raise ValueError("state was saved with " + ("averaging" if state.get("outer_optimizer") is None
+                                                        else "an outer optimizer")
+                             + ", this LocalSGD uses " + ("averaging" if self.outer_optimizer is None
+                                                          else "an outer optimizer"))
+        anchors, residuals = state.get("anchors"), state.get("residuals")
+        if not isinstance(anchors, list) or not isinstance(residuals, list) \
+                or len(anchors) != self.fragments or len(residuals) != self.fragments:
+            raise ValueError(f"state['anchors'] and state['residuals'] must be lists of {self.fragments} "
+                             "entries, one per fragment")
+        for i, (frag, a, r) in enumerate(zip(self._frags, anchors, residuals)):
+            self._check_flat(f"state['anchors'][{i}]", a, frag.numel)
+            if (r is None) != (frag.residual is None):
+                raise ValueError(f"state['residuals'][{i}] is {'absent' if r is None else 'present'} but "
+                                 f"this LocalSGD has error feedback {'on' if frag.residual is not None else 'off'}")
+            if r is not None:
+                self._check_flat(f"state['residuals'][{i}]", r, frag.numel)
+        pending = state.get("pending")
+        if pending is not None:
+            f = v.integer("state['pending']['fragment']", pending["fragment"], 0, self.fragments - 1)
+            self._check_flat("state['pending']['mean_delta']", pending["mean_delta"], self._frags[f].numel)
+        steps = v.integer("state['steps']", state.get("steps"), 0)
+        self.close()
+        for frag, a, r in zip(self._frags, anchors, residuals):
+            frag.anchor.copy_(a)
+            if r is not None:
+                frag.residual.copy_(r)
+            frag.checked = False
+            frag.loaded_at = -1  # the parameters are the caller's: sync() exchanges every fragment
+        if self.outer_optimizer is not None:
+            self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.compressor.load_state_dict(state.get("compressor", {}))
+        self.steps = steps
+        self.syncs = v.integer("state['syncs']", state.get("syncs", 0), 0)
+        if pending is not None:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            done.set_result(pending["mean_delta"].to(self._frags[0].anchor.device).clone())
+            self._pending = (pending["fragment"], v.integer("state['pending']['due']", pending["due"], steps + 1),
+                             done)
+
+    @staticmethod
+    def _check_flat(name: str, t, numel: int) -> None:
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1 or t.numel() != numel:
+            got = (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__)
+            raise ValueError(f"{name} must be a flat float32 tensor of {numel} elements, got {got}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} holds NaN or Inf")
+
+    def __repr__(self) -> str:
+        outer = "avg" if self.outer_optimizer is None else type(self.outer_optimizer).__name__
+        return (f"LocalSGD(sync_every={self.sync_every}, compressor={self.compressor!r}, outer={outer}, "
+                f"algorithm={self.algorithm!r}, fragments={self.fragments}, overlap={self.overlap}, "
+                f"steps={self.steps})")

@@ -1,0 +1,64 @@
+"""``gradcomp train --mode local``: the local SGD / DiLoCo runs of the study and their options."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gradcomp.cli import main
+from gradcomp.train import report
+from gradcomp.train.config import TrainConfig
+from gradcomp.train.study import run_study
+
+HEADER = 48  # wire header of a 1-D payload (40 + 8 * ndim bytes)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--mode", "local", "--sync-every", "0"], "--sync-every: expected an integer >= 1, got 0"),
+    (["--mode", "local", "--sync-every", "8", "--fragments", "3"], "fragments must divide sync_every"),
+    (["--mode", "local", "--sync-every", "8", "--fragments", "2", "--overlap", "4"],
+     "overlap must be < sync_every / fragments = 4"),
+    (["--mode", "local", "--overlap", "-1"], "--overlap: expected an integer >= 0, got -1"),
+    (["--mode", "local", "--outer", "adam"], "--outer: invalid choice: 'adam'"),
+    (["--mode", "sync", "--sync-every", "8"], "--sync-every only apply to --mode local"),
+    (["--mode", "local", "--workers", "1"], "local mode needs at least 2 workers"),
+])
+def test_bad_local_options_exit_2_with_one_line(capsys, argv, words):
+    try:  # argparse exits; settings that cannot work together return the status
+        status = main(["train", "--compressors", "none", "--no-progress", *argv])
+    except SystemExit as e:
+        status = e.code
+    err = capsys.readouterr().err
+    assert status == 2, err
+    assert words in err.strip().splitlines()[-1], err  # after argparse's usage lines, if any
+
+
+@pytest.fixture(scope="module")
+def local_study():
+    cfg = TrainConfig(workers=2, steps=18, hidden=(32,), eval_every=6, sync_every=4, outer="nesterov")
+    return run_study(cfg, ["local"], ["int8"])
+
+
+def _int8_nbytes(m):
+    return HEADER + m + 4 * math.ceil(m / 256)
+
+
+@pytest.mark.slow
+def test_local_runs_count_the_bytes_of_every_sync(local_study, tmp_path):
+    params = 64 * 32 + 32 + 32 * 10 + 10  # 2,410
+    assert local_study.num_parameters == params
+    none, int8 = local_study.runs
+    assert (none.mode, none.compressor, int8.mode, int8.compressor) == ("local", "none", "local", "int8")
+    # syncs after steps 4, 8, 12, 16 and the final one after step 18; two workers:
+    # each sends both halves once per sync (reduce-scatter and allgather), plus one 40-byte agreement
+    for run in (none, int8):
+        assert run.extra["local_syncs"] == 5
+    assert none.bytes_per_worker_per_step == (5 * 2 * (HEADER + 4 * params // 2) + 40) / 18
+    assert int8.bytes_per_worker_per_step == (5 * 2 * _int8_nbytes(params // 2) + 40) / 18
+    assert int8.raw_bytes_per_worker_per_step == 5 * 4 * params / 18
+    assert 3.5 < int8.reduction_x < 4
+    assert 0 < int8.test_accuracy <= 1 and math.isfinite(int8.test_loss)
+    report.write_json(local_study, str(tmp_path / "results.json"))
+    assert "sync every 4 steps, outer nesterov" in report.title(local_study)
+    assert '"mode": "local"' in (tmp_path / "results.json").read_text()
