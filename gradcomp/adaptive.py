@@ -186,6 +186,23 @@ class _Track:
         self.patience = patience
         self.last_lighter = -2  # decision number of the last lighter move
 
+    def hysteresis(self, new: int, number: int, base: int) -> bool:
+        """Update the wait before lighter moves for a decision (number
+        ``number``) that moves to ``new``; returns whether it moves."""
+        after_lighter = number - self.last_lighter == 1  # the first decision after a lighter move
+        if new > self.level:
+            if after_lighter:  # it is undone at once: wait longer before the next one
+                self.patience = min(MAX_PATIENCE, max(1, 2 * self.patience))
+            self.hold = self.patience
+            return True
+        if after_lighter:
+            self.patience = base  # it held
+        if new == self.level:
+            self.hold = max(0, self.hold - 1)
+            return False
+        self.last_lighter = number
+        return True
+
     @property
     def candidate(self) -> int:
         return self.ladder[self.level]
@@ -459,17 +476,8 @@ class Adaptive(CodecPolicy):
             seen = {j: r for j, (r, at) in t.seen.items() if j != t.level and number - at <= self.memory}
             new = next_level(rho, t.level, t.nbytes, seen, upper=self.upper, lower=self.lower,
                              lighter_allowed=t.hold == 0)
-            if new == t.level:
-                t.hold = max(0, t.hold - 1)
-                if number - t.last_lighter > 1:
-                    t.patience = self.patience  # the last lighter move held
+            if not t.hysteresis(new, number, self.patience):
                 continue
-            if new > t.level:
-                if number - t.last_lighter == 1:  # the lighter move of the last decision was undone
-                    t.patience = min(MAX_PATIENCE, max(1, 2 * t.patience))
-                t.hold = t.patience
-            else:
-                t.last_lighter = number
             entry = {"step": step, "bucket": t.bucket if isinstance(t.bucket, (int, str)) else repr(t.bucket),
                      "numel": t.numel, "from": self.names[t.candidate], "to": self.names[t.ladder[new]],
                      "rho": rho, "comm_s": comm, "compute_s": compute, "exposed_s": exposed}
@@ -479,12 +487,6 @@ class Adaptive(CodecPolicy):
             self.switches.append(entry)
             if meter is not None:
                 meter.record_switch(entry)
-
-    def state_dict(self) -> dict:
-        """The codec of every bucket, the switch log and the collective's residuals (on CPU)."""
-        return {"codecs": {b: self.names[t.candidate] for b, t in self._tracks.items()},
-                "switches": [dict(e) for e in self.switches], "decisions": self.decisions,
-                "residuals": {k: r.detach().cpu().clone() for k, r in self.residuals.items()}}
 
     def __getstate__(self) -> dict:
         """Everything but the ``clock`` and ``timing`` hooks (runtime, like a

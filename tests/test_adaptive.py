@@ -50,6 +50,26 @@ def test_next_level(rho, level, seen, allowed, expected):
     assert next_level(rho, level, nbytes, seen, upper=1.0, lower=0.5, lighter_allowed=allowed) == expected
 
 
+def test_hysteresis_waits_and_backs_off_on_reverted_lighter_moves():
+    from gradcomp.adaptive import _Track
+    t = _Track("b", 100, [0, 1, 2], [400, 100, 5], patience=2, window=3)
+    moves = []
+    for number, new in enumerate([2, 2, 2, 1, 2, 2, 2, 2, 2, 1, 1]):
+        moved = t.hysteresis(new, number, base=2)
+        if moved:
+            t.level = new
+        moves.append((moved, t.hold, t.patience))
+    assert moves == [
+        (True, 2, 2),    # 0: heavier: lighter moves wait 2 decisions
+        (False, 1, 2), (False, 0, 2),
+        (True, 0, 2),    # 3: lighter
+        (True, 4, 4),    # 4: undone at once: the wait doubles
+        (False, 3, 4), (False, 2, 4), (False, 1, 4), (False, 0, 4),
+        (True, 0, 4),    # 9: lighter again
+        (False, 0, 2),   # 10: it held: the wait is back to the base
+    ]
+
+
 def test_candidates_ranked_by_wire_bytes_per_bucket():
     a = Adaptive(["topk-int8", "none", "int8", "fp16"])
     t = a._track("b", 10_000, 2, "ring")
