@@ -48,9 +48,10 @@ picks the same codec and the results stay bit-identical across ranks:
   ratio of wire bytes, or the codec's own ``rho`` when it was measured within
   the last ``memory`` decisions (and since the current codec's ``rho`` last
   moved by more than 2x, :data:`CHANGE`: a changed link makes older
-  measurements mislead). If none is predicted to fit, the lightest
-  codec whose predicted ``rho`` is within 10% (:data:`NEAR`) of the smallest
-  (it may be the current one, or a lighter one measured as fast);
+  measurements mislead). If none is predicted to fit, the lightest codec
+  whose predicted step time (``1 + rho`` in units of the compute) is within
+  10% (:data:`NEAR`) of the fastest one's (it may be the current one, or a
+  lighter one measured almost as fast);
 * ``rho`` scaled to the next lighter codec's bytes ``<= lower``: one step
   lighter (the byte scaling over-estimates the lighter codec's time, since the
   per-message latency does not scale, so this move is a cautious one);
@@ -105,7 +106,8 @@ CANDIDATES: dict[str, Callable[[], Compressor]] = {
 #: the default ladder: none, fp16, int8, top-k 1% with int8 values
 DEFAULT_CANDIDATES = ("none", "fp16", "int8", "topk-int8")
 #: when no codec is predicted to hide the communication, the lightest codec whose
-#: predicted rho is within this fraction of the smallest one is taken (measurement noise)
+#: predicted step time (compute + communication: 1 + rho) is within this fraction
+#: of the fastest codec's is taken (less compression for a small loss of speed)
 NEAR = 0.1
 #: a codec's rho changing by more than this factor since its last measurement means
 #: the link changed: the other codecs' measurements are forgotten
@@ -163,9 +165,11 @@ def next_level(rho: float, level: int, nbytes: Sequence[float], seen: dict[int, 
         for j in range(level + 1, len(nbytes)):
             if predict(j) <= upper:
                 return j
+        # in units of the compute, a step takes about 1 + rho: the lightest codec
+        # whose step is predicted within NEAR of the fastest one's
         preds = [rho if j == level else predict(j) for j in range(len(nbytes))]
-        fastest = min(preds)
-        return next(j for j in range(len(nbytes)) if preds[j] <= (1 + NEAR) * fastest)
+        fastest = 1 + min(preds)
+        return next(j for j in range(len(nbytes)) if 1 + preds[j] <= (1 + NEAR) * fastest)
     if lighter_allowed and level > 0 and nbytes[level] > 0 and rho * nbytes[level - 1] / nbytes[level] <= lower:
         return level - 1
     return level

@@ -37,12 +37,13 @@ TIMEOUT = 120
     (0.3, 2, {}, True, 2),      # 0.6 > 0.5: inside the band, stay
     (0.2, 2, {}, False, 2),     # waiting after a heavier move
     (0.9, 1, {}, True, 1),      # 0.9 <= upper, lighter predicted 1.8: stay
-    # nothing fits: the lightest within 10% of the smallest predicted rho, measured ones trusted
-    (1.5, 1, {2: 1.2, 3: 1.1}, True, 2),          # 1.2 <= 1.1 x 1.1
-    (1.5, 1, {2: 1.3, 3: 1.1}, True, 3),          # 1.3 > 1.21
+    # nothing fits: the lightest whose step (1 + rho) is within 10% of the fastest's;
+    # measured rhos trusted, unmeasured lighter ones scaled by bytes
+    (1.5, 1, {2: 1.2, 3: 1.1}, True, 2),          # 2.2 <= 1.1 x 2.1 = 2.31; level 0: 1 + 3.0
+    (1.5, 1, {2: 1.4, 3: 1.1}, True, 3),          # 2.4 > 2.31
     (1.5, 1, {0: 1.4, 2: 1.6, 3: 1.7}, True, 0),
-    (1.5, 3, {0: 1.6, 1: 1.7, 2: 1.8}, True, 0),  # 1.6 <= 1.65: as fast within noise, lighter
-    (1.5, 3, {0: 1.7, 1: 1.7, 2: 1.8}, True, 3),
+    (1.5, 3, {0: 1.6, 1: 1.7, 2: 1.8}, True, 0),  # 2.6 <= 1.1 x 2.5: almost as fast, lighter
+    (1.5, 3, {0: 1.8, 1: 1.9, 2: 1.8}, True, 3),  # 2.8 > 2.75
     (3.0, 0, {}, True, 2),                        # nothing seen: fp16 1.5, int8 0.75 fits
 ])
 def test_next_level(rho, level, seen, allowed, expected):
