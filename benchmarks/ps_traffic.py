@@ -1,13 +1,20 @@
 """Parameter-server traffic per step, measured from the TrafficMeter's real byte counts.
 
-Runs one server and ``--workers`` workers (gradcomp.launch, gloo) in sync mode
+Runs one server and ``--workers`` workers (gradcomp.launch; the parameter
+server's messages travel over ZeroMQ on loopback) in sync mode
 on a two-layer model of 107,200 float32 parameters. Each worker pulls the full
 model once (not counted: it happens once per run), then for ``--steps`` steps
 pushes a random gradient and pulls. Counted per step and worker: every byte
 of the push and pull messages (control headers, bundle tables, payload
-headers and data) and what the same messages weigh uncompressed (float32).
+headers and data, ZMTP frame headers) and what the same messages weigh uncompressed (float32).
 
     python benchmarks/ps_traffic.py [--workers 2] [--steps 5] [--servers 1] [--json out.json]
+                                    [--link none|100mbit|1gbit|...] [--link-jitter F]
+
+With ``--link RATE`` every rank runs in its own network namespace of a
+:class:`gradcomp.cluster.LocalCluster` (links shaped to RATE both ways; the
+achieved rate is measured first and printed); ``ms/step`` is then the time
+on that link.
 
 Cases: ``none`` (float32 both ways), ``int8`` (int8 push with error feedback,
 int8 compressed pull), ``topk`` (top-k 1% with int8 values and error feedback,
@@ -28,7 +35,14 @@ import torch.distributed as dist
 
 import gradcomp as gc
 from gradcomp import ps
-from gradcomp.launch import launch
+from gradcomp.cluster import format_rate, launch_on, link_argument, requirements_missing
+
+
+def _link(text: str) -> str:
+    try:
+        return link_argument(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 SHAPES = {"w1": (300, 256), "b1": (300,), "w2": (100, 300), "b2": (100,)}
 KEYS = ("bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received")
@@ -67,9 +81,11 @@ def _rank(rank: int, world_size: int, compressor, compress_pull: bool, steps: in
     return {"role": "worker", "phases": phases, "seconds": seconds}
 
 
-def measure(name: str, workers: int, steps: int, servers: int) -> dict:
+def measure(name: str, workers: int, steps: int, servers: int, link: str = "none",
+            link_jitter: float = 0.0) -> dict:
     compressor, compress_pull = cases()[name]
-    out = launch(_rank, servers + workers, args=(compressor, compress_pull, steps, servers), timeout=300)
+    out, info = launch_on(link, _rank, servers + workers, (compressor, compress_pull, steps, servers),
+                          timeout=600, rate_jitter=link_jitter)
     ws = [o for o in out if o["role"] == "worker"]
     per = workers * steps
 
@@ -88,6 +104,7 @@ def measure(name: str, workers: int, steps: int, servers: int) -> dict:
         "push_ratio": raw_push / push, "pull_ratio": raw_pull / pull,
         "ratio": (raw_push + raw_pull) / (push + pull),
         "ms_per_step": 1e3 * max(w["seconds"] for w in ws) / steps,
+        "link": info,
     }
 
 
@@ -97,10 +114,20 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument("--link", type=_link, default="none",
+                   help="none (loopback, default) or a rate such as 100mbit: every rank in its own "
+                        "network namespace of an emulated cluster (needs root and iproute2)")
+    p.add_argument("--link-jitter", type=float, default=0.0, help="the cluster's rate_jitter (default 0)")
     args = p.parse_args(argv)
-    rows = [measure(name, args.workers, args.steps, args.servers) for name in cases()]
+    if args.link != "none" and requirements_missing() is not None:
+        p.error(f"--link {args.link} needs the emulated cluster: {requirements_missing()}")
+    rows = [measure(name, args.workers, args.steps, args.servers, args.link, args.link_jitter)
+            for name in cases()]
+    info = rows[0]["link"]
+    where = ("loopback" if not info["configured_bps"] else
+             f"link {format_rate(info['configured_bps'])} (achieved {format_rate(info['achieved_bps'])})")
     print(f"{rows[0]['parameters']} parameters, {args.servers} server(s), {args.workers} workers, "
-          f"{args.steps} steps; bytes per worker per step")
+          f"{args.steps} steps, {where}; bytes per worker per step")
     print(f"{'case':6} {'push':>10} {'pull':>10} {'raw push':>10} {'raw pull':>10} "
           f"{'push x':>7} {'pull x':>7} {'total x':>8} {'ms/step':>8}")
     for r in rows:

@@ -26,6 +26,15 @@ from gradcomp import ps
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # gradcomp.fsdp imports torch.distributed.fsdp (about a second): loaded on first use
+    if name == "fsdp":
+        import importlib
+
+        return importlib.import_module("gradcomp.fsdp")
+    raise AttributeError(f"module 'gradcomp' has no attribute {name!r}")
+
 __all__ = [
     "BackendUnavailable",
     "PayloadError",
@@ -46,4 +55,5 @@ __all__ = [
     "ddp",
     "LocalSGD",
     "ps",
+    "fsdp",
 ]

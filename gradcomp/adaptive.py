@@ -85,6 +85,7 @@ import torch.distributed as dist
 
 from gradcomp import _validate as v
 from gradcomp.comm import DEFAULT_TIMEOUT, DENSE_ALGORITHMS, allreduce, chunk_bounds
+from gradcomp.comm.guard import exclusive
 from gradcomp.comm.policy import CodecPolicy
 from gradcomp.compressors import (BF16, FP16, Compressor, ErrorFeedback, Int8Quantizer,
                                   NoCompression, TopK)
@@ -463,8 +464,9 @@ class Adaptive(CodecPolicy):
             local += [comm, -compute, exposed]
         agreed = torch.tensor(local, dtype=torch.float64, device=device)
         if dist.get_world_size(group) > 1:
-            work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True)
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
+            with exclusive(group, "gradcomp.Adaptive"):
+                work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True)
+                work.wait(timeout=datetime.timedelta(seconds=timeout))
         agreed = agreed.tolist()
         number = self.decisions
         self.decisions += 1

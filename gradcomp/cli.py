@@ -5,11 +5,13 @@
     gradcomp train [options]                 # traffic / accuracy study (see gradcomp train --help)
     gradcomp bench kernels [args...]         # kernel microbenchmarks (gradcomp.bench.kernels)
     gradcomp bench allreduce [args...]       # collective benchmarks (gradcomp.bench.allreduce)
+    gradcomp plan [recommend|calibrate|validate] [args...]   # step-time model (gradcomp.plan.cli)
     gradcomp --version
 
 Subcommands import their modules only when they run, so ``gradcomp --help``
 stays fast. ``bench`` passes every argument after its target to the
-benchmark's own ``main(argv)``.
+benchmark's own ``main(argv)``, ``plan`` every argument after it to
+``gradcomp.plan.cli.main(argv)``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def build_parser(prog: str = "gradcomp") -> argparse.ArgumentParser:
         description="Gradient compression for distributed PyTorch training: measure what "
                     "compression saves on the wire and what it costs in accuracy and time.")
     p.add_argument("--version", action="version", version=f"gradcomp {__version__}")
-    sub = p.add_subparsers(dest="command", metavar="{train,bench}")
+    sub = p.add_subparsers(dest="command", metavar="{train,bench,plan}")
     sub.required = True
     train = sub.add_parser(
         "train", help="train on real data with each compressor and report traffic and accuracy",
@@ -46,6 +48,11 @@ def build_parser(prog: str = "gradcomp") -> argparse.ArgumentParser:
     bench.add_argument("target", choices=BENCH_TARGETS, help="which benchmark")
     bench.add_argument("args", nargs=argparse.REMAINDER,
                        help="arguments for the benchmark (see gradcomp bench TARGET --help)")
+    plan = sub.add_parser(
+        "plan", add_help=False,
+        help="step-time model: project to many nodes, recommend, calibrate, validate",
+        description="gradcomp plan --help lists its options")
+    plan.add_argument("args", nargs=argparse.REMAINDER, help="arguments for gradcomp plan")
     return p
 
 
@@ -63,9 +70,20 @@ def _bench(target: str, argv: list[str]) -> int:
     return int(rc or 0)
 
 
+def _plan(argv: list[str]) -> int:
+    from gradcomp.plan.cli import main as plan_main
+
+    return plan_main(argv)
+
+
 def main(argv: list[str] | None = None, prog: str = "gradcomp") -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # everything after it, options first included, is the planner's
+        return _plan(argv[1:])
     args = build_parser(prog).parse_args(argv)
+    if args.command == "plan":
+        return _plan(args.args)
     if args.command == "train":
         from gradcomp.train.command import run
 

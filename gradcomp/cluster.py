@@ -70,7 +70,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 __all__ = ["LocalCluster", "ClusterError", "parse_rate", "format_rate", "requirements_missing",
-           "leftovers", "remove_leftovers", "measure_link", "LINKS", "PREFIX", "IFNAME"]
+           "leftovers", "remove_leftovers", "measure_link", "launch_on", "link_argument", "LINKS",
+           "PREFIX", "IFNAME"]
 
 #: Every namespace a cluster makes is named ``PREFIX<pid>-<n>-<role>``.
 PREFIX = "gcc-"
@@ -119,6 +120,21 @@ def format_rate(bps: float) -> str:
         if bps >= scale:
             return f"{bps / scale:.4g}{unit}"
     return f"{bps:.4g}bit"
+
+
+def link_argument(text: str) -> str:
+    """A command-line ``--link`` value: ``"none"`` (or ``loopback``) or a rate,
+    normalised (``"1000mbit"`` -> ``"1gbit"``).
+
+    Raises:
+        ValueError: neither (the message says what is allowed).
+    """
+    if text in ("none", "loopback"):
+        return "none"
+    try:
+        return format_rate(parse_rate(text))
+    except ValueError as e:
+        raise ValueError(f"{e}; or none (the unshaped loopback)") from None
 
 
 def requirements_missing() -> str | None:
@@ -524,3 +540,23 @@ def measure_link(rank: int, world_size: int, nbytes: int, src: int = 0, dst: int
     dt = time.perf_counter() - t0
     dist.send(tiny, peer, group=group)
     return 8.0 * nbytes / dt if dt > 0 else math.inf
+
+
+def launch_on(link: str | None, fn: Callable[..., Any], world_size: int, args: tuple = (), *,
+              timeout: float = 300.0, rate_jitter: float = 0.0, seed: int = 0,
+              env: dict[str, str] | None = None) -> tuple[list[Any], dict]:
+    """Run ``fn(rank, world_size, *args)`` on local processes: over the loopback
+    (``link`` None or ``"none"``, :func:`gradcomp.launch.launch`) or in a
+    :class:`LocalCluster` whose links run at ``link``.
+
+    Returns:
+        ``(per-rank results, link description)`` (:meth:`LocalCluster.describe`,
+        or ``{"name": "none", ...}`` for the loopback).
+    """
+    if link in (None, "none"):
+        from gradcomp.launch import launch
+
+        return (launch(fn, world_size, args, timeout=timeout, env=env),
+                {"name": "none", "configured_bps": None, "achieved_bps": None, "emulation": "loopback"})
+    with LocalCluster(world_size, rate=link, rate_jitter=rate_jitter, seed=seed) as c:
+        return c.run(fn, *args, timeout=timeout, env=env), c.describe()

@@ -10,7 +10,7 @@ All integers are little-endian. Layout (offsets in bytes)::
     7   1  ndim             0 .. 8
     8   1  flags            bit 0: stochastic rounding (int8); bit 1: int64 indices (sparse)
     9   3  reserved         zero
-    12  4  param            int8: block size; fp16: power-of-two exponent e (int32, >= 0)
+    12  4  param            int8: block size; fp16: power-of-two exponent e (signed int32)
     16  8  numel            n = product of shape
     24  8  nnz              sparse: kept elements; dense: 0
     32  8*ndim shape        int64 each, >= 0
@@ -21,6 +21,7 @@ Sections after the header (``H = 40 + 8 * ndim``):
 
 * raw:       n elements of the original dtype                 size H + n * itemsize
 * fp16:      n float16 values; decoded value = v * 2**e       size H + 2 n
+             (e in [-126, 127], [-1022, 1023] for float64: 2**e and 2**-e are normal numbers)
 * bf16:      n bfloat16 values                                size H + 2 n
 * int8:      ceil(n / B) float32 absmax scales, then n int8 codes in [-127, 127]
                                                               size H + 4 ceil(n / B) + n
@@ -31,7 +32,7 @@ Sections after the header (``H = 40 + 8 * ndim``):
                                                               size H + pad8(nnz * isz) + nested
 
 Decoding validates the header (magic, version, known codes, reserved bytes,
-CRC, shape against numel, parameters) and every section against the byte
+CRC, shape against numel, numel against ``max_numel``, parameters) and every section against the byte
 length, and the data where a bad value could cause harm (codes of -128,
 negative or infinite scales, indices out of range or not ascending). Any
 inconsistency raises :class:`gradcomp.PayloadError`; decoding never reads
@@ -63,6 +64,7 @@ __all__ = [
     "dense_nbytes",
     "sparse_nbytes",
     "build_header",
+    "DEFAULT_MAX_NUMEL",
 ]
 
 MAGIC = b"GCMP"
@@ -79,8 +81,13 @@ _DTYPE_OF = {v: k for k, v in DTYPES.items()}
 FLAG_STOCHASTIC = 1
 FLAG_INDEX64 = 2
 _MAX_NUMEL = 1 << 48
-#: largest fp16 scale exponent: 2.0 ** e stays finite in float32 / in float64
-_FP16_MAX_EXPONENT = (127, 1023)
+#: default largest number of elements :func:`decode` accepts (2**31, 8 GiB as
+#: float32): a sparse payload of a few bytes may declare any numel, and
+#: decompressing it allocates that many elements
+DEFAULT_MAX_NUMEL = 1 << 31
+#: fp16 scale exponent range per dtype (not float64 / float64): 2.0 ** e and
+#: 2.0 ** -e are normal numbers of the decoding float type
+FP16_EXPONENT_RANGE = ((-126, 127), (-1022, 1023))
 
 
 def header_nbytes(ndim: int) -> int:
@@ -248,11 +255,16 @@ def _parse_header(wire: torch.Tensor):
     return _CODEC_NAMES[codec], _DTYPE_OF[dtype], torch.Size(shape), flags, param, n, nnz, h
 
 
-def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True) -> Payload:
+def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True,
+           max_numel: int = DEFAULT_MAX_NUMEL) -> Payload:
     """Decode wire bytes into a :class:`Payload`, validating everything.
 
     Args:
         wire: 1-D ``torch.uint8`` tensor on any device (a contiguous byte buffer).
+        max_numel: largest number of elements accepted (default
+            :data:`DEFAULT_MAX_NUMEL` = 2**31): what decompressing untrusted
+            bytes may allocate, since a sparse payload's numel is not backed
+            by its length. Raise it to decode larger tensors.
         check_int8: check here that int8 codes are in [-127, 127] and scales
             are >= 0 and finite, or NaN (a pass over them). ``False`` leaves it
             to the compressor's kernel call, which raises
@@ -270,6 +282,7 @@ def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True
         PayloadError: the bytes are malformed in any way (see module docstring).
     """
     v.flag("check_int8", check_int8)
+    max_numel = v.integer("max_numel", max_numel, 0)
     if not isinstance(wire, torch.Tensor):
         raise TypeError(f"wire must be a torch.Tensor of dtype uint8, got {type(wire).__name__}")
     if wire.dtype != torch.uint8:
@@ -283,6 +296,9 @@ def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True
     if not wire.is_contiguous():
         wire = wire.contiguous()
     codec, dtype, shape, flags, param, n, nnz, h = _parse_header(wire)
+    if n > max_numel:
+        _fail(f"payload declares {n} elements, more than max_numel={max_numel} "
+              "(pass a larger max_numel to decode it)")
     total = wire.numel()
     p = Payload(wire=wire, codec=codec, dtype=dtype, shape=shape)
     if codec not in SPARSE_CODECS and nnz != 0:
@@ -305,13 +321,15 @@ def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True
     elif codec in ("fp16", "bf16"):
         if codec == "fp16":
             # an encoder never needs more than ~1008 for float64 (its largest value
-            # over 65504) or 113 for the others (float32's); a larger exponent would
-            # overflow the scale itself (2.0 ** 1024 raises, 2.0 ** 128 is inf in
-            # float32 and turns zeros into NaN)
-            limit = _FP16_MAX_EXPONENT[dtype == torch.float64]
-            if param > limit:
-                _fail(f"fp16 exponent {param} out of range [0, {limit}] for dtype {dtype}")
-            p.exponent = param
+            # over 65504) or 113 for the others (float32's), nor less than the
+            # bounds it clamps to; a larger exponent would overflow the scale
+            # itself (2.0 ** 1024 raises, 2.0 ** 128 is inf in float32 and turns
+            # zeros into NaN)
+            e = param - (1 << 32) if param >= 1 << 31 else param
+            lo, hi = FP16_EXPONENT_RANGE[dtype == torch.float64]
+            if not lo <= e <= hi:
+                _fail(f"fp16 exponent {e} out of range [{lo}, {hi}] for dtype {dtype}")
+            p.exponent = e
         expect(h + 2 * n)
         p.data = _view(wire, h, n, torch.float16 if codec == "fp16" else torch.bfloat16)
     elif codec == "int8":
@@ -354,7 +372,7 @@ def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True
             if nnz > 1 and not bool((p.indices[1:] > p.indices[:-1]).all()):
                 _fail("sparse indices are not strictly ascending")
         try:
-            p.values = decode(wire[off:], _nested=True)
+            p.values = decode(wire[off:], _nested=True, max_numel=max_numel)
         except PayloadError as e:
             raise PayloadError(f"{codec} values: {e}") from None
         if p.values.shape != torch.Size([nnz]) or p.values.dtype != dtype:

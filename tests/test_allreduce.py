@@ -532,25 +532,35 @@ def _agreement_traffic(rank, world):
             agreed(a, gc.FP16()), agreed(a, gc.TopK(ratio=0.1), "allgather"),
             agreed(a, gc.TopK(ratio=0.1), "allgather"), agreed(a, gc.FP16()), agreed(a, gc.FP16(), check=False)]
     # all ranks agreed on 3000 elements; now rank 2 alone changes its call: it
-    # checks, the others do not, and everyone times out instead of aborting
+    # checks, the others do not; they find its disagreement envelopes and agree too
     try:
         gc.allreduce(b if rank == 2 else a, gc.FP16(), timeout=3)
         outcome = "ok"
-    except (TimeoutError, RuntimeError) as e:
-        outcome = type(e).__name__
+    except ValueError as e:
+        outcome = str(e)
     return seen, outcome
+
+
+def _replayed(numel, world, rank, codec):
+    """Bytes a rank sends replaying a ring call's reduce-scatter: at step s the
+    wire of chunk (rank - s - 1) mod world, for s = 0 .. world - 2."""
+    bounds = chunk_bounds(numel, world)
+    return sum(W.dense_nbytes(codec, (bounds[(rank - s - 1) % world][1] - bounds[(rank - s - 1) % world][0],))
+               for s in range(world - 1))
 
 
 def test_agreement_only_when_the_call_changes():
     res = launch(_agreement_traffic, 3, timeout=TIMEOUT)
     d = 40 * 2
-    for seen, outcome in res:
+    for rank, (seen, outcome) in enumerate(res):
         # a, a, b, b, a, a-sum, a-fp16, topk, topk, a-fp16 (the last agreement
-        # was topk's), unchecked
-        assert seen == [d, 0, d, 0, d, d, d, d, 0, d, 0], seen
-    # a timeout, or a closed connection once a peer timed out first: never an abort
-    outcomes = [outcome for _, outcome in res]
-    assert set(outcomes) <= {"TimeoutError", "RuntimeError"} and "TimeoutError" in outcomes, res
+        # was topk's), unchecked; a changed call first replays the last agreed
+        # call's reduce-scatter messages (its size exchange for the allgather)
+        int8_a, int8_b = _replayed(3000, 3, rank, "int8"), _replayed(2000, 3, rank, "int8")
+        assert seen == [d, 0, d + int8_a, 0, d + int8_b, d + int8_a, d + int8_a,
+                        d + _replayed(3000, 3, rank, "fp16"), 0, d + 8 * 2, 0], seen
+        # every rank: the same ValueError, within the 3 s timeout
+        assert "numbers of elements" in outcome and "rank 2: 2000" in outcome, outcome
 
 
 @pytest.mark.parametrize("case", ["missing", "corrupt", "bad_code", "bad_code_two_phase"])

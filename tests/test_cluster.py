@@ -288,3 +288,21 @@ def test_torchrun_across_two_namespaces_as_hosts(tmp_path):
         assert len(digests) == 4 and len(set(digests)) == 1, digests
         # the same training as on one host: the same parameters
         assert digests == ref[key]["extra"]["param_sha256_per_worker"]
+
+
+@needs_netns
+@pytest.mark.slow
+def test_parameter_server_runs_across_namespaces():
+    """The ZeroMQ parameter server binds to its namespace's shaped interface;
+    the demo's workers reach it there and the run converges."""
+    r = subprocess.run([sys.executable, "-m", "gradcomp.ps", "--steps", "10", "--link", "1gbit",
+                        "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    doc = json.loads(r.stdout)
+    assert doc["updates"] == 20 and doc["link"]["configured_bps"] == 10**9
+    assert 0.8e9 < doc["link"]["achieved_bps"] < 1.2e9
+    assert doc["address"].startswith("tcp://198.18.0.1:")
+    assert _ours() == [] or all(not n.startswith(f"{PREFIX}{os.getpid()}-") for n in _ours())

@@ -80,10 +80,37 @@ def test_fp16_keeps_finite_values_finite_and_exact_scaling():
     big = torch.tensor([1e300, -1.0], dtype=torch.float64)
     yb = c.decompress(c.compress(big))
     assert bool(torch.isfinite(yb).all()) and abs(float(yb[0]) / 1e300 - 1) < 1e-3
-    # small tensors are not scaled, and NaN/Inf pass through
-    assert c.compress(torch.tensor([1.0, 2.0])).exponent == 0
+    # values within float16's range are scaled up to its top binade: 2 * 2**14 = 32768 <= 65504 < 65536
+    assert c.compress(torch.tensor([1.0, 2.0])).exponent == -14
     z = c.decompress(c.compress(torch.tensor([float("inf"), 1.0, float("nan")])))
     assert math.isinf(z[0]) and math.isnan(z[2])
+    assert c.compress(torch.tensor([float("inf"), 1.0])).exponent == 0  # no scale from a non-finite max
+
+
+def test_fp16_scales_small_gradients_up_by_a_power_of_two():
+    """A gradient of magnitude 1e-8 (below float16's smallest subnormal, 2**-24
+    ~ 6e-8) used to come back all zeros."""
+    c = gc.FP16()
+    g = torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 1e-8
+    for dtype in (torch.float32, torch.float64):
+        x = g.to(dtype)
+        p = c.compress(x)
+        amax = float(x.abs().max())
+        # the largest power of two that fits: amax * 2**-e in (32752, 65504]
+        assert 65504 / 2 < amax * 2.0 ** -p.exponent <= 65504 and p.exponent < 0
+        y = c.decompress(gc.decode(p.wire))
+        assert y.dtype == dtype and bool((y != 0).all())
+        # exactly undoable: float16 rounding of x * 2**-e (exact in float64), times 2**e
+        expect = (x.double() * 2.0 ** -p.exponent).half().double() * 2.0 ** p.exponent
+        assert torch.equal(y.double(), expect)
+        rel = ((y.double() - x.double()).abs() / x.double().abs())
+        big = x.double().abs() >= amax * 2.0 ** -10  # normal float16 range after scaling
+        assert float(rel[big].max()) <= 2.0 ** -11  # half an ulp of float16
+    # extremes clamp to exponents whose scales are normal numbers
+    assert c.compress(torch.tensor([1e-44])).exponent == -126
+    assert c.compress(torch.tensor([1e-320], dtype=torch.float64)).exponent == -1022
+    tiny = c.decompress(c.compress(torch.tensor([3e-38, 0.0])))
+    assert abs(float(tiny[0]) / 3e-38 - 1) < 2.0 ** -10 and tiny[1] == 0
 
 
 def test_bf16_is_a_cast():

@@ -8,8 +8,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(name):
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name)], capture_output=True,
+def run(name, *args):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", name), *args], capture_output=True,
                        text=True, timeout=240, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
@@ -27,3 +27,12 @@ def test_parameter_server_example_reaches_the_optimum():
     out = run("parameter_server.py")
     err = float(re.search(r"optimum: ([0-9.e+-]+)", out).group(1))
     assert err < 1e-3
+
+
+def test_fsdp2_example_compresses_the_reduce_scatter():
+    out = run("fsdp2.py", "--steps", "20")
+    ratio = float(re.search(r"([0-9.]+)x fewer", out).group(1))
+    assert ratio >= 3.5
+    last = re.findall(r"^ *19 +([0-9.]+) +([0-9.]+)$", out, re.M)[-1]
+    plain, ours = map(float, last)
+    assert abs(ours - plain) <= 0.02 * plain

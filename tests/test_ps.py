@@ -23,6 +23,8 @@ from gradcomp.launch import launch
 from gradcomp.ps import protocol as P
 from gradcomp.ps.sharding import layout_checksum, param_specs
 
+import ps_peers as PP
+
 LAUNCH_TIMEOUT = 100.0
 
 
@@ -89,17 +91,44 @@ def test_bundle_roundtrip_and_malformed_bundles():
 
 
 def test_header_validation():
-    h = P.Header(P.PUSH, 3, version=7, nbytes=100, layout=11, aux=2)
-    back = P.Header.from_tensor(h.to_tensor(), P.REQUESTS, 1000)
-    assert back == h
-    bad = h.to_tensor()
-    bad[0] = 1234
+    h = P.Header(P.PUSH, 3, version=7, nbytes=100, layout=11, aux=2, seq=5, session=9)
+    frame = h.pack()
+    assert len(frame) == P.HEADER_NBYTES == 80
+    assert P.Header.unpack(frame, P.REQUESTS, 100) == h
+    bad = bytearray(frame)
+    bad[0] ^= 1
     with pytest.raises(ps.ProtocolError, match="magic"):
-        P.Header.from_tensor(bad, P.REQUESTS, 1000)
+        P.Header.unpack(bytes(bad), P.REQUESTS, 100)
     with pytest.raises(ps.ProtocolError, match="kind"):
-        P.Header.from_tensor(P.Header(P.PULL_REPLY, 0).to_tensor(), P.REQUESTS, 1000)
-    with pytest.raises(ps.ProtocolError, match="length"):
-        P.Header.from_tensor(P.Header(P.PUSH, 0, nbytes=10**12).to_tensor(), P.REQUESTS, 1000)
+        P.Header.unpack(P.Header(P.PULL_REPLY, 0).pack(), P.REQUESTS, None)
+    with pytest.raises(ps.ProtocolError, match="announces 100 data bytes, the message carries 101"):
+        P.Header.unpack(frame, P.REQUESTS, 101)  # a push larger than its header says
+    with pytest.raises(ps.ProtocolError, match="carries 0"):
+        P.Header.unpack(frame, P.REQUESTS, None)
+    with pytest.raises(ps.ProtocolError, match="header frame of 79 bytes"):
+        P.Header.unpack(frame[:-1], P.REQUESTS, 100)
+    # ZMTP/3.1 framing (RFC 37): flags + 1-byte length up to 255 bytes, flags + 8-byte length above
+    assert P.message_nbytes() == 80 + 2
+    assert P.message_nbytes(255) == 82 + 255 + 2 and P.message_nbytes(256) == 82 + 256 + 9
+
+
+def test_addresses_normalized_and_default_host(monkeypatch):
+    from gradcomp.ps import transport as T
+
+    assert T.normalize_address("10.0.0.1") == "tcp://10.0.0.1:0"
+    assert T.normalize_address("node3:5555") == "tcp://node3:5555"
+    assert T.normalize_address("tcp://127.0.0.1:7") == "tcp://127.0.0.1:7"
+    assert T.normalize_address("::1") == "tcp://[::1]:0" and T.normalize_address("[::1]:9") == "tcp://[::1]:9"
+    for bad in ("udp://x:1", "host:port", "h:70000", ""):
+        with pytest.raises(ValueError, match="address"):
+            T.normalize_address(bad)
+    with pytest.raises(TypeError, match="address"):
+        T.normalize_address(5555)
+    monkeypatch.delenv("GRADCOMP_PS_HOST", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert T.default_host() == "127.0.0.1"  # the interface that routes to the master
+    monkeypatch.setenv("GRADCOMP_PS_HOST", "192.0.2.7")
+    assert T.default_host() == "192.0.2.7"
 
 
 def test_config_and_constructor_errors_name_the_argument():
@@ -119,6 +148,21 @@ def test_config_and_constructor_errors_name_the_argument():
     assert ps.role(0, 1) == "server" and ps.role(1, 1) == "worker"
     c = ps.PSConfig(compressor=gc.ErrorFeedback(gc.TopK(0.01)), compress_pull=True)
     assert isinstance(c.server_pull_compressor(), gc.TopK)
+    with pytest.raises(ValueError, match="heartbeat_interval"):
+        ps.PSConfig(heartbeat_interval=10.0, heartbeat_timeout=5.0)
+    with pytest.raises(ValueError, match="address"):
+        ps.PSConfig(address="udp://10.0.0.1:5555")
+    x = {"x": torch.zeros(4)}
+    with pytest.raises(ValueError, match="num_servers=2 endpoints, got 1"):
+        ps.Worker(x, num_servers=2, rank=3, server_addresses=["tcp://127.0.0.1:1"])
+    with pytest.raises(TypeError, match="server_addresses"):
+        ps.Worker(x, rank=3, server_addresses="tcp://127.0.0.1:1")
+    with pytest.raises(ValueError, match="server rank"):
+        ps.Worker(x, rank=0, server_addresses=["tcp://127.0.0.1:1"])
+    with pytest.raises(ValueError, match="rank is given with server_addresses only"):
+        ps.Worker(x, rank=3)
+    with pytest.raises(ValueError, match="heartbeat_interval"):
+        ps.Worker(x, rank=3, server_addresses=["127.0.0.1:1"], heartbeat_interval=0)
 
 
 # ---------------------------------------------------------------- sync == data-parallel SGD
@@ -316,7 +360,8 @@ def _failing_rank(rank, world_size, mode, policy, victim, steps):
     _joined()
     if rank == 0:
         server = ps.ParameterServer({"x": torch.zeros(64)}, mode=mode, on_worker_failure=policy,
-                                    worker_timeout=20.0, optimizer=_sgd(0.01), clip_grad_norm=1.0)
+                                    worker_timeout=20.0, heartbeat_timeout=3.0, optimizer=_sgd(0.01),
+                                    clip_grad_norm=1.0)
         try:
             return ("served", server.serve(), _ps_threads())
         except ps.WorkerFailedError as e:
@@ -342,7 +387,7 @@ def test_async_killed_worker_others_finish():
     assert out[2] is None
     kind, stats, threads_left = out[0]
     assert kind == "served" and threads_left == []  # receiving threads all ended
-    assert list(stats["dead_workers"]) == [2] and "connection" in stats["dead_workers"][2]
+    assert list(stats["dead_workers"]) == [2] and "heartbeat" in stats["dead_workers"][2]
     assert stats["done_workers"] == [1, 3]
     assert out[1][0] == out[3][0] == "finished"
     assert stats["version"] == stats["accepted"] == 3 + 2 * 20
@@ -435,34 +480,30 @@ def test_server_restart_resumes_from_checkpoint(tmp_path):
 def _garbage_rank(rank, world_size):
     _joined()
     params = {"x": torch.zeros(8)}
+    layout = layout_checksum(param_specs(params))
     if rank == 0:
         server = ps.ParameterServer(params, mode="async", staleness_lr=True, optimizer=_sgd(1.0),
                                     worker_timeout=20.0)
         return server.serve()
+    if rank == 2:  # breaks the protocol itself: a header with a bad magic number
+        peer = PP.RawPeer(PP.server_addresses()[0], rank, layout)
+        peer.hello()
+        bad = bytearray(peer.header(P.PUSH).pack())
+        bad[0] = 42
+        peer.send(bad)
+        reply = peer.recv()
+        peer.close()
+        return (P.KIND_NAMES[reply[0].kind], reply[1].decode())
     worker = ps.Worker(params, timeout=20.0)
     worker.pull()
-    if rank == 2:  # breaks the protocol itself: a header with a bad magic number
-        bad = P.Header(P.PUSH, rank).to_tensor()
-        bad[0] = 42
-        dist.isend(bad, 0, tag=P.TAG_REQUEST).wait()
-        return "sent bad header"
     g = torch.arange(8, dtype=torch.float32)
     statuses = [worker.push({"x": g}).statuses[0]]      # staleness 0: x = -g
     statuses.append(worker.push({"x": g}).statuses[0])  # stamped 0, server at 1: lr / 2
-    layout = layout_checksum(param_specs(params))
-
-    def send_raw(blob):
-        h = P.Header(P.PUSH, rank, version=2, nbytes=blob.numel(), layout=layout)
-        P.send_message(h, blob, 0, header_tag=P.TAG_REQUEST, data_tag=P.TAG_PUSH_DATA, timeout=20)
-        reply, _ = P.recv_message(0, kinds=P.REPLIES, header_tag=P.TAG_REPLY, data_tag=P.TAG_PULL_DATA,
-                                  timeout=20, max_nbytes=1 << 20)
-        return P.STATUS_NAMES[reply.status]
-
-    statuses.append(send_raw(torch.randint(0, 256, (100,), dtype=torch.uint8)))  # garbage bytes
-    statuses.append(send_raw(P.pack_bundle([gc.Int8Quantizer().compress(torch.ones(4)).wire])))  # shape
+    statuses.append(PP.raw_push(worker, torch.randint(0, 256, (100,), dtype=torch.uint8), 2))  # garbage
+    statuses.append(PP.raw_push(worker, P.pack_bundle([gc.Int8Quantizer().compress(torch.ones(4)).wire]), 2))
     wire = gc.NoCompression().compress(torch.ones(8)).wire.clone()
     wire[5] = 99  # unknown codec id -> PayloadError (header CRC)
-    statuses.append(send_raw(P.pack_bundle([wire])))
+    statuses.append(PP.raw_push(worker, P.pack_bundle([wire]), 2))
     statuses.append(worker.push({"x": torch.full((8,), float("nan"))}).statuses[0])  # non-finite
     x_mid = worker.pull()["x"].clone()
     statuses.append(worker.push({"x": g}).statuses[0])  # still serving
@@ -474,7 +515,8 @@ def _garbage_rank(rank, world_size):
 @pytest.mark.timeout(120)
 def test_garbage_payload_rejected_and_counted():
     out = launch(_garbage_rank, 3, timeout=LAUNCH_TIMEOUT)
-    stats, (statuses, x_mid, x_end), _ = out
+    stats, (statuses, x_mid, x_end), evicted = out
+    assert evicted[0] == "EVICTED" and "bad header magic 0x5350432a" in evicted[1]
     x_mid, x_end = _t(x_mid), _t(x_end)
     assert statuses == ["accepted", "accepted", "rejected", "rejected", "rejected", "rejected", "accepted"]
     g = torch.arange(8, dtype=torch.float32)
@@ -508,7 +550,7 @@ def _traffic_rank(rank, world_size, compressor, compress_pull, steps):
             worker.pull()
         end = worker.meter.as_dict()
     keys = ("bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received")
-    return {"steady": {k: end[k] - start[k] for k in keys}, "total": end}
+    return {"steady": {k: end[k] - start[k] for k in keys}, "total": worker.meter.as_dict()}  # with DONE
 
 
 def _ratio(out, steps):
@@ -557,12 +599,7 @@ def _overflow_push_rank(rank, world_size):
     worker.pull()
     body = struct.pack("<4sBBBBB3sIQQq", b"GCMP", 1, 2, 1, 1, 0, b"\0\0\0", 1024, 8, 0, 8)
     wire = body + struct.pack("<I", zlib.crc32(body)) + b"\0\0\0\0" + struct.pack("<8e", *[1.0] * 8)
-    blob = P.pack_bundle([torch.frombuffer(bytearray(wire), dtype=torch.uint8)])
-    h = P.Header(P.PUSH, rank, version=0, nbytes=blob.numel(), layout=layout_checksum(param_specs(params)))
-    P.send_message(h, blob, 0, header_tag=P.TAG_REQUEST, data_tag=P.TAG_PUSH_DATA, timeout=20)
-    reply, _ = P.recv_message(0, kinds=P.REPLIES, header_tag=P.TAG_REPLY, data_tag=P.TAG_PULL_DATA,
-                              timeout=20, max_nbytes=1 << 20)
-    status = P.STATUS_NAMES[reply.status]
+    status = PP.raw_push(worker, P.pack_bundle([torch.frombuffer(bytearray(wire), dtype=torch.uint8)]), 0)
     after = worker.push({"x": torch.ones(8)}).statuses[0]  # the server still serves
     worker.done()
     return status, after
@@ -574,3 +611,92 @@ def test_overflowing_fp16_push_is_rejected_not_fatal():
     assert (status, after) == ("rejected", "accepted")
     assert reasons == {"payload": 1}
     torch.testing.assert_close(_t(x), -torch.ones(8))
+
+
+# ---------------------------------------------------------------- checkpoints that cannot be resumed
+def _good_checkpoint(path):
+    from gradcomp.ps import checkpoint as ckpt
+
+    params = {"x": torch.arange(4.0)}
+    opt = torch.optim.SGD([torch.nn.Parameter(params["x"].clone())], lr=0.1, momentum=0.9)
+    ckpt.save_atomic({"format": ckpt.FORMAT, "server_index": 0, "num_servers": 1, "mode": "async",
+                      "layout": [["x", [4]]], "version": 5, "params": params,
+                      "optimizer": opt.state_dict()}, path)
+
+
+def test_bad_checkpoints_raise_one_checkpoint_error(tmp_path):
+    import pickle
+
+    from gradcomp.ps import checkpoint as ckpt
+
+    good = str(tmp_path / "good.pt")
+    _good_checkpoint(good)
+    assert ckpt.load(good, [["x", [4]]], 1)["version"] == 5
+    blob = open(good, "rb").read()
+    cases = {
+        "truncated": (blob[: len(blob) // 2], "unreadable"),
+        "random": (os.urandom(4096), "unreadable"),
+        "foreign pickle": (pickle.dumps({"format": "gradcomp.ps/1", "x": print}, protocol=2), "unreadable"),
+        "empty": (b"", "unreadable"),
+    }
+    for name, (data, match) in cases.items():
+        path = str(tmp_path / f"{name}.pt")
+        with open(path, "wb") as f:
+            f.write(data)
+        with pytest.raises(ps.CheckpointError, match=match) as e:
+            ckpt.load(path)
+        assert e.value.path == path and path in str(e.value), name
+    foreign = str(tmp_path / "foreign.pt")
+    torch.save({"model": torch.zeros(3)}, foreign)
+    with pytest.raises(ps.CheckpointError, match="not a gradcomp parameter-server checkpoint"):
+        ckpt.load(foreign)
+    with pytest.raises(ps.CheckpointError, match="another parameter placement"):
+        ckpt.load(good, [["x", [5]]], 1)
+    state = torch.load(good, weights_only=True)
+    state["params"]["x"] = torch.zeros(3)
+    torch.save(state, foreign)
+    with pytest.raises(ps.CheckpointError, match="parameter 'x'"):
+        ckpt.load(foreign)
+    assert issubclass(ps.CheckpointError, ValueError)
+
+
+def _resume_bad_rank(rank, world_size, ckpt_dir):
+    _joined()
+    if rank == 1:
+        with ps.Worker({"x": torch.zeros(4)}, timeout=30.0) as worker:
+            worker.pull()
+            first = worker.replica["x"].clone()
+            worker.push({"x": torch.ones(4)})
+        return _np(first)
+    path = os.path.join(ckpt_dir, "ps-server-0.pt")
+    _good_checkpoint(path)
+    blob = open(path, "rb").read()
+    errors = []
+    for data in (blob[:-100], os.urandom(len(blob))):  # truncated, random
+        with open(path, "wb") as f:
+            f.write(data)
+        try:
+            ps.ParameterServer({"x": torch.zeros(4)}, mode="async", checkpoint_dir=ckpt_dir, resume=True)
+        except ps.CheckpointError as e:
+            errors.append(e.reason.split(" ")[0])
+    _good_checkpoint(path)
+    state = torch.load(path, weights_only=True)
+    state["optimizer"]["param_groups"].append(dict(state["optimizer"]["param_groups"][0]))
+    torch.save(state, path)  # an optimizer state of two parameter groups: rejected before any change
+    try:
+        ps.ParameterServer({"x": torch.zeros(4)}, mode="async", checkpoint_dir=ckpt_dir, resume=True)
+    except ps.CheckpointError as e:
+        errors.append(e.reason.split(" ")[0])
+    _good_checkpoint(path)
+    server = ps.ParameterServer({"x": torch.zeros(4)}, mode="async", checkpoint_dir=ckpt_dir, resume=True,
+                                optimizer=_sgd(0.1, 0.9))
+    return errors, server.resumed_from, server.serve()["version"]
+
+
+@pytest.mark.timeout(120)
+def test_resume_from_a_bad_checkpoint_raises_before_serving(tmp_path):
+    (errors, resumed, version), first = launch(_resume_bad_rank, 2, args=(str(tmp_path),),
+                                               timeout=LAUNCH_TIMEOUT)
+    assert errors == ["unreadable", "unreadable", "its"], errors
+    assert resumed == 5 and version == 6
+    assert torch.equal(_t(first), torch.arange(4.0))  # the good checkpoint's parameters

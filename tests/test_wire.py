@@ -219,6 +219,43 @@ def test_fp16_exponent_bounded_by_dtype(dtype, limit):
     for e in (limit + 1, 1024, 1100, 2**31):
         with pytest.raises(gc.PayloadError, match="exponent"):
             gc.decode(_fp16_wire(did, e))
+    low = -126 if limit == 127 else -1022  # scaled up: the exponent is a signed int32
+    p = gc.decode(_fp16_wire(did, low & 0xFFFFFFFF, (2.0, 0.0)))
+    assert p.exponent == low
+    y = gc.FP16().decompress(p)
+    assert y[0] == torch.tensor(2.0 * 2.0 ** low, dtype=torch.float64).to(dtype) and y[1] == 0
+    for e in (low - 1, -2**31):
+        with pytest.raises(gc.PayloadError, match=f"exponent {e} out of range"):
+            gc.decode(_fp16_wire(did, e & 0xFFFFFFFF))
+
+
+def test_max_numel_bounds_what_untrusted_bytes_may_allocate():
+    """A 96-byte sparse payload may declare 2**40 elements: decompressing it
+    would allocate them all. decode refuses numel above max_numel
+    (default 2**31), settable per call."""
+    assert W.DEFAULT_MAX_NUMEL == 2**31
+    p = gc.TopK(k=2).compress(torch.tensor([0.0, 5.0, 0.0, -7.0]))
+    n = 2**40  # 1 TiB of float32 from a header edit; int64 indices from 2**31 on
+    head = bytearray(p.wire[:48].numpy().tobytes())  # 1-D: 40 + 8 bytes
+    head[8] = 2  # FLAG_INDEX64
+    struct.pack_into("<Q", head, 16, n)  # numel
+    struct.pack_into("<q", head, 32, n)  # shape
+    struct.pack_into("<I", head, 40, zlib.crc32(bytes(head[:40])))
+    idx = struct.pack("<2q", 1, 3)  # int64 indices replace the two int32 ones
+    huge = torch.frombuffer(bytearray(bytes(head) + idx + p.wire[48 + 8:].numpy().tobytes()), dtype=torch.uint8)
+    with pytest.raises(gc.PayloadError, match=f"declares {n} elements, more than max_numel=2147483648"):
+        gc.decode(huge)
+    with pytest.raises(gc.PayloadError, match="max_numel"):
+        gc.TopK(k=2).decompress(huge)  # wire bytes go through decode with the default limit
+    assert gc.decode(huge, max_numel=n).numel == n  # allowed when asked for (nothing allocated yet)
+    small = gc.Int8Quantizer().compress(torch.randn(1000)).wire
+    assert gc.decode(small, max_numel=1000).numel == 1000
+    with pytest.raises(gc.PayloadError, match="more than max_numel=999"):
+        gc.decode(small, max_numel=999)
+    with pytest.raises(TypeError, match="max_numel"):
+        gc.decode(small, max_numel=1.5)
+    with pytest.raises(ValueError, match="max_numel"):
+        gc.decode(small, max_numel=-1)
 
 
 def test_largest_legitimate_fp16_exponents_decode():

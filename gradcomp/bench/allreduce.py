@@ -382,19 +382,16 @@ def _table(rows) -> str:
 
 
 def _links(text: str) -> list[str]:
-    from gradcomp.cluster import format_rate, parse_rate
+    from gradcomp.cluster import link_argument
 
     out = []
     for t in (t.strip() for t in text.split(",")):
         if not t:
             continue
-        if t == "none":
-            out.append(t)
-            continue
         try:
-            out.append(format_rate(parse_rate(t)))
+            out.append(link_argument(t))
         except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{e}; or none (the unshaped loopback)") from None
+            raise argparse.ArgumentTypeError(str(e)) from None
     if not out:
         raise argparse.ArgumentTypeError("expected link names, e.g. none,1gbit,100mbit")
     return list(dict.fromkeys(out))

@@ -10,6 +10,9 @@ on any process group (gloo on CPU, NCCL on GPU):
   (:mod:`gradcomp.comm.two_phase`), then the same allgather;
 * ``"allgather"``: for sparse compressors, every rank's payload gathered and
   the union summed (:mod:`gradcomp.comm.allgather`).
+
+:func:`reduce_scatter` is the two-phase reduce-scatter on its own
+(:mod:`gradcomp.comm.reduce_scatter`), for sharded data parallelism.
 """
 
 from __future__ import annotations
@@ -20,20 +23,23 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.comm import allgather as _allgather
-from gradcomp.comm.agreement import agree, forget, needs_check
+from gradcomp.comm.agreement import (Disagreement, agree, forget, needs_check, pattern, remember_pattern,
+                                     replay)
 from gradcomp.comm import ring as _ring
 from gradcomp.comm import two_phase as _two_phase
 from gradcomp.comm.chunks import chunk_bounds, ring_raw_bytes
 from gradcomp.comm.dense import Plan, share_owned
+from gradcomp.comm.guard import exclusive
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
 from gradcomp.comm.policy import CodecPolicy
+from gradcomp.comm.reduce_scatter import reduce_scatter
 from gradcomp import _validate as v
 from gradcomp import wire as W
 from gradcomp.compressors import Compressor, ErrorFeedback
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["allreduce", "ALGORITHMS", "DENSE_ALGORITHMS", "OPS", "INPUT_DTYPES",
+__all__ = ["allreduce", "reduce_scatter", "ALGORITHMS", "DENSE_ALGORITHMS", "OPS", "INPUT_DTYPES",
            "DEFAULT_TIMEOUT", "CodecPolicy", "chunk_bounds", "ring_raw_bytes"]
 
 #: every algorithm name
@@ -138,7 +144,10 @@ def allreduce(
         group: a torch.distributed process group (default: the world).
         meter: optional :class:`~gradcomp.TrafficMeter`.
         timeout: seconds each exchange may take (> 0, finite, at most 1e9).
-        key: residual key prefix for an ErrorFeedback compressor.
+        key: residual key prefix for an ErrorFeedback compressor; default
+            ``("numel", n)``: one ErrorFeedback reused without a key for
+            tensors of different sizes keeps one residual per size, the same
+            on every rank (an explicit key must name one tensor).
         residual: optional contiguous float32 tensor with ``tensor.numel()``
             elements on ``tensor``'s device (not with an ErrorFeedback compressor).
         out: optional contiguous tensor with ``tensor``'s shape, dtype and
@@ -171,6 +180,9 @@ def allreduce(
             ``timeout``; this process is not in ``group``; the ranks of the
             group passed different numels, ops, algorithms or compressors
             (raised on every rank).
+        RuntimeError: another thread of this process is in a gradcomp
+            collective on ``group`` (raised at once, nothing sent: give each
+            thread its own group); the transport failed (see below).
         TimeoutError: a transfer did not finish within ``timeout`` seconds
             (also when only some ranks changed their arguments since the
             group's last agreement, or passed different ``check`` values;
@@ -196,6 +208,11 @@ def allreduce(
         if out is None:
             return x.clone(memory_format=torch.contiguous_format)
         return out.copy_(x) if out.data_ptr() != x.data_ptr() else out
+    with exclusive(group):
+        return _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check)
+
+
+def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check):
     comm = Comm(group, timeout, meter)
     n = x.numel()
     # float32 temporaries come from the buffer pool (a fresh multi-MiB tensor
@@ -211,6 +228,8 @@ def allreduce(
         work = torch.empty(n, dtype=torch.float32, device=x.device)  # the result itself
     else:
         work = comm.buffer(4 * n, x.device).view(torch.float32)
+    if key is None and isinstance(compressor, ErrorFeedback):
+        key = ("numel", n)  # one ErrorFeedback reused for tensors of several sizes: a residual per size
     local = Local(flat, compressor, key, residual)
     descriptor = {"numel": n, "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
                   "codec": W.CODECS[local.inner.codec]}
@@ -222,12 +241,23 @@ def allreduce(
             plan = Plan(n, comm.world_size, local.inner)
             descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
         if check and needs_check(group, descriptor):
+            last = pattern(group)
+            if last is not None:  # tell ranks that skip the check, if any (see agreement)
+                replay(comm, last, x.device)
             agree(comm, descriptor, _NAMES, device=x.device)  # before anything changes
-        if algorithm == "allgather":
-            _allgather.allreduce(comm, local, work, op)
-        else:
-            pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
-            share_owned(comm, plan, work, op, pending)
+        try:
+            if algorithm == "allgather":
+                _allgather.allreduce(comm, local, work, op)
+            else:
+                pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
+                share_owned(comm, plan, work, op, pending)
+        except Disagreement:  # a peer changed its call: finish its pattern, then agree (raises)
+            replay(comm, (pattern(group) or [])[len(comm.trace):], x.device)
+            agree(comm, descriptor, _NAMES, device=x.device)
+            raise RuntimeError("gradcomp collective: a peer sent a disagreement envelope but "
+                               "agreed afterwards") from None
+        if check:
+            remember_pattern(group, descriptor, comm.trace)
     except BaseException:
         forget(group)  # this rank's next call on the group checks again
         raise

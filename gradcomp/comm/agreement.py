@@ -35,8 +35,28 @@ The sparse ``allgather`` algorithm agrees in the same way (its
 depends on the data) and then exchanges its payload sizes on every call,
 under tag ``TAG + 1``.
 
+One rank alone changing its call after the group agreed (it checks, the
+others skip) must not leave the others waiting for payloads that never come.
+So a group also remembers the message pattern of the reduce-scatter phase
+(the ``"reduce_scatter"`` and ``"sizes"`` exchanges) of its last agreed call
+(:func:`remember_pattern`): deterministic given the descriptor, the same on
+every rank. A rank whose call differs first *replays* that pattern
+(:func:`replay`), every message replaced by a *disagreement envelope* of the
+same size (it starts with :data:`ENVELOPE`), then agrees. A rank that
+skipped the check finds an envelope where it expected a payload (its decode
+fails on the magic, :func:`raise_if_envelope`; or an 8-byte size reads
+:data:`ENVELOPE`), replays the rest of the pattern in the same way, and
+agrees too. The pattern reaches every rank (the ring's reduce-scatter has
+``N - 1`` hops; two-phase and the size exchange are direct), so every rank
+ends in the same agreement and raises the same ``ValueError`` naming the
+field, every message posted is matched, and the group stays usable. A rank
+that skipped the check has by then compressed its first chunks (their error
+feedback residuals changed); the ranks that checked have not.
+
 Traffic: ``8 * len(FIELDS) * (N - 1)`` bytes sent per rank per agreement,
-recorded in meter phase ``"agreement"`` with no raw (float32 ring) equivalent.
+plus, when a call differs from a remembered one, that call's reduce-scatter
+message sizes; recorded in meter phase ``"agreement"`` with no raw (float32
+ring) equivalent.
 """
 
 from __future__ import annotations
@@ -48,7 +68,8 @@ import torch
 
 from gradcomp.comm.p2p import PIECES, Comm, Message
 
-__all__ = ["FIELDS", "AGREEMENT_NBYTES", "TAG", "agree", "needs_check", "forget"]
+__all__ = ["FIELDS", "AGREEMENT_NBYTES", "TAG", "ENVELOPE", "agree", "needs_check", "forget",
+           "Disagreement", "remember_pattern", "pattern", "replay", "raise_if_envelope", "is_envelope"]
 
 #: descriptor fields, in wire order
 FIELDS = ("numel", "op", "algorithm", "codec", "wire_nbytes")
@@ -66,10 +87,20 @@ _WHAT = {
     "wire_nbytes": "compressor settings (payload sizes)",
 }
 
+#: first 8 bytes of a disagreement envelope (not a payload's b"GCMP" magic)
+ENVELOPE = b"GCDISAGR"
+
 # group -> the descriptor every rank of that group last agreed on; an entry
 # goes with its group (a new group never inherits one, even at the same address)
 _AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# group -> (descriptor, reduce-scatter message pattern of a call with it)
+_PATTERNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _AGREED_LOCK = threading.Lock()
+
+
+class Disagreement(Exception):
+    """A peer sent a disagreement envelope where this rank expected a payload
+    (internal: the collective replays and agrees, then raises ValueError)."""
 
 
 def needs_check(group, values: dict[str, int]) -> bool:
@@ -87,8 +118,59 @@ def forget(group) -> None:
     with _AGREED_LOCK:
         try:
             _AGREED.pop(group, None)
+            _PATTERNS.pop(group, None)
         except TypeError:
             pass
+
+
+def remember_pattern(group, values: dict[str, int], trace) -> None:
+    """After a successful call with the group's agreed descriptor ``values``:
+    keep the reduce-scatter part of its message trace (see
+    :attr:`gradcomp.comm.p2p.Comm.trace`) unless already kept."""
+    row = _row(values)
+    with _AGREED_LOCK:
+        try:
+            if _AGREED.get(group) != row or (_PATTERNS.get(group) or (None,))[0] == row:
+                return
+            _PATTERNS[group] = (row, [t for t in trace if t[2] in ("reduce_scatter", "sizes")])
+        except TypeError:
+            pass
+
+
+def pattern(group) -> list | None:
+    """The reduce-scatter message pattern of the group's last agreed call (None: none kept)."""
+    with _AGREED_LOCK:
+        try:
+            kept = _PATTERNS.get(group)
+            return kept[1] if kept is not None and kept[0] == _AGREED.get(group) else None
+        except TypeError:
+            return None
+
+
+def replay(comm: Comm, entries, device="cpu") -> None:
+    """Exchange disagreement envelopes with the sizes, peers and tags of ``entries``
+    (``(sends, recvs, phase, tag)``, sends and recvs as ``(peer, nbytes)``)."""
+    for sends, recvs, _, tag in entries:
+        out = [Message(p, _envelope(nbytes, device)) for p, nbytes in sends]
+        into = [Message(p, torch.empty(nbytes, dtype=torch.uint8, device=device)) for p, nbytes in recvs]
+        comm.exchange(out, into, "agreement", tag=tag)
+
+
+def _envelope(nbytes: int, device) -> torch.Tensor:
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    buf[:len(ENVELOPE)] = torch.frombuffer(bytearray(ENVELOPE), dtype=torch.uint8)[:nbytes].to(device)
+    return buf
+
+
+def is_envelope(buf: torch.Tensor) -> bool:
+    """``buf`` (uint8) starts with :data:`ENVELOPE`."""
+    return buf.numel() >= len(ENVELOPE) and bytes(buf[:len(ENVELOPE)].cpu().numpy().tobytes()) == ENVELOPE
+
+
+def raise_if_envelope(buf: torch.Tensor) -> None:
+    """Raise :class:`Disagreement` if ``buf`` is a disagreement envelope."""
+    if is_envelope(buf):
+        raise Disagreement()
 
 
 def _row(values: dict[str, int]) -> tuple[int, ...]:

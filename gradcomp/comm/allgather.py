@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from gradcomp import timeline as _timeline
-from gradcomp.comm.agreement import TAG
+from gradcomp.comm.agreement import TAG, raise_if_envelope
 from gradcomp.comm.chunks import ring_raw_bytes
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm, Message
@@ -56,6 +56,7 @@ def exchange_sizes(comm: Comm, nbytes: int, device) -> list[int]:
     sizes = [0] * n
     sizes[r] = nbytes
     for m in recvs:
+        raise_if_envelope(m.buf)  # a peer changed its call since the group's agreement
         sizes[m.peer] = int(m.buf.view(torch.int64).item())
     return sizes
 

@@ -14,9 +14,11 @@ from __future__ import annotations
 import torch
 
 from gradcomp import timeline as _timeline
+from gradcomp.comm.agreement import raise_if_envelope
 from gradcomp.comm.chunks import FLOAT32_BYTES, chunk_bounds
 from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import Compressor
+from gradcomp.errors import PayloadError
 from gradcomp.wire import Payload, decode
 
 __all__ = ["Plan", "share_owned"]
@@ -63,7 +65,11 @@ class Plan:
         value still raises :class:`~gradcomp.PayloadError`, leaving the
         workspace partly written, which a failed collective leaves
         unspecified anyway)."""
-        return decode(buf, check_int8=False)
+        try:
+            return decode(buf, check_int8=False)
+        except PayloadError:
+            raise_if_envelope(buf)  # a peer changed its call since the group's agreement
+            raise
 
     def expect(self, payload: Payload, j: int) -> torch.Tensor:
         """``payload.wire`` after checking it has the size receivers expect for chunk ``j``.

@@ -87,6 +87,9 @@ class Comm:
         self.timeout = float(timeout)
         self.meter = meter
         self._taken: list[torch.Tensor] = []
+        #: every :meth:`start` of this call: ``(sends, recvs, phase, tag)`` with
+        #: sends and recvs as ``((peer, nbytes), ...)`` (see gradcomp.comm.agreement)
+        self.trace: list[tuple] = []
 
     def buffer(self, nbytes: int, device) -> torch.Tensor:
         """An uninitialised uint8 buffer of ``nbytes`` (reused across calls, see
@@ -142,6 +145,8 @@ class Comm:
         Raises:
             ValueError: two messages to (or from) one peer, or a bad buffer.
         """
+        self.trace.append((tuple((m.peer, m.buf.numel()) for m in sends),
+                           tuple((m.peer, m.buf.numel()) for m in recvs), phase, tag))
         ops = []
         for kind, msgs in (("irecv", recvs), ("isend", sends)):
             fn = dist.irecv if kind == "irecv" else dist.isend

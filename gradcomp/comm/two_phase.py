@@ -32,11 +32,15 @@ from gradcomp.comm.p2p import Comm, Message
 __all__ = ["reduce_scatter"]
 
 
-def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> torch.Tensor:
+def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor | None,
+                   own: torch.Tensor | None = None) -> torch.Tensor:
     """Direct-exchange reduce-scatter: one compression per chunk per rank.
 
     Args:
-        work: float32 ``[numel]`` workspace (may be the input's own memory).
+        work: float32 ``[numel]`` workspace (may be the input's own memory);
+            only its chunk ``rank`` is written. None when ``own`` is given.
+        own: float32 tensor of chunk ``rank``'s length to accumulate in
+            instead of ``work[chunk rank]`` (a reduce-scatter's output).
 
     Returns:
         The payload from the highest other rank, not yet added: with it added
@@ -45,7 +49,7 @@ def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> 
         ``rank`` (this rank's own data exact, the others' payloads added in rank order).
     """
     n, r = comm.world_size, comm.rank
-    dev = work.device
+    dev = (work if own is None else own).device
     sends, recvs = [], []
     for j in range(n):
         if j == r:
@@ -55,7 +59,7 @@ def reduce_scatter(comm: Comm, local: Local, plan: Plan, work: torch.Tensor) -> 
         recvs.append(Message(j, comm.buffer(plan.wire_nbytes[r], dev), plan.raw_nbytes[r]))
     transfer = comm.start(sends, recvs, "reduce_scatter")
     lo, hi = plan.bounds[r]
-    acc = local.exact_into(lo, hi, work[lo:hi])  # while the payloads travel
+    acc = local.exact_into(lo, hi, work[lo:hi] if own is None else own)  # while the payloads travel
     transfer.wait()
     for m in recvs[:-1]:  # in rank order; the last one is added by share_owned
         with _timeline.span("decompress"):

@@ -42,10 +42,15 @@ class NoCompression(Compressor):
 class FP16(Compressor):
     """IEEE half precision on the wire (2 bytes per element).
 
-    Finite values stay finite: when ``max |x|`` exceeds 65504 the tensor is
-    multiplied by ``2**-e`` with the smallest ``e >= 0`` that fits, and ``e`` is
-    stored in the header (a power of two: exact to undo). Values below float16's
-    range flush towards zero as in a plain cast. NaN/Inf pass through.
+    The tensor is multiplied by ``2**-e`` with the smallest integer ``e``
+    such that ``max |x| * 2**-e <= 65504`` (float16's largest value), and ``e``
+    is stored in the header: a power of two, exact to undo. Large values stay
+    finite (``e > 0``) and small ones keep float16's full precision instead of
+    flushing to zero (``e < 0``, as in loss scaling, Micikevicius et al. 2018,
+    "Mixed Precision Training"). ``e`` is clamped to ``[-126, 127]``
+    (``[-1022, 1023]`` for float64) so that both scales are normal numbers.
+    Elements more than 2**24 times smaller than ``max |x|`` flush towards zero
+    as in a plain cast. NaN/Inf pass through (no scaling then).
 
     Wire size: ``header + 2 n`` bytes.
     """
@@ -57,17 +62,21 @@ class FP16(Compressor):
         if x.numel():
             mn, mx = torch.aminmax(x)  # max |x| without an n-element temporary; NaN propagates
             amax = float(torch.maximum(mn.abs(), mx.abs()).to(torch.float64))
-            if math.isfinite(amax) and amax > _FP16_MAX:
-                e = max(0, math.ceil(math.log2(amax / _FP16_MAX)))
-                while math.ldexp(amax, -e) > _FP16_MAX:
+            if math.isfinite(amax) and amax > 0:
+                lo, hi = W.FP16_EXPONENT_RANGE[x.dtype == torch.float64]
+                e = math.ceil(math.log2(amax) - math.log2(_FP16_MAX))
+                while math.ldexp(amax, -e) > _FP16_MAX:  # log2's rounding
                     e += 1
+                while math.ldexp(amax, -(e - 1)) <= _FP16_MAX:
+                    e -= 1
+                e = min(max(e, lo), hi)
         h = W.build_header("fp16", dtype, shape, param=e)
         w = new_wire(h, 2 * x.numel(), x.device, out)
         data = w[len(h):].view(torch.float16)
         if x.numel():
             if e:
                 src = x.to(torch.float64) if x.dtype == torch.float64 else x.to(torch.float32)
-                data.copy_(src * (2.0 ** -e))
+                data.copy_(src * (2.0 ** -e))  # a power of two: exact unless it underflows
             else:
                 data.copy_(x)
         return W.Payload(wire=w, codec="fp16", dtype=dtype, shape=torch.Size(shape),

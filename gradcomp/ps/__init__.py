@@ -1,6 +1,6 @@
 """Parameter server: compressed push and pull, sync and async, bounded staleness.
 
-Ranks ``[0, num_servers)`` of a torch.distributed (gloo) group are servers,
+Ranks ``[0, num_servers)`` of a torch.distributed group are servers,
 the other ranks workers (Li et al. 2014, "Scaling Distributed Machine
 Learning with the Parameter Server"). Parameters are placed whole on the
 servers, balanced by bytes (greedy largest-first). Workers push gradients
@@ -18,17 +18,33 @@ Modes:
         2013, stale synchronous parallel); ``staleness_lr`` scales the
         learning rate by ``1 / (1 + staleness)`` (Zhang et al. 2016).
 
-Failures: a worker that dies or stays silent for ``worker_timeout`` seconds is
-declared dead; the run goes on without it (``on_worker_failure="continue"``)
-or the server raises :class:`WorkerFailedError` naming its rank and the other
-workers get :class:`PSAbortedError` (``"fail"``). Malformed pushes are
-rejected and counted. Servers checkpoint atomically (``checkpoint_dir``,
-``checkpoint_every``) and resume with ``resume=True``.
+Transport: ZeroMQ (pyzmq), as in ps-lite and BytePS: one ROUTER socket per
+server, a DEALER per worker and server (:mod:`gradcomp.ps.transport`). The
+library frames every message (a receiver never sizes a buffer from a peer's
+header) and keeps a queue per peer with a high-water mark; the server never
+blocks on one worker. torch.distributed is used only to learn the servers'
+addresses when the roles are built (servers bind the interface that routes to
+``$MASTER_ADDR``, or ``$GRADCOMP_PS_HOST``, or the ``address`` given); a
+restarted worker process joins with ``server_addresses`` and its old rank.
+
+Failures: a worker whose heartbeats stop (``heartbeat_timeout``), that makes
+no request for ``worker_timeout`` seconds, does not read its replies or breaks
+the protocol is declared dead, alone; the run goes on without it
+(``on_worker_failure="continue"``) or the server raises
+:class:`WorkerFailedError` naming its rank and the other workers get
+:class:`PSAbortedError` (``"fail"``). Malformed pushes are rejected and
+counted. A worker restarted with the same rank takes its place again (a new
+session). Servers checkpoint atomically (``checkpoint_dir``,
+``checkpoint_every``) and resume with ``resume=True``; a checkpoint that
+cannot be resumed raises :class:`CheckpointError`.
 
 Accounting: every rank's :class:`~gradcomp.TrafficMeter` counts the bytes it
-moved in phases ``"push"`` and ``"pull"`` and their uncompressed float32
-equivalents; :meth:`ParameterServer.stats` adds per-worker bytes, the staleness
-histogram, dropped and rejected counts.
+moved in phases ``"connect"`` (HELLO / WELCOME), ``"push"`` and ``"pull"``
+(DONE included): the bytes ZeroMQ puts on the connection for each message
+(our 80-byte header, the payload bundle and the ZMTP frame headers), with
+their uncompressed float32 equivalents; heartbeats are counted apart
+(``heartbeat_meter``). :meth:`ParameterServer.stats` adds per-worker bytes,
+the staleness histogram, dropped and rejected counts.
 
 High-level API (one call per rank)::
 
@@ -75,11 +91,24 @@ With torchrun (a least-squares demo; prints the server's stats as JSON)::
 
 from __future__ import annotations
 
-from gradcomp.ps.errors import PeerError, ProtocolError, PSAbortedError, PSError, WorkerFailedError
+from gradcomp.ps.errors import (CheckpointError, PeerError, ProtocolError, PSAbortedError, PSError,
+                                WorkerFailedError)
 from gradcomp.ps.run import PSConfig, role, run
-from gradcomp.ps.server import ParameterServer
 from gradcomp.ps.sharding import ParamSpec, shard_parameters
-from gradcomp.ps.worker import PushResult, Worker
+
+# the roles load pyzmq on first use, so that `import gradcomp` stays light
+_LAZY = {"ParameterServer": "server", "PushResult": "worker", "Worker": "worker"}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'gradcomp.ps' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"gradcomp.ps.{module}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "ParameterServer",
@@ -95,4 +124,5 @@ __all__ = [
     "ProtocolError",
     "PSAbortedError",
     "WorkerFailedError",
+    "CheckpointError",
 ]

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from gradcomp.ps.errors import CheckpointError
+
 __all__ = ["FORMAT", "checkpoint_path", "save_atomic", "load"]
 
 FORMAT = "gradcomp.ps/1"
@@ -33,14 +35,52 @@ def save_atomic(state: dict, path: str) -> None:
             os.remove(tmp)
 
 
-def load(path: str) -> dict:
-    """Load a checkpoint written by :func:`save_atomic` (tensors on CPU; only
-    tensors and plain containers are unpickled).
+def load(path: str, layout: list | None = None, num_servers: int | None = None) -> dict:
+    """Load and validate a checkpoint written by :func:`save_atomic` (tensors
+    on CPU; only tensors and plain containers are unpickled).
+
+    Args:
+        path: the file.
+        layout: the expected ``[[name, shape], ...]`` of the shard (None: any).
+        num_servers: the expected number of servers (None: any).
+
+    Returns:
+        The state: ``format``, ``server_index``, ``num_servers``, ``mode``,
+        ``layout``, ``version`` (int >= 0), ``params`` (name -> float32
+        tensor of the layout's shape) and ``optimizer`` (a state dict).
 
     Raises:
-        ValueError: the file is not a gradcomp parameter-server checkpoint.
+        CheckpointError: the file cannot be read or unpickled (truncated,
+            random bytes, a foreign pickle), is not a gradcomp
+            parameter-server checkpoint, or holds another placement.
     """
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, random bytes, foreign pickle, I/O error
+        raise CheckpointError(path, f"unreadable ({type(e).__name__}: {_first_line(e)})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a gradcomp parameter-server checkpoint (format {FORMAT!r})")
+        raise CheckpointError(path, f"not a gradcomp parameter-server checkpoint (format {FORMAT!r})")
+    for key, kind in (("server_index", int), ("num_servers", int), ("mode", str), ("layout", list),
+                      ("version", int), ("params", dict), ("optimizer", dict)):
+        if not isinstance(state.get(key), kind) or isinstance(state.get(key), bool):
+            raise CheckpointError(path, f"field {key!r} is missing or not a {kind.__name__}")
+    if state["version"] < 0:
+        raise CheckpointError(path, f"negative version {state['version']}")
+    if layout is not None and (state["layout"] != layout or state["num_servers"] != num_servers):
+        raise CheckpointError(path, f"another parameter placement ({state['num_servers']} servers, "
+                                    f"{len(state['layout'])} parameters); resume needs the same model "
+                                    "and num_servers")
+    for name, shape in state["layout"]:
+        t = state["params"].get(name)
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or list(t.shape) != list(shape):
+            raise CheckpointError(path, f"parameter {name!r} is missing or not a float32 tensor of shape "
+                                        f"{tuple(shape)}")
+    opt = state["optimizer"]
+    if not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
+        raise CheckpointError(path, "the optimizer state is not a torch.optim state dict")
     return state
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else "no message"

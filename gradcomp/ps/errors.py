@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["PSError", "ProtocolError", "PeerError", "WorkerFailedError", "PSAbortedError"]
+__all__ = ["PSError", "ProtocolError", "PeerError", "WorkerFailedError", "PSAbortedError", "CheckpointError"]
 
 
 class PSError(RuntimeError):
@@ -58,3 +58,19 @@ class PSAbortedError(PSError):
                          f"{failed_rank} failed and on_worker_failure='fail'")
         self.server = server
         self.failed_rank = failed_rank
+
+
+class CheckpointError(PSError, ValueError):
+    """A server checkpoint cannot be resumed from: unreadable (truncated,
+    random or foreign bytes), not a gradcomp parameter-server checkpoint, or
+    one of another parameter placement. Raised before anything is changed.
+
+    Attributes:
+        path: the checkpoint file.
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"checkpoint {path}: {reason}")
+        self.path = path
+        self.reason = reason

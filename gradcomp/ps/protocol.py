@@ -1,47 +1,56 @@
-"""Parameter-server messages over torch.distributed point-to-point (gloo).
+"""Parameter-server messages over ZeroMQ (a ROUTER socket per server, DEALERs on the workers).
 
 Every exchange is a request from a worker answered by one reply from a
-server, so each worker has at most one request outstanding per server.
-A message is two point-to-point transfers:
+server. A message is one ZeroMQ multipart message of one or two frames,
+each frame's length set and checked by the library (never by a peer's
+header):
 
-1. a fixed-size control header, ``HEADER_NUMEL`` int64 values
-   (:data:`HEADER_NBYTES` bytes)::
+1. a control header of :data:`HEADER_NBYTES` bytes, ten little-endian int64::
 
        0 magic     0x53504347 ("GCPS" little-endian)
-       1 kind      PUSH, PULL, DONE (requests); PUSH_REPLY, PULL_REPLY, ABORT (replies)
+       1 kind      requests: PUSH, PULL, DONE, HELLO, HEARTBEAT;
+                   replies: PUSH_REPLY, PULL_REPLY, ABORT, WELCOME, EVICTED, HEARTBEAT
        2 sender    global rank of the sender
        3 version   parameter version (see below)
-       4 nbytes    length of the data message that follows (0: none)
+       4 nbytes    length of the data frame (0: no data frame); must equal
+                   the length ZeroMQ delivered, or the message is rejected
        5 status    push reply: ACCEPTED / DROPPED / REJECTED; pull request:
-                   WANT_FULL flag; pull reply: FULL / DELTA
+                   WANT_FULL flag; pull reply: FULL / DELTA; WELCOME: the
+                   server's heartbeat port
        6 layout    CRC-32 of the shard's names and shapes (requests)
        7 aux       pull request: minimum version wanted; push reply: staleness;
-                   ABORT: the failed worker's rank
+                   ABORT: the failed worker's rank; WELCOME: pushes of this
+                   worker rank the server accepted before (earlier processes)
+       8 seq       request number within the worker's session (1, 2, ...);
+                   a reply carries the number of the request it answers
+       9 session   random 63-bit id of the worker process's connection
 
-2. when ``nbytes > 0``, a ``torch.uint8`` data message of exactly ``nbytes``
-   bytes: a *bundle* of gradcomp wire payloads, one per parameter of the
-   shard in shard order::
+2. when ``nbytes > 0``, the data frame: a *bundle* of gradcomp wire payloads,
+   one per parameter of the shard in shard order::
 
        int64 count, int64 size[count], payload bytes[size[0]], ..., payload bytes[size[count-1]]
 
-Tags separate the message kinds (gloo matches a receive to a send by peer and
-tag): request headers travel with :data:`TAG_REQUEST`, push bundles with
-:data:`TAG_PUSH_DATA`, reply headers with :data:`TAG_REPLY` and pull bundles
-with :data:`TAG_PULL_DATA`.
+   (an EVICTED reply carries the reason as UTF-8 text instead).
+
+A worker holds one DEALER per server for requests (routing id ``w<rank>``)
+and, on a background thread, one per server for heartbeats (``h<rank>``)
+to the server's heartbeat port, where a thread of the server answers them
+even while a step computes; so the server tells a dead process (no
+heartbeat) from a live one that makes no progress (no request), and a worker
+tells a dead server from a slow step.
 
 Version semantics: a push carries the server version of the parameters its
 gradient was computed from; a push reply and a pull reply carry the server's
 version after handling the request.
 
-Every wait has a timeout. Gloo's point-to-point work objects neither report
-completion before ``wait()`` nor survive a timed-out ``wait()`` (the
-connection to that peer is closed), so a receiver waits with the full
-timeout it is prepared to allow and treats a timeout as the peer's failure.
+Accounting: :func:`message_nbytes` is what ZeroMQ puts on the connection for
+one message: our frames plus the ZMTP/3.1 frame headers (RFC 37: one flags
+byte and a 1-byte length up to 255 bytes, else an 8-byte length). The
+routing-id frame a ROUTER sees is local: it never travels.
 """
 
 from __future__ import annotations
 
-import datetime
 import struct
 from dataclasses import dataclass
 
@@ -50,36 +59,38 @@ import torch.distributed as dist
 
 from gradcomp import wire as W
 from gradcomp.errors import PayloadError
-from gradcomp.ps.errors import PeerError, ProtocolError
+from gradcomp.ps.errors import ProtocolError
 
 __all__ = [
     "HEADER_NUMEL", "HEADER_NBYTES", "MAGIC",
-    "PUSH", "PULL", "DONE", "PUSH_REPLY", "PULL_REPLY", "ABORT",
-    "ACCEPTED", "DROPPED", "REJECTED", "WANT_FULL", "FULL", "DELTA",
-    "TAG_REQUEST", "TAG_PUSH_DATA", "TAG_REPLY", "TAG_PULL_DATA",
-    "Header", "send_message", "recv_message", "pack_bundle", "unpack_bundle",
-    "raw_bundle_nbytes", "decoder_for",
+    "PUSH", "PULL", "DONE", "HELLO", "HEARTBEAT", "PUSH_REPLY", "PULL_REPLY", "ABORT", "WELCOME",
+    "EVICTED", "ACCEPTED", "DROPPED", "REJECTED", "WANT_FULL", "FULL", "DELTA",
+    "REQUESTS", "REPLIES", "Header", "frame_overhead", "message_nbytes", "pack_bundle",
+    "unpack_bundle", "raw_bundle_nbytes", "decoder_for", "join_layout", "MODES", "FAILURE_POLICIES",
 ]
 
+#: server modes and worker-failure policies (validated by every role)
+MODES = ("sync", "async")
+FAILURE_POLICIES = ("continue", "fail")
+
 MAGIC = 0x53504347
-HEADER_NUMEL = 8
+HEADER_NUMEL = 10
 HEADER_NBYTES = 8 * HEADER_NUMEL
+_HEADER = struct.Struct(f"<{HEADER_NUMEL}q")
 
 # message kinds
-PUSH, PULL, DONE, PUSH_REPLY, PULL_REPLY, ABORT = 1, 2, 3, 4, 5, 6
+PUSH, PULL, DONE, PUSH_REPLY, PULL_REPLY, ABORT, HELLO, WELCOME, HEARTBEAT, EVICTED = range(1, 11)
 KIND_NAMES = {PUSH: "PUSH", PULL: "PULL", DONE: "DONE", PUSH_REPLY: "PUSH_REPLY",
-              PULL_REPLY: "PULL_REPLY", ABORT: "ABORT"}
-REQUESTS = (PUSH, PULL, DONE)
-REPLIES = (PUSH_REPLY, PULL_REPLY, ABORT)
+              PULL_REPLY: "PULL_REPLY", ABORT: "ABORT", HELLO: "HELLO", WELCOME: "WELCOME",
+              HEARTBEAT: "HEARTBEAT", EVICTED: "EVICTED"}
+REQUESTS = (PUSH, PULL, DONE, HELLO, HEARTBEAT)
+REPLIES = (PUSH_REPLY, PULL_REPLY, ABORT, WELCOME, EVICTED, HEARTBEAT)
 
 # status field
 ACCEPTED, DROPPED, REJECTED = 0, 1, 2  # push replies
 WANT_FULL = 1  # pull request flag: the worker holds no replica yet
 FULL, DELTA = 1, 2  # pull replies: full float32 parameters or a compressed delta
 STATUS_NAMES = {ACCEPTED: "accepted", DROPPED: "dropped", REJECTED: "rejected"}
-
-# tags (one per message kind of the byte stream)
-TAG_REQUEST, TAG_PUSH_DATA, TAG_REPLY, TAG_PULL_DATA = 101, 102, 103, 104
 
 
 @dataclass
@@ -93,29 +104,53 @@ class Header:
     status: int = 0
     layout: int = 0
     aux: int = 0
+    seq: int = 0
+    session: int = 0
 
-    def to_tensor(self) -> torch.Tensor:
-        """int64 CPU tensor of ``HEADER_NUMEL`` values."""
-        return torch.tensor([MAGIC, self.kind, self.sender, self.version, self.nbytes,
-                             self.status, self.layout, self.aux], dtype=torch.int64)
+    def pack(self) -> bytes:
+        """The :data:`HEADER_NBYTES` bytes of the header frame."""
+        return _HEADER.pack(MAGIC, self.kind, self.sender, self.version, self.nbytes,
+                            self.status, self.layout, self.aux, self.seq, self.session)
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor, kinds: tuple[int, ...], max_nbytes: int) -> "Header":
-        """Parse and validate a received header.
+    def unpack(cls, frame, kinds: tuple[int, ...], data_nbytes: int | None) -> "Header":
+        """Parse and validate a received header frame.
+
+        Args:
+            frame: the frame's bytes (any buffer).
+            kinds: the message kinds expected here.
+            data_nbytes: length of the data frame ZeroMQ delivered (None: none).
 
         Raises:
-            ProtocolError: bad magic, a kind not in ``kinds``, or ``nbytes``
-                outside ``[0, max_nbytes]``.
+            ProtocolError: wrong frame length, bad magic, a kind not in
+                ``kinds``, or ``nbytes`` different from the data frame's length.
         """
-        magic, kind, sender, version, nbytes, status, layout, aux = (int(x) for x in t.tolist())
+        n = memoryview(frame).nbytes
+        if n != HEADER_NBYTES:
+            raise ProtocolError(f"header frame of {n} bytes, expected {HEADER_NBYTES}")
+        magic, kind, sender, version, nbytes, status, layout, aux, seq, session = _HEADER.unpack(frame)
         if magic != MAGIC:
             raise ProtocolError(f"bad header magic {magic:#x}, expected {MAGIC:#x}")
         if kind not in kinds:
             raise ProtocolError(f"unexpected message kind {kind}, expected one of "
                                 f"{[KIND_NAMES[k] for k in kinds]}")
-        if not 0 <= nbytes <= max_nbytes:
-            raise ProtocolError(f"data length {nbytes} bytes outside [0, {max_nbytes}]")
-        return cls(kind, sender, version, nbytes, status, layout, aux)
+        got = 0 if data_nbytes is None else data_nbytes
+        if nbytes != got or (data_nbytes is not None and got == 0):
+            raise ProtocolError(f"header announces {nbytes} data bytes, the message carries {got}")
+        return cls(kind, sender, version, nbytes, status, layout, aux, seq, session)
+
+
+def frame_overhead(nbytes: int) -> int:
+    """Bytes ZMTP/3.1 adds to a frame of ``nbytes``: flags + 1-byte size up to
+    255 bytes, flags + 8-byte size above (RFC 37)."""
+    return 2 if nbytes <= 255 else 9
+
+
+def message_nbytes(data_nbytes: int = 0) -> int:
+    """Bytes one message with a data frame of ``data_nbytes`` (0: none) puts on
+    the connection: header frame + data frame, each with its ZMTP frame header."""
+    n = HEADER_NBYTES + frame_overhead(HEADER_NBYTES)
+    return n + (data_nbytes + frame_overhead(data_nbytes) if data_nbytes else 0)
 
 
 def join_layout(group, num_servers) -> tuple[int, int, int]:
@@ -130,7 +165,8 @@ def join_layout(group, num_servers) -> tuple[int, int, int]:
 
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call dist.init_process_group "
-                           "(or run under torchrun / gradcomp.launch) first")
+                           "(or run under torchrun / gradcomp.launch) first, or give the worker "
+                           "its rank and server_addresses")
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     num_servers = v.integer("num_servers", num_servers, 1)
@@ -138,68 +174,6 @@ def join_layout(group, num_servers) -> tuple[int, int, int]:
         raise ValueError(f"num_servers must be < the world size {world} (at least one worker), "
                          f"got {num_servers}")
     return rank, world, num_servers
-
-
-def _timedelta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(seconds))
-
-
-def send_message(header: Header, data: torch.Tensor | None, dst: int, *, header_tag: int,
-                 data_tag: int, timeout: float, group=None, what: str = "peer") -> int:
-    """Send ``header`` (and ``data``, a CPU uint8 tensor of ``header.nbytes`` bytes)
-    to global rank ``dst``; waits at most ``timeout`` seconds per transfer.
-
-    Returns:
-        Bytes put on the transport (header + data).
-
-    Raises:
-        PeerError: the peer is gone or did not take the message in time.
-    """
-    works = [dist.isend(header.to_tensor(), dst, group=group, tag=header_tag)]
-    if data is not None and data.numel():
-        works.append(dist.isend(data, dst, group=group, tag=data_tag))
-    try:
-        for w in works:
-            w.wait(_timedelta(timeout))
-    except RuntimeError as e:
-        raise PeerError(dst, f"send to {what}", _short(e)) from None
-    return HEADER_NBYTES + (0 if data is None else data.numel())
-
-
-def recv_message(src: int, *, kinds: tuple[int, ...], header_tag: int, data_tag: int,
-                 timeout: float, max_nbytes: int, group=None, what: str = "peer"
-                 ) -> tuple[Header, torch.Tensor | None]:
-    """Receive one header from global rank ``src`` and the data message it announces.
-
-    Returns:
-        ``(header, data)``; ``data`` is a CPU uint8 tensor or None when
-        ``header.nbytes == 0``.
-
-    Raises:
-        PeerError: the peer is gone or sent nothing within ``timeout`` seconds.
-        ProtocolError: the header is malformed (see :meth:`Header.from_tensor`).
-    """
-    buf = torch.empty(HEADER_NUMEL, dtype=torch.int64)
-    try:
-        dist.irecv(buf, src, group=group, tag=header_tag).wait(_timedelta(timeout))
-    except RuntimeError as e:
-        raise PeerError(src, f"receive from {what}", _short(e)) from None
-    header = Header.from_tensor(buf, kinds, max_nbytes)
-    if header.nbytes == 0:
-        return header, None
-    data = torch.empty(header.nbytes, dtype=torch.uint8)
-    try:
-        dist.irecv(data, src, group=group, tag=data_tag).wait(_timedelta(timeout))
-    except RuntimeError as e:
-        raise PeerError(src, f"receive from {what}", _short(e)) from None
-    return header, data
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if "] " in text and text.startswith("["):  # drop gloo's source-file prefix
-        text = text.split("] ", 1)[1]
-    return text
 
 
 # ---- bundles --------------------------------------------------------------------

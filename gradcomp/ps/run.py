@@ -3,6 +3,8 @@ a compressor, a mode and a step budget."""
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -11,8 +13,8 @@ import torch
 
 from gradcomp import _validate as v
 from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
-from gradcomp.ps.server import FAILURE_POLICIES, MODES, ParameterServer
-from gradcomp.ps.worker import PushResult, Worker
+from gradcomp.ps.protocol import FAILURE_POLICIES, MODES
+from gradcomp.ps.transport import normalize_address
 
 __all__ = ["PSConfig", "run", "role"]
 
@@ -36,8 +38,15 @@ class PSConfig:
             (picklable, e.g. ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)``);
             None: SGD with lr 0.01 and momentum 0.9.
         max_staleness, staleness_lr, clip_grad_norm, on_worker_failure,
-        worker_timeout, checkpoint_dir, checkpoint_every, resume: server settings.
-        timeout: workers' per-transfer timeout in seconds.
+        worker_timeout, heartbeat_timeout, checkpoint_dir, checkpoint_every,
+        resume: server settings.
+        address: where servers bind (``"host"``, ``"host:port"``,
+            ``"tcp://host:port"``; with several servers on one host give no
+            fixed port); None: ``$GRADCOMP_PS_HOST``, else the interface that
+            routes to ``$MASTER_ADDR``, else loopback (see
+            :mod:`gradcomp.ps.transport`).
+        timeout: workers' per-reply timeout in seconds.
+        heartbeat_interval: seconds between a worker's heartbeats.
         device: workers' compute device (None: where ``model_fn`` puts the model).
     """
 
@@ -54,7 +63,10 @@ class PSConfig:
     clip_grad_norm: float | None = None
     on_worker_failure: str = "continue"
     worker_timeout: float = 60.0
+    heartbeat_timeout: float = 10.0
+    address: str | None = None
     timeout: float = 120.0
+    heartbeat_interval: float = 1.0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
     resume: bool = False
@@ -69,8 +81,13 @@ class PSConfig:
             c = getattr(self, name)
             if c is not None and not isinstance(c, Compressor):
                 raise TypeError(f"{name} must be a gradcomp compressor or None, got {type(c).__name__}")
-        for name in ("worker_timeout", "timeout"):
+        for name in ("worker_timeout", "timeout", "heartbeat_timeout", "heartbeat_interval"):
             v.timeout(name, getattr(self, name))
+        if self.heartbeat_interval >= self.heartbeat_timeout:
+            raise ValueError(f"heartbeat_interval ({self.heartbeat_interval:g} s) must be < "
+                             f"heartbeat_timeout ({self.heartbeat_timeout:g} s)")
+        if self.address is not None:
+            normalize_address(self.address)
 
     def server_pull_compressor(self) -> Compressor | None:
         """The compressor servers use for pull deltas (None without ``compress_pull``)."""
@@ -89,10 +106,28 @@ def role(rank: int, num_servers: int) -> str:
     return "server" if rank < num_servers else "worker"
 
 
+class _NoTimeline:
+    """Stands in for a :class:`gradcomp.timeline.Timeline` when none is given."""
+
+    def begin_step(self):
+        pass
+
+    def end_step(self):
+        pass
+
+    @contextlib.contextmanager
+    def span(self, phase):
+        yield
+
+    @contextlib.contextmanager
+    def active(self):
+        yield
+
+
 def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         loss_fn: Callable[[torch.nn.Module, int, int], torch.Tensor], config: PSConfig, *,
-        on_step: Callable[[int, float, Worker, PushResult], Any] | None = None,
-        group=None) -> dict:
+        on_step: Callable[[int, float, "Worker", "PushResult"], Any] | None = None,
+        group=None, timeline=None) -> dict:
     """Run this rank's role of a parameter-server training job.
 
     Call it on every rank of an initialised process group: under torchrun
@@ -115,6 +150,10 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         on_step: optional ``(step, loss, worker, push_result)`` callback after
             each push (workers only), e.g. for logging or evaluation.
         group: the process group (default: the world).
+        timeline: optional :class:`gradcomp.timeline.Timeline` (workers): one
+            step per pull + compute + push, with the spans ``compute``,
+            ``compress``, ``communicate`` and ``decompress`` (see
+            :func:`gradcomp.timeline.async_step_phases`).
 
     Returns:
         On a server: ``{"role": "server", "rank", "stats", "params"}`` (its
@@ -130,6 +169,9 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         WorkerFailedError (server) / PSAbortedError (worker): a worker died
             with ``on_worker_failure="fail"``.
     """
+    from gradcomp.ps.server import ParameterServer
+    from gradcomp.ps.worker import Worker
+
     if not isinstance(config, PSConfig):
         raise TypeError(f"config must be a gradcomp.ps.PSConfig, got {type(config).__name__}")
     if world_size <= config.num_servers:
@@ -141,7 +183,8 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
             max_staleness=config.max_staleness, staleness_lr=config.staleness_lr,
             clip_grad_norm=config.clip_grad_norm, compress_pull=config.compress_pull,
             pull_compressor=config.server_pull_compressor(), on_worker_failure=config.on_worker_failure,
-            worker_timeout=config.worker_timeout,
+            worker_timeout=config.worker_timeout, heartbeat_timeout=config.heartbeat_timeout,
+            address=config.address,
             checkpoint_dir=None if config.checkpoint_dir is None else os.fspath(config.checkpoint_dir),
             checkpoint_every=config.checkpoint_every, resume=config.resume, group=group)
         stats = server.serve()
@@ -153,18 +196,24 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         model = model.to(config.device)
     worker = Worker(model, num_servers=config.num_servers,
                     compressor=None if config.compressor is None else config.compressor.clone(),
-                    error_feedback=config.error_feedback, timeout=config.timeout, group=group)
+                    error_feedback=config.error_feedback, timeout=config.timeout,
+                    heartbeat_interval=config.heartbeat_interval,
+                    heartbeat_timeout=config.heartbeat_timeout, group=group)
     index = rank - config.num_servers
     losses: list[float] = []
-    with worker:
+    tl = timeline if timeline is not None else _NoTimeline()
+    with worker, tl.active():
         for step in range(config.steps):
+            tl.begin_step()
             worker.pull()
-            model.zero_grad(set_to_none=True)
-            loss = loss_fn(model, step, index)
-            loss.backward()
+            with tl.span("compute"):
+                model.zero_grad(set_to_none=True)
+                loss = loss_fn(model, step, index)
+                loss.backward()
             result = worker.push()
             worker.meter.step()
             losses.append(float(loss.detach()))
+            tl.end_step()
             if on_step is not None:
                 on_step(step, losses[-1], worker, result)
         worker.pull()

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
 import os
-import queue
 import threading
 import time
 from collections import Counter
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import zmq
 
 from gradcomp import _validate as v
 from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
@@ -22,16 +23,19 @@ from gradcomp.meter import TrafficMeter
 from gradcomp.wire import decode
 from gradcomp.ps import checkpoint as ckpt
 from gradcomp.ps import protocol as P
-from gradcomp.ps.errors import PeerError, ProtocolError, WorkerFailedError
+from gradcomp.ps import transport as T
+from gradcomp.ps.errors import CheckpointError, ProtocolError, WorkerFailedError
 from gradcomp.ps.sharding import layout_checksum, named_tensors, param_specs, shard_parameters
 
 __all__ = ["ParameterServer", "MODES", "FAILURE_POLICIES"]
 
 log = logging.getLogger("gradcomp.ps")
 
-MODES = ("sync", "async")
-FAILURE_POLICIES = ("continue", "fail")
-_REJECT_REASONS = ("payload", "shape", "nonfinite", "layout", "version", "duplicate", "protocol")
+MODES, FAILURE_POLICIES = P.MODES, P.FAILURE_POLICIES
+_REJECT_REASONS = ("payload", "shape", "nonfinite", "layout", "version", "duplicate", "protocol",
+                   "session", "unknown_peer")
+#: most messages handled per poll before the deadlines are checked again
+_BATCH = 64
 
 
 @dataclass
@@ -46,11 +50,19 @@ class _Peer:
     dropped: int = 0
     rejected: int = 0
     pulls: int = 0
+    sessions: int = 0  # connections (HELLOs) seen: 1 + restarts
+    session: int | None = None  # id of the current connection (None before its HELLO)
+    last_seq: int = 0  # last request number handled in this session
+    heard: float = 0.0  # time.monotonic() of its last message (request or heartbeat)
+    clock: float = 0.0  # start of its worker_timeout: the last reply, or serve()'s start
     meter: TrafficMeter = field(default_factory=TrafficMeter)
     mirror: dict | None = None  # compress_pull: the worker's replica as the server knows it
     deferred: P.Header | None = None  # sync: a pull waiting for the step to complete
-    may_receive: threading.Event = field(default_factory=threading.Event)
-    stop: bool = False
+
+    @property
+    def ident(self) -> bytes:
+        """Routing id of its request socket."""
+        return b"w%d" % self.rank
 
 
 class ParameterServer:
@@ -87,18 +99,31 @@ class ParameterServer:
     compression error only. The mirrors cost one float32 copy of the shard
     per worker.
 
-    Failures: each worker is served by a receiving thread that waits at most
-    ``worker_timeout`` seconds for the worker's next request after the last
-    reply (a worker blocked on a reply the server is holding back is not on
-    the clock). A connection error or that timeout declares the worker dead;
-    the run then continues without it (``on_worker_failure="continue"``) or
-    every live worker is told to abort and :meth:`serve` raises
+    Transport: one ZeroMQ ROUTER socket (see :mod:`gradcomp.ps.transport`),
+    served by one thread that polls it: every message arrives whole, framed
+    by the library; each worker has its own queues, bounded by ``send_hwm``
+    messages towards it, and a reply is sent without blocking, so no worker
+    can stall the server or another worker.
+
+    Failures: a worker is declared dead, alone, when its process or link is
+    gone (no heartbeat for ``heartbeat_timeout`` seconds), when it makes no
+    request for ``worker_timeout`` seconds after the last reply (alive but
+    silent; a worker waiting for a reply the server holds back is not on
+    that clock), when it does not read its replies (its queue of
+    ``send_hwm`` messages is full) or when it breaks the protocol (a
+    malformed header or frames: counted as a ``"protocol"`` rejection). The
+    run then continues without it (``on_worker_failure="continue"``), and a
+    request it sends later is answered ``EVICTED`` (the worker raises
+    :class:`~gradcomp.ps.PeerError` with the reason); or every live worker
+    is told to abort and :meth:`serve` raises
     :class:`~gradcomp.ps.WorkerFailedError` naming the rank (``"fail"``). A
-    push whose bundle is malformed (:class:`gradcomp.PayloadError`), whose
-    shapes, placement or version do not match, or which decodes to non-finite
-    values is rejected, counted and answered with ``REJECTED``; the server
-    keeps serving. A malformed control header cuts that worker off (its byte
-    stream cannot be resynchronised) and counts as a protocol rejection.
+    worker process that restarts with the same rank (a new session, its
+    first message a HELLO) takes its place again, learning how many of its
+    pushes were accepted before. A push whose bundle is malformed
+    (:class:`gradcomp.PayloadError`), whose shapes, placement or version do
+    not match, which repeats a request number, or which decodes to
+    non-finite values is rejected, counted and answered with ``REJECTED``;
+    the server keeps serving.
 
     Checkpoints (parameters, optimizer state, version) are written atomically
     every ``checkpoint_every`` versions and when :meth:`serve` returns; a
@@ -126,6 +151,14 @@ class ParameterServer:
         worker_timeout: seconds a worker may stay silent (> 0), counted from
             the server's last reply to it (or from :meth:`serve`'s start for
             its first request). It must exceed a worker's compute time per step.
+        heartbeat_timeout: seconds without any message from a worker (its
+            heartbeats come every second by default) before it is declared dead (> 0).
+        address: where to bind: ``"host"``, ``"host:port"`` or
+            ``"tcp://host:port"`` (port 0 or none: a free port); None: see
+            :func:`~gradcomp.ps.transport.default_host`. The bound endpoint is
+            :attr:`address`; workers learn it over ``group``.
+        send_hwm: messages queued towards one worker before it counts as not
+            reading (>= 1).
         checkpoint_dir: directory of the checkpoint files (None: no checkpoints).
         checkpoint_every: also checkpoint every this many versions (0: only at the end).
         resume: load ``checkpoint_dir``'s checkpoint of this server if it exists.
@@ -134,9 +167,16 @@ class ParameterServer:
             ``"pull"`` (default: a new one, :attr:`meter`).
         device: device of the shard and of the update arithmetic.
 
+    Construction is collective: every rank of ``group`` builds its role
+    (a server or a :class:`~gradcomp.ps.Worker`) so the servers' addresses
+    reach the workers.
+
     Raises:
         ValueError / TypeError: an invalid argument (the message names it);
-            this rank is not a server rank.
+            this rank is not a server rank; ``address`` cannot be bound.
+        CheckpointError: ``resume=True`` and the checkpoint is truncated,
+            random or foreign bytes, or of another placement (nothing is
+            loaded then).
         RuntimeError: torch.distributed is not initialised.
     """
 
@@ -144,7 +184,8 @@ class ParameterServer:
                  max_staleness: int | None = None, staleness_lr: bool = False,
                  clip_grad_norm: float | None = None, compress_pull: bool = False,
                  pull_compressor: Compressor | None = None, on_worker_failure: str = "continue",
-                 worker_timeout: float = 60.0, checkpoint_dir: str | None = None,
+                 worker_timeout: float = 60.0, heartbeat_timeout: float = 10.0,
+                 address: str | None = None, send_hwm: int = 4, checkpoint_dir: str | None = None,
                  checkpoint_every: int = 0, resume: bool = False, group=None,
                  meter: TrafficMeter | None = None, device: str | torch.device = "cpu"):
         self.mode = v.choice("mode", mode, MODES)
@@ -165,6 +206,9 @@ class ParameterServer:
         self.compress_pull = _flag("compress_pull", compress_pull)
         self.pull_compressor = _pull_compressor(pull_compressor, self.compress_pull)
         self.worker_timeout = v.timeout("worker_timeout", worker_timeout)
+        self.heartbeat_timeout = v.timeout("heartbeat_timeout", heartbeat_timeout)
+        self.send_hwm = v.integer("send_hwm", send_hwm, 1)
+        bind_address = T.normalize_address(address)
         if meter is not None and not isinstance(meter, TrafficMeter):
             raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
         self.checkpoint_every = v.integer("checkpoint_every", checkpoint_every, 0)
@@ -199,16 +243,38 @@ class ParameterServer:
         self.clipped = 0
         self.checkpoints = 0
         self.staleness_histogram: Counter = Counter()
+        #: ``(worker rank, start, end)`` of every request handled, on the
+        #: timeline clock (:func:`time.perf_counter`), the last 2**17 kept
+        self._busy: collections.deque = collections.deque(maxlen=1 << 17)
         self.dropped_staleness_histogram: Counter = Counter()
         self.rejected_reasons: Counter = Counter()
         self.peers = {r: _Peer(r) for r in (_global(group, i) for i in range(self.num_servers, world))}
+        self._by_ident = {p.ident: p for p in self.peers.values()}
         self._sum: dict[str, torch.Tensor] = {}
         self._contributors: set[int] = set()
         self._failure: tuple[int, str] | None = None
-        self._inbox: queue.Queue = queue.Queue()
         self._served = False
+        #: heartbeats received and answered (kept apart from :attr:`meter`, which counts the data exchange)
+        self.heartbeat_meter = TrafficMeter()
         if resume:
             self._resume()
+        self._ctx = zmq.Context()
+        try:
+            self._sock, self.address = T.bind_router(
+                self._ctx, bind_address, max_message=self._max_message, send_hwm=self.send_hwm,
+                recv_hwm=max(16, 4 * self.send_hwm))
+            # heartbeats on a socket and thread of their own: answered while a step computes
+            host = bind_address.rsplit(":", 1)[0]
+            hb_sock, hb_endpoint = T.bind_router(self._ctx, f"{host}:0", max_message=1024, send_hwm=4,
+                                                 recv_hwm=16)
+        except BaseException:
+            if hasattr(self, "_sock"):
+                self._sock.close(0)
+            self._ctx.term()
+            raise
+        self._heartbeats = _HeartbeatResponder(self, hb_sock)
+        self.heartbeat_port = int(hb_endpoint.rsplit(":", 1)[1])
+        T.exchange_addresses(group, self.address, self.num_servers)
 
     # ---- public ---------------------------------------------------------------------
     def serve(self) -> dict:
@@ -225,24 +291,27 @@ class ParameterServer:
         if self._served:
             raise RuntimeError("serve() runs once per ParameterServer")
         self._served = True
-        threads = [threading.Thread(target=self._receive_loop, args=(p,), daemon=True,
-                                    name=f"gradcomp-ps-recv-{p.rank}") for p in self.peers.values()]
-        for t in threads:
-            t.start()
+        start = time.monotonic()
+        for p in self.peers.values():
+            p.clock = p.heard = start
+        self._heartbeats.start()
         try:
             while any(p.status == "active" for p in self.peers.values()):
-                try:
-                    item = self._inbox.get(timeout=0.5)
-                except queue.Empty:
-                    continue
-                self._handle(item)
+                if self._sock.poll(50):
+                    for _ in range(_BATCH):
+                        try:
+                            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        t0 = time.perf_counter()
+                        rank = self._on_message(frames)
+                        if rank is not None:
+                            self._busy.append((rank, t0, time.perf_counter()))
+                self._check_deadlines()
         finally:
-            for p in self.peers.values():
-                p.stop = True
-                p.may_receive.set()
-            deadline = time.monotonic() + 2.0
-            for t in threads:  # all have returned unless serve() is failing
-                t.join(timeout=max(0.0, deadline - time.monotonic()))
+            self._heartbeats.stop()
+            self._sock.close(linger=2000)
+            self._ctx.term()
             if self.checkpoint_dir is not None:
                 self.save_checkpoint()
         if self._failure is not None:
@@ -258,13 +327,23 @@ class ParameterServer:
 
         Keys: ``rank``, ``mode``, ``version``, ``updates`` (applied this run),
         ``resumed_from``, ``pushes``, ``accepted``, ``dropped`` (too stale),
-        ``rejected`` (malformed), ``rejected_reasons`` (reason -> count),
+        ``rejected`` (malformed messages, all peers), ``rejected_reasons``
+        (reason -> count: ``payload``, ``shape``, ``nonfinite``, ``layout``,
+        ``version``, ``duplicate``, ``protocol``, ``session`` (from an earlier
+        process of the rank), ``unknown_peer``),
         ``staleness_histogram`` (staleness -> accepted pushes),
         ``dropped_staleness_histogram``, ``pulls``, ``clipped`` (steps whose
         gradient norm was clipped), ``checkpoints`` (written), ``workers``
-        (rank -> per-worker counters, status, reason and push/pull bytes with
-        their uncompressed float32 equivalents), ``dead_workers`` (rank ->
-        reason), ``done_workers``, ``traffic`` (:meth:`TrafficMeter.as_dict`).
+        (rank -> per-worker counters, status, reason, ``sessions`` (1 +
+        restarts) and push/pull bytes with their uncompressed float32
+        equivalents), ``dead_workers`` (rank -> reason), ``done_workers``,
+        ``traffic`` (:meth:`TrafficMeter.as_dict` of :attr:`meter`: phases
+        ``"connect"``, ``"push"``, ``"pull"``), ``heartbeat_traffic`` (the
+        heartbeats, counted apart), ``address`` (the bound endpoint),
+        ``busy_s`` (seconds spent handling requests) and ``busy_intervals``
+        (``(worker rank, start, end)`` per request handled, on the
+        :mod:`gradcomp.timeline` clock: with the workers' timelines they tell
+        how long each request queued behind other workers').
         """
         workers = {}
         for r, p in self.peers.items():
@@ -272,6 +351,7 @@ class ParameterServer:
             workers[r] = {
                 "status": p.status, "reason": p.reason, "pushes": p.pushes, "accepted": p.accepted,
                 "dropped": p.dropped, "rejected": p.rejected, "pulls": p.pulls,
+                "sessions": p.sessions,
                 "push_bytes": ph.get("push", {}).get("bytes_received", 0),
                 "push_raw_bytes": ph.get("push", {}).get("raw_bytes_received", 0),
                 "pull_bytes": ph.get("pull", {}).get("bytes_sent", 0),
@@ -283,7 +363,7 @@ class ParameterServer:
             "pushes": sum(p.pushes for p in self.peers.values()),
             "accepted": sum(p.accepted for p in self.peers.values()),
             "dropped": sum(p.dropped for p in self.peers.values()),
-            "rejected": sum(p.rejected for p in self.peers.values()),
+            "rejected": sum(self.rejected_reasons.values()),
             "rejected_reasons": dict(self.rejected_reasons),
             "staleness_histogram": dict(sorted(self.staleness_histogram.items())),
             "dropped_staleness_histogram": dict(sorted(self.dropped_staleness_histogram.items())),
@@ -293,6 +373,11 @@ class ParameterServer:
             "dead_workers": {r: p.reason for r, p in self.peers.items() if p.status == "dead"},
             "done_workers": sorted(r for r, p in self.peers.items() if p.status == "done"),
             "traffic": self.meter.as_dict(),
+            "heartbeat_traffic": self.heartbeat_meter.as_dict(),
+            "malformed_heartbeats": self._heartbeats.malformed,
+            "address": self.address,
+            "busy_s": sum(t1 - t0 for _, t0, t1 in self._busy),
+            "busy_intervals": list(self._busy),
         }
 
     def save_checkpoint(self) -> str:
@@ -317,86 +402,125 @@ class ParameterServer:
         self.checkpoints += 1
         return path
 
-    # ---- receiving (one thread per worker) -----------------------------------------
-    def _receive_loop(self, peer: _Peer) -> None:
-        """Receive ``peer``'s requests one at a time and queue them for the main
-        thread; after each request wait (without a transport timeout) until the
-        main thread has replied."""
-        while not peer.stop:
-            try:
-                header, data = P.recv_message(
-                    peer.rank, kinds=P.REQUESTS, header_tag=P.TAG_REQUEST, data_tag=P.TAG_PUSH_DATA,
-                    timeout=self.worker_timeout, max_nbytes=self._max_message, group=self.group,
-                    what="worker")
-                if header.sender != peer.rank:
-                    raise ProtocolError(f"header names sender {header.sender}, received from {peer.rank}")
-            except PeerError as e:
-                reason = (f"silent for more than worker_timeout={self.worker_timeout:g} s"
-                          if "timed out" in e.reason.lower() else f"connection lost: {e.reason}")
-                self._inbox.put(("failed", peer, reason))
-                return
-            except ProtocolError as e:
-                self._inbox.put(("protocol", peer, str(e)))
-                return
-            except Exception as e:  # never let a receiving thread die silently
-                self._inbox.put(("failed", peer, f"{type(e).__name__}: {e}"))
-                return
-            self._inbox.put(("request", peer, header, data))
-            if header.kind == P.DONE:
-                return
-            while not peer.may_receive.wait(0.5):
-                pass
-            peer.may_receive.clear()
+    # ---- messages ---------------------------------------------------------------------
+    def _on_message(self, frames) -> int | None:
+        """Handle one request; returns the sender's rank (None: unknown peer)."""
+        ident = frames[0].bytes
+        entry = self._by_ident.get(ident)
+        if entry is None:
+            self.rejected_reasons["unknown_peer"] += 1
+            return None
+        self._handle(entry, frames)
+        return entry.rank
 
-    # ---- main thread ----------------------------------------------------------------
-    def _handle(self, item) -> None:
-        what, peer = item[0], item[1]
+    def _handle(self, peer: "_Peer", frames) -> None:
+        data = frames[2] if len(frames) == 3 else None
+        try:
+            if len(frames) not in (2, 3):
+                raise ProtocolError(f"message of {len(frames) - 1} frames, expected 1 or 2")
+            h = P.Header.unpack(frames[1].buffer, P.REQUESTS, None if data is None else len(data))
+            if h.sender != peer.rank:
+                raise ProtocolError(f"header names sender {h.sender}, received from rank {peer.rank}")
+            if h.kind == P.HEARTBEAT:
+                raise ProtocolError("HEARTBEAT on the request connection (heartbeats have their own port)")
+        except ProtocolError as e:
+            return self._on_protocol_error(peer, str(e))
+        now = time.monotonic()
+        if h.kind == P.HELLO:
+            return self._on_hello(peer, h, now)
+        if h.session != peer.session:
+            self._count_reject(peer, "session")  # a message of an earlier process of this rank
+            return
+        if peer.status == "dead":
+            return self._evict(peer, h, peer.reason)
         if peer.status != "active":
             return
-        if what == "failed":
-            self._on_failure(peer, item[2])
+        if h.seq <= peer.last_seq:
+            self._count_reject(peer, "duplicate")
+            if h.kind == P.PUSH:
+                peer.pushes += 1
+                self._record_recv(peer, P.message_nbytes(h.nbytes), P.message_nbytes(self._raw_bundle), "push")
+                self._reply(peer, self._header(P.PUSH_REPLY, h, status=P.REJECTED), None, "push")
             return
-        if what == "protocol":
-            self._count_reject(peer, "protocol")
-            self._on_failure(peer, f"protocol error: {item[2]}")
-            return
-        header, data = item[2], item[3]
-        if self._failure is not None and header.kind != P.DONE:
-            self._abort(peer, "push" if header.kind == P.PUSH else "pull")
-        elif header.kind == P.PUSH:
-            self._on_push(peer, header, data)
-        elif header.kind == P.PULL:
-            self._on_pull(peer, header)
+        peer.last_seq, peer.heard = h.seq, now
+        data = None if data is None else torch.frombuffer(data.buffer, dtype=torch.uint8)
+        if self._failure is not None and h.kind != P.DONE:
+            self._abort(peer, h, "push" if h.kind == P.PUSH else "pull")
+        elif h.kind == P.PUSH:
+            self._on_push(peer, h, data)
+        elif h.kind == P.PULL:
+            self._on_pull(peer, h)
         else:
             self._on_done(peer)
 
+    def _on_hello(self, peer: _Peer, h: P.Header, now: float) -> None:
+        """A worker process connects (first time, or restarted with a new session)."""
+        self._record_recv(peer, P.message_nbytes(), P.message_nbytes(), "connect")
+        if h.layout != self.layout:
+            self._count_reject(peer, "layout")
+            return self._evict(peer, h, "its parameters' names and shapes differ from the server's")
+        if h.session == peer.session:
+            return  # a repeated HELLO of the current session
+        if peer.session is not None and peer.status == "active":
+            log.warning("parameter server rank %d: worker rank %d restarted", self.global_rank, peer.rank)
+        # an accepted gradient of the current sync step stays in the sum
+        if peer.status in ("dead", "done") and self._failure is None:
+            peer.status, peer.reason = "active", ""
+        peer.session, peer.sessions, peer.last_seq = h.session, peer.sessions + 1, h.seq
+        peer.mirror = peer.deferred = None
+        peer.heard = peer.clock = now
+        if self._failure is not None:
+            return self._abort(peer, h, "connect")
+        self._reply(peer, self._header(P.WELCOME, h, aux=peer.accepted, status=self.heartbeat_port),
+                    None, "connect")
+
+    def _on_protocol_error(self, peer: _Peer, reason: str) -> None:
+        """A malformed message: counted; the peer is cut off (it does not speak the protocol)."""
+        self._count_reject(peer, "protocol")
+        log.warning("parameter server rank %d: protocol error from worker rank %d: %s",
+                    self.global_rank, peer.rank, reason)
+        if peer.status == "active":
+            self._on_failure(peer, f"protocol error: {reason}")
+        if peer.status == "dead":
+            self._evict(peer, P.Header(P.HELLO, peer.rank, session=peer.session or 0), peer.reason)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for p in self.peers.values():
+            if p.status != "active":
+                continue
+            if p.session is not None and now - p.heard > self.heartbeat_timeout:
+                self._on_failure(p, f"no heartbeat for more than heartbeat_timeout="
+                                    f"{self.heartbeat_timeout:g} s (process or link down)")
+            elif p.deferred is None and now - p.clock > self.worker_timeout:
+                self._on_failure(p, f"silent for more than worker_timeout={self.worker_timeout:g} s")
+
     def _on_push(self, peer: _Peer, h: P.Header, data) -> None:
         peer.pushes += 1
-        self._record_recv(peer, P.HEADER_NBYTES + h.nbytes, P.HEADER_NBYTES + self._raw_bundle, "push")
+        self._record_recv(peer, P.message_nbytes(h.nbytes), P.message_nbytes(self._raw_bundle), "push")
         if h.layout != self.layout:
-            return self._reject(peer, "layout")
+            return self._reject(peer, h, "layout")
         if not 0 <= h.version <= self.version:
-            return self._reject(peer, "version")
+            return self._reject(peer, h, "version")
         staleness = self.version - h.version
         if self.mode == "sync" and staleness == 0 and peer.rank in self._contributors:
-            return self._reject(peer, "duplicate")
+            return self._reject(peer, h, "duplicate")
         too_stale = staleness > 0 if self.mode == "sync" else (
             self.max_staleness is not None and staleness > self.max_staleness)
         if too_stale:
             peer.dropped += 1
             self.dropped_staleness_histogram[staleness] += 1
-            return self._reply(peer, P.Header(P.PUSH_REPLY, self.global_rank, self.version,
-                                              status=P.DROPPED, aux=staleness), None, "push")
+            return self._reply(peer, self._header(P.PUSH_REPLY, h, status=P.DROPPED, aux=staleness),
+                               None, "push")
         try:
             grads = self._decode_push(data)
         except _Rejected as e:
-            return self._reject(peer, e.reason)
+            return self._reject(peer, h, e.reason)
         peer.accepted += 1
         self.staleness_histogram[staleness] += 1
         if self.mode == "async":
             self._apply(grads, staleness)
-            self._reply(peer, P.Header(P.PUSH_REPLY, self.global_rank, self.version,
-                                       status=P.ACCEPTED, aux=staleness), None, "push")
+            self._reply(peer, self._header(P.PUSH_REPLY, h, status=P.ACCEPTED, aux=staleness), None, "push")
         else:
             for name, g in grads.items():
                 if name in self._sum:
@@ -404,8 +528,7 @@ class ParameterServer:
                 else:
                     self._sum[name] = g
             self._contributors.add(peer.rank)
-            self._reply(peer, P.Header(P.PUSH_REPLY, self.global_rank, self.version,
-                                       status=P.ACCEPTED, aux=0), None, "push")
+            self._reply(peer, self._header(P.PUSH_REPLY, h, status=P.ACCEPTED), None, "push")
             self._maybe_complete_step()
 
     def _decode_push(self, data) -> dict[str, torch.Tensor]:
@@ -414,7 +537,8 @@ class ParameterServer:
         if data is None:
             raise _Rejected("payload")
         try:
-            payloads = [decode(w) for w in P.unpack_bundle(data, len(self.shard))]
+            payloads = [decode(w, max_numel=spec.numel)
+                        for spec, w in zip(self.shard, P.unpack_bundle(data, len(self.shard)))]
         except PayloadError:
             raise _Rejected("payload") from None
         for spec, p in zip(self.shard, payloads):
@@ -477,11 +601,10 @@ class ParameterServer:
 
     def _on_pull(self, peer: _Peer, h: P.Header) -> None:
         peer.pulls += 1
-        self._record_recv(peer, P.HEADER_NBYTES, P.HEADER_NBYTES, "pull")
+        self._record_recv(peer, P.message_nbytes(), P.message_nbytes(), "pull")
         if h.layout != self.layout:
             self._count_reject(peer, "layout")
-            return self._reply(peer, P.Header(P.PULL_REPLY, self.global_rank, self.version,
-                                              status=P.REJECTED), None, "pull")
+            return self._reply(peer, self._header(P.PULL_REPLY, h, status=P.REJECTED), None, "pull")
         if self.mode == "sync" and h.aux > self.version and peer.rank in self._contributors:
             peer.deferred = h  # answered when the step completes
             return
@@ -504,14 +627,13 @@ class ParameterServer:
                 wires.append(payload.wire)
             status = P.DELTA
         blob = P.pack_bundle(wires)
-        self._reply(peer, P.Header(P.PULL_REPLY, self.global_rank, self.version, nbytes=blob.numel(),
-                                   status=status), blob, "pull",
-                    raw_nbytes=P.HEADER_NBYTES + self._raw_bundle)
+        self._reply(peer, self._header(P.PULL_REPLY, h, nbytes=blob.numel(), status=status), blob, "pull",
+                    raw_nbytes=P.message_nbytes(self._raw_bundle))
 
     def _on_done(self, peer: _Peer) -> None:
+        self._record_recv(peer, P.message_nbytes(), P.message_nbytes(), "pull")
         peer.status = "done"
         peer.mirror = None
-        self._stop(peer)
         self._maybe_complete_step()
 
     def _on_failure(self, peer: _Peer, reason: str) -> None:
@@ -520,73 +642,146 @@ class ParameterServer:
         log.warning("parameter server rank %d: worker rank %d failed: %s", self.global_rank, peer.rank, reason)
         peer.status, peer.reason = "dead", reason
         peer.mirror = peer.deferred = None
-        self._stop(peer)
         if self.on_worker_failure == "fail":
             if self._failure is None:
                 self._failure = (peer.rank, reason)
                 self._sum, self._contributors = {}, set()
                 for p in self.peers.values():
                     if p.status == "active" and p.deferred is not None:
-                        self._abort(p)
+                        self._abort(p, p.deferred)
         else:
             self._maybe_complete_step()
 
-    def _abort(self, peer: _Peer, phase: str = "pull") -> None:
-        """Tell ``peer`` the run is aborted (answers its pending request)."""
+    def _abort(self, peer: _Peer, h: P.Header, phase: str = "pull") -> None:
+        """Tell ``peer`` the run is aborted (answers its request ``h``)."""
         peer.deferred = None
         rank = self._failure[0]
-        self._reply(peer, P.Header(P.ABORT, self.global_rank, self.version, aux=rank), None, phase)
+        self._reply(peer, self._header(P.ABORT, h, aux=rank), None, phase)
         if peer.status == "active":
             peer.status, peer.reason = "aborted", f"told to abort after worker rank {rank} failed"
-            self._stop(peer)
 
-    def _reject(self, peer: _Peer, reason: str) -> None:
+    def _evict(self, peer: _Peer, h: P.Header, reason: str) -> None:
+        """Answer a request of a worker the server no longer serves, with the reason."""
+        text = reason.encode()
+        self._reply(peer, self._header(P.EVICTED, h, nbytes=len(text)), text, "pull", declare=False)
+
+    def _reject(self, peer: _Peer, h: P.Header, reason: str) -> None:
         self._count_reject(peer, reason)
         log.warning("parameter server rank %d: rejected a push from worker rank %d (%s)",
                     self.global_rank, peer.rank, reason)
-        self._reply(peer, P.Header(P.PUSH_REPLY, self.global_rank, self.version, status=P.REJECTED),
-                    None, "push")
+        self._reply(peer, self._header(P.PUSH_REPLY, h, status=P.REJECTED), None, "push")
 
     def _count_reject(self, peer: _Peer, reason: str) -> None:
         peer.rejected += 1
         self.rejected_reasons[reason] += 1
 
-    def _reply(self, peer: _Peer, h: P.Header, data, phase: str, raw_nbytes: int | None = None) -> None:
+    def _header(self, kind: int, request: P.Header, **fields) -> P.Header:
+        """A reply to ``request``: this server's version, the request's number and session."""
+        return P.Header(kind, self.global_rank, self.version, seq=request.seq, session=request.session, **fields)
+
+    def _reply(self, peer: _Peer, h: P.Header, data, phase: str, raw_nbytes: int | None = None,
+               declare: bool = True) -> None:
+        """Queue a reply without blocking; a worker whose queue is full (it does
+        not read) or whose connection is gone is declared dead (``declare``)."""
+        frames = [peer.ident, h.pack()]
+        if data is not None:
+            frames.append(memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data)
         try:
-            n = P.send_message(h, data, peer.rank, header_tag=P.TAG_REPLY, data_tag=P.TAG_PULL_DATA,
-                               timeout=self.worker_timeout, group=self.group, what="worker")
-        except PeerError as e:
-            self._on_failure(peer, f"connection lost: {e.reason}")
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if declare:
+                self._on_failure(peer, f"not reading its replies (its queue of send_hwm={self.send_hwm} "
+                                       "messages is full)")
             return
+        except zmq.ZMQError as e:  # EHOSTUNREACH: no connection with that routing id
+            if declare:
+                self._on_failure(peer, f"connection lost: {e}")
+            return
+        n = P.message_nbytes(h.nbytes)
         raw = n if raw_nbytes is None else raw_nbytes
-        self.meter.record_send(n, raw, phase)
-        peer.meter.record_send(n, raw, phase)
-        peer.may_receive.set()
+        self._record(self.meter, peer.meter, n, phase, raw=raw)
+        peer.clock = time.monotonic()
+
+    def _record(self, meter: TrafficMeter, peer_meter: TrafficMeter | None, n: int, phase: str,
+                raw: int | None = None, recv: bool = False) -> None:
+        for m in (meter, peer_meter):
+            if m is not None:
+                (m.record_recv if recv else m.record_send)(n, n if raw is None else raw, phase)
 
     def _record_recv(self, peer: _Peer, n: int, raw: int, phase: str) -> None:
-        self.meter.record_recv(n, raw, phase)
-        peer.meter.record_recv(n, raw, phase)
-
-    def _stop(self, peer: _Peer) -> None:
-        peer.stop = True
-        peer.may_receive.set()
+        self._record(self.meter, peer.meter, n, phase, raw=raw, recv=True)
 
     def _resume(self) -> None:
+        """Load this server's checkpoint, if any: validated whole before
+        anything changes (:class:`~gradcomp.ps.CheckpointError` otherwise)."""
         path = ckpt.checkpoint_path(self.checkpoint_dir, self.rank)
         if not os.path.exists(path):
             return
-        state = ckpt.load(path)
-        layout = [[s.name, list(s.shape)] for s in self.shard]
-        if state["layout"] != layout or state["num_servers"] != self.num_servers:
-            raise ValueError(f"checkpoint {path} holds another parameter placement "
-                             f"({state['num_servers']} servers, {len(state['layout'])} parameters); "
-                             "resume needs the same model and num_servers")
+        state = ckpt.load(path, [[s.name, list(s.shape)] for s in self.shard], self.num_servers)
+        before = self.optimizer.state_dict()
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except Exception as e:
+            self.optimizer.load_state_dict(before)
+            raise CheckpointError(path, f"its optimizer state does not fit this optimizer "
+                                        f"({type(e).__name__}: {e})") from None
         with torch.no_grad():
             for n, p in self.params.items():
                 p.copy_(state["params"][n])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.version = int(state["version"])
+        self.version = state["version"]
         self.resumed_from = self.version
+
+
+class _HeartbeatResponder:
+    """A thread answering workers' heartbeats on the server's heartbeat socket
+    (routing ids ``h<rank>``) and noting when each worker was last heard."""
+
+    def __init__(self, server: "ParameterServer", sock):
+        self._server, self._sock = server, sock
+        self._peers = {b"h%d" % p.rank: p for p in server.peers.values()}
+        self.malformed = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"gradcomp-ps-heartbeats-{server.global_rank}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        if not self._thread.is_alive():
+            self._sock.close(linger=0)
+
+    def _run(self) -> None:
+        server, n = self._server, P.message_nbytes()
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            while True:
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                peer = self._peers.get(frames[0])
+                try:
+                    if peer is None or len(frames) != 2:
+                        raise ProtocolError("not a heartbeat")
+                    h = P.Header.unpack(frames[1], (P.HEARTBEAT,), None)
+                except ProtocolError:
+                    self.malformed += 1
+                    continue
+                server.heartbeat_meter.record_recv(n, n, "heartbeat")
+                if h.session != peer.session:
+                    continue  # an earlier process of that rank, or before its HELLO
+                if peer.status == "active":
+                    peer.heard = time.monotonic()
+                reply = P.Header(P.HEARTBEAT, server.global_rank, server.version, seq=h.seq, session=h.session)
+                try:
+                    self._sock.send_multipart([frames[0], reply.pack()], zmq.NOBLOCK)
+                    server.heartbeat_meter.record_send(n, n, "heartbeat")
+                except zmq.ZMQError:
+                    pass  # a worker not reading its heartbeat replies finds the server silent
 
 
 class _Rejected(Exception):

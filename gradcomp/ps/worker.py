@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import zmq
 
+from gradcomp import timeline as _timeline
 from gradcomp import _validate as v
 from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
 from gradcomp.errors import PayloadError
 from gradcomp.meter import TrafficMeter
 from gradcomp.ps import protocol as P
+from gradcomp.ps import transport as T
 from gradcomp.ps.errors import PeerError, ProtocolError, PSAbortedError
 from gradcomp.ps.sharding import layout_checksum, named_tensors, param_specs, shard_parameters
 from gradcomp.wire import decode
@@ -61,12 +67,19 @@ class Worker:
     Karimireddy et al. 2019), and pulls parameters: full float32 values, or
     the compressed deltas a server sends with ``compress_pull`` (added to the
     replica in place). Gradients may live on any device (e.g. CUDA): they are
-    compressed there and only the payload bytes move to the host for the
-    gloo transport; pulled payloads are decoded on the replica's device.
+    compressed there and only the payload bytes move to the host; pulled
+    payloads are decoded on the replica's device.
 
-    Every request waits at most ``timeout`` seconds per transfer; in sync mode
-    a pull waits for the slowest worker's push, so ``timeout`` must exceed
-    the servers' ``worker_timeout``.
+    Transport: a ZeroMQ DEALER socket per server for requests and, on a
+    background thread, one per server for heartbeats every
+    ``heartbeat_interval`` seconds (see :mod:`gradcomp.ps.transport`). On
+    construction the worker says HELLO to every server (a restarted process
+    of the same rank takes over from the dead one; :attr:`accepted_before`
+    tells how many of that rank's pushes the servers had already accepted).
+    A reply is awaited at most ``timeout`` seconds, and no longer than
+    ``heartbeat_timeout`` seconds once a server stops answering heartbeats;
+    in sync mode a pull waits for the slowest worker's push, so ``timeout``
+    must exceed the servers' ``worker_timeout``.
 
     Args:
         params: the model (an ``nn.Module``, its ``named_parameters()``) or a
@@ -76,26 +89,58 @@ class Worker:
         compressor: push compressor (default :class:`~gradcomp.NoCompression`);
             an :class:`~gradcomp.ErrorFeedback` is used as given.
         error_feedback: wrap a lossy ``compressor`` in ``ErrorFeedback``.
-        timeout: seconds to wait for each transfer (> 0).
+        timeout: seconds to wait for each reply (> 0).
+        heartbeat_interval: seconds between heartbeats (> 0); must be well
+            under the servers' ``heartbeat_timeout``.
+        heartbeat_timeout: seconds without a heartbeat reply after which a
+            server counts as gone (> 0).
         group: the process group (default: the world); ranks are group ranks.
-        meter: :class:`~gradcomp.TrafficMeter` for phases ``"push"`` and ``"pull"``.
+            Construction is then collective (see :class:`ParameterServer`).
+        meter: :class:`~gradcomp.TrafficMeter` for phases ``"connect"``,
+            ``"push"`` and ``"pull"`` (heartbeats go to :attr:`heartbeat_meter`).
+        server_addresses: the servers' endpoints (``"tcp://host:port"``, in
+            server order) for a worker outside the group's start-up, e.g. a
+            restarted process; no collective then. Needs ``rank``.
+        rank: this worker's global rank (with ``server_addresses``; default:
+            its rank in the initialised group).
 
     Raises:
         ValueError / TypeError: an invalid argument (the message names it), a
             non-float32 or non-contiguous parameter, or this rank is a server rank.
-        RuntimeError: torch.distributed is not initialised.
+        RuntimeError: torch.distributed is not initialised and no
+            ``server_addresses`` were given.
+        PeerError: a server did not answer the HELLO within ``timeout``.
     """
 
     def __init__(self, params, *, num_servers: int = 1, compressor: Compressor | None = None,
-                 error_feedback: bool = True, timeout: float = 120.0, group=None,
-                 meter: TrafficMeter | None = None):
+                 error_feedback: bool = True, timeout: float = 120.0, heartbeat_interval: float = 1.0,
+                 heartbeat_timeout: float = 10.0, group=None, meter: TrafficMeter | None = None,
+                 server_addresses=None, rank: int | None = None):
         self.group = group
-        self.rank, world, self.num_servers = P.join_layout(group, num_servers)
+        if server_addresses is None:
+            if rank is not None:
+                raise ValueError("rank is given with server_addresses only (in a group the rank is the group's)")
+            self.rank, world, self.num_servers = P.join_layout(group, num_servers)
+            self.global_rank = self.rank if group is None else dist.get_global_rank(group, self.rank)
+        else:
+            self.num_servers = v.integer("num_servers", num_servers, 1)
+            if isinstance(server_addresses, str) or not all(isinstance(a, str) for a in server_addresses):
+                raise TypeError("server_addresses must be a list of strings like 'tcp://10.0.0.1:5555'")
+            server_addresses = [T.normalize_address(a, "server_addresses") for a in server_addresses]
+            if len(server_addresses) != self.num_servers:
+                raise ValueError(f"server_addresses must hold num_servers={self.num_servers} endpoints, "
+                                 f"got {len(server_addresses)}")
+            if rank is None:
+                if not dist.is_initialized():
+                    raise ValueError("rank must be given with server_addresses outside a process group")
+                rank = dist.get_rank()
+            self.rank = self.global_rank = v.integer("rank", rank, 0)
         if self.rank < self.num_servers:
             raise ValueError(f"rank {self.rank} is a server rank (servers are ranks 0..{self.num_servers - 1}); "
                              "build a gradcomp.ps.ParameterServer there")
-        self.global_rank = self.rank if group is None else dist.get_global_rank(group, self.rank)
         self.timeout = v.timeout("timeout", timeout)
+        self.heartbeat_interval = v.timeout("heartbeat_interval", heartbeat_interval)
+        self.heartbeat_timeout = v.timeout("heartbeat_timeout", heartbeat_timeout)
         if meter is not None and not isinstance(meter, TrafficMeter):
             raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
         if not isinstance(error_feedback, bool):
@@ -107,6 +152,8 @@ class Worker:
             compressor = ErrorFeedback(compressor)
         self.compressor = compressor
         self.meter = meter if meter is not None else TrafficMeter()
+        #: heartbeats sent and answered (kept apart from :attr:`meter`)
+        self.heartbeat_meter = TrafficMeter()
 
         self._module = params if isinstance(params, torch.nn.Module) else None
         tensors = named_tensors(params)
@@ -117,7 +164,8 @@ class Worker:
                                 f"{'' if t.is_contiguous() else ', non-contiguous'}")
         self.replica: dict[str, torch.Tensor] = {n: t.detach() for n, t in tensors.items()}
         self.shards = shard_parameters(param_specs(tensors), self.num_servers)
-        self.servers = [i if group is None else dist.get_global_rank(group, i) for i in range(self.num_servers)]
+        self.servers = list(range(self.num_servers)) if group is None or server_addresses is not None \
+            else [dist.get_global_rank(group, i) for i in range(self.num_servers)]
         self._layouts = [layout_checksum(sh) for sh in self.shards]
         self._raw_bundle = [P.raw_bundle_nbytes(s.shape for s in sh) for sh in self.shards]
         self.versions = [-1] * self.num_servers
@@ -126,8 +174,32 @@ class Worker:
         self._closed = False
         self._broken = False
         self.pushes = self.accepted = self.dropped = self.rejected = self.pulls = 0
+        self.session = int.from_bytes(os.urandom(8), "little") >> 1 or 1
+        self._seq = 0
 
-    # ---- public ---------------------------------------------------------------------
+        if server_addresses is None:
+            server_addresses = T.exchange_addresses(group, None, self.num_servers)
+        #: the servers' endpoints, in server order
+        self.server_addresses = list(server_addresses)
+        self._ctx = zmq.Context()
+        self._socks = []
+        for s, address in enumerate(self.server_addresses):
+            sock = T.connect_dealer(self._ctx, address, b"w%d" % self.global_rank,
+                                    max_message=2 * self._raw_bundle[s] + (1 << 16), hwm=4)
+            sock.setsockopt(zmq.SNDTIMEO, int(1000 * min(self.timeout, 1e6)))
+            self._socks.append(sock)
+        self._heartbeat = _Heartbeat(self._ctx, self.global_rank, self.session, self.heartbeat_interval,
+                                     self.heartbeat_meter)
+        self._finalizer = weakref.finalize(self, _close_transport, self._ctx, self._socks, self._heartbeat, 0)
+        try:
+            self.accepted_before, ports = self._hello()
+        except BaseException:
+            self._broken = True
+            self._finalizer()
+            raise
+        self._heartbeat.start([f"{a.rsplit(':', 1)[0]}:{port}" for a, port in zip(self.server_addresses, ports)])
+
+    # ---- public ----    # ---- public ---------------------------------------------------------------------
     @property
     def version(self) -> int:
         """The oldest server version in the replica (-1 before the first pull)."""
@@ -160,13 +232,16 @@ class Worker:
             self.meter.record_time(time.perf_counter() - t0, "pull")
 
     def _pull(self) -> dict[str, torch.Tensor]:
-        for s, dst in enumerate(self.servers):
-            h = P.Header(P.PULL, self.global_rank, self.versions[s],
-                         status=0 if self._has_replica else P.WANT_FULL,
-                         layout=self._layouts[s], aux=self._min_version[s])
-            self._send(h, None, s, "pull")
+        requests = []
+        with _timeline.span("communicate"):
+            for s in range(self.num_servers):
+                h = self._request(P.PULL, s, self.versions[s],
+                                  status=0 if self._has_replica else P.WANT_FULL, aux=self._min_version[s])
+                self._send(h, None, s, "pull")
+                requests.append(h)
         for s, src in enumerate(self.servers):
-            h, data = self._recv(s, "pull")
+            with _timeline.span("communicate"):
+                h, data = self._recv(s, requests[s], "pull")
             if h.kind != P.PULL_REPLY or h.status not in (P.FULL, P.DELTA) or data is None:
                 raise ProtocolError(f"server rank {src} answered a pull with kind "
                                     f"{P.KIND_NAMES.get(h.kind)} status {h.status} "
@@ -174,7 +249,7 @@ class Worker:
             if h.status == P.DELTA and not self._has_replica:
                 raise ProtocolError(f"server rank {src} sent a delta to a worker without a replica")
             wires = P.unpack_bundle(data, len(self.shards[s]))
-            with torch.no_grad():
+            with torch.no_grad(), _timeline.span("decompress"):
                 for spec, wire in zip(self.shards[s], wires):
                     dst_t = self.replica[spec.name]
                     p = decode(wire.to(dst_t.device))
@@ -225,14 +300,19 @@ class Worker:
 
     def _push(self, grads: dict[str, torch.Tensor]) -> PushResult:
         stamped = list(self.versions)
+        requests = []
         for s in range(self.num_servers):
-            wires = [self._compress(grads[spec.name], spec.name).wire for spec in self.shards[s]]
-            blob = P.pack_bundle(wires)
-            h = P.Header(P.PUSH, self.global_rank, stamped[s], nbytes=blob.numel(), layout=self._layouts[s])
-            self._send(h, blob, s, "push", raw=P.HEADER_NBYTES + self._raw_bundle[s])
+            with _timeline.span("compress"):
+                wires = [self._compress(grads[spec.name], spec.name).wire for spec in self.shards[s]]
+                blob = P.pack_bundle(wires)
+            with _timeline.span("communicate"):
+                h = self._request(P.PUSH, s, stamped[s], nbytes=blob.numel())
+                self._send(h, blob, s, "push", raw=P.message_nbytes(self._raw_bundle[s]))
+            requests.append(h)
         statuses, staleness, versions = [], [], []
         for s, src in enumerate(self.servers):
-            h, _ = self._recv(s, "push")
+            with _timeline.span("communicate"):
+                h, _ = self._recv(s, requests[s], "push")
             if h.kind != P.PUSH_REPLY or h.status not in P.STATUS_NAMES:
                 raise ProtocolError(f"server rank {src} answered a push with kind "
                                     f"{P.KIND_NAMES.get(h.kind)} status {h.status}")
@@ -249,19 +329,20 @@ class Worker:
         return result
 
     def done(self) -> None:
-        """Tell every server this worker has finished (idempotent). Nothing is
-        sent after a failed exchange (the servers detect this worker's exit)
-        or to a server that is already gone."""
+        """Tell every server this worker has finished, then close the sockets
+        (idempotent; waits at most 2 s for DONE to leave). Nothing is sent
+        after a failed exchange (the servers detect this worker's silence)."""
         if self._closed:
             return
         self._closed = True
-        if self._broken:
-            return
-        for s in range(self.num_servers):
-            try:
-                self._send(P.Header(P.DONE, self.global_rank, self.versions[s]), None, s, "pull")
-            except PeerError:
-                pass
+        if not self._broken:
+            for s in range(self.num_servers):
+                try:
+                    self._send(self._request(P.DONE, s, self.versions[s]), None, s, "pull")
+                except PeerError:
+                    pass
+        self._finalizer.detach()
+        _close_transport(self._ctx, self._socks, self._heartbeat, 0 if self._broken else 2000)
 
     close = done
 
@@ -273,12 +354,14 @@ class Worker:
 
     def stats(self) -> dict:
         """Counters: ``pushes``, ``accepted``, ``dropped``, ``rejected``, ``pulls``,
-        ``version``, ``versions`` and ``traffic`` (:meth:`TrafficMeter.as_dict`,
-        phases ``"push"`` and ``"pull"``)."""
+        ``version``, ``versions``, ``accepted_before``, ``traffic``
+        (:meth:`TrafficMeter.as_dict`, phases ``"connect"``, ``"push"`` and
+        ``"pull"``) and ``heartbeat_traffic``."""
         return {"rank": self.global_rank, "pushes": self.pushes, "accepted": self.accepted,
                 "dropped": self.dropped, "rejected": self.rejected, "pulls": self.pulls,
                 "version": self.version, "versions": list(self.versions),
-                "traffic": self.meter.as_dict()}
+                "accepted_before": list(self.accepted_before),
+                "traffic": self.meter.as_dict(), "heartbeat_traffic": self.heartbeat_meter.as_dict()}
 
     # ---- internals ------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -316,19 +399,140 @@ class Worker:
             return self.compressor.compress(g, key=name)
         return self.compressor.compress(g)
 
+    def _request(self, kind: int, s: int, version: int, **fields) -> P.Header:
+        self._seq += 1
+        return P.Header(kind, self.global_rank, version, layout=self._layouts[s], seq=self._seq,
+                        session=self.session, **fields)
+
+    def _hello(self) -> tuple[tuple[int, ...], list[int]]:
+        """HELLO to every server; returns each one's count of this rank's accepted
+        pushes and its heartbeat port."""
+        requests = []
+        for s in range(self.num_servers):
+            requests.append(self._request(P.HELLO, s, 0))
+            self._send(requests[-1], None, s, "connect")
+        out, ports = [], []
+        for s, src in enumerate(self.servers):
+            h, _ = self._recv(s, requests[s], "connect")
+            if h.kind != P.WELCOME or h.aux < 0 or not 0 < h.status < 65536:
+                raise ProtocolError(f"server rank {src} answered HELLO with {P.KIND_NAMES.get(h.kind)}")
+            out.append(h.aux)
+            ports.append(h.status)
+        return tuple(out), ports
+
     def _send(self, h: P.Header, data, s: int, phase: str, raw: int | None = None) -> None:
-        n = P.send_message(h, data, self.servers[s], header_tag=P.TAG_REQUEST, data_tag=P.TAG_PUSH_DATA,
-                           timeout=self.timeout, group=self.group, what="server")
+        frames = [h.pack()] if data is None else [h.pack(), memoryview(data.numpy())]
+        try:
+            self._socks[s].send_multipart(frames, copy=False)
+        except zmq.Again:
+            raise PeerError(self.servers[s], "send to server",
+                            f"its queue stayed full for timeout={self.timeout:g} s") from None
+        n = P.message_nbytes(h.nbytes)
         self.meter.record_send(n, n if raw is None else raw, phase)
 
-    def _recv(self, s: int, phase: str):
-        h, data = P.recv_message(self.servers[s], kinds=P.REPLIES, header_tag=P.TAG_REPLY,
-                                 data_tag=P.TAG_PULL_DATA, timeout=self.timeout,
-                                 max_nbytes=2 * self._raw_bundle[s] + (1 << 16), group=self.group,
-                                 what="server")
-        n = P.HEADER_NBYTES + h.nbytes
-        # a pull's data is the shard: uncompressed, it is the float32 bundle
-        self.meter.record_recv(n, P.HEADER_NBYTES + self._raw_bundle[s] if data is not None else n, phase)
-        if h.kind == P.ABORT:
-            raise PSAbortedError(self.servers[s], h.aux)
-        return h, data
+    def _recv(self, s: int, request: P.Header, phase: str):
+        """The reply to ``request`` from server ``s`` (a late reply to an earlier
+        request is skipped); waits at most ``timeout``, or ``heartbeat_timeout``
+        after the server's heartbeats stopped."""
+        sock, src = self._socks[s], self.servers[s]
+        deadline = time.monotonic() + self.timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PeerError(src, "receive from server", f"no reply within timeout={self.timeout:g} s")
+            if not sock.poll(int(1000 * min(remaining, 0.1)) + 1):
+                silent = self._heartbeat.silent_for(s)
+                if silent > self.heartbeat_timeout:
+                    raise PeerError(src, "receive from server",
+                                    f"no heartbeat reply for {silent:.1f} s > heartbeat_timeout="
+                                    f"{self.heartbeat_timeout:g} s (server process or link down)")
+                continue
+            frames = sock.recv_multipart(copy=False)
+            if len(frames) > 2:
+                raise ProtocolError(f"server rank {src} sent a message of {len(frames)} frames")
+            data = frames[1] if len(frames) == 2 else None
+            h = P.Header.unpack(frames[0].buffer, P.REPLIES, None if data is None else len(data))
+            if h.seq != request.seq or h.session != self.session:
+                continue  # the reply to a request given up on earlier
+            n = P.message_nbytes(h.nbytes)
+            # a pull's data is the shard: uncompressed, it is the float32 bundle
+            raw = P.message_nbytes(self._raw_bundle[s]) if h.kind == P.PULL_REPLY and data is not None else n
+            self.meter.record_recv(n, raw, phase)
+            if h.kind == P.ABORT:
+                raise PSAbortedError(src, h.aux)
+            if h.kind == P.EVICTED:
+                reason = bytes(data.buffer).decode(errors="replace") if data is not None else "no reason given"
+                raise PeerError(src, "request to server", f"this worker was declared dead: {reason}")
+            return h, None if data is None else torch.frombuffer(data.buffer, dtype=torch.uint8)
+
+
+class _Heartbeat:
+    """Background thread sending a heartbeat to every server's heartbeat port
+    each ``interval`` seconds on its own sockets (routing id ``h<rank>``) and
+    noting the replies."""
+
+    def __init__(self, ctx, rank: int, session: int, interval: float, meter: TrafficMeter):
+        self._ctx, self._addresses, self._rank, self._session = ctx, [], rank, session
+        self._interval, self._meter = interval, meter
+        self._last: list[float] | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"gradcomp-ps-heartbeat-{rank}")
+
+    def start(self, addresses) -> None:
+        self._addresses = list(addresses)
+        self._last = [time.monotonic()] * len(self._addresses)
+        self._thread.start()
+
+    def silent_for(self, s: int) -> float:
+        """Seconds since server ``s`` last answered (0 before the thread starts)."""
+        return 0.0 if self._last is None else time.monotonic() - self._last[s]
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+
+    def _run(self) -> None:
+        socks = [T.connect_dealer(self._ctx, a, b"h%d" % self._rank, max_message=1024, hwm=4)
+                 for a in self._addresses]
+        poller = zmq.Poller()
+        for sock in socks:
+            poller.register(sock, zmq.POLLIN)
+        index = {sock: i for i, sock in enumerate(socks)}
+        n, seq, next_beat = P.message_nbytes(), 0, 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    seq += 1
+                    beat = P.Header(P.HEARTBEAT, self._rank, seq=seq, session=self._session).pack()
+                    for sock in socks:
+                        try:
+                            sock.send(beat, zmq.NOBLOCK)
+                            self._meter.record_send(n, n, "heartbeat")
+                        except zmq.Again:
+                            pass  # the server is not reading: its silence is noticed below
+                    next_beat = now + self._interval
+                for sock, _ in poller.poll(int(1000 * min(max(next_beat - now, 0.0), 0.1)) + 1):
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        try:
+                            h = P.Header.unpack(frames[0], (P.HEARTBEAT,), None) if len(frames) == 1 else None
+                        except ProtocolError:
+                            h = None
+                        if h is not None and h.session == self._session:
+                            self._last[index[sock]] = time.monotonic()
+                            self._meter.record_recv(n, n, "heartbeat")
+        finally:
+            for sock in socks:
+                sock.close(linger=0)
+
+
+def _close_transport(ctx, socks, heartbeat: _Heartbeat, linger_ms: int) -> None:
+    heartbeat.stop()
+    for sock in socks:
+        sock.close(linger=linger_ms)
+    ctx.term()

@@ -31,7 +31,9 @@ from gradcomp.compressors import NoCompression
 from gradcomp.train.common import RankLog
 from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, worker_batches
+from gradcomp.timeline import Timeline, now
 from gradcomp.train.model import evaluate, make_model
+from gradcomp.train.timing import ComputeDelay
 
 __all__ = ["async_world_size", "train_async_rank"]
 
@@ -77,9 +79,13 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         on_worker_failure="fail", worker_timeout=WORKER_TIMEOUT_S, timeout=cfg.timeout)
 
     models: list[nn.Module] = []
+    timeline = Timeline()
+    delay = ComputeDelay(rank - 1, cfg.straggler, cfg.compute_jitter, cfg.seed)
 
     def model_fn() -> nn.Module:
         models.append(make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes))
+        # the first layer's weight gets its gradient last: a slow worker's push comes late
+        delay.attach(next(models[-1].parameters()), timeline)
         return models[-1]
 
     log = RankLog(rank, role="server" if rank == 0 else "worker")
@@ -88,6 +94,7 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         worker_batches(len(data.y_train), cfg.workers, index, cfg.batch_size, cfg.seed, cfg.steps))
 
     def loss_fn(model: nn.Module, step: int, worker_index: int) -> torch.Tensor:
+        delay.begin(step + 1, now())
         idx = batches[step]
         return nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
 
@@ -98,7 +105,7 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
 
     dist.barrier()
     log.start()
-    out = ps.run(rank, world_size, model_fn, loss_fn, config, on_step=on_step)
+    out = ps.run(rank, world_size, model_fn, loss_fn, config, on_step=on_step, timeline=timeline)
     meter_dict = out["stats"]["traffic"]
     if rank == 0:
         model = models[0]
@@ -108,5 +115,6 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         log.final = evaluate(model, data.x_test, data.y_test)
         stats = out["stats"]
         log.extra = {k: stats[k] for k in ("updates", "accepted", "dropped", "rejected",
-                                           "staleness_histogram")}
-    return log.finish(meter_dict, models[0] if rank != 0 and index == 0 else None, data)
+                                           "staleness_histogram", "busy_s", "busy_intervals")}
+    return log.finish(meter_dict, models[0] if rank != 0 and index == 0 else None, data,
+                      timeline if rank != 0 else None)

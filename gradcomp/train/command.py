@@ -74,11 +74,15 @@ def _modes(text: str) -> tuple[str, ...]:
     """``--mode``: ``both`` (sync and async) or a comma-separated list of ALL_MODES."""
     if text == "both":
         return MODES
+    if text == "pipeline":
+        return ("pipeline",)  # runs alone (gradcomp.train.pipeline)
     names = [m.strip() for m in text.split(",")]
+    if "pipeline" in names:
+        raise argparse.ArgumentTypeError("pipeline runs alone: --mode pipeline")
     bad = [m for m in names if m not in ALL_MODES]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"invalid choice: {(bad or [text])[0]!r} (choose from "
-                                         f"{', '.join(ALL_MODES)}, both or a comma-separated list)")
+                                         f"{', '.join(ALL_MODES)}, both, pipeline or a comma-separated list)")
     return tuple(dict.fromkeys(names))
 
 
@@ -100,14 +104,12 @@ def _compressor_list(text: str) -> tuple[str, ...]:
 
 
 def _link(text: str) -> str:
-    if text in ("none", "loopback"):
-        return "none"
-    from gradcomp.cluster import format_rate, parse_rate
+    from gradcomp.cluster import link_argument
 
     try:
-        return format_rate(parse_rate(text))
+        return link_argument(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{e}; or none (the unshaped loopback)") from None
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _fraction(text: str) -> float:
@@ -168,7 +170,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="sync (DDP + compressed allreduce hook), async (parameter server), "
                         "local (local SGD / DiLoCo: compressed pseudo-gradients every "
                         "--sync-every steps), a comma-separated list of them (e.g. sync,local), "
-                        "or both (sync and async, the default)")
+                        "or both (sync and async, the default); pipeline (alone): pipeline "
+                        "parallelism, see the pipeline options")
     p.add_argument("--compressors", type=_compressor_list, default=DEFAULT_COMPRESSORS,
                    metavar="LIST",
                    help="comma-separated names among none,fp16,bf16,int8,int8-ef,topk-ef,"
@@ -238,7 +241,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results already in --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p
+    from gradcomp.train.pipeline_args import add_pipeline_arguments
+
+    return add_pipeline_arguments(p)
 
 
 DESCRIPTION = ("Train on scikit-learn's digits with every compressor, sync and async, and report "
@@ -405,6 +410,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"gradcomp train: error: missing {', '.join(missing)}; "
               'install the study\'s extras: pip install "gradcomp[train]"', file=sys.stderr)
         return 2
+    if args.mode == ("pipeline",):
+        from gradcomp.train.pipeline import run_pipeline
+
+        return run_pipeline(args)
     from rich.console import Console
     from rich.markup import escape
 

@@ -237,11 +237,25 @@ def write_plot(study: StudyResult, path: str) -> None:
     fig = Figure(figsize=(12, 4.2 * len(modes) + 0.4))
     axes = fig.subplots(len(modes), 2, squeeze=False)
     for (acc_ax, loss_ax), mode in zip(axes, modes):
-        runs = [r for r in study.runs if r.mode == mode]
+        runs = [r for r in study.runs if r.mode == mode and r.seed == study.seeds[0]]
+        # a zoom on the last third of training, where the final gaps are
+        inset = acc_ax.inset_axes([0.5, 0.08, 0.46, 0.42])
+        seen: dict[tuple, str] = {}
         for r in runs:
-            acc_ax.plot([max(b, 1.0) / 2**20 for b in r.bytes_at_marks],
-                        [100 * a for a in r.accuracy_at_marks], marker=".", label=r.label)
+            curve = tuple(r.accuracy_at_marks)
+            same = seen.get(curve)  # an identical accuracy curve drawn before: mark it
+            label = r.label if same is None else f"{r.label} (same accuracy as {same})"
+            seen.setdefault(curve, r.label)
+            style = dict(ls="-", marker=".") if same is None else dict(ls="--", marker="x")
+            xs = [max(b, 1.0) / 2**20 for b in r.bytes_at_marks]
+            ys = [100 * a for a in r.accuracy_at_marks]
+            line, = acc_ax.plot(xs, ys, label=label, **style)
+            tail = max(1, (2 * len(xs)) // 3)
+            inset.plot(range(tail, len(xs)), ys[tail:], color=line.get_color(), **style)
             loss_ax.plot(range(1, len(r.losses) + 1), _smooth(r.losses), label=r.label, lw=1)
+        inset.set_title("last third (by evaluation)", fontsize=7)
+        inset.tick_params(labelsize=6)
+        inset.grid(True, alpha=0.3)
         moved = "pushed + pulled" if mode == "async" else "sent"
         acc_ax.set(xscale="log", xlabel=f"cumulative MiB {moved} per worker (log)",
                    ylabel="test accuracy (%)", title=f"{mode}: test accuracy vs traffic",

@@ -54,7 +54,7 @@ from gradcomp.train.async_ import async_world_size, train_async_rank
 from gradcomp.train.common import RankLog, counted_bytes
 from gradcomp.train.config import ALL_MODES, COMPRESSORS, TOPK_RATIO, TrainConfig
 from gradcomp.train.scenarios import Scenario
-from gradcomp.train.timing import summarize_time, time_to_target
+from gradcomp.train.timing import server_queue, summarize_time, time_to_target
 from gradcomp.train.data import Digits, load_digits_split, steps_per_epoch, worker_batches
 from gradcomp.train.model import make_model, num_parameters
 from gradcomp.train.local import train_local_rank
@@ -324,6 +324,9 @@ def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog])
         total.merge(log.meter)
     extra = {k: v for log in logs for k, v in log.extra.items() if k != "param_sha256"}
     extra.update(staleness_stats(extra))
+    busy_intervals = extra.pop("busy_intervals", None)  # thousands of tuples: summarised here
+    if busy_intervals:
+        extra.update(server_queue({**extra, "busy_intervals": busy_intervals}, workers))
     digests = [log.extra.get("param_sha256") for log in workers]
     if any(digests):
         extra["param_sha256_per_worker"] = digests
@@ -342,7 +345,7 @@ def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog])
         extra=extra,
         seed=cfg.seed,
         clock_at_marks=list(evaluator.clock),
-        time=summarize_time(mode, cfg, workers),
+        time=summarize_time(mode, cfg, workers, {"busy_intervals": busy_intervals}),
     )
 
 

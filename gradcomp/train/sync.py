@@ -71,20 +71,19 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     log = RankLog(rank)
     delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed)
+    # the first layer's weight gets its gradient last: a slow worker's gradients come late
+    delay.attach(next(model.parameters()), timeline)
     dist.barrier()
     log.start()
     batches = worker_batches(len(data.y_train), cfg.workers, rank, cfg.batch_size, cfg.seed, cfg.steps)
     for step, idx in enumerate(batches, 1):
         t0 = now()
         timeline.begin_step(t0)
+        delay.begin(step, t0)
         loss = nn.functional.cross_entropy(ddp(data.x_train[idx]), data.y_train[idx])
-        with timeline.span("delay"):  # a slow worker's gradients come late
-            slept = delay.sleep(step, now() - t0)
         opt.zero_grad(set_to_none=True)
         loss.backward()  # returns when DDP has waited for every bucket's collective
         timeline.mark("backward_end")
-        handoff = timeline.marked("handoff")  # set by the hook: gradients computed
-        delay.observe((handoff if handoff is not None else now()) - t0 - slept)
         timeline.mark("apply_start")
         opt.step()
         lossf = loss.item()

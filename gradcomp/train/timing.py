@@ -6,8 +6,9 @@ would):
 
 * ``--straggler RANK:FACTOR``: worker ``RANK``'s compute takes ``FACTOR``
   times as long: each step it sleeps ``(FACTOR - 1) x`` its measured compute
-  (forward + backward of the previous step; the first step uses three times
-  its forward, the usual backward/forward ratio of an MLP);
+  before its gradients leave the backward pass (sync and async:
+  :meth:`ComputeDelay.attach`, this step's forward + backward; local mode:
+  :meth:`ComputeDelay.sleep`, the median of its last 5 steps);
 * ``--compute-jitter CV``: every worker's compute of every step is stretched
   by a factor ``F`` drawn from a lognormal with mean 1 and coefficient of
   variation ``CV`` (``sigma^2 = ln(1 + CV^2)``, ``mu = -sigma^2 / 2``),
@@ -24,7 +25,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["ComputeDelay", "jitter_factor", "time_to_target", "percentile", "mean_ci95",
            "parse_straggler"]
@@ -77,7 +78,10 @@ class ComputeDelay:
     straggler: tuple[int, float] | None = None
     jitter_cv: float = 0.0
     seed: int = 0
-    _compute: float | None = None
+    last_slept: float = 0.0
+    _recent: list = field(default_factory=list)
+    _step: int = 0
+    _t0: float | None = None
 
     @property
     def active(self) -> bool:
@@ -91,22 +95,54 @@ class ComputeDelay:
         return f
 
     def sleep(self, step: int, forward_s: float) -> float:
-        """Sleep for this step's extra compute; returns the seconds slept.
+        """Sleep for this step's extra compute; returns the seconds really slept.
 
         ``forward_s``: this step's forward time (used only before the first
         measured compute, see :meth:`observe`).
         """
         if not self.active:
             return 0.0
-        base = self._compute if self._compute is not None else 3.0 * forward_s
+        base = statistics.median(self._recent) if self._recent else 3.0 * forward_s
         extra = (self.factor(step) - 1.0) * base
-        if extra > 0:
-            time.sleep(extra)
-        return max(0.0, extra)
+        if extra <= 0:
+            return 0.0
+        t0 = time.perf_counter()
+        time.sleep(extra)
+        return time.perf_counter() - t0  # what it really slept (a loaded host oversleeps)
+
+    def attach(self, param, timeline=None):
+        """Delay this worker's gradients from inside its backward pass.
+
+        Registers a hook on ``param``'s gradient (choose the parameter whose
+        gradient is computed last: the first layer's weight of a
+        feed-forward model). When it fires, the step's forward and almost
+        all of its backward are done: it sleeps ``(factor(step) - 1) x`` the
+        seconds since :meth:`begin`, before the gradient is handed on (to
+        DDP's reducer or the optimizer), so the factor applies to this very
+        step's measured compute. The sleep is recorded as a ``"delay"`` span
+        of ``timeline`` and in :attr:`last_slept`. Returns the hook handle.
+        """
+        def hook(grad):
+            if self.active and self._t0 is not None:
+                t = time.perf_counter()
+                extra = (self.factor(self._step) - 1.0) * (t - self._t0)
+                if extra > 0:
+                    time.sleep(extra)
+                    t1 = time.perf_counter()
+                    self.last_slept = t1 - t
+                    if timeline is not None:
+                        timeline.add_span("delay", t, t1)
+            return grad
+
+        return param.register_hook(hook)
+
+    def begin(self, step: int, t0: float) -> None:
+        """Step ``step`` started at ``t0`` (for :meth:`attach`'s hook)."""
+        self._step, self._t0, self.last_slept = step, t0, 0.0
 
     def observe(self, compute_s: float) -> None:
-        """The step's measured compute without the sleep (the next step's base)."""
-        self._compute = compute_s
+        """The step's measured compute without the sleep (the next steps' base)."""
+        self._recent = [*self._recent[-4:], compute_s]
 
 
 def time_to_target(times: list[float], steps: list[int], accuracies: list[float],
@@ -158,12 +194,74 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-def summarize_time(mode: str, cfg, workers: list) -> dict:
+class _Busy:
+    """Server busy intervals of other workers' requests, for overlap queries."""
+
+    def __init__(self, intervals, exclude: int):
+        import bisect
+
+        self._bisect = bisect
+        merged: list[list[float]] = []
+        for _, a, b in sorted((iv for iv in intervals if iv[0] != exclude), key=lambda iv: iv[1]):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        self.starts = [a for a, _ in merged]
+        self.merged = merged
+
+    def overlap(self, lo: float, hi: float) -> float:
+        i = max(0, self._bisect.bisect_right(self.starts, lo) - 1)
+        total = 0.0
+        while i < len(self.merged) and self.merged[i][0] < hi:
+            a, b = self.merged[i]
+            total += max(0.0, min(b, hi) - max(a, lo))
+            i += 1
+        return total
+
+
+def server_queue(server_extra: dict, workers: list) -> dict:
+    """The server's busy share and its queue of waiting requests (async runs).
+
+    ``queue_mean`` / ``queue_histogram``: when the server starts handling a
+    request, how many other workers are blocked on a request of their own
+    (their ``communicate`` spans, same clock): the requests queued behind it.
+    """
+    intervals = server_extra.get("busy_intervals") or []
+    if not intervals:
+        return {}
+    blocked = []
+    for w in workers:
+        spans = sorted((a, b) for rec in w.steps for p, a, b in rec.spans if p == "communicate")
+        blocked.append((w.rank, spans))
+    import bisect
+
+    hist: dict[int, int] = {}
+    for rank, t0, _ in intervals:
+        n = 0
+        for r, spans in blocked:
+            if r == rank:
+                continue
+            i = bisect.bisect_right(spans, (t0, math.inf)) - 1
+            if i >= 0 and spans[i][0] <= t0 < spans[i][1]:
+                n += 1
+        hist[n] = hist.get(n, 0) + 1
+    total = sum(hist.values())
+    span = max(t1 for _, _, t1 in intervals) - min(t0 for _, t0, _ in intervals)
+    return {"server_busy_share": server_extra.get("busy_s", 0.0) / span if span > 0 else math.nan,
+            "queue_mean": sum(k * v for k, v in hist.items()) / total,
+            "queue_histogram": dict(sorted(hist.items()))}
+
+
+def summarize_time(mode: str, cfg, workers: list, server_extra: dict | None = None) -> dict:
     """Time figures of one run from its workers' :class:`~gradcomp.train.common.RankLog`\\ s.
 
     Sync and local steps are attributed with :func:`gradcomp.timeline.sync_step_phases`
     (each step's wait measured against the latest hand-off of any worker in
-    that step); async steps with :func:`gradcomp.timeline.async_step_phases`.
+    that step); async steps with :func:`gradcomp.timeline.async_step_phases`,
+    where the part of a worker's blocked round trips during which the server
+    was handling other workers' requests (``server_extra["busy_intervals"]``,
+    same clock) counts as ``wait``: its request queued behind theirs.
 
     Returns:
         ``step_time_median_s`` / ``step_time_p95_s`` (sync: the slowest
@@ -181,6 +279,8 @@ def summarize_time(mode: str, cfg, workers: list) -> dict:
         return {}
     nsteps = min(len(w.steps) for w in workers)
     per_worker: list[list[dict]] = [[] for _ in workers]
+    intervals = (server_extra or {}).get("busy_intervals") or []
+    busy = [_Busy(intervals, w.rank) if intervals else None for w in workers]
     for i in range(nsteps):
         if mode in ("sync", "local"):  # local: every rank waits for the slowest at a sync
             last = max(w.steps[i].marks.get("handoff", w.steps[i].start) for w in workers)
@@ -188,7 +288,15 @@ def summarize_time(mode: str, cfg, workers: list) -> dict:
                 per_worker[k].append(sync_step_phases(w.steps[i], last))
         else:
             for k, w in enumerate(workers):
-                per_worker[k].append(async_step_phases(w.steps[i]))
+                p = async_step_phases(w.steps[i])
+                if busy[k] is not None:  # blocked while the server served other workers: waiting
+                    rec = w.steps[i]
+                    queued = sum(busy[k].overlap(a, b) for ph, a, b in rec.spans if ph == "communicate")
+                    queued = min(queued, p["communicate"])
+                    p["wait"] += queued
+                    p["communicate"] -= queued
+                    rec.phases.update(wait=p["wait"], communicate=p["communicate"])
+                per_worker[k].append(p)
     walls = [[w.steps[i].wall for i in range(nsteps)] for w in workers]
     if mode in ("sync", "local"):
         step_times = [max(walls[k][i] for k in range(len(workers))) for i in range(nsteps)]

@@ -1,0 +1,35 @@
+"""Planning: a step-time model of data-parallel training, calibrated and validated.
+
+``gradcomp.plan`` predicts where one training step's time goes at a scale we
+cannot run here (16 to 1024 nodes) from a few measured numbers, and uses the
+prediction to recommend a mode, compressor and algorithm:
+
+* :mod:`~gradcomp.plan.model`: the latency-bandwidth (alpha-beta) model:
+  exact wire bytes of ring / two-phase / sparse allgather / parameter server,
+  kernel time from measured rates, overlap of buckets with backward,
+  stragglers, async throughput and staleness, the pipeline bubble;
+* :mod:`~gradcomp.plan.lognormal`: the expected maximum of lognormal compute times;
+* :mod:`~gradcomp.plan.profile`: alpha, beta and kernel rates (JSON);
+* :mod:`~gradcomp.plan.calibrate`: measuring them (ping-pong fit, kernel timings);
+* :mod:`~gradcomp.plan.validate`: predicted vs measured runs of the time study;
+* :mod:`~gradcomp.plan.project`, :mod:`~gradcomp.plan.recommend`: the grid and the choice;
+* :mod:`~gradcomp.plan.cli`: ``gradcomp plan``.
+
+Example::
+
+    from gradcomp.plan import Profile, Setting, predict
+    prof = Profile.roofline(1000, alpha_s=20e-6)          # 1 TB/s kernels, 20 us messages
+    s = Setting(nodes=64, link_bytes_per_s=100e9 / 8, params=10**9, compute_s=0.25)
+    p = predict("sync", "int8", "ring", s, prof)
+    print(p.step_s, p.comm_share, p.bytes_sent)
+"""
+
+from gradcomp.plan.lognormal import expected_max
+from gradcomp.plan.model import (ALGORITHMS, CODECS, MODES, Codec, Prediction, Setting, allreduce_bytes,
+                                 allreduce_seconds, async_throughput, bubble_fraction, pipeline_step,
+                                 predict, ps_bytes)
+from gradcomp.plan.profile import Profile
+
+__all__ = ["ALGORITHMS", "CODECS", "MODES", "Codec", "Prediction", "Profile", "Setting", "allreduce_bytes",
+           "allreduce_seconds", "async_throughput", "bubble_fraction", "expected_max", "pipeline_step",
+           "predict", "ps_bytes"]

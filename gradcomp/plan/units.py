@@ -1,0 +1,81 @@
+"""Parsing of the quantities the planner takes on its command line.
+
+* counts: ``25M``, ``1B``, ``7B``, ``1.5k``, ``125000`` (SI: k = 1e3, M = 1e6,
+  B/G = 1e9, T = 1e12);
+* link rates: ``10gbit``, ``100mbit``, ``1.5gbit``, ``800kbit``, ``400bit``
+  (bits per second with SI prefixes, as ``tc`` writes them: 1 mbit = 1e6 bit/s),
+  returned in **bytes** per second;
+* comma-separated lists of either.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+__all__ = ["parse_count", "parse_rate", "parse_list", "format_count", "format_rate"]
+
+_COUNT = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+_RATE = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+_NUMBER = r"(\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?"
+
+
+def parse_count(text: str, name: str = "count") -> int:
+    """A positive element count such as ``25M`` or ``7B``.
+
+    Raises:
+        ValueError: not a positive number with an optional k/M/B/G/T suffix.
+    """
+    m = re.fullmatch(rf"\s*({_NUMBER})\s*([kKMBGT]?)\s*", str(text))
+    if not m:
+        raise ValueError(f"{name} must be a positive number with an optional suffix k, M, B or T "
+                         f"(e.g. 25M, 7B), got {text!r}")
+    value = float(m.group(1)) * _COUNT[m.group(3)]
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError(f"{name} must be at least 1, got {text!r}")
+    return int(round(value))
+
+
+def parse_rate(text: str, name: str = "link") -> float:
+    """A link rate such as ``10gbit`` in bytes per second (``10gbit`` -> 1.25e9).
+
+    Raises:
+        ValueError: not a positive number followed by bit, kbit, mbit, gbit or tbit.
+    """
+    m = re.fullmatch(rf"\s*({_NUMBER})\s*([kmgt]?bit)\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"{name} must be a rate such as 100mbit, 10gbit or 1.5gbit "
+                         f"(bits per second; units bit, kbit, mbit, gbit, tbit), got {text!r}")
+    value = float(m.group(1)) * _RATE[m.group(3)] / 8
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive rate, got {text!r}")
+    return value
+
+
+def parse_list(text: str, parse, name: str) -> list:
+    """``parse`` applied to each item of a comma-separated list (empty items skipped).
+
+    Raises:
+        ValueError: an empty list or an item ``parse`` rejects.
+    """
+    items = [s for s in str(text).split(",") if s.strip()]
+    if not items:
+        raise ValueError(f"{name} must be a comma-separated list, got {text!r}")
+    return [parse(s.strip(), name) for s in items]
+
+
+def format_count(n: float) -> str:
+    """``25000000`` -> ``25M``; ``7e9`` -> ``7B``."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:g}{suffix}"
+    return f"{n:g}"
+
+
+def format_rate(bytes_per_s: float) -> str:
+    """Bytes per second -> ``10gbit`` style text."""
+    bits = 8 * bytes_per_s
+    for suffix, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:g}{suffix}"
+    return f"{bits:g}bit"

@@ -1,0 +1,394 @@
+"""gradcomp.plan: the step-time model against hand-computed cases, calibration, validation, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gradcomp.cli import main
+from gradcomp.plan import calibrate as C
+from gradcomp.plan.lognormal import expected_max
+from gradcomp.plan.model import (CODECS, Setting, allreduce_bytes, async_throughput, bubble_fraction,
+                                 pipeline_step, predict, ps_bytes)
+from gradcomp.plan.profile import OPS, Profile
+from gradcomp.plan.units import parse_count, parse_rate
+from gradcomp.plan.validate import validate_runs
+
+# ---- wire bytes ---------------------------------------------------------------------
+
+
+def test_ring_bytes_by_hand():
+    # 1001 elements over 4 ranks: chunks 251, 250, 250, 250; int8 chunk payload =
+    # 48-byte header + 4 bytes of scale (one block) + one byte per element
+    w0, w = 48 + 4 + 251, 48 + 4 + 250
+    # rank 0: reduce-scatter sends chunks 3, 2, 1; allgather sends 0, 3, 2
+    assert allreduce_bytes(CODECS["int8"], "ring", 1001, 4, 0) == (3 * w + (w0 + 2 * w),
+                                                                  # receives 2, 1, 0 then 3, 2, 1
+                                                                  (w0 + 2 * w) + 3 * w)
+    # rank 1 sends 0, 3, 2 then 1, 0, 3 and receives 3, 2, 1 then 0, 3, 2
+    assert allreduce_bytes(CODECS["int8"], "ring", 1001, 4, 1) == ((w0 + 2 * w) + (w0 + 2 * w),
+                                                                  3 * w + (w0 + 2 * w))
+    # float32 chunks: 48 + 4 * len
+    r0 = 48 + 4 * 251
+    r = 48 + 1000
+    assert allreduce_bytes(CODECS["none"], "ring", 1001, 4, 0) == (3 * r + (r0 + 2 * r), (r0 + 2 * r) + 3 * r)
+
+
+def test_two_phase_bytes_by_hand():
+    w0, w = 48 + 4 + 251, 48 + 4 + 250
+    # sends chunks 1, 2, 3 to their owners, then its own chunk 0 around the ring
+    # (forwarding 3 and 2): the ring's bytes sent; receives three payloads of chunk 0
+    assert allreduce_bytes(CODECS["int8"], "two_phase", 1001, 4, 0) == (3 * w + (w0 + 2 * w), 3 * w0 + 3 * w)
+    assert allreduce_bytes(CODECS["int8"], "two_phase", 1001, 4, 2) == ((w0 + 2 * w) + (w0 + 2 * w),
+                                                                       3 * w + (w0 + 2 * w))
+
+
+def test_matches_the_recorded_study_bytes():
+    # README's default study: 126,090 parameters, 4 workers, bytes sent per worker
+    # per step as the TrafficMeter counted them (mean over the 4 workers)
+    for name, alg, measured in (("none", "ring", 756_828), ("fp16", "ring", 378_558),
+                                ("int8", "ring", 192_399), ("topk-ef", "allgather", 30_588),
+                                ("topk-int8-ef", "allgather", 19_299)):
+        sent = [allreduce_bytes(CODECS[name], alg, 126_090, 4, r)[0] for r in range(4)]
+        assert sum(sent) / 4 == measured, name
+
+
+def test_sparse_allgather_grows_with_world_size():
+    # top-k 1% of 10,000: k = 100; payload = header 48 + 400 bytes of int32 indices
+    # + nested raw values (48 + 400); each rank forwards N - 1 payloads plus N - 1 sizes
+    p = 48 + 400 + 48 + 400
+    for n in (2, 4, 8, 64):
+        assert allreduce_bytes(CODECS["topk-ef"], "allgather", 10_000, n) == ((n - 1) * (p + 8),) * 2
+    dense = [allreduce_bytes(CODECS["int8"], "ring", 10**6, n)[0] for n in (8, 64, 512)]
+    sparse = [allreduce_bytes(CODECS["topk-int8-ef"], "allgather", 10**6, n)[0] for n in (8, 64, 512)]
+    assert dense[2] < 1.2 * dense[0]  # the ring's 2 (N - 1) / N stays flat
+    assert sparse[2] > 60 * sparse[0]  # the allgather's N - 1 grows
+
+
+def test_ps_bytes_by_hand():
+    # 2 servers, 4 tensors of 1000 elements: each shard pushes a 64-byte header,
+    # an 8 + 2 * 8 byte size table and two int8 payloads (48 + 16 + 1000)
+    b = ps_bytes(CODECS["int8"], 4000, servers=2, tensors=4, compress_pull=False)
+    push_shard = 64 + 8 + 16 + 2 * (48 + 16 + 1000)
+    pull_shard = 64 + 8 + 16 + 2 * (48 + 4000)
+    assert (b["push"], b["pull"], b["push_shard"]) == (2 * push_shard, 2 * pull_shard, push_shard)
+    assert b["sent"] == 2 * push_shard + 2 * 64  # + the pull requests
+    assert b["received"] == 2 * pull_shard + 2 * 64  # + the push replies
+
+
+@pytest.mark.slow
+def test_bytes_match_the_meter_of_real_collectives():
+    from gradcomp.launch import launch
+
+    out = launch(_metered_allreduces, 3, timeout=120)
+    for rank, got in enumerate(out):
+        for (name, alg, n), (sent, received) in got.items():
+            assert allreduce_bytes(CODECS[name], alg, n, 3, rank) == (sent, received), (name, alg, n, rank)
+
+
+def _metered_allreduces(rank, world_size):
+    import torch
+
+    import gradcomp as gc
+
+    codecs = {"none": gc.NoCompression(), "fp16": gc.FP16(), "int8": gc.Int8Quantizer(),
+              "topk-int8-ef": gc.TopK(ratio=0.01, values=gc.Int8Quantizer())}
+    got = {}
+    for name, alg, n in (("none", "ring", 1001), ("fp16", "two_phase", 777), ("int8", "ring", 5000),
+                         ("int8", "two_phase", 5000), ("topk-int8-ef", "allgather", 3000)):
+        meter = gc.TrafficMeter()
+        gc.allreduce(torch.randn(n), codecs[name], algorithm=alg, meter=meter, check=False)
+        got[(name, alg, n)] = (meter.bytes_sent, meter.bytes_received)
+    return got
+
+
+# ---- stragglers, pipeline -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("n, cv", [(16, 0.3), (1024, 0.2), (8, 1.0)])
+def test_expected_max_against_monte_carlo(n, cv):
+    sigma = math.sqrt(math.log(1 + cv * cv))
+    x = np.exp(np.random.default_rng(1).normal(-sigma * sigma / 2, sigma, size=(8000, n))).max(axis=1)
+    se = x.std() / math.sqrt(len(x))
+    assert abs(expected_max([1.0] * n, cv) - x.mean()) < 4 * se
+
+
+def test_expected_max_with_a_straggler():
+    # factor 3 on one of 16, tiny jitter: the straggler is the maximum
+    assert expected_max({1.0: 15, 3.0: 1}, 0.01) == pytest.approx(3.0, rel=0.01)
+    assert expected_max([2.0, 5.0], 0.0) == 5.0
+    rng = np.random.default_rng(2)
+    sigma = math.sqrt(math.log(1 + 0.5**2))
+    draws = np.exp(rng.normal(-sigma**2 / 2, sigma, size=(40000, 4))) * np.array([1, 1, 1, 2.0])
+    assert expected_max({1.0: 3, 2.0: 1}, 0.5) == pytest.approx(draws.max(axis=1).mean(), rel=0.01)
+
+
+def test_bubble_fraction():
+    assert bubble_fraction(4, 8) == 3 / 11
+    assert bubble_fraction(1, 5) == 0.0
+    g = pipeline_step(1.0, 4, 8, "gpipe")
+    assert g["step_s"] == pytest.approx(11 * 1.0 / 32)  # 11 slots of 1 / (4 * 8)
+    assert g["efficiency"] == pytest.approx(8 / 11)
+    assert (g["peak_microbatches"], pipeline_step(1.0, 4, 8, "1f1b")["peak_microbatches"]) == (8, 4)
+    with pytest.raises(ValueError, match="microbatches"):
+        bubble_fraction(4, 0)
+
+
+# ---- calibration ---------------------------------------------------------------------
+
+
+def test_fit_recovers_alpha_beta_from_synthetic_timings():
+    alpha, beta = 75e-6, 1.25e8  # 1 Gbit/s
+    sizes = np.array(C.sizes_for(beta), dtype=float)
+    t = alpha + sizes / beta + np.random.default_rng(0).normal(0, 1e-6, size=len(sizes))  # 1 us jitter
+    a, b, info = C.fit_alpha_beta(sizes, t)
+    assert a == pytest.approx(alpha, rel=0.05)
+    assert b == pytest.approx(beta, rel=0.01)
+    assert info["r2"] > 0.999
+    exact = C.fit_alpha_beta([8, 1000, 10**6], [alpha + 8 / beta, alpha + 1000 / beta, alpha + 1e6 / beta])
+    assert exact[:2] == pytest.approx((alpha, beta), rel=1e-9)
+
+
+def test_fit_rejects_times_that_do_not_grow():
+    with pytest.raises(ValueError, match="do not grow"):
+        C.fit_alpha_beta([10, 20, 30], [3.0, 2.0, 1.0])
+    with pytest.raises(ValueError, match="two distinct"):
+        C.fit_alpha_beta([10, 10], [1.0, 1.0])
+
+
+@pytest.mark.slow
+def test_calibrate_on_loopback_writes_a_profile(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["plan", "calibrate", "--out", str(out), "--repeats", "1", "--kernel-numel", "65536"]) == 0
+    prof = Profile.load(str(out))
+    assert prof.alpha_s > 0 and prof.beta_bytes_per_s > 0 and prof.link == "none"
+    assert set(prof.kernels) == set(OPS) and len(prof.fit["sizes"]) == len(C.DEFAULT_SIZES)
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_kernel_rates_from_kernels_json(tmp_path):
+    def row(op, name, n, median, kind="backend", **kw):
+        return {"device": "cpu", "threads": "all", "op": op, "n": n, "dtype": "float32", "density": None,
+                "k": None, "name": name, "kind": kind, "median_s": median, **kw}
+    rows = [row("quantize_int8", "cpu", 2**20, 1e-3), row("quantize_int8", "reference", 2**20, 4e-3),
+            row("quantize_int8", "cpu", 2**16, 1e-5),  # a smaller size: not used
+            row("dequantize_int8_add_", "cpu", 2**20, 2e-3),
+            row("scatter_add_", "cpu", 2**20, 1e-4, density=0.01, k=10486),
+            row("copy", "copy", 2**20, 1e-3, kind="baseline", gbps=8.0),
+            dict(row("quantize_int8", "cpu", 2**20, 1e-9), threads="1")]  # another thread setting
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps({"rows": rows}))
+    k = Profile.from_kernels_json(str(path)).kernels
+    assert k["int8.compress"] == pytest.approx(2**20 / 1e-3)
+    assert k["int8.decompress_add"] == pytest.approx(2**20 / 2e-3)
+    assert k["int8.reduce_compress"] == pytest.approx(2**20 / 3e-3)  # dequantize-add, then quantize
+    assert k["sparse.decompress_add"] == pytest.approx(10486 / 1e-4)
+    assert k["fp16.compress"] == pytest.approx(8e9 / 6)  # copy bandwidth / (4 read + 2 written) bytes
+    with pytest.raises(ValueError, match="no float32 rows"):
+        Profile.from_kernels_json(str(path), device="cuda")
+
+
+# ---- predictions of a small recorded profile --------------------------------------------
+
+RATES = {"compress": 1e8, "reduce_compress": 5e7, "decompress": 2e8, "decompress_add": 1e8}
+PROFILE = {"version": 1, "alpha_s": 1e-4, "beta_bytes_per_s": None, "link": "none",
+           "kernels": {f"{c}.{op}": r for c in ("raw", "int8") for op, r in RATES.items()}}
+
+
+@pytest.fixture
+def profile(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(PROFILE))
+    return Profile.load(str(path))
+
+
+def test_sync_ring_step_by_hand(profile):
+    s = Setting(nodes=4, link_bytes_per_s=1e7, params=40_000, compute_s=0.010, apply_s=0.001)
+    p = predict("sync", "int8", "ring", s, profile)
+    # one bucket (under DDP's first 1 MiB), chunks of 10,000: wire 48 + 4 * 40 + 10,000
+    hop = 1e-4 + 10_208 / 1e7
+    c, rc, d = 10_000 / 1e8, 10_000 / 5e7, 10_000 / 2e8
+    allreduce = (c + 3 * hop + 3 * rc) + (hop + 2 * max(hop, d) + d)
+    assert p.exposed_comm_s == pytest.approx(allreduce)  # the only bucket is ready when backward ends
+    assert p.step_s == pytest.approx(0.010 + allreduce + 0.001)
+    assert p.comm_share == pytest.approx(allreduce / p.step_s)
+    assert p.bytes_sent == 6 * 10_208 and p.idle_share == 0.0
+
+
+def test_overlap_hides_early_buckets(profile):
+    # 3 buckets of 100,000 elements: the first two reduce during backward
+    s = Setting(nodes=2, link_bytes_per_s=1e9, params=300_000, compute_s=0.3, apply_s=0.0,
+                backward_share=1.0, bucket_bytes=400_000, first_bucket_bytes=400_000)
+    p = predict("sync", "none", "ring", s, profile)
+    # N = 2: one hop each way of 50,000 float32 + 48 bytes
+    hop = 1e-4 + (48 + 200_000) / 1e9
+    one = (50_000 / 1e8 + hop + 50_000 / 5e7) + (hop + 50_000 / 2e8)
+    assert one < 0.1  # each bucket's reduction finishes before the next is ready
+    assert p.exposed_comm_s == pytest.approx(one)
+
+
+def test_stragglers_and_idle_share(profile):
+    base = dict(nodes=4, link_bytes_per_s=1e7, params=40_000, compute_s=0.010, apply_s=0.001)
+    p = predict("sync", "none", "ring", Setting(**base, straggler_factor=2.0), profile)
+    # the straggler computes 20 ms, the others 10: mean 12.5 ms, wait 7.5 ms on average
+    hop = 1e-4 + (48 + 40_000) / 1e7
+    allreduce = (1e-4 + 3 * hop + 3 * 2e-4) + (3 * hop + 5e-5)
+    assert p.step_s == pytest.approx(0.020 + allreduce + 0.001)
+    assert p.wait_s == pytest.approx(0.0075)
+    assert p.idle_share == pytest.approx(0.0075 / p.step_s)
+
+
+def test_async_server_bound_and_staleness(profile):
+    # compute-bound: a worker's cycle is its compute; staleness -> N - 1 updates
+    s = Setting(nodes=8, link_bytes_per_s=1e12, params=1000, compute_s=1.0, apply_s=0.0, alpha_s=1e-9)
+    p = async_throughput(CODECS["none"], s, profile)
+    assert p.throughput == pytest.approx(8.0, rel=1e-3)
+    assert p.staleness_mean == pytest.approx(7.0, rel=1e-3)
+    # server-bound: one server, its link takes one push shard per push_shard / beta seconds
+    s = Setting(nodes=8, link_bytes_per_s=1e6, params=250_000, compute_s=1e-3, apply_s=0.0)
+    p = async_throughput(CODECS["int8"], s, profile)
+    push = 64 + 8 + 8 + 48 + 4 * 977 + 250_000
+    assert p.throughput == pytest.approx(1e6 / push)
+    assert "server-bound" in p.notes
+
+
+def test_bad_settings_raise():
+    with pytest.raises(ValueError, match="nodes"):
+        Setting(nodes=0, link_bytes_per_s=1e9, params=10, compute_s=1.0)
+    with pytest.raises(ValueError, match="straggler_factor"):
+        Setting(nodes=2, link_bytes_per_s=1e9, params=10, compute_s=1.0, straggler_factor=0.5)
+    s = Setting(nodes=2, link_bytes_per_s=1e9, params=10, compute_s=1.0)
+    with pytest.raises(ValueError, match="algorithm"):
+        predict("sync", "topk-ef", "ring", s, Profile())
+    with pytest.raises(ValueError, match="unknown compressor"):
+        predict("sync", "gzip", "ring", s, Profile())
+    with pytest.raises(ValueError, match="unknown kernel op"):
+        Profile(kernels={"int9.compress": 1.0})
+
+
+def test_units():
+    assert parse_count("25M") == 25_000_000 and parse_count("7B") == 7 * 10**9
+    assert parse_rate("10gbit") == 1.25e9 and parse_rate("100mbit") == 12.5e6
+    for bad in ("10gbps", "-1gbit", "fast"):
+        with pytest.raises(ValueError, match="link"):
+            parse_rate(bad)
+
+
+# ---- validate ------------------------------------------------------------------------
+
+
+def _run(**kw):
+    run = {"mode": "sync", "compressor": "int8", "algorithm": "ring", "world_size": 4, "params": 40_000,
+           "batch_size": 64, "link": {"name": "80mbit", "configured_bps": 8e7, "achieved_bps": 8e7},
+           "straggler": None, "compute_jitter_cv": 0.0, "steps": 100, "step_time_median_s": 0.020,
+           "step_time_p95_s": 0.025,
+           "phases_median_s": {"compute": 0.010, "compress": 0.001, "communicate": 0.008,
+                               "exposed_comm": 0.008, "wait": 0.0, "apply": 0.001},
+           "idle_share": 0.01, "exposed_comm_share": 0.4, "bytes_per_worker_step": 61_248,
+           "staleness_mean": None}
+    run.update(kw)
+    return run
+
+
+def _results(tmp_path):
+    runs = [_run(),
+            _run(compressor="none", straggler={"rank": 1, "factor": 2.0}, step_time_median_s=0.050,
+                 phases_median_s={"compute": 0.0125, "apply": 0.001}, idle_share=0.2),
+            _run(mode="local")]
+    (tmp_path / "results.json").write_text(json.dumps({"runs": runs, "profile": PROFILE}))
+    return tmp_path
+
+
+def test_validate_against_hand_computed_predictions(tmp_path, profile):
+    out = validate_runs(json.loads((_results(tmp_path) / "results.json").read_text()), profile)
+    hop = 1e-4 + 10_208 / 1e7
+    int8_step = 0.010 + (1e-4 + 3 * hop + 3 * 2e-4) + (3 * hop + 5e-5) + 0.001
+    hop = 1e-4 + 40_048 / 1e7
+    none_step = 0.020 + (1e-4 + 3 * hop + 3 * 2e-4) + (3 * hop + 5e-5) + 0.001
+    a, b = out["rows"]
+    assert a["step_s"]["predicted"] == pytest.approx(int8_step)
+    assert a["step_error_pct"] == pytest.approx(100 * (int8_step - 0.020) / 0.020)
+    assert a["bytes"]["predicted"] == 61_248
+    # compute 12.5 ms is the mean over workers: the fast ones take 12.5 * 4 / 5 = 10 ms
+    assert b["step_s"]["predicted"] == pytest.approx(none_step)
+    assert b["idle_share"]["predicted"] == pytest.approx(0.0075 / none_step)
+    errors = sorted(abs(100 * (p - m) / m) for p, m in ((int8_step, 0.020), (none_step, 0.050)))
+    assert out["step_mdape_pct"] == pytest.approx(sum(errors) / 2)
+    assert out["skipped"][0][1] == "mode 'local' is not modelled by validate"
+
+
+def test_validate_reads_threshold_density_from_bytes(profile):
+    # 2 ranks, 40,000 elements, threshold kept k = 1000: payload 48 + 4000 + 48 + 4000 bytes
+    run = _run(compressor="threshold-ef", algorithm="allgather", world_size=2,
+               bytes_per_worker_step=8096 + 8)
+    out = validate_runs({"runs": [run]}, profile)
+    assert out["rows"][0]["bytes"]["predicted"] == 8096 + 8
+
+
+def test_validate_command(tmp_path, capsys):
+    d = _results(tmp_path)
+    saved = tmp_path / "validated.json"
+    assert main(["plan", "validate", str(d), "--save-profile", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "median absolute error: step time" in out and "over 2 runs" in out
+    assert Profile.load(str(saved)).fit["validation_runs"] == 2
+    assert main(["plan", "recommend", "--nodes", "4", "--link", "80mbit", "--params", "40000",
+                 "--compute-ms", "10", "--profile", str(saved)]) == 0
+    assert "median step-time error" in capsys.readouterr().out
+
+
+# ---- command line --------------------------------------------------------------------
+
+
+def test_projection_and_recommend_commands(tmp_path, capsys):
+    assert main(["plan", "--nodes", "16,64", "--link", "10gbit", "--params", "25M", "--compute-ms", "50",
+                 "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "plan.json").read_text())["rows"]
+    assert [r["nodes"] for r in rows] == [16, 64] and (tmp_path / "plan.png").stat().st_size > 10_000
+    assert main(["plan", "recommend", "--nodes", "64", "--link", "1gbit", "--params", "1B",
+                 "--compute-ms", "200", "--alpha-us", "20", "--kernel-gbps", "1000"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: " in out and "runner-up: " in out and "no compression: sync none on ring" in out
+    assert "stays first in" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["plan", "--nodes", "0"], "--nodes"),
+    (["plan", "--link", "10gbps"], "--link"),
+    (["plan", "--params", "-5"], "--params"),
+    (["plan", "--straggler-cv", "-1"], "--straggler-cv"),
+    (["plan", "recommend", "--nodes", "8", "--link", "1gbit", "--params", "1B"], "--compute-ms"),
+    (["plan", "recommend", "--nodes", "8", "--link", "1gbit", "--params", "1B", "--compute-ms", "1",
+      "--max-gap", "x"], "--max-gap"),
+    (["plan", "calibrate", "--link", "fast"], "--link"),
+    (["plan", "validate", "/nonexistent/dir"], "No such file"),
+    (["plan", "--profile", "/nonexistent.json"], "No such file"),
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv, words):
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert words in err and err.count("\n") == 1
+
+
+def test_calibrate_link_without_cluster_exits_2(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "gradcomp.cluster", None)  # import fails
+    assert main(["plan", "calibrate", "--link", "1gbit"]) == 2
+    err = capsys.readouterr().err
+    assert "gradcomp.cluster" in err and err.count("\n") == 1
+
+
+def test_plan_does_not_import_train_or_cluster():
+    code = ("import sys, gradcomp.plan, gradcomp.plan.cli, gradcomp.plan.validate, gradcomp.plan.recommend; "
+            "bad = [m for m in sys.modules if m.startswith(('gradcomp.train', 'gradcomp.cluster'))]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
