@@ -20,6 +20,7 @@ from gradcomp.compressors import (
 )
 from gradcomp.meter import TrafficMeter
 from gradcomp.comm import allreduce
+from gradcomp.adaptive import Adaptive
 from gradcomp import ddp
 from gradcomp.localsgd import LocalSGD
 from gradcomp import ps
@@ -52,6 +53,7 @@ __all__ = [
     "DGC",
     "TrafficMeter",
     "allreduce",
+    "Adaptive",
     "ddp",
     "LocalSGD",
     "ps",

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import _validate as v
+from gradcomp.adaptive import Adaptive
 from gradcomp.comm import (ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce,
                            ring_raw_bytes)
 from gradcomp.compressors import DGC, Compressor, ErrorFeedback, Int8Quantizer, TopK
@@ -128,7 +129,12 @@ class GradCompState:
         process_group: the group DDP reduces over (default: the world).
         compressor: a dense (``algorithm`` ``"ring"`` / ``"two_phase"``) or
             sparse (``"allgather"``) gradcomp compressor, not wrapped in
-            ErrorFeedback (the state keeps the residuals itself).
+            ErrorFeedback (the state keeps the residuals itself); or
+            ``"auto"`` / a :class:`gradcomp.Adaptive`: adaptive compression,
+            per bucket the least compression that keeps communication hidden
+            (:mod:`gradcomp.adaptive`; ``algorithm`` is then the dense
+            candidates' ``"ring"`` or ``"two_phase"``; residuals carry over
+            every switch).
         error_feedback: keep per-parameter residuals (ignored for lossless
             compressors such as NoCompression).
         algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"`` (see
@@ -174,7 +180,7 @@ class GradCompState:
     """
 
     _PICKLED = ("compressor", "error_feedback", "algorithm", "min_compress_numel", "start_iter",
-                "timeout", "iter", "residuals", "momenta", "dgc")
+                "timeout", "iter", "residuals", "momenta", "dgc", "adaptive")
 
     def __init__(
         self,
@@ -190,6 +196,8 @@ class GradCompState:
         dgc: bool = False,
     ):
         compressor = Int8Quantizer() if compressor is None else compressor
+        if isinstance(compressor, str) and compressor == "auto":
+            compressor = Adaptive()
         if not isinstance(dgc, bool):
             raise TypeError(f"dgc must be a bool, got {type(dgc).__name__}")
         if isinstance(compressor, DGC):
@@ -202,23 +210,27 @@ class GradCompState:
             dgc = None
         if dgc is not None and not error_feedback:
             raise ValueError("DGC accumulates the unsent velocity in the residual: it needs error_feedback=True")
-        if not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a gradcomp compressor, got {type(compressor).__name__}")
-        if isinstance(compressor, ErrorFeedback):
-            raise ValueError("compressor must not be an ErrorFeedback: pass the compressor itself with "
-                             "error_feedback=True; the state keeps residuals per parameter")
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
-        v.choice("algorithm", algorithm, ALGORITHMS)
-        if algorithm in DENSE_ALGORITHMS and compressor.sparse:
-            raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "
-                             "use algorithm='allgather'")
-        if algorithm == "allgather" and not compressor.sparse:
-            raise ValueError(f"algorithm 'allgather' needs a sparse compressor (TopK, Threshold), "
-                             f"got {compressor!r}")
-        if algorithm in DENSE_ALGORITHMS and compressor.wire_nbytes((1,)) is None:
-            raise ValueError(f"algorithm {algorithm!r} needs a compressor with a fixed wire size, "
-                             f"got {compressor!r}")
+        if isinstance(compressor, Adaptive):
+            v.choice("algorithm", algorithm, DENSE_ALGORITHMS)  # of the dense candidates
+        else:
+            if not isinstance(compressor, Compressor):
+                raise TypeError(f"compressor must be a gradcomp compressor or 'auto', "
+                                f"got {type(compressor).__name__} {compressor!r}")
+            if isinstance(compressor, ErrorFeedback):
+                raise ValueError("compressor must not be an ErrorFeedback: pass the compressor itself with "
+                                 "error_feedback=True; the state keeps residuals per parameter")
+            v.choice("algorithm", algorithm, ALGORITHMS)
+            if algorithm in DENSE_ALGORITHMS and compressor.sparse:
+                raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "
+                                 "use algorithm='allgather'")
+            if algorithm == "allgather" and not compressor.sparse:
+                raise ValueError(f"algorithm 'allgather' needs a sparse compressor (TopK, Threshold), "
+                                 f"got {compressor!r}")
+            if algorithm in DENSE_ALGORITHMS and compressor.wire_nbytes((1,)) is None:
+                raise ValueError(f"algorithm {algorithm!r} needs a compressor with a fixed wire size, "
+                                 f"got {compressor!r}")
         min_compress_numel = v.integer("min_compress_numel", min_compress_numel, 0)
         start_iter = v.integer("start_iter", start_iter, 0)
         if meter is not None and not isinstance(meter, TrafficMeter):
@@ -245,6 +257,8 @@ class GradCompState:
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}
         self.momenta: dict[int, torch.Tensor] = {}
+        #: the adaptive policy (compressor "auto" or a gradcomp.Adaptive), else None
+        self.adaptive = compressor if isinstance(compressor, Adaptive) else None
         self._init_runtime()
         self._ensure_group()
         if dgc is not None and dgc.world_size is None:
@@ -319,14 +333,15 @@ class GradCompState:
             self._worker = None
 
     # ---- the work done on the communication thread ------------------------------
-    def _reduce(self, buf: torch.Tensor, compress: bool, segments, ready, step: int = 0) -> torch.Tensor:
+    def _reduce(self, buf: torch.Tensor, compress: bool, segments, ready, step: int = 0,
+                ticket=None) -> torch.Tensor:
         if self.timeline is None:
-            return self._reduce_bucket(buf, compress, segments, ready, step)
+            return self._reduce_bucket(buf, compress, segments, ready, step, ticket)
         with self.timeline.active(), self.timeline.span("collective"):
-            return self._reduce_bucket(buf, compress, segments, ready, step)
+            return self._reduce_bucket(buf, compress, segments, ready, step, ticket)
 
-    def _reduce_bucket(self, buf: torch.Tensor, compress: bool, segments, ready,
-                       step: int = 0) -> torch.Tensor:
+    def _reduce_bucket(self, buf: torch.Tensor, compress: bool, segments, ready, step: int = 0,
+                       ticket=None) -> torch.Tensor:
         if self._failure is not None:
             raise RuntimeError("gradcomp: an earlier bucket of this GradCompState failed; the process "
                                f"group may be out of step: {self._failure!r}") from self._failure
@@ -335,7 +350,7 @@ class GradCompState:
                 torch.cuda.set_device(buf.device)
                 ready.synchronize()  # the gradients are written
             if compress:
-                self._reduce_compressed(buf, segments, step)
+                self._reduce_compressed(buf, segments, step, ticket)
             else:
                 self._reduce_plain(buf, segments)
             if buf.is_cuda:
@@ -376,7 +391,12 @@ class GradCompState:
         buf.copy_(r)
         r.zero_()
 
-    def _reduce_compressed(self, buf: torch.Tensor, segments, step: int = 0) -> None:
+    def _reduce_compressed(self, buf: torch.Tensor, segments, step: int = 0, ticket=None) -> None:
+        if ticket is not None:  # the adaptive policy picks the codec and checks on each switch
+            residual = self._bucket_state(self.residuals, segments, buf) if segments is not None else None
+            self.adaptive.reduce_bucket(ticket, buf, residual, algorithm=self.algorithm, group=self._group,
+                                        meter=self.meter, timeout=self.timeout)
+            return
         compressor, residual = self.compressor, None
         if self.dgc is not None and segments is not None:
             compressor = self.dgc.bind(self._bucket_state(self.momenta, segments, buf),
@@ -488,9 +508,11 @@ def compressed_allreduce_hook(
     if buf.is_cuda:
         ready = torch.cuda.Event()
         ready.record()
+    ticket = (state.adaptive.ticket(state.iter, bucket.index(), buf.numel())
+              if compress and state.adaptive is not None else None)
     # the step (for DGC's warm-up) is read here: the thread may run after iter advances
     fut = state._submit(functools.partial(state._reduce, buf, compress, segments, ready,
-                                          state.iter - state.start_iter))
+                                          state.iter - state.start_iter, ticket))
     if bucket.is_last():
         if state.timeline is not None:
             state.timeline.mark("handoff")

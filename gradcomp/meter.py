@@ -33,12 +33,18 @@ class TrafficMeter:
     have sent uncompressed in float32 (for a ring allreduce of n elements over N
     ranks: ``2 (N - 1) / N * 4 n`` per rank). ``compression_ratio`` =
     ``raw_bytes_sent / bytes_sent``.
+
+    ``switches`` logs every codec switch an adaptive policy
+    (:class:`gradcomp.Adaptive`) made, one JSON-ready dict per switch (step,
+    bucket, from, to and the agreed timings that decided it); every rank logs
+    the same entries, so :meth:`merge` keeps each distinct entry once.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self.phases: dict[str, PhaseCounters] = {}
         self.steps = 0
+        self.switches: list[dict] = []
 
     def _phase(self, phase: str) -> PhaseCounters:
         c = self.phases.get(phase)
@@ -78,6 +84,11 @@ class TrafficMeter:
         with self._lock:
             self._phase(phase).seconds += float(seconds)
 
+    def record_switch(self, entry: dict) -> None:
+        """Log one codec switch (a JSON-ready dict, see :attr:`switches`)."""
+        with self._lock:
+            self.switches.append(dict(entry))
+
     def step(self) -> None:
         """Mark the end of a training step (for per-step averages)."""
         with self._lock:
@@ -113,6 +124,7 @@ class TrafficMeter:
         with self._lock:
             self.phases.clear()
             self.steps = 0
+            self.switches.clear()
 
     def merge(self, other: "TrafficMeter | dict") -> None:
         """Add another meter's counters (or its :meth:`as_dict`) into this one."""
@@ -123,12 +135,16 @@ class TrafficMeter:
                 for f, val in vals.items():
                     setattr(c, f, getattr(c, f) + val)
             self.steps = max(self.steps, int(d.get("steps", 0)))
+            for entry in d.get("switches", ()):
+                if entry not in self.switches:
+                    self.switches.append(dict(entry))
 
     def as_dict(self) -> dict:
         """JSON-ready totals and per-phase counters."""
         with self._lock:
             phases = {k: asdict(c) for k, c in self.phases.items()}
             steps = self.steps
+            switches = [dict(e) for e in self.switches]
         tot = {f: sum(p[f] for p in phases.values()) for f in asdict(PhaseCounters())}
         sent = tot["bytes_sent"]
         return {
@@ -139,6 +155,7 @@ class TrafficMeter:
             "compression_ratio": (tot["raw_bytes_sent"] / sent) if sent else 1.0,
             "steps": steps,
             "phases": phases,
+            "switches": switches,
         }
 
     def to_json(self) -> str:

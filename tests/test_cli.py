@@ -128,6 +128,8 @@ def test_more_bad_options_exit_2_with_message(capsys, argv, words):
     (["train", "--mode", "sync", "--workers", "1", "--compressors", "none"], "at least 2 workers"),
     # the launcher's timeout overflowed inside the ranks (a traceback, exit 1)
     (["train", "--mode", "sync", "--compressors", "none", "--timeout", "1e300"], "timeout must be > 0"),
+    # adaptive compression needs the DDP hook
+    (["train", "--compressors", "auto"], "compressor 'auto' runs in mode(s) sync only"),
 ])
 def test_settings_that_cannot_work_exit_2(capsys, argv, words):
     assert main(argv) == 2

@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+import gradcomp as gc
 from gradcomp.comm import chunk_bounds
 from gradcomp.launch import WorkerError
 from gradcomp.ps import protocol as P
@@ -70,6 +71,9 @@ def test_compressor_menu():
     assert set(DEFAULT_COMPRESSORS) <= set(COMPRESSORS)
     for name, choice in COMPRESSORS.items():
         c = choice.build(threshold=1e-3)
+        if name == "auto":  # adaptive compression: a policy over codecs, sync mode only
+            assert isinstance(c, gc.Adaptive) and choice.error_feedback and choice.modes == ("sync",)
+            continue
         assert c.sparse == choice.sparse, name
         assert choice.error_feedback == (name.endswith("-ef") or choice.dgc)  # DGC keeps a residual
     with pytest.raises(ValueError, match="threshold"):

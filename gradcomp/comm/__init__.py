@@ -32,6 +32,7 @@ from gradcomp.comm.dense import Plan, share_owned
 from gradcomp.comm.guard import exclusive
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
+from gradcomp.comm.policy import CodecPolicy
 from gradcomp.comm.reduce_scatter import reduce_scatter
 from gradcomp import _validate as v
 from gradcomp import wire as W
@@ -39,7 +40,7 @@ from gradcomp.compressors import Compressor, ErrorFeedback
 from gradcomp.meter import TrafficMeter
 
 __all__ = ["allreduce", "reduce_scatter", "ALGORITHMS", "DENSE_ALGORITHMS", "OPS", "INPUT_DTYPES",
-           "DEFAULT_TIMEOUT", "chunk_bounds", "ring_raw_bytes"]
+           "DEFAULT_TIMEOUT", "CodecPolicy", "chunk_bounds", "ring_raw_bytes"]
 
 #: every algorithm name
 ALGORITHMS = ("ring", "two_phase", "allgather")
@@ -60,7 +61,7 @@ _NAMES = {"op": dict(enumerate(OPS)), "algorithm": dict(enumerate(ALGORITHMS)),
 
 def allreduce(
     tensor: torch.Tensor,
-    compressor: Compressor,
+    compressor: Compressor | CodecPolicy,
     *,
     op: str = "avg",
     algorithm: str = "ring",
@@ -134,6 +135,10 @@ def allreduce(
         compressor: a gradcomp compressor: dense (NoCompression, FP16, BF16,
             Int8Quantizer) for ``"ring"`` / ``"two_phase"``, sparse (TopK,
             Threshold) for ``"allgather"``; optionally wrapped in ErrorFeedback.
+            Or a :class:`~gradcomp.comm.policy.CodecPolicy` such as
+            :class:`gradcomp.Adaptive`, which picks the compressor of each
+            call (``algorithm`` is then the algorithm of its dense choices;
+            see :meth:`gradcomp.Adaptive.allreduce`).
         op: ``"avg"`` (divide the sum by the group size) or ``"sum"``.
         algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"``.
         group: a torch.distributed process group (default: the world).
@@ -187,6 +192,9 @@ def allreduce(
             timed out closed its connections first).
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
+    if isinstance(compressor, CodecPolicy):
+        return compressor.allreduce(tensor, op=op, algorithm=algorithm, group=group, meter=meter,
+                                    timeout=timeout, key=key, residual=residual, out=out, check=check)
     _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
     v.flag("check", check)
     if not dist.is_initialized():

@@ -175,8 +175,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--compressors", type=_compressor_list, default=DEFAULT_COMPRESSORS,
                    metavar="LIST",
                    help="comma-separated names among none,fp16,bf16,int8,int8-ef,topk-ef,"
-                        "topk-int8-ef,threshold-ef (default: "
-                        f"{','.join(DEFAULT_COMPRESSORS)}); none always runs as the baseline")
+                        "topk-int8-ef,threshold-ef,auto (default: "
+                        f"{','.join(DEFAULT_COMPRESSORS)}); none always runs as the baseline; "
+                        "auto (adaptive compression) runs in sync mode only")
     p.add_argument("--steps", type=_positive_int, default=d.steps,
                    help=f"optimizer steps per run (default {d.steps})")
     p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from gradcomp.adaptive import Adaptive
 from gradcomp.compressors import (BF16, FP16, Compressor, Int8Quantizer, NoCompression, Threshold,
                                   TopK)
 from gradcomp.localsgd import OUTER_OPTIMIZERS, check_schedule
@@ -33,15 +34,19 @@ class CompressorChoice:
         label: name shown in reports.
         error_feedback: wrap the codec in error feedback (residual memory per tensor).
         dgc: Deep Gradient Compression around the top-k (:mod:`gradcomp.train.dgc`).
+        modes: the modes it can run in (``auto``, adaptive compression, needs
+            the DDP hook: sync only).
     """
 
     name: str
     label: str
     error_feedback: bool
     dgc: bool = False
+    modes: tuple[str, ...] = ALL_MODES
 
-    def build(self, threshold: float | None = None) -> Compressor:
-        """A fresh codec (without error feedback: the transport's state adds it).
+    def build(self, threshold: float | None = None) -> "Compressor | Adaptive":
+        """A fresh codec (without error feedback: the transport's state adds it);
+        for ``auto`` a fresh :class:`gradcomp.Adaptive` policy.
 
         Args:
             threshold: magnitude threshold for ``threshold-ef`` (required there).
@@ -62,6 +67,8 @@ class CompressorChoice:
             from gradcomp.train.dgc import DGC_RATIO
 
             return TopK(ratio=DGC_RATIO, values=Int8Quantizer() if self.name == "dgc-int8" else None)
+        if self.name == "auto":
+            return Adaptive()
         if self.name == "threshold-ef":
             if threshold is None:
                 raise ValueError("threshold-ef needs a threshold")
@@ -84,6 +91,7 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
     CompressorChoice("threshold-ef", "threshold+ef", True),
     CompressorChoice("dgc", "dgc0.1%", True, dgc=True),
     CompressorChoice("dgc-int8", "dgc0.1%+int8", True, dgc=True),
+    CompressorChoice("auto", "auto", True, modes=("sync",)),
 )}
 
 #: The default study's menu, baseline first.

@@ -427,6 +427,9 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
     for c in names:
         if c not in COMPRESSORS:
             raise ValueError(f"unknown compressor {c!r}; allowed: {','.join(COMPRESSORS)}")
+        if set(modes) - set(COMPRESSORS[c].modes):
+            raise ValueError(f"compressor {c!r} runs in mode(s) {','.join(COMPRESSORS[c].modes)} only, "
+                             f"got modes {','.join(modes)}: use --mode {COMPRESSORS[c].modes[0]}")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
     for m in modes:

@@ -1,0 +1,555 @@
+"""Adaptive compression: each bucket moves between codecs to keep its communication hidden.
+
+``gc.ddp.GradCompState(compressor="auto")`` (or ``compressor=gc.Adaptive(...)``)
+and ``gc.allreduce(tensor, gc.Adaptive(...), key=...)`` pick, per bucket (per
+``key`` for the collective), the *least* compression whose communication fits
+in the compute it can hide behind, and move to heavier compression when the
+link slows, back when it recovers.
+
+What is measured (seconds, from ``clock``, on every rank):
+
+* ``comm_s``: the bucket's collective on the communication thread (the
+  compression kernels included);
+* ``compute_s``: the compute the bucket's communication can hide behind. In
+  the DDP hook: the training thread's time between the previous bucket's
+  handover and this one's (the backward compute of this bucket's gradients);
+  for the first bucket of a step, the time since DDP's wait for the previous
+  step returned (forward, optimizer step and the first backward segment). In
+  the collective: the caller's time since its previous call with that key
+  returned. With one bucket per step, ``comm_s <= compute_s`` is the condition
+  under which overlapping a step's communication with the next compute hides it.
+* ``exposed_s`` (DDP, reported): the part of the bucket's communication that
+  runs past the end of backward and past the previous bucket's, i.e. what
+  it adds to the step (``max(0, e_b - max(h_last, e_{b-1}))`` with ``e`` the
+  ends of the collectives and ``h_last`` the last handover; the buckets'
+  exposed times add up to the step's exposed communication). Collective: equal
+  to ``comm_s`` (the call blocks).
+
+A ``timing`` hook sees every measurement (:class:`Timing`) before the policy
+does and may replace it (tests inject the timings of a slowing link; a link
+emulator may sleep there: it runs on the communication thread, so the sleep
+delays the bucket like a slower link would).
+
+Decision (every ``interval`` steps, and ``probe`` steps after the start and
+after a switch, so that a new codec is judged soon; the same on every rank): each rank takes
+the median of its window's ``comm_s``, ``compute_s`` and ``exposed_s`` per
+bucket; one tiny allreduce (float64, ``MAX``, on the collective's group) agrees
+on the largest communication time, the smallest compute time and the largest
+exposed time over the ranks. From these agreed numbers alone, each rank computes
+the ratio ``rho = comm_s / compute_s`` and applies the same rule, so every rank
+picks the same codec and the results stay bit-identical across ranks:
+
+* the bucket's candidates form a ladder, lightest (most wire bytes) first: the
+  wire bytes a rank sends for this bucket (dense: ring/two-phase
+  ``2 (N - 1) / N`` of the chunks' payloads; sparse: the allgather forwards
+  ``N - 1`` payloads). Every bucket starts on the lightest;
+* ``rho > upper`` (communication not hidden): the lightest heavier codec whose
+  predicted ``rho`` is ``<= upper``; predictions are ``rho`` scaled by the
+  ratio of wire bytes, or the codec's own ``rho`` when it was measured within
+  the last ``memory`` decisions (and since the current codec's ``rho`` last
+  moved by more than 2x, :data:`CHANGE`: a changed link makes older
+  measurements mislead). If none is predicted to fit, the lightest codec
+  whose predicted step time (``1 + rho`` in units of the compute) is within
+  10% (:data:`NEAR`) of the fastest one's (it may be the current one, or a
+  lighter one measured almost as fast);
+* ``rho`` scaled to the next lighter codec's bytes ``<= lower``: one step
+  lighter (the byte scaling over-estimates the lighter codec's time, since the
+  per-message latency does not scale, so this move is a cautious one);
+* hysteresis: ``lower < upper`` leaves a band where nothing moves; after a
+  move to heavier compression, lighter moves wait ``patience`` decisions, and
+  a lighter move undone by the next decision doubles that wait (up to 64), so
+  a borderline link does not make the codec flap.
+
+Residuals: error feedback (Seide et al. 2014; Karimireddy et al. 2019) keeps
+one float32 residual per parameter (DDP) or per key (collective), whatever
+codec produced it: a switch keeps the residuals, and the next codec applies
+them (adds them to the gradient it compresses; a lossless codec delivers them
+in full and they reset to zero).
+
+Every switch is appended to :attr:`Adaptive.switches` and, with a meter, to
+:attr:`gradcomp.TrafficMeter.switches` (so to ``as_dict()`` and the study's
+results).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import statistics
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from gradcomp import _validate as v
+from gradcomp.comm import DEFAULT_TIMEOUT, DENSE_ALGORITHMS, allreduce, chunk_bounds
+from gradcomp.comm.guard import exclusive
+from gradcomp.comm.policy import CodecPolicy
+from gradcomp.compressors import (BF16, FP16, Compressor, ErrorFeedback, Int8Quantizer,
+                                  NoCompression, TopK)
+from gradcomp.meter import TrafficMeter
+
+__all__ = ["Adaptive", "Timing", "CANDIDATES", "DEFAULT_CANDIDATES", "TOPK_RATIO", "next_level"]
+
+#: density of the top-k candidates (k = 1% of each bucket's elements)
+TOPK_RATIO = 0.01
+#: candidate names and the codec each one builds
+CANDIDATES: dict[str, Callable[[], Compressor]] = {
+    "none": NoCompression,
+    "fp16": FP16,
+    "bf16": BF16,
+    "int8": Int8Quantizer,
+    "topk": lambda: TopK(ratio=TOPK_RATIO),
+    "topk-int8": lambda: TopK(ratio=TOPK_RATIO, values=Int8Quantizer()),
+}
+#: the default ladder: none, fp16, int8, top-k 1% with int8 values
+DEFAULT_CANDIDATES = ("none", "fp16", "int8", "topk-int8")
+#: when no codec is predicted to hide the communication, the lightest codec whose
+#: predicted step time (compute + communication: 1 + rho) is within this fraction
+#: of the fastest codec's is taken (less compression for a small loss of speed)
+NEAR = 0.1
+#: a codec's rho changing by more than this factor since its last measurement means
+#: the link changed: the other codecs' measurements are forgotten
+CHANGE = 2.0
+#: largest wait (decisions) before a lighter move after repeated reverts
+MAX_PATIENCE = 64
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One measurement of one bucket (or key), as the ``timing`` hook sees it.
+
+    Attributes:
+        step: the step it belongs to (DDP: the state's step; collective: the
+            number of earlier calls with this key).
+        bucket: DDP bucket index, or the collective's ``key``.
+        codec: the candidate's name.
+        numel: elements reduced.
+        wire_bytes: bytes this rank sent (its meter's count).
+        comm_s: seconds of the collective.
+        compute_s: seconds of compute it can hide behind (None when unknown:
+            the first call).
+    """
+
+    step: int
+    bucket: Hashable
+    codec: str
+    numel: int
+    wire_bytes: int
+    comm_s: float
+    compute_s: float | None
+
+
+def next_level(rho: float, level: int, nbytes: Sequence[float], seen: dict[int, float], *,
+               upper: float, lower: float, lighter_allowed: bool = True) -> int:
+    """The ladder position the policy moves to (see the module docstring).
+
+    Args:
+        rho: agreed ``comm_s / compute_s`` of the current codec.
+        level: current position (0 = lightest).
+        nbytes: wire bytes per rank of each position (descending).
+        seen: position -> its recently measured ``rho`` (other positions).
+        upper, lower: the hysteresis band.
+        lighter_allowed: False while the policy waits after a heavier move.
+
+    Returns:
+        The new position (``level`` when nothing moves).
+    """
+    def predict(j: int) -> float:
+        if j in seen:
+            return seen[j]
+        return rho * nbytes[j] / nbytes[level] if nbytes[level] > 0 else rho
+
+    if rho > upper:
+        for j in range(level + 1, len(nbytes)):
+            if predict(j) <= upper:
+                return j
+        # in units of the compute, a step takes about 1 + rho: the lightest codec
+        # whose step is predicted within NEAR of the fastest one's
+        preds = [rho if j == level else predict(j) for j in range(len(nbytes))]
+        fastest = 1 + min(preds)
+        return next(j for j in range(len(nbytes)) if 1 + preds[j] <= (1 + NEAR) * fastest)
+    if lighter_allowed and level > 0 and nbytes[level] > 0 and rho * nbytes[level - 1] / nbytes[level] <= lower:
+        return level - 1
+    return level
+
+
+class _Track:
+    """The policy's state for one bucket (or key)."""
+
+    def __init__(self, bucket: Hashable, numel: int, ladder: list[int], nbytes: list[int], patience: int,
+                 window: int):
+        self.bucket, self.numel, self.ladder, self.nbytes = bucket, numel, ladder, nbytes
+        self.level = 0
+        self.window = window  # samples before the next decision
+        self.changed = True  # the next call checks the ranks' arguments (a new codec)
+        self.samples: list[tuple[float, float, float]] = []  # (comm_s, compute_s, exposed_s)
+        self.seen: dict[int, tuple[float, int]] = {}  # position -> (rho, decision number)
+        self.hold = 0
+        self.patience = patience
+        self.last_lighter = -2  # decision number of the last lighter move
+
+    def hysteresis(self, new: int, number: int, base: int) -> bool:
+        """Update the wait before lighter moves for a decision (number
+        ``number``) that moves to ``new``; returns whether it moves."""
+        after_lighter = number - self.last_lighter == 1  # the first decision after a lighter move
+        if new > self.level:
+            if after_lighter:  # it is undone at once: wait longer before the next one
+                self.patience = min(MAX_PATIENCE, max(1, 2 * self.patience))
+            self.hold = self.patience
+            return True
+        if after_lighter:
+            self.patience = base  # it held
+        if new == self.level:
+            self.hold = max(0, self.hold - 1)
+            return False
+        self.last_lighter = number
+        return True
+
+    @property
+    def candidate(self) -> int:
+        return self.ladder[self.level]
+
+
+@dataclass
+class _Ticket:
+    """A DDP bucket handed over to the communication thread."""
+
+    step: int
+    bucket: int
+    numel: int
+    handed: float
+
+
+class Adaptive(CodecPolicy):
+    """Adaptive codec policy: per bucket, the least compression that keeps
+    communication hidden (see the module docstring for what is measured and
+    how every rank reaches the same decision).
+
+    Use it as ``GradCompState(compressor="auto")`` /
+    ``GradCompState(compressor=gc.Adaptive(...), algorithm="ring")`` (the
+    state's ``algorithm`` carries the dense candidates, sparse ones use
+    ``"allgather"``; the state's ``error_feedback`` decides on residuals), or
+    as the compressor of :func:`gradcomp.allreduce` (see :meth:`allreduce`).
+    One instance per state or per group of keys: it counts steps per bucket.
+
+    Args:
+        candidates: names from :data:`CANDIDATES` (``"none"``, ``"fp16"``,
+            ``"bf16"``, ``"int8"``, ``"topk"``, ``"topk-int8"``: top-k 1%,
+            float32 or int8 values) and/or gradcomp compressors with a fixed
+            wire size (not ErrorFeedback); at least one, no repeats. Their
+            order does not matter: each bucket ranks them by wire bytes.
+        interval: steps (calls per key) between decisions (>= 1).
+        probe: steps (calls per key) measured at the start and after a switch
+            before the next decision (>= 1).
+        upper: ``rho`` above which communication counts as exposed (> 0).
+        lower: predicted ``rho`` at or below which a lighter codec is taken
+            (0 < lower < upper).
+        patience: decisions to wait before a lighter move after a heavier one (>= 0).
+        memory: decisions for which a codec's measured ``rho`` is trusted over
+            the byte-scaled prediction (>= 0).
+        error_feedback: the collective keeps a residual per key for lossy
+            codecs when no ``residual`` is given (a GradCompState follows its
+            own ``error_feedback``).
+        clock: zero-argument callable returning seconds (default ``time.perf_counter``).
+        timing: optional ``Timing -> Timing`` hook applied to every measurement.
+
+    Attributes:
+        candidates: the compressors; names: their names (``repr`` for instances).
+        switches: every switch made, oldest first (JSON-ready dicts: ``step``,
+            ``bucket``, ``numel``, ``from``, ``to``, ``rho``, ``comm_s``,
+            ``compute_s``, ``exposed_s``, all agreed across ranks).
+        decisions: decisions taken so far.
+
+    Raises:
+        TypeError / ValueError: a bad argument (named in the message).
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[str | Compressor] = DEFAULT_CANDIDATES,
+        *,
+        interval: int = 10,
+        probe: int = 3,
+        upper: float = 1.0,
+        lower: float = 0.5,
+        patience: int = 2,
+        memory: int = 30,
+        error_feedback: bool = True,
+        clock: Callable[[], float] | None = None,
+        timing: Callable[[Timing], Timing] | None = None,
+    ):
+        self.candidates, self.names = _candidates(candidates)
+        self.interval = v.integer("interval", interval, 1)
+        self.probe = v.integer("probe", probe, 1)
+        self.upper = v.real("upper", upper)
+        self.lower = v.real("lower", lower)
+        if not (math.isfinite(self.upper) and self.upper > 0):
+            raise ValueError(f"upper must be a finite number > 0, got {upper!r}")
+        if not 0 < self.lower < self.upper:
+            raise ValueError(f"lower must be > 0 and < upper ({self.upper:g}), got {lower!r}")
+        self.patience = v.integer("patience", patience, 0, MAX_PATIENCE)
+        self.memory = v.integer("memory", memory, 0)
+        self.error_feedback = v.flag("error_feedback", error_feedback)
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds or None, got {type(clock).__name__}")
+        if timing is not None and not callable(timing):
+            raise TypeError(f"timing must be a callable Timing -> Timing or None, got {type(timing).__name__}")
+        self.clock = clock if clock is not None else time.perf_counter
+        self.timing = timing
+        self.switches: list[dict] = []
+        self.decisions = 0
+        self.residuals: dict[Hashable, torch.Tensor] = {}
+        self._tracks: dict[Hashable, _Track] = {}
+        # DDP step bookkeeping (communication thread)
+        self._step: int | None = None
+        self._free: float | None = None  # when the training thread last handed over / was released
+        self._in_step: list[tuple[_Track, Timing, float]] = []  # (track, sample, end) of the open step
+        self._window_steps = 0
+        # collective bookkeeping: key -> (calls, end of the last call)
+        self._calls: dict[Hashable, tuple[int, float]] = {}
+
+    # ---- public ----------------------------------------------------------------
+    @property
+    def lossy(self) -> bool:
+        """Some candidate is lossy (error feedback has something to remember)."""
+        return any(c.lossy for c in self.candidates)
+
+    def codec(self, bucket: Hashable) -> str | None:
+        """The name of the codec ``bucket`` (DDP bucket index or key) uses now, or None."""
+        t = self._tracks.get(bucket)
+        return None if t is None else self.names[t.candidate]
+
+    def allreduce(self, tensor: torch.Tensor, *, op: str = "avg", algorithm: str = "ring", group=None,
+                  meter: TrafficMeter | None = None, timeout: float = DEFAULT_TIMEOUT,
+                  key: Hashable = None, residual: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+        """:func:`gradcomp.allreduce` with the codec this policy picks for ``key``.
+
+        ``gc.allreduce(tensor, policy, key=k, ...)`` calls this. Every rank of
+        ``group`` must call it with the same keys in the same order (like any
+        collective); every ``interval`` calls of a key, that call first agrees
+        on the key's timings (one float64 allreduce of 3 values). Between two
+        calls of a key, the caller's time counts as the compute the
+        communication could hide behind.
+
+        Args:
+            tensor, op, group, meter, timeout, out, check: as for :func:`gradcomp.allreduce`.
+            algorithm: for the dense candidates, ``"ring"`` or ``"two_phase"``
+                (sparse candidates always use ``"allgather"``).
+            key: the tensor's identity across calls (statistics, codec and residual).
+            residual: optional flat float32 memory as for
+                :func:`gradcomp.allreduce`; without it and with
+                ``error_feedback``, the policy keeps one per key.
+
+        Returns:
+            The reduced tensor (bit-identical on every rank).
+
+        Raises:
+            ValueError: ``algorithm`` is not a dense algorithm; anything
+                :func:`gradcomp.allreduce` raises.
+        """
+        v.choice("algorithm", algorithm, DENSE_ALGORITHMS)
+        try:
+            hash(key)
+        except TypeError:
+            raise TypeError(f"key must be hashable (it names the tensor across calls), "
+                            f"got {type(key).__name__}") from None
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}")
+        if not dist.is_initialized():
+            raise RuntimeError("gradcomp.allreduce needs torch.distributed initialised "
+                               "(dist.init_process_group or gradcomp.launch)")
+        group = dist.group.WORLD if group is None else group
+        start = self.clock()
+        calls, last_end = self._calls.get(key, (0, None))
+        track = self._track(key, tensor.numel(), dist.get_world_size(group), algorithm)
+        if len(track.samples) >= track.window:
+            self._decide([track], group, timeout, tensor.device, calls, meter)
+        if residual is None and self.error_feedback and self.lossy:
+            residual = self._residual(key, tensor)
+        compute = start - last_end if last_end is not None else None
+        result, sample = self._run(track, tensor, calls, compute, op=op, algorithm=algorithm, group=group,
+                                   meter=meter, timeout=timeout, residual=residual, out=out, check=check)
+        if sample.compute_s is not None:
+            track.samples.append((sample.comm_s, sample.compute_s, sample.comm_s))
+        self._calls[key] = (calls + 1, self.clock())
+        return result
+
+    # ---- DDP hook side (gradcomp.ddp) ---------------------------------------------
+    def ticket(self, step: int, bucket: int, numel: int) -> _Ticket:
+        """Note a bucket's handover (training thread)."""
+        return _Ticket(step, bucket, numel, self.clock())
+
+    def reduce_bucket(self, ticket: _Ticket, buf: torch.Tensor, residual: torch.Tensor | None, *,
+                      algorithm: str, group, meter: TrafficMeter | None, timeout: float) -> None:
+        """Average ``buf`` in place with the bucket's codec (communication thread,
+        buckets in DDP's order, the same on every rank)."""
+        if ticket.step != self._step:
+            self._close_step()
+            self._step = ticket.step
+            due = min((t.window for t in self._tracks.values() if t.samples), default=None)
+            if due is not None and self._window_steps >= due:  # buckets gone after a rebuild hold no samples
+                self._decide(list(self._tracks.values()), group, timeout, buf.device, ticket.step, meter)
+                self._window_steps = 0
+        track = self._track(ticket.bucket, ticket.numel, dist.get_world_size(group), algorithm)
+        compute = ticket.handed - self._free if self._free is not None else None
+        self._free = ticket.handed
+        _, sample = self._run(track, buf, ticket.step, compute, op="avg", algorithm=algorithm, group=group,
+                              meter=meter, timeout=timeout, residual=residual, out=buf, check=track.changed)
+        self._in_step.append((track, sample, self.clock()))
+
+    def _close_step(self) -> None:
+        """File the open step's samples with the exposed time of each bucket."""
+        if not self._in_step:
+            return
+        last_handed = self._free
+        prev_end = -math.inf
+        for track, sample, end in self._in_step:
+            exposed = max(0.0, end - max(last_handed, prev_end))
+            prev_end = end
+            if sample.compute_s is not None:
+                track.samples.append((sample.comm_s, sample.compute_s, exposed))
+        self._free = max(last_handed, prev_end)  # DDP's wait for the step returned
+        self._in_step = []
+        self._window_steps += 1
+
+    # ---- shared -----------------------------------------------------------------
+    def _track(self, bucket: Hashable, numel: int, world: int, algorithm: str) -> _Track:
+        t = self._tracks.get(bucket)
+        if t is None or t.numel != numel:  # new, or DDP rebuilt its buckets
+            sizes = [_wire_bytes(c, numel, world) for c in self.candidates]
+            ladder = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+            t = self._tracks[bucket] = _Track(bucket, numel, ladder, [sizes[i] for i in ladder],
+                                              self.patience, self.probe)
+        return t
+
+    def _residual(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
+        r = self.residuals.get(key)
+        if r is None or r.numel() != tensor.numel() or r.device != tensor.device:
+            r = self.residuals[key] = torch.zeros(tensor.numel(), dtype=torch.float32, device=tensor.device)
+        return r
+
+    def _run(self, track: _Track, tensor, step, compute, *, op, algorithm, group, meter, timeout, residual,
+             out, check):
+        comp = self.candidates[track.candidate]
+        alg = "allgather" if comp.sparse else algorithm
+        own = TrafficMeter()
+        t0 = self.clock()
+        result = allreduce(tensor, comp, op=op, algorithm=alg, group=group, meter=own, timeout=timeout,
+                           residual=residual, out=out, check=check)
+        sample = Timing(step=step, bucket=track.bucket, codec=self.names[track.candidate],
+                        numel=track.numel, wire_bytes=own.bytes_sent, comm_s=self.clock() - t0,
+                        compute_s=compute)
+        track.changed = False
+        if self.timing is not None:
+            sample = self.timing(sample)
+            if not isinstance(sample, Timing):
+                raise TypeError(f"timing must return a gradcomp.adaptive.Timing, got {type(sample).__name__}")
+        if meter is not None:
+            meter.merge(own)
+        return result, sample
+
+    def _decide(self, tracks: list[_Track], group, timeout: float, device, step: int,
+                meter: TrafficMeter | None) -> None:
+        """Agree on the window's timings over ``group`` and move each track."""
+        tracks = [t for t in tracks if t.samples]
+        if not tracks:
+            return
+        local = []
+        for t in tracks:
+            comm, compute, exposed = (statistics.median(col) for col in zip(*t.samples))
+            local += [comm, -compute, exposed]
+        agreed = torch.tensor(local, dtype=torch.float64, device=device)
+        if dist.get_world_size(group) > 1:
+            with exclusive(group, "gradcomp.Adaptive"):
+                work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True)
+                work.wait(timeout=datetime.timedelta(seconds=timeout))
+        agreed = agreed.tolist()
+        number = self.decisions
+        self.decisions += 1
+        for i, t in enumerate(tracks):
+            comm, compute, exposed = agreed[3 * i], -agreed[3 * i + 1], agreed[3 * i + 2]
+            t.samples = []
+            t.window = self.interval
+            rho = comm / compute if compute > 0 else math.inf
+            before = t.seen.get(t.level)
+            if before is not None and not 1 / CHANGE <= rho / before[0] <= CHANGE:
+                t.seen = {}  # the link (or the load) changed: older measurements of other codecs mislead
+            t.seen[t.level] = (rho, number)
+            seen = {j: r for j, (r, at) in t.seen.items() if j != t.level and number - at <= self.memory}
+            new = next_level(rho, t.level, t.nbytes, seen, upper=self.upper, lower=self.lower,
+                             lighter_allowed=t.hold == 0)
+            if not t.hysteresis(new, number, self.patience):
+                continue
+            entry = {"step": step, "bucket": t.bucket if isinstance(t.bucket, (int, str)) else repr(t.bucket),
+                     "numel": t.numel, "from": self.names[t.candidate], "to": self.names[t.ladder[new]],
+                     "rho": rho, "comm_s": comm, "compute_s": compute, "exposed_s": exposed}
+            t.level = new
+            t.changed = True
+            t.window = self.probe
+            self.switches.append(entry)
+            if meter is not None:
+                meter.record_switch(entry)
+
+    def __getstate__(self) -> dict:
+        """Everything but the ``clock`` and ``timing`` hooks (runtime, like a
+        process group: the restored policy uses ``time.perf_counter`` and no
+        hook) and the timings of an open step."""
+        state = self.__dict__.copy()
+        state["clock"] = time.perf_counter
+        state["timing"] = None
+        state["residuals"] = {k: r.detach().cpu().clone() for k, r in self.residuals.items()}
+        state["_in_step"] = []  # an open step's timings mean nothing in another process
+        state["_step"] = state["_free"] = None
+        state["_calls"] = {}
+        return state
+
+    def __repr__(self) -> str:
+        return (f"Adaptive(candidates={self.names!r}, interval={self.interval}, probe={self.probe}, "
+                f"upper={self.upper:g}, "
+                f"lower={self.lower:g}, patience={self.patience})")
+
+
+def _candidates(candidates) -> tuple[tuple[Compressor, ...], tuple[str, ...]]:
+    if isinstance(candidates, (str, Compressor)) or not isinstance(candidates, Sequence):
+        raise TypeError(f"candidates must be a sequence of names {tuple(CANDIDATES)} and/or gradcomp "
+                        f"compressors, got {type(candidates).__name__}")
+    if not candidates:
+        raise ValueError(f"candidates must not be empty; names: {tuple(CANDIDATES)}")
+    comps, names = [], []
+    for c in candidates:
+        if isinstance(c, str):
+            if c not in CANDIDATES:
+                raise ValueError(f"candidates: unknown name {c!r}; allowed: {tuple(CANDIDATES)}")
+            comps.append(CANDIDATES[c]())
+            names.append(c)
+        elif isinstance(c, Compressor):
+            if isinstance(c, ErrorFeedback):
+                raise ValueError("candidates must not hold an ErrorFeedback: residuals are kept per "
+                                 "parameter or key across codecs; pass the compressor itself")
+            if _wire_bytes(c, 1 << 20, 2) is None:
+                raise ValueError(f"candidates need a fixed wire size (to rank them by bytes), got {c!r}")
+            comps.append(c)
+            names.append(repr(c))
+        else:
+            raise TypeError(f"candidates must hold names {tuple(CANDIDATES)} or gradcomp compressors, "
+                            f"got {type(c).__name__}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"candidates must not repeat, got {names}")
+    return tuple(comps), tuple(names)
+
+
+def _wire_bytes(comp: Compressor, numel: int, world: int) -> int | None:
+    """Bytes one rank sends to reduce ``numel`` elements over ``world`` ranks with ``comp``."""
+    if world < 2:
+        return 0
+    if comp.sparse:
+        one = comp.wire_nbytes((numel,))
+        return None if one is None else (world - 1) * one
+    chunks = [comp.wire_nbytes((hi - lo,)) for lo, hi in chunk_bounds(numel, world)]
+    if any(c is None for c in chunks):
+        return None
+    return 2 * (world - 1) * sum(chunks) // world

@@ -1,0 +1,349 @@
+"""Adaptive compression (gradcomp.adaptive): the decision rule, its arguments,
+the meter's switch log, and 2-rank gloo runs with injected link timings.
+
+The injected link: a rank's communication time is the bytes it really sent
+(its meter's count, as the policy reports it in ``Timing.wire_bytes``)
+divided by a link rate that the test sets per step; its compute time is a
+constant of the test. Rank 1's link slows down, rank 0's never does, and rank
+0 computes slower: only the agreed numbers (max communication, min compute
+over the ranks) make both ranks switch, and at the steps the test derives by
+hand below.
+"""
+
+import dataclasses
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp as gc
+from gradcomp.adaptive import Adaptive, Timing, next_level
+from gradcomp.ddp import GradCompState, compressed_allreduce_hook
+from gradcomp.launch import launch
+
+TIMEOUT = 120
+
+# ---- the decision rule ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("rho, level, seen, allowed, expected", [
+    (0.4, 0, {}, True, 0),      # hidden on the lightest: stay
+    (2.0, 0, {}, True, 1),      # fp16 predicted 2.0 * 200 / 400 = 1.0 <= 1
+    (4.1, 0, {}, True, 3),      # fp16 2.05, int8 1.025 do not fit; top-k 4.1 * 5 / 400 does
+    (0.2, 2, {}, True, 1),      # lighter predicted 0.2 * 200 / 100 = 0.4 <= 0.5
+    (0.3, 2, {}, True, 2),      # 0.6 > 0.5: inside the band, stay
+    (0.2, 2, {}, False, 2),     # waiting after a heavier move
+    (0.9, 1, {}, True, 1),      # 0.9 <= upper, lighter predicted 1.8: stay
+    # nothing fits: the lightest whose step (1 + rho) is within 10% of the fastest's;
+    # measured rhos trusted, unmeasured lighter ones scaled by bytes
+    (1.5, 1, {2: 1.2, 3: 1.1}, True, 2),          # 2.2 <= 1.1 x 2.1 = 2.31; level 0: 1 + 3.0
+    (1.5, 1, {2: 1.4, 3: 1.1}, True, 3),          # 2.4 > 2.31
+    (1.5, 1, {0: 1.4, 2: 1.6, 3: 1.7}, True, 0),
+    (1.5, 3, {0: 1.6, 1: 1.7, 2: 1.8}, True, 0),  # 2.6 <= 1.1 x 2.5: almost as fast, lighter
+    (1.5, 3, {0: 1.8, 1: 1.9, 2: 1.8}, True, 3),  # 2.8 > 2.75
+    (3.0, 0, {}, True, 2),                        # nothing seen: fp16 1.5, int8 0.75 fits
+])
+def test_next_level(rho, level, seen, allowed, expected):
+    nbytes = [400, 200, 100, 5]
+    assert next_level(rho, level, nbytes, seen, upper=1.0, lower=0.5, lighter_allowed=allowed) == expected
+
+
+def test_hysteresis_waits_and_backs_off_on_reverted_lighter_moves():
+    from gradcomp.adaptive import _Track
+    t = _Track("b", 100, [0, 1, 2], [400, 100, 5], patience=2, window=3)
+    moves = []
+    for number, new in enumerate([2, 2, 2, 1, 2, 2, 2, 2, 2, 1, 1]):
+        moved = t.hysteresis(new, number, base=2)
+        if moved:
+            t.level = new
+        moves.append((moved, t.hold, t.patience))
+    assert moves == [
+        (True, 2, 2),    # 0: heavier: lighter moves wait 2 decisions
+        (False, 1, 2), (False, 0, 2),
+        (True, 0, 2),    # 3: lighter
+        (True, 4, 4),    # 4: undone at once: the wait doubles
+        (False, 3, 4), (False, 2, 4), (False, 1, 4), (False, 0, 4),
+        (True, 0, 4),    # 9: lighter again
+        (False, 0, 2),   # 10: it held: the wait is back to the base
+    ]
+
+
+def test_candidates_ranked_by_wire_bytes_per_bucket():
+    a = Adaptive(["topk-int8", "none", "int8", "fp16"])
+    t = a._track("b", 10_000, 2, "ring")
+    assert [a.names[i] for i in t.ladder] == ["none", "fp16", "int8", "topk-int8"]
+    # 2 ranks, ring: a rank sends (N - 1) / N of both phases = one chunk each way
+    assert t.nbytes[0] == 2 * (5000 * 4 + gc.NoCompression().wire_nbytes((0,)))
+    # the sparse allgather forwards N - 1 payloads (127 x ~560 bytes at 128 ranks, vs
+    # ~2 x 20000 for fp16): at 128 ranks top-k 1% + int8 is
+    # no longer lighter on the wire than fp16 for this bucket
+    wide = a._track("c", 10_000, 128, "ring")
+    assert [a.names[i] for i in wide.ladder][:2] == ["none", "topk-int8"]
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(candidates="int8"), TypeError, "candidates must be a sequence"),
+    (dict(candidates=[]), ValueError, "candidates must not be empty"),
+    (dict(candidates=["int8", "lz4"]), ValueError, "candidates: unknown name 'lz4'"),
+    (dict(candidates=["int8", "int8"]), ValueError, "candidates must not repeat"),
+    (dict(candidates=[gc.ErrorFeedback(gc.Int8Quantizer())]), ValueError, "must not hold an ErrorFeedback"),
+    (dict(candidates=[gc.Threshold(0.1)]), ValueError, "candidates need a fixed wire size"),
+    (dict(candidates=[3]), TypeError, "candidates must hold names"),
+    (dict(interval=0), ValueError, "interval must be >= 1"),
+    (dict(interval=2.5), TypeError, "interval must be an int"),
+    (dict(probe=0), ValueError, "probe must be >= 1"),
+    (dict(upper=0), ValueError, "upper must be a finite number > 0"),
+    (dict(upper="1"), TypeError, "upper must be a real number"),
+    (dict(lower=1.0), ValueError, "lower must be > 0 and < upper"),
+    (dict(lower=-0.1), ValueError, "lower must be > 0 and < upper"),
+    (dict(patience=-1), ValueError, "patience must be >= 0"),
+    (dict(memory=None), TypeError, "memory must be an int"),
+    (dict(error_feedback=1), TypeError, "error_feedback must be True or False"),
+    (dict(clock=5), TypeError, "clock must be a callable"),
+    (dict(timing="fast"), TypeError, "timing must be a callable"),
+])
+def test_bad_arguments(kwargs, exc, words):
+    with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)")):
+        Adaptive(**kwargs)
+
+
+def test_bad_uses():
+    a = Adaptive()
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        gc.allreduce(torch.ones(4), a, algorithm="allgather")  # sparse candidates choose it themselves
+    with pytest.raises(TypeError, match="compressor must be a gradcomp compressor or 'auto'"):
+        GradCompState(compressor="fast")
+    with pytest.raises(ValueError, match="algorithm must be one of \\('ring', 'two_phase'\\)"):
+        GradCompState(compressor="auto", algorithm="allgather")
+    with pytest.raises(TypeError, match="key must be hashable"):
+        gc.allreduce(torch.ones(4), a, key=["w"])
+    with pytest.raises(RuntimeError, match="torch.distributed initialised"):
+        gc.allreduce(torch.ones(4), a)
+
+
+def test_meter_switch_log():
+    m = gc.TrafficMeter()
+    e = {"step": 5, "bucket": 0, "from": "none", "to": "int8", "rho": 2.0}
+    m.record_switch(e)
+    d = m.as_dict()
+    assert d["switches"] == [e] and d["switches"][0] is not e
+    other = gc.TrafficMeter()
+    other.merge(d)
+    other.merge(d)  # every rank logs the same switches: kept once
+    other.record_switch({**e, "step": 9})
+    assert [s["step"] for s in other.as_dict()["switches"]] == [5, 9]
+    other.reset()
+    assert other.as_dict()["switches"] == []
+
+
+# ---- 2 ranks: the injected link ---------------------------------------------------
+
+INTERVAL = 5
+COMPUTE_S = (0.02, 0.01)  # rank 0 computes slower; the agreed compute is rank 1's
+SLOW_FROM, FAST_FROM, STEPS = 20, 50, 72
+SLOWDOWN = 25
+PROBE = 2  # the collective's short windows (the DDP run decides every INTERVAL steps)
+
+
+def _link(rank, steady=None):
+    """The injected link of ``rank``: for each bucket (or key), fast enough that
+    uncompressed traffic takes 0.4 x the agreed compute; rank 1's slows down
+    25x for steps [SLOW_FROM, FAST_FROM), except for bucket ``steady``."""
+    def timing(s: Timing) -> Timing:
+        rate = 4 * s.numel / (0.4 * COMPUTE_S[1])  # bytes per second
+        if rank == 1 and SLOW_FROM <= s.step < FAST_FROM and s.bucket != steady:
+            rate /= SLOWDOWN
+        return dataclasses.replace(s, comm_s=s.wire_bytes / rate,
+                                   compute_s=COMPUTE_S[rank] if s.compute_s is not None else None)
+    return timing
+
+
+def _expected(interval, compute_s):
+    """Switches derived by hand for a link where uncompressed traffic takes
+    0.4 x the compute when fast and 10 x when slow (25x slower), for
+    ``none`` ~ 4 bytes/element, fp16 ~ 2, int8 ~ 1, top-k 1% + int8 ~ 0.02-0.1:
+
+    * decision at step SLOW_FROM + interval (the first window of slow steps):
+      rho(none) = 10; fp16 (5) and int8 (2.5) predicted not to fit, top-k
+      (about 10 x 0.05 = 0.5) fits: none -> topk-int8.
+    * while slow, lighter int8 is predicted 2.5 x 0.4... > 0.5: stay.
+    * first window of fast steps (decision at FAST_FROM + interval): rho(top-k)
+      ~ 0.4 x 0.05 / 4 = 0.005, lighter int8 predicted 0.1: -> int8; next
+      decisions: fp16 (predicted 0.2), none (predicted 0.4 <= 0.5); then stay.
+    """
+    first_fast = FAST_FROM + interval
+    return [(SLOW_FROM + interval, "none", "topk-int8"), (first_fast, "topk-int8", "int8"),
+            (first_fast + interval, "int8", "fp16"), (first_fast + 2 * interval, "fp16", "none")]
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(12, 48), nn.Tanh(), nn.Linear(48, 32), nn.Tanh(), nn.Linear(32, 3))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _data(rank, step):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(16, 12, generator=g), torch.randint(0, 3, (16,), generator=g)
+
+
+def _gathered(t):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
+
+
+def _ddp_run(rank):
+    """DDP with compressor="auto" on the injected link, two buckets after DDP's
+    rebuild (1667 and 624 elements; bucket 1's link never slows); records each
+    step's bucket input, residual before the step and output."""
+    torch.manual_seed(0)
+    model = DDP(_Net(), bucket_cap_mb=0.004)
+    meter = gc.TrafficMeter()
+    policy = Adaptive(interval=INTERVAL, probe=INTERVAL, timing=_link(rank, steady=1))
+    state = GradCompState(compressor=policy, min_compress_numel=0, start_iter=0, meter=meter, timeout=30)
+    records = {}
+
+    def hook(st, bucket):
+        step = st.iter
+        keys = [st._key(p) for p in bucket.parameters()]
+        res = [st.residuals.get(k) for k in keys]
+        before = (bucket.buffer().clone(),
+                  torch.cat([r.clone() if r is not None else torch.zeros(p.numel())
+                             for r, p in zip(res, bucket.parameters())]))
+
+        def done(f, index=bucket.index()):
+            records[step, index] = (*before, f.value().clone())
+            return f.value()
+        return compressed_allreduce_hook(st, bucket).then(done)
+
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    codecs, identical = [], True
+    for step in range(STEPS):
+        x, y = _data(rank, step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        codecs.append((policy.codec(0), policy.codec(1)))
+        p = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+        ps = _gathered(p)
+        identical &= all(torch.equal(ps[0], q) for q in ps)
+    # the switch out of top-k: this step's codec (int8) must apply the residual top-k left
+    at = _expected(INTERVAL, COMPUTE_S[1])[1][0]
+    g, r, out = records[at, 0]
+    everyone = [_gathered(t) for t in (g, r)]
+    restored = pickle.loads(pickle.dumps(state))
+    state.close()
+    return {"switches": meter.as_dict()["switches"], "policy_switches": policy.switches, "codecs": codecs,
+            "identical": identical, "out": out, "g": everyone[0], "r": everyone[1],
+            "restored_codec": restored.adaptive.codec(0), "restored_switches": len(restored.adaptive.switches),
+            "numels": (policy._tracks[0].numel, policy._tracks[1].numel)}
+
+
+def _collective_run(rank):
+    """gc.allreduce(t, Adaptive(...), key=...) on the injected link, over two
+    keys; candidates none and int8 only, so the switch back to none delivers
+    the int8 residual exactly."""
+    n = 3000
+    policy = Adaptive(["int8", "none"], interval=INTERVAL, probe=PROBE, timing=_link(rank))
+    meter = gc.TrafficMeter()
+    codecs, identical, carried = [], True, None
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(7 * step + rank)
+        t = torch.randn(n, generator=g) * (1 + rank)
+        before = policy.residuals.get("w")
+        before = before.clone() if before is not None else torch.zeros(n)
+        switched = len(policy.switches)
+        out = gc.allreduce(t, policy, key="w", meter=meter)
+        if carried is None and any(s["to"] == "none" for s in policy.switches[switched:]):
+            # this call was the first with none: it delivered input + residual exactly
+            carried = (_gathered(t), _gathered(before), out.clone(), policy.residuals["w"].clone())
+        gc.allreduce(torch.full((5,), float(step)), policy, key="small")  # a second key, same policy
+        outs = _gathered(out)
+        identical &= all(torch.equal(outs[0], o) for o in outs)
+        codecs.append(policy.codec("w"))
+    bad = Adaptive(timing=lambda s: None)
+    try:
+        gc.allreduce(torch.ones(8), bad)
+        bad_timing = None
+    except TypeError as e:
+        bad_timing = str(e)
+    return {"switches": [s for s in policy.switches if s["bucket"] == "w"], "meter": meter.as_dict()["switches"],
+            "identical": identical, "carried": carried, "codecs": codecs, "bad_timing": bad_timing}
+
+
+def _both(rank, world):
+    return {"ddp": _ddp_run(rank), "collective": _collective_run(rank)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return launch(_both, 2, timeout=TIMEOUT)
+
+
+@pytest.mark.slow
+def test_ddp_auto_switches_with_the_link_and_ranks_agree(runs):
+    got = [[(s["step"], s["bucket"], s["from"], s["to"]) for s in r["ddp"]["switches"]] for r in runs]
+    # bucket 1's link stays fast: it keeps "none"; bucket 0 follows the link
+    assert got[0] == got[1] == [(step, 0, a, b) for step, a, b in _expected(INTERVAL, COMPUTE_S[1])]
+    assert runs[0]["ddp"]["numels"] == (1667, 624)
+    assert {c[1] for c in runs[0]["ddp"]["codecs"][1:]} == {"none"}
+    assert runs[0]["ddp"]["switches"] == runs[1]["ddp"]["switches"]  # the agreed numbers too
+    assert runs[0]["ddp"]["policy_switches"] == runs[0]["ddp"]["switches"]
+    assert runs[0]["ddp"]["codecs"] == runs[1]["ddp"]["codecs"]
+    assert all(r["ddp"]["identical"] for r in runs)
+    first = runs[0]["ddp"]["switches"][0]
+    # agreed: rank 1's slow link (10 x the compute) over rank 1's compute
+    assert first["compute_s"] == COMPUTE_S[1]
+    assert first["rho"] == pytest.approx(10.0, rel=0.02)
+    assert runs[0]["ddp"]["restored_codec"] == "none" and runs[0]["ddp"]["restored_switches"] == 4
+
+
+@pytest.mark.slow
+def test_ddp_residuals_carry_over_a_switch(runs):
+    """At the step that switches from top-k to int8, the averaged gradient is
+    the mean of (gradient + residual top-k left) within int8 error."""
+    d = runs[0]["ddp"]
+    g = torch.stack(d["g"]).double()
+    r = torch.stack(d["r"]).double()
+    expected = (g + r).mean(0)
+    # int8 with absmax scales: two roundings (a rank's chunk, the owner's sum),
+    # each at most half a step of absmax / 127 per element
+    tol = 2 * (g + r).abs().max() / 127
+    err = (d["out"].double() - expected).abs().max()
+    assert err <= tol
+    assert r.mean(0).abs().max() > 10 * tol  # without the residual the test would fail
+    assert torch.equal(runs[0]["ddp"]["out"], runs[1]["ddp"]["out"])
+
+
+@pytest.mark.slow
+def test_collective_auto_switches_and_delivers_residuals(runs):
+    got = [[(s["step"], s["from"], s["to"]) for s in r["collective"]["switches"]] for r in runs]
+    # Steps count the key's calls; call 0 has no compute time (no sample). With
+    # probe 2 and interval 5, decisions come at calls 3 (samples of calls 1-2,
+    # the first probe), 8, 13, 18, 23: the window 18-22 has 3 slow calls of 5, so
+    # its median is slow: rho(none) = 10 -> int8 (the only heavier one). The
+    # probe after the switch decides at 25 (int8 ~ 2.5: nothing better), then
+    # 30, ..., 50 (slow: stay) and 55: window 50-54 fast, rho(int8) ~ 0.1, none
+    # predicted ~ 0.4 <= 0.5, and the hold (patience 2) has run out -> none.
+    assert got[0] == got[1] == [(23, "none", "int8"), (55, "int8", "none")]
+    assert runs[0]["collective"]["meter"] == runs[1]["collective"]["meter"]
+    assert all(r["collective"]["identical"] for r in runs)
+    ts, rs, out, after = runs[0]["collective"]["carried"]
+    exact = (torch.stack(ts).double() + torch.stack(rs).double()).mean(0)
+    assert torch.allclose(out.double(), exact, rtol=0, atol=1e-6)
+    assert torch.stack(rs).double().mean(0).abs().max() > 1e-3  # int8 left something to deliver
+    assert torch.count_nonzero(after) == 0  # delivered in full
+
+
+@pytest.mark.slow
+def test_timing_hook_must_return_a_timing(runs):
+    assert all("timing must return a gradcomp.adaptive.Timing, got NoneType" in r["collective"]["bad_timing"]
+               for r in runs)
