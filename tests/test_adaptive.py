@@ -77,10 +77,10 @@ def test_candidates_ranked_by_wire_bytes_per_bucket():
     assert [a.names[i] for i in t.ladder] == ["none", "fp16", "int8", "topk-int8"]
     # 2 ranks, ring: a rank sends (N - 1) / N of both phases = one chunk each way
     assert t.nbytes[0] == 2 * (5000 * 4 + gc.NoCompression().wire_nbytes((0,)))
-    # the sparse allgather forwards N - 1 payloads (127 x ~560 bytes at 128 ranks, vs
-    # ~2 x 20000 for fp16): at 128 ranks top-k 1% + int8 is
-    # no longer lighter on the wire than fp16 for this bucket
-    wide = a._track("c", 10_000, 128, "ring")
+    # the sparse allgather forwards N - 1 payloads (255 x ~310 bytes at 256 ranks with
+    # compact indices, vs ~2 x 20000 x 255/256 for fp16): at 256 ranks top-k 1% + int8
+    # is no longer lighter on the wire than fp16 for this bucket
+    wide = a._track("c", 10_000, 256, "ring")
     assert [a.names[i] for i in wide.ladder][:2] == ["none", "topk-int8"]
 
 
