@@ -151,3 +151,35 @@ def test_threshold_zero_spelled_any_way_is_accepted():
 
     for text in ("0", "0.0", "-0", "0e0"):
         assert build_parser().parse_args(["--threshold", text]).threshold == 0.0
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["bench", "--help"]])
+def test_help_and_version_do_not_import_torch(argv):
+    # importing torch takes seconds: gradcomp --help / --version must not need it
+    code = (
+        "import sys\n"
+        "from gradcomp.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'gradcomp.train', 'gradcomp.kernels') if m in sys.modules)\n"
+        "print('imported:', heavy)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("imported: []"), r.stdout
+
+
+def test_version_has_one_source():
+    import pathlib
+
+    import gradcomp._version
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    meta = tomllib.loads((root / "pyproject.toml").read_text())
+    assert "version" not in meta["project"] and "version" in meta["project"]["dynamic"]
+    assert meta["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gradcomp._version.__version__"}
+    assert __version__ is gradcomp._version.__version__
