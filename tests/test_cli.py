@@ -89,6 +89,7 @@ def test_bench_status_is_the_benchmarks(monkeypatch):
     assert main(["bench", "allreduce"]) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module, prog", [("gradcomp.train", "python -m gradcomp.train"),
                                           ("gradcomp", "python -m gradcomp")])
 def test_python_dash_m_help(module, prog):
@@ -98,6 +99,7 @@ def test_python_dash_m_help(module, prog):
     assert r.stdout.startswith(f"usage: {prog}")
 
 
+@pytest.mark.slow
 def test_python_dash_m_train_bad_option():
     r = subprocess.run([sys.executable, "-m", "gradcomp.train", "--compressors", "gzip"],
                        capture_output=True, text=True, timeout=120)
@@ -153,6 +155,7 @@ def test_threshold_zero_spelled_any_way_is_accepted():
         assert build_parser().parse_args(["--threshold", text]).threshold == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["bench", "--help"]])
 def test_help_and_version_do_not_import_torch(argv):
     # importing torch takes seconds: gradcomp --help / --version must not need it

@@ -90,6 +90,7 @@ def _where(rank, world_size):
     return os.environ["GLOO_SOCKET_IFNAME"], socket.gethostbyname(socket.gethostname()) or ""
 
 
+@pytest.mark.slow
 @needs_netns
 def test_up_down_allreduce_exact_and_nothing_left():
     before = _host_links()
@@ -114,6 +115,7 @@ def test_rate_100mbit_within_15_percent():
     assert abs(bps - 100e6) / 100e6 < 0.15, bps
 
 
+@pytest.mark.slow
 @needs_netns
 def test_rank_sigkilled_cleans_up():
     with pytest.raises(WorkerError):
@@ -128,6 +130,7 @@ def _script(body: str) -> str:
     return head + textwrap.dedent(body)
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_parent_cleans_up(sig):
@@ -158,6 +161,7 @@ def _sleep(rank, world_size):
     time.sleep(100)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_killed_parent_leftovers_removed_by_next_cluster():
     body = """
@@ -228,6 +232,7 @@ def test_jitter_changes_the_achieved_rate_as_scheduled():
     assert abs(out[0][1] - out[1][1]) / 100e6 > 0.1  # the two periods' rates differ
 
 
+@pytest.mark.slow
 @needs_netns
 def test_latency_needs_netem():
     probe = subprocess.run(["bash", "-c", "modinfo sch_netem >/dev/null 2>&1 || "

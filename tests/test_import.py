@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_import_is_light():
     code = (
         "import sys, gradcomp, torch\n"

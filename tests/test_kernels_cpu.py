@@ -612,6 +612,7 @@ def test_registry_and_threads():
         C.set_num_threads(-1)
 
 
+@pytest.mark.slow
 def test_import_is_lazy():
     code = (
         "import sys, torch, gradcomp, gradcomp.kernels.cpu as c\n"

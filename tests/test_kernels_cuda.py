@@ -39,6 +39,7 @@ FAMILIES = sorted(cuda_backend.SOURCES)
 # ----------------------------------------------------------------- compile
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_nvcc_compiles(family, tmp_path):
     nvcc = shutil.which("nvcc")

@@ -320,6 +320,7 @@ _AOT_SCRIPT = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90():
     """Every kernel family lowers through Triton's NVIDIA backend to sm_90 PTX
     (no GPU needed) without FMA, flush-to-zero or approximate division; the
