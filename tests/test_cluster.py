@@ -108,6 +108,7 @@ def test_up_down_allreduce_exact_and_nothing_left():
     assert _host_links() == before  # nothing was added to (or left in) the host's namespace
 
 
+@pytest.mark.slow
 @needs_netns
 def test_rate_100mbit_within_15_percent():
     with LocalCluster(2, rate="100mbit", calibrate=False) as c:
@@ -183,6 +184,7 @@ def test_killed_parent_leftovers_removed_by_next_cluster():
     assert _ours(os.getpid()) == []
 
 
+@pytest.mark.slow
 @needs_netns
 def test_gloo_binds_to_the_shaped_interface():
     with LocalCluster(2, rate="1gbit", calibrate=False) as c:
@@ -211,6 +213,7 @@ def _min_rate(c, p):
     return min(c.scheduled_rate(0, p), c.scheduled_rate(1, p))  # upload of 0, download of 1
 
 
+@pytest.mark.slow
 @needs_netns
 def test_jitter_changes_the_achieved_rate_as_scheduled():
     period_s = 2.0

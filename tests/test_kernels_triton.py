@@ -38,6 +38,7 @@ elif "triton" in sys.modules and _OLD_INTERPRET != "1":
 else:
     # Triton reads TRITON_INTERPRET when it is imported and when kernels are defined
     os.environ["TRITON_INTERPRET"] = "1"
+    pytestmark = pytest.mark.slow  # the CPU interpreter takes seconds per kernel
 
 
 @pytest.fixture(scope="module", autouse=True)
