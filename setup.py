@@ -3,6 +3,10 @@
 Environment switches:
     GRADCOMP_NO_NATIVE=1   skip the native module (the pure-PyTorch reference still works)
     GRADCOMP_NO_OPENMP=1   build without OpenMP
+    GRADCOMP_NATIVE_ARCH=1 compile for this machine's CPU (-march=native: AVX2 / AVX-512 where it
+                           has them; faster, but the module may die with SIGILL on another CPU).
+                           The default is the compiler's portable baseline (x86-64: SSE2), safe
+                           for wheels and shared installs.
 
 The CUDA sources in csrc/cuda/ are not compiled here: they are copied into the
 package (gradcomp/_cuda_src/) and compiled at first use by CuPy (NVRTC).
@@ -52,6 +56,15 @@ def _compiler_accepts(flag: str) -> bool:
         return r.returncode == 0
 
 
+def arch_flags(env) -> list[str]:
+    """Target-CPU flags: none (portable) unless ``GRADCOMP_NATIVE_ARCH=1`` asks for -march=native."""
+    value = env.get("GRADCOMP_NATIVE_ARCH", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"GRADCOMP_NATIVE_ARCH must be 0 (portable, the default) or 1 (-march=native), "
+                         f"got {value!r}")
+    return ["-march=native"] if value == "1" and sys.platform != "win32" else []
+
+
 def _extensions():
     if os.environ.get("GRADCOMP_NO_NATIVE") == "1":
         return []
@@ -63,9 +76,7 @@ def _extensions():
         if _compiler_accepts("-fopenmp"):
             cflags.append("-fopenmp")
             lflags.append("-fopenmp")
-    if os.environ.get("GRADCOMP_NATIVE_ARCH", "1") == "1" and sys.platform != "win32":
-        # vectorise for the build machine; set GRADCOMP_NATIVE_ARCH=0 for portable wheels
-        cflags.append("-march=native")
+    cflags += arch_flags(os.environ)
     sources = sorted(glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     if not sources:
         return []
@@ -81,4 +92,5 @@ def _extensions():
     ]
 
 
-setup(ext_modules=_extensions(), cmdclass={"build_py": BuildPy})
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import arch_flags
+    setup(ext_modules=_extensions(), cmdclass={"build_py": BuildPy})

@@ -26,9 +26,12 @@ BENCH_TARGETS = ("kernels", "allreduce")
 
 
 def build_parser(prog: str = "gradcomp") -> argparse.ArgumentParser:
-    """The ``gradcomp`` parser: ``--version`` and the ``train`` / ``bench`` subcommands."""
-    from gradcomp import __version__
-    from gradcomp.train.command import DESCRIPTION, EPILOG, add_arguments
+    """The ``gradcomp`` parser: ``--version`` and the ``train`` / ``bench`` / ``plan`` subcommands.
+
+    ``train`` and ``plan`` take every argument after them to their own parser
+    (imported only then: building this parser imports neither torch nor the study).
+    """
+    from gradcomp._version import __version__
 
     p = argparse.ArgumentParser(
         prog=prog,
@@ -38,9 +41,10 @@ def build_parser(prog: str = "gradcomp") -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="{train,bench,plan}")
     sub.required = True
     train = sub.add_parser(
-        "train", help="train on real data with each compressor and report traffic and accuracy",
-        description=DESCRIPTION, epilog=EPILOG)
-    add_arguments(train)
+        "train", add_help=False,
+        help="train on real data with each compressor and report traffic and accuracy",
+        description="gradcomp train --help lists its options")
+    train.add_argument("args", nargs=argparse.REMAINDER, help="arguments for gradcomp train")
     bench = sub.add_parser(
         "bench", help="microbenchmarks: kernels or allreduce",
         description="Run a benchmark; the arguments after the target go to it "
@@ -70,6 +74,12 @@ def _bench(target: str, argv: list[str]) -> int:
     return int(rc or 0)
 
 
+def _train(argv: list[str], prog: str) -> int:
+    from gradcomp.train.command import main as train_main
+
+    return train_main(argv, prog=f"{prog} train")
+
+
 def _plan(argv: list[str]) -> int:
     from gradcomp.plan.cli import main as plan_main
 
@@ -79,15 +89,16 @@ def _plan(argv: list[str]) -> int:
 def main(argv: list[str] | None = None, prog: str = "gradcomp") -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["plan"]:  # everything after it, options first included, is the planner's
+    # everything after train / plan, options first included, is the study's / the planner's
+    if argv[:1] == ["train"]:
+        return _train(argv[1:], prog)
+    if argv[:1] == ["plan"]:
         return _plan(argv[1:])
     args = build_parser(prog).parse_args(argv)
+    if args.command == "train":
+        return _train(args.args, prog)
     if args.command == "plan":
         return _plan(args.args)
-    if args.command == "train":
-        from gradcomp.train.command import run
-
-        return run(args)
     return _bench(args.target, args.args)
 
 

@@ -256,6 +256,7 @@ def _world_one(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_world_one_returns_a_copy_and_sends_nothing():
     res = launch(_world_one, 1, timeout=TIMEOUT)[0]
     assert res[-1] is True
@@ -263,6 +264,7 @@ def test_world_one_returns_a_copy_and_sends_nothing():
         assert same and dt and shape and copy and sent == 0 and raw == 0 and counter == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_matrix_bounds_bit_identity_and_bytes(world):
     assert launch(_matrix, world, timeout=TIMEOUT) == [True] * world
@@ -279,6 +281,7 @@ def _integers(rank, world):
     return all(out)
 
 
+@pytest.mark.slow
 def test_integer_inputs_sum_exactly_without_compression():
     assert launch(_integers, 3, timeout=TIMEOUT) == [True] * 3
 
@@ -298,6 +301,7 @@ def _out_argument(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_out_argument_and_in_place():
     assert launch(_out_argument, 3, timeout=TIMEOUT) == [True] * 3
 
@@ -345,6 +349,7 @@ def _error_feedback(rank, world):
     return True
 
 
+@pytest.mark.slow
 def test_error_feedback_placement_and_residuals():
     assert launch(_error_feedback, 3, timeout=TIMEOUT) == [True] * 3
 
@@ -359,6 +364,7 @@ def _two_phase_beats_ring(rank, world):
     return errs
 
 
+@pytest.mark.slow
 def test_two_phase_error_below_ring_at_world_4():
     errs = launch(_two_phase_beats_ring, 4, timeout=TIMEOUT)[0]
     assert errs["two_phase"] < errs["ring"], errs
@@ -440,6 +446,7 @@ def _new_groups(rank, world):
     return agreed
 
 
+@pytest.mark.slow
 def test_a_new_group_never_inherits_an_agreement():
     # what a destroyed group agreed on goes with it, even if a new group object
     # lands at the same address
@@ -447,6 +454,7 @@ def test_a_new_group_never_inherits_an_agreement():
         assert agreed == [40] * 6, agreed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,field", [("numel-ring", "numbers of elements"),
                                         ("numel-two_phase", "numbers of elements"),
                                         ("numel-allgather", "numbers of elements"),
@@ -479,6 +487,7 @@ def _residuals_kept(rank, world, algorithm):
     return outcome, same, len(before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["ring", "two_phase", "allgather"])
 def test_a_disagreement_loses_no_residual(algorithm):
     for outcome, same, count in launch(_residuals_kept, 3, (algorithm,), timeout=TIMEOUT):
@@ -514,6 +523,7 @@ def _unchecked_and_recovering(rank, world):
     return phases, same, first, z.tolist()
 
 
+@pytest.mark.slow
 def test_unchecked_calls_and_a_failure_after_the_agreement():
     for phases, same, first, z in launch(_unchecked_and_recovering, 3, timeout=TIMEOUT):
         assert phases == ["allgather", "reduce_scatter"]  # no agreement with check=False
@@ -549,6 +559,7 @@ def _replayed(numel, world, rank, codec):
                for s in range(world - 1))
 
 
+@pytest.mark.slow
 def test_agreement_only_when_the_call_changes():
     res = launch(_agreement_traffic, 3, timeout=TIMEOUT)
     d = 40 * 2
@@ -563,6 +574,7 @@ def test_agreement_only_when_the_call_changes():
         assert "numbers of elements" in outcome and "rank 2: 2000" in outcome, outcome
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["missing", "corrupt", "bad_code", "bad_code_two_phase"])
 def test_failures_raise_instead_of_hanging(case):
     res = launch(_failures, 3, (case,), timeout=60)

@@ -90,6 +90,7 @@ def _where(rank, world_size):
     return os.environ["GLOO_SOCKET_IFNAME"], socket.gethostbyname(socket.gethostname()) or ""
 
 
+@pytest.mark.slow
 @needs_netns
 def test_up_down_allreduce_exact_and_nothing_left():
     before = _host_links()
@@ -107,6 +108,7 @@ def test_up_down_allreduce_exact_and_nothing_left():
     assert _host_links() == before  # nothing was added to (or left in) the host's namespace
 
 
+@pytest.mark.slow
 @needs_netns
 def test_rate_100mbit_within_15_percent():
     with LocalCluster(2, rate="100mbit", calibrate=False) as c:
@@ -114,6 +116,7 @@ def test_rate_100mbit_within_15_percent():
     assert abs(bps - 100e6) / 100e6 < 0.15, bps
 
 
+@pytest.mark.slow
 @needs_netns
 def test_rank_sigkilled_cleans_up():
     with pytest.raises(WorkerError):
@@ -128,6 +131,7 @@ def _script(body: str) -> str:
     return head + textwrap.dedent(body)
 
 
+@pytest.mark.slow
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_parent_cleans_up(sig):
@@ -158,6 +162,7 @@ def _sleep(rank, world_size):
     time.sleep(100)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_killed_parent_leftovers_removed_by_next_cluster():
     body = """
@@ -179,6 +184,7 @@ def test_killed_parent_leftovers_removed_by_next_cluster():
     assert _ours(os.getpid()) == []
 
 
+@pytest.mark.slow
 @needs_netns
 def test_gloo_binds_to_the_shaped_interface():
     with LocalCluster(2, rate="1gbit", calibrate=False) as c:
@@ -207,6 +213,7 @@ def _min_rate(c, p):
     return min(c.scheduled_rate(0, p), c.scheduled_rate(1, p))  # upload of 0, download of 1
 
 
+@pytest.mark.slow
 @needs_netns
 def test_jitter_changes_the_achieved_rate_as_scheduled():
     period_s = 2.0
@@ -228,6 +235,7 @@ def test_jitter_changes_the_achieved_rate_as_scheduled():
     assert abs(out[0][1] - out[1][1]) / 100e6 > 0.1  # the two periods' rates differ
 
 
+@pytest.mark.slow
 @needs_netns
 def test_latency_needs_netem():
     probe = subprocess.run(["bash", "-c", "modinfo sch_netem >/dev/null 2>&1 || "

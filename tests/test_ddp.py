@@ -157,6 +157,7 @@ def trained():
     return launch(_all_training, 2, timeout=TIMEOUT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_hook_trains_like_plain_ddp(trained, scenario):
     res = [r[scenario] for r in trained]
@@ -189,6 +190,7 @@ def _two_models(rank):
             sorted(p.numel() for p in m1.parameters()), sorted(p.numel() for p in m2.parameters()))
 
 
+@pytest.mark.slow
 def test_two_models_two_states(trained):
     for ok1, ok2, sizes1, sizes2, p1, p2 in (r["two_models"] for r in trained):
         assert ok1 and ok2
@@ -226,6 +228,7 @@ def _pickled(rank):
     return checks
 
 
+@pytest.mark.slow
 def test_state_pickles_and_resumes(trained):
     for checks in (r["pickled"] for r in trained):
         assert all(checks), checks
@@ -281,6 +284,7 @@ def failures():
     return launch(_all_failures, 2, timeout=TIMEOUT)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", FAILING)
 def test_comm_thread_error_surfaces_in_training(failures, ranks):
     res = [r[ranks] for r in failures]
@@ -292,6 +296,7 @@ def test_comm_thread_error_surfaces_in_training(failures, ranks):
             assert "did not finish" in msg or "failed" in msg, res
 
 
+@pytest.mark.slow
 def test_ranks_with_different_settings_fail_in_training(failures):
     # the first compressed bucket is checked: every rank raises (DDP wraps the
     # hook's ValueError in a RuntimeError), none aborts or hangs

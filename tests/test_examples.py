@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -15,6 +17,7 @@ def run(name, *args):
     return r.stdout
 
 
+@pytest.mark.slow
 def test_ddp_hook_example_compresses():
     out = run("ddp_hook.py")
     ratios = [float(x) for x in re.findall(r": ([0-9.]+)x", out)]
@@ -23,12 +26,14 @@ def test_ddp_hook_example_compresses():
     assert 2.5 < ratios[0] < 4.0
 
 
+@pytest.mark.slow
 def test_parameter_server_example_reaches_the_optimum():
     out = run("parameter_server.py")
     err = float(re.search(r"optimum: ([0-9.e+-]+)", out).group(1))
     assert err < 1e-3
 
 
+@pytest.mark.slow
 def test_fsdp2_example_compresses_the_reduce_scatter():
     out = run("fsdp2.py", "--steps", "20")
     ratio = float(re.search(r"([0-9.]+)x fewer", out).group(1))

@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_import_is_light():
     code = (
         "import sys, gradcomp, torch\n"
@@ -26,3 +29,19 @@ def test_public_names():
                  "ErrorFeedback", "TrafficMeter", "PayloadError", "decode", "kernels"]:
         assert hasattr(gc, name), name
     assert issubclass(gc.PayloadError, ValueError)
+
+
+def test_every_exported_name_resolves():
+    import gradcomp as gc
+
+    for name in gc.__all__:
+        assert getattr(gc, name) is not None, name
+        assert name in dir(gc)
+    assert gc.Int8Quantizer.__module__.startswith("gradcomp.compressors")
+    assert gc.ddp.__name__ == "gradcomp.ddp" and callable(gc.allreduce)
+    try:
+        gc.no_such_name
+    except AttributeError as e:
+        assert "no_such_name" in str(e)
+    else:
+        raise AssertionError("gc.no_such_name resolved")

@@ -376,6 +376,7 @@ def test_topk_matches_reference(n, dtype, kind, density, data_seed):
     check_selection(K.topk(x, k, backend="cpu"), K.topk(x, k, backend="reference"), "topk")
 
 
+@pytest.mark.slow  # large inputs: seconds each
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_topk_large_parallel_ties(dtype):
     n = 2**20 + 3
@@ -416,6 +417,7 @@ def test_threshold_matches_reference(n, dtype, kind, tau, data_seed):
     check_selection(K.threshold(x, tau, backend="cpu"), K.threshold(x, tau, backend="reference"), "threshold")
 
 
+@pytest.mark.slow  # large inputs: seconds each
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_threshold_large_and_float64_precision(dtype):
     x = make(2**20 + 1, dtype, seed=6, special_rate=1e-4)
@@ -496,6 +498,7 @@ def test_approx_topk_paths():
     check_selection(got, K.topk(y, k, backend="reference"), "approx_topk (too few)")
 
 
+@pytest.mark.slow  # large inputs: seconds
 def test_topk_when_the_sampled_bound_misses():
     # the exact path through the histogram: the sample points hold the largest
     # values, so the sampled lower bound lies above the k-th largest
@@ -612,6 +615,7 @@ def test_registry_and_threads():
         C.set_num_threads(-1)
 
 
+@pytest.mark.slow
 def test_import_is_lazy():
     code = (
         "import sys, torch, gradcomp, gradcomp.kernels.cpu as c\n"

@@ -39,6 +39,7 @@ FAMILIES = sorted(cuda_backend.SOURCES)
 # ----------------------------------------------------------------- compile
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_nvcc_compiles(family, tmp_path):
     nvcc = shutil.which("nvcc")
@@ -252,7 +253,8 @@ def _gpu_ready():
     return registry.available_backends()["cuda"]
 
 
-TARGETS = ["emu", pytest.param("gpu", marks=pytest.mark.gpu)]
+# the emulator compiles the CUDA sources with the host C++ compiler and runs threads: slow tier
+TARGETS = [pytest.param("emu", marks=pytest.mark.slow), pytest.param("gpu", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(params=TARGETS)

@@ -38,6 +38,7 @@ elif "triton" in sys.modules and _OLD_INTERPRET != "1":
 else:
     # Triton reads TRITON_INTERPRET when it is imported and when kernels are defined
     os.environ["TRITON_INTERPRET"] = "1"
+    pytestmark = pytest.mark.slow  # the CPU interpreter takes seconds per kernel
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -320,6 +321,7 @@ _AOT_SCRIPT = textwrap.dedent(r"""
 """)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90():
     """Every kernel family lowers through Triton's NVIDIA backend to sm_90 PTX
     (no GPU needed) without FMA, flush-to-zero or approximate division; the

@@ -386,6 +386,7 @@ def test_calibrate_link_without_cluster_exits_2(monkeypatch, capsys):
     assert "gradcomp.cluster" in err and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_plan_does_not_import_train_or_cluster():
     code = ("import sys, gradcomp.plan, gradcomp.plan.cli, gradcomp.plan.validate, gradcomp.plan.recommend; "
             "bad = [m for m in sys.modules if m.startswith(('gradcomp.train', 'gradcomp.cluster'))]; "

@@ -197,6 +197,7 @@ def _sync_rank(rank, world_size, config):
     return _np(ps.run(rank, world_size, _mlp, _mse, config))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sync_no_compression_equals_data_parallel_sgd():
     steps, workers, servers = 5, 2, 2
@@ -278,6 +279,7 @@ def _async_convex_rank(rank, world_size, config):
     return _np({"before": before, "after": after, "stats": worker.stats()})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("kind", ["int8", "topk_ef"])
 def test_async_least_squares_reaches_optimum(kind):
@@ -338,6 +340,7 @@ def _slow_rank(rank, world_size, flag_path):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_slow_worker_stale_gradients_dropped(tmp_path):
     out = launch(_slow_rank, 3, args=(str(tmp_path / "slow-done"),), timeout=LAUNCH_TIMEOUT)
@@ -380,6 +383,7 @@ def _failing_rank(rank, world_size, mode, policy, victim, steps):
     return ("finished", worker.stats())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_async_killed_worker_others_finish():
     out = launch(_failing_rank, 4, args=("async", "continue", 2, 20), timeout=LAUNCH_TIMEOUT,
@@ -395,6 +399,7 @@ def test_async_killed_worker_others_finish():
     assert multiprocessing.active_children() == []  # no rank process left behind
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy", ["fail", "continue"])
 def test_sync_worker_failure_policy(policy):
@@ -452,6 +457,7 @@ def _restart_rank(rank, world_size, ckpt_dir, resume, steps):
     return _np({"first": first, "first_version": first_version})
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_server_restart_resumes_from_checkpoint(tmp_path):
     ckpt_dir = str(tmp_path)
@@ -512,6 +518,7 @@ def _garbage_rank(rank, world_size):
     return _np((statuses, x_mid, worker.replica["x"]))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_garbage_payload_rejected_and_counted():
     out = launch(_garbage_rank, 3, timeout=LAUNCH_TIMEOUT)
@@ -560,6 +567,7 @@ def _ratio(out, steps):
     return raw / moved, moved / steps / (len(out) - 1)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_traffic_ratios_from_the_meter():
     steps = 3
@@ -605,6 +613,7 @@ def _overflow_push_rank(rank, world_size):
     return status, after
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_overflowing_fp16_push_is_rejected_not_fatal():
     (reasons, x), (status, after) = launch(_overflow_push_rank, 2, timeout=LAUNCH_TIMEOUT)

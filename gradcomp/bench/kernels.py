@@ -41,8 +41,8 @@ p90 seconds over the rounds, effective bandwidth (bytes read + written by the
 op / median time, GB/s = 1e9 bytes/s), and per backend the ratios against the
 baselines (``x ref`` = reference time / backend time, etc.; ``%copy`` =
 bandwidth / copy bandwidth; for ``quantize_int8_ef``, ``ef/q`` = its time over
-the same backend's plain ``quantize_int8``). The table is printed (rich when
-installed) and everything is written to ``DIR/kernels.json`` together with the
+the same backend's plain ``quantize_int8``). The table is printed as plain
+text within 100 columns, one heading line per case, and everything is written to ``DIR/kernels.json`` together with the
 machine, versions, the command line and the targets check.
 
 Threads: ``1`` runs with ``torch.set_num_threads(1)`` and one native thread
@@ -61,6 +61,7 @@ import math
 import os
 import platform
 import sys
+import textwrap
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -136,6 +137,17 @@ def parse_size(text: str) -> int:
     return v
 
 
+SIZE_FORMS = "an integer >= 1: 1048576, 2**20, 2^20, 1e6, 64K, 16M or 1G (at most 2**62)"
+
+
+def _size_arg(text: str) -> int:
+    """:func:`parse_size` for argparse: a wrong size says which forms are allowed."""
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {SIZE_FORMS}, got {text!r}") from None
+
+
 def _list(text: str, conv=str) -> list:
     return [conv(s) for s in text.split(",") if s.strip()]
 
@@ -147,9 +159,9 @@ def build_parser(prog: str = "gradcomp bench kernels") -> argparse.ArgumentParse
                     "memory copy, the PyTorch reference (eager and torch.compile), torch.topk "
                     "and bitsandbytes; print a table and write JSON.",
     )
-    p.add_argument("--size", type=parse_size, default=None,
+    p.add_argument("--size", type=_size_arg, default=None,
                    help="a single size in elements (overrides --sizes)")
-    p.add_argument("--sizes", type=lambda s: _list(s, parse_size), default=None,
+    p.add_argument("--sizes", type=lambda s: _list(s, _size_arg), default=None,
                    help="comma-separated sizes in elements, e.g. 2**16,2**20,2**24 "
                         "(default: 2**16,2**20,2**24; with --quick: 2**16,2**20)")
     p.add_argument("--dtypes", type=_list, default="float32",
@@ -527,7 +539,7 @@ def run(args) -> dict:
         except ImportError:
             pass
     _ratios(rows)
-    targets = _check_targets(rows)
+    targets = _check_targets(rows, quick)
     return {
         "meta": _meta(args, sizes, repeat, backends, registry),
         "notes": notes,
@@ -624,7 +636,12 @@ def _ratios(rows: list[dict]) -> None:
                     r["time_vs_quantize"] = t / plain["median_s"]
 
 
-def _check_targets(rows: list[dict]) -> list[dict]:
+def _check_targets(rows: list[dict], quick: bool = False) -> list[dict]:
+    """The TARGETS against the CPU backend's rows (float32, 1 thread) at n = TARGET_SIZE.
+
+    Without that size (``--quick``, ``--size``) the largest measured size is shown
+    with ``judged`` False and ``met`` None: the bounds hold at full size only.
+    """
     cpu_rows = [r for r in rows if r["device"] == "cpu" and r["name"] == "cpu" and r["dtype"] == "float32"
                 and r["threads"] == "1"]
     if not cpu_rows:
@@ -638,9 +655,10 @@ def _check_targets(rows: list[dict]) -> list[dict]:
         if not match:
             continue
         v = match[0].get(metric)
-        ok = None if v is None else (v >= bound if cmp == ">=" else v <= bound)
+        judged = n == TARGET_SIZE
+        ok = None if v is None or not judged else (v >= bound if cmp == ">=" else v <= bound)
         out.append({"op": op, "density": density, "n": n, "metric": metric, "target": f"{cmp} {bound}",
-                    "value": v, "met": ok})
+                    "value": v, "met": ok, "judged": judged, "quick": quick})
     return out
 
 
@@ -697,65 +715,96 @@ def _cpu_name() -> str:
 # report
 
 
-def _fmt(v, spec: str) -> str:
-    return "" if v is None else format(v, spec)
-
-
 def _size(n: int) -> str:
     if n and n & (n - 1) == 0:
         return f"2**{n.bit_length() - 1}"
     return str(n)
 
 
-COLUMNS = ("dev", "thr", "op", "dtype", "n", "dens", "name", "median ms", "p10", "p90", "GB/s",
-           "%copy", "x ref", "x compiled", "x topk", "x bnb", "ef/q", "/topk", "/topk+ef")
+#: (header, row key, format) of the report's value columns; a case's device, threads, op,
+#: dtype, size and density head its group of rows instead of repeating on each row.
+COLUMNS = (
+    ("median ms", "median_s", "ms"), ("p10", "p10_s", "ms"), ("p90", "p90_s", "ms"),
+    ("GB/s", "gbps", ".2f"), ("%copy", "vs_copy_bw", "%"),
+    ("x ref", "speedup_vs_reference", ".1f"), ("x comp", "speedup_vs_compiled", ".1f"),
+    ("x topk", "speedup_vs_torch_topk", ".1f"), ("x bnb", "speedup_vs_bitsandbytes", ".1f"),
+    ("ef/q", "time_vs_quantize", ".2f"), ("/topk", "time_vs_topk", ".2f"),
+    ("/topk+ef", "time_vs_topk_ef", ".2f"),
+)
+LEGEND = ("x ref / x comp / x topk / x bnb: time of the reference / torch.compile'd reference / "
+          "torch.topk / bitsandbytes over the backend's; %copy: bandwidth over numpy copy's; "
+          "ef/q: time over the same backend's quantize_int8; /topk, /topk+ef (dgc): time over "
+          "top-k's, and over top-k with error feedback's")
 
 
-def _table_rows(rows: list[dict]) -> list[list[str]]:
-    out = []
+def _cell(v, spec: str) -> str:
+    if v is None:
+        return ""
+    if spec == "ms":  # milliseconds: 4 significant digits from 1 ms up, 0.001 ms below
+        ms = v * 1e3
+        decimals = 3 if ms < 1 else max(0, 3 - int(math.log10(ms)))
+        return f"{ms:.{decimals}f}"
+    if spec == "%":
+        return f"{100 * v:.0f}%"
+    return format(v, spec)
+
+
+def _case_title(r: dict) -> str:
+    dens = "" if r["density"] is None else f"  density {r['density']:g} (k={r['k']})"
+    return f"{r['device']}  threads={r['threads']}  {r['op']}  {r['dtype']}  n={_size(r['n'])}{dens}"
+
+
+def report_lines(rows: list[dict]) -> list[str]:
+    """The result table as plain text lines, every number in full (no truncation).
+
+    One heading line per case (device, threads, op, dtype, size, density), then one
+    line per backend or baseline; columns empty in every row are left out. With the
+    benchmark's names and figures up to 5 integer digits, lines fit 100 columns.
+    """
+    cols = [c for c in COLUMNS if any(r.get(c[1]) is not None for r in rows)]
+    body, titles, prev = [], [], None
     for r in rows:
-        pct = r.get("vs_copy_bw")
-        out.append([
-            r["device"], r["threads"], r["op"], r["dtype"], _size(r["n"]),
-            _fmt(r["density"], "g"), r["name"],
-            _fmt(r["median_s"] * 1e3, ".3f"), _fmt(r["p10_s"] * 1e3, ".3f"), _fmt(r["p90_s"] * 1e3, ".3f"),
-            _fmt(r.get("gbps"), ".2f"), "" if pct is None else f"{100 * pct:.0f}%",
-            _fmt(r.get("speedup_vs_reference"), ".1f"), _fmt(r.get("speedup_vs_compiled"), ".1f"),
-            _fmt(r.get("speedup_vs_torch_topk"), ".1f"), _fmt(r.get("speedup_vs_bitsandbytes"), ".1f"),
-            _fmt(r.get("time_vs_quantize"), ".2f"),
-            _fmt(r.get("time_vs_topk"), ".2f"), _fmt(r.get("time_vs_topk_ef"), ".2f"),
-        ])
+        title = _case_title(r)
+        titles.append(title if title != prev else None)
+        prev = title
+        body.append([r["name"], *(_cell(r.get(key), spec) for _, key, spec in cols)])
+    head = ["name", *(h for h, _, _ in cols)]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+
+    def line(cells):
+        return "  ".join([cells[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(cells[1:], widths[1:]))])
+
+    out = ["gradcomp kernels (median of interleaved rounds)", "  " + line(head)]
+    for title, cells in zip(titles, body):
+        if title is not None:
+            out.append(title)
+        out.append("  " + line(cells).rstrip())
     return out
 
 
-def print_report(result: dict, file=None) -> None:
-    file = file or sys.stdout
-    body = _table_rows(result["rows"])
-    try:
-        from rich.console import Console
-        from rich.table import Table
+def _target_status(t: dict) -> str:
+    if not t.get("judged", True):
+        return "not judged at quick sizes" if t.get("quick") else "not judged at this size"
+    return {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
 
-        table = Table(title="gradcomp kernels (median of interleaved rounds)")
-        for c in COLUMNS:
-            text = c in ("dev", "op", "dtype", "name")
-            table.add_column(c, justify="left" if text else "right", no_wrap=text)
-        for row in body:
-            table.add_row(*row)
-        console = Console(file=file, width=max(160, Console(file=file).width))
-        console.print(table)
-    except ImportError:
-        widths = [max(len(c), *(len(r[i]) for r in body)) if body else len(c) for i, c in enumerate(COLUMNS)]
-        print("  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths)), file=file)
-        for row in body:
-            print("  ".join(v.rjust(w) for v, w in zip(row, widths)), file=file)
+
+def print_report(result: dict, file=None) -> None:
+    """Print the table (:func:`report_lines`), the legend, the targets check and the notes,
+    all within 100 columns (long notes wrap)."""
+    file = file or sys.stdout
+    for text in report_lines(result["rows"]):
+        print(text, file=file)
+    print(textwrap.fill(LEGEND, width=100), file=file)
+    if result["targets"]:  # one size for all: _check_targets measures at one n
+        n = result["targets"][0]["n"]
+        at = "" if n == TARGET_SIZE else f", measured at n={_size(n)}"
+        print(f"targets (cpu backend, float32, 1 thread; defined at n={_size(TARGET_SIZE)}{at}):", file=file)
     for t in result["targets"]:
         v = "n/a" if t["value"] is None else f"{t['value']:.2f}"
-        status = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
         dens = f" density {t['density']}" if t["density"] is not None else ""
-        print(f"target {t['op']}{dens} (cpu, float32, 1 thread, n={_size(t['n'])}): "
-              f"{t['metric']} {t['target']}: {v} -> {status}", file=file)
+        print(f"  {t['op']}{dens} {t['metric']} {t['target']}: {v} -> {_target_status(t)}", file=file)
     for note in result["notes"]:
-        print(f"note: {note}", file=file)
+        print(textwrap.fill(f"note: {note}", width=100, subsequent_indent="  "), file=file)
 
 
 def _check_args(p: argparse.ArgumentParser, args) -> None:
