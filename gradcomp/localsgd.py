@@ -62,7 +62,9 @@ Traffic: the exchanges run on a process group of gradcomp's own (made with
 ``dist.new_group`` over ``group``'s ranks), so they never interleave with the
 user's collectives, also from the background thread. Each fragment's first
 exchange checks that the ranks agree (:mod:`gradcomp.comm.agreement`, 40 bytes
-per peer); later ones rely on every rank running the same schedule. ``meter``
+per peer; from the second fragment on, once, also the previous fragment's
+reduce-scatter messages, replayed as disagreement envelopes); later ones rely
+on every rank running the same schedule. ``meter``
 gets the bytes per phase as :func:`gradcomp.allreduce` records them and one
 :meth:`~gradcomp.TrafficMeter.step` per :meth:`LocalSGD.step`. A ring
 exchange of a fragment of ``n`` elements sends ``2 (N - 1)`` chunk payloads

@@ -71,14 +71,15 @@ def test_sparse_allgather_grows_with_world_size():
 
 
 def test_ps_bytes_by_hand():
-    # 2 servers, 4 tensors of 1000 elements: each shard pushes a 64-byte header,
-    # an 8 + 2 * 8 byte size table and two int8 payloads (48 + 16 + 1000)
+    # 2 servers, 4 tensors of 1000 elements: each shard pushes one ZeroMQ message,
+    # an 80-byte header frame (+ 2 bytes of ZMTP frame header) and a data frame
+    # (+ 9): an 8 + 2 * 8 byte size table and two int8 payloads (48 + 16 + 1000)
     b = ps_bytes(CODECS["int8"], 4000, servers=2, tensors=4, compress_pull=False)
-    push_shard = 64 + 8 + 16 + 2 * (48 + 16 + 1000)
-    pull_shard = 64 + 8 + 16 + 2 * (48 + 4000)
+    push_shard = 82 + 9 + 8 + 16 + 2 * (48 + 16 + 1000)
+    pull_shard = 82 + 9 + 8 + 16 + 2 * (48 + 4000)
     assert (b["push"], b["pull"], b["push_shard"]) == (2 * push_shard, 2 * pull_shard, push_shard)
-    assert b["sent"] == 2 * push_shard + 2 * 64  # + the pull requests
-    assert b["received"] == 2 * pull_shard + 2 * 64  # + the push replies
+    assert b["sent"] == 2 * push_shard + 2 * 82  # + the pull requests
+    assert b["received"] == 2 * pull_shard + 2 * 82  # + the push replies
 
 
 @pytest.mark.slow
@@ -252,7 +253,7 @@ def test_async_server_bound_and_staleness(profile):
     # server-bound: one server, its link takes one push shard per push_shard / beta seconds
     s = Setting(nodes=8, link_bytes_per_s=1e6, params=250_000, compute_s=1e-3, apply_s=0.0)
     p = async_throughput(CODECS["int8"], s, profile)
-    push = 64 + 8 + 8 + 48 + 4 * 977 + 250_000
+    push = 82 + 9 + 8 + 8 + 48 + 4 * 977 + 250_000  # header frame and framed data frame: the bundle
     assert p.throughput == pytest.approx(1e6 / push)
     assert "server-bound" in p.notes
 

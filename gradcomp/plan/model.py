@@ -63,7 +63,8 @@ step time (the time study's ``wait / step time``, averaged over workers).
 
 **Parameter server** (:mod:`gradcomp.ps`; ``S`` server shards holding ``n / S``
 elements each): a worker's step is compute, compress, push (to each shard:
-64-byte header + bundle of payloads; a 64-byte reply), the server's work,
+one ZeroMQ message: an 80-byte header frame + a bundle of payloads, each
+frame with its ZMTP frame header; a header-only reply), the server's work,
 pull (request header; reply header + a full float32 or a compressed delta
 bundle), decompress: ``6 S`` messages. A server receives one push shard from
 every worker, so in a synchronous round its ingress ``N push_shard / beta``
@@ -100,6 +101,7 @@ from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.compressors import BF16, FP16, Int8Quantizer, NoCompression, TopK
 from gradcomp.plan.lognormal import expected_max
 from gradcomp.plan.profile import Profile
+from gradcomp.ps import protocol as _ps_protocol
 
 __all__ = [
     "Codec", "CODECS", "CODEC_NAMES", "ALGORITHMS", "MODES", "Setting", "Prediction",
@@ -109,8 +111,9 @@ __all__ = [
     "MIN_COMPRESS_NUMEL",
 ]
 
-#: parameter-server control header (:data:`gradcomp.ps.protocol.HEADER_NBYTES`: 8 int64)
-PS_HEADER_NBYTES = 64
+#: a parameter-server message without data on the wire: the 80-byte header frame
+#: plus its ZMTP frame header (:func:`gradcomp.ps.protocol.message_nbytes`)
+PS_HEADER_NBYTES = _ps_protocol.message_nbytes()
 #: one payload size in the sparse allgather's size exchange (int64)
 SIZE_NBYTES = 8
 #: DDP's bucket_cap_mb default (25 MiB) and its first bucket (1 MiB)
@@ -250,10 +253,11 @@ def ps_bytes(c: Codec, numel: int, servers: int, tensors: int = 1, compress_pull
 
     The gradient of ``numel`` elements in ``tensors`` equal parameter tensors
     is split over ``servers`` shards (whole tensors, balanced; at least one per
-    server). Push: per shard a 64-byte header plus a bundle ``8 + 8 count``
-    bytes of sizes and each tensor's payload; reply: a 64-byte header. Pull: a
-    64-byte request, a 64-byte reply header and a bundle of full float32
-    payloads or (``compress_pull``) compressed deltas.
+    server). Push: per shard a message (:data:`PS_HEADER_NBYTES` and a data
+    frame: a bundle ``8 + 8 count`` bytes of sizes and each tensor's payload,
+    plus its ZMTP frame header); reply: a header-only message. Pull: a
+    header-only request and a reply with a bundle of full float32 payloads or
+    (``compress_pull``) compressed deltas.
 
     Returns:
         ``{"push": bytes sent, "pull": bytes received, "push_shard": largest
@@ -264,8 +268,9 @@ def ps_bytes(c: Codec, numel: int, servers: int, tensors: int = 1, compress_pull
     per = -(-numel // tensors)
     counts = [tensors // servers + (1 if s < tensors % servers else 0) for s in range(servers)]
     raw = CODECS["none"]
-    push = [PS_HEADER_NBYTES + 8 + 8 * k + k * _wire(c, per) for k in counts]
-    pull = [PS_HEADER_NBYTES + 8 + 8 * k + k * _wire(c if compress_pull else raw, per) for k in counts]
+    push = [_ps_protocol.message_nbytes(8 + 8 * k + k * _wire(c, per)) for k in counts]
+    pull = [_ps_protocol.message_nbytes(8 + 8 * k + k * _wire(c if compress_pull else raw, per))
+            for k in counts]
     sent = sum(push) + servers * PS_HEADER_NBYTES  # + pull requests
     received = sum(pull) + servers * PS_HEADER_NBYTES  # + push replies
     return {"push": sum(push), "pull": sum(pull), "push_shard": max(push), "pull_shard": max(pull),
