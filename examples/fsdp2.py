@@ -10,6 +10,7 @@ Run: python examples/fsdp2.py [--steps 60] [--allgather]
 """
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import gradcomp as gc
-from gradcomp.launch import launch
+from gradcomp.cluster import launch_on, link_argument
 
 DIM, HIDDEN, CLASSES, BATCH = 64, 512, 10, 64
 
@@ -52,6 +53,8 @@ def train(rank, world_size, steps, compress, allgather):
                            allgather=gc.Int8Quantizer() if allgather else None)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses = []
+    dist.barrier()
+    t0 = time.perf_counter()
     for step in range(steps):
         x, y = batch(rank, step)
         opt.zero_grad()
@@ -62,7 +65,8 @@ def train(rank, world_size, steps, compress, allgather):
         dist.all_reduce(avg)
         losses.append(avg.item() / world_size)
     err = rs.allgather.max_relative_error if rs is not None and rs.allgather is not None else None
-    return {"losses": losses, "phases": meter.as_dict()["phases"], "allgather_error": err}
+    return {"losses": losses, "phases": meter.as_dict()["phases"], "allgather_error": err,
+            "seconds_per_step": (time.perf_counter() - t0) / steps}
 
 
 def worker(rank, world_size, steps, allgather):
@@ -75,10 +79,23 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--allgather", action="store_true", help="also all-gather parameters in 8 bits (forward)")
+    ap.add_argument("--link", default="none",
+                    help="none (loopback) or a rate such as 100mbit: the two ranks in an emulated "
+                         "cluster (gradcomp.cluster; needs root and iproute2)")
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps must be >= 1")
-    plain, ours = launch(worker, 2, (args.steps, args.allgather))[0]
+    try:
+        link = link_argument(args.link)
+    except ValueError as e:
+        ap.error(f"--link: {e}")
+    out, info = launch_on(link, worker, 2, (args.steps, args.allgather), timeout=1200)
+    plain, ours = out[0]
+    where = ("loopback" if not info["configured_bps"] else
+             f"link {info['name']} (achieved {info['achieved_bps'] / 1e6:.1f} Mbit/s)")
+    print(f"2 ranks, {where}: {1e3 * plain['seconds_per_step']:.1f} ms per step with FSDP2's own "
+          f"collectives, {1e3 * ours['seconds_per_step']:.1f} ms with gradcomp's "
+          f"({plain['seconds_per_step'] / ours['seconds_per_step']:.2f}x)")
     print("step  loss FSDP2  loss gradcomp")
     for s in range(0, args.steps, max(1, args.steps // 10)):
         print(f"{s:4d}  {plain['losses'][s]:10.4f}  {ours['losses'][s]:13.4f}")
