@@ -31,7 +31,8 @@ from gradcomp.compressors import NoCompression
 from gradcomp.train.common import RankLog
 from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, worker_batches
-from gradcomp.train.model import evaluate, make_model
+from gradcomp.train.model import evaluate
+from gradcomp.train.workloads import batch_loss, build_model
 
 __all__ = ["async_world_size", "train_async_rank"]
 
@@ -79,7 +80,7 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     models: list[nn.Module] = []
 
     def model_fn() -> nn.Module:
-        models.append(make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes))
+        models.append(build_model(cfg, data))
         return models[-1]
 
     log = RankLog(rank, role="server" if rank == 0 else "worker")
@@ -89,7 +90,7 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
 
     def loss_fn(model: nn.Module, step: int, worker_index: int) -> torch.Tensor:
         idx = batches[step]
-        return nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+        return batch_loss(model, data.x_train[idx], data.y_train[idx])
 
     def on_step(step: int, loss: float, worker, result) -> None:
         first = index == 0
