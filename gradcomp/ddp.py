@@ -122,7 +122,9 @@ class GradCompState:
     a process group of its own with ``dist.new_group(ranks,
     use_local_synchronization=True)``), then register it with
     ``ddp_model.register_comm_hook(state, compressed_allreduce_hook)``. Use
-    one state per DDP model.
+    one state per DDP model. Created before ``torch.distributed`` is
+    initialised (to hand to Lightning's ``DDPStrategy(ddp_comm_state=...)``),
+    it makes its group at the first bucket instead, on every rank at once.
 
     Args:
         process_group: the group DDP reduces over (default: the world).
@@ -154,7 +156,6 @@ class GradCompState:
 
     Raises:
         TypeError / ValueError: a bad setting (the message gives the reason).
-        RuntimeError: torch.distributed is not initialised.
     """
 
     _PICKLED = ("compressor", "error_feedback", "algorithm", "min_compress_numel", "start_iter",
@@ -201,9 +202,6 @@ class GradCompState:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
                             f"got {type(process_group).__name__}")
-        if not dist.is_initialized():
-            raise RuntimeError("GradCompState needs torch.distributed initialised first "
-                               "(dist.init_process_group)")
         self.process_group = process_group
         self.compressor = compressor
         self.error_feedback = error_feedback
@@ -216,7 +214,10 @@ class GradCompState:
         self.iter = 0
         self.residuals: dict[int, torch.Tensor] = {}
         self._init_runtime()
-        self._ensure_group()
+        if dist.is_initialized():
+            self._ensure_group()
+        # else at the first bucket: a trainer that starts the process group
+        # itself (Lightning's DDPStrategy(ddp_comm_state=...)) gets the state first
 
     # ---- runtime (not pickled) ------------------------------------------------
     def _init_runtime(self) -> None:

@@ -99,7 +99,7 @@ class CharGPT(nn.Module):
         dim, layers, heads: width, depth and attention heads (``dim % heads == 0``).
     """
 
-    def __init__(self, vocab: int, block: int, dim: int = 128, layers: int = 4, heads: int = 4):
+    def __init__(self, vocab: int, block: int, dim: int = 128, layers: int = 2, heads: int = 4):
         super().__init__()
         if dim % heads:
             raise ValueError(f"dim ({dim}) must be a multiple of heads ({heads})")

@@ -10,10 +10,10 @@ name               model, data                            parameters  steps  bat
 digits-mlp         MLP 64-384-256-10, sklearn digits 8x8     126,090    350     64  0.1
 mnist-cnn          2 conv + 2 dense, 5,000 MNIST 28x28       215,370    300     32  0.05
 cifar10-resnet18   ResNet-18 (CIFAR), CIFAR-10 --data-dir  11,173,962    390     32  0.05
-text-gpt           4-layer char GPT, --data-file text        ~0.8 M [1]  300     16  0.1
+text-gpt           2-layer char GPT, --data-file text        ~0.4 M [1]  300     16  0.1
 =================  =====================================  ==========  =====  =====  ====
 
-[1] 801,536 + 257 x vocabulary parameters (the vocabulary: the text's distinct characters).
+[1] 404,992 + 257 x vocabulary parameters (the vocabulary: the text's distinct characters).
 
 Samples: an image classifier's sample is one image; ``text-gpt``'s is one
 window of :data:`gradcomp.train.textdata.BLOCK` characters (its targets: the
