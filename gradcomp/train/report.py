@@ -224,7 +224,8 @@ def write_json(study: StudyResult, path: str, studies: list[StudyResult] | None 
     studies = studies or [study]
     doc = {
         "config": study.config.as_dict(),
-        "dataset": {"name": "sklearn digits", "train_samples": study.train_samples,
+        "dataset": {"name": "sklearn digits" if study.config.workload == "digits-mlp"
+                    else study.config.workload, "train_samples": study.train_samples,
                     "test_samples": study.test_samples,
                     "granularity_pp": granularity_pp(study.test_samples)},
         "model": {"layers": [64, *study.config.hidden, 10], "parameters": study.num_parameters},
