@@ -7,7 +7,6 @@ import gzip
 import math
 import os
 import pickle
-import re
 import subprocess
 import sys
 
