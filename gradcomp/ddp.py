@@ -123,7 +123,9 @@ class GradCompState:
     a process group of its own with ``dist.new_group(ranks,
     use_local_synchronization=True)``), then register it with
     ``ddp_model.register_comm_hook(state, compressed_allreduce_hook)``. Use
-    one state per DDP model.
+    one state per DDP model. Created before ``torch.distributed`` is
+    initialised (to hand to Lightning's ``DDPStrategy(ddp_comm_state=...)``),
+    it makes its group at the first bucket instead, on every rank at once.
 
     Args:
         process_group: the group DDP reduces over (default: the world).
@@ -176,7 +178,6 @@ class GradCompState:
 
     Raises:
         TypeError / ValueError: a bad setting (the message gives the reason).
-        RuntimeError: torch.distributed is not initialised.
     """
 
     _PICKLED = ("compressor", "error_feedback", "algorithm", "min_compress_numel", "start_iter",
@@ -242,9 +243,6 @@ class GradCompState:
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
                             f"got {type(process_group).__name__}")
-        if not dist.is_initialized():
-            raise RuntimeError("GradCompState needs torch.distributed initialised first "
-                               "(dist.init_process_group)")
         self.process_group = process_group
         self.compressor = compressor
         self.error_feedback = error_feedback
@@ -260,8 +258,11 @@ class GradCompState:
         #: the adaptive policy (compressor "auto" or a gradcomp.Adaptive), else None
         self.adaptive = compressor if isinstance(compressor, Adaptive) else None
         self._init_runtime()
-        self._ensure_group()
-        if dgc is not None and dgc.world_size is None:
+        if dist.is_initialized():
+            self._ensure_group()
+        # else at the first bucket: a trainer that starts the process group
+        # itself (Lightning's DDPStrategy(ddp_comm_state=...)) gets the state first
+        if dgc is not None and dgc.world_size is None and self._group is not None:
             dgc.world_size = dist.get_world_size(self._group)
         self.dgc = dgc
 
@@ -281,6 +282,9 @@ class GradCompState:
             self._group = dist.new_group(
                 dist.get_process_group_ranks(pg), backend=dist.get_backend(pg),
                 timeout=datetime.timedelta(seconds=self.timeout), use_local_synchronization=True)
+            dgc = getattr(self, "dgc", None)
+            if dgc is not None and dgc.world_size is None:
+                dgc.world_size = dist.get_world_size(self._group)
         return self._group
 
     @property

@@ -10,7 +10,10 @@ test accuracy, wall time) come from the compressor alone.
 Modules: :mod:`~gradcomp.train.data` (split, sharding), :mod:`~gradcomp.train.model`,
 :mod:`~gradcomp.train.config` (settings, compressor menu), :mod:`~gradcomp.train.sync`,
 :mod:`~gradcomp.train.async_`, :mod:`~gradcomp.train.local` (per-rank loops), :mod:`~gradcomp.train.study` (the grid),
-:mod:`~gradcomp.train.report` (table, JSON, CSV, PNG), :mod:`~gradcomp.train.command` (CLI).
+:mod:`~gradcomp.train.report` (table, JSON, CSV, PNG), :mod:`~gradcomp.train.command` (CLI),
+:mod:`~gradcomp.train.workloads` (``--workload``: digits-mlp, mnist-cnn, cifar10-resnet18,
+text-gpt; their data in :mod:`~gradcomp.train.mnist`, :mod:`~gradcomp.train.cifar`,
+:mod:`~gradcomp.train.textdata`, their models in :mod:`~gradcomp.train.nets`).
 
 Command line (``gradcomp train`` or ``python -m gradcomp.train``)::
 

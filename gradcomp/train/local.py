@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from gradcomp.localsgd import LocalSGD
 from gradcomp.meter import TrafficMeter
@@ -43,7 +42,7 @@ from gradcomp.timeline import Timeline, now
 from gradcomp.train.common import RankLog
 from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, worker_batches
-from gradcomp.train.model import make_model
+from gradcomp.train.workloads import batch_loss, build_model
 from gradcomp.train.timing import ComputeDelay
 
 __all__ = ["train_local_rank", "LOCAL"]
@@ -69,7 +68,7 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     if world_size != cfg.workers:
         raise ValueError(f"local mode needs {cfg.workers} ranks (one per worker), got {world_size}")
     choice = COMPRESSORS[compressor]
-    model = make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes)
+    model = build_model(cfg, data)
     meter = TrafficMeter()
     timeline = Timeline()
     ls = LocalSGD(model, sync_every=cfg.sync_every, compressor=choice.build(cfg.threshold),
@@ -85,7 +84,7 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     for step, idx in enumerate(batches, 1):
         t0 = now()
         timeline.begin_step(t0)
-        loss = nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+        loss = batch_loss(model, data.x_train[idx], data.y_train[idx])
         with timeline.span("delay"):  # a slow worker reaches the synchronisation late
             slept = delay.sleep(step, now() - t0)
         opt.zero_grad(set_to_none=True)

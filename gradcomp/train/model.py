@@ -33,13 +33,25 @@ def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+#: Samples per forward pass of :func:`evaluate`.
+EVAL_BATCH = 500
+
+
 @torch.no_grad()
-def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-    """Mean cross-entropy loss and accuracy (fraction in [0, 1]) of ``model`` on ``(x, y)``."""
+def evaluate(model: nn.Module, x, y) -> tuple[float, float]:
+    """Mean cross-entropy loss and accuracy (fraction in [0, 1]) of ``model`` on
+    ``(x, y)``, over every prediction: logits ``(n, C)`` for labels ``(n,)``, or
+    ``(n, T, C)`` for next-token targets ``(n, T)``. ``x`` and ``y`` are tensors
+    or views sliced like them; :data:`EVAL_BATCH` samples per forward pass."""
     was_training = model.training
     model.eval()
-    logits = model(x)
-    loss = float(nn.functional.cross_entropy(logits, y))
-    acc = float((logits.argmax(dim=1) == y).float().mean())
+    loss_sum, correct, count = 0.0, 0, 0
+    for i in range(0, len(y), EVAL_BATCH):
+        logits = model(x[i:i + EVAL_BATCH])
+        logits = logits.reshape(-1, logits.shape[-1])
+        target = y[i:i + EVAL_BATCH].reshape(-1)
+        loss_sum += float(nn.functional.cross_entropy(logits, target, reduction="sum"))
+        correct += int((logits.argmax(dim=1) == target).sum())
+        count += target.numel()
     model.train(was_training)
-    return loss, acc
+    return loss_sum / count, correct / count

@@ -82,8 +82,14 @@ def title(study: StudyResult) -> str:
     if "local" in modes:
         streaming = f", {c.fragments} fragments, overlap {c.overlap}" if c.fragments > 1 or c.overlap else ""
         algorithm += f", local: sync every {c.sync_every} steps, outer {c.outer}{streaming}"
-    return (f"digits ({study.train_samples} train / {study.test_samples} test), "
-            f"MLP {'-'.join(map(str, (64, *c.hidden, 10)))} ({study.num_parameters:,} params), "
+    what = (f"digits ({study.train_samples} train / {study.test_samples} test), "
+            f"MLP {'-'.join(map(str, (64, *c.hidden, 10)))} ({study.num_parameters:,} params)")
+    if c.workload != "digits-mlp":
+        from gradcomp.train.workloads import describe
+
+        what = (f"{c.workload}: {describe(c, study.num_parameters)}, {study.train_samples} train / "
+                f"{study.test_samples} test samples")
+    return (f"{what}, "
             f"{c.workers} workers x batch {c.batch_size}, {c.steps} steps, SGD lr {c.lr:g}"
             f"{per_push} momentum {c.momentum:g}, seed {c.seed}{algorithm}")
 
@@ -123,7 +129,9 @@ def table(study: StudyResult):
     from gradcomp.train.decision import aggregate
 
     t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-    headers = ("mode", "compressor", "bytes/step", "reduction", "test acc", "gap (pp)",
+    perplexity = _perplexities(study) if study.config.workload == "text-gpt" else None
+    headers = ("mode", "compressor", "bytes/step", "reduction", "test acc",
+               *(("perplexity",) if perplexity else ()), "gap (pp)",
                "step ms", "idle", "exp comm", "to target s", "wall s")
     for header in headers:
         t.add_column(header, justify="left" if header in ("mode", "compressor") else "right",
@@ -147,10 +155,23 @@ def table(study: StudyResult):
                      f"{pm(a.time_to_target_s, None, '.2f')} ({a.reached}/{a.seeds})"))
         t.add_row(
             a.mode, a.label, f"{a.bytes_per_worker_per_step:,.0f}", f"{a.reduction_x:.2f}x",
-            pm(a.accuracy, a.accuracy_ci, ".2f", "%"), pm(a.gap_pp, a.gap_ci, "+.2f"),
+            pm(a.accuracy, a.accuracy_ci, ".2f", "%"),
+            *((pm(perplexity[(a.scenario, a.mode, a.compressor)], None, ".2f"),) if perplexity else ()),
+            pm(a.gap_pp, a.gap_ci, "+.2f"),
             pm(1e3 * a.step_time_median_s, None, ".1f"), pm(100 * a.idle_share, None, ".0f", "%"),
             pm(100 * a.exposed_comm_share, None, ".0f", "%"), ttt, f"{a.wall_s:.1f}")
     return t
+
+
+def _perplexities(study: StudyResult) -> dict[tuple, float]:
+    """Mean test perplexity over seeds per (scenario, mode, compressor) (``exp`` of each run's test loss)."""
+    from gradcomp.train.workloads import perplexity
+
+    groups: dict[tuple, list[float]] = {}
+    for r in study.runs:
+        key = (r.scenario.get("name", "loopback"), r.mode, r.compressor)
+        groups.setdefault(key, []).append(perplexity(r.test_loss))
+    return {k: sum(v) / len(v) for k, v in groups.items()}
 
 
 def json_ready(x):
@@ -170,6 +191,10 @@ def run_record(r: RunResult, study: StudyResult) -> dict:
     t = r.time
     c = study.config
     d = dict(asdict(r), test_accuracy_pct=100 * r.test_accuracy)
+    if c.workload == "text-gpt":
+        from gradcomp.train.workloads import perplexity
+
+        d["test_perplexity"] = perplexity(r.test_loss)
     d.update({
         "algorithm": "allgather" if COMPRESSORS[r.compressor].sparse else c.algorithm,
         "world_size": r.workers + (1 if r.mode == "async" else 0),
@@ -199,7 +224,8 @@ def write_json(study: StudyResult, path: str, studies: list[StudyResult] | None 
     studies = studies or [study]
     doc = {
         "config": study.config.as_dict(),
-        "dataset": {"name": "sklearn digits", "train_samples": study.train_samples,
+        "dataset": {"name": "sklearn digits" if study.config.workload == "digits-mlp"
+                    else study.config.workload, "train_samples": study.train_samples,
                     "test_samples": study.test_samples,
                     "granularity_pp": granularity_pp(study.test_samples)},
         "model": {"layers": [64, *study.config.hidden, 10], "parameters": study.num_parameters},

@@ -46,7 +46,6 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable
 
 import torch
-from torch import nn
 
 from gradcomp.launch import launch
 from gradcomp.meter import TrafficMeter
@@ -55,8 +54,9 @@ from gradcomp.train.common import RankLog, counted_bytes
 from gradcomp.train.config import ALL_MODES, COMPRESSORS, TOPK_RATIO, TrainConfig
 from gradcomp.train.scenarios import Scenario
 from gradcomp.train.timing import server_queue, summarize_time, time_to_target
-from gradcomp.train.data import Digits, load_digits_split, steps_per_epoch, worker_batches
-from gradcomp.train.model import make_model, num_parameters
+from gradcomp.train.data import Digits, steps_per_epoch, worker_batches
+from gradcomp.train.model import num_parameters
+from gradcomp.train.workloads import batch_loss, build_model, load_split
 from gradcomp.train.local import train_local_rank
 from gradcomp.train.sync import train_sync_rank
 
@@ -155,10 +155,10 @@ def calibrate_threshold(cfg: TrainConfig, data: Digits | None = None) -> float:
     ``|g|`` over every entry of worker 0's gradient at the first step
     (see the module docstring)."""
     if data is None:
-        data = load_digits_split(cfg.test_fraction, cfg.seed)
-    model = make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes)
+        data = load_split(cfg)
+    model = build_model(cfg, data)
     idx = next(worker_batches(len(data.y_train), cfg.workers, 0, cfg.batch_size, cfg.seed, 1))
-    nn.functional.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
+    batch_loss(model, data.x_train[idx], data.y_train[idx]).backward()
     g = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).abs()
     k = max(1, math.ceil(TOPK_RATIO * g.numel()))
     return float(g.kthvalue(g.numel() - k + 1).values)
@@ -443,7 +443,7 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
     datas, cfgs = [], []
     for i in range(seeds):
         c = replace(cfg, seed=cfg.seed + i)
-        data = load_digits_split(c.test_fraction, c.seed)
+        data = load_split(c)
         if steps_per_epoch(len(data.y_train), c.workers, c.batch_size) < 1:
             raise ValueError(f"a global batch of {c.workers} workers x {c.batch_size} samples exceeds "
                              f"the {len(data.y_train)} training samples")
@@ -452,8 +452,7 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
         datas.append(data)
         cfgs.append(c)
     jobs = [(c, name, i) for i, c in enumerate(cfgs) for name in names]
-    params = num_parameters(make_model(cfg.seed, cfg.hidden, datas[0].num_features,
-                                       datas[0].num_classes))
+    params = num_parameters(build_model(cfg, datas[0]))
     distributed = in_torchrun()
     own_group = False
     if distributed:

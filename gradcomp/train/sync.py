@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp.meter import TrafficMeter
@@ -29,7 +28,7 @@ from gradcomp.train.common import RankLog, param_digest
 from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, worker_batches
 from gradcomp.train.dgc import dgc_compressor, optimizer_momentum
-from gradcomp.train.model import make_model
+from gradcomp.train.workloads import batch_loss, build_model
 from gradcomp.train.timing import ComputeDelay
 
 __all__ = ["train_sync_rank"]
@@ -54,7 +53,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
     if world_size != cfg.workers:
         raise ValueError(f"sync mode needs {cfg.workers} ranks (one per worker), got {world_size}")
     choice = COMPRESSORS[compressor]
-    model = make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes)
+    model = build_model(cfg, data)
     ddp = DistributedDataParallel(model)
     meter = TrafficMeter()
     timeline = Timeline()
@@ -84,7 +83,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         t0 = now()
         timeline.begin_step(t0)
         delay.begin(step, t0)
-        loss = nn.functional.cross_entropy(ddp(data.x_train[idx]), data.y_train[idx])
+        loss = batch_loss(ddp, data.x_train[idx], data.y_train[idx])
         opt.zero_grad(set_to_none=True)
         loss.backward()  # returns when DDP has waited for every bucket's collective
         timeline.mark("backward_end")
