@@ -52,16 +52,19 @@ def test_matches_the_recorded_study_bytes():
     # README's default study: 126,090 parameters, 4 workers, bytes sent per worker
     # per step as the TrafficMeter counted them (mean over the 4 workers)
     for name, alg, measured in (("none", "ring", 756_828), ("fp16", "ring", 378_558),
-                                ("int8", "ring", 192_399), ("topk-ef", "allgather", 30_588),
-                                ("topk-int8-ef", "allgather", 19_299)):
+                                ("int8", "ring", 192_399), ("topk-ef", "allgather", 19_500),
+                                ("topk-int8-ef", "allgather", 8_211)):
         sent = [allreduce_bytes(CODECS[name], alg, 126_090, 4, r)[0] for r in range(4)]
         assert sum(sent) / 4 == measured, name
 
 
 def test_sparse_allgather_grows_with_world_size():
-    # top-k 1% of 10,000: k = 100; payload = header 48 + 400 bytes of int32 indices
-    # + nested raw values (48 + 400); each rank forwards N - 1 payloads plus N - 1 sizes
-    p = 48 + 400 + 48 + 400
+    # top-k 1% of 10,000: k = 100; indices Elias-Fano coded (smaller than 400 bytes of
+    # int32): L = floor(log2(10000 / 100)) = 6 low bits, ceil(100 * 6 / 8) = 75 bytes, then
+    # ceil((100 + (9999 >> 6)) / 8) = 32 bytes of unary high parts: 107, padded to 112;
+    # payload = header 48 + 112 + nested raw values (48 + 400); each rank forwards
+    # N - 1 payloads plus N - 1 sizes
+    p = 48 + 112 + 48 + 400
     for n in (2, 4, 8, 64):
         assert allreduce_bytes(CODECS["topk-ef"], "allgather", 10_000, n) == ((n - 1) * (p + 8),) * 2
     dense = [allreduce_bytes(CODECS["int8"], "ring", 10**6, n)[0] for n in (8, 64, 512)]
@@ -324,11 +327,13 @@ def test_validate_against_hand_computed_predictions(tmp_path, profile):
 
 
 def test_validate_reads_threshold_density_from_bytes(profile):
-    # 2 ranks, 40,000 elements, threshold kept k = 1000: payload 48 + 4000 + 48 + 4000 bytes
+    # 2 ranks, 40,000 elements, threshold kept k = 1000: Elias-Fano indices with
+    # L = floor(log2(40)) = 5: ceil(5000 / 8) = 625 + ceil((1000 + (39999 >> 5)) / 8) = 282
+    # bytes = 907, padded to 912; payload 48 + 912 + 48 + 4000 bytes, + an 8-byte size
     run = _run(compressor="threshold-ef", algorithm="allgather", world_size=2,
-               bytes_per_worker_step=8096 + 8)
+               bytes_per_worker_step=5008 + 8)
     out = validate_runs({"runs": [run]}, profile)
-    assert out["rows"][0]["bytes"]["predicted"] == 8096 + 8
+    assert out["rows"][0]["bytes"]["predicted"] == 5008 + 8
 
 
 def test_validate_command(tmp_path, capsys):

@@ -34,7 +34,7 @@ import json
 import os
 import statistics
 
-from gradcomp.plan.model import CODECS, MODES, SIZE_NBYTES, Codec, Setting, predict
+from gradcomp.plan.model import CODECS, MODES, Codec, Setting, allreduce_bytes, predict
 from gradcomp.plan.profile import Profile
 
 __all__ = ["load_results", "validate_runs", "REQUIRED_KEYS"]
@@ -98,9 +98,16 @@ def _codec(run: dict) -> Codec:
     sent = run.get("bytes_per_worker_step")
     n, world = int(run["params"]), int(run["world_size"])
     if c.kind == "threshold" and run["mode"] == "sync" and sent and world > 1:
-        # one payload: header 48 + 4k indices (padded) + nested raw values 48 + 4k
-        k = (sent / (world - 1) - SIZE_NBYTES - 96) / 8
-        return c.with_density(min(1.0, max(1.0 / n, k / n)))
+        # the kept count k whose allgather bytes match the measured ones (the
+        # payload's size grows with k; its index section's coding depends on n and k)
+        lo, hi = 1, n
+        while lo < hi:
+            k = (lo + hi) // 2
+            if allreduce_bytes(c.with_density(k / n), "allgather", n, world)[0] < sent:
+                lo = k + 1
+            else:
+                hi = k
+        return c.with_density(lo / n)
     return c
 
 

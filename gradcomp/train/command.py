@@ -466,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
             return fail(str(e), 2)
     console = Console(quiet=not lead)
     if not console.is_terminal:
-        console = Console(quiet=not lead, width=max(console.width, 120))
+        console = Console(quiet=not lead, width=max(console.width, 132))
     status = _run_and_report(args, cfg, modes, scenarios, lead, console, fail)
     if status != 0 and made is not None:
         try:
