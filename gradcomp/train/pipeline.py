@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradcomp.train.config import COMPRESSORS
+from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, load_digits_split, worker_batches
 from gradcomp.train.model import DEFAULT_HIDDEN, evaluate, make_model
 from gradcomp.train.pipeline_args import PIPELINE_SCHEDULES, add_pipeline_arguments
@@ -434,9 +434,11 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
     if workers is None:  # one replica, or what a torchrun job holds
         workers = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ \
             else args.stages
+    d = TrainConfig()  # the study's model and data: its default steps, batch and lr
     return PipelineConfig(stages=args.stages, workers=workers, microbatches=micro,
-                          schedules=schedules, compressors=compressors, steps=args.steps,
-                          batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
+                          schedules=schedules, compressors=compressors,
+                          steps=args.steps or d.steps, batch_size=args.batch_size or d.batch_size,
+                          lr=args.lr or d.lr, momentum=args.momentum,
                           seed=args.seed, hidden=hidden, vertical_sync=args.vertical_sync,
                           timeout=args.timeout)
 
