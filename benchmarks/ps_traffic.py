@@ -35,14 +35,7 @@ import torch.distributed as dist
 
 import gradcomp as gc
 from gradcomp import ps
-from gradcomp.cluster import format_rate, launch_on, link_argument, requirements_missing
-
-
-def _link(text: str) -> str:
-    try:
-        return link_argument(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+from gradcomp.cluster import format_rate, jitter_type, launch_on, link_type, requirements_missing
 
 SHAPES = {"w1": (300, 256), "b1": (300,), "w2": (100, 300), "b2": (100,)}
 KEYS = ("bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received")
@@ -114,10 +107,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--servers", type=int, default=1)
     p.add_argument("--json", default=None, help="also write the rows to this file")
-    p.add_argument("--link", type=_link, default="none",
+    p.add_argument("--link", type=link_type, default="none",
                    help="none (loopback, default) or a rate such as 100mbit: every rank in its own "
                         "network namespace of an emulated cluster (needs root and iproute2)")
-    p.add_argument("--link-jitter", type=float, default=0.0, help="the cluster's rate_jitter (default 0)")
+    p.add_argument("--link-jitter", type=jitter_type, default=0.0, help="the cluster's rate_jitter (default 0)")
     args = p.parse_args(argv)
     if args.link != "none" and requirements_missing() is not None:
         p.error(f"--link {args.link} needs the emulated cluster: {requirements_missing()}")

@@ -70,7 +70,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 __all__ = ["LocalCluster", "ClusterError", "parse_rate", "format_rate", "requirements_missing",
-           "leftovers", "remove_leftovers", "measure_link", "launch_on", "link_argument", "LINKS",
+           "leftovers", "remove_leftovers", "measure_link", "launch_on", "link_argument", "link_type", "jitter_type",
+           "LINKS",
            "PREFIX", "IFNAME"]
 
 #: Every namespace a cluster makes is named ``PREFIX<pid>-<n>-<role>``.
@@ -135,6 +136,29 @@ def link_argument(text: str) -> str:
         return format_rate(parse_rate(text))
     except ValueError as e:
         raise ValueError(f"{e}; or none (the unshaped loopback)") from None
+
+
+def link_type(text: str) -> str:
+    """:func:`link_argument` as an ``argparse`` type (the reason in the usage error)."""
+    import argparse
+
+    try:
+        return link_argument(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def jitter_type(text: str) -> float:
+    """A ``--link-jitter`` fraction in [0, 1) as an ``argparse`` type."""
+    import argparse
+
+    try:
+        val = float(text)
+    except ValueError:
+        val = -1.0
+    if not 0 <= val < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return val
 
 
 def requirements_missing() -> str | None:

@@ -76,6 +76,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from gradcomp.cluster import jitter_type, link_type
+
 __all__ = ["main", "run", "method_names"]
 
 _MATRIX = 1024  # PowerSGD sees the data as _MATRIX x _MATRIX matrices
@@ -382,29 +384,11 @@ def _table(rows) -> str:
 
 
 def _links(text: str) -> list[str]:
-    from gradcomp.cluster import link_argument
-
-    out = []
-    for t in (t.strip() for t in text.split(",")):
-        if not t:
-            continue
-        try:
-            out.append(link_argument(t))
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+    out = [link_type(t) for t in (t.strip() for t in text.split(",")) if t]
     if not out:
         raise argparse.ArgumentTypeError("expected link names, e.g. none,1gbit,100mbit")
     return list(dict.fromkeys(out))
 
-
-def _fraction(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        v = -1.0
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
-    return v
 
 
 def _int(text: str) -> int:
@@ -435,7 +419,7 @@ def main(argv=None) -> int:
     p.add_argument("--link", type=_links, default=["none"], metavar="LIST",
                    help="comma-separated links: none (loopback, default) or rates such as "
                         "100mbit,1gbit,10gbit (an emulated cluster, needs root and iproute2)")
-    p.add_argument("--link-jitter", type=_fraction, default=0.0, metavar="F",
+    p.add_argument("--link-jitter", type=jitter_type, default=0.0, metavar="F",
                    help="redraw each shaped link's rate every second from rate x U(1-F, 1+F) (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the link jitter (default 0)")
     p.add_argument("--out", default=None, help="directory for allreduce.json and allreduce.png")

@@ -197,12 +197,7 @@ def allreduce(
                                     timeout=timeout, key=key, residual=residual, out=out, check=check)
     _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
     v.flag("check", check)
-    if not dist.is_initialized():
-        raise RuntimeError("gradcomp.allreduce needs torch.distributed initialised "
-                           "(dist.init_process_group or gradcomp.launch)")
-    group = dist.group.WORLD if group is None else group
-    if dist.get_rank(group) < 0:
-        raise ValueError("this process is not a member of group")
+    group = member_group(group, "gradcomp.allreduce")
     x = tensor.detach()
     if dist.get_world_size(group) == 1:
         if out is None:
@@ -269,6 +264,22 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
             out.view(-1).copy_(work)
     comm.release()  # after the last read of pooled buffers
     return result
+
+
+def member_group(group, what: str):
+    """``group`` (None: the world) once torch.distributed is up and this process is in it.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised (``what`` names the caller).
+        ValueError: this process is not a member of ``group``.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(f"{what} needs torch.distributed initialised "
+                           "(dist.init_process_group or gradcomp.launch)")
+    group = dist.group.WORLD if group is None else group
+    if dist.get_rank(group) < 0:
+        raise ValueError("this process is not a member of group")
+    return group
 
 
 def _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter=None) -> None:

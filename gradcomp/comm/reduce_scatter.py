@@ -110,7 +110,7 @@ def reduce_scatter(
         TimeoutError / RuntimeError / gradcomp.PayloadError: as
             :func:`gradcomp.allreduce`.
     """
-    from gradcomp.comm import DEFAULT_TIMEOUT, _check_args  # (this module is imported by it)
+    from gradcomp.comm import DEFAULT_TIMEOUT, _check_args, member_group  # (this module is imported by it)
 
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     _check_args(tensor, compressor, op, "two_phase", timeout, residual, None, meter)
@@ -118,12 +118,7 @@ def reduce_scatter(
     factor = v.real("factor", factor)
     if not math.isfinite(factor):
         raise ValueError(f"factor must be a finite number, got {factor}")
-    if not dist.is_initialized():
-        raise RuntimeError("gradcomp reduce_scatter needs torch.distributed initialised "
-                           "(dist.init_process_group or gradcomp.launch)")
-    group = dist.group.WORLD if group is None else group
-    if dist.get_rank(group) < 0:
-        raise ValueError("this process is not a member of group")
+    group = member_group(group, "gradcomp reduce_scatter")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     n = tensor.numel()
     lo, hi = chunk_bounds(n, world)[rank]

@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from gradcomp.cluster import jitter_type, link_type
 from gradcomp.compressors import FP16, Int8Quantizer, TopK
 from gradcomp.ps.run import PSConfig, run
 
@@ -103,15 +104,6 @@ def _positive(text: str) -> float:
     return val
 
 
-def _link(text: str) -> str:
-    from gradcomp.cluster import link_argument
-
-    try:
-        return link_argument(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def default_lr(dim: int, rows: int) -> float:
     """Half of ``1 / L``, ``L`` the largest curvature of the least-squares loss:
     for Gaussian ``A`` (rows x dim) the top eigenvalue of ``A^T A / rows``
@@ -166,10 +158,10 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint-every", type=_int_at_least(0), default=0)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--seed", type=_int_at_least(0), default=0)
-    p.add_argument("--link", type=_link, default="none",
+    p.add_argument("--link", type=link_type, default="none",
                    help="none (loopback) or a rate such as 100mbit: every rank in its own network "
                         "namespace of an emulated cluster (needs root and iproute2)")
-    p.add_argument("--link-jitter", type=float, default=0.0)
+    p.add_argument("--link-jitter", type=jitter_type, default=0.0)
     p.add_argument("--json", action="store_true", help="print the server's full stats as JSON")
     args = p.parse_args(argv)
     if not 0 <= args.momentum < 1:

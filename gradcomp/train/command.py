@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 
+from gradcomp.cluster import jitter_type, link_type
 from gradcomp.train.config import (ALGORITHMS, ALL_MODES, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
                                    TrainConfig, parse_compressors)
 
@@ -101,25 +102,6 @@ def _compressor_list(text: str) -> tuple[str, ...]:
         return parse_compressors(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _link(text: str) -> str:
-    from gradcomp.cluster import link_argument
-
-    try:
-        return link_argument(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _fraction(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        val = -1.0
-    if not 0 <= val < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
-    return val
 
 
 def _cv(text: str) -> float:
@@ -212,11 +194,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"seconds allowed per run before its processes are stopped "
                         f"(default {d.timeout:g})")
     time = p.add_argument_group("time (shaped links, stragglers, time to accuracy)")
-    time.add_argument("--link", type=_link, default="none", metavar="RATE",
+    time.add_argument("--link", type=link_type, default="none", metavar="RATE",
                       help="none (the unshaped loopback, default) or a link rate: 100mbit, 1gbit, "
                            "10gbit, ... (every rank in its own network namespace, links shaped with "
                            "tc tbf; needs root and iproute2)")
-    time.add_argument("--link-jitter", type=_fraction, default=0.0, metavar="F",
+    time.add_argument("--link-jitter", type=jitter_type, default=0.0, metavar="F",
                       help="redraw each link's rate every second from rate x U(1-F, 1+F) (default 0)")
     time.add_argument("--straggler", type=_straggler, default=None, metavar="RANK:FACTOR",
                       help="worker RANK's compute takes FACTOR (>= 1) times as long")
