@@ -139,7 +139,7 @@ def _collective(x, case, force_whole):
 
 
 def _compare(rank, world):
-    pipelined.SEGMENT_NUMEL = 200  # several segments per chunk at test sizes
+    pipelined.MIN_SEGMENT_NUMEL = 200  # several segments per chunk at test sizes
     out = []
     for i, case in enumerate(CASES):
         g = torch.Generator().manual_seed(100 * i + rank)
@@ -168,7 +168,7 @@ def test_pipelined_ring_equals_the_unsegmented_ring(world):
 
 
 def _changed_alone(rank, world):
-    pipelined.SEGMENT_NUMEL = 200
+    pipelined.MIN_SEGMENT_NUMEL = 200
     comp = gc.Int8Quantizer(block_size=32)
     gc.allreduce(torch.randn(5000), comp, timeout=10)  # agreed, pattern kept (pipelined)
     try:  # rank 2 alone changes its call: it checks, the others find its envelopes

@@ -30,7 +30,7 @@ segments.
 Used by :func:`gradcomp.allreduce` with ``algorithm="ring"`` when the
 compressor writes payloads in parts (:meth:`~gradcomp.Compressor.part_align`:
 :class:`~gradcomp.Int8Quantizer` with nearest rounding) and the longest chunk
-holds more than :data:`SEGMENT_NUMEL` elements.
+holds more than :data:`MIN_SEGMENT_NUMEL` elements.
 """
 
 from __future__ import annotations
@@ -45,21 +45,25 @@ from gradcomp.comm.dense import Plan
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import PIECES, Comm, Message, Transfer
 
-__all__ = ["SEGMENT_NUMEL", "TAG_BASE", "applies", "segment_count", "segments", "allreduce"]
+__all__ = ["MIN_SEGMENT_NUMEL", "MAX_SEGMENTS", "TAG_BASE", "applies", "segment_count", "segments",
+           "allreduce"]
 
-#: elements per segment (about; rounded up to the compressor's alignment):
-#: 2**18 float32 elements, a 257 KiB int8 segment (2 ms at 1 Gbit/s), is long
-#: enough for gloo's per-message cost and short enough to hide the compute
-SEGMENT_NUMEL = 2**18
+#: fewest elements per segment: below about 2**17 (a 129 KiB int8 segment,
+#: 1 ms at 1 Gbit/s) gloo's per-message cost outweighs what overlap saves
+MIN_SEGMENT_NUMEL = 2**17
+#: most segments per chunk: the compute left exposed is one segment per step,
+#: and each segment costs two messages per step
+MAX_SEGMENTS = 8
 #: tag of the first segment exchange (below it: the ring's pieces, the
 #: agreement and size exchanges); each exchange takes :data:`PIECES` tags
 TAG_BASE = 4 * PIECES
 
 
 def segment_count(plan: Plan) -> int:
-    """Segments per chunk: ``ceil(longest chunk / SEGMENT_NUMEL)``, the same on every rank."""
+    """Segments per chunk, the same on every rank: ``ceil(longest chunk /
+    MIN_SEGMENT_NUMEL)``, at most :data:`MAX_SEGMENTS`."""
     longest = max(hi - lo for lo, hi in plan.bounds)
-    return -(-longest // SEGMENT_NUMEL)
+    return min(MAX_SEGMENTS, -(-longest // MIN_SEGMENT_NUMEL))
 
 
 def applies(local: Local, plan: Plan) -> bool:
