@@ -110,6 +110,8 @@ def test_python_dash_m_train_bad_option():
 @pytest.mark.parametrize("argv, words", [
     (["train", "--seed", "-5"], "--seed: expected an integer in [0, 2**32 - 1], got -5"),
     (["train", "--threshold", "-1"], "--threshold: expected a finite number > 0"),
+    (["train", "--hidden", "64,0"], "--hidden expects comma-separated widths >= 1, got '64,0'"),
+    (["train", "--workload", "mnist-cnn", "--hidden", "64"], "--hidden applies to --workload digits-mlp only"),
     (["bench", "kernels", "--size", "0"], "--size: expected an integer >= 1: 1048576, 2**20"),
     (["bench", "kernels", "--sizes", "2**20,2**100000"], "--sizes: expected an integer >= 1"),
     (["bench", "kernels", "--densities", "5"], "--densities: expected numbers in (0, 1]"),
