@@ -110,8 +110,6 @@ def test_python_dash_m_train_bad_option():
 @pytest.mark.parametrize("argv, words", [
     (["train", "--seed", "-5"], "--seed: expected an integer in [0, 2**32 - 1], got -5"),
     (["train", "--threshold", "-1"], "--threshold: expected a finite number > 0"),
-    (["train", "--hidden", "64,0"], "--hidden expects comma-separated widths >= 1, got '64,0'"),
-    (["train", "--workload", "mnist-cnn", "--hidden", "64"], "--hidden applies to --workload digits-mlp only"),
     (["bench", "kernels", "--size", "0"], "--size: expected an integer >= 1: 1048576, 2**20"),
     (["bench", "kernels", "--sizes", "2**20,2**100000"], "--sizes: expected an integer >= 1"),
     (["bench", "kernels", "--densities", "5"], "--densities: expected numbers in (0, 1]"),
@@ -134,6 +132,8 @@ def test_more_bad_options_exit_2_with_message(capsys, argv, words):
     (["train", "--mode", "sync", "--compressors", "none", "--timeout", "1e300"], "timeout must be > 0"),
     # adaptive compression needs the DDP hook
     (["train", "--compressors", "auto"], "compressor 'auto' runs in mode(s) sync only"),
+    (["train", "--hidden", "64,0"], "--hidden expects comma-separated widths >= 1, got '64,0'"),
+    (["train", "--workload", "mnist-cnn", "--hidden", "64"], "--hidden applies to --workload digits-mlp only"),
 ])
 def test_settings_that_cannot_work_exit_2(capsys, argv, words):
     assert main(argv) == 2
