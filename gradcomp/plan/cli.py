@@ -325,6 +325,7 @@ def _recommend(args) -> int:
 
 def _calibrate(args) -> int:
     from gradcomp.plan import calibrate as C
+    from gradcomp.plan.host import Host
     from gradcomp.plan.profile import Profile
     from gradcomp.plan.units import parse_rate
 
@@ -353,7 +354,8 @@ def _calibrate(args) -> int:
     fitted = C.link_profile(results, link)
     kern = results[0]["kernels"]
     prof = Profile(alpha_s=fitted["alpha_s"], beta_bytes_per_s=fitted["beta_bytes_per_s"], link=link,
-                   kernels=kern["kernels"], fit=fitted["fit"],
+                   kernels=kern["kernels"], call_s=kern["call_s"], fit=fitted["fit"],
+                   host=Host(os.cpu_count() or 1),
                    source={**kern["source"], "link": f"ping-pong over gradcomp p2p, link {link}"})
     prof.save(args.out)
     print(f"alpha {prof.alpha_s * 1e6:.1f} us, beta {prof.beta_bytes_per_s / 1e9:.3f} GB/s "

@@ -92,13 +92,14 @@ of the first call, and zeroing / dividing the allgather's output.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
 import torch
 
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.compressors import BF16, FP16, Int8Quantizer, NoCompression, TopK
+from gradcomp.plan.host import Host
 from gradcomp.plan.lognormal import expected_max
 from gradcomp.plan.profile import Profile
 from gradcomp.ps import protocol as _ps_protocol
@@ -140,6 +141,9 @@ class Codec:
         error_feedback: residual memory (adds its update to the kernel time).
         gap_pts: accuracy gap in points assumed by ``recommend`` (the default
             study's measured sync gap on digits, README; 0 where none was measurable).
+        compact_indices: a sparse payload codes its indices compactly
+            (Elias-Fano) where smaller, as the library does by default; False:
+            fixed-width int32 indices (payloads written before compact indices).
     """
 
     name: str
@@ -149,6 +153,7 @@ class Codec:
     density: float = 1.0
     error_feedback: bool = False
     gap_pts: float = 0.0
+    compact_indices: bool = True
 
     @property
     def sparse(self) -> bool:
@@ -170,7 +175,8 @@ class Codec:
         if self.kind == "int8":
             return Int8Quantizer()
         values = Int8Quantizer() if self.values == "int8" else None
-        return TopK(ratio=self.density, values=values)  # threshold: same layout at its density
+        # threshold: the same layout at its density
+        return TopK(ratio=self.density, values=values, compact_indices=self.compact_indices)
 
     def with_density(self, density: float) -> "Codec":
         """The same sparse codec at another density."""
@@ -178,7 +184,11 @@ class Codec:
             raise ValueError(f"{self.name} is dense: density does not apply")
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density}")
-        return Codec(self.name, self.label, self.kind, self.values, density, self.error_feedback, self.gap_pts)
+        return replace(self, density=density)
+
+    def with_compact_indices(self, compact: bool) -> "Codec":
+        """The same codec with compact (True) or fixed-width int32 (False) sparse indices."""
+        return replace(self, compact_indices=bool(compact)) if self.sparse else self
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (
@@ -315,11 +325,15 @@ def _decompress_add_s(c: Codec, prof: Profile, n: int) -> float:
 
 
 def allreduce_seconds(c: Codec, algorithm: str, numel: int, world: int, alpha: float, beta: float,
-                      prof: Profile) -> dict:
+                      prof: Profile, share: float = 1.0, skew: float = 0.0) -> dict:
     """Time of one compressed allreduce of ``numel`` float32 elements (see the module docstring).
 
     Args:
         alpha: seconds per message; beta: link bytes per second.
+        share: slowdown of the codec kernels by processor sharing
+            (:meth:`gradcomp.plan.host.Host.share`, 1 with a core per rank).
+        skew: seconds each exchange step waits for a descheduled peer,
+            hidden behind a longer transfer (:meth:`gradcomp.plan.host.Host.skew_s`).
 
     Returns:
         ``{"total": s, "kernel": s, "transfer": s}`` (``transfer`` counts the
@@ -329,24 +343,29 @@ def allreduce_seconds(c: Codec, algorithm: str, numel: int, world: int, alpha: f
     if world == 1 or numel == 0:
         return {"total": 0.0, "kernel": 0.0, "transfer": 0.0}
     ef = c.error_feedback
+
+    def step(nbytes: float, messages: int = 1) -> float:  # one exchange step
+        return messages * alpha + max(skew, nbytes / beta)
+
     if algorithm == "allgather":
         p = _wire(c, numel)
-        transfer = (world - 1) * (alpha + SIZE_NBYTES / beta) + (world - 1) * (alpha + p / beta)
-        kernel = _compress_s(c, prof, numel, ef) + world * _decompress_add_s(c, prof, numel)
+        transfer = (world - 1) * step(SIZE_NBYTES) + (world - 1) * step(p)
+        kernel = share * (_compress_s(c, prof, numel, ef) + world * _decompress_add_s(c, prof, numel))
         return {"total": transfer + kernel, "kernel": kernel, "transfer": transfer}
     if algorithm not in ("ring", "two_phase"):
         raise ValueError(f"algorithm must be one of {ALGORITHMS[:3]}, got {algorithm!r}")
     L = -(-numel // world)
     w = _wire(c, L)
-    hop = alpha + w / beta
-    rc = prof.seconds(f"{c.kind}.reduce_compress", L)
-    d = prof.seconds(f"{c.kind}.decompress", L)
+    hop = step(w)
+    rc = share * prof.seconds(f"{c.kind}.reduce_compress", L)
+    d = share * prof.seconds(f"{c.kind}.decompress", L)
     if algorithm == "ring":
         rs_transfer = (world - 1) * hop
-        rs_kernel = _compress_s(c, prof, L, ef) + (world - 1) * rc
+        rs_kernel = share * _compress_s(c, prof, L, ef) + (world - 1) * rc
     else:
-        rs_transfer = (world - 1) * alpha + (world - 1) * w / beta
-        rs_kernel = (world - 1) * _compress_s(c, prof, L, ef) + (world - 2) * _decompress_add_s(c, prof, L) + rc
+        rs_transfer = step((world - 1) * w, world - 1)
+        rs_kernel = share * ((world - 1) * _compress_s(c, prof, L, ef)
+                             + (world - 2) * _decompress_add_s(c, prof, L)) + rc
     ag = hop + (world - 2) * max(hop, d) + d
     ag_transfer = (world - 1) * hop
     total = rs_transfer + rs_kernel + ag
@@ -373,6 +392,11 @@ class Setting:
         servers: parameter-server shards S; tensors: parameter tensors (PS bundles).
         compress_pull: the PS sends compressed deltas on pull.
         alpha_s: message latency override (None: the profile's).
+        host: the cores the ranks share (:class:`~gradcomp.plan.host.Host`);
+            None: every rank has a core to itself (no processor-sharing terms).
+        ranks_per_host: processes of the job on one host (workers, plus the
+            parameter server where it shares their host): the runnable
+            processes :class:`~gradcomp.plan.host.Host` divides the cores among.
     """
 
     nodes: int
@@ -390,9 +414,11 @@ class Setting:
     tensors: int = 1
     compress_pull: bool = True
     alpha_s: float | None = None
+    host: Host | None = None
+    ranks_per_host: int = 1
 
     def __post_init__(self):
-        for name in ("nodes", "params", "servers", "tensors"):
+        for name in ("nodes", "params", "servers", "tensors", "ranks_per_host"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
@@ -409,6 +435,20 @@ class Setting:
 
     def alpha(self, prof: Profile) -> float:
         return prof.alpha_s if self.alpha_s is None else self.alpha_s
+
+    def share(self, runnable: float | None = None) -> float:
+        """CPU slowdown with ``runnable`` processes on the host (default: all ``ranks_per_host``)."""
+        return 1.0 if self.host is None else self.host.share(self.ranks_per_host if runnable is None else runnable)
+
+    def skew_s(self, runnable: float | None = None) -> float:
+        """Scheduling delay of one exchange step (0 without a host)."""
+        return 0.0 if self.host is None else self.host.skew_s(self.ranks_per_host if runnable is None else runnable)
+
+    def compute_cv(self) -> float:
+        """CV of the workers' compute: the configured jitter and the host's hand-off
+        scatter, ``sqrt(straggler_cv^2 + host_cv^2)``."""
+        host_cv = 0.0 if self.host is None else self.host.cv(self.ranks_per_host)
+        return math.hypot(self.straggler_cv, host_cv)
 
 
 @dataclass
@@ -460,7 +500,8 @@ def _compute_times(s: Setting) -> tuple[float, float]:
     else:
         groups = {s.compute_s: n}
         mean = s.compute_s
-    slowest = expected_max(groups, s.straggler_cv) if (s.straggler_cv > 0 or len(groups) > 1) else s.compute_s
+    cv = s.compute_cv()
+    slowest = expected_max(groups, cv) if (cv > 0 or len(groups) > 1) else s.compute_s
     return slowest, mean
 
 
@@ -489,7 +530,7 @@ def sync_step(c: Codec, algorithm: str, s: Setting, prof: Profile) -> Prediction
         produced += size
         ready = forward + backward * produced / s.params
         bc, balg = (c, algorithm) if size >= s.min_compress_numel else (raw, "ring")
-        t = allreduce_seconds(bc, balg, size, n, alpha, beta, prof)
+        t = allreduce_seconds(bc, balg, size, n, alpha, beta, prof, s.share(), s.skew_s())
         b_sent, b_recv = allreduce_bytes(bc, balg, size, n)
         sent, received = sent + b_sent, received + b_recv
         kernel_total += t["kernel"]
@@ -504,20 +545,31 @@ def sync_step(c: Codec, algorithm: str, s: Setting, prof: Profile) -> Prediction
                       wait / step, comm_share, n / step, sent, received)
 
 
-def _ps_parts(c: Codec, s: Setting, prof: Profile) -> dict:
-    """Per-step parts of a parameter-server worker and shard server."""
+def _ps_parts(c: Codec, s: Setting, prof: Profile, runnable: float | None = None) -> dict:
+    """Per-step parts of a parameter-server worker and shard server, with
+    ``runnable`` processes sharing the host (default: all of them): kernel
+    times stretched by :meth:`Setting.share`, each push and each pull waiting
+    at least the scheduling delay :meth:`Setting.skew_s` for the other end."""
     alpha, beta = s.alpha(prof), s.link_bytes_per_s
+    share, skew = s.share(runnable), s.skew_s(runnable)
     b = ps_bytes(c, s.params, s.servers, s.tensors, s.compress_pull)
     shard = -(-s.params // s.servers)
-    compress = _compress_s(c, prof, s.params, c.error_feedback)
+    # the codec runs once per parameter tensor (ps_bytes' equal tensors, whole
+    # tensors per shard): each call pays the op's per-call cost
+    tensors = max(s.tensors, s.servers)
+    per = -(-s.params // tensors)
+    per_shard = -(-tensors // s.servers)
+    compress = tensors * _compress_s(c, prof, per, c.error_feedback)
     pull_codec = c if s.compress_pull else CODECS["none"]
-    decompress = _decompress_add_s(pull_codec, prof, s.params)
+    decompress = tensors * _decompress_add_s(pull_codec, prof, per)
     # per push a server decompress-adds the shard and (compress_pull) compresses the
     # pusher's delta with its residual; it applies the optimizer once per update
-    per_push = _decompress_add_s(c, prof, shard) + (_compress_s(c, prof, shard, True) if s.compress_pull else 0.0)
+    per_push = per_shard * (_decompress_add_s(c, prof, per)
+                            + (_compress_s(c, prof, per, True) if s.compress_pull else 0.0))
     apply = _apply_s(s, prof, shard)
-    return {"bytes": b, "compress": compress, "decompress": decompress, "per_push": per_push, "apply": apply,
-            "latency": 6 * s.servers * alpha, "push": b["push"] / beta, "pull": b["pull"] / beta,
+    return {"bytes": b, "compress": share * compress, "decompress": share * decompress,
+            "per_push": share * per_push, "apply": share * apply, "latency": 6 * s.servers * alpha,
+            "push": max(skew, b["push"] / beta), "pull": max(skew, b["pull"] / beta),
             "push_shard": b["push_shard"] / beta, "pull_shard": b["pull_shard"] / beta, "alpha": alpha}
 
 
@@ -546,19 +598,32 @@ def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
     pushes applied per second ``X``, ``wait_s`` the time a worker queues for
     a saturated server, ``staleness_mean`` the mean number of other workers'
     updates applied between a worker's pull and its push.
+
+    On a shared host (:attr:`Setting.host`) a straggler's emulated delay is
+    a sleep: for that share of its cycle it is not runnable and the others'
+    kernels and the server run faster. The runnable count
+    ``ranks_per_host - sleep / straggler_cycle`` and the cycles are solved
+    together by fixed-point iteration.
     """
     n = s.nodes
-    parts = _ps_parts(c, s, prof)
     workers = [s.compute_s] * n
     if s.straggler_factor > 1:
         workers[-1] = s.compute_s * s.straggler_factor  # lognormal jitter averages out: mean 1
-    busy = parts["per_push"] + parts["apply"]  # a server's time per push
-    fixed = parts["compress"] + parts["latency"] + parts["push"] + parts["pull"] + busy + parts["decompress"]
-    cycles = [w + fixed for w in workers]
-    demand = sum(1.0 / t for t in cycles)
-    capacity = 1.0 / max(parts["push_shard"], parts["pull_shard"], busy)
-    x = min(demand, capacity)
-    slow = x / demand  # every worker slowed alike when the servers saturate
+    sleep = workers[-1] - s.compute_s
+    runnable = float(s.ranks_per_host)
+    for _ in range(50):
+        parts = _ps_parts(c, s, prof, runnable)
+        busy = parts["per_push"] + parts["apply"]  # a server's time per push
+        fixed = parts["compress"] + parts["latency"] + parts["push"] + parts["pull"] + busy + parts["decompress"]
+        cycles = [w + fixed for w in workers]
+        demand = sum(1.0 / t for t in cycles)
+        capacity = 1.0 / max(parts["push_shard"], parts["pull_shard"], busy)
+        x = min(demand, capacity)
+        slow = x / demand  # every worker slowed alike when the servers saturate
+        nxt = s.ranks_per_host - sleep / (cycles[-1] / slow)
+        if abs(nxt - runnable) < 1e-9:
+            break
+        runnable = nxt
     mean_cycle = sum(cycles) / n / slow
     wait = mean_cycle - sum(cycles) / n
     pull_part = parts["pull"] + parts["decompress"] + 3 * s.servers * parts["alpha"]
