@@ -526,11 +526,14 @@ def sync_step(c: Codec, algorithm: str, s: Setting, prof: Profile) -> Prediction
     sent = received = 0
     kernel_total = comm_total = 0.0
     raw = CODECS["none"]
+    # a straggler hands off last, after the others have blocked in the collective:
+    # their cores are idle, so no exchange step waits for a descheduled peer
+    skew = 0.0 if s.straggler_factor > 1 else s.skew_s()
     for size in bucket_sizes(s.params, s.bucket_bytes, s.first_bucket_bytes):
         produced += size
         ready = forward + backward * produced / s.params
         bc, balg = (c, algorithm) if size >= s.min_compress_numel else (raw, "ring")
-        t = allreduce_seconds(bc, balg, size, n, alpha, beta, prof, s.share(), s.skew_s())
+        t = allreduce_seconds(bc, balg, size, n, alpha, beta, prof, s.share(), skew)
         b_sent, b_recv = allreduce_bytes(bc, balg, size, n)
         sent, received = sent + b_sent, received + b_recv
         kernel_total += t["kernel"]
@@ -548,10 +551,12 @@ def sync_step(c: Codec, algorithm: str, s: Setting, prof: Profile) -> Prediction
 def _ps_parts(c: Codec, s: Setting, prof: Profile, runnable: float | None = None) -> dict:
     """Per-step parts of a parameter-server worker and shard server, with
     ``runnable`` processes sharing the host (default: all of them): kernel
-    times stretched by :meth:`Setting.share`, each push and each pull waiting
-    at least the scheduling delay :meth:`Setting.skew_s` for the other end."""
+    times stretched by :meth:`Setting.share`. No scheduling delay
+    (:meth:`Setting.skew_s`): the server computes nothing of its own, so it is
+    never descheduled behind its own work; it is busy serving other pushes
+    (the queue of :func:`_mva_response`) on a shared core (``share``)."""
     alpha, beta = s.alpha(prof), s.link_bytes_per_s
-    share, skew = s.share(runnable), s.skew_s(runnable)
+    share = s.share(runnable)
     b = ps_bytes(c, s.params, s.servers, s.tensors, s.compress_pull)
     shard = -(-s.params // s.servers)
     # the codec runs once per parameter tensor (ps_bytes' equal tensors, whole
@@ -569,7 +574,7 @@ def _ps_parts(c: Codec, s: Setting, prof: Profile, runnable: float | None = None
     apply = _apply_s(s, prof, shard)
     return {"bytes": b, "compress": share * compress, "decompress": share * decompress,
             "per_push": share * per_push, "apply": share * apply, "latency": 6 * s.servers * alpha,
-            "push": max(skew, b["push"] / beta), "pull": max(skew, b["pull"] / beta),
+            "push": b["push"] / beta, "pull": b["pull"] / beta,
             "push_shard": b["push_shard"] / beta, "pull_shard": b["pull_shard"] / beta, "alpha": alpha}
 
 
@@ -589,6 +594,26 @@ def ps_sync_step(c: Codec, s: Setting, prof: Profile) -> Prediction:
     b = parts["bytes"]
     return Prediction("sync", c.name, "ps", n, step, mean, kernels, comm, comm, wait, parts["apply"],
                       wait / step, (comm + kernels) / step, n / step, b["sent"], b["received"])
+
+
+def _mva_response(think: list[float], demand: float) -> list[float]:
+    """Per worker, its response time at a single queueing server (service
+    ``demand`` seconds per push) of a closed network where worker ``i`` spends
+    ``think[i]`` seconds per cycle away from the server: Bard-Schweitzer
+    approximate mean value analysis (Schweitzer 1979; Lazowska et al. 1984,
+    "Quantitative System Performance", ch. 6), one customer per worker:
+    ``R_i = D (1 + Q - Q_i)``, ``X_i = 1 / (Z_i + R_i)``, ``Q_i = X_i R_i``,
+    iterated to a fixed point. ``R_i - D`` is the time queued behind other
+    workers' pushes; the throughput tends to ``1 / D`` as the server saturates."""
+    q = [demand / (z + demand) for z in think]
+    for _ in range(1000):
+        total = sum(q)
+        resp = [demand * (1.0 + total - qi) for qi in q]
+        new = [r / (z + r) for z, r in zip(think, resp)]
+        if max(abs(a - b) for a, b in zip(new, q)) < 1e-12:
+            break
+        q = new
+    return [demand * (1.0 + sum(q) - qi) for qi in q]
 
 
 def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
@@ -614,24 +639,26 @@ def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
     for _ in range(50):
         parts = _ps_parts(c, s, prof, runnable)
         busy = parts["per_push"] + parts["apply"]  # a server's time per push
+        demand_s = max(parts["push_shard"], parts["pull_shard"], busy)  # the server's time per push
         fixed = parts["compress"] + parts["latency"] + parts["push"] + parts["pull"] + busy + parts["decompress"]
-        cycles = [w + fixed for w in workers]
-        demand = sum(1.0 / t for t in cycles)
-        capacity = 1.0 / max(parts["push_shard"], parts["pull_shard"], busy)
-        x = min(demand, capacity)
-        slow = x / demand  # every worker slowed alike when the servers saturate
-        nxt = s.ranks_per_host - sleep / (cycles[-1] / slow)
+        think = [w + fixed - demand_s for w in workers]
+        resp = _mva_response(think, demand_s)
+        cycles = [z + r for z, r in zip(think, resp)]
+        nxt = s.ranks_per_host - sleep / cycles[-1]
         if abs(nxt - runnable) < 1e-9:
             break
         runnable = nxt
-    mean_cycle = sum(cycles) / n / slow
-    wait = mean_cycle - sum(cycles) / n
+    x = sum(1.0 / t for t in cycles)
+    mean_cycle = sum(cycles) / n
+    # queued behind the server's work (its busy share of the service): the
+    # time study's wait; queueing for the server's link stays communication
+    wait = sum(r - demand_s for r in resp) / n * min(1.0, busy / demand_s)
     pull_part = parts["pull"] + parts["decompress"] + 3 * s.servers * parts["alpha"]
-    stale = sum((x - slow / t) * (t / slow - pull_part) for t in cycles) / n
+    stale = sum((x - 1.0 / t) * (t - pull_part) for t in cycles) / n
     comm = parts["latency"] + parts["push"] + parts["pull"]
     b = parts["bytes"]
     mean_compute = sum(workers) / n
-    notes = ["server-bound"] if demand > capacity else []
+    notes = ["server-bound"] if x * demand_s > 0.9 else []
     return Prediction("async", c.name, "ps", n, mean_cycle, mean_compute, parts["compress"] + parts["decompress"],
                       comm, comm, wait, parts["apply"], wait / mean_cycle,
                       (comm + wait + parts["compress"] + parts["decompress"]) / mean_cycle, x,

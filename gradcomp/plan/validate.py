@@ -39,7 +39,7 @@ from gradcomp.plan.host import Host
 from gradcomp.plan.model import CODECS, MODES, Codec, Setting, allreduce_bytes, predict, ps_bytes
 from gradcomp.plan.profile import Profile
 
-__all__ = ["load_results", "validate_runs", "breakdown", "fit_host", "run_host", "REQUIRED_KEYS", "TERMS"]
+__all__ = ["load_results", "validate_runs", "breakdown", "fit_host", "run_host", "summary", "REQUIRED_KEYS", "TERMS"]
 
 #: keys a run must have to be validated
 REQUIRED_KEYS = ("mode", "compressor", "algorithm", "world_size", "params", "link", "straggler",
@@ -204,7 +204,8 @@ def breakdown(out: dict) -> list[dict]:
     return result
 
 
-def _summary(rows: list[dict]) -> tuple[float | None, float | None]:
+def summary(rows: list[dict]) -> tuple[float | None, float | None]:
+    """Median absolute step-time error (percent) and idle-share error (points) of ``rows``."""
     step = [abs(r["step_error_pct"]) for r in rows]
     idle = [100 * abs(r["idle_share"]["predicted"] - r["idle_share"]["measured"]) for r in rows]
     return (statistics.median(step) if step else None), (statistics.median(idle) if idle else None)
@@ -214,8 +215,8 @@ def fit_host(data: dict, prof: Profile, seeds, cores: int | None = None,
              slices=None, cvs=None) -> tuple[Host, dict]:
     """Fit the host's scheduling constants on the runs of ``seeds`` only.
 
-    Searches ``slice_s`` over ``slices`` (default 0 to 8 ms by 0.1 ms) and
-    ``sched_cv`` over ``cvs`` (default 0 to 1.5 by 0.02), alternating one
+    Searches ``slice_s`` over ``slices`` (default 0 to 8 ms by 0.2 ms) and
+    ``sched_cv`` over ``cvs`` (default 0 to 1.5 by 0.05), alternating one
     coordinate at a time from ``(0, 0)`` until neither moves, for the least
     median absolute step-time error (percent) plus median absolute idle-share
     error (points) over those runs. Validate on the other seeds to judge it.
@@ -241,12 +242,12 @@ def fit_host(data: dict, prof: Profile, seeds, cores: int | None = None,
         cores = recorded.get("cores") or (prof.host.cores if prof.host is not None else None)
     if not cores:
         raise ValueError("the host's core count is unknown: give a profile with a \"host\" section")
-    slices = [i * 1e-4 for i in range(81)] if slices is None else list(slices)
-    cvs = [i * 0.02 for i in range(76)] if cvs is None else list(cvs)
+    slices = [i * 2e-4 for i in range(41)] if slices is None else list(slices)
+    cvs = [i * 0.05 for i in range(31)] if cvs is None else list(cvs)
 
     def loss(sl: float, cv: float) -> float:
         trial = Profile.from_dict({**prof.to_dict(), "host": {"cores": int(cores), "slice_s": sl, "sched_cv": cv}})
-        step, idle = _summary(validate_runs(subset, trial)["rows"])
+        step, idle = summary(validate_runs(subset, trial)["rows"])
         return math.inf if step is None else step + idle
 
     sl, cv = slices[0], cvs[0]
@@ -263,7 +264,7 @@ def fit_host(data: dict, prof: Profile, seeds, cores: int | None = None,
         if not moved:
             break
     host = Host(int(cores), sl, cv)
-    step, idle = _summary(validate_runs(subset, Profile.from_dict({**prof.to_dict(), "host": host.to_dict()}))["rows"])
+    step, idle = summary(validate_runs(subset, Profile.from_dict({**prof.to_dict(), "host": host.to_dict()}))["rows"])
     return host, {"seeds": sorted(seeds), "runs": len(subset["runs"]), "step_mdape_pct": step, "idle_mdae_pts": idle}
 
 
@@ -314,5 +315,11 @@ def validate_runs(data: dict, prof: Profile) -> dict:
             "seed": run.get("seed"),
             "terms": {"measured": _measured_terms(run), "predicted": _predicted_terms(p)},
         })
-    step, idle = _summary(rows)
-    return {"rows": rows, "skipped": skipped, "step_mdape_pct": step, "idle_mdae_pts": idle}
+    step, idle = summary(rows)
+    by_scenario = {}
+    for name in dict.fromkeys(r["group"][0] for r in rows):
+        sub = [r for r in rows if r["group"][0] == name]
+        st, idl = summary(sub)
+        by_scenario[name] = {"runs": len(sub), "step_mdape_pct": st, "idle_mdae_pts": idl}
+    return {"rows": rows, "skipped": skipped, "step_mdape_pct": step, "idle_mdae_pts": idle,
+            "by_scenario": by_scenario}
