@@ -107,7 +107,7 @@ from gradcomp.ps import protocol as _ps_protocol
 __all__ = [
     "Codec", "CODECS", "CODEC_NAMES", "ALGORITHMS", "MODES", "Setting", "Prediction",
     "codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "ps_bytes", "predict",
-    "sync_step", "ps_sync_step", "async_throughput", "bubble_fraction", "pipeline_step",
+    "sync_step", "ps_sync_step", "async_throughput", "mva_response", "bubble_fraction", "pipeline_step",
     "PS_HEADER_NBYTES", "SIZE_NBYTES", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES",
     "MIN_COMPRESS_NUMEL",
 ]
@@ -554,7 +554,7 @@ def _ps_parts(c: Codec, s: Setting, prof: Profile, runnable: float | None = None
     times stretched by :meth:`Setting.share`. No scheduling delay
     (:meth:`Setting.skew_s`): the server computes nothing of its own, so it is
     never descheduled behind its own work; it is busy serving other pushes
-    (the queue of :func:`_mva_response`) on a shared core (``share``)."""
+    (the queue of :func:`mva_response`) on a shared core (``share``)."""
     alpha, beta = s.alpha(prof), s.link_bytes_per_s
     share = s.share(runnable)
     b = ps_bytes(c, s.params, s.servers, s.tensors, s.compress_pull)
@@ -596,24 +596,40 @@ def ps_sync_step(c: Codec, s: Setting, prof: Profile) -> Prediction:
                       wait / step, (comm + kernels) / step, n / step, b["sent"], b["received"])
 
 
-def _mva_response(think: list[float], demand: float) -> list[float]:
-    """Per worker, its response time at a single queueing server (service
-    ``demand`` seconds per push) of a closed network where worker ``i`` spends
-    ``think[i]`` seconds per cycle away from the server: Bard-Schweitzer
-    approximate mean value analysis (Schweitzer 1979; Lazowska et al. 1984,
-    "Quantitative System Performance", ch. 6), one customer per worker:
-    ``R_i = D (1 + Q - Q_i)``, ``X_i = 1 / (Z_i + R_i)``, ``Q_i = X_i R_i``,
-    iterated to a fixed point. ``R_i - D`` is the time queued behind other
-    workers' pushes; the throughput tends to ``1 / D`` as the server saturates."""
-    q = [demand / (z + demand) for z in think]
-    for _ in range(1000):
-        total = sum(q)
-        resp = [demand * (1.0 + total - qi) for qi in q]
-        new = [r / (z + r) for z, r in zip(think, resp)]
-        if max(abs(a - b) for a, b in zip(new, q)) < 1e-12:
-            break
-        q = new
-    return [demand * (1.0 + sum(q) - qi) for qi in q]
+def mva_response(groups: list[tuple[int, float]], demand: float) -> list[float]:
+    """Response times at a single queueing server of a closed network (exact mean value analysis).
+
+    ``groups`` are ``(count, think)``: ``count`` workers that each spend
+    ``think`` seconds per cycle away from the server, then one service of
+    ``demand`` seconds there (one or two groups: the workers, and a
+    straggler). Exact MVA for a product-form network (Reiser and Lavenberg
+    1980, "Mean-value analysis of closed multichain queuing networks"; Lazowska
+    et al. 1984, "Quantitative System Performance", ch. 7), over the
+    populations ``(a, b)`` up to the groups' counts: a group's response time
+    at population ``P`` is ``D (1 + Q(P - one of its workers))``, its
+    throughput ``count / (think + R)``, and ``Q`` the sum of throughput times
+    response. ``R - D`` is the time a worker queues behind the others'
+    pushes; the throughput tends to ``1 / D`` as the server saturates.
+
+    Returns:
+        The response time ``R`` (seconds) of each group at its full population.
+
+    Raises:
+        ValueError: not one or two groups, or a count < 1.
+    """
+    if not 1 <= len(groups) <= 2 or any(c < 1 for c, _ in groups):
+        raise ValueError(f"groups must be one or two (count >= 1, think) pairs, got {groups!r}")
+    (na, za), (nb, zb) = groups[0], (groups[1] if len(groups) == 2 else (0, 0.0))
+    q = [[0.0] * (nb + 1) for _ in range(na + 1)]  # q[a][b]: mean number at the server
+    ra = rb = demand
+    for i in range(na + 1):
+        for j in range(nb + 1):
+            if i == j == 0:
+                continue
+            ra = demand * (1.0 + q[i - 1][j]) if i else demand
+            rb = demand * (1.0 + q[i][j - 1]) if j else demand
+            q[i][j] = (i * ra / (za + ra) if i else 0.0) + (j * rb / (zb + rb) if j else 0.0)
+    return [ra, rb][:len(groups)]
 
 
 def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
@@ -642,7 +658,9 @@ def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
         demand_s = max(parts["push_shard"], parts["pull_shard"], busy)  # the server's time per push
         fixed = parts["compress"] + parts["latency"] + parts["push"] + parts["pull"] + busy + parts["decompress"]
         think = [w + fixed - demand_s for w in workers]
-        resp = _mva_response(think, demand_s)
+        groups = [(n - 1, think[0]), (1, think[-1])] if n > 1 and s.straggler_factor > 1 else [(n, think[0])]
+        per_group = mva_response(groups, demand_s)
+        resp = [per_group[0]] * (n - 1) + [per_group[-1]]
         cycles = [z + r for z, r in zip(think, resp)]
         nxt = s.ranks_per_host - sleep / cycles[-1]
         if abs(nxt - runnable) < 1e-9:
