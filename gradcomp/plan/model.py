@@ -69,13 +69,45 @@ pull (request header; reply header + a full float32 or a compressed delta
 bundle), decompress: ``6 S`` messages. A server receives one push shard from
 every worker, so in a synchronous round its ingress ``N push_shard / beta``
 and its egress ``N pull_shard / beta`` are the bottleneck once ``N > S``.
-Asynchronously each push is applied on arrival: the servers serve at most
-``1 / max(push_shard / beta, pull_shard / beta, busy)`` pushes per second
+Asynchronously each push is applied on arrival. A worker's cycle is its
+time away from the server ``Z`` (compute, compress, messages, its own
+transfers, decompress) plus its response time ``R`` at the server, whose
+service per push is ``D = max(push_shard / beta, pull_shard / beta, busy)``
 (``busy``: decompress-add and optimizer step of a shard, plus the pull's
-compression), workers at most ``sum_i 1 / cycle_i``; throughput is the
-smaller. Mean staleness (updates by others between a worker's pull and its
-push being applied) = ``(X - 1 / cycle) * (cycle - pull)`` for throughput
-``X`` pushes per second.
+compression). The workers and the server form a closed queueing network,
+solved by exact mean value analysis (:func:`mva_response`; Reiser and
+Lavenberg 1980): ``R = D (1 + Q)`` with ``Q`` the mean number of pushes
+ahead, so the throughput ``X = sum_i 1 / (Z_i + R_i)`` tends to ``1 / D``
+when the server saturates and to ``sum_i 1 / (Z_i + D)`` when it idles.
+The time queued behind other pushes, ``R - D``, is the worker's wait (its
+busy share ``busy / D`` of it: the time study counts only queueing behind
+the server's work as wait, queueing for its link as communication). Mean
+staleness (updates by others between a worker's pull and its push being
+applied) = ``(X - 1 / cycle) * (cycle - pull)``.
+
+**Kernel calls.** A codec op on ``m`` elements costs ``call_s + m / rate``
+(:meth:`Profile.seconds`): the fixed per-call cost (dispatch, allocation,
+Python) matters for the parameter server, which compresses every parameter
+tensor separately (``tensors`` calls per push, each of ``n / tensors``
+elements), where DDP's hook compresses one flat bucket.
+
+**Shared host** (:class:`~gradcomp.plan.host.Host`, ``Setting.host`` with
+``ranks_per_host`` processes on ``cores`` cores; the time study runs 4
+workers, and in async the server, on 2 cores). Processor sharing: codec
+kernels and the server's work take ``share = max(1, runnable / cores)``
+times their one-core time. A collective's exchange step waits for a
+descheduled peer, ``skew = slice_s (share - 1)``, which overlaps the
+transfer: a step costs ``alpha + max(skew, bytes / beta)``; with a
+straggler the others wait idle inside the collective when it hands off, so
+no step waits (skew 0); the parameter server never computes on its own, so
+its exchanges have none either (its delays are the queue and the shared
+core). The ranks' hand-offs scatter under time sharing: a compute CV of
+``sched_cv (share - 1)``, combined with the configured one in quadrature,
+enters the lognormal maximum. A straggler's emulated delay is a sleep: in
+async its share of the straggler's cycle frees a core (runnable
+``ranks_per_host - sleep / cycle``, solved with the cycles by fixed-point
+iteration). Without a host (one rank per node, as in every projection)
+all of this is 1 and 0, and the model is the plain alpha-beta one.
 
 **Pipeline.** ``p`` stages, ``m`` micro-batches per step: GPipe and 1F1B
 both take ``(m + p - 1)`` micro-batch slots for ``m`` micro-batches of work,
@@ -83,8 +115,11 @@ a bubble fraction of ``(p - 1) / (m + p - 1)``; 1F1B keeps at most ``p``
 micro-batches' activations alive where GPipe keeps ``m``.
 
 Not modelled (stated so that a disagreement with a measurement can be
-traced): contention between compression and compute for the same cores (on
-CPUs the hook's thread competes with backward), network congestion beyond
+traced): contention between the hook's compression and the same rank's
+backward (one bucket per step in the time study: nothing to overlap), the
+ring's progress before a late straggler arrives, the parameter-server
+worker's own per-tensor bookkeeping beyond its codec calls (top-k + int8 in
+async: 21 ms measured against 6 ms priced), network congestion beyond
 one link per node (a non-blocking fabric is assumed), the agreement message
 of the first call, and zeroing / dividing the allgather's output.
 """

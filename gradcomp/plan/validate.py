@@ -24,8 +24,28 @@ A threshold compressor keeps a data-dependent number of elements: its density
 is an input too, read back from the run's bytes (sync allgather: ``N - 1``
 payloads of ``96 + 8 k`` bytes plus 8-byte sizes per step).
 
+Also read when present: ``workers`` (async: the world holds the server
+too, so the model gets ``workers`` nodes and ``world_size`` processes on
+the host), ``seed`` and ``scenario.name`` (grouping, fitting subsets),
+``phases_mean_s`` (the per-term breakdown), ``param_tensors`` (else the
+results' ``"model": {"param_tensors"}`` or a weight and a bias per layer of
+its ``"layers"``: the parameter server's per-tensor codec calls and
+bundles) and ``"host": {"cores"}`` of the run or the results (else the
+profile's host). The sparse index layout is read from the bytes too: a run
+recorded before compact indices sent int32 indices, and the layout whose
+model bytes are nearer the recorded ones is priced. Async runs apply no
+optimizer step on the workers (the server's is priced from the profile).
+
+Shared host: every run of the study puts its ranks on one host, so each
+run's setting carries the profile's :class:`~gradcomp.plan.host.Host`
+(``ranks_per_host`` = the run's world size). Its scheduling constants
+``slice_s`` and ``sched_cv`` are fitted by :func:`fit_host` on a subset of
+seeds and judged on the other seeds (``gradcomp plan validate --fit-seeds 0``).
+
 The summary is the median absolute percentage error of the step time over
-the runs, and the median absolute error of the idle share in points.
+the runs, and the median absolute error of the idle share in points, also
+per scenario; :func:`breakdown` sets the measured phases against the
+model's terms per scenario, mode and compressor.
 """
 
 from __future__ import annotations
@@ -242,8 +262,8 @@ def fit_host(data: dict, prof: Profile, seeds, cores: int | None = None,
         cores = recorded.get("cores") or (prof.host.cores if prof.host is not None else None)
     if not cores:
         raise ValueError("the host's core count is unknown: give a profile with a \"host\" section")
-    slices = [i * 2e-4 for i in range(41)] if slices is None else list(slices)
-    cvs = [i * 0.05 for i in range(31)] if cvs is None else list(cvs)
+    slices = [round(i * 2e-4, 6) for i in range(41)] if slices is None else list(slices)
+    cvs = [round(i * 0.05, 2) for i in range(31)] if cvs is None else list(cvs)
 
     def loss(sl: float, cv: float) -> float:
         trial = Profile.from_dict({**prof.to_dict(), "host": {"cores": int(cores), "slice_s": sl, "sched_cv": cv}})
