@@ -14,6 +14,10 @@ methods the transports call (``compress(out=)``, ``decompress(out=)``,
 ``decompress_add_``, ``reduce_compress_``, ``gradcomp.kernels.topk`` /
 ``threshold`` / ``scatter_add_``, ``ErrorFeedback(Int8Quantizer())``,
 ``torch.optim.SGD(momentum=0.9).step``); rate = elements / median seconds.
+Each op's fixed cost per call is its time on :data:`CALL_NUMEL` elements
+less what the rate accounts for. The host's core count goes into the
+profile's ``"host"``; its scheduling constants are not timed here but
+fitted on a time study (``gradcomp plan validate --fit-seeds``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-__all__ = ["DEFAULT_SIZES", "sizes_for", "fit_alpha_beta", "measure", "measure_link", "measure_kernels",
+__all__ = ["DEFAULT_SIZES", "CALL_NUMEL", "sizes_for", "fit_alpha_beta", "measure", "measure_link", "measure_kernels",
            "link_profile"]
 
 #: message sizes in bytes timed by :func:`measure_link` on loopback
