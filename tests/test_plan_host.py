@@ -247,3 +247,13 @@ def test_bad_validate_arguments_exit_2(capsys, argv, words):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert words in err[-1]
+
+
+def test_other_kernels_drop_the_measured_per_call_costs():
+    from gradcomp.plan.cli import _build, _profile
+
+    base = ["--nodes", "4", "--link", "1gbit", "--params", "1M", "--compute-ms", "10"]
+    assert _profile(_build("recommend").parse_args(base)).call_s  # the shipped profile's, measured on CPU
+    roofline = _profile(_build("recommend").parse_args(base + ["--kernel-gbps", "1000"]))
+    assert roofline.call_s == {} and roofline.seconds("int8.compress", 1e9) == pytest.approx(
+        1e9 * (5 + 4 / 256) / 1e12)

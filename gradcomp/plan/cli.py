@@ -127,12 +127,13 @@ def _profile(args):
     from gradcomp.plan.profile import Profile
 
     prof = Profile.load(args.profile or DEFAULT_PROFILE)
+    # other kernels replace the measured rates and their per-call costs together
     if args.kernels_json:
         k = Profile.from_kernels_json(args.kernels_json, device=args.kernels_device)
-        prof.kernels, prof.source = k.kernels, {**prof.source, **k.source}
+        prof.kernels, prof.call_s, prof.source = k.kernels, k.call_s, {**prof.source, **k.source}
     if args.kernel_gbps:
         k = Profile.roofline(args.kernel_gbps)
-        prof.kernels, prof.source = k.kernels, {**prof.source, **k.source}
+        prof.kernels, prof.call_s, prof.source = k.kernels, k.call_s, {**prof.source, **k.source}
     if args.alpha_us:
         prof.alpha_s = args.alpha_us * 1e-6
         prof.source = {**prof.source, "alpha": "--alpha-us"}
