@@ -257,3 +257,20 @@ def test_other_kernels_drop_the_measured_per_call_costs():
     roofline = _profile(_build("recommend").parse_args(base + ["--kernel-gbps", "1000"]))
     assert roofline.call_s == {} and roofline.seconds("int8.compress", 1e9) == pytest.approx(
         1e9 * (5 + 4 / 256) / 1e12)
+
+
+def test_background_load_shares_the_cores(profile):
+    kw = dict(nodes=2, link_bytes_per_s=1e7, params=40_000, compute_s=0.010, apply_s=0.001, host=Host(2, 2e-3, 0.0))
+    quiet = Setting(**kw, ranks_per_host=2)
+    busy = Setting(**kw, ranks_per_host=2, background_load=2.0)
+    assert quiet.share() == 1.0 and busy.share() == 2.0 and busy.skew_s() == pytest.approx(2e-3)
+    # 2 ranks, 20,000-element chunks (wire 48 + 4 * 79 + 20,000 = 20,364 bytes, 2.0364 ms):
+    # one reduce-scatter and one allgather step; CPU work doubled by the background
+    hop = 1e-4 + 20_364 / 1e7
+    c, rc, d = 2 * 2e4 / 1e8, 2 * 2e4 / 5e7, 2 * 2e4 / 2e8
+    assert predict("sync", "int8", "ring", busy, profile).step_s == pytest.approx(
+        0.010 + (c + hop + rc) + (hop + d) + 0.001)
+    with pytest.raises(ValueError, match="background_load"):
+        Setting(**kw, background_load=-1.0)
+    run = _run(host={"cores": 2, "background_load": 1.5})
+    assert _setting(run, profile, Host(2)).runnable == 5.5

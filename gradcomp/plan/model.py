@@ -92,8 +92,9 @@ tensor separately (``tensors`` calls per push, each of ``n / tensors``
 elements), where DDP's hook compresses one flat bucket.
 
 **Shared host** (:class:`~gradcomp.plan.host.Host`, ``Setting.host`` with
-``ranks_per_host`` processes on ``cores`` cores; the time study runs 4
-workers, and in async the server, on 2 cores). Processor sharing: codec
+``ranks_per_host`` processes on ``cores`` cores, and ``background_load``
+runnable processes of other jobs; the time study runs 4 workers, and in
+async the server, on 2 cores shared with other work). Processor sharing: codec
 kernels and the server's work take ``share = max(1, runnable / cores)``
 times their one-core time. A collective's exchange step waits for a
 descheduled peer, ``skew = slice_s (share - 1)``, which overlaps the
@@ -432,6 +433,9 @@ class Setting:
         ranks_per_host: processes of the job on one host (workers, plus the
             parameter server where it shares their host): the runnable
             processes :class:`~gradcomp.plan.host.Host` divides the cores among.
+        background_load: mean runnable processes of other jobs on the host
+            (e.g. its load average before the job started); they share the
+            cores too (>= 0).
     """
 
     nodes: int
@@ -451,6 +455,7 @@ class Setting:
     alpha_s: float | None = None
     host: Host | None = None
     ranks_per_host: int = 1
+    background_load: float = 0.0
 
     def __post_init__(self):
         for name in ("nodes", "params", "servers", "tensors", "ranks_per_host"):
@@ -465,24 +470,31 @@ class Setting:
             raise ValueError(f"straggler_cv must be a finite number >= 0, got {self.straggler_cv!r}")
         if not (math.isfinite(self.straggler_factor) and self.straggler_factor >= 1):
             raise ValueError(f"straggler_factor must be a finite number >= 1, got {self.straggler_factor!r}")
+        if not (math.isfinite(self.background_load) and self.background_load >= 0):
+            raise ValueError(f"background_load must be a finite number >= 0, got {self.background_load!r}")
         if not 0 <= self.backward_share <= 1:
             raise ValueError(f"backward_share must be in [0, 1], got {self.backward_share!r}")
 
     def alpha(self, prof: Profile) -> float:
         return prof.alpha_s if self.alpha_s is None else self.alpha_s
 
+    @property
+    def runnable(self) -> float:
+        """Processes competing for the host's cores: the job's and the background."""
+        return self.ranks_per_host + self.background_load
+
     def share(self, runnable: float | None = None) -> float:
-        """CPU slowdown with ``runnable`` processes on the host (default: all ``ranks_per_host``)."""
-        return 1.0 if self.host is None else self.host.share(self.ranks_per_host if runnable is None else runnable)
+        """CPU slowdown with ``runnable`` processes on the host (default: :attr:`runnable`)."""
+        return 1.0 if self.host is None else self.host.share(self.runnable if runnable is None else runnable)
 
     def skew_s(self, runnable: float | None = None) -> float:
         """Scheduling delay of one exchange step (0 without a host)."""
-        return 0.0 if self.host is None else self.host.skew_s(self.ranks_per_host if runnable is None else runnable)
+        return 0.0 if self.host is None else self.host.skew_s(self.runnable if runnable is None else runnable)
 
     def compute_cv(self) -> float:
         """CV of the workers' compute: the configured jitter and the host's hand-off
         scatter, ``sqrt(straggler_cv^2 + host_cv^2)``."""
-        host_cv = 0.0 if self.host is None else self.host.cv(self.ranks_per_host)
+        host_cv = 0.0 if self.host is None else self.host.cv(self.runnable)
         return math.hypot(self.straggler_cv, host_cv)
 
 
@@ -678,7 +690,7 @@ def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
     On a shared host (:attr:`Setting.host`) a straggler's emulated delay is
     a sleep: for that share of its cycle it is not runnable and the others'
     kernels and the server run faster. The runnable count
-    ``ranks_per_host - sleep / straggler_cycle`` and the cycles are solved
+    ``ranks_per_host + background_load - sleep / straggler_cycle`` and the cycles are solved
     together by fixed-point iteration.
     """
     n = s.nodes
@@ -686,7 +698,7 @@ def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
     if s.straggler_factor > 1:
         workers[-1] = s.compute_s * s.straggler_factor  # lognormal jitter averages out: mean 1
     sleep = workers[-1] - s.compute_s
-    runnable = float(s.ranks_per_host)
+    runnable = s.runnable
     for _ in range(50):
         parts = _ps_parts(c, s, prof, runnable)
         busy = parts["per_push"] + parts["apply"]  # a server's time per push
@@ -697,7 +709,7 @@ def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
         per_group = mva_response(groups, demand_s)
         resp = [per_group[0]] * (n - 1) + [per_group[-1]]
         cycles = [z + r for z, r in zip(think, resp)]
-        nxt = s.ranks_per_host - sleep / cycles[-1]
+        nxt = s.runnable - sleep / cycles[-1]
         if abs(nxt - runnable) < 1e-9:
             break
         runnable = nxt

@@ -30,8 +30,9 @@ the host), ``seed`` and ``scenario.name`` (grouping, fitting subsets),
 ``phases_mean_s`` (the per-term breakdown), ``param_tensors`` (else the
 results' ``"model": {"param_tensors"}`` or a weight and a bias per layer of
 its ``"layers"``: the parameter server's per-tensor codec calls and
-bundles) and ``"host": {"cores"}`` of the run or the results (else the
-profile's host). The sparse index layout is read from the bytes too: a run
+bundles), ``"host": {"cores"}`` of the run or the results (else the
+profile's host) and the run's ``"host": {"background_load"}`` (runnable
+processes of other jobs, e.g. the load average before the run; else 0). The sparse index layout is read from the bytes too: a run
 recorded before compact indices sent int32 indices, and the layout whose
 model bytes are nearer the recorded ones is priced. Async runs apply no
 optimizer step on the workers (the server's is priced from the profile).
@@ -134,10 +135,12 @@ def _setting(run: dict, prof: Profile, host: Host | None = None, tensors: int = 
         compute = compute * n / (n - 1 + factor)
     # async workers apply no optimizer step (the server does, priced from the profile)
     apply = None if run["mode"] == "async" else float(phases.get("apply") or 0.0)
+    recorded = run.get("host") or {}
+    background = float(recorded.get("background_load") or 0.0)
     return Setting(nodes=n, link_bytes_per_s=beta, params=int(run["params"]), compute_s=compute,
                    straggler_cv=float(run.get("compute_jitter_cv") or 0.0), straggler_factor=factor,
                    apply_s=apply, tensors=tensors, host=host,
-                   ranks_per_host=world)
+                   ranks_per_host=world, background_load=background)
 
 
 def _measured_bytes(run: dict, c: Codec, s: Setting, algorithm: str) -> int:
