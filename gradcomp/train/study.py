@@ -40,6 +40,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -89,6 +90,7 @@ class RunResult:
         extra: role-specific counters (async: the server's updates, drops, staleness histogram).
         seed: the run's seed; scenario: :meth:`Scenario.as_dict` of where it ran;
         link: the link it ran on (configured and achieved rate; ``name`` ``"none"`` on loopback).
+        host: the host it ran on, measured just before its launch (:func:`host_record`).
         clock_at_marks: training-clock seconds at the marks (evaluation excluded).
         time: :func:`gradcomp.train.timing.summarize_time` (step time, phases, idle share).
         target_accuracy, time_to_target_s, steps_to_target: the study's target
@@ -120,6 +122,7 @@ class RunResult:
     seed: int = 0
     scenario: dict = field(default_factory=dict)
     link: dict = field(default_factory=dict)
+    host: dict = field(default_factory=dict)
     clock_at_marks: list[float] = field(default_factory=list)
     time: dict = field(default_factory=dict)
     target_accuracy: float | None = None
@@ -392,6 +395,26 @@ def fill_targets(runs: Iterable[RunResult], target: float) -> None:
         r.time_to_target_s, r.steps_to_target = hit if hit is not None else (None, None)
 
 
+def host_record(samples: int = 5, interval_s: float = 0.1) -> dict:
+    """The host a launch is about to share: ``{"cores", "background_load"}``.
+
+    ``background_load`` is the median over ``samples`` readings ``interval_s``
+    apart of the kernel's count of runnable threads (``/proc/loadavg``'s fourth
+    field) less this process's own: the other jobs' demand for the cores
+    (:class:`gradcomp.plan.host.Host` reads it). None where ``/proc`` has no loadavg.
+    """
+    counts = []
+    for i in range(samples):
+        try:
+            with open("/proc/loadavg") as f:
+                counts.append(max(0, int(f.read().split()[3].split("/")[0]) - 1))
+        except (OSError, IndexError, ValueError):
+            return {"cores": os.cpu_count(), "background_load": None}
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return {"cores": os.cpu_count(), "background_load": float(statistics.median(counts))}
+
+
 def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str],
               on_progress: ProgressFn | None = None,
               on_run: Callable[[RunResult], None] | None = None,
@@ -472,10 +495,11 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
                 def on_step(name, seed, step, _mode=mode):
                     on_progress(_mode, name, step, seed)
             run = _run_distributed if distributed else _launch_local
+            host = host_record()
             logs, links[mode] = run(mode, jobs, datas, on_step, scenario)
             for i, (c, name, _) in enumerate(jobs):
                 r = summarize(mode, name, c, [rank_logs[i] for rank_logs in logs])
-                r.scenario, r.link = scenario.as_dict(), links[mode]
+                r.scenario, r.link, r.host = scenario.as_dict(), links[mode], host
                 runs.append(r)
                 compare(runs)
                 if on_run is not None:
