@@ -83,6 +83,13 @@ Roles by hand::
                 result = worker.push()       # PushResult: accepted / dropped / rejected
             worker.pull()
 
+Modules: :mod:`~gradcomp.ps.run` (``PSConfig``, ``run``, ``role``),
+:mod:`~gradcomp.ps.worker`, :mod:`~gradcomp.ps.server` (the server's message
+loop), :mod:`~gradcomp.ps.apply` (its update rule), :mod:`~gradcomp.ps.membership`
+(workers' records, failure detection, heartbeats), :mod:`~gradcomp.ps.checkpoint`,
+:mod:`~gradcomp.ps.protocol` (messages), :mod:`~gradcomp.ps.transport`
+(ZeroMQ sockets), :mod:`~gradcomp.ps.sharding` (placement).
+
 With torchrun (a least-squares demo; prints the server's stats as JSON)::
 
     torchrun --nproc_per_node=3 -m gradcomp.ps --mode async --compressor int8 --compress-pull
