@@ -14,13 +14,13 @@ import math
 import torch
 
 from gradcomp import _validate as v
-from gradcomp.compressors import Compressor, NoCompression
+from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer, NoCompression
 from gradcomp.errors import PayloadError
 from gradcomp.ps import protocol as P
 from gradcomp.ps.sharding import ParamSpec
 from gradcomp.wire import decode
 
-__all__ = ["Rejected", "ShardUpdater", "check_clip_norm"]
+__all__ = ["Rejected", "ShardUpdater", "check_clip_norm", "check_pull_compressor"]
 
 
 class Rejected(Exception):
@@ -202,3 +202,18 @@ def check_clip_norm(clip_grad_norm) -> float | None:
     if not (clip_grad_norm > 0 and math.isfinite(clip_grad_norm)):
         raise ValueError(f"clip_grad_norm must be a finite number > 0 or None, got {clip_grad_norm}")
     return clip_grad_norm
+
+
+def check_pull_compressor(c, compress_pull: bool) -> Compressor:
+    """The codec of pull deltas: ``c`` (an ``ErrorFeedback`` unwrapped: the
+    mirror is the residual), or by default ``Int8Quantizer()`` with
+    ``compress_pull`` and ``NoCompression()`` without.
+
+    Raises:
+        TypeError: ``c`` is neither a gradcomp compressor nor None.
+    """
+    if c is None:
+        return Int8Quantizer() if compress_pull else NoCompression()
+    if not isinstance(c, Compressor):
+        raise TypeError(f"pull_compressor must be a gradcomp compressor or None, got {type(c).__name__}")
+    return c.wraps if isinstance(c, ErrorFeedback) else c

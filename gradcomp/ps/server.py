@@ -21,12 +21,12 @@ import torch.distributed as dist
 import zmq
 
 from gradcomp import _validate as v
-from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
+from gradcomp.compressors import Compressor
 from gradcomp.meter import TrafficMeter
 from gradcomp.ps import checkpoint as ckpt
 from gradcomp.ps import protocol as P
 from gradcomp.ps import transport as T
-from gradcomp.ps.apply import Rejected, ShardUpdater, check_clip_norm
+from gradcomp.ps.apply import Rejected, ShardUpdater, check_clip_norm, check_pull_compressor
 from gradcomp.ps.errors import ProtocolError, WorkerFailedError
 from gradcomp.ps.membership import HeartbeatResponder, Peer, expired, peer_table
 from gradcomp.ps.sharding import layout_checksum, named_tensors, param_specs, shard_parameters
@@ -175,7 +175,7 @@ class ParameterServer:
         self.staleness_lr = _flag("staleness_lr", staleness_lr)
         self.clip_grad_norm = check_clip_norm(clip_grad_norm)
         self.compress_pull = _flag("compress_pull", compress_pull)
-        self.pull_compressor = _pull_compressor(pull_compressor, self.compress_pull)
+        self.pull_compressor = check_pull_compressor(pull_compressor, self.compress_pull)
         self.worker_timeout = v.timeout("worker_timeout", worker_timeout)
         self.heartbeat_timeout = v.timeout("heartbeat_timeout", heartbeat_timeout)
         self.send_hwm = v.integer("send_hwm", send_hwm, 1)
@@ -601,14 +601,3 @@ def _flag(name: str, x) -> bool:
     if not isinstance(x, bool):
         raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
     return x
-
-
-def _pull_compressor(c, compress_pull: bool) -> Compressor:
-    from gradcomp.compressors import Int8Quantizer
-
-    if c is None:
-        return Int8Quantizer() if compress_pull else NoCompression()
-    if not isinstance(c, Compressor):
-        raise TypeError(f"pull_compressor must be a gradcomp compressor or None, got {type(c).__name__}")
-    return c.wraps if isinstance(c, ErrorFeedback) else c
-
