@@ -8,10 +8,14 @@ shard (a :class:`~gradcomp.ps.apply.ShardUpdater`); :func:`save_atomic` and
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from gradcomp.ps.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from gradcomp.ps.apply import ShardUpdater
 
 __all__ = ["FORMAT", "checkpoint_path", "save_atomic", "load", "save_shard", "resume_shard"]
 
@@ -90,7 +94,7 @@ def _layout(shard) -> list:
     return [[s.name, list(s.shape)] for s in shard]
 
 
-def save_shard(directory: str, server_index: int, num_servers: int, mode: str, updater,
+def save_shard(directory: str, server_index: int, num_servers: int, mode: str, updater: ShardUpdater,
                version: int) -> str:
     """Write ``updater``'s parameters (copied to CPU) and optimizer state at
     ``version`` to ``checkpoint_path(directory, server_index)`` atomically;
@@ -109,7 +113,7 @@ def save_shard(directory: str, server_index: int, num_servers: int, mode: str, u
     return path
 
 
-def resume_shard(directory: str, server_index: int, num_servers: int, updater) -> int | None:
+def resume_shard(directory: str, server_index: int, num_servers: int, updater: ShardUpdater) -> int | None:
     """Load this server's checkpoint into ``updater`` (parameters and
     optimizer state), validated whole before anything changes.
 
