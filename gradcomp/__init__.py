@@ -8,8 +8,7 @@ loads the native module, Triton or CuPy, nor initialises CUDA, before a kernel r
 
 from __future__ import annotations
 
-import importlib
-
+from gradcomp._lazy import lazy_attributes
 from gradcomp._version import __version__
 from gradcomp.errors import BackendUnavailable, PayloadError
 
@@ -40,15 +39,4 @@ _EXPORTS = {
 __all__ = ["__version__", "BackendUnavailable", "PayloadError", *_EXPORTS]
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gradcomp' has no attribute {name!r}")
-    mod = importlib.import_module(module)
-    value = mod if module == f"gradcomp.{name}" else getattr(mod, name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _EXPORTS)

@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable, Collection, Sequence
 
-__all__ = ["launch", "WorkerError", "init_from_env"]
+__all__ = ["launch", "WorkerError", "init_from_env", "start_method", "DEFAULT_START_METHOD"]
 
 
 class WorkerError(RuntimeError):
@@ -90,8 +90,20 @@ def _worker(fn, rank, world_size, args, init_file, backend, timeout, env, result
                 pass
 
 
-def _context(start_method: str | None):
-    method = start_method or os.environ.get("GRADCOMP_START_METHOD", "forkserver")
+#: multiprocessing start method of :func:`launch` when neither ``start_method=``
+#: nor ``$GRADCOMP_START_METHOD`` names one
+DEFAULT_START_METHOD = "forkserver"
+
+
+def start_method(given: str | None = None) -> str:
+    """The multiprocessing start method of :func:`launch`: ``given``, else
+    ``$GRADCOMP_START_METHOD`` (read at each call: one launch per run), else
+    :data:`DEFAULT_START_METHOD`."""
+    return given or os.environ.get("GRADCOMP_START_METHOD", DEFAULT_START_METHOD)
+
+
+def _context(given: str | None):
+    method = start_method(given)
     ctx = mp.get_context(method)
     if method == "forkserver":
         # torch._dynamo: DistributedDataParallel imports it (seconds); load it once, not per run
@@ -123,7 +135,8 @@ def launch(
         env: extra environment variables for the workers
             (``GRADCOMP_WORKER_THREADS`` sets torch threads per worker, default 1).
         expected_failures: ranks allowed to die (failure tests); their result is None.
-        start_method: multiprocessing start method (default ``forkserver``).
+        start_method: multiprocessing start method (default: :func:`start_method`,
+            ``$GRADCOMP_START_METHOD`` or ``forkserver``).
         rank_env: per-rank environment variables on top of ``env`` (one dict per rank).
         netns: per-rank network namespace names (``ip netns`` names, one per
             rank): each rank enters its namespace before it opens a socket

@@ -159,10 +159,18 @@ def test_threshold_zero_spelled_any_way_is_accepted():
         assert build_parser().parse_args(["--threshold", text]).threshold == 0.0
 
 
+_LIGHT = ("torch", "numpy", "zmq", "gradcomp.kernels")  # none of these loads for --help or --version
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["bench", "--help"]])
-def test_help_and_version_do_not_import_torch(argv):
-    # importing torch takes seconds: gradcomp --help / --version must not need it
+@pytest.mark.parametrize("argv, heavy", [
+    (["--help"], (*_LIGHT, "gradcomp.train")), (["--version"], (*_LIGHT, "gradcomp.train")),
+    (["bench", "--help"], (*_LIGHT, "gradcomp.train")), (["train", "--help"], _LIGHT),
+    (["plan", "--help"], _LIGHT), (["plan", "recommend", "--help"], _LIGHT),
+    (["plan", "calibrate", "--help"], _LIGHT), (["plan", "validate", "--help"], _LIGHT)])
+def test_help_and_version_do_not_import_torch(argv, heavy):
+    # importing torch takes seconds: gradcomp --help / --version and every subcommand's --help
+    # (the console script `gradcomp` calls gradcomp.cli.main) print before it would have loaded
     code = (
         "import sys\n"
         "from gradcomp.cli import main\n"
@@ -170,12 +178,44 @@ def test_help_and_version_do_not_import_torch(argv):
         f"    main({argv!r})\n"
         "except SystemExit as e:\n"
         "    assert e.code == 0, e.code\n"
-        "heavy = sorted(m for m in ('torch', 'numpy', 'gradcomp.train', 'gradcomp.kernels') if m in sys.modules)\n"
-        "print('imported:', heavy)\n"
+        f"heavy = sorted(m for m in sys.modules if m.startswith({tuple(h + '.' for h in heavy)!r}) "
+        f"or m in {heavy!r})\n"
+        "print('imported:', heavy[:5])\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().endswith("imported: []"), r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, argv", [("gradcomp", ["train", "--help"]), ("gradcomp.train", ["--help"])])
+def test_module_entry_help_imports_no_torch(module, argv):
+    # the real entry point (python -m ...), its imports as the interpreter reports them
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", module, *argv],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "--workload" in r.stdout and "--stages" in r.stdout
+    imported = [line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines()
+                if line.startswith("import time:") and "|" in line]
+    assert "gradcomp.train.command" in imported  # the report was read right
+    assert not [m for m in imported if m.split(".")[0] == "torch"]
+
+
+def test_train_choices_match_the_libraries():
+    # the parser's choices are plain strings (no torch at --help); they must name what the library takes
+    from gradcomp.comm import DENSE_ALGORITHMS
+    from gradcomp.localsgd import OUTER_OPTIMIZERS
+    from gradcomp.train import menu, workloads
+    from gradcomp.train.command import build_parser
+
+    actions = {a.dest: a for a in build_parser()._actions}
+    assert tuple(actions["outer"].choices) == OUTER_OPTIMIZERS
+    assert set(actions["algorithm"].choices) <= set(DENSE_ALGORITHMS)
+    assert tuple(actions["workload"].choices) == ("digits-mlp", "mnist-cnn", "cifar10-resnet18", "text-gpt")
+    assert actions["workload"].default in actions["workload"].choices
+    assert workloads.WORKLOADS is menu.WORKLOADS  # re-exported: one table
+    listed = actions["compressors"].help.split("among ", 1)[1].split(" (default", 1)[0]
+    assert listed.split(",") == list(COMPRESSORS)
 
 
 def test_version_has_one_source():

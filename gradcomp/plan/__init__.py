@@ -26,12 +26,19 @@ Example::
     print(p.step_s, p.comm_share, p.bytes_sent)
 """
 
-from gradcomp.plan.host import Host
-from gradcomp.plan.lognormal import expected_max
-from gradcomp.plan.model import (ALGORITHMS, CODECS, MODES, Codec, Prediction, Setting, allreduce_bytes,
-                                 allreduce_seconds, async_throughput, bubble_fraction, pipeline_step,
-                                 predict, ps_bytes)
-from gradcomp.plan.profile import Profile
+from gradcomp._lazy import lazy_attributes
+
+# loaded on first use: the model imports torch, and `gradcomp plan --help` must not wait for it
+_EXPORTS = {
+    "expected_max": "gradcomp.plan.lognormal",
+    "Host": "gradcomp.plan.host",
+    "Profile": "gradcomp.plan.profile",
+    **{name: "gradcomp.plan.model" for name in (
+        "ALGORITHMS", "CODECS", "MODES", "Codec", "Prediction", "Setting", "allreduce_bytes",
+        "allreduce_seconds", "async_throughput", "bubble_fraction", "pipeline_step", "predict",
+        "ps_bytes")},
+}
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _EXPORTS)
 
 __all__ = ["ALGORITHMS", "CODECS", "MODES", "Codec", "Host", "Prediction", "Profile", "Setting", "allreduce_bytes",
            "allreduce_seconds", "async_throughput", "bubble_fraction", "expected_max", "pipeline_step",

@@ -83,6 +83,13 @@ Roles by hand::
                 result = worker.push()       # PushResult: accepted / dropped / rejected
             worker.pull()
 
+Modules: :mod:`~gradcomp.ps.run` (``PSConfig``, ``run``, ``role``),
+:mod:`~gradcomp.ps.worker`, :mod:`~gradcomp.ps.server` (the server's message
+loop), :mod:`~gradcomp.ps.apply` (its update rule), :mod:`~gradcomp.ps.membership`
+(workers' records, failure detection, heartbeats), :mod:`~gradcomp.ps.checkpoint`,
+:mod:`~gradcomp.ps.protocol` (messages), :mod:`~gradcomp.ps.transport`
+(ZeroMQ sockets), :mod:`~gradcomp.ps.sharding` (placement).
+
 With torchrun (a least-squares demo; prints the server's stats as JSON)::
 
     torchrun --nproc_per_node=3 -m gradcomp.ps --mode async --compressor int8 --compress-pull
@@ -91,24 +98,16 @@ With torchrun (a least-squares demo; prints the server's stats as JSON)::
 
 from __future__ import annotations
 
+from gradcomp._lazy import lazy_attributes
 from gradcomp.ps.errors import (CheckpointError, PeerError, ProtocolError, PSAbortedError, PSError,
                                 WorkerFailedError)
 from gradcomp.ps.run import PSConfig, role, run
 from gradcomp.ps.sharding import ParamSpec, shard_parameters
 
 # the roles load pyzmq on first use, so that `import gradcomp` stays light
-_LAZY = {"ParameterServer": "server", "PushResult": "worker", "Worker": "worker"}
-
-
-def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'gradcomp.ps' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"gradcomp.ps.{module}"), name)
-    globals()[name] = value
-    return value
+_LAZY = {"ParameterServer": "gradcomp.ps.server", "PushResult": "gradcomp.ps.worker",
+         "Worker": "gradcomp.ps.worker"}
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY)
 
 __all__ = [
     "ParameterServer",

@@ -1,14 +1,23 @@
-"""Atomic server checkpoints: parameters, optimizer state and version."""
+"""Atomic server checkpoints: parameters, optimizer state and version.
+
+:func:`save_shard` / :func:`resume_shard` write and restore one server's
+shard (a :class:`~gradcomp.ps.apply.ShardUpdater`); :func:`save_atomic` and
+:func:`load` are the file format underneath.
+"""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from gradcomp.ps.errors import CheckpointError
 
-__all__ = ["FORMAT", "checkpoint_path", "save_atomic", "load"]
+if TYPE_CHECKING:
+    from gradcomp.ps.apply import ShardUpdater
+
+__all__ = ["FORMAT", "checkpoint_path", "save_atomic", "load", "save_shard", "resume_shard"]
 
 FORMAT = "gradcomp.ps/1"
 
@@ -79,6 +88,57 @@ def load(path: str, layout: list | None = None, num_servers: int | None = None) 
     if not isinstance(opt.get("state"), dict) or not isinstance(opt.get("param_groups"), list):
         raise CheckpointError(path, "the optimizer state is not a torch.optim state dict")
     return state
+
+
+def _layout(shard) -> list:
+    return [[s.name, list(s.shape)] for s in shard]
+
+
+def save_shard(directory: str, server_index: int, num_servers: int, mode: str, updater: ShardUpdater,
+               version: int) -> str:
+    """Write ``updater``'s parameters (copied to CPU) and optimizer state at
+    ``version`` to ``checkpoint_path(directory, server_index)`` atomically;
+    returns the path."""
+    path = checkpoint_path(directory, server_index)
+    save_atomic({
+        "format": FORMAT,
+        "server_index": server_index,
+        "num_servers": num_servers,
+        "mode": mode,
+        "layout": _layout(updater.shard),
+        "version": version,
+        "params": {n: p.detach().cpu().clone() for n, p in updater.params.items()},
+        "optimizer": updater.optimizer.state_dict(),
+    }, path)
+    return path
+
+
+def resume_shard(directory: str, server_index: int, num_servers: int, updater: ShardUpdater) -> int | None:
+    """Load this server's checkpoint into ``updater`` (parameters and
+    optimizer state), validated whole before anything changes.
+
+    Returns:
+        The checkpoint's version; None when there is no checkpoint file (nothing changes).
+
+    Raises:
+        CheckpointError: see :func:`load`; or the optimizer state does not fit
+            ``updater``'s optimizer (which is left as it was).
+    """
+    path = checkpoint_path(directory, server_index)
+    if not os.path.exists(path):
+        return None
+    state = load(path, _layout(updater.shard), num_servers)
+    before = updater.optimizer.state_dict()
+    try:
+        updater.optimizer.load_state_dict(state["optimizer"])
+    except Exception as e:
+        updater.optimizer.load_state_dict(before)
+        raise CheckpointError(path, f"its optimizer state does not fit this optimizer "
+                                    f"({type(e).__name__}: {e})") from None
+    with torch.no_grad():
+        for n, p in updater.params.items():
+            p.copy_(state["params"][n])
+    return state["version"]
 
 
 def _first_line(e: BaseException) -> str:

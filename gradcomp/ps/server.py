@@ -1,30 +1,34 @@
-"""The server role: holds a parameter shard and applies workers' gradients to it."""
+"""The server role: its construction, the message loop and its replies, its statistics.
+
+One thread polls the request socket and handles each worker's message in
+turn (:meth:`ParameterServer.serve`). The parts with a job of their own live
+apart: the update rule (decode, average, optimizer step, pull encoding) in
+:mod:`gradcomp.ps.apply`, the workers' records and failure detection (and
+the heartbeat thread) in :mod:`gradcomp.ps.membership`, the checkpoint files
+in :mod:`gradcomp.ps.checkpoint`.
+"""
 
 from __future__ import annotations
 
 import collections
-import functools
 import logging
-import math
 import os
-import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import zmq
 
 from gradcomp import _validate as v
-from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
-from gradcomp.errors import PayloadError
+from gradcomp.compressors import Compressor
 from gradcomp.meter import TrafficMeter
-from gradcomp.wire import decode
 from gradcomp.ps import checkpoint as ckpt
 from gradcomp.ps import protocol as P
 from gradcomp.ps import transport as T
-from gradcomp.ps.errors import CheckpointError, ProtocolError, WorkerFailedError
+from gradcomp.ps.apply import Rejected, ShardUpdater, check_clip_norm, check_pull_compressor
+from gradcomp.ps.errors import ProtocolError, WorkerFailedError
+from gradcomp.ps.membership import HeartbeatResponder, Peer, expired, peer_table
 from gradcomp.ps.sharding import layout_checksum, named_tensors, param_specs, shard_parameters
 
 __all__ = ["ParameterServer", "MODES", "FAILURE_POLICIES"]
@@ -32,37 +36,8 @@ __all__ = ["ParameterServer", "MODES", "FAILURE_POLICIES"]
 log = logging.getLogger("gradcomp.ps")
 
 MODES, FAILURE_POLICIES = P.MODES, P.FAILURE_POLICIES
-_REJECT_REASONS = ("payload", "shape", "nonfinite", "layout", "version", "duplicate", "protocol",
-                   "session", "unknown_peer")
 #: most messages handled per poll before the deadlines are checked again
 _BATCH = 64
-
-
-@dataclass
-class _Peer:
-    """What the server knows about one worker."""
-
-    rank: int
-    status: str = "active"  # active | done | dead | aborted
-    reason: str = ""
-    pushes: int = 0
-    accepted: int = 0
-    dropped: int = 0
-    rejected: int = 0
-    pulls: int = 0
-    sessions: int = 0  # connections (HELLOs) seen: 1 + restarts
-    session: int | None = None  # id of the current connection (None before its HELLO)
-    last_seq: int = 0  # last request number handled in this session
-    heard: float = 0.0  # time.monotonic() of its last message (request or heartbeat)
-    clock: float = 0.0  # start of its worker_timeout: the last reply, or serve()'s start
-    meter: TrafficMeter = field(default_factory=TrafficMeter)
-    mirror: dict | None = None  # compress_pull: the worker's replica as the server knows it
-    deferred: P.Header | None = None  # sync: a pull waiting for the step to complete
-
-    @property
-    def ident(self) -> bytes:
-        """Routing id of its request socket."""
-        return b"w%d" % self.rank
 
 
 class ParameterServer:
@@ -198,13 +173,9 @@ class ParameterServer:
         self.global_rank = _global(group, self.rank)
         self.max_staleness = None if max_staleness is None else v.integer("max_staleness", max_staleness, 0)
         self.staleness_lr = _flag("staleness_lr", staleness_lr)
-        if clip_grad_norm is not None:
-            clip_grad_norm = v.real("clip_grad_norm", clip_grad_norm)
-            if not (clip_grad_norm > 0 and math.isfinite(clip_grad_norm)):
-                raise ValueError(f"clip_grad_norm must be a finite number > 0 or None, got {clip_grad_norm}")
-        self.clip_grad_norm = clip_grad_norm
+        self.clip_grad_norm = check_clip_norm(clip_grad_norm)
         self.compress_pull = _flag("compress_pull", compress_pull)
-        self.pull_compressor = _pull_compressor(pull_compressor, self.compress_pull)
+        self.pull_compressor = check_pull_compressor(pull_compressor, self.compress_pull)
         self.worker_timeout = v.timeout("worker_timeout", worker_timeout)
         self.heartbeat_timeout = v.timeout("heartbeat_timeout", heartbeat_timeout)
         self.send_hwm = v.integer("send_hwm", send_hwm, 1)
@@ -223,20 +194,13 @@ class ParameterServer:
         tensors = named_tensors(params)
         self.shard = shard_parameters(param_specs(tensors), self.num_servers)[self.rank]
         self.layout = layout_checksum(self.shard)
-        self.params = {s.name: torch.nn.Parameter(tensors[s.name].detach().to(self.device, torch.float32).clone())
-                       for s in self.shard}
-        factory = optimizer if optimizer is not None else functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
-        if not callable(factory):
-            raise TypeError(f"optimizer must be a callable returning a torch.optim.Optimizer, "
-                            f"got {type(factory).__name__}")
-        self.optimizer = factory(list(self.params.values()))
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer factory must return a torch.optim.Optimizer, "
-                            f"got {type(self.optimizer).__name__}")
+        self._updater = ShardUpdater(self.shard, tensors, self.device, optimizer, self.clip_grad_norm,
+                                     self.staleness_lr, self.compress_pull, self.pull_compressor)
+        #: the shard: ``{name: float32 nn.Parameter}`` on ``device``, and the optimizer updating it
+        self.params, self.optimizer = self._updater.params, self._updater.optimizer
 
-        self._raw_bundle = P.raw_bundle_nbytes(s.shape for s in self.shard)
+        self._raw_bundle = self._updater.raw_bundle_nbytes
         self._max_message = 2 * self._raw_bundle + (1 << 16)
-        self._raw = NoCompression()
         self.version = 0
         self.resumed_from: int | None = None
         self.updates = 0
@@ -248,10 +212,7 @@ class ParameterServer:
         self._busy: collections.deque = collections.deque(maxlen=1 << 17)
         self.dropped_staleness_histogram: Counter = Counter()
         self.rejected_reasons: Counter = Counter()
-        self.peers = {r: _Peer(r) for r in (_global(group, i) for i in range(self.num_servers, world))}
-        self._by_ident = {p.ident: p for p in self.peers.values()}
-        self._sum: dict[str, torch.Tensor] = {}
-        self._contributors: set[int] = set()
+        self.peers, self._by_ident = peer_table(_global(group, i) for i in range(self.num_servers, world))
         self._failure: tuple[int, str] | None = None
         self._served = False
         #: heartbeats received and answered (kept apart from :attr:`meter`, which counts the data exchange)
@@ -272,7 +233,7 @@ class ParameterServer:
                 self._sock.close(0)
             self._ctx.term()
             raise
-        self._heartbeats = _HeartbeatResponder(self, hb_sock)
+        self._heartbeats = HeartbeatResponder(self, hb_sock)
         self.heartbeat_port = int(hb_endpoint.rsplit(":", 1)[1])
         T.exchange_addresses(group, self.address, self.num_servers)
 
@@ -388,17 +349,8 @@ class ParameterServer:
         """
         if self.checkpoint_dir is None:
             raise ValueError("save_checkpoint needs the server's checkpoint_dir")
-        path = ckpt.checkpoint_path(self.checkpoint_dir, self.rank)
-        ckpt.save_atomic({
-            "format": ckpt.FORMAT,
-            "server_index": self.rank,
-            "num_servers": self.num_servers,
-            "mode": self.mode,
-            "layout": [[s.name, list(s.shape)] for s in self.shard],
-            "version": self.version,
-            "params": {n: p.detach().cpu().clone() for n, p in self.params.items()},
-            "optimizer": self.optimizer.state_dict(),
-        }, path)
+        path = ckpt.save_shard(self.checkpoint_dir, self.rank, self.num_servers, self.mode, self._updater,
+                               self.version)
         self.checkpoints += 1
         return path
 
@@ -413,7 +365,7 @@ class ParameterServer:
         self._handle(entry, frames)
         return entry.rank
 
-    def _handle(self, peer: "_Peer", frames) -> None:
+    def _handle(self, peer: Peer, frames) -> None:
         data = frames[2] if len(frames) == 3 else None
         try:
             if len(frames) not in (2, 3):
@@ -453,7 +405,7 @@ class ParameterServer:
         else:
             self._on_done(peer)
 
-    def _on_hello(self, peer: _Peer, h: P.Header, now: float) -> None:
+    def _on_hello(self, peer: Peer, h: P.Header, now: float) -> None:
         """A worker process connects (first time, or restarted with a new session)."""
         self._record_recv(peer, P.message_nbytes(), P.message_nbytes(), "connect")
         if h.layout != self.layout:
@@ -464,17 +416,13 @@ class ParameterServer:
         if peer.session is not None and peer.status == "active":
             log.warning("parameter server rank %d: worker rank %d restarted", self.global_rank, peer.rank)
         # an accepted gradient of the current sync step stays in the sum
-        if peer.status in ("dead", "done") and self._failure is None:
-            peer.status, peer.reason = "active", ""
-        peer.session, peer.sessions, peer.last_seq = h.session, peer.sessions + 1, h.seq
-        peer.mirror = peer.deferred = None
-        peer.heard = peer.clock = now
+        peer.join(h, now, run_failed=self._failure is not None)
         if self._failure is not None:
             return self._abort(peer, h, "connect")
         self._reply(peer, self._header(P.WELCOME, h, aux=peer.accepted, status=self.heartbeat_port),
                     None, "connect")
 
-    def _on_protocol_error(self, peer: _Peer, reason: str) -> None:
+    def _on_protocol_error(self, peer: Peer, reason: str) -> None:
         """A malformed message: counted; the peer is cut off (it does not speak the protocol)."""
         self._count_reject(peer, "protocol")
         log.warning("parameter server rank %d: protocol error from worker rank %d: %s",
@@ -485,17 +433,11 @@ class ParameterServer:
             self._evict(peer, P.Header(P.HELLO, peer.rank, session=peer.session or 0), peer.reason)
 
     def _check_deadlines(self) -> None:
-        now = time.monotonic()
-        for p in self.peers.values():
-            if p.status != "active":
-                continue
-            if p.session is not None and now - p.heard > self.heartbeat_timeout:
-                self._on_failure(p, f"no heartbeat for more than heartbeat_timeout="
-                                    f"{self.heartbeat_timeout:g} s (process or link down)")
-            elif p.deferred is None and now - p.clock > self.worker_timeout:
-                self._on_failure(p, f"silent for more than worker_timeout={self.worker_timeout:g} s")
+        for p, reason in expired(self.peers.values(), time.monotonic(), self.heartbeat_timeout,
+                                 self.worker_timeout):
+            self._on_failure(p, reason)
 
-    def _on_push(self, peer: _Peer, h: P.Header, data) -> None:
+    def _on_push(self, peer: Peer, h: P.Header, data) -> None:
         peer.pushes += 1
         self._record_recv(peer, P.message_nbytes(h.nbytes), P.message_nbytes(self._raw_bundle), "push")
         if h.layout != self.layout:
@@ -503,7 +445,7 @@ class ParameterServer:
         if not 0 <= h.version <= self.version:
             return self._reject(peer, h, "version")
         staleness = self.version - h.version
-        if self.mode == "sync" and staleness == 0 and peer.rank in self._contributors:
+        if self.mode == "sync" and staleness == 0 and peer.rank in self._updater.contributors:
             return self._reject(peer, h, "duplicate")
         too_stale = staleness > 0 if self.mode == "sync" else (
             self.max_staleness is not None and staleness > self.max_staleness)
@@ -513,8 +455,8 @@ class ParameterServer:
             return self._reply(peer, self._header(P.PUSH_REPLY, h, status=P.DROPPED, aux=staleness),
                                None, "push")
         try:
-            grads = self._decode_push(data)
-        except _Rejected as e:
+            grads = self._updater.decode_push(data)
+        except Rejected as e:
             return self._reject(peer, h, e.reason)
         peer.accepted += 1
         self.staleness_histogram[staleness] += 1
@@ -522,62 +464,13 @@ class ParameterServer:
             self._apply(grads, staleness)
             self._reply(peer, self._header(P.PUSH_REPLY, h, status=P.ACCEPTED, aux=staleness), None, "push")
         else:
-            for name, g in grads.items():
-                if name in self._sum:
-                    self._sum[name].add_(g)
-                else:
-                    self._sum[name] = g
-            self._contributors.add(peer.rank)
+            self._updater.add_to_round(peer.rank, grads)
             self._reply(peer, self._header(P.PUSH_REPLY, h, status=P.ACCEPTED), None, "push")
             self._maybe_complete_step()
 
-    def _decode_push(self, data) -> dict[str, torch.Tensor]:
-        """Bundle bytes -> ``{name: float32 gradient on device}``, validating all
-        payloads before any is used."""
-        if data is None:
-            raise _Rejected("payload")
-        try:
-            payloads = [decode(w, max_numel=spec.numel)
-                        for spec, w in zip(self.shard, P.unpack_bundle(data, len(self.shard)))]
-        except PayloadError:
-            raise _Rejected("payload") from None
-        for spec, p in zip(self.shard, payloads):
-            if tuple(p.shape) != spec.shape:
-                raise _Rejected("shape")
-        grads = {}
-        for spec, p in zip(self.shard, payloads):
-            g = torch.zeros(spec.shape, dtype=torch.float32, device=self.device)
-            if p.device != self.device:
-                p = decode(p.wire.to(self.device))
-            try:
-                P.decoder_for(p.codec).decompress_add_(p, g)
-            except (PayloadError, ValueError):
-                raise _Rejected("payload") from None
-            if not bool(torch.isfinite(g).all()):
-                raise _Rejected("nonfinite")
-            grads[spec.name] = g
-        return grads
-
     def _apply(self, grads: dict[str, torch.Tensor], staleness: int) -> None:
         """One optimizer step with ``grads`` (consumed); the version advances."""
-        for name, p in self.params.items():
-            p.grad = grads[name]
-        if self.clip_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.clip_grad_norm)
-            self.clipped += int(float(norm) > self.clip_grad_norm)
-        saved = None
-        if self.staleness_lr and staleness > 0:
-            saved = [g["lr"] for g in self.optimizer.param_groups]
-            for g in self.optimizer.param_groups:
-                g["lr"] = g["lr"] / (1 + staleness)
-        try:
-            self.optimizer.step()
-        finally:
-            if saved is not None:
-                for g, lr in zip(self.optimizer.param_groups, saved):
-                    g["lr"] = lr
-            for p in self.params.values():
-                p.grad = None
+        self.clipped += int(self._updater.step(grads, staleness))
         self.version += 1
         self.updates += 1
         if self.checkpoint_every and self.version % self.checkpoint_every == 0:
@@ -585,74 +478,55 @@ class ParameterServer:
 
     def _maybe_complete_step(self) -> None:
         """Sync: apply the averaged step once every live worker has pushed."""
-        if self.mode != "sync" or not self._contributors:
+        if self.mode != "sync":
             return
-        live = {r for r, p in self.peers.items() if p.status == "active"}
-        if not live <= self._contributors:
+        if not self._updater.round_complete({r for r, p in self.peers.items() if p.status == "active"}):
             return
-        n = len(self._contributors)
-        grads = {name: s.div_(n) for name, s in self._sum.items()}
-        self._sum = {}
-        self._contributors.clear()
-        self._apply(grads, 0)
+        self._apply(self._updater.take_round_average(), 0)
         for p in self.peers.values():  # every deferred pull was waiting for this step
             if p.status == "active" and p.deferred is not None:
                 self._answer_pull(p, p.deferred)
 
-    def _on_pull(self, peer: _Peer, h: P.Header) -> None:
+    def _on_pull(self, peer: Peer, h: P.Header) -> None:
         peer.pulls += 1
         self._record_recv(peer, P.message_nbytes(), P.message_nbytes(), "pull")
         if h.layout != self.layout:
             self._count_reject(peer, "layout")
             return self._reply(peer, self._header(P.PULL_REPLY, h, status=P.REJECTED), None, "pull")
-        if self.mode == "sync" and h.aux > self.version and peer.rank in self._contributors:
+        if self.mode == "sync" and h.aux > self.version and peer.rank in self._updater.contributors:
             peer.deferred = h  # answered when the step completes
             return
         self._answer_pull(peer, h)
 
-    def _answer_pull(self, peer: _Peer, h: P.Header) -> None:
+    def _answer_pull(self, peer: Peer, h: P.Header) -> None:
         peer.deferred = None
-        params = [(n, p.detach()) for n, p in self.params.items()]
-        if not self.compress_pull or (h.status & P.WANT_FULL) or peer.mirror is None:
-            wires = [self._raw.compress(p).wire for _, p in params]
-            if self.compress_pull:
-                peer.mirror = {n: p.clone() for n, p in params}
-            status = P.FULL
-        else:
-            wires = []
-            for n, p in params:
-                mirror = peer.mirror[n]
-                payload = self.pull_compressor.compress(p - mirror)
-                self.pull_compressor.decompress_add_(payload, mirror)
-                wires.append(payload.wire)
-            status = P.DELTA
+        wires, status, peer.mirror = self._updater.encode_pull(peer.mirror, bool(h.status & P.WANT_FULL))
         blob = P.pack_bundle(wires)
         self._reply(peer, self._header(P.PULL_REPLY, h, nbytes=blob.numel(), status=status), blob, "pull",
                     raw_nbytes=P.message_nbytes(self._raw_bundle))
 
-    def _on_done(self, peer: _Peer) -> None:
+    def _on_done(self, peer: Peer) -> None:
         self._record_recv(peer, P.message_nbytes(), P.message_nbytes(), "pull")
         peer.status = "done"
         peer.mirror = None
         self._maybe_complete_step()
 
-    def _on_failure(self, peer: _Peer, reason: str) -> None:
+    def _on_failure(self, peer: Peer, reason: str) -> None:
         if peer.status != "active":
             return
         log.warning("parameter server rank %d: worker rank %d failed: %s", self.global_rank, peer.rank, reason)
-        peer.status, peer.reason = "dead", reason
-        peer.mirror = peer.deferred = None
+        peer.declare_dead(reason)
         if self.on_worker_failure == "fail":
             if self._failure is None:
                 self._failure = (peer.rank, reason)
-                self._sum, self._contributors = {}, set()
+                self._updater.discard_round()
                 for p in self.peers.values():
                     if p.status == "active" and p.deferred is not None:
                         self._abort(p, p.deferred)
         else:
             self._maybe_complete_step()
 
-    def _abort(self, peer: _Peer, h: P.Header, phase: str = "pull") -> None:
+    def _abort(self, peer: Peer, h: P.Header, phase: str = "pull") -> None:
         """Tell ``peer`` the run is aborted (answers its request ``h``)."""
         peer.deferred = None
         rank = self._failure[0]
@@ -660,18 +534,18 @@ class ParameterServer:
         if peer.status == "active":
             peer.status, peer.reason = "aborted", f"told to abort after worker rank {rank} failed"
 
-    def _evict(self, peer: _Peer, h: P.Header, reason: str) -> None:
+    def _evict(self, peer: Peer, h: P.Header, reason: str) -> None:
         """Answer a request of a worker the server no longer serves, with the reason."""
         text = reason.encode()
         self._reply(peer, self._header(P.EVICTED, h, nbytes=len(text)), text, "pull", declare=False)
 
-    def _reject(self, peer: _Peer, h: P.Header, reason: str) -> None:
+    def _reject(self, peer: Peer, h: P.Header, reason: str) -> None:
         self._count_reject(peer, reason)
         log.warning("parameter server rank %d: rejected a push from worker rank %d (%s)",
                     self.global_rank, peer.rank, reason)
         self._reply(peer, self._header(P.PUSH_REPLY, h, status=P.REJECTED), None, "push")
 
-    def _count_reject(self, peer: _Peer, reason: str) -> None:
+    def _count_reject(self, peer: Peer, reason: str) -> None:
         peer.rejected += 1
         self.rejected_reasons[reason] += 1
 
@@ -679,7 +553,7 @@ class ParameterServer:
         """A reply to ``request``: this server's version, the request's number and session."""
         return P.Header(kind, self.global_rank, self.version, seq=request.seq, session=request.session, **fields)
 
-    def _reply(self, peer: _Peer, h: P.Header, data, phase: str, raw_nbytes: int | None = None,
+    def _reply(self, peer: Peer, h: P.Header, data, phase: str, raw_nbytes: int | None = None,
                declare: bool = True) -> None:
         """Queue a reply without blocking; a worker whose queue is full (it does
         not read) or whose connection is gone is declared dead (``declare``)."""
@@ -708,86 +582,15 @@ class ParameterServer:
             if m is not None:
                 (m.record_recv if recv else m.record_send)(n, n if raw is None else raw, phase)
 
-    def _record_recv(self, peer: _Peer, n: int, raw: int, phase: str) -> None:
+    def _record_recv(self, peer: Peer, n: int, raw: int, phase: str) -> None:
         self._record(self.meter, peer.meter, n, phase, raw=raw, recv=True)
 
     def _resume(self) -> None:
         """Load this server's checkpoint, if any: validated whole before
         anything changes (:class:`~gradcomp.ps.CheckpointError` otherwise)."""
-        path = ckpt.checkpoint_path(self.checkpoint_dir, self.rank)
-        if not os.path.exists(path):
-            return
-        state = ckpt.load(path, [[s.name, list(s.shape)] for s in self.shard], self.num_servers)
-        before = self.optimizer.state_dict()
-        try:
-            self.optimizer.load_state_dict(state["optimizer"])
-        except Exception as e:
-            self.optimizer.load_state_dict(before)
-            raise CheckpointError(path, f"its optimizer state does not fit this optimizer "
-                                        f"({type(e).__name__}: {e})") from None
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(state["params"][n])
-        self.version = state["version"]
-        self.resumed_from = self.version
-
-
-class _HeartbeatResponder:
-    """A thread answering workers' heartbeats on the server's heartbeat socket
-    (routing ids ``h<rank>``) and noting when each worker was last heard."""
-
-    def __init__(self, server: "ParameterServer", sock):
-        self._server, self._sock = server, sock
-        self._peers = {b"h%d" % p.rank: p for p in server.peers.values()}
-        self.malformed = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"gradcomp-ps-heartbeats-{server.global_rank}")
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
-        if not self._thread.is_alive():
-            self._sock.close(linger=0)
-
-    def _run(self) -> None:
-        server, n = self._server, P.message_nbytes()
-        while not self._stop.is_set():
-            if not self._sock.poll(100):
-                continue
-            while True:
-                try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                peer = self._peers.get(frames[0])
-                try:
-                    if peer is None or len(frames) != 2:
-                        raise ProtocolError("not a heartbeat")
-                    h = P.Header.unpack(frames[1], (P.HEARTBEAT,), None)
-                except ProtocolError:
-                    self.malformed += 1
-                    continue
-                server.heartbeat_meter.record_recv(n, n, "heartbeat")
-                if h.session != peer.session:
-                    continue  # an earlier process of that rank, or before its HELLO
-                if peer.status == "active":
-                    peer.heard = time.monotonic()
-                reply = P.Header(P.HEARTBEAT, server.global_rank, server.version, seq=h.seq, session=h.session)
-                try:
-                    self._sock.send_multipart([frames[0], reply.pack()], zmq.NOBLOCK)
-                    server.heartbeat_meter.record_send(n, n, "heartbeat")
-                except zmq.ZMQError:
-                    pass  # a worker not reading its heartbeat replies finds the server silent
-
-
-class _Rejected(Exception):
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
+        version = ckpt.resume_shard(self.checkpoint_dir, self.rank, self.num_servers, self._updater)
+        if version is not None:
+            self.version = self.resumed_from = version
 
 
 def _global(group, rank: int) -> int:
@@ -798,14 +601,3 @@ def _flag(name: str, x) -> bool:
     if not isinstance(x, bool):
         raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
     return x
-
-
-def _pull_compressor(c, compress_pull: bool) -> Compressor:
-    from gradcomp.compressors import Int8Quantizer
-
-    if c is None:
-        return Int8Quantizer() if compress_pull else NoCompression()
-    if not isinstance(c, Compressor):
-        raise TypeError(f"pull_compressor must be a gradcomp compressor or None, got {type(c).__name__}")
-    return c.wraps if isinstance(c, ErrorFeedback) else c
-

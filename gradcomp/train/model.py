@@ -7,10 +7,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-__all__ = ["make_model", "num_parameters", "evaluate", "DEFAULT_HIDDEN"]
+from gradcomp.train.menu import DEFAULT_HIDDEN
 
-#: Hidden widths of the default model: 64-384-256-10, 126,090 parameters.
-DEFAULT_HIDDEN = (384, 256)
+__all__ = ["make_model", "num_parameters", "evaluate", "DEFAULT_HIDDEN"]
 
 
 def make_model(seed: int, hidden: Sequence[int] = DEFAULT_HIDDEN, in_features: int = 64,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gradcomp.train.model import DEFAULT_HIDDEN
+from gradcomp.train.menu import DEFAULT_HIDDEN
 
 __all__ = ["PIPELINE_SCHEDULES", "add_pipeline_arguments"]
 

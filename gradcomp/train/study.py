@@ -48,7 +48,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from gradcomp.launch import launch
+from gradcomp.launch import launch, start_method
 from gradcomp.meter import TrafficMeter
 from gradcomp.train.async_ import async_world_size, train_async_rank
 from gradcomp.train.common import RankLog, counted_bytes
@@ -223,8 +223,7 @@ def _launch_local(mode: str, jobs: list[Job], datas: list[Digits],
     the scenario has a link), relaying rank 0's progress to
     ``on_step(compressor, seed, step)``; returns the logs indexed [rank][run]
     and the link's description."""
-    method = os.environ.get("GRADCOMP_START_METHOD", "forkserver")
-    progress = mp.get_context(method).Queue() if on_step is not None else None
+    progress = mp.get_context(start_method()).Queue() if on_step is not None else None
     cfg = jobs[0][0]
     world = _world_size(mode, cfg)
     timeout = max(c.timeout for c, _, _ in jobs) * len(jobs)

