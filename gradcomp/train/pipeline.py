@@ -22,6 +22,19 @@ all boundaries (from the boundary meters), test accuracy and its gap to the
 stage; :func:`gradcomp.pipeline.analyze`, first step left out as warm-up)
 next to the theory, peak activation memory per stage; for PipeDream the
 staleness and update rate per stage.
+
+Time (the study's ``--link`` / ``--scenarios``, ``--target-acc``,
+``--eval-every``): a scenario with a link runs the ranks in a
+:class:`gradcomp.cluster.LocalCluster` (rank r in host r's namespace, every
+link shaped to the rate both ways; the configured and achieved rate go into
+each run's ``link``); ``+straggler`` stretches pipeline rank 1's forwards and
+backwards 3x, ``+jitter`` every stage's by a seeded lognormal factor (engine
+schedules). Each run also reports its median step time (slowest rank of
+replica 0, after a warm-up step), the step-time model's step for the same
+measured compute and boundary bytes at the achieved rate
+(:func:`gradcomp.plan.model.pipeline_step`), and its time and steps to the
+target accuracy: the weights are copied every ``eval_every`` steps (the copy
+off the training clock) and evaluated after the run.
 """
 
 from __future__ import annotations
@@ -157,11 +170,11 @@ def _state(parts: dict[int, nn.Module]) -> dict[int, dict[str, torch.Tensor]]:
 
 class _Clock:
     """A rank's training clock: seconds per step and, every ``eval_every`` steps
-    (and the last), the clock and a weight snapshot (its copy not counted).
-    Only replica 0 keeps snapshots (every replica holds the same weights)."""
+    (and the last: the final weights), the clock and a weight snapshot (its
+    copy not counted)."""
 
-    def __init__(self, cfg: PipelineConfig, snapshots: bool):
-        self.cfg, self.keep = cfg, snapshots
+    def __init__(self, cfg: PipelineConfig):
+        self.cfg = cfg
         self.marks: list[int] = []
         self.clock: list[float] = []
         self.step_s: list[float] = []
@@ -177,8 +190,7 @@ class _Clock:
         if step % self.cfg.eval_every == 0 or step == self.cfg.steps:
             self.marks.append(step)
             self.clock.append(t - self._t0 - self._paused)
-            if self.keep:
-                self.snapshots.append(_state(parts))
+            self.snapshots.append(_state(parts))
         self._last = time.perf_counter()
         self._paused += self._last - t
 
@@ -247,7 +259,7 @@ def _engine_run(cfg: PipelineConfig, schedule: str, m: int, compressor: str, dat
     opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
     sched = build_schedule(schedule, stages, m, nn.functional.cross_entropy)
     first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
-    losses, clock = [], _Clock(cfg, replica == 0)
+    losses, clock = [], _Clock(cfg)
     dist.barrier(group=pp_group)
     clock.start()
     batches = worker_batches(len(data.y_train), cfg.replicas, replica, cfg.batch_size, cfg.seed, cfg.steps)
