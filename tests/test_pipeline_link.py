@@ -96,3 +96,21 @@ def test_bad_pipeline_time_settings_exit_2_with_one_line(argv, needle, capsys, t
     rc, _, err = _cli(["--mode", "pipeline", "--out", str(tmp_path), *argv], capsys)
     assert rc == 2
     assert len(err) == 1 and needle in err[0], err
+
+
+def test_straggler_slowdown_sleeps_factor_minus_one_times_the_compute(monkeypatch):
+    import gradcomp.pipeline.stage as stage_mod
+    from gradcomp.pipeline.timeline import Span
+
+    slept = []
+    monkeypatch.setattr(stage_mod.time, "perf_counter", lambda: 10.0)
+    monkeypatch.setattr(stage_mod.time, "sleep", slept.append)
+    st = object.__new__(stage_mod.GradcompStage)  # only _stretch's own state
+    st.slowdown = lambda: 3.0
+    st._stretch(Span("forward", 1, 0, t0=9.99, t1=0.0))                     # 10 ms of compute
+    st._stretch(Span("backward", 1, 0, t0=9.98, t1=0.0, inner_codec=0.005))  # 15 ms + 5 ms decode
+    st.slowdown = lambda: 1.0
+    st._stretch(Span("forward", 1, 1, t0=9.99, t1=0.0))
+    st.slowdown = None
+    st._stretch(Span("forward", 1, 2, t0=9.99, t1=0.0))
+    assert slept == [pytest.approx(0.020), pytest.approx(0.030)]
