@@ -132,6 +132,8 @@ def test_more_bad_options_exit_2_with_message(capsys, argv, words):
     (["train", "--mode", "sync", "--compressors", "none", "--timeout", "1e300"], "timeout must be > 0"),
     # adaptive compression needs the DDP hook
     (["train", "--compressors", "auto"], "compressor 'auto' runs in mode(s) sync only"),
+    (["train", "--hidden", "64,0"], "--hidden expects comma-separated widths >= 1, got '64,0'"),
+    (["train", "--workload", "mnist-cnn", "--hidden", "64"], "--hidden applies to --workload digits-mlp only"),
 ])
 def test_settings_that_cannot_work_exit_2(capsys, argv, words):
     assert main(argv) == 2

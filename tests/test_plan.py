@@ -257,7 +257,8 @@ def test_async_server_bound_and_staleness(profile):
     s = Setting(nodes=8, link_bytes_per_s=1e6, params=250_000, compute_s=1e-3, apply_s=0.0)
     p = async_throughput(CODECS["int8"], s, profile)
     push = 82 + 9 + 8 + 8 + 48 + 4 * 977 + 250_000  # header frame and framed data frame: the bundle
-    assert p.throughput == pytest.approx(1e6 / push)
+    # a closed queue of 8 workers: the throughput approaches 1 / D from below
+    assert p.throughput == pytest.approx(1e6 / push, rel=1e-4) and p.throughput < 1e6 / push
     assert "server-bound" in p.notes
 
 

@@ -6,6 +6,8 @@ on any process group (gloo on CPU, NCCL on GPU):
 
 * ``"ring"``: ring reduce-scatter with a decompress-add-recompress per hop
   (:mod:`gradcomp.comm.ring`), then the owner's bytes forwarded around the ring;
+  pipelined in segments for large tensors when the compressor writes payloads
+  in parts (:mod:`gradcomp.comm.pipelined`: int8 with nearest rounding);
 * ``"two_phase"``: direct compressed reduce-scatter, one compression per chunk
   (:mod:`gradcomp.comm.two_phase`), then the same allgather;
 * ``"allgather"``: for sparse compressors, every rank's payload gathered and
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.comm import allgather as _allgather
+from gradcomp.comm import pipelined as _pipelined
 from gradcomp.comm.agreement import (Disagreement, agree, forget, needs_check, pattern, remember_pattern,
                                      replay)
 from gradcomp.comm import ring as _ring
@@ -243,6 +246,8 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
         try:
             if algorithm == "allgather":
                 _allgather.allreduce(comm, local, work, op)
+            elif algorithm == "ring" and _pipelined.applies(local, plan):
+                _pipelined.allreduce(comm, local, plan, work, op)
             else:
                 pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
                 share_owned(comm, plan, work, op, pending)

@@ -149,11 +149,19 @@ def pattern(group) -> list | None:
 
 def replay(comm: Comm, entries, device="cpu") -> None:
     """Exchange disagreement envelopes with the sizes, peers and tags of ``entries``
-    (``(sends, recvs, phase, tag)``, sends and recvs as ``(peer, nbytes)``)."""
+    (``(sends, recvs, phase, tag)``, sends and recvs as ``(peer, nbytes)``).
+
+    Every entry is posted before any is waited for, in the entries' order: an
+    entry may hold only receives whose sends come in a later entry of the
+    peer (the pipelined ring posts its receives ahead). Messages of one peer
+    and tag match in posting order, on both sides."""
+    transfers = []
     for sends, recvs, _, tag in entries:
         out = [Message(p, _envelope(nbytes, device)) for p, nbytes in sends]
         into = [Message(p, torch.empty(nbytes, dtype=torch.uint8, device=device)) for p, nbytes in recvs]
-        comm.exchange(out, into, "agreement", tag=tag)
+        transfers.append(comm.start(out, into, "agreement", tag=tag))
+    for t in transfers:
+        t.wait()
 
 
 def _envelope(nbytes: int, device) -> torch.Tensor:

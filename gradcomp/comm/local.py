@@ -27,7 +27,7 @@ Residuals come from one of two places:
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 
 import torch
 
@@ -85,6 +85,36 @@ class Local:
             dst.add_(r)
             r.zero_()
         return dst
+
+    def has_parts(self) -> bool:
+        """The compressor writes payloads in parts (:meth:`~gradcomp.Compressor.part_align`)
+        and error feedback, if any, is gradcomp's own (so :meth:`compress_parts` applies)."""
+        return self.inner.part_align() > 0 and (self._ef is None or not self._ef._overrides("compress"))
+
+    def compress_parts(self, lo: int, hi: int, chunk: Hashable, q: Payload,
+                       parts: list[tuple[int, int]]) -> Iterator[None]:
+        """:meth:`compress` of elements ``[lo, hi)`` into the opened payload ``q``
+        (:meth:`~gradcomp.Int8Quantizer.open_wire`) one part at a time, yielding
+        after each part of ``parts`` (element ranges relative to ``lo``, in
+        order, covering ``[0, hi - lo)``). Same payload and residual, bit for
+        bit, as :meth:`compress`; the residual is kept (or dropped when
+        non-finite) after the last part. Needs :meth:`has_parts`."""
+        x = self.x[lo:hi]
+        key = self.key if chunk is None else (self.key, chunk)
+        if self.mode == "keyed":
+            r = self._ef.residual_for(key, hi - lo, x.device)
+        elif self.mode == "flat":
+            r = self.residual[lo:hi]
+        else:
+            r = None
+        for a, b in parts:
+            with _timeline.span("compress"):
+                self.inner.compress_part_(x[a:b], q, a, b, None if r is None else r[a:b])
+            yield
+        if self.mode == "keyed":
+            self._ef.keep(key, r)
+        elif self.mode == "flat" and not bool(torch.isfinite(r).all()):
+            r.zero_()  # as compress: a non-finite residual starts again from zero
 
     def compress(self, lo: int, hi: int, chunk: Hashable, out: torch.Tensor | None = None) -> Payload:
         """:meth:`_compress`, recorded as a ``"compress"`` span of the active timeline."""

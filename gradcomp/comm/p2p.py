@@ -64,11 +64,14 @@ class Message:
             buffer to receive into (its size is the expected message size).
         raw_nbytes: bytes the uncompressed float32 exchange would move for this
             message (for the meter only).
+        count: messages the meter counts for it: 1, or 0 for a later part of
+            a payload sent in parts (:mod:`gradcomp.comm.pipelined`).
     """
 
     peer: int
     buf: torch.Tensor
     raw_nbytes: int = 0
+    count: int = 1
 
 
 class Comm:
@@ -87,6 +90,7 @@ class Comm:
         self.timeout = float(timeout)
         self.meter = meter
         self._taken: list[torch.Tensor] = []
+        self.gloo = dist.get_backend(group) == "gloo"
         #: every :meth:`start` of this call: ``(sends, recvs, phase, tag)`` with
         #: sends and recvs as ``((peer, nbytes), ...)`` (see gradcomp.comm.agreement)
         self.trace: list[tuple] = []
@@ -124,7 +128,7 @@ class Comm:
         self.start(sends, recvs, phase, tag).wait()
 
     def start(self, sends: Sequence[Message], recvs: Sequence[Message], phase: str,
-              tag: int = 0) -> "Transfer":
+              tag: int = 0, timed: bool = True, split: bool = True) -> "Transfer":
         """Post all sends and receives (non-blocking); :meth:`Transfer.wait` completes them.
 
         At most one send and one receive per peer. Every message is cut into
@@ -141,6 +145,10 @@ class Comm:
             phase: meter phase name (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``,
                 ``"sizes"``).
             tag: tag of the first piece.
+            timed: add the time from posting to completion to the meter's
+                phase time (False when the caller times overlapping transfers itself).
+            split: cut messages into :func:`pieces` (False: one pair per
+                message, for callers that already keep several in flight).
 
         Raises:
             ValueError: two messages to (or from) one peer, or a bad buffer.
@@ -149,7 +157,6 @@ class Comm:
                            tuple((m.peer, m.buf.numel()) for m in recvs), phase, tag))
         ops = []
         for kind, msgs in (("irecv", recvs), ("isend", sends)):
-            fn = dist.irecv if kind == "irecv" else dist.isend
             seen = set()
             for m in msgs:
                 if m.peer in seen:
@@ -158,9 +165,18 @@ class Comm:
                 if m.buf.dtype != torch.uint8 or m.buf.dim() != 1 or not m.buf.is_contiguous():
                     raise ValueError("exchange: message buffers must be contiguous 1-D uint8 tensors, "
                                      f"got {m.buf.dtype} of shape {tuple(m.buf.shape)}")
-                for i, (a, b) in enumerate(pieces(m.buf.numel())):
-                    ops.append(dist.P2POp(fn, m.buf[a:b], group=self.group, tag=tag + i, group_peer=m.peer))
-        return Transfer(self, list(sends), list(recvs), phase, dist.batch_isend_irecv(ops) if ops else [])
+                cuts = pieces(m.buf.numel()) if split else [(0, m.buf.numel())] * bool(m.buf.numel())
+                ops.extend((kind, m.buf[a:b], tag + i, m.peer) for i, (a, b) in enumerate(cuts))
+        if not ops:
+            works = []
+        elif self.gloo:  # gloo posts each op on its own, without a group call's cost
+            works = [dist.irecv(buf, group=self.group, tag=t, group_src=peer) if kind == "irecv"
+                     else dist.isend(buf, group=self.group, tag=t, group_dst=peer) for kind, buf, t, peer in ops]
+        else:  # NCCL: one group call, so that sends and receives cannot deadlock
+            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv if kind == "irecv" else dist.isend, buf,
+                                                       group=self.group, tag=t, group_peer=peer)
+                                            for kind, buf, t, peer in ops])
+        return Transfer(self, list(sends), list(recvs), phase, works, timed)
 
     def ring_allgather(self, mine: torch.Tensor, sizes: Sequence[int], raw_nbytes: Sequence[int],
                        phase: str = "allgather",
@@ -209,8 +225,11 @@ class Comm:
 class Transfer:
     """Posted sends and receives of one :meth:`Comm.start`; :meth:`wait` completes them."""
 
-    def __init__(self, comm: Comm, sends: list[Message], recvs: list[Message], phase: str, works: list):
+    def __init__(self, comm: Comm, sends: list[Message], recvs: list[Message], phase: str, works: list,
+                 timed: bool = True):
         self.comm, self.sends, self.recvs, self.phase, self.works = comm, sends, recvs, phase, works
+        self.timed = timed
+        self.done = False
         self.t0 = time.perf_counter()
 
     def wait(self) -> None:
@@ -220,6 +239,8 @@ class Transfer:
             TimeoutError: not done within the comm's ``timeout`` seconds.
             RuntimeError: the transport failed (e.g. a peer died).
         """
+        if self.done:  # waited before
+            return
         comm = self.comm
         deadline = time.monotonic() + comm.timeout
         with _timeline.span("communicate"):
@@ -227,10 +248,12 @@ class Transfer:
         meter = comm.meter
         if meter is not None:
             for m in self.sends:
-                meter.record_send(m.buf.numel(), m.raw_nbytes, phase=self.phase)
+                meter.record_send(m.buf.numel(), m.raw_nbytes, phase=self.phase, messages=m.count)
             for m in self.recvs:
-                meter.record_recv(m.buf.numel(), m.raw_nbytes, phase=self.phase)
-            meter.record_time(time.perf_counter() - self.t0, phase=self.phase)
+                meter.record_recv(m.buf.numel(), m.raw_nbytes, phase=self.phase, messages=m.count)
+            if self.timed:
+                meter.record_time(time.perf_counter() - self.t0, phase=self.phase)
+        self.done = True
 
     def _wait_all(self, deadline: float) -> None:
         comm = self.comm

@@ -166,6 +166,22 @@ class Compressor(abc.ABC):
         on the data, as for Threshold)."""
         return None
 
+    def part_align(self) -> int:
+        """Element alignment of the *parts* this compressor can write a payload in (0: none).
+
+        A compressor with ``part_align() == a > 0`` writes and reads the payload
+        of a flat float32 tensor of ``n`` elements in independent parts, element
+        ranges ``[lo, hi)`` with ``lo`` a multiple of ``a`` (``hi`` too, or
+        ``n``), through :meth:`open_wire`, :meth:`part_ranges`,
+        :meth:`compress_part_`, :meth:`reduce_compress_part_` and
+        :meth:`decompress_part_`; the payload assembled from all parts equals,
+        bit for bit, the one written whole. The segment-pipelined ring
+        (:mod:`gradcomp.comm.pipelined`) uses it to send a payload while its
+        next parts are being computed. :class:`Int8Quantizer` with nearest
+        rounding has parts (``a`` = its block size); the others have none.
+        """
+        return 0
+
     def state_dict(self) -> dict:
         """Counters that make the compressor's output reproducible after a restart."""
         return {}

@@ -67,28 +67,42 @@ class ErrorFeedback(Compressor):
         if out is not None:
             _check_wire_out(self, out, t)
         x = _flat(t)
-        r = self.residuals.get(key)
-        if r is None:
-            r = torch.zeros(x.numel(), dtype=torch.float32, device=x.device)
-        elif r.numel() != x.numel():
-            raise ValueError(
-                f"key {key!r} holds the residual of a tensor with {r.numel()} elements, "
-                f"got a tensor with {x.numel()}: use one key per tensor"
-            )
-        elif r.device != x.device:
-            r = r.to(x.device)
+        r = self.residual_for(key, x.numel(), x.device)
         if isinstance(self.wraps, Int8Quantizer):
             p = self.wraps._encode_ef(x, r, t.dtype, t.shape, out=out)
         else:
             px = x.to(torch.float32) + r
             p = self.wraps._encode(px, t.dtype, t.shape, out=out)
             r = px - self.wraps._decode_flat(p).to(torch.float32)
+        self.keep(key, r)
+        return p
+
+    def residual_for(self, key: Hashable, numel: int, device) -> torch.Tensor:
+        """The residual to compress ``key``'s next tensor with: the one held (moved
+        to ``device``) or a new zero one (flat float32, ``numel`` elements). Not
+        stored until :meth:`keep`.
+
+        Raises:
+            ValueError: ``key`` holds the residual of a tensor with another numel.
+        """
+        r = self.residuals.get(key)
+        if r is None:
+            return torch.zeros(numel, dtype=torch.float32, device=device)
+        if r.numel() != numel:
+            raise ValueError(
+                f"key {key!r} holds the residual of a tensor with {r.numel()} elements, "
+                f"got a tensor with {numel}: use one key per tensor"
+            )
+        return r if r.device == torch.device(device) else r.to(device)
+
+    def keep(self, key: Hashable, r: torch.Tensor) -> None:
+        """Store ``r`` as ``key``'s residual, or drop it (and count a reset) if it
+        holds NaN/Inf."""
         if not bool(torch.isfinite(r).all()):
             self.residuals.pop(key, None)
             self.nonfinite_resets += 1
         else:
             self.residuals[key] = r
-        return p
 
     def _encode(self, x, dtype, shape, out=None):
         return self.wraps._encode(x, dtype, shape, out=out)

@@ -9,6 +9,8 @@ prediction to recommend a mode, compressor and algorithm:
   kernel time from measured rates, overlap of buckets with backward,
   stragglers, async throughput and staleness, the pipeline bubble;
 * :mod:`~gradcomp.plan.lognormal`: the expected maximum of lognormal compute times;
+* :mod:`~gradcomp.plan.host`: ranks sharing a host's cores (processor sharing,
+  scheduling delay per exchange step, scattered hand-offs);
 * :mod:`~gradcomp.plan.profile`: alpha, beta and kernel rates (JSON);
 * :mod:`~gradcomp.plan.calibrate`: measuring them (ping-pong fit, kernel timings);
 * :mod:`~gradcomp.plan.validate`: predicted vs measured runs of the time study;
@@ -24,12 +26,13 @@ Example::
     print(p.step_s, p.comm_share, p.bytes_sent)
 """
 
+from gradcomp.plan.host import Host
 from gradcomp.plan.lognormal import expected_max
 from gradcomp.plan.model import (ALGORITHMS, CODECS, MODES, Codec, Prediction, Setting, allreduce_bytes,
                                  allreduce_seconds, async_throughput, bubble_fraction, pipeline_step,
                                  predict, ps_bytes)
 from gradcomp.plan.profile import Profile
 
-__all__ = ["ALGORITHMS", "CODECS", "MODES", "Codec", "Prediction", "Profile", "Setting", "allreduce_bytes",
+__all__ = ["ALGORITHMS", "CODECS", "MODES", "Codec", "Host", "Prediction", "Profile", "Setting", "allreduce_bytes",
            "allreduce_seconds", "async_throughput", "bubble_fraction", "expected_max", "pipeline_step",
            "predict", "ps_bytes"]

@@ -14,6 +14,10 @@ methods the transports call (``compress(out=)``, ``decompress(out=)``,
 ``decompress_add_``, ``reduce_compress_``, ``gradcomp.kernels.topk`` /
 ``threshold`` / ``scatter_add_``, ``ErrorFeedback(Int8Quantizer())``,
 ``torch.optim.SGD(momentum=0.9).step``); rate = elements / median seconds.
+Each op's fixed cost per call is its time on :data:`CALL_NUMEL` elements
+less what the rate accounts for. The host's core count goes into the
+profile's ``"host"``; its scheduling constants are not timed here but
+fitted on a time study (``gradcomp plan validate --fit-seeds``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 import numpy as np
 import torch
 
-__all__ = ["DEFAULT_SIZES", "sizes_for", "fit_alpha_beta", "measure", "measure_link", "measure_kernels",
+__all__ = ["DEFAULT_SIZES", "CALL_NUMEL", "sizes_for", "fit_alpha_beta", "measure", "measure_link", "measure_kernels",
            "link_profile"]
 
 #: message sizes in bytes timed by :func:`measure_link` on loopback
@@ -164,12 +168,13 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_kernels(numel: int = 2**22, repeats: int = 5, density: float = 0.01) -> dict:
-    """Elements per second of every op of :data:`gradcomp.plan.profile.OPS` here (CPU, torch's threads).
+#: elements of the small tensor whose timings give each op's per-call overhead
+CALL_NUMEL = 256
 
-    Returns:
-        ``{"kernels": {op: elements/s}, "source": {...}}``.
-    """
+
+def _op_seconds(numel: int, repeats: int, density: float) -> tuple[dict, int]:
+    """Median seconds of every op of :data:`gradcomp.plan.profile.OPS` on ``numel``
+    float32 elements, and the kept count ``k`` of the sparse ops."""
     import gradcomp as gc
     from gradcomp import kernels as K
 
@@ -177,37 +182,61 @@ def measure_kernels(numel: int = 2**22, repeats: int = 5, density: float = 0.01)
     x = torch.randn(numel, generator=g)
     acc = torch.zeros(numel)
     y = torch.empty(numel)
-    rates = {}
+    times = {}
     for kind, comp in (("raw", gc.NoCompression()), ("fp16", gc.FP16()), ("bf16", gc.BF16()),
                        ("int8", gc.Int8Quantizer())):
         wire = torch.empty(comp.wire_nbytes((numel,)), dtype=torch.uint8)
         wire2 = torch.empty_like(wire)
         p = comp.compress(x, out=wire)
-        rates[f"{kind}.compress"] = _median_time(lambda: comp.compress(x, out=wire), repeats)
-        rates[f"{kind}.decompress"] = _median_time(lambda: comp.decompress(p, out=y), repeats)
-        rates[f"{kind}.decompress_add"] = _median_time(lambda: comp.decompress_add_(p, acc), repeats)
+        times[f"{kind}.compress"] = _median_time(lambda: comp.compress(x, out=wire), repeats)
+        times[f"{kind}.decompress"] = _median_time(lambda: comp.decompress(p, out=y), repeats)
+        times[f"{kind}.decompress_add"] = _median_time(lambda: comp.decompress_add_(p, acc), repeats)
         # acc keeps growing by the payload's values: harmless for a few calls
-        rates[f"{kind}.reduce_compress"] = _median_time(lambda: comp.reduce_compress_(p, acc, out=wire2), repeats)
+        times[f"{kind}.reduce_compress"] = _median_time(lambda: comp.reduce_compress_(p, acc, out=wire2), repeats)
         acc.zero_()
     ef = gc.ErrorFeedback(gc.Int8Quantizer())
-    rates["int8.compress_ef"] = _median_time(lambda: ef.compress(x, key="calibrate"), repeats)
+    times["int8.compress_ef"] = _median_time(lambda: ef.compress(x, key="calibrate"), repeats)
     k = max(1, math.ceil(density * numel))
-    rates["topk.select"] = _median_time(lambda: K.topk(x, k), repeats)
+    times["topk.select"] = _median_time(lambda: K.topk(x, k), repeats)
     tau = float(K.topk(x, k)[1].abs().min())
-    rates["threshold.select"] = _median_time(lambda: K.threshold(x, tau), repeats)
+    times["threshold.select"] = _median_time(lambda: K.threshold(x, tau), repeats)
     idx = torch.randperm(numel, generator=g)[:k].sort().values.to(torch.int32)
     vals = torch.randn(k, generator=g)
-    sparse_t = _median_time(lambda: K.scatter_add_(acc, idx, vals), repeats)
+    times["sparse.decompress_add"] = _median_time(lambda: K.scatter_add_(acc, idx, vals), repeats)
     res = torch.zeros(numel)
-    rates["ef.update"] = _median_time(lambda: res.copy_(torch.add(x, res, out=y)), repeats)
+    times["ef.update"] = _median_time(lambda: res.copy_(torch.add(x, res, out=y)), repeats)
     param = torch.nn.Parameter(torch.zeros(numel))
     param.grad = x.clone()
     opt = torch.optim.SGD([param], lr=0.1, momentum=0.9)
-    rates["sgd.apply"] = _median_time(opt.step, repeats)
-    kernels = {op: numel / max(t, 1e-9) for op, t in rates.items()}
-    kernels["sparse.decompress_add"] = k / max(sparse_t, 1e-9)
+    times["sgd.apply"] = _median_time(opt.step, repeats)
+    return times, k
+
+
+def measure_kernels(numel: int = 2**22, repeats: int = 5, density: float = 0.01) -> dict:
+    """Elements per second of every op of :data:`gradcomp.plan.profile.OPS` here
+    (CPU, torch's threads), and each op's fixed cost per call.
+
+    The rate is timed on ``numel`` elements; the per-call cost is the time on
+    :data:`CALL_NUMEL` elements less what the rate accounts for (at least 0):
+    a kernel of ``m`` elements costs ``call_s + m / rate`` (the dispatch,
+    allocation and Python cost that a tensor of a few thousand elements pays
+    in full, e.g. the parameter server's per-tensor codec calls).
+
+    Returns:
+        ``{"kernels": {op: elements/s}, "call_s": {op: seconds}, "source": {...}}``.
+    """
+    from gradcomp import kernels as K
+
+    big, k = _op_seconds(numel, repeats, density)
+    small, k_small = _op_seconds(CALL_NUMEL, max(repeats, 9), density)
+    kernels = {op: numel / max(t, 1e-9) for op, t in big.items()}
+    kernels["sparse.decompress_add"] = k / max(big["sparse.decompress_add"], 1e-9)
+    call = {}
+    for op, t in small.items():
+        m = k_small if op == "sparse.decompress_add" else CALL_NUMEL
+        call[op] = max(0.0, t - m / kernels[op])
     backends = {b: r for b, r in K.available_backends().items()}
-    return {"kernels": kernels,
-            "source": {"kernels": f"measured here: float32, numel {numel}, density {density}, "
-                                  f"median of {repeats}, torch threads {torch.get_num_threads()}",
+    return {"kernels": kernels, "call_s": call,
+            "source": {"kernels": f"measured here: float32, numel {numel} (per-call cost: numel {CALL_NUMEL}), "
+                                  f"density {density}, median of {repeats}, torch threads {torch.get_num_threads()}",
                        "backends": {b: ("available" if r is None else r) for b, r in backends.items()}}}

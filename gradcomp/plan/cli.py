@@ -63,6 +63,16 @@ def _nonneg(text: str) -> float:
     return v
 
 
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise ValueError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
 def _int_pos(text: str) -> int:
     try:
         v = int(text)
@@ -117,12 +127,13 @@ def _profile(args):
     from gradcomp.plan.profile import Profile
 
     prof = Profile.load(args.profile or DEFAULT_PROFILE)
+    # other kernels replace the measured rates and their per-call costs together
     if args.kernels_json:
         k = Profile.from_kernels_json(args.kernels_json, device=args.kernels_device)
-        prof.kernels, prof.source = k.kernels, {**prof.source, **k.source}
+        prof.kernels, prof.call_s, prof.source = k.kernels, k.call_s, {**prof.source, **k.source}
     if args.kernel_gbps:
         k = Profile.roofline(args.kernel_gbps)
-        prof.kernels, prof.source = k.kernels, {**prof.source, **k.source}
+        prof.kernels, prof.call_s, prof.source = k.kernels, k.call_s, {**prof.source, **k.source}
     if args.alpha_us:
         prof.alpha_s = args.alpha_us * 1e-6
         prof.source = {**prof.source, "alpha": "--alpha-us"}
@@ -178,6 +189,16 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
         p.add_argument("--json", help="also write the comparison to this file")
         p.add_argument("--save-profile", help="write the profile used, with the median errors recorded in "
                                               "its fit (recommend then states them), to this file")
+        p.add_argument("--breakdown", action="store_true",
+                       help="also print, per scenario, mode and compressor, the measured phases against "
+                            "the model's terms (compute, wait, codec, comm, apply)")
+        p.add_argument("--fit-seeds", type=_arg(lambda t: [_nonneg_int(x) for x in t.split(",")], "seeds"),
+                       help="fit the host's scheduling constants on the runs of these seeds (e.g. 0) and "
+                            "report the error on the other runs")
+        p.add_argument("--host-cores", type=_arg(_int_pos, "cores"),
+                       help="cores of the host the runs shared (default: the results' or the profile's)")
+        p.add_argument("--no-host", action="store_true",
+                       help="leave out the shared-host terms (every rank priced as if it had a core to itself)")
         _model_options(p)
     return p
 
@@ -325,6 +346,7 @@ def _recommend(args) -> int:
 
 def _calibrate(args) -> int:
     from gradcomp.plan import calibrate as C
+    from gradcomp.plan.host import Host
     from gradcomp.plan.profile import Profile
     from gradcomp.plan.units import parse_rate
 
@@ -353,7 +375,8 @@ def _calibrate(args) -> int:
     fitted = C.link_profile(results, link)
     kern = results[0]["kernels"]
     prof = Profile(alpha_s=fitted["alpha_s"], beta_bytes_per_s=fitted["beta_bytes_per_s"], link=link,
-                   kernels=kern["kernels"], fit=fitted["fit"],
+                   kernels=kern["kernels"], call_s=kern["call_s"], fit=fitted["fit"],
+                   host=Host(os.cpu_count() or 1),
                    source={**kern["source"], "link": f"ping-pong over gradcomp p2p, link {link}"})
     prof.save(args.out)
     print(f"alpha {prof.alpha_s * 1e6:.1f} us, beta {prof.beta_bytes_per_s / 1e9:.3f} GB/s "
@@ -363,13 +386,28 @@ def _calibrate(args) -> int:
 
 
 def _validate(args) -> int:
-    from gradcomp.plan.validate import load_results, results_profile, validate_runs
+    from gradcomp.plan.host import Host
+    from gradcomp.plan.validate import (TERMS, summary, breakdown, fit_host, load_results, results_profile,
+                                        validate_runs)
 
     data = load_results(args.results)
     base = args.results if os.path.isdir(args.results) else os.path.dirname(args.results)
     prof = _profile(args) if (args.profile or "profile" not in data) else results_profile(data, base)
-    out = validate_runs(data, prof)
+    if args.no_host:
+        prof.host = None
+    elif args.host_cores:
+        h = prof.host
+        prof.host = Host(args.host_cores, h.slice_s if h else 0.0, h.sched_cv if h else 0.0)
     con = _console()
+    fit = None
+    if args.fit_seeds is not None and not args.no_host:
+        prof.host, fit = fit_host(data, prof, args.fit_seeds)
+        prof.fit = {**prof.fit, "host": {**fit, "results": os.path.abspath(args.results)}}
+        con.print(f"host fitted on seeds {fit['seeds']} ({fit['runs']} runs): {prof.host.cores} cores, "
+                  f"slice {1e3 * prof.host.slice_s:.2f} ms, hand-off CV {prof.host.sched_cv:.2f} per unit "
+                  f"of oversubscription; on those runs: step {fit['step_mdape_pct']:.1f}%, "
+                  f"idle {fit['idle_mdae_pts']:.1f} points")
+    out = validate_runs(data, prof)
     rows = []
     for r in out["rows"]:
         st, idle, b, ex = r["step_s"], r["idle_share"], r["bytes"], r["exposed_comm_s"]
@@ -380,13 +418,33 @@ def _validate(args) -> int:
     con.print(_table(f"predicted vs measured ({args.results})",
                      ["run", "step ms", "predicted", "error", "exposed comm ms", "predicted", "idle", "predicted",
                       "bytes/step", "predicted"], rows, text=1))
+    if args.breakdown:
+        rows = []
+        for g in breakdown(out):
+            m, p = g["terms"]["measured"], g["terms"]["predicted"]
+            rows.append([" ".join(g["group"]), str(g["runs"]), _ms(g["step_s"]["measured"]),
+                         _ms(g["step_s"]["predicted"]), f"{g['step_error_pct']:+.0f}%"]
+                        + [f"{_ms(m[t]) if m else '-'} / {_ms(p[t])}" for t in TERMS])
+        con.print(_table("per group, mean over runs: measured / predicted ms (codec = compress + decompress; "
+                         "comm = the rest of the exchange; apply = apply + other)",
+                         ["scenario mode compressor", "runs", "step ms", "predicted", "error", *TERMS], rows, text=1))
     for label, why in out["skipped"]:
         con.print(f"skipped {label}: {why}")
     if out["step_mdape_pct"] is None:
         print("gradcomp plan validate: error: no run could be validated", file=sys.stderr)
         return 2
+    for name, sc in out["by_scenario"].items():
+        con.print(f"  {name}: step {sc['step_mdape_pct']:.1f}%, idle {sc['idle_mdae_pts']:.1f} points "
+                  f"({sc['runs']} runs)")
     con.print(f"median absolute error: step time {out['step_mdape_pct']:.1f}% over {len(out['rows'])} runs, "
               f"idle share {out['idle_mdae_pts']:.1f} points")
+    if fit is not None:
+        held = [r for r in out["rows"] if r["seed"] not in fit["seeds"]]
+        step, idle = summary(held)
+        if step is not None:
+            con.print(f"on the runs not fitted ({len(held)}): step time {step:.1f}%, idle share {idle:.1f} points")
+            out["held_out"] = {"runs": len(held), "step_mdape_pct": step, "idle_mdae_pts": idle}
+    out["host"] = prof.host.to_dict() if prof.host is not None else None
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

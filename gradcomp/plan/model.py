@@ -69,13 +69,46 @@ pull (request header; reply header + a full float32 or a compressed delta
 bundle), decompress: ``6 S`` messages. A server receives one push shard from
 every worker, so in a synchronous round its ingress ``N push_shard / beta``
 and its egress ``N pull_shard / beta`` are the bottleneck once ``N > S``.
-Asynchronously each push is applied on arrival: the servers serve at most
-``1 / max(push_shard / beta, pull_shard / beta, busy)`` pushes per second
+Asynchronously each push is applied on arrival. A worker's cycle is its
+time away from the server ``Z`` (compute, compress, messages, its own
+transfers, decompress) plus its response time ``R`` at the server, whose
+service per push is ``D = max(push_shard / beta, pull_shard / beta, busy)``
 (``busy``: decompress-add and optimizer step of a shard, plus the pull's
-compression), workers at most ``sum_i 1 / cycle_i``; throughput is the
-smaller. Mean staleness (updates by others between a worker's pull and its
-push being applied) = ``(X - 1 / cycle) * (cycle - pull)`` for throughput
-``X`` pushes per second.
+compression). The workers and the server form a closed queueing network,
+solved by exact mean value analysis (:func:`mva_response`; Reiser and
+Lavenberg 1980): ``R = D (1 + Q)`` with ``Q`` the mean number of pushes
+ahead, so the throughput ``X = sum_i 1 / (Z_i + R_i)`` tends to ``1 / D``
+when the server saturates and to ``sum_i 1 / (Z_i + D)`` when it idles.
+The time queued behind other pushes, ``R - D``, is the worker's wait (its
+busy share ``busy / D`` of it: the time study counts only queueing behind
+the server's work as wait, queueing for its link as communication). Mean
+staleness (updates by others between a worker's pull and its push being
+applied) = ``(X - 1 / cycle) * (cycle - pull)``.
+
+**Kernel calls.** A codec op on ``m`` elements costs ``call_s + m / rate``
+(:meth:`Profile.seconds`): the fixed per-call cost (dispatch, allocation,
+Python) matters for the parameter server, which compresses every parameter
+tensor separately (``tensors`` calls per push, each of ``n / tensors``
+elements), where DDP's hook compresses one flat bucket.
+
+**Shared host** (:class:`~gradcomp.plan.host.Host`, ``Setting.host`` with
+``ranks_per_host`` processes on ``cores`` cores, and ``background_load``
+runnable processes of other jobs; the time study runs 4 workers, and in
+async the server, on 2 cores shared with other work). Processor sharing: codec
+kernels and the server's work take ``share = max(1, runnable / cores)``
+times their one-core time. A collective's exchange step waits for a
+descheduled peer, ``skew = slice_s (share - 1)``, which overlaps the
+transfer: a step costs ``alpha + max(skew, bytes / beta)``; with a
+straggler the others wait idle inside the collective when it hands off, so
+no step waits (skew 0); the parameter server never computes on its own, so
+its exchanges have none either (its delays are the queue and the shared
+core). The ranks' hand-offs scatter under time sharing: a compute CV of
+``sched_cv (share - 1)``, combined with the configured one in quadrature,
+enters the lognormal maximum. A straggler's emulated delay is a sleep: in
+async its share of the straggler's cycle frees a core (runnable
+``ranks_per_host - sleep / cycle``, solved with the cycles by fixed-point
+iteration). Without a host (one rank per node, as in every projection)
+all of this is 1 and 0, and the model is the plain alpha-beta one.
 
 **Pipeline.** ``p`` stages, ``m`` micro-batches per step: GPipe and 1F1B
 both take ``(m + p - 1)`` micro-batch slots for ``m`` micro-batches of work,
@@ -83,8 +116,11 @@ a bubble fraction of ``(p - 1) / (m + p - 1)``; 1F1B keeps at most ``p``
 micro-batches' activations alive where GPipe keeps ``m``.
 
 Not modelled (stated so that a disagreement with a measurement can be
-traced): contention between compression and compute for the same cores (on
-CPUs the hook's thread competes with backward), network congestion beyond
+traced): contention between the hook's compression and the same rank's
+backward (one bucket per step in the time study: nothing to overlap), the
+ring's progress before a late straggler arrives, the parameter-server
+worker's own per-tensor bookkeeping beyond its codec calls (top-k + int8 in
+async: 21 ms measured against 6 ms priced), network congestion beyond
 one link per node (a non-blocking fabric is assumed), the agreement message
 of the first call, and zeroing / dividing the allgather's output.
 """
@@ -92,13 +128,14 @@ of the first call, and zeroing / dividing the allgather's output.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 
 import torch
 
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.compressors import BF16, FP16, Int8Quantizer, NoCompression, TopK
+from gradcomp.plan.host import Host
 from gradcomp.plan.lognormal import expected_max
 from gradcomp.plan.profile import Profile
 from gradcomp.ps import protocol as _ps_protocol
@@ -106,7 +143,7 @@ from gradcomp.ps import protocol as _ps_protocol
 __all__ = [
     "Codec", "CODECS", "CODEC_NAMES", "ALGORITHMS", "MODES", "Setting", "Prediction",
     "codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "ps_bytes", "predict",
-    "sync_step", "ps_sync_step", "async_throughput", "bubble_fraction", "pipeline_step",
+    "sync_step", "ps_sync_step", "async_throughput", "mva_response", "bubble_fraction", "pipeline_step",
     "PS_HEADER_NBYTES", "SIZE_NBYTES", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES",
     "MIN_COMPRESS_NUMEL",
 ]
@@ -140,6 +177,9 @@ class Codec:
         error_feedback: residual memory (adds its update to the kernel time).
         gap_pts: accuracy gap in points assumed by ``recommend`` (the default
             study's measured sync gap on digits, README; 0 where none was measurable).
+        compact_indices: a sparse payload codes its indices compactly
+            (Elias-Fano) where smaller, as the library does by default; False:
+            fixed-width int32 indices (payloads written before compact indices).
     """
 
     name: str
@@ -149,6 +189,7 @@ class Codec:
     density: float = 1.0
     error_feedback: bool = False
     gap_pts: float = 0.0
+    compact_indices: bool = True
 
     @property
     def sparse(self) -> bool:
@@ -170,7 +211,8 @@ class Codec:
         if self.kind == "int8":
             return Int8Quantizer()
         values = Int8Quantizer() if self.values == "int8" else None
-        return TopK(ratio=self.density, values=values)  # threshold: same layout at its density
+        # threshold: the same layout at its density
+        return TopK(ratio=self.density, values=values, compact_indices=self.compact_indices)
 
     def with_density(self, density: float) -> "Codec":
         """The same sparse codec at another density."""
@@ -178,7 +220,11 @@ class Codec:
             raise ValueError(f"{self.name} is dense: density does not apply")
         if not 0 < density <= 1:
             raise ValueError(f"density must be in (0, 1], got {density}")
-        return Codec(self.name, self.label, self.kind, self.values, density, self.error_feedback, self.gap_pts)
+        return replace(self, density=density)
+
+    def with_compact_indices(self, compact: bool) -> "Codec":
+        """The same codec with compact (True) or fixed-width int32 (False) sparse indices."""
+        return replace(self, compact_indices=bool(compact)) if self.sparse else self
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (
@@ -315,11 +361,15 @@ def _decompress_add_s(c: Codec, prof: Profile, n: int) -> float:
 
 
 def allreduce_seconds(c: Codec, algorithm: str, numel: int, world: int, alpha: float, beta: float,
-                      prof: Profile) -> dict:
+                      prof: Profile, share: float = 1.0, skew: float = 0.0) -> dict:
     """Time of one compressed allreduce of ``numel`` float32 elements (see the module docstring).
 
     Args:
         alpha: seconds per message; beta: link bytes per second.
+        share: slowdown of the codec kernels by processor sharing
+            (:meth:`gradcomp.plan.host.Host.share`, 1 with a core per rank).
+        skew: seconds each exchange step waits for a descheduled peer,
+            hidden behind a longer transfer (:meth:`gradcomp.plan.host.Host.skew_s`).
 
     Returns:
         ``{"total": s, "kernel": s, "transfer": s}`` (``transfer`` counts the
@@ -329,24 +379,29 @@ def allreduce_seconds(c: Codec, algorithm: str, numel: int, world: int, alpha: f
     if world == 1 or numel == 0:
         return {"total": 0.0, "kernel": 0.0, "transfer": 0.0}
     ef = c.error_feedback
+
+    def step(nbytes: float, messages: int = 1) -> float:  # one exchange step
+        return messages * alpha + max(skew, nbytes / beta)
+
     if algorithm == "allgather":
         p = _wire(c, numel)
-        transfer = (world - 1) * (alpha + SIZE_NBYTES / beta) + (world - 1) * (alpha + p / beta)
-        kernel = _compress_s(c, prof, numel, ef) + world * _decompress_add_s(c, prof, numel)
+        transfer = (world - 1) * step(SIZE_NBYTES) + (world - 1) * step(p)
+        kernel = share * (_compress_s(c, prof, numel, ef) + world * _decompress_add_s(c, prof, numel))
         return {"total": transfer + kernel, "kernel": kernel, "transfer": transfer}
     if algorithm not in ("ring", "two_phase"):
         raise ValueError(f"algorithm must be one of {ALGORITHMS[:3]}, got {algorithm!r}")
     L = -(-numel // world)
     w = _wire(c, L)
-    hop = alpha + w / beta
-    rc = prof.seconds(f"{c.kind}.reduce_compress", L)
-    d = prof.seconds(f"{c.kind}.decompress", L)
+    hop = step(w)
+    rc = share * prof.seconds(f"{c.kind}.reduce_compress", L)
+    d = share * prof.seconds(f"{c.kind}.decompress", L)
     if algorithm == "ring":
         rs_transfer = (world - 1) * hop
-        rs_kernel = _compress_s(c, prof, L, ef) + (world - 1) * rc
+        rs_kernel = share * _compress_s(c, prof, L, ef) + (world - 1) * rc
     else:
-        rs_transfer = (world - 1) * alpha + (world - 1) * w / beta
-        rs_kernel = (world - 1) * _compress_s(c, prof, L, ef) + (world - 2) * _decompress_add_s(c, prof, L) + rc
+        rs_transfer = step((world - 1) * w, world - 1)
+        rs_kernel = share * ((world - 1) * _compress_s(c, prof, L, ef)
+                             + (world - 2) * _decompress_add_s(c, prof, L)) + rc
     ag = hop + (world - 2) * max(hop, d) + d
     ag_transfer = (world - 1) * hop
     total = rs_transfer + rs_kernel + ag
@@ -373,6 +428,14 @@ class Setting:
         servers: parameter-server shards S; tensors: parameter tensors (PS bundles).
         compress_pull: the PS sends compressed deltas on pull.
         alpha_s: message latency override (None: the profile's).
+        host: the cores the ranks share (:class:`~gradcomp.plan.host.Host`);
+            None: every rank has a core to itself (no processor-sharing terms).
+        ranks_per_host: processes of the job on one host (workers, plus the
+            parameter server where it shares their host): the runnable
+            processes :class:`~gradcomp.plan.host.Host` divides the cores among.
+        background_load: mean runnable processes of other jobs on the host
+            (e.g. its load average before the job started); they share the
+            cores too (>= 0).
     """
 
     nodes: int
@@ -390,9 +453,12 @@ class Setting:
     tensors: int = 1
     compress_pull: bool = True
     alpha_s: float | None = None
+    host: Host | None = None
+    ranks_per_host: int = 1
+    background_load: float = 0.0
 
     def __post_init__(self):
-        for name in ("nodes", "params", "servers", "tensors"):
+        for name in ("nodes", "params", "servers", "tensors", "ranks_per_host"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
@@ -404,11 +470,32 @@ class Setting:
             raise ValueError(f"straggler_cv must be a finite number >= 0, got {self.straggler_cv!r}")
         if not (math.isfinite(self.straggler_factor) and self.straggler_factor >= 1):
             raise ValueError(f"straggler_factor must be a finite number >= 1, got {self.straggler_factor!r}")
+        if not (math.isfinite(self.background_load) and self.background_load >= 0):
+            raise ValueError(f"background_load must be a finite number >= 0, got {self.background_load!r}")
         if not 0 <= self.backward_share <= 1:
             raise ValueError(f"backward_share must be in [0, 1], got {self.backward_share!r}")
 
     def alpha(self, prof: Profile) -> float:
         return prof.alpha_s if self.alpha_s is None else self.alpha_s
+
+    @property
+    def runnable(self) -> float:
+        """Processes competing for the host's cores: the job's and the background."""
+        return self.ranks_per_host + self.background_load
+
+    def share(self, runnable: float | None = None) -> float:
+        """CPU slowdown with ``runnable`` processes on the host (default: :attr:`runnable`)."""
+        return 1.0 if self.host is None else self.host.share(self.runnable if runnable is None else runnable)
+
+    def skew_s(self, runnable: float | None = None) -> float:
+        """Scheduling delay of one exchange step (0 without a host)."""
+        return 0.0 if self.host is None else self.host.skew_s(self.runnable if runnable is None else runnable)
+
+    def compute_cv(self) -> float:
+        """CV of the workers' compute: the configured jitter and the host's hand-off
+        scatter, ``sqrt(straggler_cv^2 + host_cv^2)``."""
+        host_cv = 0.0 if self.host is None else self.host.cv(self.runnable)
+        return math.hypot(self.straggler_cv, host_cv)
 
 
 @dataclass
@@ -460,7 +547,8 @@ def _compute_times(s: Setting) -> tuple[float, float]:
     else:
         groups = {s.compute_s: n}
         mean = s.compute_s
-    slowest = expected_max(groups, s.straggler_cv) if (s.straggler_cv > 0 or len(groups) > 1) else s.compute_s
+    cv = s.compute_cv()
+    slowest = expected_max(groups, cv) if (cv > 0 or len(groups) > 1) else s.compute_s
     return slowest, mean
 
 
@@ -485,11 +573,14 @@ def sync_step(c: Codec, algorithm: str, s: Setting, prof: Profile) -> Prediction
     sent = received = 0
     kernel_total = comm_total = 0.0
     raw = CODECS["none"]
+    # a straggler hands off last, after the others have blocked in the collective:
+    # their cores are idle, so no exchange step waits for a descheduled peer
+    skew = 0.0 if s.straggler_factor > 1 else s.skew_s()
     for size in bucket_sizes(s.params, s.bucket_bytes, s.first_bucket_bytes):
         produced += size
         ready = forward + backward * produced / s.params
         bc, balg = (c, algorithm) if size >= s.min_compress_numel else (raw, "ring")
-        t = allreduce_seconds(bc, balg, size, n, alpha, beta, prof)
+        t = allreduce_seconds(bc, balg, size, n, alpha, beta, prof, s.share(), skew)
         b_sent, b_recv = allreduce_bytes(bc, balg, size, n)
         sent, received = sent + b_sent, received + b_recv
         kernel_total += t["kernel"]
@@ -504,20 +595,33 @@ def sync_step(c: Codec, algorithm: str, s: Setting, prof: Profile) -> Prediction
                       wait / step, comm_share, n / step, sent, received)
 
 
-def _ps_parts(c: Codec, s: Setting, prof: Profile) -> dict:
-    """Per-step parts of a parameter-server worker and shard server."""
+def _ps_parts(c: Codec, s: Setting, prof: Profile, runnable: float | None = None) -> dict:
+    """Per-step parts of a parameter-server worker and shard server, with
+    ``runnable`` processes sharing the host (default: all of them): kernel
+    times stretched by :meth:`Setting.share`. No scheduling delay
+    (:meth:`Setting.skew_s`): the server computes nothing of its own, so it is
+    never descheduled behind its own work; it is busy serving other pushes
+    (the queue of :func:`mva_response`) on a shared core (``share``)."""
     alpha, beta = s.alpha(prof), s.link_bytes_per_s
+    share = s.share(runnable)
     b = ps_bytes(c, s.params, s.servers, s.tensors, s.compress_pull)
     shard = -(-s.params // s.servers)
-    compress = _compress_s(c, prof, s.params, c.error_feedback)
+    # the codec runs once per parameter tensor (ps_bytes' equal tensors, whole
+    # tensors per shard): each call pays the op's per-call cost
+    tensors = max(s.tensors, s.servers)
+    per = -(-s.params // tensors)
+    per_shard = -(-tensors // s.servers)
+    compress = tensors * _compress_s(c, prof, per, c.error_feedback)
     pull_codec = c if s.compress_pull else CODECS["none"]
-    decompress = _decompress_add_s(pull_codec, prof, s.params)
+    decompress = tensors * _decompress_add_s(pull_codec, prof, per)
     # per push a server decompress-adds the shard and (compress_pull) compresses the
     # pusher's delta with its residual; it applies the optimizer once per update
-    per_push = _decompress_add_s(c, prof, shard) + (_compress_s(c, prof, shard, True) if s.compress_pull else 0.0)
+    per_push = per_shard * (_decompress_add_s(c, prof, per)
+                            + (_compress_s(c, prof, per, True) if s.compress_pull else 0.0))
     apply = _apply_s(s, prof, shard)
-    return {"bytes": b, "compress": compress, "decompress": decompress, "per_push": per_push, "apply": apply,
-            "latency": 6 * s.servers * alpha, "push": b["push"] / beta, "pull": b["pull"] / beta,
+    return {"bytes": b, "compress": share * compress, "decompress": share * decompress,
+            "per_push": share * per_push, "apply": share * apply, "latency": 6 * s.servers * alpha,
+            "push": b["push"] / beta, "pull": b["pull"] / beta,
             "push_shard": b["push_shard"] / beta, "pull_shard": b["pull_shard"] / beta, "alpha": alpha}
 
 
@@ -539,6 +643,42 @@ def ps_sync_step(c: Codec, s: Setting, prof: Profile) -> Prediction:
                       wait / step, (comm + kernels) / step, n / step, b["sent"], b["received"])
 
 
+def mva_response(groups: list[tuple[int, float]], demand: float) -> list[float]:
+    """Response times at a single queueing server of a closed network (exact mean value analysis).
+
+    ``groups`` are ``(count, think)``: ``count`` workers that each spend
+    ``think`` seconds per cycle away from the server, then one service of
+    ``demand`` seconds there (one or two groups: the workers, and a
+    straggler). Exact MVA for a product-form network (Reiser and Lavenberg
+    1980, "Mean-value analysis of closed multichain queuing networks"; Lazowska
+    et al. 1984, "Quantitative System Performance", ch. 7), over the
+    populations ``(a, b)`` up to the groups' counts: a group's response time
+    at population ``P`` is ``D (1 + Q(P - one of its workers))``, its
+    throughput ``count / (think + R)``, and ``Q`` the sum of throughput times
+    response. ``R - D`` is the time a worker queues behind the others'
+    pushes; the throughput tends to ``1 / D`` as the server saturates.
+
+    Returns:
+        The response time ``R`` (seconds) of each group at its full population.
+
+    Raises:
+        ValueError: not one or two groups, or a count < 1.
+    """
+    if not 1 <= len(groups) <= 2 or any(c < 1 for c, _ in groups):
+        raise ValueError(f"groups must be one or two (count >= 1, think) pairs, got {groups!r}")
+    (na, za), (nb, zb) = groups[0], (groups[1] if len(groups) == 2 else (0, 0.0))
+    q = [[0.0] * (nb + 1) for _ in range(na + 1)]  # q[a][b]: mean number at the server
+    ra = rb = demand
+    for i in range(na + 1):
+        for j in range(nb + 1):
+            if i == j == 0:
+                continue
+            ra = demand * (1.0 + q[i - 1][j]) if i else demand
+            rb = demand * (1.0 + q[i][j - 1]) if j else demand
+            q[i][j] = (i * ra / (za + ra) if i else 0.0) + (j * rb / (zb + rb) if j else 0.0)
+    return [ra, rb][:len(groups)]
+
+
 def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
     """Asynchronous parameter server: pushes applied on arrival (see the module docstring).
 
@@ -546,27 +686,44 @@ def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
     pushes applied per second ``X``, ``wait_s`` the time a worker queues for
     a saturated server, ``staleness_mean`` the mean number of other workers'
     updates applied between a worker's pull and its push.
+
+    On a shared host (:attr:`Setting.host`) a straggler's emulated delay is
+    a sleep: for that share of its cycle it is not runnable and the others'
+    kernels and the server run faster. The runnable count
+    ``ranks_per_host + background_load - sleep / straggler_cycle`` and the cycles are solved
+    together by fixed-point iteration.
     """
     n = s.nodes
-    parts = _ps_parts(c, s, prof)
     workers = [s.compute_s] * n
     if s.straggler_factor > 1:
         workers[-1] = s.compute_s * s.straggler_factor  # lognormal jitter averages out: mean 1
-    busy = parts["per_push"] + parts["apply"]  # a server's time per push
-    fixed = parts["compress"] + parts["latency"] + parts["push"] + parts["pull"] + busy + parts["decompress"]
-    cycles = [w + fixed for w in workers]
-    demand = sum(1.0 / t for t in cycles)
-    capacity = 1.0 / max(parts["push_shard"], parts["pull_shard"], busy)
-    x = min(demand, capacity)
-    slow = x / demand  # every worker slowed alike when the servers saturate
-    mean_cycle = sum(cycles) / n / slow
-    wait = mean_cycle - sum(cycles) / n
+    sleep = workers[-1] - s.compute_s
+    runnable = s.runnable
+    for _ in range(50):
+        parts = _ps_parts(c, s, prof, runnable)
+        busy = parts["per_push"] + parts["apply"]  # a server's time per push
+        demand_s = max(parts["push_shard"], parts["pull_shard"], busy)  # the server's time per push
+        fixed = parts["compress"] + parts["latency"] + parts["push"] + parts["pull"] + busy + parts["decompress"]
+        think = [w + fixed - demand_s for w in workers]
+        groups = [(n - 1, think[0]), (1, think[-1])] if n > 1 and s.straggler_factor > 1 else [(n, think[0])]
+        per_group = mva_response(groups, demand_s)
+        resp = [per_group[0]] * (n - 1) + [per_group[-1]]
+        cycles = [z + r for z, r in zip(think, resp)]
+        nxt = s.runnable - sleep / cycles[-1]
+        if abs(nxt - runnable) < 1e-9:
+            break
+        runnable = nxt
+    x = sum(1.0 / t for t in cycles)
+    mean_cycle = sum(cycles) / n
+    # queued behind the server's work (its busy share of the service): the
+    # time study's wait; queueing for the server's link stays communication
+    wait = sum(r - demand_s for r in resp) / n * min(1.0, busy / demand_s)
     pull_part = parts["pull"] + parts["decompress"] + 3 * s.servers * parts["alpha"]
-    stale = sum((x - slow / t) * (t / slow - pull_part) for t in cycles) / n
+    stale = sum((x - 1.0 / t) * (t - pull_part) for t in cycles) / n
     comm = parts["latency"] + parts["push"] + parts["pull"]
     b = parts["bytes"]
     mean_compute = sum(workers) / n
-    notes = ["server-bound"] if demand > capacity else []
+    notes = ["server-bound"] if x * demand_s > 0.9 else []
     return Prediction("async", c.name, "ps", n, mean_cycle, mean_compute, parts["compress"] + parts["decompress"],
                       comm, comm, wait, parts["apply"], wait / mean_cycle,
                       (comm + wait + parts["compress"] + parts["decompress"]) / mean_cycle, x,

@@ -17,7 +17,8 @@ JSON form (``gradcomp plan calibrate`` writes it, ``--profile FILE`` reads it)::
 
     {"version": 1, "alpha_s": 5.1e-05, "beta_bytes_per_s": 1.2e9 | null,
      "link": "none" | "1gbit" | ..., "kernels": {"int8.compress": 2.4e8, ...},
-     "fit": {...}, "source": {...}}
+     "fit": {...}, "source": {...}, "call_s": {"int8.compress": 2e-05, ...},   # optional
+     "host": {"cores": 2, "slice_s": 0.003, "sched_cv": 0.5}}   # optional
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+
+from gradcomp.plan.host import Host
 
 __all__ = ["OPS", "BYTES_PER_ELEMENT", "Profile", "DEFAULT_ALPHA_S", "KERNELS_JSON_OPS"]
 
@@ -84,6 +87,10 @@ class Profile:
         link: the link the profile was measured on (``"none"``: loopback).
         fit: the calibration's fit details (sizes, residuals), for the record.
         source: where the numbers come from (free-form, JSON-ready).
+        call_s: ``{op: seconds}`` fixed cost of one call of ``op`` (dispatch,
+            allocation, Python), on top of ``elements / rate``; an op left out costs none.
+        host: the host's cores and scheduling constants
+            (:class:`~gradcomp.plan.host.Host`), or None (not measured).
 
     Raises:
         ValueError: a non-positive or non-finite number, or an unknown op.
@@ -95,6 +102,8 @@ class Profile:
     link: str | None = None
     fit: dict = field(default_factory=dict)
     source: dict = field(default_factory=dict)
+    host: Host | None = None
+    call_s: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.alpha_s = _positive("alpha_s", self.alpha_s)
@@ -104,13 +113,24 @@ class Profile:
         if unknown:
             raise ValueError(f"unknown kernel op(s) {unknown}; allowed: {', '.join(OPS)}")
         self.kernels = {op: _positive(f"kernels[{op!r}]", r) for op, r in self.kernels.items()}
+        unknown = sorted(set(self.call_s) - set(OPS))
+        if unknown:
+            raise ValueError(f"unknown call_s op(s) {unknown}; allowed: {', '.join(OPS)}")
+        for op, t in self.call_s.items():
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
+                raise ValueError(f"call_s[{op!r}] must be a finite number >= 0, got {t!r}")
+        self.call_s = {op: float(t) for op, t in self.call_s.items()}
 
-    def seconds(self, op: str, elements: float) -> float:
-        """Time of ``op`` over ``elements`` elements (0 when the op has no rate)."""
+    def seconds(self, op: str, elements: float, calls: int = 1) -> float:
+        """Time of ``calls`` calls of ``op`` over ``elements`` elements in all:
+        ``calls * call_s[op] + elements / rate`` (0 when the op has no rate
+        or there is nothing to do)."""
         if op not in BYTES_PER_ELEMENT:
             raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
         rate = self.kernels.get(op)
-        return 0.0 if rate is None or elements <= 0 else elements / rate
+        if rate is None or elements <= 0:
+            return 0.0
+        return calls * self.call_s.get(op, 0.0) + elements / rate
 
     # ---- constructors ------------------------------------------------------------
     @classmethod
@@ -187,8 +207,13 @@ class Profile:
 
     # ---- JSON --------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"version": 1, "alpha_s": self.alpha_s, "beta_bytes_per_s": self.beta_bytes_per_s,
-                "link": self.link, "kernels": dict(self.kernels), "fit": self.fit, "source": self.source}
+        d = {"version": 1, "alpha_s": self.alpha_s, "beta_bytes_per_s": self.beta_bytes_per_s,
+             "link": self.link, "kernels": dict(self.kernels), "fit": self.fit, "source": self.source}
+        if self.call_s:
+            d["call_s"] = dict(self.call_s)
+        if self.host is not None:
+            d["host"] = self.host.to_dict()
+        return d
 
     def save(self, path: str) -> None:
         """Write the profile as JSON to ``path``."""
@@ -209,7 +234,9 @@ class Profile:
         if not isinstance(kernels, dict):
             raise ValueError("profile 'kernels' must be an object {op: elements per second}")
         return cls(alpha_s=d.get("alpha_s", DEFAULT_ALPHA_S), beta_bytes_per_s=d.get("beta_bytes_per_s"),
-                   kernels=kernels, link=d.get("link"), fit=d.get("fit") or {}, source=d.get("source") or {})
+                   kernels=kernels, link=d.get("link"), fit=d.get("fit") or {}, source=d.get("source") or {},
+                   host=Host.from_dict(d["host"]) if d.get("host") is not None else None,
+                   call_s=d.get("call_s") or {})
 
     @classmethod
     def load(cls, path: str) -> "Profile":

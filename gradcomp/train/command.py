@@ -295,13 +295,31 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     for opt, field in (("--data-dir", "data_dir"), ("--data-file", "data_file")):
         if getattr(args, field) is not None and w.needs != field:
             raise ValueError(f"{opt} does not apply to --workload {w.name}")
-    return TrainConfig(workers=_workers(args), steps=args.steps or w.steps,
+    return TrainConfig(workers=_workers(args), steps=args.steps or w.steps, hidden=_hidden(args, w.name),
                        batch_size=args.batch_size or w.batch_size,
                        lr=args.lr or w.lr, momentum=args.momentum, seed=args.seed,
                        workload=w.name, data_dir=args.data_dir, data_file=args.data_file,
                        algorithm=args.algorithm, eval_every=args.eval_every,
                        threshold=args.threshold, timeout=args.timeout,
                        straggler=args.straggler, compute_jitter=args.compute_jitter, **local)
+
+
+def _hidden(args: argparse.Namespace, workload: str) -> tuple[int, ...]:
+    """``--hidden`` as widths (the digits MLP's; the default for the other workloads)."""
+    from gradcomp.train.config import DEFAULT_HIDDEN
+
+    text = getattr(args, "hidden", None)
+    if text is None or text == ",".join(map(str, DEFAULT_HIDDEN)):
+        return DEFAULT_HIDDEN
+    if workload != "digits-mlp":
+        raise ValueError(f"--hidden applies to --workload digits-mlp only, got --workload {workload}")
+    try:
+        widths = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise ValueError(f"--hidden expects comma-separated widths >= 1, got {text!r}")
+    return widths
 
 
 def _scenario_list(args: argparse.Namespace, workers: int):

@@ -23,5 +23,5 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--vertical-sync", action="store_true",
                    help="pipedream: every stage uses the input stage's weight version")
     g.add_argument("--hidden", default=",".join(map(str, DEFAULT_HIDDEN)), metavar="LIST",
-                   help="hidden widths of the MLP (default 384,256: 3 layers)")
+                   help="hidden widths of the digits MLP, in every mode (default 384,256: 3 layers)")
     return p
