@@ -81,4 +81,4 @@ def replicated_engine(rank, world_size, cfg, data):
     from gradcomp.train.pipeline import _engine_run, _groups
 
     pp_group, dp_group = _groups(world_size, cfg.stages)
-    return _engine_run(cfg, "gpipe", cfg.microbatches[0], "none", data, pp_group, dp_group)["state"]
+    return _engine_run(cfg, "gpipe", cfg.microbatches[0], "none", data, pp_group, dp_group)["snapshots"][-1]

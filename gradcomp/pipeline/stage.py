@@ -41,14 +41,18 @@ class GradcompStage(PipelineStage):
         codec: what the boundaries go through (compressor and meter).
         timeline: where spans and send marks are recorded.
         memory: optional activation meter (forwards run under its hooks).
+        slowdown: optional ``() -> factor`` (>= 1) read after each forward and
+            backward: the stage then sleeps ``(factor - 1) x`` that operation's
+            compute inside its span (an emulated straggler or compute jitter).
     """
 
     def __init__(self, submodule, stage_index: int, num_stages: int, device, *,
                  codec: BoundaryCodec, timeline: Timeline, memory: ActivationMeter | None = None,
-                 input_args=None, output_args=None, group=None):
+                 input_args=None, output_args=None, group=None, slowdown=None):
         super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
                          output_args=output_args, group=group)
         self.codec, self.timeline, self.memory = codec, timeline, memory
+        self.slowdown = slowdown
         self._wires_out: dict[tuple[str, int], torch.Tensor] = {}
         self._wires_in: dict[tuple[str, int], torch.Tensor] = {}
         self._pending: dict[tuple[str, int], list[tuple[torch.Tensor, torch.Tensor, str]]] = {}
@@ -64,7 +68,16 @@ class GradcompStage(PipelineStage):
             else:
                 out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
             s.inner_codec = self.codec.seconds - before
+            self._stretch(s)
         return out
+
+    def _stretch(self, span: Span) -> None:
+        """Sleep ``(slowdown() - 1) x`` the span's compute so far (not its decompression)."""
+        if self.slowdown is None:
+            return
+        extra = (self.slowdown() - 1.0) * (time.perf_counter() - span.t0 - span.inner_codec)
+        if extra > 0:
+            time.sleep(extra)
 
     def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
         needs = None if self.is_last else ("bwd", self.stage_index + 1, bwd_chunk_id)
@@ -73,6 +86,7 @@ class GradcompStage(PipelineStage):
             out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                              last_backward=last_backward)
             s.inner_codec = self.codec.seconds - before
+            self._stretch(s)
         return out
 
     def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):

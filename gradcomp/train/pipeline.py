@@ -22,6 +22,19 @@ all boundaries (from the boundary meters), test accuracy and its gap to the
 stage; :func:`gradcomp.pipeline.analyze`, first step left out as warm-up)
 next to the theory, peak activation memory per stage; for PipeDream the
 staleness and update rate per stage.
+
+Time (the study's ``--link`` / ``--scenarios``, ``--target-acc``,
+``--eval-every``): a scenario with a link runs the ranks in a
+:class:`gradcomp.cluster.LocalCluster` (rank r in host r's namespace, every
+link shaped to the rate both ways; the configured and achieved rate go into
+each run's ``link``); ``+straggler`` stretches pipeline rank 1's forwards and
+backwards 3x, ``+jitter`` every stage's by a seeded lognormal factor (engine
+schedules). Each run also reports its median step time (slowest rank of
+replica 0, after a warm-up step), the step-time model's step for the same
+measured compute and boundary bytes at the achieved rate
+(:func:`gradcomp.plan.model.pipeline_step`), and its time and steps to the
+target accuracy: the weights are copied every ``eval_every`` steps (the copy
+off the training clock) and evaluated after the run.
 """
 
 from __future__ import annotations
@@ -57,6 +70,10 @@ class PipelineConfig:
         compressors: boundary compressors (names of the study's menu, dense only).
         steps, batch_size (samples per replica per step), lr, momentum, seed, hidden: as the study's.
         vertical_sync: PipeDream's vertical sync. timeout: seconds per launch.
+        eval_every: steps between the weight snapshots evaluated for the time to target.
+        straggler: ``(rank, factor)``: that rank's forwards and backwards take
+            ``factor`` times as long; compute_jitter: every stage's compute
+            stretched by a seeded lognormal factor of this CV (engine schedules only).
     """
 
     stages: int = 2
@@ -72,6 +89,9 @@ class PipelineConfig:
     hidden: tuple[int, ...] = DEFAULT_HIDDEN
     vertical_sync: bool = False
     timeout: float = 600.0
+    eval_every: int = 10
+    straggler: tuple[int, float] | None = None
+    compute_jitter: float = 0.0
 
     @property
     def replicas(self) -> int:
@@ -112,6 +132,9 @@ class PipelineConfig:
             if s not in PIPELINE_SCHEDULES:
                 raise ValueError(f"--schedule must be among {','.join(PIPELINE_SCHEDULES)}, got {s!r}")
             if s == "pipedream":
+                if self.straggler is not None or self.compute_jitter:
+                    raise ValueError("--schedule pipedream takes no straggler or compute jitter "
+                                     "(scenario +straggler / +jitter): run it on a plain link")
                 if self.replicas != 1:
                     raise ValueError("--schedule pipedream runs one pipeline replica: --workers must "
                                      f"equal --stages ({self.stages}), got {self.workers}")
@@ -139,6 +162,43 @@ def theory_bubble(schedule: str, p: int, m: int) -> float | None:
 
 
 # ---- inside each rank ------------------------------------------------------------------------
+
+def _state(parts: dict[int, nn.Module]) -> dict[int, dict[str, torch.Tensor]]:
+    """A copy of the weights of this rank's stages, by stage index."""
+    return {s: {k: v.detach().clone() for k, v in m.state_dict().items()} for s, m in parts.items()}
+
+
+class _Clock:
+    """A rank's training clock: seconds per step and, every ``eval_every`` steps
+    (and the last: the final weights), the clock and a weight snapshot (its
+    copy not counted)."""
+
+    def __init__(self, cfg: PipelineConfig):
+        self.cfg = cfg
+        self.marks: list[int] = []
+        self.clock: list[float] = []
+        self.step_s: list[float] = []
+        self.snapshots: list = []
+        self._t0 = self._last = self._paused = 0.0
+
+    def start(self) -> None:
+        self._t0 = self._last = time.perf_counter()
+
+    def step(self, step: int, parts: dict[int, nn.Module]) -> None:
+        t = time.perf_counter()
+        self.step_s.append(t - self._last)
+        if step % self.cfg.eval_every == 0 or step == self.cfg.steps:
+            self.marks.append(step)
+            self.clock.append(t - self._t0 - self._paused)
+            self.snapshots.append(_state(parts))
+        self._last = time.perf_counter()
+        self._paused += self._last - t
+
+    def as_dict(self) -> dict:
+        return {"marks": self.marks, "clock": self.clock, "step_s": self.step_s,
+                "snapshots": self.snapshots,
+                "wall_s": time.perf_counter() - self._t0 - self._paused}
+
 
 def _groups(world: int, p: int):
     """(pipeline group, data-parallel group) of this rank; every rank creates all of them."""
@@ -175,6 +235,7 @@ def _engine_run(cfg: PipelineConfig, schedule: str, m: int, compressor: str, dat
     from gradcomp.pipeline.split import split_sequential
     from gradcomp.pipeline.stage import GradcompStage
     from gradcomp.pipeline.timeline import Timeline
+    from gradcomp.train.timing import ComputeDelay
 
     p = cfg.stages
     rank = dist.get_rank()
@@ -188,17 +249,21 @@ def _engine_run(cfg: PipelineConfig, schedule: str, m: int, compressor: str, dat
     timeline = Timeline(pp_rank)
     ids = rank_stages(schedule, pp_rank, p)
     memories = {s: ActivationMeter(parts[s].parameters()) for s in ids}
+    delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed)
+    slowdown = (lambda: delay.factor(timeline.step)) if delay.active else None
     stages = [GradcompStage(parts[s], s, n_stages, torch.device("cpu"), codec=codec, timeline=timeline,
-                            memory=memories[s], input_args=ex[s], output_args=ex[s + 1], group=pp_group)
+                            memory=memories[s], input_args=ex[s], output_args=ex[s + 1], group=pp_group,
+                            slowdown=slowdown)
               for s in ids]
     params = [q for s in ids for q in parts[s].parameters()]
     opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum)
     sched = build_schedule(schedule, stages, m, nn.functional.cross_entropy)
     first, last = any(st.is_first for st in stages), any(st.is_last for st in stages)
-    losses = []
+    losses, clock = [], _Clock(cfg)
     dist.barrier(group=pp_group)
-    t0 = time.perf_counter()
-    for idx in worker_batches(len(data.y_train), cfg.replicas, replica, cfg.batch_size, cfg.seed, cfg.steps):
+    clock.start()
+    batches = worker_batches(len(data.y_train), cfg.replicas, replica, cfg.batch_size, cfg.seed, cfg.steps)
+    for step, idx in enumerate(batches, start=1):
         opt.zero_grad(set_to_none=True)
         kwargs = {"target": data.y_train[idx], "losses": []} if last else {}
         dist.barrier(group=pp_group)  # a common start: the step window is the schedule's alone
@@ -214,11 +279,10 @@ def _engine_run(cfg: PipelineConfig, schedule: str, m: int, compressor: str, dat
                 q.grad.copy_(avg[offset:offset + q.numel()].view_as(q))
                 offset += q.numel()
         opt.step()
-    wall = time.perf_counter() - t0
+        clock.step(step, {s: parts[s] for s in ids})
     return {"timeline": timeline, "meter": meter.as_dict(), "dp_meter": dp_meter.as_dict(),
             "activation_peak_bytes": {s: memories[s].peak for s in ids}, "losses": losses,
-            "state": {s: {k: v.detach().clone() for k, v in parts[s].state_dict().items()} for s in ids},
-            "wall_s": wall, "codec_s": codec.seconds}
+            **clock.as_dict(), "codec_s": codec.seconds}
 
 
 def _pipedream_run(cfg: PipelineConfig, compressor: str, data: Digits, pp_group) -> dict:
@@ -252,7 +316,7 @@ def _pipedream_run(cfg: PipelineConfig, compressor: str, data: Digits, pp_group)
     wall = time.perf_counter() - t0
     return {"timeline": timeline, "meter": meter.as_dict(), "dp_meter": {},
             "activation_peak_bytes": {s: memory.peak}, "losses": stats.losses,
-            "state": {s: {k: v.detach().clone() for k, v in parts[s].state_dict().items()}},
+            "snapshots": [_state({s: parts[s]})], "marks": [], "clock": [], "step_s": [],
             "wall_s": wall, "codec_s": codec.seconds,
             "pipedream": {"staleness": stats.staleness, "update_rate": stats.update_rate(),
                           "first_update_s": stats.update_times[0] - t0 if stats.update_times else None,
@@ -275,26 +339,41 @@ def pipeline_rank(rank: int, world: int, cfg: PipelineConfig, data: Digits) -> l
             log = _pipedream_run(cfg, compressor, data, pp_group)
         else:
             log = _engine_run(cfg, schedule, m, compressor, data, pp_group, dp_group)
-        states: list = [None] * world
-        dist.all_gather_object(states, log.pop("state"))
+        snaps = log.pop("snapshots")
+        gathered: list | None = [None] * world if rank == 0 else None
+        dist.gather_object(snaps if rank < cfg.stages else None, gathered, dst=0)
         if rank == 0:
-            model = make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes)
-            from gradcomp.pipeline.engine import stages_per_rank
-            from gradcomp.pipeline.split import split_sequential
-
-            v = 1 if schedule == "pipedream" else stages_per_rank(schedule)
-            parts = split_sequential(model, cfg.stages * v)
-            for st in states[:cfg.stages]:
-                for s, sd in st.items():
-                    parts[s].load_state_dict(sd)
-            log["final"] = evaluate(model, data.x_test, data.y_test)
+            log["evals"] = _evaluate_snapshots(cfg, schedule, gathered[:cfg.stages], data)
+            log["final"] = log["evals"][-1]
         out.append(log)
     return out
 
 
+def _evaluate_snapshots(cfg: PipelineConfig, schedule: str, per_rank: list[list[dict]],
+                        data: Digits) -> list[tuple[float, float]]:
+    """(test loss, accuracy) of the assembled model at each snapshot (per rank
+    of replica 0: a list of ``{stage: state_dict}``, one per mark)."""
+    from gradcomp.pipeline.engine import stages_per_rank
+    from gradcomp.pipeline.split import split_sequential
+
+    model = make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes)
+    v = 1 if schedule == "pipedream" else stages_per_rank(schedule)
+    parts = split_sequential(model, cfg.stages * v)
+    evals = []
+    for i in range(len(per_rank[0])):
+        for snaps in per_rank:
+            for s, sd in snaps[i].items():
+                parts[s].load_state_dict(sd)
+        evals.append(evaluate(model, data.x_test, data.y_test))
+    return evals
+
+
 # ---- on the launching process ------------------------------------------------------------------
 
-def _summarize(cfg: PipelineConfig, run: tuple[str, int, str], logs: list[dict]) -> dict:
+def _summarize(cfg: PipelineConfig, run: tuple[str, int, str], logs: list[dict],
+               link: dict | None = None) -> dict:
+    import statistics
+
     from gradcomp.pipeline.timeline import analyze
 
     schedule, m, compressor = run
@@ -324,6 +403,11 @@ def _summarize(cfg: PipelineConfig, run: tuple[str, int, str], logs: list[dict])
                          stash_peak_bytes=pd["stash_peak_bytes"])
         per_stage.append(entry)
     test_loss, test_acc = logs[0]["final"]
+    # a step's time: the slowest rank of replica 0 in each step, median after a warm-up step
+    per_step = [max(ts) for ts in zip(*(log["step_s"] for log in pipe))]
+    step_s = statistics.median(per_step[1:] or per_step) if per_step else None
+    if schedule == "pipedream":
+        step_s = max(log["wall_s"] for log in pipe) / cfg.steps  # no flush: wall / minibatches
     return {"mode": "pipeline", "seed": cfg.seed, "schedule": schedule, "microbatches": m, "compressor": compressor,
             "label": COMPRESSORS[compressor].label, "stages": p, "replicas": cfg.replicas,
             "steps": cfg.steps,
@@ -335,57 +419,142 @@ def _summarize(cfg: PipelineConfig, run: tuple[str, int, str], logs: list[dict])
             "idle_fraction": an["idle_fraction"], "per_stage": per_stage,
             "losses": logs[p - 1]["losses"],
             "wall_s": max(log["wall_s"] for log in logs),
+            "step_s": step_s, "model_step_s": _model_step(schedule, p, m, per_stage, sent / cfg.steps, link),
+            "marks": logs[0]["marks"], "clock_at_marks": logs[0]["clock"],
+            "accuracy_at_marks": [a for _, a in logs[0]["evals"]] if logs[0]["marks"] else [],
+            "link": link or _LOOPBACK,
             "reduction_x": 1.0, "accuracy_gap_pp": 0.0}
 
 
+_LOOPBACK = {"name": "none", "configured_bps": None, "achieved_bps": None, "emulation": "loopback"}
+
+
+def _model_step(schedule: str, p: int, m: int, per_stage: list[dict], bytes_per_step: float,
+                link: dict | None) -> float | None:
+    """The step-time model's step (:func:`gradcomp.plan.model.pipeline_step`) from
+    this run's measured compute (forward, backward, weight and codec seconds of all
+    stages) and its boundary bytes at the link's achieved rate; None on the
+    loopback (no rate) and for schedules the model has no form for."""
+    if schedule not in ("gpipe", "1f1b") or not link or not link.get("achieved_bps") or p < 2:
+        return None
+    from gradcomp.plan.model import pipeline_step
+
+    compute = sum(st[k] for st in per_stage for k in ("forward", "backward", "weight", "codec"))
+    boundary_s = 8.0 * bytes_per_step / ((p - 1) * m) / link["achieved_bps"]
+    return pipeline_step(compute, p, m, schedule, boundary_s)["step_s"]
+
+
 def _compare(rows: list[dict]) -> None:
-    base = {(r["schedule"], r["microbatches"], r["seed"]): r for r in rows if r["compressor"] == "none"}
+    def key(r):
+        return r["scenario"]["name"], r["schedule"], r["microbatches"], r["seed"]
+
+    base = {key(r): r for r in rows if r["compressor"] == "none"}
     for r in rows:
-        b = base.get((r["schedule"], r["microbatches"], r["seed"]))
+        b = base.get(key(r))
         if b is not None and r["bytes_per_step"]:
             r["reduction_x"] = b["bytes_per_step"] / r["bytes_per_step"]
             r["accuracy_gap_pp"] = 100.0 * (b["test_accuracy"] - r["test_accuracy"])
 
 
-def run_pipeline_study(cfg: PipelineConfig, seeds: int = 1) -> dict:
+def _fill_targets(rows: list[dict], target_acc: float | None) -> float:
+    """Set every run's time and steps to the target accuracy; returns the target:
+    ``target_acc``, or the study's :data:`~gradcomp.train.study.TARGET_FRACTION` x
+    the mean final accuracy of the first (scenario, schedule, M)'s ``none`` runs."""
+    from gradcomp.train.study import TARGET_FRACTION
+    from gradcomp.train.timing import time_to_target
+
+    if target_acc is None:
+        first = rows[0]
+        accs = [r["test_accuracy"] for r in rows if r["compressor"] == "none"
+                and (r["scenario"]["name"], r["schedule"], r["microbatches"])
+                == (first["scenario"]["name"], first["schedule"], first["microbatches"])]
+        target_acc = TARGET_FRACTION * sum(accs) / len(accs)
+    for r in rows:
+        hit = time_to_target(r["clock_at_marks"], r["marks"], r["accuracy_at_marks"], target_acc)
+        r["target_accuracy"] = target_acc
+        r["time_to_target_s"], r["steps_to_target"] = hit if hit is not None else (None, None)
+    return target_acc
+
+
+def run_pipeline_study(cfg: PipelineConfig, seeds: int = 1, scenarios=None,
+                       target_acc: float | None = None) -> dict:
     """Run every (schedule, M, compressor) of ``cfg`` with ``seeds`` seeds
-    (``cfg.seed``, ``cfg.seed + 1``, ...: model, data split and order); returns
-    the results (JSON-ready; each run carries its ``seed``).
+    (``cfg.seed``, ``cfg.seed + 1``, ...: model, data split and order) in each
+    scenario; returns the results (JSON-ready; each run carries its ``seed``,
+    ``scenario`` and ``link``).
+
+    Args:
+        scenarios: :class:`~gradcomp.train.scenarios.Scenario` s (default: the
+            loopback). A scenario with a link runs the ranks in a
+            :class:`~gradcomp.cluster.LocalCluster` (one per scenario, every
+            seed in it; rank r = its host r); its straggler is pipeline rank
+            ``straggler[0]``, its compute jitter every stage's.
+        target_acc: accuracy in (0, 1] for the time to target (default: see :func:`_fill_targets`).
 
     Raises:
-        ValueError: settings that cannot run (see :meth:`PipelineConfig.validate`).
+        ValueError: settings that cannot run (see :meth:`PipelineConfig.validate`),
+            a shaped link under torchrun.
+        gradcomp.cluster.ClusterError: the link cannot be emulated here.
         gradcomp.launch.WorkerError / TimeoutError: a rank failed or hung.
     """
-    from gradcomp.pipeline.split import layer_blocks
-    from gradcomp.train.study import in_torchrun
+    import contextlib
 
+    from gradcomp.pipeline.split import layer_blocks
+    from gradcomp.train.scenarios import Scenario
+    from gradcomp.train.study import TARGET_FRACTION, in_torchrun
+
+    scenarios = list(scenarios) if scenarios else [Scenario()]
     data = load_digits_split(0.25, cfg.seed)
     layers = len(layer_blocks(make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes)))
-    cfg.validate(layers, len(data.y_train))
+    per_scenario = [replace(cfg, straggler=sc.straggler, compute_jitter=sc.compute_jitter)
+                    for sc in scenarios]
+    for c in per_scenario:
+        c.validate(layers, len(data.y_train))
     t0 = time.perf_counter()
     distributed, own_group = in_torchrun(), False
+    if distributed and any(sc.link for sc in scenarios):
+        raise ValueError("a shaped --link or --scenarios link starts its own ranks in network "
+                         "namespaces: run it without torchrun")
     if distributed:
         from gradcomp.launch import init_from_env
 
         own_group = not dist.is_initialized()
         init_from_env(timeout=cfg.timeout)
-    rows = []
+    rows, links = [], []
     try:
-        for seed in range(cfg.seed, cfg.seed + seeds):
-            rows += _one_seed(replace(cfg, seed=seed), distributed)
+        for sc, scfg in zip(scenarios, per_scenario):
+            with contextlib.ExitStack() as stack:
+                cluster = None
+                if sc.link is not None:
+                    from gradcomp.cluster import LocalCluster
+
+                    cluster = stack.enter_context(LocalCluster(cfg.workers, rate=sc.link,
+                                                               rate_jitter=sc.link_jitter, seed=cfg.seed))
+                link = cluster.describe() if cluster is not None else dict(_LOOPBACK)
+                links.append({"scenario": sc.as_dict(), "link": link})
+                for seed in range(cfg.seed, cfg.seed + seeds):
+                    for r in _one_seed(replace(scfg, seed=seed), distributed, cluster, link):
+                        r["scenario"] = sc.as_dict()
+                        rows.append(r)
     finally:
         if own_group:
             dist.destroy_process_group()
     _compare(rows)
+    target = _fill_targets(rows, target_acc)
     return {"config": asdict(cfg), "seeds": seeds, "layers": layers, "runs": rows,
+            "scenarios": links, "target_accuracy": target,
+            "target_fraction": None if target_acc is not None else TARGET_FRACTION,
             "wall_s": time.perf_counter() - t0}
 
 
-def _one_seed(cfg: PipelineConfig, distributed: bool) -> list[dict]:
-    """Every run of ``cfg`` (one seed): on local processes, or as this rank of a torchrun job."""
+def _one_seed(cfg: PipelineConfig, distributed: bool, cluster=None, link: dict | None = None) -> list[dict]:
+    """Every run of ``cfg`` (one seed): on local processes (in ``cluster``'s
+    namespaces when given), or as this rank of a torchrun job."""
     from gradcomp.launch import launch
 
     data = load_digits_split(0.25, cfg.seed)
+    timeout = cfg.timeout * len(cfg.runs())
+    env = {"GRADCOMP_WORKER_THREADS": "1"}
     if distributed:
         rank, world = dist.get_rank(), dist.get_world_size()
         if world != cfg.workers:
@@ -393,10 +562,11 @@ def _one_seed(cfg: PipelineConfig, distributed: bool) -> list[dict]:
         mine = pipeline_rank(rank, world, cfg, data)
         everyone: list = [None] * world
         dist.all_gather_object(everyone, mine)
+    elif cluster is not None:
+        everyone = cluster.run(pipeline_rank, cfg, data, timeout=timeout, env=env)
     else:
-        everyone = launch(pipeline_rank, cfg.workers, (cfg, data), timeout=cfg.timeout * len(cfg.runs()),
-                          env={"GRADCOMP_WORKER_THREADS": "1"})
-    return [_summarize(cfg, run, [everyone[r][i] for r in range(cfg.workers)])
+        everyone = launch(pipeline_rank, cfg.workers, (cfg, data), timeout=timeout, env=env)
+    return [_summarize(cfg, run, [everyone[r][i] for r in range(cfg.workers)], link)
             for i, run in enumerate(cfg.runs())]
 
 
@@ -440,7 +610,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
                           steps=args.steps or d.steps, batch_size=args.batch_size or d.batch_size,
                           lr=args.lr or d.lr, momentum=args.momentum,
                           seed=args.seed, hidden=hidden, vertical_sync=args.vertical_sync,
-                          timeout=args.timeout)
+                          timeout=args.timeout, eval_every=args.eval_every)
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
@@ -454,18 +624,19 @@ def run_pipeline(args: argparse.Namespace) -> int:
         print(f"gradcomp train: error: {msg}", file=sys.stderr)
         return status
 
-    from gradcomp.train.command import prepare_out
+    from gradcomp.train.command import _scenario_list, prepare_out
 
     lead = os.environ.get("RANK", "0") == "0"
     try:
         cfg = config_from_args(args)
+        scenarios = _scenario_list(args, cfg.workers)
         if lead:
             if (args.out is not None and not getattr(args, "overwrite", False)
                     and os.path.exists(os.path.join(args.out, "pipeline.json"))):
                 raise ValueError(f"--out {args.out} already holds results (pipeline.json); pass "
                                  "--overwrite to replace them, or choose another directory")
             args.out = prepare_out(args.out, getattr(args, "overwrite", False))
-        result = run_pipeline_study(cfg, getattr(args, "seeds", 1))
+        result = run_pipeline_study(cfg, args.seeds, scenarios, args.target_acc)
     except ValueError as e:
         return fail(str(e), 2)
     except KeyboardInterrupt:
