@@ -94,13 +94,25 @@ struct Int8Check {
     bool ok() const { return !bad.load(); }
 };
 
+// std::rint for |y| < 2**22 in the default rounding mode: adding 1.5 * 2**23
+// leaves no fraction bits, so the addition itself rounds y to the nearest
+// integer, ties to even, and the subtraction is exact. Plain float arithmetic
+// vectorises with SSE2; std::rint needs SSE4.1's roundps, which a portable
+// build does not have (it then calls rint once per element). Only the sign of
+// a zero result differs from std::rint (+0 for -0.5 <= y <= -0), which no
+// caller can see: both convert to the integer 0 and v - rint(v) keeps its sign.
+inline float rint_small(float y) {
+    constexpr float k = 12582912.0f;  // 1.5 * 2**23
+    return (y + k) - k;
+}
+
 // |p| <= m, so |p / m| <= 1 and |y| <= 127 after the two correctly rounded
 // operations: no clamp needed (the reference's clamp is a no-op here).
 template <bool EF>
 inline void codes_nearest(const float* p, size_t len, float m, float s, int8_t* q, float* res) {
     for (size_t i = 0; i < len; ++i) {
         const float y = (p[i] / m) * 127.0f;
-        const int32_t c = static_cast<int32_t>(std::rint(y));
+        const int32_t c = static_cast<int32_t>(rint_small(y));
         q[i] = static_cast<int8_t>(c);
         if constexpr (EF) res[i] = p[i] - static_cast<float>(c) * s;
     }
@@ -116,7 +128,7 @@ inline void codes_stochastic(const float* p, size_t len, float m, float s, uint3
         const uint32_t r = mix32((first + i) ^ key);
         const float u = static_cast<float>(static_cast<int32_t>(r >> 8)) * 0x1p-24f;
         const float v = (p[i] / m) * 127.0f + u;
-        const float rv = std::rint(v);
+        const float rv = rint_small(v);  // |v| < 129
         const int32_t up = int32_t(f32_bits(rv - v)) > 0;  // rint rounded up
         const int32_t c = clamp127(static_cast<int32_t>(rv) - up);
         q[i] = static_cast<int8_t>(c);
