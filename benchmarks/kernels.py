@@ -1,4 +1,4 @@
-"""Kernel microbenchmark (same as ``gradcomp bench kernels``); see gradcomp/bench/kernels.py."""
+"""Kernel microbenchmark (same as ``gradcomp bench kernels``); see gradcomp/bench/kernels/."""
 
 import sys
 

@@ -38,7 +38,7 @@ def _report(result) -> str:
 
 def test_widest_table_fits_100_columns_with_every_number_whole():
     rows = _widest_rows()
-    text = _report({"rows": rows, "targets": B._check_targets(rows), "notes": ["x " * 120]})
+    text = _report({"rows": rows, "targets": B.check_targets(rows), "notes": ["x " * 120]})
     lines = text.splitlines()
     assert max(map(len, lines)) <= WIDTH, max(lines, key=len)
     assert "…" not in text
@@ -63,13 +63,13 @@ def _target_rows(n, value):
 
 
 def test_targets_judged_only_at_full_size():
-    (full,) = [t for t in B._check_targets(_target_rows(B.TARGET_SIZE, 1.0))
+    (full,) = [t for t in B.check_targets(_target_rows(B.TARGET_SIZE, 1.0))
                if t["metric"] == "speedup_vs_reference"]
     assert full["judged"] and full["met"] is False
     assert "speedup_vs_reference >= 5.0: 1.00 -> MISSED" in _report(
         {"rows": [], "targets": [full], "notes": []})
     for quick, words in ((True, "not judged at quick sizes"), (False, "not judged at this size")):
-        targets = B._check_targets(_target_rows(2**20, 1.0), quick)
+        targets = B.check_targets(_target_rows(2**20, 1.0), quick)
         assert targets and all(not t["judged"] and t["met"] is None for t in targets)
         text = _report({"rows": [], "targets": targets, "notes": []})
         assert "MISSED" not in text and words in text
