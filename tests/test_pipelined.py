@@ -28,6 +28,21 @@ def test_segments_cover_the_chunk_in_aligned_ranges():
     assert pipelined.segments(10, 3, 32) == [(0, 10), (10, 10), (10, 10)]
 
 
+def test_segment_count_and_when_the_pipeline_applies():
+    from gradcomp.comm.dense import Plan
+    from gradcomp.comm.local import Local
+
+    c = gc.Int8Quantizer()
+    assert pipelined.segment_count(Plan(2**24, 2, c)) == 2  # at most MAX_SEGMENTS
+    assert pipelined.segment_count(Plan(2**18 + 2, 2, c)) == 2  # chunk 2**17 + 1
+    assert pipelined.segment_count(Plan(2**18, 2, c)) == 1  # chunk 2**17: one segment
+    x = torch.zeros(2**20)
+    assert pipelined.applies(Local(x, c), Plan(2**20, 4, c))
+    assert not pipelined.applies(Local(x, gc.Int8Quantizer(rounding="stochastic")), Plan(2**20, 4, c))
+    assert not pipelined.applies(Local(x, gc.FP16()), Plan(2**20, 4, gc.FP16()))
+    assert not pipelined.applies(Local(x, c), Plan(2**20, 8, c))  # chunks of 2**17
+
+
 def test_part_ranges_are_the_scales_and_codes_of_the_part():
     c = gc.Int8Quantizer(block_size=32)
     n, h = 1000, 48  # header of a 1-D payload: 40 + 8 bytes
@@ -139,7 +154,7 @@ def _collective(x, case, force_whole):
 
 
 def _compare(rank, world):
-    pipelined.MIN_SEGMENT_NUMEL = 200  # several segments per chunk at test sizes
+    pipelined.MIN_SEGMENT_NUMEL, pipelined.MAX_SEGMENTS = 200, 8  # several segments per chunk at test sizes
     out = []
     for i, case in enumerate(CASES):
         g = torch.Generator().manual_seed(100 * i + rank)
@@ -168,7 +183,7 @@ def test_pipelined_ring_equals_the_unsegmented_ring(world):
 
 
 def _changed_alone(rank, world):
-    pipelined.MIN_SEGMENT_NUMEL = 200
+    pipelined.MIN_SEGMENT_NUMEL, pipelined.MAX_SEGMENTS = 200, 8
     comp = gc.Int8Quantizer(block_size=32)
     gc.allreduce(torch.randn(5000), comp, timeout=10)  # agreed, pattern kept (pipelined)
     try:  # rank 2 alone changes its call: it checks, the others find its envelopes

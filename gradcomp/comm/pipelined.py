@@ -51,9 +51,12 @@ __all__ = ["MIN_SEGMENT_NUMEL", "MAX_SEGMENTS", "TAG_BASE", "applies", "segment_
 #: fewest elements per segment: below about 2**17 (a 129 KiB int8 segment,
 #: 1 ms at 1 Gbit/s) gloo's per-message cost outweighs what overlap saves
 MIN_SEGMENT_NUMEL = 2**17
-#: most segments per chunk: the compute left exposed is one segment per step,
-#: and each segment costs two messages per step
-MAX_SEGMENTS = 8
+#: most segments per chunk. The compute left exposed is one segment per step,
+#: but each segment costs two messages per step and, with more ranks than
+#: cores, a wake-up per message: on 2 cores at 2**24 elements and 1 Gbit/s,
+#: 2 segments beat 4 and 8 at world 2 (175 / 200 / 177 ms) and far more at
+#: world 4 (224 / 426 / 572 ms), against 217 and 285 ms unsegmented
+MAX_SEGMENTS = 2
 #: tag of the first segment exchange (below it: the ring's pieces, the
 #: agreement and size exchanges); each exchange takes :data:`PIECES` tags
 TAG_BASE = 4 * PIECES
