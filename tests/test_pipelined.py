@@ -33,8 +33,9 @@ def test_segment_count_and_when_the_pipeline_applies():
     from gradcomp.comm.local import Local
 
     c = gc.Int8Quantizer()
-    assert pipelined.segment_count(Plan(2**24, 2, c)) == 2  # at most MAX_SEGMENTS
+    assert pipelined.segment_count(Plan(2**24, 2, c)) == 4  # at most MAX_SEGMENTS
     assert pipelined.segment_count(Plan(2**18 + 2, 2, c)) == 2  # chunk 2**17 + 1
+    assert pipelined.segment_count(Plan(2**20, 4, c)) == 2  # chunk 2**18
     assert pipelined.segment_count(Plan(2**18, 2, c)) == 1  # chunk 2**17: one segment
     x = torch.zeros(2**20)
     assert pipelined.applies(Local(x, c), Plan(2**20, 4, c))
