@@ -131,8 +131,9 @@ def _selection(x: torch.Tensor, size):
     return x.new_empty(size, dtype=_index_dtype(x.numel())), x.new_empty(size)
 
 
-def _dynamic_selection(x: torch.Tensor, lo: int = 0):
-    size = torch.library.get_ctx().new_dynamic_size(min=lo, max=x.numel())
+def _dynamic_selection(x: torch.Tensor):
+    n = x.numel()
+    size = torch.library.get_ctx().new_dynamic_size(max=n if isinstance(n, int) else None)
     return _selection(x, size)
 
 
