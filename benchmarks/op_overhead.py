@@ -7,13 +7,16 @@ where the call overhead dominates, and 2**16 elements. The baseline is the
 ``main``), extracted to a temporary directory with this tree's built
 ``gradcomp/_C`` copied in (so both sides run the same native kernels; the
 native module's interface must be the same). Each side runs in its own
-interpreter; rounds alternate between the two so that load from other
-processes hits both alike. Every round times ``--calls`` back-to-back calls;
-the figure is the median over ``--rounds`` rounds of the time per call.
+interpreter; each case is timed on both sides back to back (in alternating
+order), round after round, so that load from other processes hits both alike. Kernels run on ``--threads`` threads (default 1:
+on a shared machine a single thread keeps the figures steady). Every round
+times ``--calls`` calls of each case one by one on each side; the figure is the median
+over the ``--rounds`` x ``--calls`` call times (a call preempted by another
+process is an outlier, not a shift of the figure).
 
 Run from the repository root, after ``python setup.py build_ext --inplace``::
 
-    nice -n 5 python benchmarks/op_overhead.py [--baseline REV] [--rounds 15] [--calls 200]
+    nice -n 5 python benchmarks/op_overhead.py [--baseline REV] [--rounds 15] [--calls 200] [--threads 1]
 
 Prints one row per (op, n): median microseconds per call before and after,
 and after / before (>1: slower now).
@@ -55,8 +58,8 @@ def _cases(n: int):
     q2 = torch.empty(n, dtype=torch.int8)
     s2 = torch.empty(nb)
     k = max(1, n // 100)
-    idx, vals = K.topk(x, k)
-    tau = float(vals.abs().min())
+    tau = float(K.topk(x, k)[1].abs().min())
+    idx = torch.randperm(n, generator=g).to(torch.int32)  # n (index, value) pairs
     u, w = torch.zeros(n), torch.zeros(n)
     return {
         "quantize_int8": lambda: K.quantize_int8(x, bs, out_q=q2, out_scales=s2),
@@ -69,28 +72,38 @@ def _cases(n: int):
         "topk": lambda: K.topk(x, k),
         "approx_topk": lambda: K.approx_topk(x, k),
         "threshold": lambda: K.threshold(x, tau),
-        "scatter_add_": lambda: K.scatter_add_(acc, idx, vals),
+        "scatter_add_": lambda: K.scatter_add_(acc, idx, x),
         "dgc_accumulate_": lambda: K.dgc_accumulate_(x, u, w, 0.9),
         "dgc_topk_": lambda: K.dgc_topk_(x, u, w, 0.9, 1.0, k),
     }
 
 
-def _worker(calls: int) -> None:
-    """Read a round number per stdin line, answer with one JSON line of
-    ``{"op n": seconds per call}``."""
-    cases = {n: _cases(n) for n in SIZES}
-    for fns in cases.values():
-        for fn in fns.values():
-            fn()  # warm-up: loads backends, allocators
-    for _line in sys.stdin:
-        out = {}
-        for n, fns in cases.items():
-            for name, fn in fns.items():
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                out[f"{name} {n}"] = (time.perf_counter() - t0) / calls
-        print(json.dumps(out), flush=True)
+def _worker(calls: int, threads: int) -> None:
+    """Per stdin line, time every case: answer one JSON line of
+    ``{"op n": [seconds of each call]}``."""
+    import torch
+
+    from gradcomp.kernels import cpu
+
+    torch.set_num_threads(threads)
+    if cpu.unavailable_reason() is None:
+        cpu.set_num_threads(threads)
+    cases = {f"{name} {n}": fn for n in SIZES for name, fn in _cases(n).items()}
+    for fn in cases.values():
+        fn()  # warm-up: loads backends, allocators
+    clock = time.perf_counter
+    for line in sys.stdin:
+        key = line.strip()
+        if key == "list":
+            print(json.dumps(list(cases)), flush=True)
+            continue
+        fn = cases[key]
+        ts = []
+        for _ in range(calls):
+            t0 = clock()
+            fn()
+            ts.append(clock() - t0)
+        print(json.dumps(ts), flush=True)
 
 
 def _baseline_tree(rev: str, tmp: str) -> str:
@@ -105,15 +118,16 @@ def _baseline_tree(rev: str, tmp: str) -> str:
     return tmp
 
 
-def _spawn(tree: str, calls: int) -> subprocess.Popen:
+def _spawn(tree: str, calls: int, threads: int) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=tree)
     env.pop("GRADCOMP_BACKEND", None)
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--calls", str(calls)],
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--calls", str(calls),
+                             "--threads", str(threads)],
                             env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def _round(p: subprocess.Popen) -> dict:
-    p.stdin.write("go\n")
+def _ask(p: subprocess.Popen, what: str):
+    p.stdin.write(what + "\n")
     p.stdin.flush()
     line = p.stdout.readline()
     if not line:
@@ -126,36 +140,40 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="git revision to compare with (default: merge base with main)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=1, help="torch and native kernel threads (default 1)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        _worker(a.calls)
+        _worker(a.calls, a.threads)
         return
     rev = a.baseline or subprocess.run(["git", "-C", ROOT, "merge-base", "HEAD", "main"], check=True,
                                        capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
-        sides = {"before": _spawn(_baseline_tree(rev, tmp), a.calls), "after": _spawn(ROOT, a.calls)}
-        times: dict[str, dict[str, list[float]]] = {s: {} for s in sides}
+        sides = {"before": _spawn(_baseline_tree(rev, tmp), a.calls, a.threads),
+                 "after": _spawn(ROOT, a.calls, a.threads)}
+        keys = _ask(sides["after"], "list")
+        times: dict[str, dict[str, list[float]]] = {s: {k: [] for k in keys} for s in sides}
         try:
             for r in range(a.rounds):
-                order = list(sides) if r % 2 == 0 else list(sides)[::-1]
-                for side in order:
-                    for key, t in _round(sides[side]).items():
-                        times[side].setdefault(key, []).append(t)
+                for i, key in enumerate(keys):  # both sides time each case back to back
+                    order = list(sides) if (r + i) % 2 == 0 else list(sides)[::-1]
+                    for side in order:
+                        times[side][key].extend(_ask(sides[side], key))
         finally:
             for p in sides.values():
                 p.stdin.close()
                 p.wait(timeout=60)
-    import torch
-
-    print(f"baseline {rev[:12]}; {a.rounds} rounds x {a.calls} calls; torch threads {torch.get_num_threads()}; "
-          "median us per call")
+    print(f"baseline {rev[:12]}; {a.rounds} rounds x {a.calls} calls; {a.threads} thread(s); median us per call")
     print(f"{'op':<28} {'n':>7} {'before':>9} {'after':>9} {'after/before':>13}")
+    ratios: dict[str, list[float]] = {}
     for key in times["after"]:
         name, n = key.rsplit(" ", 1)
         b = statistics.median(times["before"][key]) * 1e6
         t = statistics.median(times["after"][key]) * 1e6
+        ratios.setdefault(n, []).append(t / b)
         print(f"{name:<28} {n:>7} {b:>9.2f} {t:>9.2f} {t / b:>13.3f}")
+    for n, rs in ratios.items():
+        print(f"n={n}: after/before geometric mean {statistics.geometric_mean(rs):.3f}, worst {max(rs):.3f}")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,10 @@ __all__ = [
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1) if x.is_contiguous() else x.contiguous().view(-1)
+    """x as a contiguous 1-D tensor (x itself when it is one: no new view per call)."""
+    if x.is_contiguous():
+        return x if x.dim() == 1 else x.view(-1)
+    return x.contiguous().view(-1)
 
 
 def _nblocks(n: int, block_size: int) -> int:
@@ -55,7 +58,7 @@ def _check_out(name, out, numel, dtype, device):
             f"{name} must be a contiguous {dtype} tensor of {numel} elements on {device}, "
             f"got {out.dtype} with {out.numel()} elements on {out.device}"
         )
-    return out.view(-1)
+    return out if out.dim() == 1 else out.view(-1)
 
 
 def quantize_int8(
@@ -161,7 +164,7 @@ def dequantize_int8(
     v.flag("check_int8", check_int8)
     fn = select("dequantize_int8", q.device.type, backend)
     result = out if out is not None else torch.empty(q.numel(), dtype=torch.float32, device=q.device)
-    fn(_flat(q), _flat(scales), block_size, check_int8, result.view(-1))
+    fn(_flat(q), _flat(scales), block_size, check_int8, _flat(result))
     return result
 
 
@@ -359,7 +362,7 @@ def scatter_add_(
         )
     if indices.device != acc.device or values.device != acc.device:
         raise ValueError("acc, indices and values must be on one device")
-    select("scatter_add_", acc.device.type, backend)(acc.view(-1), _flat(indices), _flat(values))
+    select("scatter_add_", acc.device.type, backend)(_flat(acc), _flat(indices), _flat(values))
     return acc
 
 
