@@ -595,8 +595,7 @@ def test_backend_argument_errors():
         C.threshold(x, -1.0)
     with pytest.raises(ValueError, match="values"):
         C.scatter_add_(torch.zeros(10), torch.zeros(3, dtype=torch.int64), torch.ones(2))
-    registry.prepare("cpu")
-    assert registry.backend_name("quantize_int8", "cpu") == "cpu"
+    assert registry.auto_kernel("quantize_int8", "cpu") is C.quantize_int8
     with pytest.raises(ValueError, match="q must"):  # the same check through the dispatcher
         torch.ops.gradcomp.quantize_int8(x, 32, False, 0, torch.empty(99, dtype=torch.int8), s)
     native = C._native()

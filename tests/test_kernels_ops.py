@@ -106,11 +106,10 @@ def test_schemas_and_dispatch_keys():
         assert str(op._schema).startswith(f"gradcomp::{name}(")
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gradcomp::{name}", "CompositeExplicitAutograd")
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gradcomp::{name}", "Meta")
-    registry.prepare("cpu")
     native = K.available_backends()["cpu"] is None
-    for name in ops.SCHEMAS:  # the native kernel of every op is registered under CPU when built
-        assert ops.registered(name, "CPU") == ("cpu" if native else None), name
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gradcomp::{name}", "CPU") == native
+    for name in ops.SCHEMAS:  # under CPU: the native kernel of every op when built, else the reference
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"gradcomp::{name}", "CPU")
+        assert registry.auto_kernel(name, "cpu") is ops.kernels("cpu" if native else "reference")[name], name
 
 
 def test_a_kernel_must_take_the_schema_arguments():
@@ -179,35 +178,66 @@ def test_forced_unavailable_backend_fails_with_the_reason(monkeypatch):
 _CUDA_PATH = textwrap.dedent("""
     import torch
     from gradcomp.kernels import cuda, ops, registry
-    reason = cuda.unavailable_reason()
-    print("reason:", reason)
-    registry.prepare("cuda")
-    print("registered:", sorted(n for n in ops.SCHEMAS if ops.registered(n, "CUDA")))
-    # the registration path, with the backend made usable (no CUDA tensor is ever made here)
+
+    def show():
+        for n in ops.SCHEMAS:
+            fn = registry.auto_kernel(n, "cuda")
+            print(n, fn.__module__, torch._C._dispatch_has_kernel_for_dispatch_key("gradcomp::" + n, "CUDA"))
+
+    print("reason:", cuda.unavailable_reason())
+    show()
+    # the choice made when the backend is usable (no CUDA tensor is ever made here)
     cuda.unavailable_reason = lambda: None
     cuda.devices = lambda: frozenset({"cuda"})
-    registry.reset()
     registry.CUDA_OP_PREFERENCE["topk"] = ("triton", "cuda", "reference")
-    registry._prepared.discard("cuda")
-    registry.prepare("cuda")
-    for n in ops.SCHEMAS:
-        print(n, ops.registered(n, "CUDA"), torch._C._dispatch_has_kernel_for_dispatch_key("gradcomp::" + n, "CUDA"))
+    registry.reset()
+    show()
 """)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the absence of a GPU")
 def test_cuda_registration_path_without_a_gpu():
-    """Without a GPU: a reason, nothing under the CUDA key; made usable, the
-    CUDA backend's kernels are registered under CUDA (the unfused ops), in a
-    fresh process."""
+    """Under the CUDA key every op has its kernel. Without a GPU the CUDA
+    backend gives its reason and the reference runs; made usable, its kernels
+    are chosen for the unfused ops (the fused ones compose them through the
+    dispatcher; a per-op order is followed), in a fresh process."""
     r = subprocess.run([sys.executable, "-c", _CUDA_PATH], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "TRITON_INTERPRET": "0"})
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert lines[0].startswith("reason: ") and ("cupy" in lines[0] or "CUDA device" in lines[0]), lines[0]
-    assert lines[1] == "registered: []"
-    got = {ln.split()[0]: ln.split()[1:] for ln in lines[2:]}
-    for n in ops.OPS:  # topk's own order tries triton first: unavailable (no GPU, no interpreter), then cuda
-        assert got[n] == ["cuda", "True"], (n, got[n])
-    for n in ops.FUSED:  # composed through the dispatcher from the CUDA kernels
-        assert got[n] == ["None", "False"], (n, got[n])
+    n = len(ops.SCHEMAS)
+    before = {ln.split()[0]: ln.split()[1:] for ln in lines[1:1 + n]}
+    after = {ln.split()[0]: ln.split()[1:] for ln in lines[1 + n:]}
+    for name in ops.SCHEMAS:
+        assert before[name] == ["gradcomp.kernels.reference_backend", "True"], (name, before[name])
+    for name in ops.OPS:  # topk's own order tries triton first: unavailable (no GPU, no interpreter), then cuda
+        assert after[name] == ["gradcomp.kernels.cuda", "True"], (name, after[name])
+    for name in ops.FUSED:
+        assert after[name] == ["gradcomp.kernels.reference_backend", "True"], (name, after[name])
+
+
+_COMPILE_FIRST = textwrap.dedent("""
+    import torch
+    import gradcomp.kernels as K
+    from gradcomp.kernels import ops, reference as R, registry
+
+    def f(x):
+        q, s = K.quantize_int8(x, 64, "stochastic", 3, 4)
+        return q, s, K.threshold(x, 2.0)[0]
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 2
+    q, s, i = torch.compile(f, fullgraph=True, backend="aot_eager")(x)  # the first gradcomp call here
+    rq, rs = R.quantize_int8(x, 64, "stochastic", 3, 4)
+    assert torch.equal(q, rq) and torch.equal(s, rs) and torch.equal(i, R.threshold(x, 2.0)[0])
+    native = K.available_backends()["cpu"] is None
+    print(registry.auto_kernel("quantize_int8", "cpu") is ops.kernels("cpu" if native else "reference")["quantize_int8"])
+""")
+
+
+def test_compiled_before_any_eager_call():
+    """A function compiled before any eager gradcomp call traces (the choice of
+    backend is the dispatcher's, at run time) and runs the device's kernels."""
+    r = subprocess.run([sys.executable, "-c", _COMPILE_FIRST], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "True"

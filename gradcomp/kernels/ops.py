@@ -9,9 +9,9 @@ only the selections, whose size the data decides, return new tensors.
 A backend is one file that implements some of the ops with exactly the schema's
 arguments and marks each with :func:`kernel`. The reference
 (``reference_backend.py``) is registered as the default kernel of every op
-(``CompositeExplicitAutograd``: any device); a device backend's kernels are
-registered under its device key (``CPU``, ``CUDA``) by
-:mod:`gradcomp.kernels.registry` when it is chosen for that device. A kernel
+(``CompositeExplicitAutograd``: any device); under each device key (``CPU``,
+``CUDA``) :mod:`gradcomp.kernels.registry` registers the kernel of the backend
+it chooses for that device, per op (:func:`register_router`). A kernel
 whose parameters differ from its schema is refused when it is declared
 (TypeError), so backends cannot drift apart.
 
@@ -25,12 +25,11 @@ scales), ``q`` / ``scales`` (int8 codes, float32 absmax scales per block).
 from __future__ import annotations
 
 import inspect
-import re
 from typing import Callable
 
 import torch
 
-__all__ = ["SCHEMAS", "OPS", "FUSED", "op", "kernel", "kernels", "register_device"]
+__all__ = ["SCHEMAS", "OPS", "FUSED", "op", "kernel", "kernels", "register_router"]
 
 #: op name -> schema (arguments and returns); the fused ops come last
 SCHEMAS: dict[str, str] = {
@@ -50,21 +49,14 @@ SCHEMAS: dict[str, str] = {
     "dgc_topk_": ("(Tensor g, Tensor(a!) u, Tensor(b!) v, float momentum, float scale, int k) "
                   "-> (Tensor indices, Tensor values)"),
 }
-#: ops defined as a composition of the others (their default kernel composes
-#: the ops through the dispatcher; a backend may fuse them into one pass)
+#: ops a backend may leave out: their default kernel composes the other ops
+#: through the dispatcher (reduce_quantize_int8, dgc_topk_) or is plain torch
+#: (dgc_accumulate_); the native CPU backend fuses each into one pass
 FUSED = ("reduce_quantize_int8", "dgc_accumulate_", "dgc_topk_")
 #: the ops every backend implements
 OPS = tuple(name for name in SCHEMAS if name not in FUSED)
 
-_LIB = torch.library.Library("gradcomp", "DEF")  # noqa: TOR901 (ops are registered once per process)
-_ARG = re.compile(r"(\w+)(?:\s*=[^,]*)?$")
-
-
-def _arg_names(schema: str) -> tuple[str, ...]:
-    args = schema[1:schema.index(") ->")]
-    return tuple(_ARG.search(a.strip()).group(1) for a in args.split(","))
-
-
+_LIB = torch.library.Library("gradcomp", "DEF")  # the ops live as long as the process
 #: op name -> its OpOverload, ``torch.ops.gradcomp.<op>.default``
 op: dict[str, torch._ops.OpOverload] = {}
 for _name, _schema in SCHEMAS.items():
@@ -72,7 +64,6 @@ for _name, _schema in SCHEMAS.items():
     op[_name] = getattr(torch.ops.gradcomp, _name).default
 
 _kernels: dict[str, dict[str, Callable]] = {}
-_registered: dict[tuple[str, str], str] = {}
 
 
 def kernel(backend: str, name: str | None = None) -> Callable[[Callable], Callable]:
@@ -88,7 +79,7 @@ def kernel(backend: str, name: str | None = None) -> Callable[[Callable], Callab
         opname = name or fn.__name__
         if opname not in SCHEMAS:
             raise ValueError(f"op must be one of {tuple(SCHEMAS)}, got {opname!r}")
-        want = _arg_names(SCHEMAS[opname])
+        want = tuple(a.name for a in op[opname]._schema.arguments)
         got = tuple(inspect.signature(fn).parameters)
         if got != want:
             raise TypeError(f"{backend} kernel {opname} takes {got}; the schema's arguments are {want}")
@@ -105,22 +96,24 @@ def kernels(backend: str) -> dict[str, Callable]:
     return dict(_kernels.get(backend, {}))
 
 
-def register_device(name: str, dispatch_key: str, backend: str) -> None:
-    """Register ``backend``'s kernel of op ``name`` under ``dispatch_key``
-    (``"CPU"``, ``"CUDA"``); once per op and key in a process (a later call
-    for the same pair keeps the first backend)."""
-    if (name, dispatch_key) in _registered:
-        return
-    _LIB.impl(name, _kernels[backend][name], dispatch_key)
-    _registered[(name, dispatch_key)] = backend
+def register_router(dispatch_key: str, choose: Callable[[str], Callable]) -> None:
+    """Register under ``dispatch_key`` (``"CPU"``, ``"CUDA"``), for every op,
+    a kernel that runs ``choose(op)(*args)``: the kernel of the backend chosen
+    for that device (``choose`` loads backends on first use and caches)."""
+    for name in SCHEMAS:
+        _LIB.impl(name, _router(name, choose), dispatch_key)
 
 
-def registered(name: str, dispatch_key: str) -> str | None:
-    """The backend registered for op ``name`` under ``dispatch_key``, if any."""
-    return _registered.get((name, dispatch_key))
+def _router(name: str, choose: Callable[[str], Callable]) -> Callable:
+    def run(*args):
+        return choose(name)(*args)
+
+    run.__name__ = run.__qualname__ = name
+    return run
 
 
 # ------------------------------------------------------------------ fake kernels
+# (the outputs' metadata only; an op returning nothing needs none beyond its schema)
 
 
 def _index_dtype(n) -> torch.dtype:
@@ -141,9 +134,9 @@ def _nothing(*args) -> None:
     return None
 
 
-for _name in ("quantize_int8", "dequantize_int8", "dequantize_int8_add_", "quantize_int8_ef", "scatter_add_",
-              "reduce_quantize_int8", "dgc_accumulate_"):
-    torch.library.register_fake("gradcomp::" + _name, _nothing, lib=_LIB)
+for _name, _schema in SCHEMAS.items():  # ops that only write their mutable arguments
+    if _schema.endswith("-> ()"):
+        torch.library.register_fake("gradcomp::" + _name, _nothing, lib=_LIB)
 torch.library.register_fake("gradcomp::topk", lambda x, k: _selection(x, min(k, x.numel())), lib=_LIB)
 torch.library.register_fake("gradcomp::dgc_topk_",
                             lambda g, u, v, momentum, scale, k: _selection(v, min(k, v.numel())), lib=_LIB)

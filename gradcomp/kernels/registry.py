@@ -9,11 +9,11 @@ modules are imported on first use only, so ``import gradcomp`` stays light.
 Selection, per op and device type:
 
 * automatic: the op runs through the dispatcher (``torch.ops.gradcomp.<op>``).
-  The first call on a device type registers, for every op, the first usable
-  backend of :data:`PREFERENCE` (per op :data:`CUDA_OP_PREFERENCE` on CUDA)
-  that implements it under the device's dispatch key; an op with no such
-  backend runs the reference (the default kernel). The registration holds for
-  the process.
+  Under each device's dispatch key (:data:`DISPATCH_KEYS`) runs the kernel of
+  the first usable backend of :data:`PREFERENCE` (per op
+  :data:`CUDA_OP_PREFERENCE` on CUDA) that implements the op, chosen on the
+  op's first call on that device (:func:`auto_kernel`); with none, the
+  reference (the default kernel, as on every other device).
 * explicit (``backend=`` argument, else the ``GRADCOMP_BACKEND`` environment
   variable): that backend's kernel, called directly, or
   :class:`~gradcomp.BackendUnavailable` with the reason. An op the backend
@@ -30,14 +30,12 @@ import threading
 from types import ModuleType
 from typing import Callable
 
-import torch
-
 from gradcomp.errors import BackendUnavailable
 from gradcomp.kernels import ops as _ops
 from gradcomp.kernels import reference_backend as _reference
 
-__all__ = ["OPS", "BACKENDS", "PREFERENCE", "CUDA_OP_PREFERENCE", "available_backends", "backend_name",
-           "prepare", "resolve", "select", "reset"]
+__all__ = ["OPS", "BACKENDS", "PREFERENCE", "CUDA_OP_PREFERENCE", "available_backends", "auto_kernel",
+           "backend_name", "resolve", "select", "reset"]
 
 #: the ops every backend implements (:data:`gradcomp.kernels.ops.OPS`)
 OPS = _ops.OPS
@@ -64,7 +62,7 @@ DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
 _reasons: dict[str, str | None] = {}
-_prepared: set[str] = set()
+_auto_kernels: dict[tuple[str, str], Callable] = {}
 _resolved: dict[tuple[str, str, str | None], Callable] = {}
 
 
@@ -88,12 +86,13 @@ def _load(name: str) -> str | None:
 
 
 def reset() -> None:
-    """Forget the probed state (used by tests that change the environment).
-    Kernels already registered under a dispatch key stay registered."""
+    """Forget the probed state and the choices made (used by tests that change
+    the environment); the next call chooses again."""
     with _lock:
         _modules.clear()
         _reasons.clear()
         _resolved.clear()
+        _auto_kernels.clear()
 
 
 def available_backends() -> dict[str, str | None]:
@@ -175,32 +174,34 @@ def resolve(op: str, device_type: str, backend: str | None = None) -> Callable:
     return fn
 
 
-@torch.compiler.assume_constant_result  # under torch.compile: run once while tracing, not traced
-def prepare(device_type: str) -> bool:
-    """Register, under ``device_type``'s dispatch key, the automatically chosen
-    backend's kernel of every op (once per process; the public functions do
-    it on first use on a device: call it before calling
-    ``torch.ops.gradcomp.<op>`` directly). Returns True."""
-    key = DISPATCH_KEYS.get(device_type)
-    with _lock:
-        if device_type in _prepared:
-            return True
-    if key is not None:
-        for op in _ops.SCHEMAS:
-            name = _auto(op, device_type)
-            if name != "reference":
-                _ops.register_device(op, key, name)
-    with _lock:
-        _prepared.add(device_type)
-    return True
+def auto_kernel(op: str, device_type: str) -> Callable:
+    """The kernel the op's dispatcher entry runs for ``device_type`` tensors:
+    the automatically chosen backend's (:func:`backend_name` without a forced
+    name; the reference when none usable implements the op). Loads backends on
+    first use; cached until :func:`reset`."""
+    key = (op, device_type)
+    fn = _auto_kernels.get(key)
+    if fn is None:
+        fn = _ops.kernels(_auto(op, device_type))[op]
+        _auto_kernels[key] = fn
+    return fn
 
 
 def select(op: str, device_type: str, backend: str | None = None) -> Callable:
     """What the public function of ``op`` calls for tensors on ``device_type``:
-    the op's dispatcher entry (automatic choice; the device's kernels are
-    registered on first use) or the forced backend's kernel (:func:`resolve`)."""
+    the op's dispatcher entry, ``torch.ops.gradcomp.<op>`` (automatic choice),
+    or the forced backend's kernel (:func:`resolve`)."""
     if backend is None and not os.environ.get("GRADCOMP_BACKEND"):
-        if device_type not in _prepared:
-            prepare(device_type)
         return _ops.op[op]
     return resolve(op, device_type, backend)
+
+
+def _chooser(device_type: str) -> Callable[[str], Callable]:
+    def choose(op: str) -> Callable:
+        return auto_kernel(op, device_type)
+
+    return choose
+
+
+for _device_type, _key in DISPATCH_KEYS.items():
+    _ops.register_router(_key, _chooser(_device_type))
