@@ -8,11 +8,12 @@ where the call overhead dominates, and 2**16 elements. The baseline is the
 ``gradcomp/_C`` copied in (so both sides run the same native kernels; the
 native module's interface must be the same). Each side runs in its own
 interpreter; each case is timed on both sides back to back (in alternating
-order), round after round, so that load from other processes hits both alike. Kernels run on ``--threads`` threads (default 1:
-on a shared machine a single thread keeps the figures steady). Every round
-times ``--calls`` calls of each case one by one on each side; the figure is the median
-over the ``--rounds`` x ``--calls`` call times (a call preempted by another
-process is an outlier, not a shift of the figure).
+order), round after round, so that load from other processes hits both
+alike. Kernels run on ``--threads`` threads (default 1: on a shared machine a
+single thread keeps the figures steady). Every round times ``--calls`` calls
+of each case one by one on each side; the figure is the median over the
+``--rounds`` x ``--calls`` call times (a call preempted by another process is
+an outlier, not a shift of the figure).
 
 Run from the repository root, after ``python setup.py build_ext --inplace``::
 

@@ -231,7 +231,8 @@ _COMPILE_FIRST = textwrap.dedent("""
     rq, rs = R.quantize_int8(x, 64, "stochastic", 3, 4)
     assert torch.equal(q, rq) and torch.equal(s, rs) and torch.equal(i, R.threshold(x, 2.0)[0])
     native = K.available_backends()["cpu"] is None
-    print(registry.auto_kernel("quantize_int8", "cpu") is ops.kernels("cpu" if native else "reference")["quantize_int8"])
+    chosen = ops.kernels("cpu" if native else "reference")["quantize_int8"]
+    print(registry.auto_kernel("quantize_int8", "cpu") is chosen)
 """)
 
 
