@@ -96,17 +96,19 @@ def kernels(backend: str) -> dict[str, Callable]:
     return dict(_kernels.get(backend, {}))
 
 
-def register_router(dispatch_key: str, choose: Callable[[str], Callable]) -> None:
+def register_router(dispatch_key: str, chosen: dict[str, Callable], choose: Callable[[str], Callable]) -> None:
     """Register under ``dispatch_key`` (``"CPU"``, ``"CUDA"``), for every op,
-    a kernel that runs ``choose(op)(*args)``: the kernel of the backend chosen
-    for that device (``choose`` loads backends on first use and caches)."""
+    a kernel that runs the kernel of the backend chosen for that device:
+    ``chosen[op]``, else ``choose(op)`` (which loads backends on first use and
+    fills ``chosen``)."""
     for name in SCHEMAS:
-        _LIB.impl(name, _router(name, choose), dispatch_key)
+        _LIB.impl(name, _router(name, chosen, choose), dispatch_key)
 
 
-def _router(name: str, choose: Callable[[str], Callable]) -> Callable:
+def _router(name: str, chosen: dict[str, Callable], choose: Callable[[str], Callable]) -> Callable:
     def run(*args):
-        return choose(name)(*args)
+        fn = chosen.get(name)
+        return (fn or choose(name))(*args)
 
     run.__name__ = run.__qualname__ = name
     return run

@@ -62,7 +62,8 @@ DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
 _reasons: dict[str, str | None] = {}
-_auto_kernels: dict[tuple[str, str], Callable] = {}
+#: device type -> {op: the automatically chosen kernel}
+_auto_kernels: dict[str, dict[str, Callable]] = {device_type: {} for device_type in DISPATCH_KEYS}
 _resolved: dict[tuple[str, str, str | None], Callable] = {}
 
 
@@ -92,7 +93,8 @@ def reset() -> None:
         _modules.clear()
         _reasons.clear()
         _resolved.clear()
-        _auto_kernels.clear()
+        for chosen in _auto_kernels.values():
+            chosen.clear()  # in place: the routers hold these dicts
 
 
 def available_backends() -> dict[str, str | None]:
@@ -179,11 +181,10 @@ def auto_kernel(op: str, device_type: str) -> Callable:
     the automatically chosen backend's (:func:`backend_name` without a forced
     name; the reference when none usable implements the op). Loads backends on
     first use; cached until :func:`reset`."""
-    key = (op, device_type)
-    fn = _auto_kernels.get(key)
+    chosen = _auto_kernels.setdefault(device_type, {})
+    fn = chosen.get(op)
     if fn is None:
-        fn = _ops.kernels(_auto(op, device_type))[op]
-        _auto_kernels[key] = fn
+        fn = chosen[op] = _ops.kernels(_auto(op, device_type))[op]
     return fn
 
 
@@ -204,4 +205,4 @@ def _chooser(device_type: str) -> Callable[[str], Callable]:
 
 
 for _device_type, _key in DISPATCH_KEYS.items():
-    _ops.register_router(_key, _chooser(_device_type))
+    _ops.register_router(_key, _auto_kernels[_device_type], _chooser(_device_type))
