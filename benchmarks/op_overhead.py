@@ -10,14 +10,15 @@ native module's interface must be the same). Each side runs in its own
 interpreter; each case is timed on both sides back to back (in alternating
 order), round after round, so that load from other processes hits both
 alike. Kernels run on ``--threads`` threads (default 1: on a shared machine a
-single thread keeps the figures steady). Every round times ``--calls`` calls
-of each case one by one on each side; the figure is the median over the
-``--rounds`` x ``--calls`` call times (a call preempted by another process is
-an outlier, not a shift of the figure).
+single thread keeps the figures steady), timed by the calling thread's CPU
+time (``--clock cpu``, default: time spent descheduled by other processes
+does not count) or elapsed time (``--clock wall``). Every round times
+``--calls`` calls of each case one by one on each side; the figure is the
+median over the ``--rounds`` x ``--calls`` call times.
 
 Run from the repository root, after ``python setup.py build_ext --inplace``::
 
-    nice -n 5 python benchmarks/op_overhead.py [--baseline REV] [--rounds 15] [--calls 200] [--threads 1]
+    nice -n 5 python benchmarks/op_overhead.py [--baseline REV] [--rounds 40] [--calls 50] [--threads 1] [--clock cpu]
 
 Prints one row per (op, n): median microseconds per call before and after,
 and after / before (>1: slower now).
@@ -37,6 +38,9 @@ import tempfile
 import time
 
 SIZES = (1 << 10, 1 << 16)
+#: ``cpu``: the calling thread's CPU time (kernels run on it with one thread),
+#: which time spent descheduled by other processes does not inflate; ``wall``
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -79,7 +83,7 @@ def _cases(n: int):
     }
 
 
-def _worker(calls: int, threads: int) -> None:
+def _worker(calls: int, threads: int, clock_name: str) -> None:
     """Per stdin line, time every case: answer one JSON line of
     ``{"op n": [seconds of each call]}``."""
     import torch
@@ -92,7 +96,7 @@ def _worker(calls: int, threads: int) -> None:
     cases = {f"{name} {n}": fn for n in SIZES for name, fn in _cases(n).items()}
     for fn in cases.values():
         fn()  # warm-up: loads backends, allocators
-    clock = time.perf_counter
+    clock = CLOCKS[clock_name]
     for line in sys.stdin:
         key = line.strip()
         if key == "list":
@@ -119,11 +123,11 @@ def _baseline_tree(rev: str, tmp: str) -> str:
     return tmp
 
 
-def _spawn(tree: str, calls: int, threads: int) -> subprocess.Popen:
+def _spawn(tree: str, a: argparse.Namespace) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=tree)
     env.pop("GRADCOMP_BACKEND", None)
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--calls", str(calls),
-                             "--threads", str(threads)],
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--calls", str(a.calls),
+                             "--threads", str(a.threads), "--clock", a.clock],
                             env=env, cwd=tree, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
@@ -139,19 +143,23 @@ def _ask(p: subprocess.Popen, what: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", default=None, help="git revision to compare with (default: merge base with main)")
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--calls", type=int, default=50)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
+                    help="cpu: calling thread's CPU time (default; robust to other load); wall: elapsed time")
     ap.add_argument("--threads", type=int, default=1, help="torch and native kernel threads (default 1)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        _worker(a.calls, a.threads)
+        if a.threads != 1 and a.clock == "cpu":
+            sys.exit("--clock cpu counts the calling thread only: use --threads 1 or --clock wall")
+        _worker(a.calls, a.threads, a.clock)
         return
     rev = a.baseline or subprocess.run(["git", "-C", ROOT, "merge-base", "HEAD", "main"], check=True,
                                        capture_output=True, text=True).stdout.strip()
     with tempfile.TemporaryDirectory() as tmp:
-        sides = {"before": _spawn(_baseline_tree(rev, tmp), a.calls, a.threads),
-                 "after": _spawn(ROOT, a.calls, a.threads)}
+        sides = {"before": _spawn(_baseline_tree(rev, tmp), a),
+                 "after": _spawn(ROOT, a)}
         keys = _ask(sides["after"], "list")
         times: dict[str, dict[str, list[float]]] = {s: {k: [] for k in keys} for s in sides}
         try:
@@ -164,7 +172,8 @@ def main() -> None:
             for p in sides.values():
                 p.stdin.close()
                 p.wait(timeout=60)
-    print(f"baseline {rev[:12]}; {a.rounds} rounds x {a.calls} calls; {a.threads} thread(s); median us per call")
+    print(f"baseline {rev[:12]}; {a.rounds} rounds x {a.calls} calls; {a.threads} thread(s); "
+          f"{a.clock} time; median us per call")
     print(f"{'op':<28} {'n':>7} {'before':>9} {'after':>9} {'after/before':>13}")
     ratios: dict[str, list[float]] = {}
     for key in times["after"]:
