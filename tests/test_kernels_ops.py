@@ -75,7 +75,10 @@ def test_torch_compile_inductor_equals_eager():
         q, s = K.quantize_int8_ef(x * 2.0, residual, 64)
         K.dequantize_int8_add_(acc, q, s, 64)
         idx, vals = K.topk(acc, 10)
-        return q, s, idx, vals + 1.0
+        i, v = K.threshold(x, 2.5)  # a data-dependent size through inductor
+        dense = torch.zeros_like(x)
+        K.scatter_add_(dense, i, v * 2.0)
+        return q, s, idx, vals + 1.0, dense
 
     x = _data(2000, 4)
     r1, r2 = _data(2000, 5) * 0.1, _data(2000, 5) * 0.1
@@ -195,6 +198,7 @@ _CUDA_PATH = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the absence of a GPU")
 def test_cuda_registration_path_without_a_gpu():
     """Under the CUDA key every op has its kernel. Without a GPU the CUDA
@@ -236,6 +240,7 @@ _COMPILE_FIRST = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_compiled_before_any_eager_call():
     """A function compiled before any eager gradcomp call traces (the choice of
     backend is the dispatcher's, at run time) and runs the device's kernels."""
