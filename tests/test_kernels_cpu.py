@@ -24,6 +24,7 @@ import gradcomp as gc  # noqa: E402
 from gradcomp import kernels as K  # noqa: E402
 from gradcomp.kernels import cpu as C  # noqa: E402
 from gradcomp.kernels import reference as R  # noqa: E402
+from gradcomp.kernels import registry  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 ROUNDINGS = ["nearest", "stochastic"]
@@ -567,32 +568,36 @@ def test_empty_inputs():
 
 
 def test_backend_argument_errors():
+    """The native kernels (schema arguments, see gradcomp.kernels.ops) check
+    their buffers themselves: they can be called through torch.ops directly."""
     x = torch.randn(100)
     q = torch.empty(100, dtype=torch.int8)
-    with pytest.raises(ValueError, match="out_q"):
-        C.quantize_int8(x, 32, "nearest", 0, 0, torch.empty(99, dtype=torch.int8), None)
-    with pytest.raises(ValueError, match="out_scales"):
-        C.quantize_int8(x, 32, "nearest", 0, 0, q, torch.empty(3))
-    with pytest.raises(ValueError, match="rounding"):
-        C.quantize_int8(x, 32, "up", 0, 0, None, None)
-    with pytest.raises(ValueError, match="block_size"):
-        C.quantize_int8(x, 0, "nearest", 0, 0, None, None)
-    with pytest.raises(ValueError, match="residual"):
-        C.quantize_int8_ef(x, torch.zeros(99), 32)
+    s = torch.empty(4)
+    with pytest.raises(ValueError, match="q must"):
+        C.quantize_int8(x, 32, False, 0, torch.empty(99, dtype=torch.int8), s)
     with pytest.raises(ValueError, match="scales"):
-        C.dequantize_int8(q, torch.ones(3), 32)
+        C.quantize_int8(x, 32, False, 0, q, torch.empty(3))
+    with pytest.raises(ValueError, match="block_size"):
+        C.quantize_int8(x, 0, False, 0, q, s)
+    with pytest.raises(ValueError, match="residual"):
+        C.quantize_int8_ef(x, torch.zeros(99), 32, False, 0, q, s)
+    with pytest.raises(ValueError, match="scales"):
+        C.dequantize_int8(q, torch.ones(3), 32, False, torch.empty(100))
     with pytest.raises(ValueError, match="out"):
-        C.dequantize_int8(q, torch.ones(4), 32, torch.empty(99))
+        C.dequantize_int8(q, torch.ones(4), 32, False, torch.empty(99))
     with pytest.raises(TypeError, match="out"):
-        C.dequantize_int8(q, torch.ones(4), 32, torch.empty(100, dtype=torch.int32))
+        C.dequantize_int8(q, torch.ones(4), 32, False, torch.empty(100, dtype=torch.int32))
     with pytest.raises(ValueError, match="acc"):
-        C.dequantize_int8_add_(torch.zeros(99), q, torch.ones(4), 32)
+        C.dequantize_int8_add_(torch.zeros(99), q, torch.ones(4), 32, False)
     with pytest.raises(TypeError, match="x"):
         C.topk(torch.arange(10), 3)
     with pytest.raises(ValueError, match="tau"):
         C.threshold(x, -1.0)
     with pytest.raises(ValueError, match="values"):
         C.scatter_add_(torch.zeros(10), torch.zeros(3, dtype=torch.int64), torch.ones(2))
+    assert registry.auto_kernel("quantize_int8", "cpu") is C.quantize_int8
+    with pytest.raises(ValueError, match="q must"):  # the same check through the dispatcher
+        torch.ops.gradcomp.quantize_int8(x, 32, False, 0, torch.empty(99, dtype=torch.int8), s)
     native = C._native()
     with pytest.raises(ValueError, match="dtype"):
         native.topk(x.numpy(), "float8", 3)

@@ -269,7 +269,12 @@ def target(request, monkeypatch):
     monkeypatch.setattr(cuda_backend, "_launch", emu.launch)
     # few CTAs: emulated threads are costly, and grid-stride loops then iterate
     monkeypatch.setattr(cuda_backend, "_MAX_GRID", 2)
-    return "cpu", lambda op, *a: getattr(cuda_backend, op)(*a)
+    # the emulated backend runs on CPU tensors: forced, the public functions call its kernels
+    monkeypatch.setattr(cuda_backend, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(cuda_backend, "devices", lambda: frozenset({"cpu"}))
+    registry.reset()
+    request.addfinalizer(registry.reset)
+    return "cpu", lambda op, *a: getattr(K, op)(*a, backend="cuda")
 
 
 # ------------------------------------------------------------------ inputs

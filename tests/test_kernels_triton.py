@@ -25,7 +25,7 @@ if importlib.util.find_spec("triton") is None:
 
 import gradcomp.kernels as K
 from gradcomp.kernels import reference as R
-from gradcomp.kernels import registry
+from gradcomp.kernels import ops, registry
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -231,12 +231,18 @@ def test_scatter_add(idx_dtype, val_dtype):
     C.assert_bitwise(acc_dev, R.scatter_add_(acc, idx, vals), "scatter_add_")
 
 
-def test_scatter_add_never_writes_out_of_bounds():
-    # the backend itself masks indices outside [0, n) (the public API rejects them earlier)
+def test_scatter_add_never_writes_out_of_bounds(monkeypatch):
+    from gradcomp.kernels.triton import scatter
+
     buf = torch.zeros(40, device=DEVICE)
     acc = buf[10:30]
     idx = torch.tensor([-5, 0, 19, 20, 1000], device=DEVICE)
-    _backend().scatter_add_(acc, idx, torch.ones(5, device=DEVICE))
+    with pytest.raises(ValueError, match=r"must be in \[0, 20\)"):  # the kernel's host launcher checks
+        scatter.scatter_add_(acc, idx, torch.ones(5, device=DEVICE))
+    assert buf.eq(0).all()
+    # and the device kernel itself masks indices outside [0, n)
+    monkeypatch.setattr(scatter.reference, "check_indices", lambda indices, n: None)
+    scatter.scatter_add_(acc, idx, torch.ones(5, device=DEVICE))
     assert buf[:10].eq(0).all() and buf[30:].eq(0).all()
     assert acc[0].item() == 1 and acc[19].item() == 1 and acc.sum().item() == 2
 
@@ -258,8 +264,18 @@ def test_backend_module_contract():
     b = _backend()
     assert "cuda" in b.devices()
     assert ("cpu" in b.devices()) == (os.environ.get("TRITON_INTERPRET") == "1")
-    for op in registry.OPS:
-        assert callable(getattr(b, op)), op
+    declared = ops.kernels("triton")
+    assert set(declared) == set(registry.OPS)  # every op but the fused ones, declared in the op files
+    assert {fn.__module__ for fn in declared.values()} == set(b.KERNEL_MODULES)
+    # a fused op the backend leaves out is the composition of its kernels, with the same results
+    x = C.data(700, torch.float32, seed=21)
+    acc, acc_ref = x.clone().to(DEVICE), x.clone()
+    rq, rs = R.quantize_int8(x.flip(0), 64)
+    got = K.reduce_quantize_int8(acc, rq.to(DEVICE), rs.to(DEVICE), 64, 2, decode=True, backend="triton")
+    want = K.reduce_quantize_int8(acc_ref, rq, rs, 64, 2, decode=True, backend="reference")
+    C.assert_bitwise(got[0], want[0], "codes")
+    C.assert_bitwise(got[1], want[1], "scales")
+    C.assert_bitwise(acc, acc_ref, "decoded")
 
 
 @pytest.mark.skipif(ON_GPU, reason="checks the reason given when no GPU is present")

@@ -1,11 +1,15 @@
 """Compression kernels with one public signature per op and several backends.
 
-Every op validates its arguments, flattens its input (non-contiguous input is
-copied to a contiguous one first, so it gives the same result as its
-contiguous copy) and dispatches through :mod:`gradcomp.kernels.registry` to the
-fastest usable backend for the tensor's device, or to the one named by
-``backend=`` / ``GRADCOMP_BACKEND``. The numerics of every op are defined by
-:mod:`gradcomp.kernels.reference`; all backends match it bit for bit.
+Every function validates its arguments, flattens its input (non-contiguous
+input is copied to a contiguous one first, so it gives the same result as its
+contiguous copy), allocates the outputs not given and calls its op,
+``torch.ops.gradcomp.<name>`` (:mod:`gradcomp.kernels.ops`): the kernel
+registered for the tensor's device (the fastest usable backend, see
+:mod:`gradcomp.kernels.registry`), or directly the kernel of the backend named
+by ``backend=`` / ``GRADCOMP_BACKEND``. The functions trace under
+``torch.compile`` (``fullgraph=True``) when no backend is forced. The numerics
+of every op are defined by :mod:`gradcomp.kernels.reference`; all backends
+match it bit for bit.
 """
 
 from __future__ import annotations
@@ -13,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from gradcomp import _validate as v
-from gradcomp.errors import PayloadError
-from gradcomp.kernels.reference import BAD_INT8, int8_values_ok
-from gradcomp.kernels.registry import available_backends, resolve
+from gradcomp._validate import real as v_real
+from gradcomp.kernels.reference import quantize_outputs, stream_key
+from gradcomp.kernels.registry import available_backends, backend_name, select
 
 __all__ = [
     "available_backends",
@@ -35,7 +39,10 @@ __all__ = [
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1) if x.is_contiguous() else x.contiguous().view(-1)
+    """x as a contiguous 1-D tensor (x itself when it is one: no new view per call)."""
+    if x.is_contiguous():
+        return x if x.dim() == 1 else x.view(-1)
+    return x.contiguous().view(-1)
 
 
 def _nblocks(n: int, block_size: int) -> int:
@@ -51,7 +58,7 @@ def _check_out(name, out, numel, dtype, device):
             f"{name} must be a contiguous {dtype} tensor of {numel} elements on {device}, "
             f"got {out.dtype} with {out.numel()} elements on {out.device}"
         )
-    return out.view(-1)
+    return out if out.dim() == 1 else out.view(-1)
 
 
 def quantize_int8(
@@ -91,8 +98,16 @@ def quantize_int8(
     n = x.numel()
     out_q = _check_out("out_q", out_q, n, torch.int8, x.device)
     out_scales = _check_out("out_scales", out_scales, _nblocks(n, block_size), torch.float32, x.device)
-    fn = resolve("quantize_int8", x.device.type, backend)
-    return fn(_flat(x), block_size, rounding, seed, counter, out_q, out_scales)
+    fn = select("quantize_int8", x.device.type, backend)
+    q, s = quantize_outputs(x, block_size, out_q, out_scales)
+    fn(_flat(x), block_size, *_stream(rounding, seed, counter), q, s)
+    return q, s
+
+
+def _stream(rounding: str, seed: int, counter: int) -> tuple[bool, int]:
+    """The ``(stochastic, key)`` arguments of the quantizing ops."""
+    stochastic = rounding == "stochastic"
+    return stochastic, stream_key(seed, counter) if stochastic else 0
 
 
 def _check_codes(q, scales, block_size):
@@ -107,19 +122,6 @@ def _check_codes(q, scales, block_size):
     if scales.device != q.device:
         raise ValueError(f"q and scales must be on one device, got {q.device} and {scales.device}")
     return block_size
-
-
-def _kernel_checks(fn, q: torch.Tensor, scales: torch.Tensor, check_int8: bool) -> bool:
-    """Whether ``fn`` (a resolved backend function) checks codes and scales
-    itself: the native CPU kernels do, block by block as they read them; for
-    any other backend they are checked here, in one pass, when asked."""
-    if not v.flag("check_int8", check_int8):
-        return False
-    if fn.__module__ == "gradcomp.kernels.cpu":
-        return True
-    if not int8_values_ok(q, scales):
-        raise PayloadError(BAD_INT8)
-    return False
 
 
 def dequantize_int8(
@@ -159,10 +161,11 @@ def dequantize_int8(
                 f"out must be a contiguous tensor of {q.numel()} elements on {q.device}, "
                 f"got {out.numel()} elements on {out.device}"
             )
-    fn = resolve("dequantize_int8", q.device.type, backend)
-    if _kernel_checks(fn, q, scales, check_int8):
-        return fn(_flat(q), _flat(scales), block_size, out, check_int8=True)
-    return fn(_flat(q), _flat(scales), block_size, out)
+    v.flag("check_int8", check_int8)
+    fn = select("dequantize_int8", q.device.type, backend)
+    result = out if out is not None else torch.empty(q.numel(), dtype=torch.float32, device=q.device)
+    fn(_flat(q), _flat(scales), block_size, check_int8, _flat(result))
+    return result
 
 
 def dequantize_int8_add_(
@@ -178,11 +181,10 @@ def dequantize_int8_add_(
     elements; ``check_int8`` as :func:`dequantize_int8` (with the native CPU
     kernel, ``acc`` may then hold a partial sum when it raises)."""
     block_size = _check_codes(q, scales, block_size)
-    _check_out("acc", acc, q.numel(), torch.float32, q.device)
-    fn = resolve("dequantize_int8_add_", q.device.type, backend)
-    if _kernel_checks(fn, q, scales, check_int8):
-        return fn(acc, _flat(q), _flat(scales), block_size, check_int8=True)
-    return fn(acc, _flat(q), _flat(scales), block_size)
+    flat = _check_out("acc", acc, q.numel(), torch.float32, q.device)
+    v.flag("check_int8", check_int8)
+    select("dequantize_int8_add_", q.device.type, backend)(flat, _flat(q), _flat(scales), block_size, check_int8)
+    return acc
 
 
 def quantize_int8_ef(
@@ -210,7 +212,7 @@ def quantize_int8_ef(
         ``(q, scales)`` as :func:`quantize_int8`.
     """
     v.tensor("x", x)
-    _check_out("residual", residual, x.numel(), torch.float32, x.device)
+    res = _check_out("residual", residual, x.numel(), torch.float32, x.device)
     block_size = v.block_size(block_size)
     rounding = v.rounding(rounding)
     seed = v.integer("seed", seed)
@@ -218,8 +220,10 @@ def quantize_int8_ef(
     n = x.numel()
     out_q = _check_out("out_q", out_q, n, torch.int8, x.device)
     out_scales = _check_out("out_scales", out_scales, _nblocks(n, block_size), torch.float32, x.device)
-    fn = resolve("quantize_int8_ef", x.device.type, backend)
-    return fn(_flat(x), residual, block_size, rounding, seed, counter, out_q, out_scales)
+    fn = select("quantize_int8_ef", x.device.type, backend)
+    q, s = quantize_outputs(x, block_size, out_q, out_scales)
+    fn(_flat(x), res, block_size, *_stream(rounding, seed, counter), q, s)
+    return q, s
 
 
 def reduce_quantize_int8(
@@ -273,29 +277,20 @@ def reduce_quantize_int8(
             a scale negative or infinite.
     """
     block_size = _check_codes(q, scales, block_size)
-    _check_out("acc", acc, q.numel(), torch.float32, q.device)
+    flat = _check_out("acc", acc, q.numel(), torch.float32, q.device)
     divisor = v.integer("divisor", divisor, 1, 2**24)  # exact in float32
     v.flag("check_int8", check_int8)
+    v.flag("decode", decode)
     rounding = v.rounding(rounding)
     seed = v.integer("seed", seed)
     counter = v.integer("counter", counter)
     n = acc.numel()
     out_q = _check_out("out_q", out_q, n, torch.int8, acc.device)
     out_scales = _check_out("out_scales", out_scales, _nblocks(n, block_size), torch.float32, acc.device)
-    # The fused kernel is an optional extra of the native CPU backend (not a
-    # registry op): used when that backend is the one quantize_int8 resolves to.
-    if resolve("quantize_int8", acc.device.type, backend).__module__ == "gradcomp.kernels.cpu":
-        from gradcomp.kernels import cpu
-
-        return cpu.reduce_quantize_int8(acc.view(-1), _flat(q), _flat(scales), block_size, divisor, rounding,
-                                        seed, counter, out_q, out_scales, decode, check_int8)
-    dequantize_int8_add_(acc, q, scales, block_size, check_int8=check_int8, backend=backend)
-    if divisor != 1:
-        acc.div_(divisor)
-    q2, s2 = quantize_int8(acc, block_size, rounding, seed, counter, out_q=out_q, out_scales=out_scales,
-                           backend=backend)
-    if decode:
-        dequantize_int8(q2, s2, block_size, out=acc, backend=backend)
+    fn = select("reduce_quantize_int8", acc.device.type, backend)
+    q2, s2 = quantize_outputs(flat, block_size, out_q, out_scales)
+    fn(flat, _flat(q), _flat(scales), block_size, divisor, *_stream(rounding, seed, counter), decode, check_int8,
+       q2, s2)
     return q2, s2
 
 
@@ -316,7 +311,7 @@ def topk(x: torch.Tensor, k: int, *, backend: str | None = None):
     """
     v.tensor("x", x)
     k = _check_k(x, k)
-    return resolve("topk", x.device.type, backend)(_flat(x), k)
+    return select("topk", x.device.type, backend)(_flat(x), k)
 
 
 def approx_topk(x: torch.Tensor, k: int, *, backend: str | None = None):
@@ -328,7 +323,7 @@ def approx_topk(x: torch.Tensor, k: int, *, backend: str | None = None):
     """
     v.tensor("x", x)
     k = _check_k(x, k)
-    return resolve("approx_topk", x.device.type, backend)(_flat(x), k)
+    return select("approx_topk", x.device.type, backend)(_flat(x), k)
 
 
 def threshold(x: torch.Tensor, tau: float, *, backend: str | None = None):
@@ -344,7 +339,7 @@ def threshold(x: torch.Tensor, tau: float, *, backend: str | None = None):
     tau = v.real("tau", tau)
     if not tau >= 0 or tau == float("inf"):
         raise ValueError(f"tau must be a finite number >= 0, got {tau}")
-    return resolve("threshold", x.device.type, backend)(_flat(x), tau)
+    return select("threshold", x.device.type, backend)(_flat(x), tau)
 
 
 def scatter_add_(
@@ -367,30 +362,28 @@ def scatter_add_(
         )
     if indices.device != acc.device or values.device != acc.device:
         raise ValueError("acc, indices and values must be on one device")
-    fn = resolve("scatter_add_", acc.device.type, backend)
-    ix = _flat(indices)
-    # the native CPU kernel checks every index itself (before writing anything);
-    # the reference would raise IndexError and the Triton / CUDA kernels skip
-    # out-of-range indices silently, so check here for them
-    if ix.numel() and getattr(fn, "__module__", "") != "gradcomp.kernels.cpu":
-        lo, hi = (int(b) for b in torch.aminmax(ix))
-        if lo < 0 or hi >= acc.numel():
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"indices must be in [0, {acc.numel()}) (acc's numel), got {bad}")
-    return fn(acc, ix, _flat(values))
+    select("scatter_add_", acc.device.type, backend)(_flat(acc), _flat(indices), _flat(values))
+    return acc
 
 
 def native_cpu(device: torch.device, backend: str | None = None):
-    """The native CPU backend module (:mod:`gradcomp.kernels.cpu`) when the
-    registry picks it for tensors on ``device`` (given ``backend`` /
-    ``GRADCOMP_BACKEND``), else None: the ops outside the registry (fused
-    extras) use it then, and their torch version otherwise."""
-    fn = resolve("topk", torch.device(device).type, backend)
-    if fn.__module__ == "gradcomp.kernels.cpu":
-        from gradcomp.kernels import cpu
+    """The native CPU backend module (:mod:`gradcomp.kernels.cpu`) when it is
+    the backend for tensors on ``device`` (given ``backend`` /
+    ``GRADCOMP_BACKEND``), else None: the extras outside the ops (Elias-Fano
+    index coding) use it then, and their torch version otherwise."""
+    if backend_name("topk", torch.device(device).type, backend) != "cpu":
+        return None
+    from gradcomp.kernels import cpu
 
-        return cpu
-    return None
+    return cpu
+
+
+def _check_dgc(g, u, v_):
+    for name, t in (("g", g), ("u", u), ("v", v_)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be a float32 tensor, got {got}")
+    return [_check_out(name, t, g.numel(), torch.float32, g.device) for name, t in (("u", u), ("v", v_))]
 
 
 def dgc_accumulate_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, scale: float = 1.0,
@@ -412,19 +405,9 @@ def dgc_accumulate_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum:
     Raises:
         TypeError / ValueError: wrong dtypes, sizes or devices.
     """
-    for name, t in (("g", g), ("u", u), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
-            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"{name} must be a float32 tensor, got {got}")
-    for name, t in (("u", u), ("v", v)):
-        _check_out(name, t, g.numel(), torch.float32, g.device)
-    mod = native_cpu(g.device, backend)
-    if mod is not None:
-        mod.dgc_accumulate_(_flat(g), u, v, momentum, scale)
-        return
-    from gradcomp.kernels import reference as R
-
-    R.dgc_accumulate_(_flat(g), u.view(-1), v.view(-1), momentum, scale)
+    uf, vf = _check_dgc(g, u, v)
+    momentum, scale = v_real("momentum", momentum), v_real("scale", scale)
+    select("dgc_accumulate_", g.device.type, backend)(_flat(g), uf, vf, momentum, scale)
 
 
 def dgc_topk_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, scale: float, k: int,
@@ -436,10 +419,6 @@ def dgc_topk_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float
     Returns:
         ``(indices, values)`` of the k largest ``|v|`` as :func:`topk`.
     """
-    mod = native_cpu(g.device, backend)
-    if mod is None or g.dtype != torch.float32:
-        dgc_accumulate_(g, u, v, momentum, scale, backend=backend)
-        return topk(v, k, backend=backend)
-    for name, t in (("u", u), ("v", v)):
-        _check_out(name, t, g.numel(), torch.float32, g.device)
-    return mod.dgc_topk_(_flat(g), u, v, momentum, scale, _check_k(v, k))
+    uf, vf = _check_dgc(g, u, v)
+    momentum, scale = v_real("momentum", momentum), v_real("scale", scale)
+    return select("dgc_topk_", g.device.type, backend)(_flat(g), uf, vf, momentum, scale, _check_k(v, k))

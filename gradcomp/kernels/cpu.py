@@ -1,7 +1,8 @@
 """Registry backend ``cpu``: native OpenMP kernels (C++17, module ``gradcomp._C``).
 
-The ops take CPU tensors and have the reference signatures
-(:mod:`gradcomp.kernels.reference`), with the same results bit for bit: int8
+The kernels take CPU tensors and the arguments of the ops' schemas
+(:mod:`gradcomp.kernels.ops`; registered under the ``CPU`` dispatch key when
+``gradcomp._C`` is built), with the reference's results bit for bit: int8
 codes, scales, residuals, dequantized values and accumulations (NaN bit
 patterns included, as PyTorch's CPU kernels produce them: a non-finite block
 leaves the residual 0x7FC00000; float32 -> bfloat16 writes NaN as 0xFFFF), and
@@ -32,6 +33,7 @@ import torch
 
 from gradcomp.errors import PayloadError
 from gradcomp.kernels import reference as _ref
+from gradcomp.kernels.ops import kernel
 
 __all__ = [
     "unavailable_reason",
@@ -47,6 +49,10 @@ __all__ = [
     "threshold",
     "approx_topk",
     "scatter_add_",
+    "dgc_accumulate_",
+    "dgc_topk_",
+    "ef_encode",
+    "ef_decode",
 ]
 
 _DTYPE_NAMES = {
@@ -160,112 +166,55 @@ def _selection(idx, val, dtype: torch.dtype):
 
 
 # ---------------------------------------------------------------------------
-# ops
+# ops (arguments: the schemas of gradcomp.kernels.ops)
 
 
-def quantize_int8(
-    x: torch.Tensor,
-    block_size: int = 256,
-    rounding: str = "nearest",
-    seed: int = 0,
-    counter: int = 0,
-    out_q: torch.Tensor | None = None,
-    out_scales: torch.Tensor | None = None,
-):
-    """Blockwise absmax int8 quantization (Dettmers et al. 2022), as
-    :func:`gradcomp.kernels.reference.quantize_int8`.
-
-    Args:
-        x: CPU float32/float16/bfloat16/float64 tensor, n elements (flat order).
-        block_size: elements per block (> 0).
-        rounding: ``"nearest"`` (half to even) or ``"stochastic"`` (counter hash).
-        seed, counter: random stream of stochastic rounding.
-        out_q, out_scales: optional contiguous int8 ``[n]`` / float32
-            ``[ceil(n / block_size)]`` outputs (then nothing large is allocated).
-
-    Returns:
-        ``(q, scales)``: int8 ``[n]``, float32 ``[ceil(n / block_size)]``.
+@kernel("cpu")
+def quantize_int8(x, block_size, stochastic, key, q, scales):
+    """Blockwise absmax int8 quantization (Dettmers et al. 2022) of CPU
+    float32/float16/bfloat16/float64 ``x`` into int8 ``q [n]`` and float32
+    ``scales [ceil(n / block_size)]`` (contiguous, written in place).
 
     Raises:
-        ValueError: bad block_size, rounding or outputs. TypeError: bad dtype.
+        ValueError: bad block_size or outputs. TypeError: bad dtype.
     """
-    return _quantize(x, None, block_size, rounding, seed, counter, out_q, out_scales)
+    _quantize(x, None, block_size, stochastic, key, q, scales)
 
 
-def quantize_int8_ef(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    block_size: int = 256,
-    rounding: str = "nearest",
-    seed: int = 0,
-    counter: int = 0,
-    out_q: torch.Tensor | None = None,
-    out_scales: torch.Tensor | None = None,
-):
+@kernel("cpu")
+def quantize_int8_ef(x, residual, block_size, stochastic, key, q, scales):
     """Fused error-feedback quantization in one pass per block (Seide et al.
-    2014): ``p = float(x) + residual; (q, s) = Q(p); residual <- p - q * s``.
-
-    Args:
-        residual: contiguous CPU float32 tensor with ``x.numel()`` elements,
-            updated in place. Others as :func:`quantize_int8`.
-
-    Returns:
-        ``(q, scales)`` as :func:`quantize_int8`.
-    """
+    2014): ``p = float(x) + residual; (q, s) = Q(p); residual <- p - q * s``;
+    residual: contiguous CPU float32 with ``x.numel()`` elements."""
     res = _out_np("residual", residual, torch.float32, x.numel())
-    return _quantize(x, res, block_size, rounding, seed, counter, out_q, out_scales)
+    _quantize(x, res, block_size, stochastic, key, q, scales)
 
 
-def _quantize(x, residual, block_size, rounding, seed, counter, out_q, out_scales):
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be one of ('nearest', 'stochastic'), got {rounding!r}")
+def _quantize(x, residual, block_size, stochastic, key, q, s):
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     xf = _flat("x", x)
-    name = _dtype_name("x", xf)
     n = xf.numel()
     nb = -(-n // block_size)
-    q = out_q if out_q is not None else torch.empty(n, dtype=torch.int8)
-    s = out_scales if out_scales is not None else torch.empty(nb, dtype=torch.float32)
-    stochastic = rounding == "stochastic"
-    key = _ref.stream_key(seed, counter) if stochastic else 0
     _native().quantize_int8(
-        _np(xf), name, block_size, stochastic, key,
-        _out_np("out_q", q, torch.int8, n), _out_np("out_scales", s, torch.float32, nb), residual,
+        _np(xf), _dtype_name("x", xf), block_size, stochastic, key,
+        _out_np("q", q, torch.int8, n), _out_np("scales", s, torch.float32, nb), residual,
     )
-    return q, s
 
 
-def dequantize_int8(
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    block_size: int = 256,
-    out: torch.Tensor | None = None,
-    check_int8: bool = False,
-) -> torch.Tensor:
-    """``code * scale`` per element (float32 product).
-
-    Args:
-        q: int8 ``[n]``; scales: float32 ``[ceil(n / block_size)]`` (CPU).
-        out: optional contiguous float32/float16/bfloat16/float64 tensor of n
-            elements; the float32 product is rounded to its dtype.
-        check_int8: raise on a code of -128 or a negative or infinite scale,
-            checked block by block as they are read (see
-            :func:`gradcomp.kernels.dequantize_int8`).
-
-    Returns:
-        float32 ``[n]``, or ``out``.
+@kernel("cpu")
+def dequantize_int8(q, scales, block_size, check_int8, out):
+    """``out = code * scale`` per element (float32 product, rounded to out's
+    dtype: float32/float16/bfloat16/float64). ``check_int8`` checks each block
+    as it is read (see :func:`gradcomp.kernels.dequantize_int8`).
 
     Raises:
         gradcomp.PayloadError: ``check_int8`` and a code or scale is out of range.
     """
     qf, sf = _flat("q", q), _flat("scales", scales)
     n = qf.numel()
-    result = out if out is not None else torch.empty(n, dtype=torch.float32)
-    name = _dtype_name("out", result)
-    _codes_ok(_native().dequantize_int8(qf.numpy(), sf.numpy(), block_size, _out_np("out", result, None, n),
-                                        name, bool(check_int8)))
-    return result
+    _codes_ok(_native().dequantize_int8(qf.numpy(), sf.numpy(), block_size, _out_np("out", out, None, n),
+                                        _dtype_name("out", out), bool(check_int8)))
 
 
 def _codes_ok(ok: bool) -> None:
@@ -273,68 +222,33 @@ def _codes_ok(ok: bool) -> None:
         raise PayloadError(_ref.BAD_INT8)
 
 
-def dequantize_int8_add_(
-    acc: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_size: int = 256,
-    check_int8: bool = False,
-) -> torch.Tensor:
-    """``acc += code * scale`` in place (float32; the product is rounded first).
-
-    Args:
-        acc: contiguous CPU float32 tensor with ``q.numel()`` elements.
-        check_int8: as :func:`dequantize_int8`.
-
-    Returns:
-        acc.
-    """
+@kernel("cpu")
+def dequantize_int8_add_(acc, q, scales, block_size, check_int8):
+    """``acc += code * scale`` in place (float32; the product is rounded first);
+    acc: contiguous CPU float32 with ``q.numel()`` elements."""
     qf, sf = _flat("q", q), _flat("scales", scales)
     av = _out_np("acc", acc, torch.float32, qf.numel())
     _codes_ok(_native().dequantize_int8_add(av, qf.numpy(), sf.numpy(), block_size, bool(check_int8)))
-    return acc
 
 
-def reduce_quantize_int8(
-    acc: torch.Tensor,
-    q: torch.Tensor,
-    scales: torch.Tensor,
-    block_size: int = 256,
-    divisor: int = 1,
-    rounding: str = "nearest",
-    seed: int = 0,
-    counter: int = 0,
-    out_q: torch.Tensor | None = None,
-    out_scales: torch.Tensor | None = None,
-    decode: bool = False,
-    check_int8: bool = False,
-):
-    """:func:`gradcomp.kernels.reduce_quantize_int8` in one native pass per block.
-
-    Args:
-        acc: contiguous CPU float32 tensor, n elements, updated in place.
-        q, scales: int8 ``[n]`` / float32 ``[ceil(n / block_size)]`` codes to add.
-        Others as :func:`gradcomp.kernels.reduce_quantize_int8`.
-
-    Returns:
-        ``(q, scales)`` of the reduced values, as :func:`quantize_int8`.
-    """
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be one of ('nearest', 'stochastic'), got {rounding!r}")
+@kernel("cpu")
+def reduce_quantize_int8(acc, q, scales, block_size, divisor, stochastic, key, decode, check_int8, out_q,
+                         out_scales):
+    """:func:`gradcomp.kernels.reduce_quantize_int8` in one native pass per
+    block (acc: contiguous CPU float32, n elements, read and written once)."""
     n = acc.numel()
     nb = -(-n // block_size)
     av = _out_np("acc", acc, torch.float32, n)
     qf, sf = _flat("q", q), _flat("scales", scales)
-    oq = out_q if out_q is not None else torch.empty(n, dtype=torch.int8)
-    os_ = out_scales if out_scales is not None else torch.empty(nb, dtype=torch.float32)
-    stochastic = rounding == "stochastic"
-    key = _ref.stream_key(seed, counter) if stochastic else 0
     _codes_ok(_native().reduce_quantize_int8(
         av, qf.numpy(), sf.numpy(), block_size, float(divisor), stochastic, key,
-        _out_np("out_q", oq, torch.int8, n), _out_np("out_scales", os_, torch.float32, nb), bool(decode),
-        bool(check_int8),
+        _out_np("out_q", out_q, torch.int8, n), _out_np("out_scales", out_scales, torch.float32, nb),
+        bool(decode), bool(check_int8),
     ))
-    return oq, os_
 
 
-def topk(x: torch.Tensor, k: int):
+@kernel("cpu")
+def topk(x, k):
     """Exact top-k by ``|x|`` (NaN largest; ties to the lower index) by radix
     select: one histogram pass, one compaction pass, no sort.
 
@@ -347,19 +261,17 @@ def topk(x: torch.Tensor, k: int):
     return _selection(idx, val, xf.dtype)
 
 
-def threshold(x: torch.Tensor, tau: float):
+@kernel("cpu")
+def threshold(x, tau):
     """Every element with ``|x| >= tau`` or NaN (compared in float32, float64
-    for float64 x), by a parallel count / prefix-sum / write compaction.
-
-    Returns:
-        ``(indices, values)`` as :func:`topk`.
-    """
+    for float64 x), by a parallel count / prefix-sum / write compaction."""
     xf = _flat("x", x)
     idx, val = _native().threshold(_np(xf), _dtype_name("x", xf), float(tau))
     return _selection(idx, val, xf.dtype)
 
 
-def approx_topk(x: torch.Tensor, k: int):
+@kernel("cpu")
+def approx_topk(x, k):
     """Sampled-threshold top-k (Deep Gradient Compression, Lin et al. 2018).
 
     The threshold is the ``ceil(s k / n)``-th largest ``|x|`` of a strided
@@ -369,9 +281,6 @@ def approx_topk(x: torch.Tensor, k: int):
     ``|x|`` >= every dropped one, NaN largest) of size in
     ``[ceil(0.9 k), floor(1.1 k)]``; when the estimate keeps too many the
     exact top k of them is returned, when too few the exact :func:`topk`.
-
-    Returns:
-        ``(indices, values)`` as :func:`topk`.
     """
     xf = _flat("x", x)
     n = xf.numel()
@@ -383,16 +292,10 @@ def approx_topk(x: torch.Tensor, k: int):
     return _selection(idx, val, xf.dtype)
 
 
-def scatter_add_(acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``acc.view(-1)[indices] += values`` in index order (duplicates accumulate).
-
-    Args:
-        acc: contiguous CPU float32 tensor. indices: int32/int64.
-        values: float32/float16/bfloat16/float64, ``indices.numel()`` elements
-            (converted to float32 before adding).
-
-    Returns:
-        acc.
+@kernel("cpu")
+def scatter_add_(acc, indices, values):
+    """``acc.view(-1)[indices] += values`` in index order (duplicates
+    accumulate; values converted to float32 first).
 
     Raises:
         ValueError: an index outside ``[0, acc.numel())`` (acc is left unchanged).
@@ -402,12 +305,30 @@ def scatter_add_(acc: torch.Tensor, indices: torch.Tensor, values: torch.Tensor)
     if ix.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"indices must have dtype in (int32, int64), got {ix.dtype}")
     _native().scatter_add(av, ix.numpy(), _np(vf), _dtype_name("values", vf))
-    return acc
+
+
+@kernel("cpu")
+def dgc_accumulate_(g, u, v, momentum, scale):
+    """``u = u * momentum + g * scale; v += u`` in one pass (float32 CPU tensors
+    of one numel; bit for bit :func:`gradcomp.kernels.reference.dgc_accumulate_`)."""
+    n = g.numel()
+    _native().dgc_accumulate(_flat("g", g).numpy(), _out_np("u", u, torch.float32, n),
+                             _out_np("v", v, torch.float32, n), float(momentum), float(scale))
+
+
+@kernel("cpu")
+def dgc_topk_(g, u, v, momentum, scale, k):
+    """:func:`dgc_accumulate_` then :func:`topk` of ``v``, fused in one pass
+    (bit for bit the two ops). Returns ``(indices, values)`` as :func:`topk`."""
+    n = g.numel()
+    idx, val = _native().dgc_topk(_flat("g", g).numpy(), _out_np("u", u, torch.float32, n),
+                                  _out_np("v", v, torch.float32, n), float(momentum), float(scale), int(k))
+    return _selection(idx, val, torch.float32)
 
 
 # ---------------------------------------------------------------------------
-# extras outside the registry (used where the registry picks this backend for
-# CPU tensors): Elias-Fano index coding and the DGC accumulation pass
+# extras outside the ops (used where the registry picks this backend for
+# CPU tensors): Elias-Fano index coding
 
 
 def ef_encode(idx: torch.Tensor, L: int, lo_nbytes: int, hi_nbytes: int) -> torch.Tensor:
@@ -427,19 +348,3 @@ def ef_decode(lo: torch.Tensor, hi: torch.Tensor, n: int, k: int, L: int, dtype:
     status = _native().ef_decode(_flat("lo", lo).numpy(), _flat("hi", hi).numpy(), int(n), int(L), out.numpy())
     return out, int(status)
 
-
-def dgc_accumulate_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, scale: float) -> None:
-    """``u = u * momentum + g * scale; v += u`` in one pass (float32 CPU tensors
-    of one numel; bit for bit :func:`gradcomp.kernels.reference.dgc_accumulate_`)."""
-    n = g.numel()
-    _native().dgc_accumulate(_flat("g", g).numpy(), _out_np("u", u, torch.float32, n),
-                             _out_np("v", v, torch.float32, n), float(momentum), float(scale))
-
-
-def dgc_topk_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, scale: float, k: int):
-    """:func:`dgc_accumulate_` then :func:`topk` of ``v``, fused in one pass
-    (bit for bit the two ops). Returns ``(indices, values)`` as :func:`topk`."""
-    n = g.numel()
-    idx, val = _native().dgc_topk(_flat("g", g).numpy(), _out_np("u", u, torch.float32, n),
-                                  _out_np("v", v, torch.float32, n), float(momentum), float(scale), int(k))
-    return _selection(idx, val, torch.float32)

@@ -1,5 +1,8 @@
 """CUDA kernel backend (registry entry ``"cuda"``): csrc/cuda/*.cu through CuPy.
 
+Its kernels take the arguments of the ops' schemas (:mod:`gradcomp.kernels.ops`)
+and are registered under the ``CUDA`` dispatch key when chosen for CUDA tensors.
+
 The sources (``quantize.cu``, ``select.cu``, ``scatter.cu`` and their shared
 ``common.cuh``) are compiled with NVRTC by :class:`cupy.RawModule` the first
 time an op of their family runs, once per process (CuPy also keeps the binary
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 
 from gradcomp.kernels import reference
+from gradcomp.kernels.ops import kernel
 
 #: op family -> source file
 SOURCES = {"quantize": "quantize.cu", "select": "select.cu", "scatter": "scatter.cu"}
@@ -154,50 +158,40 @@ def _grid(work: int, per_block: int) -> int:
 # ---------------------------------------------------------------- quantization
 
 
-def _quantize(x, residual, block_size, rounding, seed, counter, out_q, out_scales):
+def _quantize(x, residual, block_size, stochastic, key, q, s):
     n = x.numel()
     nblocks = -(-n // block_size)
-    q, s = reference.quantize_outputs(x, block_size, out_q, out_scales)
     if n == 0:
-        return q, s
+        return
     if x.dtype == torch.float64:
         x = x.to(torch.float32)  # as the reference does
-    stochastic = rounding == "stochastic"
-    key = reference.stream_key(seed, counter) if stochastic else 0
     blocks_per_cta = _THREADS // min(block_size, _THREADS)
     name = ("gc_quantize_ef_" if residual is not None else "gc_quantize_") + _SFX[x.dtype]
     r = residual.view(-1) if residual is not None else None
     _launch("quantize", name, -(-nblocks // blocks_per_cta), _THREADS,
             (_ptr(x), _ptr(r), _ptr(q), _ptr(s), np.int64(n), np.int32(block_size),
              np.int32(stochastic), np.uint32(key)), x.device)
-    return q, s
 
 
-def quantize_int8(x, block_size=256, rounding="nearest", seed=0, counter=0, out_q=None, out_scales=None):
+@kernel("cuda")
+def quantize_int8(x, block_size, stochastic, key, q, scales):
     """Blockwise absmax int8 quantization (reference numerics).
 
     Args:
         x: contiguous 1-D CUDA float32/float16/bfloat16/float64 tensor, n elements
             (float64 is rounded to float32 first).
-        block_size: power of two in [32, 65536]. rounding: ``"nearest"`` | ``"stochastic"``.
-        seed, counter: random stream of stochastic rounding.
-        out_q, out_scales: optional contiguous int8 ``[n]`` / float32 ``[ceil(n/block_size)]``.
-
-    Returns:
-        ``(q, scales)`` on x's device.
+        block_size: power of two in [32, 65536].
+        stochastic, key: stochastic rounding and its stream key (else half to even).
+        q, scales: contiguous int8 ``[n]`` / float32 ``[ceil(n/block_size)]`` outputs.
     """
-    return _quantize(x, None, block_size, rounding, seed, counter, out_q, out_scales)
+    _quantize(x, None, block_size, stochastic, key, q, scales)
 
 
-def quantize_int8_ef(x, residual, block_size=256, rounding="nearest", seed=0, counter=0,
-                     out_q=None, out_scales=None):
+@kernel("cuda")
+def quantize_int8_ef(x, residual, block_size, stochastic, key, q, scales):
     """Fused error feedback in one kernel: ``p = x + residual; (q, s) = Q(p);
-    residual <- p - q * s`` (residual: contiguous float32, n elements).
-
-    Returns:
-        ``(q, scales)`` as :func:`quantize_int8`.
-    """
-    return _quantize(x, residual, block_size, rounding, seed, counter, out_q, out_scales)
+    residual <- p - q * s`` (residual: contiguous float32, n elements)."""
+    _quantize(x, residual, block_size, stochastic, key, q, scales)
 
 
 def _dequantize(q, scales, block_size, out, add):
@@ -207,27 +201,25 @@ def _dequantize(q, scales, block_size, out, add):
         _launch("quantize", name, _grid(n, _THREADS), _THREADS,
                 (_ptr(q), _ptr(scales), _ptr(out), np.int64(n), np.int32(block_size.bit_length() - 1)),
                 q.device)
-    return out
 
 
-def dequantize_int8(q, scales, block_size=256, out=None):
-    """``code * scale`` per element.
-
-    Args:
-        q: contiguous int8 ``[n]``; scales: float32 ``[ceil(n / block_size)]``.
-        out: optional contiguous float32/float16/bfloat16/float64 tensor of n elements.
-
-    Returns:
-        float32 ``[n]``, or ``out`` (product rounded to its dtype, half to even).
-    """
-    if out is None:
-        out = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
-    return _dequantize(q, scales, block_size, out, add=False)
+@kernel("cuda")
+def dequantize_int8(q, scales, block_size, check_int8, out):
+    """``out = code * scale`` per element (rounded to out's dtype, half to
+    even); q: contiguous int8 ``[n]``, scales: float32 ``[ceil(n / block_size)]``,
+    out: contiguous float32/float16/bfloat16/float64 of n elements.
+    ``check_int8``: one checking pass before any write."""
+    if check_int8:
+        reference.check_int8_values(q, scales)
+    _dequantize(q, scales, block_size, out, add=False)
 
 
-def dequantize_int8_add_(acc, q, scales, block_size=256):
+@kernel("cuda")
+def dequantize_int8_add_(acc, q, scales, block_size, check_int8):
     """``acc += code * scale`` in place; acc: contiguous float32 with ``q.numel()`` elements."""
-    return _dequantize(q, scales, block_size, acc, add=True)
+    if check_int8:
+        reference.check_int8_values(q, scales)
+    _dequantize(q, scales, block_size, acc, add=True)
 
 
 # ------------------------------------------------------------------- selection
@@ -281,6 +273,7 @@ def _topk(x, k, nan_as_inf):
     return _compact(x, state, gt, eq, k, nan_as_inf)
 
 
+@kernel("cuda")
 def topk(x, k):
     """Exact top-k by magnitude (ties: lower index; NaN above +Inf) by radix select.
 
@@ -299,6 +292,7 @@ def _key_of(tau: float, x: torch.Tensor) -> int:
     return torch.tensor(abs(tau), dtype=torch.float32).view(torch.int32).item()
 
 
+@kernel("cuda")
 def threshold(x, tau):
     """Every element with ``|x| >= tau`` or NaN (stream compaction; one host sync
     for the output size).
@@ -319,6 +313,7 @@ def threshold(x, tau):
     return _compact(x, state, gt, eq, size, False)
 
 
+@kernel("cuda")
 def approx_topk(x, k):
     """Sampled-threshold top-k of Deep Gradient Compression (Lin et al. 2018),
     with the reference's sample, threshold and correction (exact top-k when the
@@ -346,21 +341,19 @@ def approx_topk(x, k):
 # --------------------------------------------------------------------- scatter
 
 
+@kernel("cuda")
 def scatter_add_(acc, indices, values):
     """``acc.view(-1)[indices] += values`` with float32 atomics (values rounded
-    to float32 first; out-of-range indices are skipped, never written).
+    to float32 first; indices are checked first: ValueError, nothing written).
 
     Args:
         acc: contiguous float32 CUDA tensor, n elements. indices: int32/int64 ``[m]``.
         values: float32/float16/bfloat16/float64 ``[m]``.
-
-    Returns:
-        ``acc``.
     """
     m = indices.numel()
     if m > 0:
+        reference.check_indices(indices, acc.numel())
         name = "gc_scatter_add_{}_{}".format("i64" if indices.dtype == torch.int64 else "i32",
                                              _SFX[values.dtype])
         _launch("scatter", name, _grid(m, _THREADS), _THREADS,
                 (_ptr(acc), np.int64(acc.numel()), _ptr(indices), _ptr(values), np.int64(m)), acc.device)
-    return acc

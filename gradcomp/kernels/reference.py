@@ -56,6 +56,8 @@ import math
 
 import torch
 
+from gradcomp.errors import PayloadError
+
 __all__ = [
     "mix32",
     "stream_key",
@@ -72,6 +74,8 @@ __all__ = [
     "scatter_add_",
     "BAD_INT8",
     "int8_values_ok",
+    "check_int8_values",
+    "check_indices",
 ]
 
 #: the error for malformed int8 values: codes are in [-127, 127] (symmetric
@@ -86,6 +90,24 @@ def int8_values_ok(q: torch.Tensor, scales: torch.Tensor) -> bool:
     if q.numel() and int(q.min()) == -128:
         return False
     return not (scales.numel() and bool(((scales < 0) | torch.isinf(scales)).any()))
+
+
+def check_int8_values(q: torch.Tensor, scales: torch.Tensor) -> None:
+    """Raise :class:`~gradcomp.PayloadError` (:data:`BAD_INT8`) unless
+    :func:`int8_values_ok` (the ``check_int8`` of backends that check in one
+    pass before writing)."""
+    if not int8_values_ok(q, scales):
+        raise PayloadError(BAD_INT8)
+
+
+def check_indices(indices: torch.Tensor, n: int) -> None:
+    """Raise ValueError unless every index is in ``[0, n)`` (the bounds check
+    of ``scatter_add_`` for backends whose kernels do not check)."""
+    if indices.numel():
+        lo, hi = (int(b) for b in torch.aminmax(indices))
+        if lo < 0 or hi >= n:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"indices must be in [0, {n}) (acc's numel), got {bad}")
 
 _M32 = 0xFFFFFFFF
 _CANONICAL_NAN_BITS = 0x7FC00000
@@ -131,7 +153,11 @@ def _mix32_tensor(x: torch.Tensor) -> torch.Tensor:
 def uniform(n: int, seed: int, counter: int, device=None, start: int = 0) -> torch.Tensor:
     """The stochastic-rounding draws ``u[i]`` in [0, 1) (float32) for element
     indices ``start .. start + n - 1`` of the stream ``(seed, counter)``."""
-    key = stream_key(seed, counter)
+    return uniform_key(n, stream_key(seed, counter), device, start)
+
+
+def uniform_key(n: int, key: int, device=None, start: int = 0) -> torch.Tensor:
+    """:func:`uniform` of the stream whose :func:`stream_key` is ``key``."""
     idx = torch.arange(start, start + n, dtype=torch.int64, device=device) & _M32
     r = _mix32_tensor(idx ^ key)
     return (r >> 8).to(torch.float32) * (2.0**-24)
@@ -192,6 +218,20 @@ def quantize_int8(
     Returns:
         ``(q, scales)``: int8 ``[n]`` and float32 ``[ceil(n / block_size)]`` on x's device.
     """
+    stochastic = rounding == "stochastic"
+    q, s = quantize_key(x, block_size, stochastic, stream_key(seed, counter) if stochastic else 0)
+    if out_q is not None:
+        out_q.copy_(q)
+        q = out_q
+    if out_scales is not None:
+        out_scales.copy_(s)
+        s = out_scales
+    return q, s
+
+
+def quantize_key(x: torch.Tensor, block_size: int, stochastic: bool, key: int):
+    """:func:`quantize_int8` into new tensors, the random stream given by its
+    :func:`stream_key` ``key`` (the form the backends' kernels take)."""
     xf = x.reshape(-1).to(torch.float32)
     n = xf.numel()
     nb = -(-n // block_size)
@@ -205,22 +245,16 @@ def quantize_int8(
         live = finite & (m > 0)
         safe_m = torch.where(live, m, torch.ones_like(m))
         y = (b / safe_m[:, None]) * 127.0
-        if rounding == "nearest":
+        if not stochastic:
             c = torch.round(y)
         else:
-            u = uniform(nb * block_size, seed, counter, device=x.device).view(nb, block_size)
+            u = uniform_key(nb * block_size, key, device=x.device).view(nb, block_size)
             c = torch.floor(y + u)
         c = c.clamp_(-127.0, 127.0)
         c = torch.where(live[:, None], c, torch.zeros_like(c))
         q = c.reshape(-1)[:n].to(torch.int8)
         nan = torch.tensor(_CANONICAL_NAN_BITS, dtype=torch.int32).view(torch.float32).to(x.device)
         s = torch.where(finite, m / 127.0, nan)
-    if out_q is not None:
-        out_q.copy_(q)
-        q = out_q
-    if out_scales is not None:
-        out_scales.copy_(s)
-        s = out_scales
     return q, s
 
 

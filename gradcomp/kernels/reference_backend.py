@@ -1,17 +1,22 @@
-"""Registry entry for the pure-PyTorch reference: usable on every device."""
+"""Backend ``reference``: the pure-PyTorch kernels, the default kernel of every op.
+
+Each function implements one op of :mod:`gradcomp.kernels.ops` with its
+schema's arguments, by the oracle of :mod:`gradcomp.kernels.reference`. They
+run on any device. The fused ops are defined here as the composition of the
+others (:func:`compose_reduce_quantize_int8`, :func:`compose_dgc_topk_`):
+their default kernels compose the ops through the dispatcher, so on a device
+whose backend lacks the fused kernel they run that backend's ops.
+"""
 
 from __future__ import annotations
 
-from gradcomp.kernels.reference import (  # noqa: F401  (re-exported ops)
-    approx_topk,
-    dequantize_int8,
-    dequantize_int8_add_,
-    quantize_int8,
-    quantize_int8_ef,
-    scatter_add_,
-    threshold,
-    topk,
-)
+from typing import Callable, Mapping
+
+import torch
+
+from gradcomp.kernels import reference as R
+from gradcomp.kernels.ops import kernel
+from gradcomp.kernels.ops import op as _dispatcher
 
 
 def unavailable_reason() -> str | None:
@@ -29,3 +34,96 @@ class _Any(frozenset):
 
 
 _ANY = _Any()
+
+
+@kernel("reference")
+def quantize_int8(x, block_size, stochastic, key, q, scales):
+    rq, rs = R.quantize_key(x, block_size, stochastic, key)
+    q.copy_(rq)
+    scales.copy_(rs)
+
+
+@kernel("reference")
+def dequantize_int8(q, scales, block_size, check_int8, out):
+    if check_int8:
+        R.check_int8_values(q, scales)
+    R.dequantize_int8(q, scales, block_size, out)
+
+
+@kernel("reference")
+def dequantize_int8_add_(acc, q, scales, block_size, check_int8):
+    if check_int8:
+        R.check_int8_values(q, scales)
+    R.dequantize_int8_add_(acc, q, scales, block_size)
+
+
+@kernel("reference")
+def quantize_int8_ef(x, residual, block_size, stochastic, key, q, scales):
+    p = x.reshape(-1).to(torch.float32) + residual.view(-1)
+    quantize_int8(p, block_size, stochastic, key, q, scales)
+    residual.view(-1).copy_(p - R.dequantize_int8(q, scales, block_size))
+
+
+@kernel("reference")
+def topk(x, k):
+    return R.topk(x, k)
+
+
+@kernel("reference")
+def threshold(x, tau):
+    return R.threshold(x, tau)
+
+
+@kernel("reference")
+def approx_topk(x, k):
+    return R.approx_topk(x, k)
+
+
+@kernel("reference")
+def scatter_add_(acc, indices, values):
+    R.check_indices(indices, acc.numel())
+    R.scatter_add_(acc, indices, values)
+
+
+@kernel("reference")
+def dgc_accumulate_(g, u, v, momentum, scale):
+    R.dgc_accumulate_(g, u, v, momentum, scale)
+
+
+# ----------------------------------------------------------------- fused ops
+
+
+def compose_reduce_quantize_int8(ops: Mapping[str, Callable], acc, q, scales, block_size, divisor, stochastic,
+                                 key, decode, check_int8, out_q, out_scales) -> None:
+    """``reduce_quantize_int8`` as the composition of ``ops`` (op name -> kernel)::
+
+        acc += D(q, scales); acc /= divisor; (out_q, out_scales) = Q(acc); if decode: acc = D(out_q, out_scales)
+    """
+    ops["dequantize_int8_add_"](acc, q, scales, block_size, check_int8)
+    if divisor != 1:
+        acc.div_(divisor)
+    ops["quantize_int8"](acc, block_size, stochastic, key, out_q, out_scales)
+    if decode:
+        ops["dequantize_int8"](out_q, out_scales, block_size, False, acc)
+
+
+def compose_dgc_topk_(ops: Mapping[str, Callable], g, u, v, momentum, scale, k):
+    """``dgc_topk_`` as ``dgc_accumulate_`` then ``topk`` of ``v``, by ``ops``."""
+    ops["dgc_accumulate_"](g, u, v, momentum, scale)
+    return ops["topk"](v, k)
+
+
+@kernel("reference")
+def reduce_quantize_int8(acc, q, scales, block_size, divisor, stochastic, key, decode, check_int8, out_q,
+                         out_scales):
+    compose_reduce_quantize_int8(_dispatcher, acc, q, scales, block_size, divisor, stochastic, key, decode,
+                                 check_int8, out_q, out_scales)
+
+
+@kernel("reference")
+def dgc_topk_(g, u, v, momentum, scale, k):
+    return compose_dgc_topk_(_dispatcher, g, u, v, momentum, scale, k)
+
+
+#: the compositions of the fused ops, for a backend that lacks their kernel
+COMPOSITIONS = {"reduce_quantize_int8": compose_reduce_quantize_int8, "dgc_topk_": compose_dgc_topk_}

@@ -3,8 +3,10 @@
 Kernels live one file per op family: :mod:`.quantize` (quantize, dequantize,
 fused error feedback), :mod:`.select` (top-k, threshold, approximate top-k)
 and :mod:`.scatter` (sparse accumulate). Each holds private ``_kernel``
-functions and their host launchers. Triton itself is imported only when an
-op first runs (``import gradcomp`` never imports it).
+functions and their host launchers, declared as the ops' kernels
+(:func:`gradcomp.kernels.ops.kernel`). The registry imports them
+(:data:`KERNEL_MODULES`) once the backend is usable; ``import gradcomp``
+never imports Triton.
 
 The backend serves CUDA tensors. With ``TRITON_INTERPRET=1`` set before the
 first use, Triton's interpreter runs the same kernels on CPU tensors (slow:
@@ -20,6 +22,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+
+
+#: the modules declaring this backend's kernels
+KERNEL_MODULES = tuple(f"gradcomp.kernels.triton.{m}" for m in ("quantize", "select", "scatter"))
 
 
 def _interpret() -> bool:
@@ -47,60 +53,3 @@ def unavailable_reason() -> str | None:
 def devices() -> frozenset[str]:
     """``{"cuda"}``, plus ``"cpu"`` under ``TRITON_INTERPRET=1``."""
     return frozenset({"cuda", "cpu"}) if _interpret() else frozenset({"cuda"})
-
-
-def quantize_int8(x, block_size=256, rounding="nearest", seed=0, counter=0, out_q=None, out_scales=None):
-    """Blockwise absmax int8 quantization; see :func:`.quantize.quantize_int8`."""
-    from gradcomp.kernels.triton import quantize
-
-    return quantize.quantize_int8(x, block_size, rounding, seed, counter, out_q, out_scales)
-
-
-def dequantize_int8(q, scales, block_size=256, out=None):
-    """``code * scale``; see :func:`.quantize.dequantize_int8`."""
-    from gradcomp.kernels.triton import quantize
-
-    return quantize.dequantize_int8(q, scales, block_size, out)
-
-
-def dequantize_int8_add_(acc, q, scales, block_size=256):
-    """``acc += code * scale``; see :func:`.quantize.dequantize_int8_add_`."""
-    from gradcomp.kernels.triton import quantize
-
-    return quantize.dequantize_int8_add_(acc, q, scales, block_size)
-
-
-def quantize_int8_ef(x, residual, block_size=256, rounding="nearest", seed=0, counter=0,
-                     out_q=None, out_scales=None):
-    """Fused error-feedback quantization; see :func:`.quantize.quantize_int8_ef`."""
-    from gradcomp.kernels.triton import quantize
-
-    return quantize.quantize_int8_ef(x, residual, block_size, rounding, seed, counter, out_q, out_scales)
-
-
-def topk(x, k):
-    """Exact top-k by radix select; see :func:`.select.topk`."""
-    from gradcomp.kernels.triton import select
-
-    return select.topk(x, k)
-
-
-def threshold(x, tau):
-    """Stream compaction of ``|x| >= tau``; see :func:`.select.threshold`."""
-    from gradcomp.kernels.triton import select
-
-    return select.threshold(x, tau)
-
-
-def approx_topk(x, k):
-    """DGC sampled-threshold top-k; see :func:`.select.approx_topk`."""
-    from gradcomp.kernels.triton import select
-
-    return select.approx_topk(x, k)
-
-
-def scatter_add_(acc, indices, values):
-    """``acc[indices] += values``; see :func:`.scatter.scatter_add_`."""
-    from gradcomp.kernels.triton import scatter
-
-    return scatter.scatter_add_(acc, indices, values)

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from gradcomp.kernels import reference
+from gradcomp.kernels.ops import kernel
 from gradcomp.kernels.triton._common import device_guard, kernel_view, widen
 
 # elements per program: large tiles on the GPU, small ones in the interpreter
@@ -137,15 +138,12 @@ def _as_kernel_input(x: torch.Tensor):
     return kernel_view(x)
 
 
-def _quantize(x, residual, block_size, rounding, seed, counter, out_q, out_scales):
+def _quantize(x, residual, block_size, stochastic, key, q, s):
     n = x.numel()
     nblocks = -(-n // block_size)
-    q, s = reference.quantize_outputs(x, block_size, out_q, out_scales)
     if n == 0:
-        return q, s
+        return
     xin, kind = _as_kernel_input(x)
-    stochastic = rounding == "stochastic"
-    key = reference.stream_key(seed, counter) if stochastic else 0
     tile = _tile(x)
     chunk = min(block_size, tile)
     rows = tile // chunk
@@ -156,40 +154,33 @@ def _quantize(x, residual, block_size, rounding, seed, counter, out_q, out_scale
             BLOCK_SIZE=block_size, ROWS=rows, CHUNK=chunk, KIND=kind, EF=ef,
             STOCHASTIC=stochastic, num_warps=8, enable_fp_fusion=False,
         )
-    return q, s
 
 
-def quantize_int8(x, block_size=256, rounding="nearest", seed=0, counter=0, out_q=None, out_scales=None):
+@kernel("triton")
+def quantize_int8(x, block_size, stochastic, key, q, scales):
     """Blockwise absmax int8 quantization of a contiguous 1-D tensor.
 
     Args:
         x: contiguous 1-D float32/float16/bfloat16/float64 tensor of n elements
             (float64 is rounded to float32 first).
         block_size: elements per block (power of two, 32..65536).
-        rounding: ``"nearest"`` or ``"stochastic"``; seed, counter: random stream.
-        out_q, out_scales: optional contiguous int8 ``[n]`` / float32 ``[ceil(n/block_size)]``.
-
-    Returns:
-        ``(q, scales)``: int8 ``[n]``, float32 ``[ceil(n / block_size)]`` on x's device.
+        stochastic, key: stochastic rounding and its stream key (else half to even).
+        q, scales: contiguous int8 ``[n]`` / float32 ``[ceil(n/block_size)]`` outputs.
     """
-    return _quantize(x, None, block_size, rounding, seed, counter, out_q, out_scales)
+    _quantize(x, None, block_size, stochastic, key, q, scales)
 
 
-def quantize_int8_ef(x, residual, block_size=256, rounding="nearest", seed=0, counter=0,
-                     out_q=None, out_scales=None):
+@kernel("triton")
+def quantize_int8_ef(x, residual, block_size, stochastic, key, q, scales):
     """Fused error feedback in one kernel: ``p = x + residual; (q, s) = Q(p);
-    residual <- p - q * s`` (residual: contiguous float32, n elements, updated in place).
-
-    Returns:
-        ``(q, scales)`` as :func:`quantize_int8`.
-    """
-    return _quantize(x, residual, block_size, rounding, seed, counter, out_q, out_scales)
+    residual <- p - q * s`` (residual: contiguous float32, n elements, updated in place)."""
+    _quantize(x, residual, block_size, stochastic, key, q, scales)
 
 
 def _dequantize(q, scales, block_size, out, add):
     n = q.numel()
     if n == 0:
-        return out
+        return
     tile = _tile(q)
     bf16 = (not add) and out.dtype == torch.bfloat16
     dst = out.view(-1).view(torch.int16) if bf16 else out.view(-1)
@@ -198,32 +189,23 @@ def _dequantize(q, scales, block_size, out, add):
             q, scales, dst, n, BLOCK_SIZE=block_size, TILE=tile, ADD=add, OUT_BF16=bf16,
             num_warps=8, enable_fp_fusion=False,
         )
-    return out
 
 
-def dequantize_int8(q, scales, block_size=256, out=None):
-    """``code * scale`` per element (float32 product).
-
-    Args:
-        q: contiguous int8 ``[n]``; scales: float32 ``[ceil(n / block_size)]``.
-        out: optional contiguous float32/float16/bfloat16/float64 tensor of n
-            elements; the product is rounded to its dtype (half to even).
-
-    Returns:
-        float32 ``[n]``, or ``out``.
-    """
-    if out is None:
-        out = torch.empty(q.numel(), dtype=torch.float32, device=q.device)
-    return _dequantize(q, scales, block_size, out, add=False)
+@kernel("triton")
+def dequantize_int8(q, scales, block_size, check_int8, out):
+    """``out = code * scale`` per element (float32 product, rounded to out's
+    dtype, half to even); q: contiguous int8 ``[n]``, scales: float32
+    ``[ceil(n / block_size)]``, out: contiguous float32/float16/bfloat16/float64
+    of n elements. ``check_int8``: one checking pass before any write."""
+    if check_int8:
+        reference.check_int8_values(q, scales)
+    _dequantize(q, scales, block_size, out, add=False)
 
 
-def dequantize_int8_add_(acc, q, scales, block_size=256):
-    """``acc += code * scale`` in place (product rounded, then the add).
-
-    Args:
-        acc: contiguous float32 tensor with ``q.numel()`` elements.
-
-    Returns:
-        ``acc``.
-    """
-    return _dequantize(q, scales, block_size, acc, add=True)
+@kernel("triton")
+def dequantize_int8_add_(acc, q, scales, block_size, check_int8):
+    """``acc += code * scale`` in place (product rounded, then the add);
+    acc: contiguous float32 with ``q.numel()`` elements."""
+    if check_int8:
+        reference.check_int8_values(q, scales)
+    _dequantize(q, scales, block_size, acc, add=True)

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from gradcomp.kernels import reference
+from gradcomp.kernels.ops import kernel
 from gradcomp.kernels.triton._common import F64, device_guard, kernel_view, widen
 
 _TILE_GPU, _TILE_CPU = 2048, 256
@@ -197,6 +198,7 @@ def _topk(x, k, nan_as_inf):
     return _compact(x, xv, kind, state, gt, eq, k, nan_as_inf)
 
 
+@kernel("triton")
 def topk(x, k):
     """Exact top-k by magnitude (ties: lower index; NaN above +Inf).
 
@@ -218,6 +220,7 @@ def _key_of(tau: float, x: torch.Tensor) -> int:
     return torch.tensor(abs(tau), dtype=torch.float32).view(torch.int32).item()
 
 
+@kernel("triton")
 def threshold(x, tau):
     """Every element with ``|x| >= tau`` or NaN, by stream compaction.
 
@@ -239,6 +242,7 @@ def threshold(x, tau):
         return _compact(x, xv, kind, state, gt, eq, size, False)
 
 
+@kernel("triton")
 def approx_topk(x, k):
     """Sampled-threshold top-k (DGC): the threshold is the ``ceil(s k / n)``-th
     largest ``|x|`` (NaN as Inf) of the strided sample of
