@@ -139,6 +139,14 @@ def test_bubble_fraction():
     assert g["step_s"] == pytest.approx(11 * 1.0 / 32)  # 11 slots of 1 / (4 * 8)
     assert g["efficiency"] == pytest.approx(8 / 11)
     assert (g["peak_microbatches"], pipeline_step(1.0, 4, 8, "1f1b")["peak_microbatches"]) == (8, 4)
+    # boundary time: forward and backward passes as flow shops (forward 1/3 of the compute)
+    # compute-bound: f = 0.4 / 8, g = 0.8 / 8, each way 0.04 s per micro-batch
+    assert pipeline_step(1.2, 2, 4, boundary_s=0.08)["step_s"] == pytest.approx(
+        (2 * 0.05 + 0.04 + 3 * 0.05) + (2 * 0.1 + 0.04 + 3 * 0.1))
+    # link-bound: f = 0.005, g = 0.01, each way 0.1 s: the link's 4 transfers set the pace
+    lb = pipeline_step(0.12, 2, 4, boundary_s=0.2)
+    assert lb["step_s"] == pytest.approx((0.01 + 0.1 + 0.3) + (0.02 + 0.1 + 0.3))
+    assert lb["bubble"] == pytest.approx(1 - 0.06 / 0.83)
     with pytest.raises(ValueError, match="microbatches"):
         bubble_fraction(4, 0)
 

@@ -143,7 +143,8 @@ from gradcomp.ps import protocol as _ps_protocol
 __all__ = [
     "Codec", "CODECS", "CODEC_NAMES", "ALGORITHMS", "MODES", "Setting", "Prediction",
     "codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "ps_bytes", "predict",
-    "sync_step", "ps_sync_step", "async_throughput", "mva_response", "bubble_fraction", "pipeline_step",
+    "sync_step", "ps_sync_step", "async_throughput", "mva_response", "bubble_fraction", "FORWARD_SHARE",
+    "pipeline_step",
     "PS_HEADER_NBYTES", "SIZE_NBYTES", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES",
     "MIN_COMPRESS_NUMEL",
 ]
@@ -767,25 +768,50 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
     return (stages - 1) / (microbatches + stages - 1)
 
 
+#: share of a step's compute that is forward (backward: the rest, about twice the forward)
+FORWARD_SHARE = 1.0 / 3.0
+
+
 def pipeline_step(compute_s: float, stages: int, microbatches: int, schedule: str = "gpipe",
                   boundary_s: float = 0.0) -> dict:
     """One pipeline-parallel step of a replica whose un-split compute takes ``compute_s``.
 
-    Each stage does ``compute_s / p`` of work, in ``m`` micro-batches of
-    ``compute_s / (p m)`` (+ ``boundary_s`` for sending its activations and
-    receiving the gradients across a stage boundary). Both schedules take
-    ``(m + p - 1)`` slots.
+    Each stage does ``compute_s / p`` of work, in ``m`` micro-batches:
+    forwards of ``f = FORWARD_SHARE * compute_s / (p m)`` and backwards of
+    ``g = (1 - FORWARD_SHARE) * compute_s / (p m)``. Each of the ``p - 1``
+    boundaries carries a micro-batch's activations forward and its gradients
+    backward in ``boundary_s`` together (``boundary_s / 2`` each way; links are
+    full duplex). The forward pass and the backward pass are each a flow shop
+    of ``m`` identical jobs through ``p`` stages and ``p - 1`` links, which
+    takes the sum of one job's service times plus ``m - 1`` times the slowest::
+
+        T_f = p f + (p - 1) b/2 + (m - 1) max(f, b/2)
+        T_b = p g + (p - 1) b/2 + (m - 1) max(g, b/2)      step = T_f + T_b
+
+    With ``boundary_s = 0`` this is GPipe's ``(m + p - 1)`` slots of
+    ``compute_s / (p m)`` (Huang et al. 2019); when the link is slower than a
+    stage's compute the link's ``m`` transfers set the pace instead. 1F1B
+    (Narayanan et al. 2019) is given the same step (it reorders, it does not
+    remove work); it keeps fewer micro-batches' activations alive.
 
     Returns:
-        ``{"step_s", "bubble", "efficiency" (= m / (m + p - 1)), "peak_microbatches"}``:
-        activations alive per stage, ``m`` for GPipe, ``min(p, m)`` for 1F1B.
+        ``{"step_s", "bubble", "efficiency", "peak_microbatches"}``: ``bubble`` is
+        the share of the step a stage is not computing, ``1 - (compute_s / p) /
+        step_s`` (``(p - 1) / (m + p - 1)`` without boundary time);
+        ``efficiency = 1 - bubble``; activations alive per stage, ``m`` for
+        GPipe, ``min(p, m)`` for 1F1B.
 
     Raises:
         ValueError: unknown schedule or bad counts.
     """
     if schedule not in ("gpipe", "1f1b"):
         raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
-    bubble = bubble_fraction(stages, microbatches)
-    slot = compute_s / (stages * microbatches) + boundary_s
-    return {"step_s": (microbatches + stages - 1) * slot, "bubble": bubble, "efficiency": 1.0 - bubble,
-            "peak_microbatches": microbatches if schedule == "gpipe" else min(stages, microbatches)}
+    bubble_fraction(stages, microbatches)  # validates the counts
+    p, m = stages, microbatches
+    f = FORWARD_SHARE * compute_s / (p * m)
+    g = (1.0 - FORWARD_SHARE) * compute_s / (p * m)
+    half = boundary_s / 2.0 if p > 1 else 0.0
+    step = sum(p * t + (p - 1) * half + (m - 1) * max(t, half) for t in (f, g))
+    bubble = 1.0 - (compute_s / p) / step if step > 0 else 0.0
+    return {"step_s": step, "bubble": bubble, "efficiency": 1.0 - bubble,
+            "peak_microbatches": m if schedule == "gpipe" else min(p, m)}
