@@ -316,13 +316,9 @@ def _hidden(args: argparse.Namespace, workload: str) -> tuple[int, ...]:
         return DEFAULT_HIDDEN
     if workload != "digits-mlp":
         raise ValueError(f"--hidden applies to --workload digits-mlp only, got --workload {workload}")
-    try:
-        widths = tuple(int(t) for t in text.split(",") if t.strip())
-    except ValueError:
-        widths = ()
-    if not widths or min(widths) < 1:
-        raise ValueError(f"--hidden expects comma-separated widths >= 1, got {text!r}")
-    return widths
+    from gradcomp.train.pipeline_args import hidden_widths
+
+    return hidden_widths(text)
 
 
 def _scenario_list(args: argparse.Namespace, workers: int):

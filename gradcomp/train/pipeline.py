@@ -52,7 +52,7 @@ from torch import nn
 from gradcomp.train.config import COMPRESSORS, TrainConfig
 from gradcomp.train.data import Digits, load_digits_split, worker_batches
 from gradcomp.train.model import DEFAULT_HIDDEN, evaluate, make_model
-from gradcomp.train.pipeline_args import PIPELINE_SCHEDULES, add_pipeline_arguments
+from gradcomp.train.pipeline_args import PIPELINE_SCHEDULES, add_pipeline_arguments, hidden_widths
 
 __all__ = ["PipelineConfig", "PIPELINE_SCHEDULES", "add_pipeline_arguments", "pipeline_rank",
            "run_pipeline", "run_pipeline_study", "theory_bubble"]
@@ -592,9 +592,7 @@ def config_from_args(args: argparse.Namespace) -> PipelineConfig:
     bad = [s for s in schedules if s not in PIPELINE_SCHEDULES]
     if bad or not schedules:
         raise ValueError(f"--schedule must be among {','.join(PIPELINE_SCHEDULES)}, got {args.schedule!r}")
-    hidden = _int_list("--hidden", args.hidden)
-    if min(hidden) < 1:
-        raise ValueError(f"--hidden widths must be >= 1, got {args.hidden!r}")
+    hidden = hidden_widths(args.hidden)
     micro = tuple(dict.fromkeys(_int_list("--microbatches", args.microbatches)))
     if args.stages < 1:
         raise ValueError(f"--stages must be >= 1, got {args.stages}")

@@ -6,7 +6,7 @@ import argparse
 
 from gradcomp.train.menu import DEFAULT_HIDDEN
 
-__all__ = ["PIPELINE_SCHEDULES", "add_pipeline_arguments"]
+__all__ = ["PIPELINE_SCHEDULES", "add_pipeline_arguments", "hidden_widths"]
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb", "pipedream")
 
@@ -25,3 +25,18 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParse
     g.add_argument("--hidden", default=",".join(map(str, DEFAULT_HIDDEN)), metavar="LIST",
                    help="hidden widths of the digits MLP, in every mode (default 384,256: 3 layers)")
     return p
+
+
+def hidden_widths(text: str) -> tuple[int, ...]:
+    """``--hidden``'s comma-separated widths.
+
+    Raises:
+        ValueError: not a list of integers >= 1 (the message names the option).
+    """
+    try:
+        widths = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise ValueError(f"--hidden expects comma-separated widths >= 1, got {text!r}")
+    return widths
