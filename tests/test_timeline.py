@@ -237,6 +237,7 @@ def test_decision_winner_is_the_argmin_under_the_accuracy_bound():
     (["--seeds", "0"], "--seeds: expected an integer >= 1"),
     (["--target-acc", "2"], "--target-acc: expected an accuracy in (0, 1]"),
     (["--scenarios", "1gbit", "--straggler", "1:2"], "--scenarios sets link"),
+    (["--async-momentum", "0.5"], "--async-momentum only applies to --mode async"),
 ])
 def test_bad_time_options_exit_2_with_one_line(capsys, argv, words):
     from gradcomp.cli import main

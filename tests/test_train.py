@@ -87,6 +87,21 @@ def test_config_validation():
         TrainConfig(algorithm="allgather")
     with pytest.raises(ValueError, match="momentum"):
         TrainConfig(momentum=1.0)
+    with pytest.raises(ValueError, match="async_momentum"):
+        TrainConfig(async_momentum=-0.1)
+
+
+def test_async_momentum_applies_to_the_async_server_only():
+    from gradcomp.compressors import TopK
+    from gradcomp.train.dgc import dgc_compressor, optimizer_momentum
+
+    cfg = TrainConfig(momentum=0.9, async_momentum=0.5)
+    assert optimizer_momentum(False, cfg, "async") == 0.5
+    assert optimizer_momentum(False, cfg, "sync") == 0.9
+    assert optimizer_momentum(True, cfg, "async") == 0.0  # DGC owns the momentum
+    assert dgc_compressor(TopK(ratio=0.01), cfg, 1000, "async").momentum == 0.5
+    assert dgc_compressor(TopK(ratio=0.01), cfg, 1000).momentum == 0.9
+    assert TrainConfig(momentum=0.8).momentum_for("async") == 0.8
 
 
 def test_threshold_calibration_keeps_one_percent_of_the_first_gradient():

@@ -1,7 +1,7 @@
 """Async mode: training through gradcomp's parameter server (1 server + W workers).
 
 Rank 0 is the server: it holds the parameters and applies every pushed
-gradient on arrival with SGD (the study's momentum, learning rate
+gradient on arrival with SGD (the study's momentum, or ``async_momentum``, learning rate
 ``lr / workers``: a round of one push per worker then moves the parameters as
 far as one sync step, which averages the same gradients, so both modes spend
 the same learning-rate budget per sample). Ranks
@@ -73,14 +73,14 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     compressed = compressor != "none"
     codec = choice.build(cfg.threshold) if compressed else NoCompression()
     if choice.dgc:
-        codec = dgc_compressor(codec, cfg, len(data.y_train))
+        codec = dgc_compressor(codec, cfg, len(data.y_train), "async")
     config = ps.PSConfig(
         mode="async", steps=cfg.steps, num_servers=1,
         compressor=codec,
         error_feedback=choice.error_feedback,
         compress_pull=compressed,
         optimizer=functools.partial(torch.optim.SGD, lr=cfg.lr / cfg.workers,
-                                    momentum=optimizer_momentum(choice.dgc, cfg)),
+                                    momentum=optimizer_momentum(choice.dgc, cfg, "async")),
         on_worker_failure="fail", worker_timeout=WORKER_TIMEOUT_S, timeout=cfg.timeout)
 
     models: list[nn.Module] = []

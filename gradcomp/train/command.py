@@ -186,6 +186,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"SGD learning rate (default: the workload's, {d.lr} for {d.workload})")
     p.add_argument("--momentum", type=float, default=d.momentum,
                    help=f"SGD momentum in [0, 1) (default {d.momentum})")
+    p.add_argument("--async-momentum", type=float, default=None, metavar="M",
+                   help="the parameter server's SGD momentum in async mode, in [0, 1) (default: "
+                        "--momentum); asynchrony adds momentum of its own (Mitliagkas et al. 2016), "
+                        "so stale gradients often need less")
     p.add_argument("--seed", type=_seed, default=d.seed,
                    help="seed of the model, the data split and the data order (default 0)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default=d.algorithm,
@@ -294,13 +298,16 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     if local and "local" not in args.mode:
         given = [opt for opt, field in LOCAL_OPTIONS.items() if field in local]
         raise ValueError(f"{', '.join(given)} only apply to --mode local, got --mode {','.join(args.mode)}")
+    if args.async_momentum is not None and "async" not in args.mode:
+        raise ValueError(f"--async-momentum only applies to --mode async, got --mode {','.join(args.mode)}")
     w = WORKLOADS[args.workload]
     for opt, field in (("--data-dir", "data_dir"), ("--data-file", "data_file")):
         if getattr(args, field) is not None and w.needs != field:
             raise ValueError(f"{opt} does not apply to --workload {w.name}")
     return TrainConfig(workers=_workers(args), steps=args.steps or w.steps, hidden=_hidden(args, w.name),
                        batch_size=args.batch_size or w.batch_size,
-                       lr=args.lr or w.lr, momentum=args.momentum, seed=args.seed,
+                       lr=args.lr or w.lr, momentum=args.momentum,
+                       async_momentum=args.async_momentum, seed=args.seed,
                        workload=w.name, data_dir=args.data_dir, data_file=args.data_file,
                        algorithm=args.algorithm, eval_every=args.eval_every,
                        threshold=args.threshold, timeout=args.timeout,

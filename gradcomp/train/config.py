@@ -137,6 +137,10 @@ class TrainConfig:
         batch_size: samples per worker per step (global batch = workers x batch_size).
         lr: SGD learning rate of a sync step (async: each push is applied with
             ``lr / workers``, see :mod:`gradcomp.train.async_`); momentum: SGD momentum.
+        async_momentum: the server's SGD momentum in async mode (None: ``momentum``).
+            Asynchrony itself acts like momentum (Mitliagkas et al. 2016,
+            "Asynchrony begets momentum": about ``1 - 1/workers`` with stale
+            gradients), so a stable async run often needs less explicit momentum.
         seed: model initialisation, data split and data order.
         hidden: hidden-layer widths of the MLP.
         test_fraction: share of the digits held out for testing.
@@ -162,6 +166,7 @@ class TrainConfig:
     batch_size: int = 64
     lr: float = 0.1
     momentum: float = 0.9
+    async_momentum: float | None = None
     seed: int = 0
     hidden: tuple[int, ...] = field(default=DEFAULT_HIDDEN)
     test_fraction: float = 0.25
@@ -179,6 +184,12 @@ class TrainConfig:
     data_dir: str | None = None
     data_file: str | None = None
 
+    def momentum_for(self, mode: str) -> float:
+        """The SGD momentum of ``mode``'s runs: ``async_momentum`` (when set) for async, else ``momentum``."""
+        if mode == "async" and self.async_momentum is not None:
+            return self.async_momentum
+        return self.momentum
+
     def __post_init__(self):
         from gradcomp.localsgd import OUTER_OPTIMIZERS, check_schedule
 
@@ -190,6 +201,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if self.async_momentum is not None and not 0 <= self.async_momentum < 1:
+            raise ValueError(f"async_momentum must be None or in [0, 1), got {self.async_momentum!r}")
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         if self.threshold is not None and not self.threshold >= 0:

@@ -32,13 +32,13 @@ WARMUP_EPOCHS = 0
 WARMUP_START = 0.01
 
 
-def dgc_compressor(top: Compressor, cfg: TrainConfig, train_samples: int) -> DGC:
-    """The DGC wrapper of a DGC row's top-k (``choice.build()``), for ``cfg``."""
+def dgc_compressor(top: Compressor, cfg: TrainConfig, train_samples: int, mode: str = "sync") -> DGC:
+    """The DGC wrapper of a DGC row's top-k (``choice.build()``), for ``cfg``'s ``mode``."""
     warmup = WARMUP_EPOCHS * steps_per_epoch(train_samples, cfg.workers, cfg.batch_size)
-    return DGC(top, momentum=cfg.momentum, world_size=cfg.workers, warmup_steps=warmup,
+    return DGC(top, momentum=cfg.momentum_for(mode), world_size=cfg.workers, warmup_steps=warmup,
                warmup_start=WARMUP_START)
 
 
-def optimizer_momentum(dgc: bool, cfg: TrainConfig) -> float:
-    """The optimizer's momentum: 0 for a DGC row (DGC applies it), else the study's."""
-    return 0.0 if dgc else cfg.momentum
+def optimizer_momentum(dgc: bool, cfg: TrainConfig, mode: str = "sync") -> float:
+    """The optimizer's momentum: 0 for a DGC row (DGC applies it), else the study's for ``mode``."""
+    return 0.0 if dgc else cfg.momentum_for(mode)

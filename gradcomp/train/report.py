@@ -78,6 +78,8 @@ def title(study: StudyResult) -> str:
     c = study.config
     modes = {r.mode for r in study.runs}
     per_push = f" (async: {c.lr / c.workers:.3g} per push)" if "async" in modes else ""
+    async_m = (f" (async: {c.async_momentum:g})"
+               if "async" in modes and c.async_momentum is not None else "")
     algorithm = f", sync dense algorithm: {c.algorithm}" if modes & {"sync", "local"} else ""
     if "local" in modes:
         streaming = f", {c.fragments} fragments, overlap {c.overlap}" if c.fragments > 1 or c.overlap else ""
@@ -91,7 +93,7 @@ def title(study: StudyResult) -> str:
                 f"{study.test_samples} test samples")
     return (f"{what}, "
             f"{c.workers} workers x batch {c.batch_size}, {c.steps} steps, SGD lr {c.lr:g}"
-            f"{per_push} momentum {c.momentum:g}, seed {c.seed}{algorithm}")
+            f"{per_push} momentum {c.momentum:g}{async_m}, seed {c.seed}{algorithm}")
 
 
 def link_line(study: StudyResult) -> str:
