@@ -57,6 +57,8 @@ class ErrorFeedback:
             another number of elements (keys keep residuals of different tensors apart).
     """
 
+    summable = False  # as every compressor's
+
     def __init__(self, compressor: Compressor):
         if isinstance(compressor, ErrorFeedback):
             raise ValueError("compressor is already an ErrorFeedback; wrap the inner compressor once")
