@@ -2,6 +2,7 @@
 with no compressor object; ErrorFeedback wraps a compressor without being one."""
 
 import ast
+import functools
 import pathlib
 import struct
 import zlib
@@ -182,6 +183,13 @@ def test_values_compressor_must_not_be_an_error_feedback():
 
 
 # ---- one table: no other module maps codec names to ids or decoders
+@functools.cache
+def _sources() -> tuple[tuple[str, str, ast.AST], ...]:
+    """``(path relative to the package, source, tree)`` of every gradcomp module."""
+    return tuple((p.relative_to(PACKAGE).as_posix(), p.read_text(), ast.parse(p.read_text()))
+                 for p in sorted(PACKAGE.rglob("*.py")))
+
+
 def _codec_maps(tree: ast.AST) -> list[int]:
     """Lines of dict displays keyed by wire codec names with ids (or keyed by
     "raw": a codec -> compressor table), or keyed by ids with codec names as
@@ -206,12 +214,10 @@ def _codec_maps(tree: ast.AST) -> list[int]:
 
 def test_no_module_but_the_wire_defines_a_codec_table():
     found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE).as_posix()
+    for rel, src, tree in _sources():
         if rel == "wire.py":
             continue
-        src = path.read_text()
-        hits = _codec_maps(ast.parse(src))
+        hits = _codec_maps(tree)
         for word in ("_DECODERS", "decoder_for", "compressor_for_codec", "SPARSE_CODECS", "TopK(k=1)",
                      "Threshold(0.0)"):
             if word in src:
@@ -231,9 +237,8 @@ def test_no_isinstance_error_feedback_branch_in_the_transports():
     """Transports and integrations ask split() / unwrapped(), never the type."""
     allowed = {"compressors/error_feedback.py", "adaptive.py"}
     found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE).as_posix()
-        for node in ast.walk(ast.parse(path.read_text())):
+    for rel, _, tree in _sources():
+        for node in ast.walk(tree):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance"
                     and len(node.args) == 2 and "ErrorFeedback" in ast.unparse(node.args[1])
                     and rel not in allowed):
