@@ -17,6 +17,8 @@ from gradcomp.errors import BackendUnavailable, PayloadError
 _EXPORTS = {
     "Payload": "gradcomp.wire",
     "decode": "gradcomp.wire",
+    "decompress": "gradcomp.compressors",
+    "decompress_add_": "gradcomp.compressors",
     "kernels": "gradcomp.kernels",
     "Compressor": "gradcomp.compressors",
     "NoCompression": "gradcomp.compressors",

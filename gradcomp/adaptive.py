@@ -526,10 +526,10 @@ def _candidates(candidates) -> tuple[tuple[Compressor, ...], tuple[str, ...]]:
                 raise ValueError(f"candidates: unknown name {c!r}; allowed: {tuple(CANDIDATES)}")
             comps.append(CANDIDATES[c]())
             names.append(c)
+        elif isinstance(c, ErrorFeedback):
+            raise ValueError("candidates must not hold an ErrorFeedback: residuals are kept per "
+                             "parameter or key across codecs; pass the compressor itself")
         elif isinstance(c, Compressor):
-            if isinstance(c, ErrorFeedback):
-                raise ValueError("candidates must not hold an ErrorFeedback: residuals are kept per "
-                                 "parameter or key across codecs; pass the compressor itself")
             if _wire_bytes(c, 1 << 20, 2) is None:
                 raise ValueError(f"candidates need a fixed wire size (to rank them by bytes), got {c!r}")
             comps.append(c)

@@ -63,7 +63,7 @@ from gradcomp import _validate as v
 from gradcomp.adaptive import Adaptive
 from gradcomp.comm import (ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce,
                            ring_raw_bytes)
-from gradcomp.compressors import DGC, Compressor, ErrorFeedback, Int8Quantizer, TopK
+from gradcomp.compressors import DGC, Compressor, Int8Quantizer, TopK, unwrapped
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import Timeline, span
 
@@ -216,12 +216,8 @@ class GradCompState:
         if isinstance(compressor, Adaptive):
             v.choice("algorithm", algorithm, DENSE_ALGORITHMS)  # of the dense candidates
         else:
-            if not isinstance(compressor, Compressor):
-                raise TypeError(f"compressor must be a gradcomp compressor or 'auto', "
-                                f"got {type(compressor).__name__} {compressor!r}")
-            if isinstance(compressor, ErrorFeedback):
-                raise ValueError("compressor must not be an ErrorFeedback: pass the compressor itself with "
-                                 "error_feedback=True; the state keeps residuals per parameter")
+            compressor = unwrapped(compressor, "compressor", "with error_feedback=True the state keeps "
+                                   "residuals per parameter", " or 'auto'")
             v.choice("algorithm", algorithm, ALGORITHMS)
             if algorithm in DENSE_ALGORITHMS and compressor.sparse:
                 raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "

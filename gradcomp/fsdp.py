@@ -66,7 +66,7 @@ from gradcomp.comm import DEFAULT_TIMEOUT, INPUT_DTYPES, reduce_scatter
 from gradcomp.comm.agreement import agree, needs_check
 from gradcomp.comm.reduce_scatter import agree_settings
 from gradcomp.comm.p2p import Comm
-from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
+from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
 from gradcomp.meter import TrafficMeter
 
 __all__ = ["CompressedReduceScatter", "CompressedAllGather", "apply"]
@@ -119,7 +119,7 @@ class CompressedReduceScatter(ReduceScatter):
     def __init__(self, compressor: Compressor | None = None, error_feedback: bool = True,
                  meter: TrafficMeter | None = None, *, timeout: float = DEFAULT_TIMEOUT):
         self.compressor = _dense("compressor", Int8Quantizer() if compressor is None else compressor,
-                                 "error_feedback=True; the comm keeps residuals per parameter shard")
+                                 "with error_feedback=True the comm keeps residuals per parameter shard")
         self.error_feedback = v.flag("error_feedback", error_feedback)
         self.meter = _meter(meter)
         self.timeout = v.timeout("timeout", timeout)
@@ -266,11 +266,7 @@ class _OwnGroups:
 
 
 def _dense(name: str, compressor, hint: str) -> Compressor:
-    if not isinstance(compressor, Compressor):
-        raise TypeError(f"{name} must be a gradcomp compressor (e.g. gc.Int8Quantizer()), "
-                        f"got {type(compressor).__name__}")
-    if isinstance(compressor, ErrorFeedback):
-        raise ValueError(f"{name} must not be an ErrorFeedback: pass the compressor itself ({hint})")
+    compressor = unwrapped(compressor, name, hint)
     if compressor.sparse or compressor.wire_nbytes((1,), torch.float32) is None:
         raise ValueError(f"{name} must be dense with a fixed wire size (NoCompression, FP16, BF16, "
                          f"Int8Quantizer), got {compressor!r}")
@@ -393,7 +389,7 @@ class CompressedAllGather(AllGather):
         if described in self._agreed or comm.world_size == 1:
             return
         descriptor = {"numel": comm.world_size * m, "op": 0, "algorithm": _ALLGATHER_CODE,
-                      "codec": W.CODECS[self.compressor.codec],
+                      "codec": W.codec(self.compressor.codec).id,
                       "wire_nbytes": self.compressor.wire_nbytes((m,), dtype)}
         if needs_check(comm.group, descriptor):
             agree(comm, descriptor, {"algorithm": {_ALLGATHER_CODE: "fsdp parameter all-gather"}}, device=device)

@@ -85,7 +85,7 @@ from torch import nn
 
 from gradcomp import _validate as v
 from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce
-from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
+from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import Timeline
 
@@ -251,11 +251,8 @@ class LocalSGD:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.sync_every, self.fragments, self.overlap = check_schedule(sync_every, fragments, overlap)
         compressor = Int8Quantizer() if compressor is None else compressor
-        if not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a gradcomp compressor, got {type(compressor).__name__}")
-        if isinstance(compressor, ErrorFeedback):
-            raise ValueError("compressor must not be an ErrorFeedback: pass the compressor itself; "
-                             "LocalSGD keeps the pseudo-gradient residuals (error_feedback=True)")
+        compressor = unwrapped(compressor, "compressor",
+                               "LocalSGD keeps the pseudo-gradient residuals (error_feedback=True)")
         v.flag("error_feedback", error_feedback)
         if algorithm is None:
             algorithm = "allgather" if compressor.sparse else "ring"

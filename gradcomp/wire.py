@@ -69,7 +69,10 @@ from gradcomp.errors import PayloadError
 __all__ = [
     "MAGIC",
     "VERSION",
+    "Codec",
     "CODECS",
+    "codec",
+    "register_decoder",
     "Payload",
     "decode",
     "header_nbytes",
@@ -88,9 +91,73 @@ MAX_NDIM = 8
 _FIXED = struct.Struct("<4sBBBBB3sIQQ")  # 32 bytes
 assert _FIXED.size == 32
 
-CODECS = {"raw": 1, "fp16": 2, "bf16": 3, "int8": 4, "topk": 5, "threshold": 6}
-_CODEC_NAMES = {v: k for k, v in CODECS.items()}
-SPARSE_CODECS = ("topk", "threshold")
+
+
+@dataclass(eq=False)
+class Codec:
+    """One wire codec: a row of :data:`CODECS`, the only table of codecs.
+
+    Attributes:
+        name: the codec's name (``Payload.codec``, ``Compressor.codec``).
+        id: its byte in the header (offset 5).
+        sparse: payloads hold (indices, values) of some elements; dense ones hold every element.
+        lossy: decoding does not give back the encoded values exactly.
+        decoder: how its payloads decode from their bytes alone (a
+            :class:`gradcomp.compressors.Decoder`), registered by the
+            compressor module that writes the codec (:func:`register_decoder`);
+            None until that module is imported.
+    """
+
+    name: str
+    id: int
+    sparse: bool
+    lossy: bool
+    decoder: object = field(default=None, repr=False)
+
+
+#: name -> :class:`Codec`, the codecs this gradcomp reads and writes
+CODECS: dict[str, Codec] = {c.name: c for c in (
+    Codec("raw", 1, sparse=False, lossy=False),
+    Codec("fp16", 2, sparse=False, lossy=True),
+    Codec("bf16", 3, sparse=False, lossy=True),
+    Codec("int8", 4, sparse=False, lossy=True),
+    Codec("topk", 5, sparse=True, lossy=True),
+    Codec("threshold", 6, sparse=True, lossy=True),
+)}
+_BY_ID = {c.id: c for c in CODECS.values()}
+
+
+def codec(key: str | int) -> Codec:
+    """The row of :data:`CODECS` for a codec name or a header's codec id.
+
+    Raises:
+        PayloadError: an unknown id (it came from bytes).
+        ValueError: an unknown name. TypeError: neither a str nor an int.
+    """
+    if isinstance(key, str):
+        row = CODECS.get(key)
+        if row is None:
+            raise ValueError(f"codec must be one of {tuple(CODECS)}, got {key!r}")
+        return row
+    if isinstance(key, bool) or not isinstance(key, int):
+        raise TypeError(f"codec must be a codec name (str) or wire id (int), got {type(key).__name__}")
+    row = _BY_ID.get(key)
+    if row is None:
+        _fail(f"unknown codec id {key}, expected one of {sorted(_BY_ID)}")
+    return row
+
+
+def register_decoder(name: str, decoder) -> None:
+    """Set the decoder of codec ``name`` (done once, by the compressor module writing it).
+
+    Raises:
+        ValueError: an unknown name, or a codec that already has another decoder.
+    """
+    row = codec(name)
+    if row.decoder is not None and row.decoder is not decoder:
+        raise ValueError(f"codec {name!r} already has a decoder ({row.decoder!r})")
+    row.decoder = decoder
+
 DTYPES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
 _DTYPE_OF = {v: k for k, v in DTYPES.items()}
 FLAG_STOCHASTIC = 1
@@ -165,7 +232,7 @@ def build_header(
         raise ValueError(f"tensors of at most {MAX_NDIM} dimensions are supported, got {len(shape)}")
     n = math.prod(shape)
     fixed = _FIXED.pack(
-        MAGIC, 2 if flags & FLAG_COMPACT else 1, CODECS[codec], DTYPES[dtype], len(shape), flags, b"\0\0\0",
+        MAGIC, 2 if flags & FLAG_COMPACT else 1, CODECS[codec].id, DTYPES[dtype], len(shape), flags, b"\0\0\0",
         param & 0xFFFFFFFF, n, nnz,
     )
     body = fixed + struct.pack(f"<{len(shape)}q", *shape)
@@ -226,7 +293,7 @@ class Payload:
 
     @property
     def sparse(self) -> bool:
-        return self.codec in SPARSE_CODECS
+        return CODECS[self.codec].sparse
 
     def __repr__(self) -> str:
         return (
@@ -256,13 +323,12 @@ def _parse_header(wire: torch.Tensor):
         _fail(f"payload truncated: {total} bytes is shorter than the smallest header (40 bytes)")
     # one device-to-host copy covers the largest header
     head = bytes(wire[: header_nbytes(MAX_NDIM)].cpu().numpy().tobytes())
-    magic, version, codec, dtype, ndim, flags, reserved, param, n, nnz = _FIXED.unpack_from(head)
+    magic, version, codec_id, dtype, ndim, flags, reserved, param, n, nnz = _FIXED.unpack_from(head)
     if magic != MAGIC:
         _fail(f"bad magic {magic!r}, expected {MAGIC!r}: not a gradcomp payload")
     if version not in VERSIONS:
         _fail(f"unsupported payload version {version}, this gradcomp reads versions {VERSIONS}")
-    if codec not in _CODEC_NAMES:
-        _fail(f"unknown codec id {codec}, expected one of {sorted(_CODEC_NAMES)}")
+    name = codec(codec_id).name  # PayloadError for an unknown id
     if dtype not in _DTYPE_OF:
         _fail(f"unknown dtype id {dtype}, expected one of {sorted(_DTYPE_OF)}")
     if ndim > MAX_NDIM:
@@ -284,7 +350,7 @@ def _parse_header(wire: torch.Tensor):
         _fail(f"negative dimension in shape {shape}")
     if math.prod(shape) != n or n >= _MAX_NUMEL:
         _fail(f"numel {n} does not match shape {shape}")
-    return _CODEC_NAMES[codec], _DTYPE_OF[dtype], torch.Size(shape), flags, param, n, nnz, h
+    return name, _DTYPE_OF[dtype], torch.Size(shape), flags, param, n, nnz, h
 
 
 def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True,
@@ -333,11 +399,12 @@ def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True
               "(pass a larger max_numel to decode it)")
     total = wire.numel()
     p = Payload(wire=wire, codec=codec, dtype=dtype, shape=shape)
-    if codec not in SPARSE_CODECS and nnz != 0:
+    sparse = CODECS[codec].sparse
+    if not sparse and nnz != 0:
         _fail(f"dense codec {codec!r} with nonzero nnz {nnz}")
     if codec != "int8" and flags & FLAG_STOCHASTIC:
         _fail(f"stochastic flag set on codec {codec!r}")
-    if codec not in SPARSE_CODECS and flags & (FLAG_INDEX64 | FLAG_COMPACT):
+    if not sparse and flags & (FLAG_INDEX64 | FLAG_COMPACT):
         _fail(f"index flag set on codec {codec!r}")
     compact = bool(flags & FLAG_COMPACT)
     if codec not in ("int8", "fp16") and not compact and param != 0:

@@ -39,7 +39,7 @@ from gradcomp.comm.policy import CodecPolicy
 from gradcomp.comm.reduce_scatter import reduce_scatter
 from gradcomp import _validate as v
 from gradcomp import wire as W
-from gradcomp.compressors import Compressor, ErrorFeedback
+from gradcomp.compressors import Compressor, ErrorFeedback, split
 from gradcomp.meter import TrafficMeter
 
 __all__ = ["allreduce", "reduce_scatter", "ALGORITHMS", "DENSE_ALGORITHMS", "OPS", "INPUT_DTYPES",
@@ -59,12 +59,12 @@ DEFAULT_TIMEOUT = 300.0
 _REDUCE_SCATTER = {"ring": _ring.reduce_scatter, "two_phase": _two_phase.reduce_scatter}
 # how a disagreement names the codes of the agreement's fields
 _NAMES = {"op": dict(enumerate(OPS)), "algorithm": dict(enumerate(ALGORITHMS)),
-          "codec": {i: c for c, i in W.CODECS.items()}}
+          "codec": {c.id: c.name for c in W.CODECS.values()}}
 
 
 def allreduce(
     tensor: torch.Tensor,
-    compressor: Compressor | CodecPolicy,
+    compressor: Compressor | ErrorFeedback | CodecPolicy,
     *,
     op: str = "avg",
     algorithm: str = "ring",
@@ -226,11 +226,11 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
         work = torch.empty(n, dtype=torch.float32, device=x.device)  # the result itself
     else:
         work = comm.buffer(4 * n, x.device).view(torch.float32)
-    if key is None and isinstance(compressor, ErrorFeedback):
-        key = ("numel", n)  # one ErrorFeedback reused for tensors of several sizes: a residual per size
-    local = Local(flat, compressor, key, residual)
+    # the default key (used by an ErrorFeedback only): one reused for tensors of
+    # several sizes keeps a residual per size
+    local = Local(flat, compressor, ("numel", n) if key is None else key, residual)
     descriptor = {"numel": n, "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
-                  "codec": W.CODECS[local.inner.codec]}
+                  "codec": W.codec(local.inner.codec).id}
     try:
         if algorithm == "allgather":
             fixed = local.inner.wire_nbytes((n,), torch.float32)  # None for data-dependent sizes
@@ -296,9 +296,7 @@ def _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter
     if tensor.dtype not in INPUT_DTYPES:
         raise TypeError(f"tensor must have dtype float32, float16 or bfloat16 (sums are accumulated "
                         f"in float32), got {tensor.dtype}")
-    if not isinstance(compressor, Compressor):
-        raise TypeError(f"compressor must be a gradcomp compressor (e.g. gc.Int8Quantizer()), "
-                        f"got {type(compressor).__name__}")
+    compressor, ef = split(compressor, "compressor", " or ErrorFeedback")
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if algorithm not in ALGORITHMS:
@@ -316,7 +314,7 @@ def _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter
     if meter is not None and not isinstance(meter, TrafficMeter):
         raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
     if residual is not None:
-        if isinstance(compressor, ErrorFeedback):
+        if ef is not None:
             raise ValueError("give either an ErrorFeedback compressor or residual=, not both")
         if (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32
                 or not residual.is_contiguous() or residual.numel() != tensor.numel()

@@ -33,7 +33,8 @@ import torch
 
 from gradcomp import timeline as _timeline
 
-from gradcomp.compressors import Compressor, ErrorFeedback
+from gradcomp.compressors import Compressor, ErrorFeedback, split
+from gradcomp.compressors.base import overrides, takes_out
 from gradcomp.wire import Payload
 
 __all__ = ["Local"]
@@ -44,7 +45,7 @@ class Local:
 
     Args:
         x: 1-D float32 tensor, n elements (read only).
-        compressor: the user's compressor (possibly an ErrorFeedback).
+        compressor: the user's compressor or ErrorFeedback (:func:`~gradcomp.compressors.split`).
         key: residual key prefix for an ErrorFeedback compressor.
         residual: optional contiguous float32 tensor of n elements, updated in
             place (exclusive with an ErrorFeedback compressor).
@@ -60,14 +61,15 @@ class Local:
         self.x = x
         self.key = key
         self.residual = residual
-        if isinstance(compressor, ErrorFeedback):
-            self.mode, self.inner, self._ef = "keyed", compressor.wraps, compressor
+        self.inner, self._ef = split(compressor)
+        if self._ef is not None:
+            self.mode = "keyed"
         elif residual is not None:
             # an ErrorFeedback whose one residual is, on each call, a slice of `residual`
-            self.mode, self.inner, self._ef = "flat", compressor, ErrorFeedback(compressor)
+            self.mode, self._ef = "flat", ErrorFeedback(self.inner)
         else:
-            self.mode, self.inner, self._ef = "none", compressor, None
-        self._out_ok = (self._ef if self._ef is not None else self.inner)._takes_out()
+            self.mode = "none"
+        self._out_ok = takes_out(self._ef if self._ef is not None else self.inner)
 
     def exact_into(self, lo: int, hi: int, dst: torch.Tensor) -> torch.Tensor:
         """Write elements ``[lo, hi)`` of this rank's contribution into ``dst``
@@ -89,7 +91,7 @@ class Local:
     def has_parts(self) -> bool:
         """The compressor writes payloads in parts (:meth:`~gradcomp.Compressor.part_align`)
         and error feedback, if any, is gradcomp's own (so :meth:`compress_parts` applies)."""
-        return self.inner.part_align() > 0 and (self._ef is None or not self._ef._overrides("compress"))
+        return self.inner.part_align() > 0 and (self._ef is None or not overrides(self._ef, "compress"))
 
     def compress_parts(self, lo: int, hi: int, chunk: Hashable, q: Payload,
                        parts: list[tuple[int, int]]) -> Iterator[None]:

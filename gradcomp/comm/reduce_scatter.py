@@ -27,7 +27,7 @@ from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.dense import Plan
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
-from gradcomp.compressors import Compressor, ErrorFeedback
+from gradcomp.compressors import Compressor, ErrorFeedback, split
 
 __all__ = ["reduce_scatter", "agree_settings", "AGREEMENT_CODE"]
 
@@ -39,7 +39,7 @@ AGREEMENT_CODE = 3
 
 def reduce_scatter(
     tensor: torch.Tensor,
-    compressor: Compressor,
+    compressor: Compressor | ErrorFeedback,
     *,
     op: str = "avg",
     factor: float = 1.0,
@@ -179,10 +179,10 @@ def agree_settings(comm: Comm, numel: int, compressor: Compressor, op: str, devi
     """
     from gradcomp.comm import _NAMES, OPS
 
-    inner = compressor.wraps if isinstance(compressor, ErrorFeedback) else compressor
+    inner, _ = split(compressor)
     wire = sum(inner.wire_nbytes((hi - lo,), torch.float32) for lo, hi in chunk_bounds(numel, comm.world_size))
     descriptor = {"numel": numel, "op": OPS.index(op), "algorithm": AGREEMENT_CODE,
-                  "codec": W.CODECS[inner.codec], "wire_nbytes": wire}
+                  "codec": W.codec(inner.codec).id, "wire_nbytes": wire}
     if needs_check(comm.group, descriptor):
         names = dict(_NAMES, algorithm={**_NAMES["algorithm"], AGREEMENT_CODE: "reduce_scatter"})
         agree(comm, descriptor, names, device=device)

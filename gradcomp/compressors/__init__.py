@@ -1,11 +1,16 @@
-"""Drop-in compressor objects (``compress`` / ``decompress`` / ``decompress_add_``)."""
+"""Drop-in compressor objects (``compress`` / ``decompress`` / ``decompress_add_``).
+
+Importing this package registers every built-in codec's :class:`Decoder` in
+:data:`gradcomp.wire.CODECS`, so :func:`decompress` decodes any payload from
+its bytes alone.
+"""
 
 from __future__ import annotations
 
-from gradcomp.compressors.base import Compressor
+from gradcomp.compressors.base import Compressor, Decoder, decoder, decompress, decompress_add_
 from gradcomp.compressors.dense import BF16, FP16, NoCompression
 from gradcomp.compressors.dgc import DGC, check_optimizer
-from gradcomp.compressors.error_feedback import ErrorFeedback
+from gradcomp.compressors.error_feedback import ErrorFeedback, split, unwrapped
 from gradcomp.compressors.int8 import Int8Quantizer
 from gradcomp.compressors.sparse import Threshold, TopK
 
@@ -20,13 +25,10 @@ __all__ = [
     "ErrorFeedback",
     "DGC",
     "check_optimizer",
-    "compressor_for_codec",
+    "Decoder",
+    "decoder",
+    "decompress",
+    "decompress_add_",
+    "split",
+    "unwrapped",
 ]
-
-
-def compressor_for_codec(codec: str) -> Compressor:
-    """A default compressor able to decode payloads of ``codec`` (dense codecs only)."""
-    table = {"raw": NoCompression, "fp16": FP16, "bf16": BF16, "int8": Int8Quantizer}
-    if codec not in table:
-        raise ValueError(f"codec must be one of {tuple(table)}, got {codec!r}")
-    return table[codec]()

@@ -11,7 +11,87 @@ from gradcomp import _validate as v
 from gradcomp import wire as W
 from gradcomp.errors import PayloadError
 
-__all__ = ["Compressor"]
+__all__ = ["Compressor", "Decoder", "decoder", "decompress", "decompress_add_"]
+
+
+class Decoder(abc.ABC):
+    """How the payloads of one wire codec decode, from their bytes alone.
+
+    Each codec's row of :data:`gradcomp.wire.CODECS` holds its decoder,
+    registered by the compressor module that writes the codec; transports that
+    only receive (the parameter server, a worker's pulls) decode with it
+    through :func:`decompress` / :func:`decompress_add_`, and a compressor's
+    own :meth:`Compressor.decompress` uses the same one. Every method takes a
+    payload already decoded and validated by :func:`gradcomp.decode` and an
+    optional kernel ``backend`` (None: the fastest usable).
+    """
+
+    @abc.abstractmethod
+    def values(self, p: W.Payload, backend: str | None = None) -> torch.Tensor:
+        """Flat decoded values (``p.numel`` elements on ``p``'s device): float32
+        for lossy codecs (float64 for fp16 of float64), the original dtype for raw."""
+
+    def into(self, p: W.Payload, out: torch.Tensor, backend: str | None = None) -> None:
+        """Write the decoded values into flat contiguous ``out`` (the payload's dtype and numel)."""
+        out.copy_(self.values(p, backend))
+
+    def add_(self, p: W.Payload, acc: torch.Tensor, backend: str | None = None) -> None:
+        """``acc += decoded values`` for flat contiguous float32 ``acc`` (the payload's numel)."""
+        acc.add_(self.values(p, backend).to(torch.float32))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def decoder(codec: str | int) -> Decoder:
+    """The decoder of a codec (its name, or the id in a header).
+
+    Raises:
+        PayloadError: an unknown codec id. ValueError: an unknown codec name.
+    """
+    return W.codec(codec).decoder  # every built-in codec's module is imported with this package
+
+
+def decompress(p: "W.Payload | torch.Tensor", *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decompress any payload (or its wire bytes) by the decoder of the codec its header names.
+
+    No compressor is needed: everything decoding needs travels in the header.
+
+    Args:
+        p: a payload or its wire bytes (1-D uint8, decoded and validated).
+        out: optional contiguous tensor of the payload's dtype, numel and device
+            to write the values to (any shape).
+
+    Returns:
+        A new tensor of the payload's shape, dtype and device, or ``out``.
+
+    Raises:
+        PayloadError: malformed bytes (an unknown codec id included).
+        TypeError / ValueError: ``p`` is neither a payload nor a uint8 tensor; a bad ``out``.
+    """
+    p = _as_payload(p)
+    dec = decoder(p.codec)
+    return _decompress(p, out, dec.values, dec.into)
+
+
+def decompress_add_(p: "W.Payload | torch.Tensor", acc: torch.Tensor) -> torch.Tensor:
+    """``acc += decompress(p)`` in place, by the decoder of ``p``'s codec.
+
+    Args:
+        p: a payload or its wire bytes.
+        acc: contiguous float32 tensor with ``p``'s number of elements, same device.
+
+    Returns:
+        ``acc``.
+
+    Raises:
+        PayloadError: malformed bytes. TypeError / ValueError: a bad ``p`` or ``acc``.
+    """
+    p = _as_payload(p)
+    _check_acc(acc, p)
+    if p.numel:
+        decoder(p.codec).add_(p, acc.view(-1))
+    return acc
 
 
 class Compressor(abc.ABC):
@@ -21,17 +101,30 @@ class Compressor(abc.ABC):
     :class:`~gradcomp.wire.Payload` (whose ``wire`` bytes are all that travel)
     and back.
 
+    Decoding belongs to the codec (:class:`Decoder`, from
+    :data:`gradcomp.wire.CODECS`): a subclass writes payloads (``_encode``)
+    and may override ``_decode_flat`` (and then ``_decode_into`` /
+    ``_add_into`` follow it) to decode them its own way.
+
     Attributes:
         codec: the wire codec name this compressor writes.
         summable: False: payloads are never summed in compressed form.
-        sparse: True for TopK / Threshold (dense collectives reject them).
-        lossy: False only for NoCompression.
+        sparse: the codec's (True for TopK / Threshold: dense collectives reject them).
+        lossy: the codec's (False only for NoCompression).
     """
 
     codec: str = ""
     summable: bool = False
-    sparse: bool = False
-    lossy: bool = True
+
+    @property
+    def sparse(self) -> bool:
+        """Whether this compressor's codec is sparse (:data:`gradcomp.wire.CODECS`)."""
+        return W.codec(self.codec).sparse
+
+    @property
+    def lossy(self) -> bool:
+        """Whether this compressor's codec is lossy (:data:`gradcomp.wire.CODECS`)."""
+        return W.codec(self.codec).lossy
 
     # ---- public API -------------------------------------------------------
     def compress(self, t: torch.Tensor, *, out: torch.Tensor | None = None) -> W.Payload:
@@ -77,19 +170,7 @@ class Compressor(abc.ABC):
             ValueError: the payload's codec does not belong to this compressor; a bad ``out``.
             PayloadError: wire bytes are malformed.
         """
-        p = self._payload(p)
-        if out is None:
-            return self._decode_flat(p).to(p.dtype).view(p.shape)
-        if (not isinstance(out, torch.Tensor) or out.dtype != p.dtype or out.numel() != p.numel
-                or out.device != p.device or not out.is_contiguous()):
-            got = (f"{'a non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} tensor of "
-                   f"{out.numel()} elements on {out.device}" if isinstance(out, torch.Tensor)
-                   else type(out).__name__)
-            raise ValueError(f"out must be a contiguous {p.dtype} tensor of {p.numel} elements on "
-                             f"{p.device}, got {got}")
-        if p.numel:
-            self._decode_into(p, out.detach().view(-1))
-        return out
+        return _decompress(self._payload(p), out, self._decode_flat, self._decode_into)
 
     def decompress_add_(self, p: "W.Payload | torch.Tensor", acc: torch.Tensor) -> torch.Tensor:
         """``acc += decompress(p)`` in place.
@@ -142,24 +223,10 @@ class Compressor(abc.ABC):
         return q
 
     def _overrides(self, *names: str) -> bool:
-        """True when this object's class redefines one of these methods below
-        ``Compressor`` and the built-in codecs (a user subclass): fused paths
-        then step aside so that the subclass's methods run."""
-        for name in names:
-            fn = getattr(type(self), name)
-            if getattr(fn, "__module__", "").split(".")[0] != "gradcomp":
-                return True
-        return False
+        return overrides(self, *names)
 
     def _takes_out(self) -> bool:
-        """Whether :meth:`compress` takes ``out=`` (a subclass written before
-        the argument existed may override it without)."""
-        if not self._overrides("compress"):
-            return True
-        try:
-            return "out" in inspect.signature(self.compress).parameters
-        except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
-            return False
+        return takes_out(self)
 
     def wire_nbytes(self, shape, dtype: torch.dtype = torch.float32) -> int | None:
         """Exact wire size in bytes for a tensor of ``shape`` (None when it depends
@@ -202,26 +269,34 @@ class Compressor(abc.ABC):
         original dtype recorded in the header: error feedback passes float32)
         into ``out`` when given (checked by the caller: the exact wire size)."""
 
-    @abc.abstractmethod
     def _decode_flat(self, p: W.Payload) -> torch.Tensor:
-        """Flat decoded values: float32 for lossy codecs, the original dtype for raw."""
+        """Flat decoded values: float32 for lossy codecs, the original dtype for
+        raw (the codec's :class:`Decoder`, on this compressor's backend)."""
+        return decoder(p.codec).values(p, getattr(self, "backend", None))
 
     def _decode_into(self, p: W.Payload, out: torch.Tensor) -> None:
         """Write the decoded values into flat ``out`` (the payload's dtype and numel)."""
-        out.copy_(self._decode_flat(p))
+        if self._own_decode():
+            out.copy_(self._decode_flat(p))
+        else:
+            decoder(p.codec).into(p, out, getattr(self, "backend", None))
 
     def _add_into(self, p: W.Payload, acc: torch.Tensor) -> None:
         """``acc += decoded values`` for flat float32 ``acc`` (the payload's numel)."""
-        acc.add_(self._decode_flat(p).to(torch.float32))
+        if self._own_decode():
+            acc.add_(self._decode_flat(p).to(torch.float32))
+        else:
+            decoder(p.codec).add_(p, acc, getattr(self, "backend", None))
+
+    def _own_decode(self) -> bool:
+        """The class decodes its own way (it redefines ``_decode_flat``)."""
+        return type(self)._decode_flat is not Compressor._decode_flat
 
     def _codecs(self) -> tuple[str, ...]:
         return (self.codec,)
 
     def _payload(self, p) -> W.Payload:
-        if isinstance(p, torch.Tensor):
-            p = W.decode(p)
-        if not isinstance(p, W.Payload):
-            raise TypeError(f"p must be a gradcomp Payload or uint8 wire tensor, got {type(p).__name__}")
+        p = _as_payload(p)
         if p.codec not in self._codecs():
             raise ValueError(
                 f"payload codec {p.codec!r} does not match compressor {type(self).__name__} "
@@ -231,6 +306,52 @@ class Compressor(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def overrides(obj, *names: str) -> bool:
+    """True when ``obj``'s class (a compressor or an error feedback) redefines
+    one of these methods outside gradcomp (a user subclass): fused paths then
+    step aside so that the subclass's methods run."""
+    for name in names:
+        fn = getattr(type(obj), name)
+        if getattr(fn, "__module__", "").split(".")[0] != "gradcomp":
+            return True
+    return False
+
+
+def takes_out(obj) -> bool:
+    """Whether ``obj.compress`` takes ``out=`` (a subclass written before the
+    argument existed may override it without)."""
+    if not overrides(obj, "compress"):
+        return True
+    try:
+        return "out" in inspect.signature(obj.compress).parameters
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return False
+
+
+def _as_payload(p) -> W.Payload:
+    if isinstance(p, torch.Tensor):
+        p = W.decode(p)
+    if not isinstance(p, W.Payload):
+        raise TypeError(f"p must be a gradcomp Payload or uint8 wire tensor, got {type(p).__name__}")
+    return p
+
+
+def _decompress(p: W.Payload, out, values, into) -> torch.Tensor:
+    """:meth:`Compressor.decompress` of a checked payload with these decode hooks."""
+    if out is None:
+        return values(p).to(p.dtype).view(p.shape)
+    if (not isinstance(out, torch.Tensor) or out.dtype != p.dtype or out.numel() != p.numel
+            or out.device != p.device or not out.is_contiguous()):
+        got = (f"{'a non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} tensor of "
+               f"{out.numel()} elements on {out.device}" if isinstance(out, torch.Tensor)
+               else type(out).__name__)
+        raise ValueError(f"out must be a contiguous {p.dtype} tensor of {p.numel} elements on "
+                         f"{p.device}, got {got}")
+    if p.numel:
+        into(p, out.detach().view(-1))
+    return out
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import math
 import torch
 
 from gradcomp import wire as W
-from gradcomp.compressors.base import Compressor, new_wire
+from gradcomp.compressors.base import Compressor, Decoder, new_wire
 
 __all__ = ["NoCompression", "FP16", "BF16"]
 
@@ -21,7 +21,6 @@ class NoCompression(Compressor):
     """
 
     codec = "raw"
-    lossy = False
 
     def _encode(self, x, dtype, shape, out=None):
         x = x.to(dtype)
@@ -31,9 +30,6 @@ class NoCompression(Compressor):
         if x.numel():
             data.copy_(x)
         return W.Payload(wire=w, codec="raw", dtype=dtype, shape=torch.Size(shape), data=data)
-
-    def _decode_flat(self, p):
-        return p.data
 
     def wire_nbytes(self, shape, dtype=torch.float32):
         return W.dense_nbytes("raw", shape, dtype)
@@ -82,26 +78,6 @@ class FP16(Compressor):
         return W.Payload(wire=w, codec="fp16", dtype=dtype, shape=torch.Size(shape),
                          exponent=e, data=data)
 
-    def _decode_flat(self, p):
-        out = p.data.to(torch.float32)
-        if p.exponent:
-            if p.dtype == torch.float64:
-                return p.data.to(torch.float64) * (2.0 ** p.exponent)
-            out = out * (2.0 ** p.exponent)
-        return out
-
-    def _decode_into(self, p, out):
-        if out.dtype not in (torch.float32, torch.float64):
-            return super()._decode_into(p, out)
-        out.copy_(p.data)  # exact widening, then the exact power-of-two scaling
-        if p.exponent:
-            out.mul_(2.0 ** p.exponent)
-
-    def _add_into(self, p, acc):
-        if p.exponent:
-            return super()._add_into(p, acc)
-        acc.add_(p.data)  # float16 widened exactly to float32 inside the addition
-
     def wire_nbytes(self, shape, dtype=torch.float32):
         return W.dense_nbytes("fp16", shape, dtype)
 
@@ -122,16 +98,57 @@ class BF16(Compressor):
             data.copy_(x)
         return W.Payload(wire=w, codec="bf16", dtype=dtype, shape=torch.Size(shape), data=data)
 
-    def _decode_flat(self, p):
-        return p.data.to(torch.float32)
-
-    def _decode_into(self, p, out):
-        if out.dtype not in (torch.float32, torch.float64):
-            return super()._decode_into(p, out)
-        out.copy_(p.data)  # exact widening
-
-    def _add_into(self, p, acc):
-        acc.add_(p.data)  # bfloat16 widened exactly to float32 inside the addition
-
     def wire_nbytes(self, shape, dtype=torch.float32):
         return W.dense_nbytes("bf16", shape, dtype)
+
+
+# ---- decoders (one per codec, from the wire alone) ---------------------------------
+class _RawDecoder(Decoder):
+    """The values as they were sent, in the original dtype."""
+
+    def values(self, p, backend=None):
+        return p.data
+
+
+class _FP16Decoder(Decoder):
+    """float16 values times ``2**e`` (the header's exponent), exactly."""
+
+    def values(self, p, backend=None):
+        out = p.data.to(torch.float32)
+        if p.exponent:
+            if p.dtype == torch.float64:
+                return p.data.to(torch.float64) * (2.0 ** p.exponent)
+            out = out * (2.0 ** p.exponent)
+        return out
+
+    def into(self, p, out, backend=None):
+        if out.dtype not in (torch.float32, torch.float64):
+            return super().into(p, out, backend)
+        out.copy_(p.data)  # exact widening, then the exact power-of-two scaling
+        if p.exponent:
+            out.mul_(2.0 ** p.exponent)
+
+    def add_(self, p, acc, backend=None):
+        if p.exponent:
+            return super().add_(p, acc, backend)
+        acc.add_(p.data)  # float16 widened exactly to float32 inside the addition
+
+
+class _BF16Decoder(Decoder):
+    """bfloat16 values widened exactly."""
+
+    def values(self, p, backend=None):
+        return p.data.to(torch.float32)
+
+    def into(self, p, out, backend=None):
+        if out.dtype not in (torch.float32, torch.float64):
+            return super().into(p, out, backend)
+        out.copy_(p.data)  # exact widening
+
+    def add_(self, p, acc, backend=None):
+        acc.add_(p.data)  # bfloat16 widened exactly to float32 inside the addition
+
+
+W.register_decoder("raw", _RawDecoder())
+W.register_decoder("fp16", _FP16Decoder())
+W.register_decoder("bf16", _BF16Decoder())

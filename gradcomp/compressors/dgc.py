@@ -303,8 +303,6 @@ class _Bound(Compressor):
     """:meth:`DGC.bind`: compresses with one DGC step on given flat state and
     decodes as the wrapped TopK."""
 
-    sparse = True
-
     def __init__(self, dgc: DGC, momenta, residual, step, segments):
         self.dgc, self.codec = dgc, dgc.wraps.codec
         self._state = (momenta, residual, step, segments)

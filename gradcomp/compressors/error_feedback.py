@@ -1,19 +1,27 @@
-"""Error feedback: the compression error is remembered and added back next time."""
+"""Error feedback: the compression error is remembered and added back next time.
+
+:class:`ErrorFeedback` is the memory of GRACE's compressor / memory /
+communicator split: it wraps a :class:`~gradcomp.Compressor` (the codec) and
+is not one itself. What a user passes where a compressor is expected may be
+either; :func:`split` is the one place that tells them apart.
+"""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable, Mapping
 
 import torch
 
 from gradcomp import _validate as v
+from gradcomp import wire as W
 from gradcomp.compressors.base import Compressor, _check_wire_out, _flat
 from gradcomp.compressors.int8 import Int8Quantizer
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "split", "unwrapped"]
 
 
-class ErrorFeedback(Compressor):
+class ErrorFeedback:
     """Wraps any compressor with a residual (error-feedback memory) per key.
 
     For each call with key ``k`` (Seide et al. 2014, 1-bit SGD; Karimireddy et
@@ -30,28 +38,48 @@ class ErrorFeedback(Compressor):
     again from zero and :attr:`nonfinite_resets` counts the event; the payload
     itself still decodes non-finite, so AMP's GradScaler skips the step.
 
+    It is not a :class:`~gradcomp.Compressor`: its :meth:`compress` takes the
+    residual's key. Payloads are the wrapped compressor's (same codec and wire
+    size): :meth:`decompress`, :meth:`decompress_add_` and :meth:`wire_nbytes`
+    are the wrapped compressor's, as are :attr:`codec`, :attr:`sparse` and
+    :attr:`lossy`.
+
     Args:
         compressor: the wrapped compressor (not another ErrorFeedback).
+
+    Attributes:
+        wraps: the wrapped compressor.
+        residuals: key -> flat float32 residual.
+        nonfinite_resets: residuals dropped because they held NaN/Inf.
 
     Raises:
         TypeError / ValueError: bad compressor; a key reused for a tensor with
             another number of elements (keys keep residuals of different tensors apart).
     """
 
+    summable = False  # as every compressor's
+
     def __init__(self, compressor: Compressor):
-        if not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a gradcomp compressor, got {type(compressor).__name__}")
         if isinstance(compressor, ErrorFeedback):
             raise ValueError("compressor is already an ErrorFeedback; wrap the inner compressor once")
+        if not isinstance(compressor, Compressor):
+            raise TypeError(f"compressor must be a gradcomp compressor, got {type(compressor).__name__}")
         self.wraps = compressor
-        self.codec = compressor.codec
-        self.sparse = compressor.sparse
-        self.lossy = compressor.lossy
         self.residuals: dict[Hashable, torch.Tensor] = {}
         self.nonfinite_resets = 0
 
-    def _codecs(self):
-        return self.wraps._codecs()
+    @property
+    def codec(self) -> str:
+        """The wrapped compressor's codec."""
+        return self.wraps.codec
+
+    @property
+    def sparse(self) -> bool:
+        return self.wraps.sparse
+
+    @property
+    def lossy(self) -> bool:
+        return self.wraps.lossy
 
     def compress(self, t: torch.Tensor, key: Hashable = None, *, out: torch.Tensor | None = None):
         """Compress ``t + residual[key]`` and update ``residual[key]``.
@@ -65,7 +93,7 @@ class ErrorFeedback(Compressor):
         v.data_tensor("t", t)
         t = t.detach()  # a residual must not hold (and chain) autograd graphs across steps
         if out is not None:
-            _check_wire_out(self, out, t)
+            _check_wire_out(self.wraps, out, t)
         x = _flat(t)
         r = self.residual_for(key, x.numel(), x.device)
         if isinstance(self.wraps, Int8Quantizer):
@@ -104,26 +132,21 @@ class ErrorFeedback(Compressor):
         else:
             self.residuals[key] = r
 
-    def _encode(self, x, dtype, shape, out=None):
-        return self.wraps._encode(x, dtype, shape, out=out)
+    def decompress(self, p: "W.Payload | torch.Tensor", *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The wrapped compressor's :meth:`~gradcomp.Compressor.decompress` (no residual is read)."""
+        return self.wraps.decompress(p, out=out)
 
-    def _decode_flat(self, p):
-        return self.wraps._decode_flat(p)
-
-    def _decode_into(self, p, out):
-        self.wraps._decode_into(p, out)
-
-    def decompress_add_(self, p, acc):
+    def decompress_add_(self, p: "W.Payload | torch.Tensor", acc: torch.Tensor) -> torch.Tensor:
+        """The wrapped compressor's :meth:`~gradcomp.Compressor.decompress_add_`."""
         return self.wraps.decompress_add_(p, acc)
 
-    def reduce_compress_(self, p, acc, *, divisor=1, out=None, decode=False):
-        """The wrapped compressor's :meth:`~Compressor.reduce_compress_`: a sum
-        of several ranks' data is compressed without error feedback (no residual
-        is read or written)."""
-        return self.wraps.reduce_compress_(p, acc, divisor=divisor, out=out, decode=decode)
-
-    def wire_nbytes(self, shape, dtype=torch.float32):
+    def wire_nbytes(self, shape, dtype: torch.dtype = torch.float32) -> int | None:
+        """The wrapped compressor's :meth:`~gradcomp.Compressor.wire_nbytes`."""
         return self.wraps.wire_nbytes(shape, dtype)
+
+    def clone(self) -> "ErrorFeedback":
+        """A copy with the same settings and state (residuals included)."""
+        return copy.deepcopy(self)
 
     def residual(self, key: Hashable = None) -> torch.Tensor | None:
         """The float32 residual held for ``key`` (flat), or None."""
@@ -180,3 +203,44 @@ class ErrorFeedback(Compressor):
 
     def __repr__(self):
         return f"ErrorFeedback({self.wraps!r})"
+
+
+def split(compressor, name: str = "compressor", allowed: str = "") -> tuple[Compressor, ErrorFeedback | None]:
+    """The codec and the error feedback of what was passed as a compressor.
+
+    Transports ask this one question instead of testing types: the codec
+    compresses sums and decodes; the error feedback, when there is one,
+    compresses this rank's own data with its residual.
+
+    Args:
+        compressor: a :class:`~gradcomp.Compressor` or an :class:`ErrorFeedback`
+            (:class:`~gradcomp.DGC` included).
+        name, allowed: the argument's name and what else it may be (e.g.
+            ``" or None"``), for the error message.
+
+    Returns:
+        ``(compressor, None)`` for a compressor, ``(ef.wraps, ef)`` for an error feedback.
+
+    Raises:
+        TypeError: neither.
+    """
+    if isinstance(compressor, ErrorFeedback):
+        return compressor.wraps, compressor
+    if isinstance(compressor, Compressor):
+        return compressor, None
+    raise TypeError(f"{name} must be a gradcomp compressor{allowed} (e.g. gc.Int8Quantizer()), "
+                    f"got {type(compressor).__name__}")
+
+
+def unwrapped(compressor, name: str, why: str, allowed: str = "") -> Compressor:
+    """``compressor`` itself, where the caller keeps the residuals (an
+    :class:`ErrorFeedback` is refused).
+
+    Raises:
+        TypeError: not a compressor. ValueError: an ErrorFeedback (the message
+            names ``name`` and ends with ``why``).
+    """
+    codec, ef = split(compressor, name, allowed)
+    if ef is not None:
+        raise ValueError(f"{name} must not be an ErrorFeedback: pass the compressor itself; {why}")
+    return codec

@@ -11,7 +11,7 @@ import torch
 from gradcomp import _validate as v
 from gradcomp import kernels
 from gradcomp import wire as W
-from gradcomp.compressors.base import Compressor, new_wire
+from gradcomp.compressors.base import Compressor, Decoder, new_wire
 
 __all__ = ["Int8Quantizer"]
 
@@ -89,25 +89,6 @@ class Int8Quantizer(Compressor):
                                      self._next_counter(), out_q=p.codes, out_scales=p.scales,
                                      backend=self.backend)
         return p
-
-    def _decode_flat(self, p):
-        return kernels.dequantize_int8(p.codes, p.scales, p.block_size, check_int8=not p.int8_checked,
-                                       backend=self.backend)
-
-    def _decode_into(self, p, out):
-        kernels.dequantize_int8(p.codes, p.scales, p.block_size, out=out, check_int8=not p.int8_checked,
-                                backend=self.backend)
-
-    def decompress_add_(self, p, acc):
-        """``acc += decompress(p)`` in one fused pass (float32 accumulate)."""
-        from gradcomp.compressors.base import _check_acc
-
-        p = self._payload(p)
-        _check_acc(acc, p)
-        if p.numel:
-            kernels.dequantize_int8_add_(acc.view(-1), p.codes, p.scales, p.block_size,
-                                         check_int8=not p.int8_checked, backend=self.backend)
-        return acc
 
     def reduce_compress_(self, p, acc, *, divisor=1, out=None, decode=False):
         """As :meth:`Compressor.reduce_compress_`, in one pass
@@ -245,3 +226,24 @@ class Int8Quantizer(Compressor):
     def __repr__(self):
         return (f"Int8Quantizer(block_size={self.block_size}, rounding={self.rounding!r}, "
                 f"seed={self.seed})")
+
+
+class _Int8Decoder(Decoder):
+    """Codes times their block's absmax scale; adding fuses the two in one pass
+    (float32 accumulate). Codes and scales left unchecked by
+    ``decode(..., check_int8=False)`` are checked by the kernel."""
+
+    def values(self, p, backend=None):
+        return kernels.dequantize_int8(p.codes, p.scales, p.block_size, check_int8=not p.int8_checked,
+                                       backend=backend)
+
+    def into(self, p, out, backend=None):
+        kernels.dequantize_int8(p.codes, p.scales, p.block_size, out=out, check_int8=not p.int8_checked,
+                                backend=backend)
+
+    def add_(self, p, acc, backend=None):
+        kernels.dequantize_int8_add_(acc, p.codes, p.scales, p.block_size, check_int8=not p.int8_checked,
+                                     backend=backend)
+
+
+W.register_decoder("int8", _Int8Decoder())

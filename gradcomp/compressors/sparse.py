@@ -12,7 +12,7 @@ import torch
 from gradcomp import _validate as v
 from gradcomp import index_codec, kernels
 from gradcomp import wire as W
-from gradcomp.compressors.base import Compressor, _check_acc
+from gradcomp.compressors.base import Compressor, Decoder, _check_acc, decoder
 from gradcomp.compressors.dense import NoCompression
 
 __all__ = ["TopK", "Threshold"]
@@ -25,13 +25,13 @@ class _Sparse(Compressor):
     compressed by ``values`` (any dense compressor, e.g. ``Int8Quantizer()``).
     """
 
-    sparse = True
-
     def __init__(self, values: Compressor | None, backend: str | None, compact_indices: bool = True):
         if values is not None:
+            if getattr(values, "wraps", None) is not None:  # an ErrorFeedback
+                raise ValueError(f"values must be a dense compressor (e.g. Int8Quantizer()), got {values!r}")
             if not isinstance(values, Compressor):
                 raise TypeError(f"values must be a gradcomp compressor or None, got {type(values).__name__}")
-            if values.sparse or getattr(values, "wraps", None) is not None:
+            if values.sparse:
                 raise ValueError(f"values must be a dense compressor (e.g. Int8Quantizer()), got {values!r}")
         self.values = values
         self.backend = v.backend(backend)
@@ -72,28 +72,18 @@ class _Sparse(Compressor):
                          indices=indices, values=vp)
 
     def _values_f32(self, p):
-        vp = p.values
-        inner = self.values if (self.values is not None and vp.codec == self.values.codec) else None
-        if inner is None:
-            if vp.codec == "raw":
-                return vp.data.to(torch.float32)
-            from gradcomp.compressors import compressor_for_codec
-
-            inner = compressor_for_codec(vp.codec)
-        return inner._decode_flat(vp).to(torch.float32)
+        """The kept values of ``p`` in float32 (by ``values`` when it wrote them)."""
+        return _values_f32(p, self.values)
 
     def _decode_flat(self, p):
-        out = torch.zeros(p.numel, dtype=torch.float32, device=p.device)
-        if p.nnz:
-            kernels.scatter_add_(out, p.indices, self._values_f32(p), backend=self.backend)
-        return out
+        return _SPARSE.values(p, self.backend, self.values)
 
     def decompress_add_(self, p, acc):
         """``acc[indices] += values`` in place (float32)."""
         p = self._payload(p)
         _check_acc(acc, p)
         if p.nnz:
-            kernels.scatter_add_(acc.view(-1), p.indices, self._values_f32(p), backend=self.backend)
+            _SPARSE.add_(p, acc.view(-1), self.backend, self.values)
         return acc
 
     def state_dict(self):
@@ -213,3 +203,32 @@ class Threshold(_Sparse):
 
     def __repr__(self):
         return f"Threshold({self.threshold}, values={self.values!r})"
+
+
+def _values_f32(p: W.Payload, values: Compressor | None = None) -> torch.Tensor:
+    """The kept values of sparse payload ``p`` in float32: decoded by ``values``
+    when it wrote them (its codec), else by their codec's decoder."""
+    vp = p.values
+    if values is not None and vp.codec == values.codec:
+        return values._decode_flat(vp).to(torch.float32)
+    return decoder(vp.codec).values(vp).to(torch.float32)
+
+
+class _SparseDecoder(Decoder):
+    """Top-k / threshold payloads: the nested values scattered to their
+    indices (float32); ``values`` is the compressor that wrote them, if known."""
+
+    def values(self, p, backend=None, values=None):
+        out = torch.zeros(p.numel, dtype=torch.float32, device=p.device)
+        if p.nnz:
+            kernels.scatter_add_(out, p.indices, _values_f32(p, values), backend=backend)
+        return out
+
+    def add_(self, p, acc, backend=None, values=None):
+        if p.nnz:
+            kernels.scatter_add_(acc, p.indices, _values_f32(p, values), backend=backend)
+
+
+_SPARSE = _SparseDecoder()
+W.register_decoder("topk", _SPARSE)
+W.register_decoder("threshold", _SPARSE)

@@ -26,7 +26,7 @@ from collections.abc import Hashable
 
 import torch
 
-from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer
+from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer, split
 from gradcomp.meter import TrafficMeter
 
 __all__ = ["BoundaryCodec", "boundary_phase"]
@@ -59,19 +59,18 @@ class BoundaryCodec:
             error feedback without a compressor.
     """
 
-    def __init__(self, compressor: Compressor | str | None = "int8", error_feedback: bool = False,
-                 meter: TrafficMeter | None = None):
+    def __init__(self, compressor: Compressor | ErrorFeedback | str | None = "int8",
+                 error_feedback: bool = False, meter: TrafficMeter | None = None):
         if isinstance(compressor, str) and compressor == "int8":
             compressor = Int8Quantizer()
+        self._ef = None
         if compressor is not None:
-            if not isinstance(compressor, Compressor):
-                raise TypeError(f"compressor must be a gradcomp compressor or None, "
-                                f"got {type(compressor).__name__}")
-            if compressor.sparse or compressor.wire_nbytes((1,)) is None:
+            codec, self._ef = split(compressor, "compressor", " or None")
+            if codec.sparse or codec.wire_nbytes((1,)) is None:
                 raise ValueError(f"a stage boundary needs a dense compressor whose wire size the "
-                                 f"shape fixes, got {type(compressor).__name__}")
-            if error_feedback and not isinstance(compressor, ErrorFeedback):
-                compressor = ErrorFeedback(compressor)
+                                 f"shape fixes, got {type(codec).__name__}")
+            if error_feedback and self._ef is None:
+                compressor = self._ef = ErrorFeedback(codec)
         elif error_feedback:
             raise ValueError("error_feedback needs a compressor")
         self.compressor = compressor
@@ -96,8 +95,8 @@ class BoundaryCodec:
         t = t.detach()
         if self.compressor is None:
             wire = t.contiguous()
-        elif isinstance(self.compressor, ErrorFeedback):
-            wire = self.compressor.compress(t, key=key).wire
+        elif self._ef is not None:
+            wire = self._ef.compress(t, key=key).wire
         else:
             wire = self.compressor.compress(t).wire
         self.seconds += time.perf_counter() - t0

@@ -133,6 +133,7 @@ from functools import lru_cache
 
 import torch
 
+from gradcomp import wire as W
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.compressors import BF16, FP16, Int8Quantizer, NoCompression, TopK
 from gradcomp.plan.host import Host
@@ -194,7 +195,7 @@ class Codec:
 
     @property
     def sparse(self) -> bool:
-        return self.kind in ("topk", "threshold")
+        return W.codec(self.kind).sparse
 
     @property
     def algorithms(self) -> tuple[str, ...]:

@@ -14,7 +14,7 @@ import math
 import torch
 
 from gradcomp import _validate as v
-from gradcomp.compressors import Compressor, ErrorFeedback, Int8Quantizer, NoCompression
+from gradcomp.compressors import Compressor, Int8Quantizer, NoCompression, decompress_add_, split
 from gradcomp.errors import PayloadError
 from gradcomp.ps import protocol as P
 from gradcomp.ps.sharding import ParamSpec
@@ -104,7 +104,7 @@ class ShardUpdater:
             if p.device != self.device:
                 p = decode(p.wire.to(self.device))
             try:
-                P.decoder_for(p.codec).decompress_add_(p, g)
+                decompress_add_(p, g)  # by the payload's own codec
             except (PayloadError, ValueError):
                 raise Rejected("payload") from None
             if not bool(torch.isfinite(g).all()):
@@ -214,6 +214,4 @@ def check_pull_compressor(c, compress_pull: bool) -> Compressor:
     """
     if c is None:
         return Int8Quantizer() if compress_pull else NoCompression()
-    if not isinstance(c, Compressor):
-        raise TypeError(f"pull_compressor must be a gradcomp compressor or None, got {type(c).__name__}")
-    return c.wraps if isinstance(c, ErrorFeedback) else c
+    return split(c, "pull_compressor", " or None")[0]

@@ -66,7 +66,7 @@ __all__ = [
     "PUSH", "PULL", "DONE", "HELLO", "HEARTBEAT", "PUSH_REPLY", "PULL_REPLY", "ABORT", "WELCOME",
     "EVICTED", "ACCEPTED", "DROPPED", "REJECTED", "WANT_FULL", "FULL", "DELTA",
     "REQUESTS", "REPLIES", "Header", "frame_overhead", "message_nbytes", "pack_bundle",
-    "unpack_bundle", "raw_bundle_nbytes", "decoder_for", "join_layout", "MODES", "FAILURE_POLICIES",
+    "unpack_bundle", "raw_bundle_nbytes", "join_layout", "MODES", "FAILURE_POLICIES",
 ]
 
 #: server modes and worker-failure policies (validated by every role)
@@ -217,22 +217,3 @@ def raw_bundle_nbytes(shapes) -> int:
     shapes = list(shapes)
     return 8 * (1 + len(shapes)) + sum(W.dense_nbytes("raw", s, torch.float32) for s in shapes)
 
-
-_DECODERS: dict = {}
-
-
-def decoder_for(codec: str):
-    """A compressor able to ``decompress_add_`` any payload of ``codec``
-    (payloads are self-describing; settings come from the wire)."""
-    dec = _DECODERS.get(codec)
-    if dec is None:
-        from gradcomp.compressors import Threshold, TopK, compressor_for_codec
-
-        if codec == "topk":
-            dec = TopK(k=1)
-        elif codec == "threshold":
-            dec = Threshold(0.0)
-        else:
-            dec = compressor_for_codec(codec)
-        _DECODERS[codec] = dec
-    return dec

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from gradcomp import _validate as v
-from gradcomp.compressors import DGC, Compressor, ErrorFeedback, Int8Quantizer, check_optimizer
+from gradcomp.compressors import DGC, Compressor, ErrorFeedback, Int8Quantizer, check_optimizer, split
 from gradcomp.ps.protocol import FAILURE_POLICIES, MODES
 from gradcomp.ps.transport import normalize_address
 
@@ -55,7 +55,7 @@ class PSConfig:
     mode: str = "sync"
     steps: int = 100
     num_servers: int = 1
-    compressor: Compressor | None = None
+    compressor: Compressor | ErrorFeedback | None = None
     error_feedback: bool = True
     compress_pull: bool = False
     pull_compressor: Compressor | None = None
@@ -81,8 +81,8 @@ class PSConfig:
         v.integer("num_servers", self.num_servers, 1)
         for name in ("compressor", "pull_compressor"):
             c = getattr(self, name)
-            if c is not None and not isinstance(c, Compressor):
-                raise TypeError(f"{name} must be a gradcomp compressor or None, got {type(c).__name__}")
+            if c is not None:
+                split(c, name, " or None")
         for name in ("worker_timeout", "timeout", "heartbeat_timeout", "heartbeat_interval"):
             v.timeout(name, getattr(self, name))
         if self.heartbeat_interval >= self.heartbeat_timeout:
@@ -104,8 +104,7 @@ class PSConfig:
             return self.pull_compressor
         if self.compressor is None:
             return Int8Quantizer()
-        inner = self.compressor.wraps if isinstance(self.compressor, ErrorFeedback) else self.compressor
-        return inner.clone()
+        return split(self.compressor)[0].clone()
 
 
 def role(rank: int, num_servers: int) -> str:

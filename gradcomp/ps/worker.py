@@ -15,7 +15,8 @@ import zmq
 
 from gradcomp import timeline as _timeline
 from gradcomp import _validate as v
-from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
+from gradcomp.compressors import (Compressor, ErrorFeedback, NoCompression, decompress, decompress_add_,
+                                  split)
 from gradcomp.errors import PayloadError
 from gradcomp.meter import TrafficMeter
 from gradcomp.ps import protocol as P
@@ -112,7 +113,7 @@ class Worker:
         PeerError: a server did not answer the HELLO within ``timeout``.
     """
 
-    def __init__(self, params, *, num_servers: int = 1, compressor: Compressor | None = None,
+    def __init__(self, params, *, num_servers: int = 1, compressor: Compressor | ErrorFeedback | None = None,
                  error_feedback: bool = True, timeout: float = 120.0, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float = 10.0, group=None, meter: TrafficMeter | None = None,
                  server_addresses=None, rank: int | None = None):
@@ -146,10 +147,9 @@ class Worker:
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
         compressor = NoCompression() if compressor is None else compressor
-        if not isinstance(compressor, Compressor):
-            raise TypeError(f"compressor must be a gradcomp compressor or None, got {type(compressor).__name__}")
-        if error_feedback and compressor.lossy and not isinstance(compressor, ErrorFeedback):
-            compressor = ErrorFeedback(compressor)
+        codec, self._ef = split(compressor, "compressor", " or None")
+        if error_feedback and self._ef is None and codec.lossy:
+            compressor = self._ef = ErrorFeedback(codec)
         self.compressor = compressor
         self.meter = meter if meter is not None else TrafficMeter()
         #: heartbeats sent and answered (kept apart from :attr:`meter`)
@@ -256,11 +256,10 @@ class Worker:
                     if tuple(p.shape) != spec.shape:
                         raise PayloadError(f"server rank {src} sent shape {tuple(p.shape)} for "
                                            f"{spec.name!r}, expected {spec.shape}")
-                    dec = P.decoder_for(p.codec)
-                    if h.status == P.FULL:
-                        dst_t.copy_(dec.decompress(p).view(spec.shape))
+                    if h.status == P.FULL:  # by the payload's own codec (the server's choice)
+                        dst_t.copy_(decompress(p).view(spec.shape))
                     else:
-                        dec.decompress_add_(p, dst_t)
+                        decompress_add_(p, dst_t)
             self.versions[s] = h.version
             self._min_version[s] = 0
         self._has_replica = True
@@ -395,8 +394,8 @@ class Worker:
         return out
 
     def _compress(self, g: torch.Tensor, name: str):
-        if isinstance(self.compressor, ErrorFeedback):
-            return self.compressor.compress(g, key=name)
+        if self._ef is not None:
+            return self._ef.compress(g, key=name)
         return self.compressor.compress(g)
 
     def _request(self, kind: int, s: int, version: int, **fields) -> P.Header:
