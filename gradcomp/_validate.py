@@ -121,3 +121,13 @@ def choice(name: str, v, allowed) -> str:
     if v not in allowed:
         raise ValueError(f"{name} must be one of {tuple(allowed)}, got {v!r}")
     return v
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no NaN or Inf: exactly ``torch.isfinite(t).all()``,
+    in one read-only pass. A sum is finite when every element is (a NaN or an
+    Inf makes it NaN or Inf); only a sum that overflowed from finite elements
+    takes the exact element-wise check."""
+    if bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())

@@ -187,6 +187,27 @@ def test_error_feedback_keys_state_dict_and_nonfinite():
     assert not bool(torch.isfinite(ef.decompress(p)).all())
 
 
+@pytest.mark.parametrize("inner", [
+    gc.TopK(ratio=0.05), gc.TopK(ratio=0.05, values=gc.Int8Quantizer(block_size=32)),
+    gc.TopK(k=7, compact_indices=False), gc.Threshold(1.0), gc.TopK(k=40)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sparse_error_feedback_residual_equals_input_less_decoded_bit_for_bit(inner, dtype):
+    # the sparse residual is updated at the kept indices only; it must be the
+    # same bits as the dense formula p - D(C(p)), signed zeros included
+    torch.manual_seed(1)
+    ef = gc.ErrorFeedback(inner)
+    r = torch.zeros(300)
+    for step in range(4):
+        x = torch.randn(300).to(dtype)
+        if step == 3:
+            x[10:] = -0.0  # fewer non-zeros than k: -0.0 elements are kept
+        p = ef.compress(x, key="w")
+        px = x.to(torch.float32) + r
+        want = px - ef.decompress_add_(p, torch.zeros(300))  # the float32 decode, dense
+        r = ef.residual("w")
+        assert torch.equal(r.view(torch.int32), want.view(torch.int32)), (inner, step)
+
+
 def test_int8_ef_uses_fused_kernel_equivalently():
     x1, x2 = torch.randn(100), torch.randn(100)
     ef = gc.ErrorFeedback(gc.Int8Quantizer(block_size=32))
@@ -241,3 +262,18 @@ def test_bad_tensors():
         gc.FP16().compress([1.0, 2.0])
     with pytest.raises(ValueError, match="k"):
         gc.TopK(k=20).compress(torch.randn(10))
+
+
+@pytest.mark.parametrize("values, want", [
+    ([1.0, -2.0], True), ([3e38, 3e38], True),  # a sum that overflows from finite elements
+    ([float("nan"), 1.0], False), ([float("inf"), float("-inf")], False), ([1.0, float("-inf")], False),
+    ([], True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_all_finite_is_isfinite_all(values, want, dtype):
+    from gradcomp._validate import all_finite
+
+    t = torch.tensor(values, dtype=torch.float32).to(dtype)
+    if dtype == torch.float16 and values == [3e38, 3e38]:
+        t = torch.tensor([60000.0, 60000.0], dtype=dtype)
+    assert all_finite(t) is want
+    assert want == bool(torch.isfinite(t).all())

@@ -31,6 +31,7 @@ from collections.abc import Hashable, Iterator
 
 import torch
 
+from gradcomp import _validate as v
 from gradcomp import timeline as _timeline
 
 from gradcomp.compressors import Compressor, ErrorFeedback, split
@@ -115,7 +116,7 @@ class Local:
             yield
         if self.mode == "keyed":
             self._ef.keep(key, r)
-        elif self.mode == "flat" and not bool(torch.isfinite(r).all()):
+        elif self.mode == "flat" and not v.all_finite(r):
             r.zero_()  # as compress: a non-finite residual starts again from zero
 
     def compress(self, lo: int, hi: int, chunk: Hashable, out: torch.Tensor | None = None) -> Payload:

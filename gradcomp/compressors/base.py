@@ -288,6 +288,13 @@ class Compressor(abc.ABC):
         else:
             decoder(p.codec).add_(p, acc, getattr(self, "backend", None))
 
+    def _residual(self, p: W.Payload, px: torch.Tensor) -> torch.Tensor:
+        """Error feedback's new residual ``px - decoded(p)`` (flat float32), where
+        ``p`` is this compressor's encoding of ``px``. ``px`` is the caller's own
+        temporary: a codec may write the result into it when its payload holds
+        no view of it."""
+        return px - self._decode_flat(p).to(torch.float32)
+
     def _own_decode(self) -> bool:
         """The class decodes its own way (it redefines ``_decode_flat``)."""
         return type(self)._decode_flat is not Compressor._decode_flat

@@ -101,7 +101,7 @@ class ErrorFeedback:
         else:
             px = x.to(torch.float32) + r
             p = self.wraps._encode(px, t.dtype, t.shape, out=out)
-            r = px - self.wraps._decode_flat(p).to(torch.float32)
+            r = self.wraps._residual(p, px)
         self.keep(key, r)
         return p
 
@@ -126,7 +126,7 @@ class ErrorFeedback:
     def keep(self, key: Hashable, r: torch.Tensor) -> None:
         """Store ``r`` as ``key``'s residual, or drop it (and count a reset) if it
         holds NaN/Inf."""
-        if not bool(torch.isfinite(r).all()):
+        if not v.all_finite(r):
             self.residuals.pop(key, None)
             self.nonfinite_resets += 1
         else:
@@ -193,7 +193,7 @@ class ErrorFeedback:
             # residuals are flat (one per key, compared by numel): a shaped one must
             # not broadcast against the flat input
             r = r.detach().to(torch.float32).reshape(-1).clone()
-            if not bool(torch.isfinite(r).all()):
+            if not v.all_finite(r):
                 raise ValueError(f"state['residuals'][{k!r}] holds NaN or Inf")
             residuals[k] = r
         resets = v.integer("state['nonfinite_resets']", state.get("nonfinite_resets", 0), 0)

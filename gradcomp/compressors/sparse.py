@@ -78,6 +78,18 @@ class _Sparse(Compressor):
     def _decode_flat(self, p):
         return _SPARSE.values(p, self.backend, self.values)
 
+    def _residual(self, p, px):
+        """``px`` less the decoded payload, in place: only the kept indices change
+        (the payload holds copies of the values, never a view of ``px``). The
+        same bits as ``px - decoded``: a decoded value is ``0.0 + v``."""
+        if type(self)._decode_flat is not _Sparse._decode_flat:  # a subclass decoding its own way
+            return super()._residual(p, px)
+        if not p.nnz:
+            return px
+        idx = p.indices.to(torch.int64)
+        px[idx] = px[idx] - (self._values_f32(p) + 0.0)
+        return px
+
     def decompress_add_(self, p, acc):
         """``acc[indices] += values`` in place (float32)."""
         p = self._payload(p)

@@ -107,7 +107,7 @@ class ShardUpdater:
                 decompress_add_(p, g)  # by the payload's own codec
             except (PayloadError, ValueError):
                 raise Rejected("payload") from None
-            if not bool(torch.isfinite(g).all()):
+            if not v.all_finite(g):
                 raise Rejected("nonfinite")
             grads[spec.name] = g
         return grads
