@@ -57,9 +57,10 @@ The rule: the candidate with the least predicted *time per unit of progress*
   codec's agreed measurement, ``(comm_s - k_cur) / B_cur`` (clamped at 0): it
   holds the link's bandwidth and, folded in, its per-message latency. The
   current codec's ``T`` is its measured ``comm_s``; another codec measured
-  within the last ``memory`` decisions (and since the current codec's
-  ``comm_s / compute_s`` last moved by more than 2x, :data:`CHANGE`: a changed
-  link makes older measurements mislead) is predicted by that measurement.
+  within the last ``memory`` decisions is predicted by that measurement, as
+  long as the link is the same: the per-byte cost it measured then is within
+  2x (:data:`CHANGE`) of the current codec's ``beta`` (a changed link makes
+  older measurements mislead: they are forgotten).
   A lighter codec not so measured gets its link time ``B_j x beta`` multiplied
   by ``upper / lower`` (2 by default): moves to less compression are cautious;
 * predicted step time (the bucket's share): ``step_j = compute_s +
@@ -123,7 +124,8 @@ from gradcomp.compressors import (BF16, FP16, Compressor, ErrorFeedback, Int8Qua
                                   NoCompression, TopK)
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES", "TOPK_RATIO", "choose"]
+__all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES", "TOPK_RATIO", "choose",
+           "per_byte"]
 
 #: density of the top-k candidates (k = 1% of each bucket's elements)
 TOPK_RATIO = 0.01
@@ -139,13 +141,13 @@ CANDIDATES: dict[str, Callable[[], Compressor]] = {
 #: the default ladder: none, fp16, int8, top-k 1% with int8 values
 DEFAULT_CANDIDATES = ("none", "fp16", "int8", "topk-int8")
 #: steps to a target accuracy relative to uncompressed training, per named candidate
-#: (the default ``convergence``). Measured by the time study (``gradcomp train --mode sync
-#: --compressors none,fp16,bf16,int8-ef,topk-ef,topk-int8-ef --seeds 3 --steps 200 --eval-every 5
-#: --target-acc 0.956``: digits, MLP 64-384-256-10, 4 workers x batch 64, SGD lr 0.1 momentum 0.9,
-#: loopback; DDP runs are deterministic, so the steps to the target do not depend on the link):
-#: none 55 / 65 / 50 steps to 95.6% (seeds 0 / 1 / 2); fp16, bf16 and int8 + error feedback
-#: the same steps; top-k 1% + error feedback 75 / 95 / 80 and top-k 1% + int8 + error feedback
-#: 75 / 95 / 80, i.e. 250 / 170 = 1.47 in all
+#: (the default ``convergence``). Measured by the time study, ``gradcomp train --mode sync
+#: --compressors none,fp16,int8-ef,topk-int8-ef --seeds 3 --steps 200 --eval-every 5
+#: --target-acc 0.956`` and the same with ``--compressors none,bf16,topk-ef`` (digits, MLP
+#: 64-384-256-10, 4 workers x batch 64, SGD lr 0.1 momentum 0.9, loopback; DDP runs are
+#: deterministic, so the steps to the target do not depend on the link): none needs 55 / 65 / 50
+#: steps to 95.6% (seeds 0 / 1 / 2); fp16, bf16 and int8 + error feedback the same steps; top-k 1%
+#: + error feedback and top-k 1% + int8 + error feedback 75 / 95 / 80, i.e. 250 / 170 = 1.47 in all
 CONVERGENCE: dict[str, float] = {"none": 1.0, "fp16": 1.0, "bf16": 1.0, "int8": 1.0, "topk": 1.47,
                                  "topk-int8": 1.47}
 #: the choice is the lightest candidate whose predicted cost (step time x convergence
@@ -154,8 +156,8 @@ CONVERGENCE: dict[str, float] = {"none": 1.0, "fp16": 1.0, "bf16": 1.0, "int8": 
 NEAR = 0.1
 #: kernel timings per candidate at a bucket's first decision (after one warm-up; median)
 KERNEL_REPEATS = 3
-#: a codec's rho changing by more than this factor since its last measurement means
-#: the link changed: the other codecs' measurements are forgotten
+#: a codec's measured per-byte cost differing by more than this factor from the current
+#: codec's means the link changed since: that measurement is forgotten
 CHANGE = 2.0
 #: largest wait (decisions) before a lighter move after repeated reverts
 MAX_PATIENCE = 64
@@ -213,7 +215,7 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         moves) and, per position, ``comm_s``, ``step_s`` and ``cost_s``
         (predicted step seconds x convergence factor).
     """
-    beta = max(0.0, comm_s - kernel_s[level]) / nbytes[level] if nbytes[level] > 0 else 0.0
+    beta = per_byte(comm_s, kernel_s[level], nbytes[level])
     preds = []
     for j in range(len(nbytes)):
         if j == level:
@@ -230,6 +232,19 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
     return next(j for j in allowed if preds[j]["cost_s"] <= (1 + NEAR) * best), preds
 
 
+def per_byte(comm_s: float, kernel_s: float, nbytes: float) -> float:
+    """Seconds per wire byte of a measured codec: ``(comm_s - kernel_s) / nbytes``,
+    clamped at 0 (0 when nothing was sent)."""
+    return max(0.0, comm_s - kernel_s) / nbytes if nbytes > 0 else 0.0
+
+
+def _same_link(beta: float, other: float) -> bool:
+    """Two per-byte costs within a factor :data:`CHANGE` of each other (both 0 counts as equal)."""
+    if beta == other:
+        return True
+    return beta > 0 and other > 0 and 1 / CHANGE <= beta / other <= CHANGE
+
+
 class _Track:
     """The policy's state for one bucket (or key)."""
 
@@ -240,7 +255,8 @@ class _Track:
         self.window = window  # samples before the next decision
         self.changed = True  # the next call checks the ranks' arguments (a new codec)
         self.samples: list[tuple[float, float, float]] = []  # (comm_s, compute_s, exposed_s)
-        self.seen: dict[int, tuple[float, int]] = {}  # position -> (rho, decision number)
+        # position -> (rho, per-byte cost, decision number) of its last measurement
+        self.seen: dict[int, tuple[float, float, int]] = {}
         self.kernel: list[float] | None = None  # agreed byte-independent cost per position (seconds)
         self.hold = 0
         self.patience = patience
@@ -548,12 +564,11 @@ class Adaptive(CodecPolicy):
             t.samples = []
             t.window = self.interval
             rho = comm / compute if compute > 0 else math.inf
-            before = t.seen.get(t.level)
-            if before is not None and not 1 / CHANGE <= rho / before[0] <= CHANGE:
-                t.seen = {}  # the link (or the load) changed: older measurements of other codecs mislead
-            t.seen[t.level] = (rho, number)
-            seen = {j: r * compute for j, (r, at_) in t.seen.items()
-                    if j != t.level and number - at_ <= self.memory and math.isfinite(r)}
+            beta = per_byte(comm, t.kernel[t.level], t.nbytes[t.level])
+            t.seen = {j: m for j, m in t.seen.items()
+                      if j != t.level and number - m[2] <= self.memory and _same_link(m[1], beta)}
+            seen = {j: r * compute for j, (r, _, _) in t.seen.items() if math.isfinite(r)}
+            t.seen[t.level] = (rho, beta, number)
             new, preds = choose(t.level, comm, compute, t.kernel, t.nbytes, seen,
                                 [self.convergence[i] for i in t.ladder], upper=self.upper, lower=self.lower,
                                 lighter_allowed=t.hold == 0)

@@ -12,6 +12,7 @@ hand below.
 
 import dataclasses
 import pickle
+import re
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp as gc
-from gradcomp.adaptive import Adaptive, Timing, next_level
+from gradcomp.adaptive import Adaptive, Timing, choose, per_byte
 from gradcomp.ddp import GradCompState, compressed_allreduce_hook
 from gradcomp.launch import launch
 
@@ -29,26 +30,62 @@ TIMEOUT = 120
 # ---- the decision rule ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("rho, level, seen, allowed, expected", [
-    (0.4, 0, {}, True, 0),      # hidden on the lightest: stay
-    (2.0, 0, {}, True, 1),      # fp16 predicted 2.0 * 200 / 400 = 1.0 <= 1
-    (4.1, 0, {}, True, 3),      # fp16 2.05, int8 1.025 do not fit; top-k 4.1 * 5 / 400 does
-    (0.2, 2, {}, True, 1),      # lighter predicted 0.2 * 200 / 100 = 0.4 <= 0.5
-    (0.3, 2, {}, True, 2),      # 0.6 > 0.5: inside the band, stay
-    (0.2, 2, {}, False, 2),     # waiting after a heavier move
-    (0.9, 1, {}, True, 1),      # 0.9 <= upper, lighter predicted 1.8: stay
-    # nothing fits: the lightest whose step (1 + rho) is within 10% of the fastest's;
-    # measured rhos trusted, unmeasured lighter ones scaled by bytes
-    (1.5, 1, {2: 1.2, 3: 1.1}, True, 2),          # 2.2 <= 1.1 x 2.1 = 2.31; level 0: 1 + 3.0
-    (1.5, 1, {2: 1.4, 3: 1.1}, True, 3),          # 2.4 > 2.31
-    (1.5, 1, {0: 1.4, 2: 1.6, 3: 1.7}, True, 0),
-    (1.5, 3, {0: 1.6, 1: 1.7, 2: 1.8}, True, 0),  # 2.6 <= 1.1 x 2.5: almost as fast, lighter
-    (1.5, 3, {0: 1.8, 1: 1.9, 2: 1.8}, True, 3),  # 2.8 > 2.75
-    (3.0, 0, {}, True, 2),                        # nothing seen: fp16 1.5, int8 0.75 fits
+NB = [4000, 2000, 1000, 50]  # wire bytes of none, fp16, int8, top-k + int8 on a small bucket
+C = 0.010                    # agreed compute: 10 ms
+F1 = [1.0, 1.0, 1.0, 1.0]
+FD = [1.0, 1.0, 1.0, 1.47]   # the default factors
+Z = [0.0, 0.0, 0.0, 0.0]
+MS = 1e-3
+
+
+@pytest.mark.parametrize("level, comm_ms, kernel_ms, seen_ms, conv, allowed, expected", [
+    # Every factor 1, zero kernel costs: the old ladder. Costs in ms: the step is
+    # 10 + max(0, T - 10); unmeasured lighter codecs get 2x (upper / lower) their link time;
+    # the choice is the lightest within 10% of the least cost.
+    (0, 4.0, Z, {}, F1, True, 0),      # none hidden (4 <= 10): every cost 10: the lightest
+    (0, 100.0, Z, {}, F1, True, 3),    # 0.025 ms/B: fp16 50, int8 25, top-k 1.25 -> 10: only top-k <= 11
+    (0, 30.0, Z, {}, F1, True, 2),     # 0.0075 ms/B: fp16 15, int8 7.5 -> 10: int8 is the lightest <= 11
+    (3, 0.05, Z, {}, F1, True, 0),     # 0.001 ms/B: none 2 x 4 = 8 -> 10: back to none at once
+    (3, 0.075, Z, {}, F1, True, 1),    # 0.0015 ms/B: none 2 x 6 = 12 > 11; fp16 2 x 3 = 6 -> 10
+    (3, 0.05, Z, {}, F1, False, 3),    # waiting after a heavier move: lighter ones left out
+    (2, 3.0, Z, {}, F1, True, 2),      # int8 0.003 ms/B: fp16 2 x 6 = 12 > 11: stay (the band)
+    (2, 2.0, Z, {}, F1, True, 1),      # fp16 2 x 4 = 8 -> 10
+    # byte-independent costs (kernel 1 ms for fp16 and int8, 20 ms for top-k), slow link:
+    (0, 100.0, [0, 1, 1, 20], {}, FD, True, 2),  # int8 1 + 25 = 26; top-k 20 + 1.25 = 21.25 x 1.47 = 31.2
+    (0, 100.0, Z, {}, FD, True, 3),              # no kernel costs: int8 25, top-k 10 x 1.47 = 14.7
+    (0, 100.0, [0, 1, 1, 20], {}, F1, True, 3),  # no convergence cost: top-k 21.25 < int8 26
+    # only top-k hides (0.05 ms/B): fp16 1 + 100, int8 1 + 50 = 51, top-k 2 + 2.5 -> 10 x 1.47 = 14.7
+    (0, 200.0, [0, 1, 1, 2], {}, FD, True, 3),
+    (0, 200.0, [0, 1, 1, 2], {}, [1, 1, 1, 6.0], True, 2),  # factor 6: top-k 60 > int8 51
+    # measurements of other codecs are trusted over predictions, without the margin
+    (0, 30.0, Z, {2: 20.0}, FD, True, 1),  # int8 measured 20; fp16 15; top-k 14.7: fp16 15 <= 16.17
+    (3, 0.1, Z, {}, F1, True, 1),          # 0.002 ms/B: none 2 x 8 = 16; fp16 2 x 4 = 8 -> 10
+    (3, 0.1, Z, {0: 9.0}, F1, True, 0),    # none measured 9 -> 10
 ])
-def test_next_level(rho, level, seen, allowed, expected):
-    nbytes = [400, 200, 100, 5]
-    assert next_level(rho, level, nbytes, seen, upper=1.0, lower=0.5, lighter_allowed=allowed) == expected
+def test_choose(level, comm_ms, kernel_ms, seen_ms, conv, allowed, expected):
+    new, _ = choose(level, comm_ms * MS, C, [k * MS for k in kernel_ms], NB,
+                    {j: t * MS for j, t in seen_ms.items()}, conv, upper=1.0, lower=0.5,
+                    lighter_allowed=allowed)
+    assert new == expected
+
+
+def test_choose_reports_its_predictions():
+    _, preds = choose(0, 0.1, C, [0, 1e-3, 1e-3, 0.02], NB, {}, FD, upper=1.0, lower=0.5)
+    assert [p["comm_s"] for p in preds] == pytest.approx([0.1, 0.051, 0.026, 0.02125])
+    assert [p["step_s"] for p in preds] == pytest.approx([0.1, 0.051, 0.026, 0.02125])
+    assert [p["cost_s"] for p in preds] == pytest.approx([0.1, 0.051, 0.026, 0.02125 * 1.47])
+    # no compute to hide behind: every second of communication is exposed
+    _, preds = choose(1, 0.004, 0.0, [0, 0, 0, 0], NB, {}, F1, upper=1.0, lower=0.5)
+    assert [p["step_s"] for p in preds] == pytest.approx([0.016, 0.004, 0.002, 0.0001])
+    assert per_byte(0.004, 0.005, 100) == 0 and per_byte(1.0, 0.0, 0) == 0
+
+
+def test_convergence_defaults_and_overrides():
+    assert Adaptive().convergence == (1.0, 1.0, 1.0, 1.47)
+    a = Adaptive(["topk-int8", "int8", gc.TopK(ratio=0.001)], convergence={"topk-int8": 1.3})
+    assert a.convergence == (1.3, 1.0, 1.0)  # an instance defaults to 1
+    b = Adaptive(["int8", gc.TopK(ratio=0.001)], convergence={repr(gc.TopK(ratio=0.001)): 2})
+    assert b.convergence == (1.0, 2.0)
 
 
 def test_hysteresis_waits_and_backs_off_on_reverted_lighter_moves():
@@ -104,9 +141,20 @@ def test_candidates_ranked_by_wire_bytes_per_bucket():
     (dict(error_feedback=1), TypeError, "error_feedback must be True or False"),
     (dict(clock=5), TypeError, "clock must be a callable"),
     (dict(timing="fast"), TypeError, "timing must be a callable"),
+    (dict(convergence=[1.4]), TypeError, "convergence must be a mapping candidate name"),
+    (dict(convergence={"lz4": 1.0}), ValueError,
+     "convergence: unknown candidate 'lz4'; allowed: ('none', 'fp16', 'int8', 'topk-int8')"),
+    (dict(candidates=["none", "int8"], convergence={"topk-int8": 1.4}), ValueError,
+     "convergence: unknown candidate 'topk-int8'; allowed: ('none', 'int8')"),
+    (dict(convergence={"topk-int8": 0}), ValueError, "convergence['topk-int8'] must be a finite number > 0"),
+    (dict(convergence={"topk-int8": -1.5}), ValueError, "convergence['topk-int8'] must be a finite number > 0"),
+    (dict(convergence={"int8": float("inf")}), ValueError, "convergence['int8'] must be a finite number > 0"),
+    (dict(convergence={"int8": float("nan")}), ValueError, "convergence['int8'] must be a finite number > 0"),
+    (dict(convergence={"int8": "1"}), TypeError, "convergence['int8'] must be a real number, got str"),
+    (dict(convergence={"int8": True}), TypeError, "convergence['int8'] must be a real number, got bool"),
 ])
 def test_bad_arguments(kwargs, exc, words):
-    with pytest.raises(exc, match=words.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(exc, match=re.escape(words)):
         Adaptive(**kwargs)
 
 
