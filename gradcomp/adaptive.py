@@ -86,12 +86,13 @@ predicted to fit in ``lower`` x the compute.
 Limits of the model: ``compute_s`` is the compute the policy counts as able to
 hide the bucket's communication (above); with a single bucket per step, DDP
 starts the collective when backward ends, so the real step is closer to
-``compute_s + T`` than to ``max(compute_s, T)`` and the model favours codecs
-whose communication exceeds the compute less than it should. The factors of
+``compute_s + T`` than to ``max(compute_s, T)``: the model counts as free
+communication that is not, and so leans to lighter codecs. The factors of
 :data:`CONVERGENCE` were measured on one small model; other models may need
 other ones (``convergence=``). Every switch records the predictions it was
-made with (``predicted``: per candidate ``comm_s``, ``step_s``, ``cost_s``), so
-a user can see why it moved.
+made with (``predicted``: per candidate ``wire_bytes``, ``kernel_s``,
+``comm_s``, ``step_s``, ``cost_s``, ``convergence``), so a user can see why it
+moved.
 
 Residuals: error feedback (Seide et al. 2014; Karimireddy et al. 2019) keeps
 one float32 residual per parameter (DDP) or per key (collective), whatever
@@ -313,13 +314,13 @@ class Adaptive(CodecPolicy):
             float32 or int8 values) and/or gradcomp compressors with a fixed
             wire size (not ErrorFeedback); at least one, no repeats. Their
             order does not matter: each bucket ranks them by wire bytes.
-        interval: steps (calls per key) between decisions (>= 1).
-        probe: steps (calls per key) measured at the start and after a switch
-            before the next decision (>= 1).
         convergence: optional mapping candidate name -> steps to a target
             accuracy relative to uncompressed training (finite, > 0), overriding
             :data:`CONVERGENCE` (whose factors it keeps for the names it does not
             give; a compressor instance, named by its ``repr``, defaults to 1).
+        interval: steps (calls per key) between decisions (>= 1).
+        probe: steps (calls per key) measured at the start and after a switch
+            before the next decision (>= 1).
         upper: communication up to ``upper`` x the compute counts as hidden (> 0).
         lower: caution of lighter moves: an unmeasured lighter codec's
             predicted link time is multiplied by ``upper / lower``
@@ -415,9 +416,10 @@ class Adaptive(CodecPolicy):
         ``gc.allreduce(tensor, policy, key=k, ...)`` calls this. Every rank of
         ``group`` must call it with the same keys in the same order (like any
         collective); every ``interval`` calls of a key, that call first agrees
-        on the key's timings (one float64 allreduce of 3 values). Between two
-        calls of a key, the caller's time counts as the compute the
-        communication could hide behind.
+        on the key's timings (one float64 allreduce of 3 values, plus one per
+        candidate at the key's first decision: the kernel costs, timed then).
+        Between two calls of a key, the caller's time counts as the compute
+        the communication could hide behind.
 
         Args:
             tensor, op, group, meter, timeout, out, check: as for :func:`gradcomp.allreduce`.
