@@ -49,20 +49,21 @@ The rule: the candidate with the least predicted *time per unit of progress*
   wire bytes ``B`` a rank sends for this bucket (dense: ring/two-phase
   ``2 (N - 1) / N`` of the chunks' payloads; sparse: the allgather forwards
   ``N - 1`` payloads). Every bucket starts on the lightest;
-* predicted communication time of candidate ``j``: ``T_j = k_j + B_j x beta``.
-  ``k_j`` is its byte-independent cost: one compress + decompress of a
-  bucket-sized float32 tensor, timed on every rank once, at the bucket's first
-  decision (median of 3 after a warm-up; on the communication thread in DDP),
-  agreed with ``MAX``. ``beta`` (seconds per wire byte) comes from the current
-  codec's agreed measurement, ``(comm_s - k_cur) / B_cur`` (clamped at 0): it
-  holds the link's bandwidth and, folded in, its per-message latency. The
-  current codec's ``T`` is its measured ``comm_s``; another codec measured
-  within the last ``memory`` decisions is predicted by that measurement, as
-  long as the link is the same: the per-byte cost it measured then is within
-  2x (:data:`CHANGE`) of the current codec's ``beta`` (a changed link makes
-  older measurements mislead: they are forgotten).
-  A lighter codec not so measured gets its link time ``B_j x beta`` multiplied
-  by ``upper / lower`` (2 by default): moves to less compression are cautious;
+* predicted communication time of candidate ``j``: ``T_j = k_j + alpha +
+  B_j x beta``. ``k_j`` is its byte-independent kernel cost: one compress +
+  decompress of a bucket-sized float32 tensor, timed on every rank once, at
+  the bucket's first decision (median of 3 after a warm-up; on the
+  communication thread in DDP), agreed with ``MAX``. ``alpha`` (seconds per
+  collective: latency, scheduling) and ``beta`` (seconds per wire byte) are
+  the link's, fitted (:func:`fit_link`, least squares, both >= 0) to
+  ``comm_s - k`` of the codecs measured on this bucket: the current one and
+  those measured within the last ``memory`` decisions, unless the current
+  codec's ``comm_s / compute_s`` moved by more than 2x since its previous
+  measurement (:data:`CHANGE`: a changed link makes older measurements
+  mislead; they are forgotten). With one codec measured, ``alpha = 0``
+  (everything per byte). A measured codec is predicted by its measurement;
+  an unmeasured lighter codec gets its ``B_j x beta`` multiplied by ``upper /
+  lower`` (2 by default): moves to less compression are cautious;
 * predicted step time (the bucket's share): ``step_j = compute_s +
   max(0, T_j - upper x compute_s)``, the compute plus the part of the
   communication that the compute does not hide (communication up to
@@ -87,12 +88,16 @@ Limits of the model: ``compute_s`` is the compute the policy counts as able to
 hide the bucket's communication (above); with a single bucket per step, DDP
 starts the collective when backward ends, so the real step is closer to
 ``compute_s + T`` than to ``max(compute_s, T)``: the model counts as free
-communication that is not, and so leans to lighter codecs. The factors of
+communication that is not, and so leans to lighter codecs. A codec whose
+time its kernels dominate (top-k) hardly sees the link: when the link
+recovers while it runs, its ``comm_s`` may move less than :data:`CHANGE`, and
+the slow measurements of lighter codecs then hold it for up to ``memory``
+decisions. The factors of
 :data:`CONVERGENCE` were measured on one small model; other models may need
 other ones (``convergence=``). Every switch records the predictions it was
-made with (``predicted``: per candidate ``wire_bytes``, ``kernel_s``,
-``comm_s``, ``step_s``, ``cost_s``, ``convergence``), so a user can see why it
-moved.
+made with (``latency_s`` and ``s_per_byte``: the fitted link; ``predicted``:
+per candidate ``wire_bytes``, ``kernel_s``, ``comm_s``, ``step_s``, ``cost_s``,
+``convergence``), so a user can see why it moved.
 
 Residuals: error feedback (Seide et al. 2014; Karimireddy et al. 2019) keeps
 one float32 residual per parameter (DDP) or per key (collective), whatever
@@ -126,7 +131,7 @@ from gradcomp.compressors import (BF16, FP16, Compressor, ErrorFeedback, Int8Qua
 from gradcomp.meter import TrafficMeter
 
 __all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES", "TOPK_RATIO", "choose",
-           "per_byte"]
+           "fit_link"]
 
 #: density of the top-k candidates (k = 1% of each bucket's elements)
 TOPK_RATIO = 0.01
@@ -157,8 +162,8 @@ CONVERGENCE: dict[str, float] = {"none": 1.0, "fp16": 1.0, "bf16": 1.0, "int8": 
 NEAR = 0.1
 #: kernel timings per candidate at a bucket's first decision (after one warm-up; median)
 KERNEL_REPEATS = 3
-#: a codec's measured per-byte cost differing by more than this factor from the current
-#: codec's means the link changed since: that measurement is forgotten
+#: a codec's rho changing by more than this factor since its last measurement means
+#: the link changed: the other codecs' measurements are forgotten
 CHANGE = 2.0
 #: largest wait (decisions) before a lighter move after repeated reverts
 MAX_PATIENCE = 64
@@ -194,9 +199,36 @@ class Timing:
     kind: str = "comm"
 
 
+def fit_link(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The link's ``(alpha, beta)``: seconds per collective and per wire byte,
+    from ``(wire bytes, seconds)`` measurements of codecs on that link.
+
+    Least squares with both parts >= 0 (a negative slope means the bytes do
+    not show in the times: all latency, the mean; a negative intercept: all
+    bytes, the slope through the origin). With a single byte count the whole
+    time is taken as per-byte (``alpha = 0``: the cautious reading for a move
+    to a lighter codec). Counts of 0 bytes (nothing sent) are left out.
+    """
+    pts = [(b, max(0.0, t)) for b, t in points if b > 0]
+    if not pts:
+        return 0.0, 0.0
+    xs = [b for b, _ in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(t for _, t in pts)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        return 0.0, my / mx
+    beta = sum((x - mx) * (t - my) for x, t in pts) / var
+    if beta <= 0:
+        return my, 0.0
+    alpha = my - beta * mx
+    if alpha < 0:
+        return 0.0, sum(x * t for x, t in pts) / sum(x * x for x in xs)
+    return alpha, beta
+
+
 def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float], nbytes: Sequence[float],
            seen: dict[int, float], convergence: Sequence[float], *, upper: float, lower: float,
-           lighter_allowed: bool = True) -> tuple[int, list[dict[str, float]]]:
+           lighter_allowed: bool = True) -> tuple[int, list[dict[str, float]], tuple[float, float]]:
     """The ladder position the policy moves to, and the predictions behind it
     (see the module docstring for the rule).
 
@@ -212,38 +244,27 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         lighter_allowed: False while the policy waits after a heavier move.
 
     Returns:
-        ``(position, predictions)``: the new position (``level`` when nothing
-        moves) and, per position, ``comm_s``, ``step_s`` and ``cost_s``
-        (predicted step seconds x convergence factor).
+        ``(position, predictions, (alpha, beta))``: the new position (``level``
+        when nothing moves); per position, ``comm_s``, ``step_s`` and
+        ``cost_s`` (predicted step seconds x convergence factor); the link's
+        seconds per collective and per wire byte fitted to the measured
+        codecs (:func:`fit_link`).
     """
-    beta = per_byte(comm_s, kernel_s[level], nbytes[level])
+    measured = {**seen, level: comm_s}
+    alpha, beta = fit_link([(nbytes[j], t - kernel_s[j]) for j, t in measured.items()])
     preds = []
     for j in range(len(nbytes)):
-        if j == level:
-            comm = comm_s
-        elif j in seen:
-            comm = seen[j]
+        if j in measured:
+            comm = measured[j]
         else:
             link = nbytes[j] * beta
-            comm = kernel_s[j] + (link * upper / lower if j < level else link)
+            comm = kernel_s[j] + alpha + (link * upper / lower if j < level else link)
         step = compute_s + max(0.0, comm - upper * compute_s)
         preds.append({"comm_s": comm, "step_s": step, "cost_s": step * convergence[j]})
     allowed = range(0 if lighter_allowed else level, len(nbytes))
     best = min(preds[j]["cost_s"] for j in allowed)
-    return next(j for j in allowed if preds[j]["cost_s"] <= (1 + NEAR) * best), preds
-
-
-def per_byte(comm_s: float, kernel_s: float, nbytes: float) -> float:
-    """Seconds per wire byte of a measured codec: ``(comm_s - kernel_s) / nbytes``,
-    clamped at 0 (0 when nothing was sent)."""
-    return max(0.0, comm_s - kernel_s) / nbytes if nbytes > 0 else 0.0
-
-
-def _same_link(beta: float, other: float) -> bool:
-    """Two per-byte costs within a factor :data:`CHANGE` of each other (both 0 counts as equal)."""
-    if beta == other:
-        return True
-    return beta > 0 and other > 0 and 1 / CHANGE <= beta / other <= CHANGE
+    new = next(j for j in allowed if preds[j]["cost_s"] <= (1 + NEAR) * best)
+    return new, preds, (alpha, beta)
 
 
 class _Track:
@@ -256,8 +277,7 @@ class _Track:
         self.window = window  # samples before the next decision
         self.changed = True  # the next call checks the ranks' arguments (a new codec)
         self.samples: list[tuple[float, float, float]] = []  # (comm_s, compute_s, exposed_s)
-        # position -> (rho, per-byte cost, decision number) of its last measurement
-        self.seen: dict[int, tuple[float, float, int]] = {}
+        self.seen: dict[int, tuple[float, int]] = {}  # position -> (rho, decision number)
         self.kernel: list[float] | None = None  # agreed byte-independent cost per position (seconds)
         self.hold = 0
         self.patience = patience
@@ -340,7 +360,8 @@ class Adaptive(CodecPolicy):
             the order of ``candidates``).
         switches: every switch made, oldest first (JSON-ready dicts: ``step``,
             ``bucket``, ``numel``, ``from``, ``to``, ``rho``, ``comm_s``,
-            ``compute_s``, ``exposed_s``, all agreed across ranks, and
+            ``compute_s``, ``exposed_s``, all agreed across ranks,
+            ``latency_s`` and ``s_per_byte`` (the fitted link) and
             ``predicted``: per candidate name, ``wire_bytes``, ``kernel_s``,
             ``comm_s``, ``step_s``, ``cost_s`` and ``convergence``, the
             numbers the decision compared).
@@ -566,14 +587,15 @@ class Adaptive(CodecPolicy):
             t.samples = []
             t.window = self.interval
             rho = comm / compute if compute > 0 else math.inf
-            beta = per_byte(comm, t.kernel[t.level], t.nbytes[t.level])
-            t.seen = {j: m for j, m in t.seen.items()
-                      if j != t.level and number - m[2] <= self.memory and _same_link(m[1], beta)}
-            seen = {j: r * compute for j, (r, _, _) in t.seen.items() if math.isfinite(r)}
-            t.seen[t.level] = (rho, beta, number)
-            new, preds = choose(t.level, comm, compute, t.kernel, t.nbytes, seen,
-                                [self.convergence[i] for i in t.ladder], upper=self.upper, lower=self.lower,
-                                lighter_allowed=t.hold == 0)
+            before = t.seen.get(t.level)
+            if before is not None and not 1 / CHANGE <= rho / before[0] <= CHANGE:
+                t.seen = {}  # the link (or the load) changed: older measurements of other codecs mislead
+            t.seen[t.level] = (rho, number)
+            seen = {j: r * compute for j, (r, at_) in t.seen.items()
+                    if j != t.level and number - at_ <= self.memory and math.isfinite(r)}
+            new, preds, (alpha, beta) = choose(
+                t.level, comm, compute, t.kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
+                upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0)
             if not t.hysteresis(new, number, self.patience):
                 continue
             predicted = {self.names[i]: {"wire_bytes": t.nbytes[j], "kernel_s": t.kernel[j], **preds[j],
@@ -582,7 +604,7 @@ class Adaptive(CodecPolicy):
             entry = {"step": step, "bucket": t.bucket if isinstance(t.bucket, (int, str)) else repr(t.bucket),
                      "numel": t.numel, "from": self.names[t.candidate], "to": self.names[t.ladder[new]],
                      "rho": rho, "comm_s": comm, "compute_s": compute, "exposed_s": exposed,
-                     "predicted": predicted}
+                     "latency_s": alpha, "s_per_byte": beta, "predicted": predicted}
             t.level = new
             t.changed = True
             t.window = self.probe

@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp as gc
-from gradcomp.adaptive import Adaptive, Timing, choose, per_byte
+from gradcomp.adaptive import Adaptive, Timing, choose, fit_link
 from gradcomp.ddp import GradCompState, compressed_allreduce_hook
 from gradcomp.launch import launch
 
@@ -57,27 +57,48 @@ MS = 1e-3
     # only top-k hides (0.05 ms/B): fp16 1 + 100, int8 1 + 50 = 51, top-k 2 + 2.5 -> 10 x 1.47 = 14.7
     (0, 200.0, [0, 1, 1, 2], {}, FD, True, 3),
     (0, 200.0, [0, 1, 1, 2], {}, [1, 1, 1, 6.0], True, 2),  # factor 6: top-k 60 > int8 51
-    # measurements of other codecs are trusted over predictions, without the margin
-    (0, 30.0, Z, {2: 20.0}, FD, True, 1),  # int8 measured 20; fp16 15; top-k 14.7: fp16 15 <= 16.17
+    # measured codecs: their own times, and the link fitted to them (alpha per collective +
+    # beta per byte). int8 measured 20 ms: alpha 16.67 ms + 1/300 ms per byte: fp16 16.67 +
+    # 6.67 = 23.3, top-k 16.67 + 0.17 = 16.8 x 1.47 = 24.7: int8 (20 <= 22)
+    (0, 30.0, Z, {2: 20.0}, FD, True, 2),
     (3, 0.1, Z, {}, F1, True, 1),          # 0.002 ms/B: none 2 x 8 = 16; fp16 2 x 4 = 8 -> 10
     (3, 0.1, Z, {0: 9.0}, F1, True, 0),    # none measured 9 -> 10
+    # a latency-bound link (a loaded host): none 16 ms, int8 19 ms: the bytes do not show,
+    # alpha 17.5 ms, beta 0: fp16 17.5, top-k 17.5 x 1.47: none (16) stays
+    (0, 16.0, Z, {2: 19.0}, FD, True, 0),
+    (0, 16.0, Z, {}, FD, True, 1),         # none alone: all per byte: fp16 8, int8 4 -> 10: fp16
 ])
 def test_choose(level, comm_ms, kernel_ms, seen_ms, conv, allowed, expected):
-    new, _ = choose(level, comm_ms * MS, C, [k * MS for k in kernel_ms], NB,
+    new, _, _ = choose(level, comm_ms * MS, C, [k * MS for k in kernel_ms], NB,
                     {j: t * MS for j, t in seen_ms.items()}, conv, upper=1.0, lower=0.5,
                     lighter_allowed=allowed)
     assert new == expected
 
 
 def test_choose_reports_its_predictions():
-    _, preds = choose(0, 0.1, C, [0, 1e-3, 1e-3, 0.02], NB, {}, FD, upper=1.0, lower=0.5)
+    _, preds, link = choose(0, 0.1, C, [0, 1e-3, 1e-3, 0.02], NB, {}, FD, upper=1.0, lower=0.5)
+    assert link == (0, pytest.approx(0.1 / 4000))
     assert [p["comm_s"] for p in preds] == pytest.approx([0.1, 0.051, 0.026, 0.02125])
     assert [p["step_s"] for p in preds] == pytest.approx([0.1, 0.051, 0.026, 0.02125])
     assert [p["cost_s"] for p in preds] == pytest.approx([0.1, 0.051, 0.026, 0.02125 * 1.47])
     # no compute to hide behind: every second of communication is exposed
-    _, preds = choose(1, 0.004, 0.0, [0, 0, 0, 0], NB, {}, F1, upper=1.0, lower=0.5)
+    _, preds, _ = choose(1, 0.004, 0.0, [0, 0, 0, 0], NB, {}, F1, upper=1.0, lower=0.5)
     assert [p["step_s"] for p in preds] == pytest.approx([0.016, 0.004, 0.002, 0.0001])
-    assert per_byte(0.004, 0.005, 100) == 0 and per_byte(1.0, 0.0, 0) == 0
+
+
+@pytest.mark.parametrize("points, expected", [
+    ([(4000, 30.0), (1000, 20.0)], (50 / 3, 1 / 300)),        # the line through both
+    ([(1000, 3.0), (2000, 5.0), (4000, 9.0)], (1.0, 0.002)),  # an exact line
+    ([(4000, 16.0), (1000, 19.0)], (17.5, 0.0)),              # negative slope: all latency, the mean
+    # negative intercept: all per byte, the slope through 0: (50 x 0.1 + 4000 x 9) / (50^2 + 4000^2)
+    ([(50, 0.1), (4000, 9.0)], (0.0, 36005 / 16002500)),
+    ([(100, 1.0)], (0.0, 0.01)),                               # one byte count: all per byte
+    ([(100, 1.0), (100, 3.0)], (0.0, 0.02)),
+    ([(100, -1.0)], (0.0, 0.0)),                               # (kernel timing above the collective's)
+    ([(0, 1.0)], (0.0, 0.0)), ([], (0.0, 0.0)),                # nothing sent (one rank)
+])
+def test_fit_link(points, expected):
+    assert fit_link(points) == pytest.approx(expected)
 
 
 def test_convergence_defaults_and_overrides():
@@ -196,9 +217,9 @@ SLOWDOWN = 25
 PROBE = 2  # the collective's short windows (the DDP run decides every INTERVAL steps)
 
 
-#: rank 1's byte-independent cost of top-k + int8 (seconds, 0.2 x the agreed compute);
+#: rank 1's byte-independent cost of top-k + int8 (seconds, 0.02 x the agreed compute);
 #: rank 0's and every other codec's are 0: the ranks must agree on the MAX
-TOPK_KERNEL_S = 0.002
+TOPK_KERNEL_S = 0.0002
 
 
 def _link(rank, steady=None, kernels=None):
@@ -225,21 +246,24 @@ def _link(rank, steady=None, kernels=None):
 def _expected(interval):
     """Switches derived by hand for a link where uncompressed traffic takes
     0.4 x the compute C when fast and 10 x when slow (25x slower), for
-    ``none`` ~ 4 bytes/element, fp16 ~ 2, int8 ~ 1, top-k 1% + int8 ~ 0.05
-    (0.2 C more with its kernel cost); top-k's convergence factor 1.47, the
-    others' 1 (costs in units of C: the step 1 + max(0, T - 1) x the factor):
+    ``none`` ~ 4 bytes/element, fp16 ~ 2, int8 ~ 1, top-k 1% + int8 ~ 0.09
+    (141 bytes for 1667 elements; 0.02 C more with its kernel cost); top-k's
+    convergence factor 1.47, the others' 1 (costs in units of C: the step
+    1 + max(0, T - 1) x the factor):
 
     * decision at step SLOW_FROM + interval (the first window of slow steps):
-      none's T = 10: fp16 (5) and int8 (2.5) cost their T, top-k (0.2 + 10 x
-      0.05 / 4, hidden) costs 1.47: none -> topk-int8.
-    * while slow, on top-k: none as measured (10, the same seconds per byte
-      as top-k's), int8 predicted 2 x 2.5 (an unmeasured lighter codec's link
-      time counts twice): stay.
+      none's T = 10 (one codec measured: all per byte): fp16 (5) and int8
+      (2.7) cost their T, top-k (0.02 + 10 x 0.021, hidden) costs 1.47:
+      none -> topk-int8.
+    * while slow, on top-k (T ~ 0.23): the link fitted to none (10) and top-k
+      is nearly all per byte; int8 predicted 2 x 2.7 (an unmeasured lighter
+      codec's link time counts twice): stay.
     * first window of fast steps (decision at FAST_FROM + interval): top-k's
-      seconds per byte are 25x lower than when none was measured: that
-      measurement is forgotten; none is predicted 2 x 0.4 = 0.8, hidden:
-      cost 1 < 1.47: topk-int8 -> none (the hold after the heavier move ran
-      out long before). Then none stays (0.4, hidden; nothing costs less).
+      T falls to ~ 0.03, 8x less: the link changed, none's measurement is
+      forgotten; none is predicted from top-k alone, 2 x ~0.43 (its bytes at
+      top-k's seconds per byte), hidden: cost 1 < 1.47: topk-int8 -> none
+      (the hold after the heavier move ran out long before). Then none stays
+      (0.4, hidden; nothing costs less).
     """
     return [(SLOW_FROM + interval, "none", "topk-int8"), (FAST_FROM + interval, "topk-int8", "none")]
 
@@ -374,6 +398,7 @@ def test_ddp_auto_switches_with_the_link_and_ranks_agree(runs):
     # slow link sends 4 x 1667 bytes in 10 x C; top-k's kernel cost is rank 1's (the MAX)
     c = COMPUTE_S[1]
     per_byte_slow = 10 * c / (4 * 1667)
+    assert first["latency_s"] == 0 and first["s_per_byte"] == pytest.approx(per_byte_slow)
     p = first["predicted"]
     assert list(p) == ["none", "fp16", "int8", "topk-int8"]
     assert [p[n]["kernel_s"] for n in p] == [0, 0, 0, TOPK_KERNEL_S]
@@ -389,6 +414,7 @@ def test_ddp_auto_switches_with_the_link_and_ranks_agree(runs):
     q = back["predicted"]
     fast = (back["comm_s"] - TOPK_KERNEL_S) / q["topk-int8"]["wire_bytes"]
     assert fast == pytest.approx(per_byte_slow / SLOWDOWN, rel=0.1)
+    assert back["latency_s"] == 0 and back["s_per_byte"] == pytest.approx(fast)
     assert q["none"]["comm_s"] == pytest.approx(2 * q["none"]["wire_bytes"] * fast)
     assert q["none"]["cost_s"] == pytest.approx(c)
     assert runs[0]["ddp"]["restored_codec"] == "none" and runs[0]["ddp"]["restored_switches"] == 2
