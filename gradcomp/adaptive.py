@@ -58,8 +58,7 @@ The rule: the candidate with the least predicted *time per unit of progress*
   the link's, fitted (:func:`fit_link`, least squares, both >= 0) to
   ``comm_s - k`` of the codecs measured on this bucket: the current one and
   those measured within the last ``memory`` decisions, unless the current
-  codec's ``comm_s / compute_s`` moved by more than 2x since its previous
-  measurement (:data:`CHANGE`: a changed link makes older measurements
+  codec's ``comm_s`` moved by more than 2x since its previous measurement (:data:`CHANGE`: a changed link makes older measurements
   mislead; they are forgotten). With one codec measured, ``alpha = 0``
   (everything per byte). A measured codec is predicted by its measurement;
   an unmeasured lighter codec gets its ``B_j x beta`` multiplied by ``upper /
@@ -162,8 +161,8 @@ CONVERGENCE: dict[str, float] = {"none": 1.0, "fp16": 1.0, "bf16": 1.0, "int8": 
 NEAR = 0.1
 #: kernel timings per candidate at a bucket's first decision (after one warm-up; median)
 KERNEL_REPEATS = 3
-#: a codec's rho changing by more than this factor since its last measurement means
-#: the link changed: the other codecs' measurements are forgotten
+#: a codec's communication time changing by more than this factor since its last
+#: measurement means the link changed: the other codecs' measurements are forgotten
 CHANGE = 2.0
 #: largest wait (decisions) before a lighter move after repeated reverts
 MAX_PATIENCE = 64
@@ -277,7 +276,7 @@ class _Track:
         self.window = window  # samples before the next decision
         self.changed = True  # the next call checks the ranks' arguments (a new codec)
         self.samples: list[tuple[float, float, float]] = []  # (comm_s, compute_s, exposed_s)
-        self.seen: dict[int, tuple[float, int]] = {}  # position -> (rho, decision number)
+        self.seen: dict[int, tuple[float, int]] = {}  # position -> (comm_s, decision number)
         self.kernel: list[float] | None = None  # agreed byte-independent cost per position (seconds)
         self.hold = 0
         self.patience = patience
@@ -359,8 +358,9 @@ class Adaptive(CodecPolicy):
         convergence: the convergence factor of each candidate (tuple, in
             the order of ``candidates``).
         switches: every switch made, oldest first (JSON-ready dicts: ``step``,
-            ``bucket``, ``numel``, ``from``, ``to``, ``rho``, ``comm_s``,
-            ``compute_s``, ``exposed_s``, all agreed across ranks,
+            ``bucket``, ``numel``, ``from``, ``to``, ``comm_s``,
+            ``compute_s``, ``exposed_s``, all agreed across ranks, ``rho =
+            comm_s / compute_s``,
             ``latency_s`` and ``s_per_byte`` (the fitted link) and
             ``predicted``: per candidate name, ``wire_bytes``, ``kernel_s``,
             ``comm_s``, ``step_s``, ``cost_s`` and ``convergence``, the
@@ -588,11 +588,10 @@ class Adaptive(CodecPolicy):
             t.window = self.interval
             rho = comm / compute if compute > 0 else math.inf
             before = t.seen.get(t.level)
-            if before is not None and not 1 / CHANGE <= rho / before[0] <= CHANGE:
+            if before is not None and not before[0] / CHANGE <= comm <= before[0] * CHANGE:
                 t.seen = {}  # the link (or the load) changed: older measurements of other codecs mislead
-            t.seen[t.level] = (rho, number)
-            seen = {j: r * compute for j, (r, at_) in t.seen.items()
-                    if j != t.level and number - at_ <= self.memory and math.isfinite(r)}
+            t.seen[t.level] = (comm, number)
+            seen = {j: c for j, (c, at_) in t.seen.items() if j != t.level and number - at_ <= self.memory}
             new, preds, (alpha, beta) = choose(
                 t.level, comm, compute, t.kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
                 upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0)
