@@ -691,13 +691,11 @@ def _convergence(convergence, names: tuple[str, ...]) -> tuple[float, ...]:
         raise ValueError(f"convergence: unknown candidate {unknown[0]!r}; allowed: {names}")
     out = []
     for name in names:
-        f = convergence.get(name, CONVERGENCE.get(name, 1.0))
-        if isinstance(f, bool) or not isinstance(f, (int, float)):
-            raise TypeError(f"convergence[{name!r}] must be a real number, got {type(f).__name__}")
+        f = v.real(f"convergence[{name!r}]", convergence.get(name, CONVERGENCE.get(name, 1.0)))
         if not (math.isfinite(f) and f > 0):
             raise ValueError(f"convergence[{name!r}] must be a finite number > 0 (steps to a target "
                              f"relative to uncompressed), got {f!r}")
-        out.append(float(f))
+        out.append(f)
     return tuple(out)
 
 
