@@ -73,10 +73,12 @@ The rule: the candidate with the least predicted *time per unit of progress*
 * the choice is the lightest candidate whose ``cost`` is within 10%
   (:data:`NEAR`) of the least one (less compression for a small loss of
   speed; a heavier move thus needs a gain of more than 10%);
-* hysteresis: after a move to heavier compression, lighter candidates are left
-  out of the choice for ``patience`` decisions, and a lighter move undone by
-  the next decision doubles that wait (up to 64), so a borderline link does
-  not make the codec flap.
+* hysteresis: after a move to heavier compression, lighter candidates that
+  are not measured (predictions only) are left out of the choice for
+  ``patience`` decisions, and a lighter move undone by the next decision
+  doubles that wait (up to 64), so a borderline link does not make the codec
+  flap. A measured lighter codec stays in the choice: a heavier move that its
+  own measurement refutes is undone at once.
 
 With every convergence factor 1 and zero kernel costs this is the ladder of
 "the least compression that hides the communication": a heavier codec is taken
@@ -240,7 +242,8 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         seen: position -> its recently measured communication seconds (other positions).
         convergence: each position's steps to a target relative to uncompressed.
         upper, lower: the hiding bound and the caution of lighter moves (``lower < upper``).
-        lighter_allowed: False while the policy waits after a heavier move.
+        lighter_allowed: False while the policy waits after a heavier move:
+            lighter positions are then chosen only when measured (in ``seen``).
 
     Returns:
         ``(position, predictions, (alpha, beta))``: the new position (``level``
@@ -260,7 +263,7 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
             comm = kernel_s[j] + alpha + (link * upper / lower if j < level else link)
         step = compute_s + max(0.0, comm - upper * compute_s)
         preds.append({"comm_s": comm, "step_s": step, "cost_s": step * convergence[j]})
-    allowed = range(0 if lighter_allowed else level, len(nbytes))
+    allowed = [j for j in range(len(nbytes)) if lighter_allowed or j >= level or j in measured]
     best = min(preds[j]["cost_s"] for j in allowed)
     new = next(j for j in allowed if preds[j]["cost_s"] <= (1 + NEAR) * best)
     return new, preds, (alpha, beta)

@@ -48,6 +48,7 @@ MS = 1e-3
     (3, 0.05, Z, {}, F1, True, 0),     # 0.001 ms/B: none 2 x 4 = 8 -> 10: back to none at once
     (3, 0.075, Z, {}, F1, True, 1),    # 0.0015 ms/B: none 2 x 6 = 12 > 11; fp16 2 x 3 = 6 -> 10
     (3, 0.05, Z, {}, F1, False, 3),    # waiting after a heavier move: lighter ones left out
+    (2, 20.0, Z, {0: 15.0}, F1, False, 0),  # ... unless measured: int8 20 > none 15: back at once
     (2, 3.0, Z, {}, F1, True, 2),      # int8 0.003 ms/B: fp16 2 x 6 = 12 > 11: stay (the band)
     (2, 2.0, Z, {}, F1, True, 1),      # fp16 2 x 4 = 8 -> 10
     # byte-independent costs (kernel 1 ms for fp16 and int8, 20 ms for top-k), slow link:
