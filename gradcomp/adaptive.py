@@ -1,10 +1,12 @@
-"""Adaptive compression: each bucket moves between codecs to keep its communication hidden.
+"""Adaptive compression: each bucket moves to the codec predicted to train fastest.
 
 ``gc.ddp.GradCompState(compressor="auto")`` (or ``compressor=gc.Adaptive(...)``)
 and ``gc.allreduce(tensor, gc.Adaptive(...), key=...)`` pick, per bucket (per
-``key`` for the collective), the *least* compression whose communication fits
-in the compute it can hide behind, and move to heavier compression when the
-link slows, back when it recovers.
+``key`` for the collective), the codec with the least predicted time per unit
+of training progress: its step time (compute plus the communication the
+compute does not hide, from a prediction with a per-byte and a
+byte-independent part) times its cost in steps to a target accuracy; they
+move to heavier compression when the link slows, back when it recovers.
 
 What is measured (seconds, from ``clock``, on every rank):
 
@@ -35,30 +37,68 @@ after a switch, so that a new codec is judged soon; the same on every rank): eac
 the median of its window's ``comm_s``, ``compute_s`` and ``exposed_s`` per
 bucket; one tiny allreduce (float64, ``MAX``, on the collective's group) agrees
 on the largest communication time, the smallest compute time and the largest
-exposed time over the ranks. From these agreed numbers alone, each rank computes
-the ratio ``rho = comm_s / compute_s`` and applies the same rule, so every rank
-picks the same codec and the results stay bit-identical across ranks:
+exposed time over the ranks (and, at a bucket's first decision, on the largest
+kernel cost of each candidate, below). From these agreed numbers alone, each
+rank applies the same rule, so every rank picks the same codec and the results
+stay bit-identical across ranks.
+
+The rule: the candidate with the least predicted *time per unit of progress*
+(``cost``), i.e. predicted step time x convergence factor:
 
 * the bucket's candidates form a ladder, lightest (most wire bytes) first: the
-  wire bytes a rank sends for this bucket (dense: ring/two-phase
+  wire bytes ``B`` a rank sends for this bucket (dense: ring/two-phase
   ``2 (N - 1) / N`` of the chunks' payloads; sparse: the allgather forwards
   ``N - 1`` payloads). Every bucket starts on the lightest;
-* ``rho > upper`` (communication not hidden): the lightest heavier codec whose
-  predicted ``rho`` is ``<= upper``; predictions are ``rho`` scaled by the
-  ratio of wire bytes, or the codec's own ``rho`` when it was measured within
-  the last ``memory`` decisions (and since the current codec's ``rho`` last
-  moved by more than 2x, :data:`CHANGE`: a changed link makes older
-  measurements mislead). If none is predicted to fit, the lightest codec
-  whose predicted step time (``1 + rho`` in units of the compute) is within
-  10% (:data:`NEAR`) of the fastest one's (it may be the current one, or a
-  lighter one measured almost as fast);
-* ``rho`` scaled to the next lighter codec's bytes ``<= lower``: one step
-  lighter (the byte scaling over-estimates the lighter codec's time, since the
-  per-message latency does not scale, so this move is a cautious one);
-* hysteresis: ``lower < upper`` leaves a band where nothing moves; after a
-  move to heavier compression, lighter moves wait ``patience`` decisions, and
-  a lighter move undone by the next decision doubles that wait (up to 64), so
-  a borderline link does not make the codec flap.
+* predicted communication time of candidate ``j``: ``T_j = k_j + alpha +
+  B_j x beta``. ``k_j`` is its byte-independent kernel cost: one compress +
+  decompress of a bucket-sized float32 tensor, timed on every rank once, at
+  the bucket's first decision (median of 3 after a warm-up; on the
+  communication thread in DDP), agreed with ``MAX``. ``alpha`` (seconds per
+  collective: latency, scheduling) and ``beta`` (seconds per wire byte) are
+  the link's, fitted (:func:`fit_link`, least squares, both >= 0) to
+  ``comm_s - k`` of the codecs measured on this bucket: the current one and
+  those measured within the last ``memory`` decisions, unless the current
+  codec's ``comm_s`` moved by more than 2x since its previous measurement (:data:`CHANGE`: a changed link makes older measurements
+  mislead; they are forgotten). With one codec measured, ``alpha = 0``
+  (everything per byte). A measured codec is predicted by its measurement;
+  an unmeasured lighter codec gets its ``B_j x beta`` multiplied by ``upper /
+  lower`` (2 by default): moves to less compression are cautious;
+* predicted step time (the bucket's share): ``step_j = compute_s +
+  max(0, T_j - upper x compute_s)``, the compute plus the part of the
+  communication that the compute does not hide (communication up to
+  ``upper`` x the compute counts as hidden);
+* ``cost_j = step_j x convergence_j``, where ``convergence_j`` is the steps to
+  a target accuracy relative to uncompressed training (:data:`CONVERGENCE`:
+  more steps cost as much as a longer step);
+* the choice is the lightest candidate whose ``cost`` is within 10%
+  (:data:`NEAR`) of the least one (less compression for a small loss of
+  speed; a heavier move thus needs a gain of more than 10%);
+* hysteresis: after a move to heavier compression, lighter candidates that
+  are not measured (predictions only) are left out of the choice for
+  ``patience`` decisions, and a lighter move undone by the next decision
+  doubles that wait (up to 64), so a borderline link does not make the codec
+  flap. A measured lighter codec stays in the choice: a heavier move that its
+  own measurement refutes is undone at once.
+
+With every convergence factor 1 and zero kernel costs this is the ladder of
+"the least compression that hides the communication": a heavier codec is taken
+when the current one's communication is exposed, a lighter one when it is
+predicted to fit in ``lower`` x the compute.
+
+Limits of the model: ``compute_s`` is the compute the policy counts as able to
+hide the bucket's communication (above); with a single bucket per step, DDP
+starts the collective when backward ends, so the real step is closer to
+``compute_s + T`` than to ``max(compute_s, T)``: the model counts as free
+communication that is not, and so leans to lighter codecs. A codec whose
+time its kernels dominate (top-k) hardly sees the link: when the link
+recovers while it runs, its ``comm_s`` may move less than :data:`CHANGE`, and
+the slow measurements of lighter codecs then hold it for up to ``memory``
+decisions. The factors of
+:data:`CONVERGENCE` were measured on one small model; other models may need
+other ones (``convergence=``). Every switch records the predictions it was
+made with (``latency_s`` and ``s_per_byte``: the fitted link; ``predicted``:
+per candidate ``wire_bytes``, ``kernel_s``, ``comm_s``, ``step_s``, ``cost_s``,
+``convergence``), so a user can see why it moved.
 
 Residuals: error feedback (Seide et al. 2014; Karimireddy et al. 2019) keeps
 one float32 residual per parameter (DDP) or per key (collective), whatever
@@ -77,7 +117,7 @@ import datetime
 import math
 import statistics
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +131,8 @@ from gradcomp.compressors import (BF16, FP16, Compressor, ErrorFeedback, Int8Qua
                                   NoCompression, TopK)
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["Adaptive", "Timing", "CANDIDATES", "DEFAULT_CANDIDATES", "TOPK_RATIO", "next_level"]
+__all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES", "TOPK_RATIO", "choose",
+           "fit_link"]
 
 #: density of the top-k candidates (k = 1% of each bucket's elements)
 TOPK_RATIO = 0.01
@@ -106,12 +147,24 @@ CANDIDATES: dict[str, Callable[[], Compressor]] = {
 }
 #: the default ladder: none, fp16, int8, top-k 1% with int8 values
 DEFAULT_CANDIDATES = ("none", "fp16", "int8", "topk-int8")
-#: when no codec is predicted to hide the communication, the lightest codec whose
-#: predicted step time (compute + communication: 1 + rho) is within this fraction
-#: of the fastest codec's is taken (less compression for a small loss of speed)
+#: steps to a target accuracy relative to uncompressed training, per named candidate
+#: (the default ``convergence``). Measured by the time study, ``gradcomp train --mode sync
+#: --compressors none,fp16,int8-ef,topk-int8-ef --seeds 3 --steps 200 --eval-every 5
+#: --target-acc 0.956`` and the same with ``--compressors none,bf16,topk-ef`` (digits, MLP
+#: 64-384-256-10, 4 workers x batch 64, SGD lr 0.1 momentum 0.9, loopback; DDP runs are
+#: deterministic, so the steps to the target do not depend on the link): none needs 55 / 65 / 50
+#: steps to 95.6% (seeds 0 / 1 / 2); fp16, bf16 and int8 + error feedback the same steps; top-k 1%
+#: + error feedback and top-k 1% + int8 + error feedback 75 / 95 / 80, i.e. 250 / 170 = 1.47 in all
+CONVERGENCE: dict[str, float] = {"none": 1.0, "fp16": 1.0, "bf16": 1.0, "int8": 1.0, "topk": 1.47,
+                                 "topk-int8": 1.47}
+#: the choice is the lightest candidate whose predicted cost (step time x convergence
+#: factor) is within this fraction of the least one's (less compression for a small
+#: loss of speed)
 NEAR = 0.1
-#: a codec's rho changing by more than this factor since its last measurement means
-#: the link changed: the other codecs' measurements are forgotten
+#: kernel timings per candidate at a bucket's first decision (after one warm-up; median)
+KERNEL_REPEATS = 3
+#: a codec's communication time changing by more than this factor since its last
+#: measurement means the link changed: the other codecs' measurements are forgotten
 CHANGE = 2.0
 #: largest wait (decisions) before a lighter move after repeated reverts
 MAX_PATIENCE = 64
@@ -130,7 +183,11 @@ class Timing:
         wire_bytes: bytes this rank sent (its meter's count).
         comm_s: seconds of the collective.
         compute_s: seconds of compute it can hide behind (None when unknown:
-            the first call).
+            the first call, and for kernel timings).
+        kind: ``"comm"`` for a collective; ``"kernel"`` for the local timing
+            of the candidate's byte-independent cost at the bucket's first
+            decision (``comm_s`` holds one compress + decompress of the
+            bucket, ``wire_bytes`` is 0: nothing was sent).
     """
 
     step: int
@@ -140,40 +197,76 @@ class Timing:
     wire_bytes: int
     comm_s: float
     compute_s: float | None
+    kind: str = "comm"
 
 
-def next_level(rho: float, level: int, nbytes: Sequence[float], seen: dict[int, float], *,
-               upper: float, lower: float, lighter_allowed: bool = True) -> int:
-    """The ladder position the policy moves to (see the module docstring).
+def fit_link(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """The link's ``(alpha, beta)``: seconds per collective and per wire byte,
+    from ``(wire bytes, seconds)`` measurements of codecs on that link.
+
+    Least squares with both parts >= 0 (a negative slope means the bytes do
+    not show in the times: all latency, the mean; a negative intercept: all
+    bytes, the slope through the origin). With a single byte count the whole
+    time is taken as per-byte (``alpha = 0``: the cautious reading for a move
+    to a lighter codec). Counts of 0 bytes (nothing sent) are left out.
+    """
+    pts = [(b, max(0.0, t)) for b, t in points if b > 0]
+    if not pts:
+        return 0.0, 0.0
+    xs = [b for b, _ in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(t for _, t in pts)
+    var = sum((x - mx) ** 2 for x in xs)
+    if var == 0:
+        return 0.0, my / mx
+    beta = sum((x - mx) * (t - my) for x, t in pts) / var
+    if beta <= 0:
+        return my, 0.0
+    alpha = my - beta * mx
+    if alpha < 0:
+        return 0.0, sum(x * t for x, t in pts) / sum(x * x for x in xs)
+    return alpha, beta
+
+
+def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float], nbytes: Sequence[float],
+           seen: dict[int, float], convergence: Sequence[float], *, upper: float, lower: float,
+           lighter_allowed: bool = True) -> tuple[int, list[dict[str, float]], tuple[float, float]]:
+    """The ladder position the policy moves to, and the predictions behind it
+    (see the module docstring for the rule).
 
     Args:
-        rho: agreed ``comm_s / compute_s`` of the current codec.
         level: current position (0 = lightest).
+        comm_s: agreed communication seconds of the current codec.
+        compute_s: agreed seconds of compute that can hide it.
+        kernel_s: each position's byte-independent cost (seconds).
         nbytes: wire bytes per rank of each position (descending).
-        seen: position -> its recently measured ``rho`` (other positions).
-        upper, lower: the hysteresis band.
-        lighter_allowed: False while the policy waits after a heavier move.
+        seen: position -> its recently measured communication seconds (other positions).
+        convergence: each position's steps to a target relative to uncompressed.
+        upper, lower: the hiding bound and the caution of lighter moves (``lower < upper``).
+        lighter_allowed: False while the policy waits after a heavier move:
+            lighter positions are then chosen only when measured (in ``seen``).
 
     Returns:
-        The new position (``level`` when nothing moves).
+        ``(position, predictions, (alpha, beta))``: the new position (``level``
+        when nothing moves); per position, ``comm_s``, ``step_s`` and
+        ``cost_s`` (predicted step seconds x convergence factor); the link's
+        seconds per collective and per wire byte fitted to the measured
+        codecs (:func:`fit_link`).
     """
-    def predict(j: int) -> float:
-        if j in seen:
-            return seen[j]
-        return rho * nbytes[j] / nbytes[level] if nbytes[level] > 0 else rho
-
-    if rho > upper:
-        for j in range(level + 1, len(nbytes)):
-            if predict(j) <= upper:
-                return j
-        # in units of the compute, a step takes about 1 + rho: the lightest codec
-        # whose step is predicted within NEAR of the fastest one's
-        preds = [rho if j == level else predict(j) for j in range(len(nbytes))]
-        fastest = 1 + min(preds)
-        return next(j for j in range(len(nbytes)) if 1 + preds[j] <= (1 + NEAR) * fastest)
-    if lighter_allowed and level > 0 and nbytes[level] > 0 and rho * nbytes[level - 1] / nbytes[level] <= lower:
-        return level - 1
-    return level
+    measured = {**seen, level: comm_s}
+    alpha, beta = fit_link([(nbytes[j], t - kernel_s[j]) for j, t in measured.items()])
+    preds = []
+    for j in range(len(nbytes)):
+        if j in measured:
+            comm = measured[j]
+        else:
+            link = nbytes[j] * beta
+            comm = kernel_s[j] + alpha + (link * upper / lower if j < level else link)
+        step = compute_s + max(0.0, comm - upper * compute_s)
+        preds.append({"comm_s": comm, "step_s": step, "cost_s": step * convergence[j]})
+    allowed = [j for j in range(len(nbytes)) if lighter_allowed or j >= level or j in measured]
+    best = min(preds[j]["cost_s"] for j in allowed)
+    new = next(j for j in allowed if preds[j]["cost_s"] <= (1 + NEAR) * best)
+    return new, preds, (alpha, beta)
 
 
 class _Track:
@@ -186,7 +279,8 @@ class _Track:
         self.window = window  # samples before the next decision
         self.changed = True  # the next call checks the ranks' arguments (a new codec)
         self.samples: list[tuple[float, float, float]] = []  # (comm_s, compute_s, exposed_s)
-        self.seen: dict[int, tuple[float, int]] = {}  # position -> (rho, decision number)
+        self.seen: dict[int, tuple[float, int]] = {}  # position -> (comm_s, decision number)
+        self.kernel: list[float] | None = None  # agreed byte-independent cost per position (seconds)
         self.hold = 0
         self.patience = patience
         self.last_lighter = -2  # decision number of the last lighter move
@@ -224,9 +318,10 @@ class _Ticket:
 
 
 class Adaptive(CodecPolicy):
-    """Adaptive codec policy: per bucket, the least compression that keeps
-    communication hidden (see the module docstring for what is measured and
-    how every rank reaches the same decision).
+    """Adaptive codec policy: per bucket, the codec with the least predicted
+    time per unit of progress (step time x convergence factor; see the module
+    docstring for what is measured, the rule, and how every rank reaches the
+    same decision).
 
     Use it as ``GradCompState(compressor="auto")`` /
     ``GradCompState(compressor=gc.Adaptive(...), algorithm="ring")`` (the
@@ -241,15 +336,20 @@ class Adaptive(CodecPolicy):
             float32 or int8 values) and/or gradcomp compressors with a fixed
             wire size (not ErrorFeedback); at least one, no repeats. Their
             order does not matter: each bucket ranks them by wire bytes.
+        convergence: optional mapping candidate name -> steps to a target
+            accuracy relative to uncompressed training (finite, > 0), overriding
+            :data:`CONVERGENCE` (whose factors it keeps for the names it does not
+            give; a compressor instance, named by its ``repr``, defaults to 1).
         interval: steps (calls per key) between decisions (>= 1).
         probe: steps (calls per key) measured at the start and after a switch
             before the next decision (>= 1).
-        upper: ``rho`` above which communication counts as exposed (> 0).
-        lower: predicted ``rho`` at or below which a lighter codec is taken
+        upper: communication up to ``upper`` x the compute counts as hidden (> 0).
+        lower: caution of lighter moves: an unmeasured lighter codec's
+            predicted link time is multiplied by ``upper / lower``
             (0 < lower < upper).
         patience: decisions to wait before a lighter move after a heavier one (>= 0).
-        memory: decisions for which a codec's measured ``rho`` is trusted over
-            the byte-scaled prediction (>= 0).
+        memory: decisions for which a codec's measured communication time is
+            trusted over the prediction (>= 0).
         error_feedback: the collective keeps a residual per key for lossy
             codecs when no ``residual`` is given (a GradCompState follows its
             own ``error_feedback``).
@@ -258,9 +358,16 @@ class Adaptive(CodecPolicy):
 
     Attributes:
         candidates: the compressors; names: their names (``repr`` for instances).
+        convergence: the convergence factor of each candidate (tuple, in
+            the order of ``candidates``).
         switches: every switch made, oldest first (JSON-ready dicts: ``step``,
-            ``bucket``, ``numel``, ``from``, ``to``, ``rho``, ``comm_s``,
-            ``compute_s``, ``exposed_s``, all agreed across ranks).
+            ``bucket``, ``numel``, ``from``, ``to``, ``comm_s``,
+            ``compute_s``, ``exposed_s``, all agreed across ranks, ``rho =
+            comm_s / compute_s``,
+            ``latency_s`` and ``s_per_byte`` (the fitted link) and
+            ``predicted``: per candidate name, ``wire_bytes``, ``kernel_s``,
+            ``comm_s``, ``step_s``, ``cost_s`` and ``convergence``, the
+            numbers the decision compared).
         decisions: decisions taken so far.
 
     Raises:
@@ -271,6 +378,7 @@ class Adaptive(CodecPolicy):
         self,
         candidates: Sequence[str | Compressor] = DEFAULT_CANDIDATES,
         *,
+        convergence: Mapping[str, float] | None = None,
         interval: int = 10,
         probe: int = 3,
         upper: float = 1.0,
@@ -282,6 +390,7 @@ class Adaptive(CodecPolicy):
         timing: Callable[[Timing], Timing] | None = None,
     ):
         self.candidates, self.names = _candidates(candidates)
+        self.convergence = _convergence(convergence, self.names)
         self.interval = v.integer("interval", interval, 1)
         self.probe = v.integer("probe", probe, 1)
         self.upper = v.real("upper", upper)
@@ -331,9 +440,10 @@ class Adaptive(CodecPolicy):
         ``gc.allreduce(tensor, policy, key=k, ...)`` calls this. Every rank of
         ``group`` must call it with the same keys in the same order (like any
         collective); every ``interval`` calls of a key, that call first agrees
-        on the key's timings (one float64 allreduce of 3 values). Between two
-        calls of a key, the caller's time counts as the compute the
-        communication could hide behind.
+        on the key's timings (one float64 allreduce of 3 values, plus one per
+        candidate at the key's first decision: the kernel costs, timed then).
+        Between two calls of a key, the caller's time counts as the compute
+        the communication could hide behind.
 
         Args:
             tensor, op, group, meter, timeout, out, check: as for :func:`gradcomp.allreduce`.
@@ -444,17 +554,15 @@ class Adaptive(CodecPolicy):
                         numel=track.numel, wire_bytes=own.bytes_sent, comm_s=self.clock() - t0,
                         compute_s=compute)
         track.changed = False
-        if self.timing is not None:
-            sample = self.timing(sample)
-            if not isinstance(sample, Timing):
-                raise TypeError(f"timing must return a gradcomp.adaptive.Timing, got {type(sample).__name__}")
+        sample = self._hooked(sample)
         if meter is not None:
             meter.merge(own)
         return result, sample
 
     def _decide(self, tracks: list[_Track], group, timeout: float, device, step: int,
                 meter: TrafficMeter | None) -> None:
-        """Agree on the window's timings over ``group`` and move each track."""
+        """Agree on the window's timings (and new buckets' kernel costs) over
+        ``group`` and move each track."""
         tracks = [t for t in tracks if t.samples]
         if not tracks:
             return
@@ -462,6 +570,8 @@ class Adaptive(CodecPolicy):
         for t in tracks:
             comm, compute, exposed = (statistics.median(col) for col in zip(*t.samples))
             local += [comm, -compute, exposed]
+            if t.kernel is None:
+                local += self._kernels(t, step, device)
         agreed = torch.tensor(local, dtype=torch.float64, device=device)
         if dist.get_world_size(group) > 1:
             with exclusive(group, "gradcomp.Adaptive"):
@@ -470,29 +580,58 @@ class Adaptive(CodecPolicy):
         agreed = agreed.tolist()
         number = self.decisions
         self.decisions += 1
-        for i, t in enumerate(tracks):
-            comm, compute, exposed = agreed[3 * i], -agreed[3 * i + 1], agreed[3 * i + 2]
+        at = 0
+        for t in tracks:
+            comm, compute, exposed = agreed[at], -agreed[at + 1], agreed[at + 2]
+            at += 3
+            if t.kernel is None:
+                t.kernel = agreed[at:at + len(t.ladder)]
+                at += len(t.ladder)
             t.samples = []
             t.window = self.interval
             rho = comm / compute if compute > 0 else math.inf
             before = t.seen.get(t.level)
-            if before is not None and not 1 / CHANGE <= rho / before[0] <= CHANGE:
+            if before is not None and not before[0] / CHANGE <= comm <= before[0] * CHANGE:
                 t.seen = {}  # the link (or the load) changed: older measurements of other codecs mislead
-            t.seen[t.level] = (rho, number)
-            seen = {j: r for j, (r, at) in t.seen.items() if j != t.level and number - at <= self.memory}
-            new = next_level(rho, t.level, t.nbytes, seen, upper=self.upper, lower=self.lower,
-                             lighter_allowed=t.hold == 0)
+            t.seen[t.level] = (comm, number)
+            seen = {j: c for j, (c, at_) in t.seen.items() if j != t.level and number - at_ <= self.memory}
+            new, preds, (alpha, beta) = choose(
+                t.level, comm, compute, t.kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
+                upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0)
             if not t.hysteresis(new, number, self.patience):
                 continue
+            predicted = {self.names[i]: {"wire_bytes": t.nbytes[j], "kernel_s": t.kernel[j], **preds[j],
+                                         "convergence": self.convergence[i]}
+                         for j, i in enumerate(t.ladder)}
             entry = {"step": step, "bucket": t.bucket if isinstance(t.bucket, (int, str)) else repr(t.bucket),
                      "numel": t.numel, "from": self.names[t.candidate], "to": self.names[t.ladder[new]],
-                     "rho": rho, "comm_s": comm, "compute_s": compute, "exposed_s": exposed}
+                     "rho": rho, "comm_s": comm, "compute_s": compute, "exposed_s": exposed,
+                     "latency_s": alpha, "s_per_byte": beta, "predicted": predicted}
             t.level = new
             t.changed = True
             t.window = self.probe
             self.switches.append(entry)
             if meter is not None:
                 meter.record_switch(entry)
+
+    def _kernels(self, t: _Track, step: int, device) -> list[float]:
+        """This rank's byte-independent cost of each ladder position for
+        ``t``'s size, through the ``timing`` hook (``kind="kernel"``)."""
+        out = []
+        for i in t.ladder:
+            sample = Timing(step=step, bucket=t.bucket, codec=self.names[i], numel=t.numel, wire_bytes=0,
+                            comm_s=_kernel_seconds(self.candidates[i], t.numel, device, self.clock),
+                            compute_s=None, kind="kernel")
+            out.append(self._hooked(sample).comm_s)
+        return out
+
+    def _hooked(self, sample: Timing) -> Timing:
+        if self.timing is None:
+            return sample
+        sample = self.timing(sample)
+        if not isinstance(sample, Timing):
+            raise TypeError(f"timing must return a gradcomp.adaptive.Timing, got {type(sample).__name__}")
+        return sample
 
     def __getstate__(self) -> dict:
         """Everything but the ``clock`` and ``timing`` hooks (runtime, like a
@@ -508,7 +647,9 @@ class Adaptive(CodecPolicy):
         return state
 
     def __repr__(self) -> str:
-        return (f"Adaptive(candidates={self.names!r}, interval={self.interval}, probe={self.probe}, "
+        conv = dict(zip(self.names, self.convergence))
+        return (f"Adaptive(candidates={self.names!r}, convergence={conv!r}, interval={self.interval}, "
+                f"probe={self.probe}, "
                 f"upper={self.upper:g}, "
                 f"lower={self.lower:g}, patience={self.patience})")
 
@@ -540,6 +681,41 @@ def _candidates(candidates) -> tuple[tuple[Compressor, ...], tuple[str, ...]]:
     if len(set(names)) != len(names):
         raise ValueError(f"candidates must not repeat, got {names}")
     return tuple(comps), tuple(names)
+
+
+def _convergence(convergence, names: tuple[str, ...]) -> tuple[float, ...]:
+    if convergence is None:
+        convergence = {}
+    if not isinstance(convergence, Mapping):
+        raise TypeError(f"convergence must be a mapping candidate name -> steps to a target relative to "
+                        f"uncompressed, or None, got {type(convergence).__name__}")
+    unknown = [k for k in convergence if k not in names]
+    if unknown:
+        raise ValueError(f"convergence: unknown candidate {unknown[0]!r}; allowed: {names}")
+    out = []
+    for name in names:
+        f = v.real(f"convergence[{name!r}]", convergence.get(name, CONVERGENCE.get(name, 1.0)))
+        if not (math.isfinite(f) and f > 0):
+            raise ValueError(f"convergence[{name!r}] must be a finite number > 0 (steps to a target "
+                             f"relative to uncompressed), got {f!r}")
+        out.append(f)
+    return tuple(out)
+
+
+def _kernel_seconds(comp: Compressor, numel: int, device, clock: Callable[[], float]) -> float:
+    """Median seconds of one ``comp.compress`` + ``decompress_add_`` of a
+    bucket-sized float32 tensor on ``device`` (after one warm-up)."""
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
+    acc = torch.zeros_like(x)
+    sync = (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else (lambda: None)
+    times = []
+    for _ in range(KERNEL_REPEATS + 1):
+        sync()
+        t0 = clock()
+        comp.decompress_add_(comp.compress(x), acc)
+        sync()
+        times.append(clock() - t0)
+    return statistics.median(times[1:])
 
 
 def _wire_bytes(comp: Compressor, numel: int, world: int) -> int | None:
