@@ -73,6 +73,13 @@ The rule: the candidate with the least predicted *time per unit of progress*
 * the choice is the lightest candidate whose ``cost`` is within 10%
   (:data:`NEAR`) of the least one (less compression for a small loss of
   speed; a heavier move thus needs a gain of more than 10%);
+* measure before trusting a slower-converging codec: a heavier move on
+  predictions alone (the chosen codec not measured) to a codec with a larger
+  convergence factor stops at the first unmeasured codec on the way that
+  converges faster and whose predicted cost is within ``upper / lower`` (the
+  predictions' caution factor, 2 by default) of the best; the next decision
+  has its measurement (top-k, whose speed-up the byte count overstates where
+  kernels dominate, is taken only after int8 measured slower);
 * hysteresis: after a move to heavier compression, lighter candidates that
   are not measured (predictions only) are left out of the choice for
   ``patience`` decisions, and a lighter move undone by the next decision
@@ -266,6 +273,14 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
     allowed = [j for j in range(len(nbytes)) if lighter_allowed or j >= level or j in measured]
     best = min(preds[j]["cost_s"] for j in allowed)
     new = next(j for j in allowed if preds[j]["cost_s"] <= (1 + NEAR) * best)
+    if new > level and new not in measured:
+        # a heavier move on predictions alone to a codec that converges slower stops at
+        # the first unmeasured codec on the way that converges faster and whose predicted
+        # cost is within the predictions' uncertainty (upper / lower) of the best: it is
+        # measured before the slower-converging codec's predicted speed is trusted
+        new = next(j for j in range(level + 1, new + 1)
+                   if j == new or (j not in measured and convergence[j] < convergence[new]
+                                   and preds[j]["cost_s"] <= upper / lower * best))
     return new, preds, (alpha, beta)
 
 
