@@ -104,6 +104,18 @@ def test_async_momentum_applies_to_the_async_server_only():
     assert TrainConfig(momentum=0.8).momentum_for("async") == 0.8
 
 
+def test_dgc_warmup_epochs_set_the_warmup_steps():
+    from gradcomp.compressors import TopK
+    from gradcomp.train.dgc import dgc_compressor
+
+    # 3,750 samples over 4 workers x 32 = 29 full steps per epoch: 2 epochs = 58 steps
+    cfg = TrainConfig(workers=4, batch_size=32, dgc_warmup_epochs=2)
+    assert dgc_compressor(TopK(ratio=0.001), cfg, 3750).warmup_steps == 58
+    assert dgc_compressor(TopK(ratio=0.001), TrainConfig(), 3750).warmup_steps == 0
+    with pytest.raises(ValueError, match="dgc_warmup_epochs"):
+        TrainConfig(dgc_warmup_epochs=-1)
+
+
 def test_threshold_calibration_keeps_one_percent_of_the_first_gradient():
     cfg = TrainConfig(workers=2, batch_size=16)
     tau = calibrate_threshold(cfg)

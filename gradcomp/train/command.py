@@ -186,6 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"SGD learning rate (default: the workload's, {d.lr} for {d.workload})")
     p.add_argument("--momentum", type=float, default=d.momentum,
                    help=f"SGD momentum in [0, 1) (default {d.momentum})")
+    p.add_argument("--dgc-warmup", type=_nonnegative_float, default=None, metavar="EPOCHS",
+                   help="warm-up of the dgc rows in epochs: density rising from 1%% to 0.1%% in four "
+                        "exponential stages (Lin et al. 2018; default 0: none)")
     p.add_argument("--async-momentum", type=float, default=None, metavar="M",
                    help="the parameter server's SGD momentum in async mode, in [0, 1) (default: "
                         "--momentum); asynchrony adds momentum of its own (Mitliagkas et al. 2016), "
@@ -308,6 +311,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
                        batch_size=args.batch_size or w.batch_size,
                        lr=args.lr or w.lr, momentum=args.momentum,
                        async_momentum=args.async_momentum, seed=args.seed,
+                       **({} if args.dgc_warmup is None else {"dgc_warmup_epochs": args.dgc_warmup}),
                        workload=w.name, data_dir=args.data_dir, data_file=args.data_file,
                        algorithm=args.algorithm, eval_every=args.eval_every,
                        threshold=args.threshold, timeout=args.timeout,

@@ -137,6 +137,8 @@ class TrainConfig:
         batch_size: samples per worker per step (global batch = workers x batch_size).
         lr: SGD learning rate of a sync step (async: each push is applied with
             ``lr / workers``, see :mod:`gradcomp.train.async_`); momentum: SGD momentum.
+        dgc_warmup_epochs: the DGC rows' warm-up, in epochs of the training data
+            (0: none; see :mod:`gradcomp.train.dgc`).
         async_momentum: the server's SGD momentum in async mode (None: ``momentum``).
             Asynchrony itself acts like momentum (Mitliagkas et al. 2016,
             "Asynchrony begets momentum": about ``1 - 1/workers`` with stale
@@ -167,6 +169,7 @@ class TrainConfig:
     lr: float = 0.1
     momentum: float = 0.9
     async_momentum: float | None = None
+    dgc_warmup_epochs: float = 0.0
     seed: int = 0
     hidden: tuple[int, ...] = field(default=DEFAULT_HIDDEN)
     test_fraction: float = 0.25
@@ -201,6 +204,8 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if not (isinstance(self.dgc_warmup_epochs, (int, float)) and 0 <= self.dgc_warmup_epochs < float("inf")):
+            raise ValueError(f"dgc_warmup_epochs must be a finite number >= 0, got {self.dgc_warmup_epochs!r}")
         if self.async_momentum is not None and not 0 <= self.async_momentum < 1:
             raise ValueError(f"async_momentum must be None or in [0, 1), got {self.async_momentum!r}")
         if self.algorithm not in ALGORITHMS:

@@ -10,8 +10,9 @@ DGC fixes and the density alone.
 
 Settings: final density :data:`DGC_RATIO` (0.1%, the paper's, selected per
 parameter); local clipping off (the study's baseline does not clip either);
-momentum factor masking on; warm-up over :data:`WARMUP_EPOCHS` epochs from
-:data:`WARMUP_START` in four stages: none by default. The paper warms up for
+momentum factor masking on; warm-up over ``cfg.dgc_warmup_epochs`` epochs
+(``gradcomp train --dgc-warmup``) from :data:`WARMUP_START` in four stages:
+none by default (:data:`WARMUP_EPOCHS`). The paper warms up for
 4 epochs from 25%; on the study's 350-step runs that costs 4x the bytes of
 the rest of the run and measured no better accuracy (README).
 """
@@ -26,15 +27,15 @@ __all__ = ["DGC_RATIO", "WARMUP_EPOCHS", "WARMUP_START", "dgc_compressor", "opti
 
 #: final density of the DGC rows
 DGC_RATIO = 0.001
-#: warm-up length in epochs of the study's data
-WARMUP_EPOCHS = 0
+#: default warm-up length in epochs of the study's data (``TrainConfig.dgc_warmup_epochs``)
+WARMUP_EPOCHS = TrainConfig.dgc_warmup_epochs
 #: density of the first warm-up stage
 WARMUP_START = 0.01
 
 
 def dgc_compressor(top: Compressor, cfg: TrainConfig, train_samples: int, mode: str = "sync") -> DGC:
     """The DGC wrapper of a DGC row's top-k (``choice.build()``), for ``cfg``'s ``mode``."""
-    warmup = WARMUP_EPOCHS * steps_per_epoch(train_samples, cfg.workers, cfg.batch_size)
+    warmup = round(cfg.dgc_warmup_epochs * steps_per_epoch(train_samples, cfg.workers, cfg.batch_size))
     return DGC(top, momentum=cfg.momentum_for(mode), world_size=cfg.workers, warmup_steps=warmup,
                warmup_start=WARMUP_START)
 
