@@ -58,9 +58,9 @@ def _nonnegative_float(text: str) -> float:
         val = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if val == 0:
-        return 0.0  # "0", "0.0", "-0"
-    return _positive_float(text)
+    if not 0 <= val < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return abs(val)  # "-0" is 0.0
 
 
 def _nonnegative_int(text: str) -> int:
