@@ -481,11 +481,7 @@ class Adaptive(CodecPolicy):
                 :func:`gradcomp.allreduce` raises.
         """
         v.choice("algorithm", algorithm, DENSE_ALGORITHMS)
-        try:
-            hash(key)
-        except TypeError:
-            raise TypeError(f"key must be hashable (it names the tensor across calls), "
-                            f"got {type(key).__name__}") from None
+        v.key(key)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}")
         if not dist.is_initialized():

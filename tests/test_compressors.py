@@ -187,6 +187,17 @@ def test_error_feedback_keys_state_dict_and_nonfinite():
     assert not bool(torch.isfinite(ef.decompress(p)).all())
 
 
+@pytest.mark.parametrize("make", [lambda: gc.ErrorFeedback(gc.TopK(k=1)),
+                                  lambda: gc.ErrorFeedback(gc.Int8Quantizer()),
+                                  lambda: gc.DGC(gc.TopK(k=1))])
+def test_error_feedback_unhashable_key_names_the_argument(make):
+    # was a bare "unhashable type: 'list'" from the residual dict
+    ef = make()
+    with pytest.raises(TypeError, match="key must be hashable .* got list"):
+        ef.compress(torch.randn(3), key=[1])
+    assert not ef.residuals
+
+
 @pytest.mark.parametrize("inner", [
     gc.TopK(ratio=0.05), gc.TopK(ratio=0.05, values=gc.Int8Quantizer(block_size=32)),
     gc.TopK(k=7, compact_indices=False), gc.Threshold(1.0), gc.TopK(k=40)])

@@ -150,8 +150,10 @@ class DGC(ErrorFeedback):
 
         Raises:
             ValueError: ``key`` holds the state of a tensor with another numel; ``out`` given.
+            TypeError: an unhashable ``key``.
         """
         v.data_tensor("t", t)
+        v.key(key)
         if out is not None:
             raise ValueError(f"out= needs a dense compressor (fixed wire size), got {self!r}")
         x = _flat(t.detach())

@@ -89,8 +89,13 @@ class ErrorFeedback:
             key: identifies the tensor across calls (e.g. a parameter name);
                 ``None`` is a key like any other.
             out: optional wire buffer, as for :meth:`Compressor.compress`.
+
+        Raises:
+            TypeError: a bad ``t``; an unhashable ``key``. ValueError: ``key``
+                holds the residual of a tensor with another numel; a bad ``out``.
         """
         v.data_tensor("t", t)
+        v.key(key)
         t = t.detach()  # a residual must not hold (and chain) autograd graphs across steps
         if out is not None:
             _check_wire_out(self.wraps, out, t)
