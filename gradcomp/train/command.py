@@ -303,6 +303,10 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         raise ValueError(f"{', '.join(given)} only apply to --mode local, got --mode {','.join(args.mode)}")
     if args.async_momentum is not None and "async" not in args.mode:
         raise ValueError(f"--async-momentum only applies to --mode async, got --mode {','.join(args.mode)}")
+    if args.dgc_warmup is not None and not any(COMPRESSORS[c].dgc for c in args.compressors):
+        dgc = ", ".join(c for c in COMPRESSORS if COMPRESSORS[c].dgc)
+        raise ValueError(f"--dgc-warmup only applies to the DGC rows (--compressors {dgc}), "
+                         f"got --compressors {','.join(args.compressors)}")
     w = WORKLOADS[args.workload]
     for opt, field in (("--data-dir", "data_dir"), ("--data-file", "data_file")):
         if getattr(args, field) is not None and w.needs != field:
