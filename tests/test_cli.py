@@ -133,6 +133,9 @@ def test_more_bad_options_exit_2_with_message(capsys, argv, words):
     (["train", "--mode", "sync", "--workers", "1", "--compressors", "none"], "at least 2 workers"),
     # the launcher's timeout overflowed inside the ranks (a traceback, exit 1)
     (["train", "--mode", "sync", "--compressors", "none", "--timeout", "1e300"], "timeout must be > 0"),
+    # the pipeline mode ignored both without a word
+    (["train", "--mode", "pipeline", "--async-momentum", "0.5"], "--async-momentum only applies to --mode async"),
+    (["train", "--mode", "pipeline", "--dgc-warmup", "1"], "--dgc-warmup does not apply to --mode pipeline"),
     # was ignored without a word, as --async-momentum is not
     (["train", "--mode", "sync", "--compressors", "none,topk-ef", "--dgc-warmup", "2"],
      "--dgc-warmup only applies to the DGC rows (--compressors dgc, dgc-int8), got --compressors none,topk-ef"),
