@@ -123,6 +123,16 @@ def choice(name: str, v, allowed) -> str:
     return v
 
 
+def key(v):
+    """``v`` when it can key a dict (it names a tensor across calls), else TypeError."""
+    try:
+        hash(v)
+    except TypeError:
+        raise TypeError(f"key must be hashable (it names the tensor across calls), "
+                        f"got {type(v).__name__}") from None
+    return v
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """Whether ``t`` holds no NaN or Inf: exactly ``torch.isfinite(t).all()``,
     in one read-only pass. A sum is finite when every element is (a NaN or an

@@ -164,6 +164,10 @@ DEFAULT_CANDIDATES = ("none", "fp16", "int8", "topk-int8")
 #: + error feedback and top-k 1% + int8 + error feedback 75 / 95 / 80, i.e. 250 / 170 = 1.47 in all
 CONVERGENCE: dict[str, float] = {"none": 1.0, "fp16": 1.0, "bf16": 1.0, "int8": 1.0, "topk": 1.47,
                                  "topk-int8": 1.47}
+#: largest convergence factor accepted (and the inverse of the smallest): a step time
+#: times a factor beyond it can overflow to inf (or flush to 0), which makes every
+#: candidate's cost equal and the choice meaningless
+MAX_CONVERGENCE = 1e6
 #: the choice is the lightest candidate whose predicted cost (step time x convergence
 #: factor) is within this fraction of the least one's (less compression for a small
 #: loss of speed)
@@ -352,7 +356,7 @@ class Adaptive(CodecPolicy):
             wire size (not ErrorFeedback); at least one, no repeats. Their
             order does not matter: each bucket ranks them by wire bytes.
         convergence: optional mapping candidate name -> steps to a target
-            accuracy relative to uncompressed training (finite, > 0), overriding
+            accuracy relative to uncompressed training (in [1e-6, 1e6]), overriding
             :data:`CONVERGENCE` (whose factors it keeps for the names it does not
             give; a compressor instance, named by its ``repr``, defaults to 1).
         interval: steps (calls per key) between decisions (>= 1).
@@ -477,11 +481,7 @@ class Adaptive(CodecPolicy):
                 :func:`gradcomp.allreduce` raises.
         """
         v.choice("algorithm", algorithm, DENSE_ALGORITHMS)
-        try:
-            hash(key)
-        except TypeError:
-            raise TypeError(f"key must be hashable (it names the tensor across calls), "
-                            f"got {type(key).__name__}") from None
+        v.key(key)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}")
         if not dist.is_initialized():
@@ -710,8 +710,9 @@ def _convergence(convergence, names: tuple[str, ...]) -> tuple[float, ...]:
     out = []
     for name in names:
         f = v.real(f"convergence[{name!r}]", convergence.get(name, CONVERGENCE.get(name, 1.0)))
-        if not (math.isfinite(f) and f > 0):
-            raise ValueError(f"convergence[{name!r}] must be a finite number > 0 (steps to a target "
+        if not 1 / MAX_CONVERGENCE <= f <= MAX_CONVERGENCE:
+            raise ValueError(f"convergence[{name!r}] must be a finite number > 0, in "
+                             f"[{1 / MAX_CONVERGENCE:g}, {MAX_CONVERGENCE:g}] (steps to a target "
                              f"relative to uncompressed), got {f!r}")
         out.append(f)
     return tuple(out)

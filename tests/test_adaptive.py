@@ -112,6 +112,7 @@ def test_convergence_defaults_and_overrides():
     assert a.convergence == (1.3, 1.0, 1.0)  # an instance defaults to 1
     b = Adaptive(["int8", gc.TopK(ratio=0.001)], convergence={repr(gc.TopK(ratio=0.001)): 2})
     assert b.convergence == (1.0, 2.0)
+    assert Adaptive(["int8", "none"], convergence={"int8": 1e6, "none": 1e-6}).convergence == (1e6, 1e-6)
 
 
 def test_hysteresis_waits_and_backs_off_on_reverted_lighter_moves():
@@ -176,6 +177,10 @@ def test_candidates_ranked_by_wire_bytes_per_bucket():
     (dict(convergence={"topk-int8": -1.5}), ValueError, "convergence['topk-int8'] must be a finite number > 0"),
     (dict(convergence={"int8": float("inf")}), ValueError, "convergence['int8'] must be a finite number > 0"),
     (dict(convergence={"int8": float("nan")}), ValueError, "convergence['int8'] must be a finite number > 0"),
+    # factors so large (small) that step time x factor overflows to inf (flushes to 0) made
+    # every cost equal and the choice arbitrary
+    (dict(convergence={"int8": 1e308}), ValueError, "convergence['int8'] must be a finite number > 0, in [1e-06"),
+    (dict(convergence={"int8": 1e-320}), ValueError, "in [1e-06, 1e+06] (steps to a target"),
     (dict(convergence={"int8": "1"}), TypeError, "convergence['int8'] must be a real number, got str"),
     (dict(convergence={"int8": True}), TypeError, "convergence['int8'] must be a real number, got bool"),
 ])

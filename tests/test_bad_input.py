@@ -86,6 +86,11 @@ def test_ef_load_state_dict_flattens_shaped_residuals():
     ({"residuals": {"a": torch.arange(3)}}, TypeError, "must be a floating tensor"),
     ({"residuals": {"a": torch.zeros(3, dtype=torch.complex64)}}, TypeError, "must be a floating tensor"),
     ({"residuals": {"a": torch.tensor([1.0, float("nan")])}}, ValueError, "NaN or Inf"),
+    # a meta tensor failed inside the finite check (RuntimeError: Tensor.item() on meta)
+    ({"residuals": {"a": torch.zeros(3, device="meta")}}, TypeError,
+     "state\\['residuals'\\]\\['a'\\] must be a floating tensor holding data, got a meta torch.float32"),
+    # finite in float64, Inf once stored as the float32 residual
+    ({"residuals": {"a": torch.tensor([1e300], dtype=torch.float64)}}, ValueError, "NaN or Inf \\(in float32\\)"),
     ({"residuals": {}, "nonfinite_resets": "x"}, TypeError, "nonfinite_resets"),
     ({"residuals": {}, "compressor": {"counter": "abc"}}, TypeError, "state\\['counter'\\] must be an int"),
     ({"residuals": {}, "compressor": {"counter": -5}}, ValueError, "state\\['counter'\\] must be >= 0"),

@@ -109,7 +109,10 @@ def test_python_dash_m_train_bad_option():
 
 @pytest.mark.parametrize("argv, words", [
     (["train", "--seed", "-5"], "--seed: expected an integer in [0, 2**32 - 1], got -5"),
-    (["train", "--threshold", "-1"], "--threshold: expected a finite number > 0"),
+    # 0 is allowed: the message names the bound that is ">= 0"
+    (["train", "--threshold", "-1"], "--threshold: expected a finite number >= 0, got -1"),
+    (["train", "--dgc-warmup", "-1"], "--dgc-warmup: expected a finite number >= 0, got -1"),
+    (["train", "--dgc-warmup", "nan"], "--dgc-warmup: expected a finite number >= 0, got nan"),
     (["bench", "kernels", "--size", "0"], "--size: expected an integer >= 1: 1048576, 2**20"),
     (["bench", "kernels", "--sizes", "2**20,2**100000"], "--sizes: expected an integer >= 1"),
     (["bench", "kernels", "--densities", "5"], "--densities: expected numbers in (0, 1]"),
@@ -130,6 +133,15 @@ def test_more_bad_options_exit_2_with_message(capsys, argv, words):
     (["train", "--mode", "sync", "--workers", "1", "--compressors", "none"], "at least 2 workers"),
     # the launcher's timeout overflowed inside the ranks (a traceback, exit 1)
     (["train", "--mode", "sync", "--compressors", "none", "--timeout", "1e300"], "timeout must be > 0"),
+    # the pipeline mode ignored both without a word
+    (["train", "--mode", "pipeline", "--async-momentum", "0.5"], "--async-momentum only applies to --mode async"),
+    (["train", "--mode", "pipeline", "--dgc-warmup", "1"], "--dgc-warmup does not apply to --mode pipeline"),
+    # was ignored without a word, as --async-momentum is not
+    (["train", "--mode", "sync", "--compressors", "none,topk-ef", "--dgc-warmup", "2"],
+     "--dgc-warmup only applies to the DGC rows (--compressors dgc, dgc-int8), got --compressors none,topk-ef"),
+    # the warm-up's step count overflowed inside the ranks (a traceback, exit 1)
+    (["train", "--mode", "sync", "--compressors", "dgc", "--steps", "1", "--dgc-warmup", "1e308"],
+     "dgc_warmup_epochs must be a number of epochs in [0, 1e+06]"),
     # adaptive compression needs the DDP hook
     (["train", "--compressors", "auto"], "compressor 'auto' runs in mode(s) sync only"),
     (["train", "--hidden", "64,0"], "--hidden expects comma-separated widths >= 1, got '64,0'"),
@@ -157,6 +169,7 @@ def test_threshold_zero_spelled_any_way_is_accepted():
 
     for text in ("0", "0.0", "-0", "0e0"):
         assert build_parser().parse_args(["--threshold", text]).threshold == 0.0
+        assert build_parser().parse_args(["--dgc-warmup", text]).dgc_warmup == 0.0
 
 
 _LIGHT = ("torch", "numpy", "zmq", "gradcomp.kernels")  # none of these loads for --help or --version

@@ -187,6 +187,17 @@ def test_error_feedback_keys_state_dict_and_nonfinite():
     assert not bool(torch.isfinite(ef.decompress(p)).all())
 
 
+@pytest.mark.parametrize("make", [lambda: gc.ErrorFeedback(gc.TopK(k=1)),
+                                  lambda: gc.ErrorFeedback(gc.Int8Quantizer()),
+                                  lambda: gc.DGC(gc.TopK(k=1))])
+def test_error_feedback_unhashable_key_names_the_argument(make):
+    # was a bare "unhashable type: 'list'" from the residual dict
+    ef = make()
+    with pytest.raises(TypeError, match="key must be hashable .* got list"):
+        ef.compress(torch.randn(3), key=[1])
+    assert not ef.residuals
+
+
 @pytest.mark.parametrize("inner", [
     gc.TopK(ratio=0.05), gc.TopK(ratio=0.05, values=gc.Int8Quantizer(block_size=32)),
     gc.TopK(k=7, compact_indices=False), gc.Threshold(1.0), gc.TopK(k=40)])
@@ -277,3 +288,20 @@ def test_all_finite_is_isfinite_all(values, want, dtype):
         t = torch.tensor([60000.0, 60000.0], dtype=dtype)
     assert all_finite(t) is want
     assert want == bool(torch.isfinite(t).all())
+
+
+@pytest.mark.parametrize("c", [gc.Int8Quantizer(), gc.TopK(k=3), gc.NoCompression()])
+def test_decoding_into_a_tensor_autograd_records_is_refused(c):
+    # int8 / top-k wrote such a tensor behind autograd's back (its grad_fn unchanged),
+    # NoCompression through autograd: gradients through it were silently wrong
+    w = c.compress(torch.arange(100, dtype=torch.float32)).wire
+    for decode in (gc.decompress_add_, c.decompress_add_):
+        with pytest.raises(ValueError, match="acc must not require grad"):
+            decode(w, torch.zeros(100, requires_grad=True) * 1)
+    for decode in (gc.decompress, c.decompress):
+        with pytest.raises(ValueError, match="out must not require grad"):
+            decode(w, out=torch.zeros(100, requires_grad=True))
+    acc = torch.zeros(100, requires_grad=True)
+    with torch.no_grad():  # how a parameter is updated in place
+        gc.decompress_add_(w, acc)
+    assert torch.equal(acc.detach(), gc.decompress(w))

@@ -204,6 +204,13 @@ def test_state_dict_round_trip():
     bad = dict(state, momenta={})
     with pytest.raises(ValueError, match="momenta"):
         e.load_state_dict(bad)
+    # a bad velocity is named as one (it was reported as state['residuals'][...])
+    nan = torch.full((50,), float("nan"))
+    with pytest.raises(ValueError, match=r"state\['momenta'\]\['a'\] holds NaN or Inf"):
+        e.load_state_dict(dict(state, momenta={"a": nan}))
+    with pytest.raises(TypeError, match=r"state\['momenta'\]\['a'\] must be a floating tensor holding data"):
+        e.load_state_dict(dict(state, momenta={"a": torch.zeros(50, device="meta")}))
+    assert e.steps["a"] == 3 and torch.equal(e.momenta["a"], d.momenta["a"])  # unchanged
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.37])

@@ -163,6 +163,12 @@ def test_config_and_constructor_errors_name_the_argument():
         ps.Worker(x, rank=3)
     with pytest.raises(ValueError, match="heartbeat_interval"):
         ps.Worker(x, rank=3, server_addresses=["127.0.0.1:1"], heartbeat_interval=0)
+    # an error feedback given with error_feedback=False was used without a word
+    for ef in (gc.ErrorFeedback(gc.Int8Quantizer()), gc.DGC(gc.TopK(ratio=0.1))):
+        with pytest.raises(ValueError, match="error_feedback=False contradicts compressor"):
+            ps.Worker(x, rank=3, server_addresses=["127.0.0.1:1"], compressor=ef, error_feedback=False)
+        with pytest.raises(ValueError, match="error_feedback=False contradicts compressor"):
+            ps.PSConfig(compressor=ef, error_feedback=False)
 
 
 # ---------------------------------------------------------------- sync == data-parallel SGD

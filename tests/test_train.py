@@ -114,6 +114,11 @@ def test_dgc_warmup_epochs_set_the_warmup_steps():
     assert dgc_compressor(TopK(ratio=0.001), TrainConfig(), 3750).warmup_steps == 0
     with pytest.raises(ValueError, match="dgc_warmup_epochs"):
         TrainConfig(dgc_warmup_epochs=-1)
+    for bad in (True, float("nan"), float("inf"), 1e308, "2"):  # 1e308: its step count overflows
+        with pytest.raises(ValueError, match="dgc_warmup_epochs"):
+            TrainConfig(dgc_warmup_epochs=bad)
+    assert dgc_compressor(TopK(ratio=0.001), TrainConfig(workers=4, batch_size=32, dgc_warmup_epochs=1e6),
+                          3750).warmup_steps == 29 * 10**6  # the largest: 29 steps per epoch
 
 
 def test_threshold_calibration_keeps_one_percent_of_the_first_gradient():

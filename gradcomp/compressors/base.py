@@ -356,6 +356,7 @@ def _decompress(p: W.Payload, out, values, into) -> torch.Tensor:
                else type(out).__name__)
         raise ValueError(f"out must be a contiguous {p.dtype} tensor of {p.numel} elements on "
                          f"{p.device}, got {got}")
+    _check_no_grad("out", out)
     if p.numel:
         into(p, out.detach().view(-1))
     return out
@@ -375,6 +376,15 @@ def _check_acc(acc: torch.Tensor, p: W.Payload) -> None:
         raise ValueError(f"acc must have {p.numel} elements (the payload's), got {acc.numel()}")
     if acc.device != p.device:
         raise ValueError(f"acc must be on the payload's device {p.device}, got {acc.device}")
+    _check_no_grad("acc", acc)
+
+
+def _check_no_grad(name: str, t: torch.Tensor) -> None:
+    """Decoding writes ``t`` in place outside autograd (kernels write the memory),
+    so a tensor that autograd records is refused, as torch refuses ``out=`` then."""
+    if t.requires_grad and torch.is_grad_enabled():
+        raise ValueError(f"{name} must not require grad while autograd is recording (decoding is not "
+                         f"differentiable): pass {name}.detach() or decode under torch.no_grad()")
 
 
 def _check_wire_out(c: Compressor, out, t: torch.Tensor) -> None:

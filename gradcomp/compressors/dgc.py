@@ -42,7 +42,7 @@ from gradcomp import _validate as v
 from gradcomp import kernels
 from gradcomp import wire as W
 from gradcomp.compressors.base import Compressor, _flat
-from gradcomp.compressors.error_feedback import ErrorFeedback
+from gradcomp.compressors.error_feedback import ErrorFeedback, checked_residuals
 from gradcomp.compressors.sparse import TopK
 
 __all__ = ["DGC", "check_optimizer"]
@@ -150,8 +150,10 @@ class DGC(ErrorFeedback):
 
         Raises:
             ValueError: ``key`` holds the state of a tensor with another numel; ``out`` given.
+            TypeError: an unhashable ``key``.
         """
         v.data_tensor("t", t)
+        v.key(key)
         if out is not None:
             raise ValueError(f"out= needs a dense compressor (fixed wire size), got {self!r}")
         x = _flat(t.detach())
@@ -281,9 +283,8 @@ class DGC(ErrorFeedback):
         mom, steps = state.get("momenta"), state.get("steps")
         if not isinstance(mom, Mapping) or not isinstance(steps, Mapping):
             raise TypeError("state['momenta'] and state['steps'] must be mappings (from DGC.state_dict())")
+        momenta = checked_residuals(mom, "state['momenta']")
         probe = ErrorFeedback(self.wraps)
-        probe.load_state_dict({**state, "residuals": mom})
-        momenta = probe.residuals
         probe.load_state_dict(state)
         if set(momenta) != set(probe.residuals) or any(
                 momenta[k].numel() != probe.residuals[k].numel() for k in momenta):

@@ -18,7 +18,7 @@ from gradcomp import wire as W
 from gradcomp.compressors.base import Compressor, _check_wire_out, _flat
 from gradcomp.compressors.int8 import Int8Quantizer
 
-__all__ = ["ErrorFeedback", "split", "unwrapped"]
+__all__ = ["ErrorFeedback", "checked_residuals", "split", "unwrapped"]
 
 
 class ErrorFeedback:
@@ -89,8 +89,13 @@ class ErrorFeedback:
             key: identifies the tensor across calls (e.g. a parameter name);
                 ``None`` is a key like any other.
             out: optional wire buffer, as for :meth:`Compressor.compress`.
+
+        Raises:
+            TypeError: a bad ``t``; an unhashable ``key``. ValueError: ``key``
+                holds the residual of a tensor with another numel; a bad ``out``.
         """
         v.data_tensor("t", t)
+        v.key(key)
         t = t.detach()  # a residual must not hold (and chain) autograd graphs across steps
         if out is not None:
             _check_wire_out(self.wraps, out, t)
@@ -176,26 +181,12 @@ class ErrorFeedback:
 
         Raises:
             TypeError: ``state`` or its ``"residuals"`` is not a mapping, or a
-                residual is not a floating tensor.
-            ValueError: a residual holds NaN/Inf (a valid state never does).
+                residual is not a floating tensor holding data.
+            ValueError: a residual holds NaN/Inf in float32 (a valid state never does).
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping (from state_dict()), got {type(state).__name__}")
-        res = state.get("residuals")
-        if not isinstance(res, Mapping):
-            raise TypeError(f"state['residuals'] must be a mapping of key -> tensor, got {type(res).__name__}")
-        residuals = {}
-        for k, r in res.items():
-            if (not isinstance(r, torch.Tensor) or r.layout != torch.strided
-                    or not torch.is_floating_point(r)):
-                what = f"{r.dtype} tensor" if isinstance(r, torch.Tensor) else type(r).__name__
-                raise TypeError(f"state['residuals'][{k!r}] must be a floating tensor, got a {what}")
-            # residuals are flat (one per key, compared by numel): a shaped one must
-            # not broadcast against the flat input
-            r = r.detach().to(torch.float32).reshape(-1).clone()
-            if not v.all_finite(r):
-                raise ValueError(f"state['residuals'][{k!r}] holds NaN or Inf")
-            residuals[k] = r
+        residuals = checked_residuals(state.get("residuals"), "state['residuals']")
         resets = v.integer("state['nonfinite_resets']", state.get("nonfinite_resets", 0), 0)
         self.wraps.load_state_dict(state.get("compressor", {}))
         self.residuals = residuals
@@ -203,6 +194,33 @@ class ErrorFeedback:
 
     def __repr__(self):
         return f"ErrorFeedback({self.wraps!r})"
+
+
+def checked_residuals(res, name: str) -> dict:
+    """Flat float32 copies of a ``key -> tensor`` mapping of residuals (or
+    velocities) from a state dict, validated.
+
+    Raises:
+        TypeError: ``res`` is not a mapping, or a value is not a floating
+            tensor holding data. ValueError: a value holds NaN/Inf (or
+            values beyond float32's range).
+    """
+    if not isinstance(res, Mapping):
+        raise TypeError(f"{name} must be a mapping of key -> tensor, got {type(res).__name__}")
+    out = {}
+    for k, r in res.items():
+        if (not isinstance(r, torch.Tensor) or r.layout != torch.strided or r.is_meta
+                or not torch.is_floating_point(r)):
+            what = (("meta " if r.is_meta else "") + f"{r.dtype} tensor" if isinstance(r, torch.Tensor)
+                    else type(r).__name__)
+            raise TypeError(f"{name}[{k!r}] must be a floating tensor holding data, got a {what}")
+        # residuals are flat (one per key, compared by numel): a shaped one must
+        # not broadcast against the flat input
+        r = r.detach().to(torch.float32).reshape(-1).clone()
+        if not v.all_finite(r):
+            raise ValueError(f"{name}[{k!r}] holds NaN or Inf (in float32)")
+        out[k] = r
+    return out
 
 
 def split(compressor, name: str = "compressor", allowed: str = "") -> tuple[Compressor, ErrorFeedback | None]:

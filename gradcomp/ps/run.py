@@ -83,6 +83,9 @@ class PSConfig:
             c = getattr(self, name)
             if c is not None:
                 split(c, name, " or None")
+        if self.compressor is not None and split(self.compressor)[1] is not None and not self.error_feedback:
+            raise ValueError(f"error_feedback=False contradicts compressor {self.compressor!r}, an error "
+                             "feedback: pass its wrapped compressor, or error_feedback=True")
         for name in ("worker_timeout", "timeout", "heartbeat_timeout", "heartbeat_interval"):
             v.timeout(name, getattr(self, name))
         if self.heartbeat_interval >= self.heartbeat_timeout:

@@ -88,7 +88,8 @@ class Worker:
             by :meth:`pull`. Names, shapes and order must match the servers'.
         num_servers: number of server ranks (ranks ``[0, num_servers)``).
         compressor: push compressor (default :class:`~gradcomp.NoCompression`);
-            an :class:`~gradcomp.ErrorFeedback` is used as given.
+            an :class:`~gradcomp.ErrorFeedback` is used as given (with
+            ``error_feedback=True``).
         error_feedback: wrap a lossy ``compressor`` in ``ErrorFeedback``.
         timeout: seconds to wait for each reply (> 0).
         heartbeat_interval: seconds between heartbeats (> 0); must be well
@@ -148,6 +149,9 @@ class Worker:
             raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
         compressor = NoCompression() if compressor is None else compressor
         codec, self._ef = split(compressor, "compressor", " or None")
+        if self._ef is not None and not error_feedback:
+            raise ValueError(f"error_feedback=False contradicts compressor {compressor!r}, an error "
+                             "feedback: pass its wrapped compressor, or error_feedback=True")
         if error_feedback and self._ef is None and codec.lossy:
             compressor = self._ef = ErrorFeedback(codec)
         self.compressor = compressor

@@ -58,9 +58,9 @@ def _nonnegative_float(text: str) -> float:
         val = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if val == 0:
-        return 0.0  # "0", "0.0", "-0"
-    return _positive_float(text)
+    if not 0 <= val < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return abs(val)  # "-0" is 0.0
 
 
 def _nonnegative_int(text: str) -> int:
@@ -295,14 +295,25 @@ LOCAL_OPTIONS = {"--sync-every": "sync_every", "--outer": "outer", "--fragments"
                  "--overlap": "overlap"}
 
 
+def _check_row_options(args: argparse.Namespace) -> None:
+    """ValueError for ``--async-momentum`` without an async mode or ``--dgc-warmup``
+    without a DGC row (checked before any mode, the pipeline's included, runs)."""
+    if args.async_momentum is not None and "async" not in args.mode:
+        raise ValueError(f"--async-momentum only applies to --mode async, got --mode {','.join(args.mode)}")
+    if args.dgc_warmup is not None and args.mode == ("pipeline",):
+        raise ValueError("--dgc-warmup does not apply to --mode pipeline (it has no DGC rows)")
+    if args.dgc_warmup is not None and not any(COMPRESSORS[c].dgc for c in args.compressors):
+        dgc = ", ".join(c for c in COMPRESSORS if COMPRESSORS[c].dgc)
+        raise ValueError(f"--dgc-warmup only applies to the DGC rows (--compressors {dgc}), "
+                         f"got --compressors {','.join(args.compressors)}")
+
+
 def _config(args: argparse.Namespace) -> TrainConfig:
     local = {field: getattr(args, field) for field in LOCAL_OPTIONS.values()
              if getattr(args, field, None) is not None}
     if local and "local" not in args.mode:
         given = [opt for opt, field in LOCAL_OPTIONS.items() if field in local]
         raise ValueError(f"{', '.join(given)} only apply to --mode local, got --mode {','.join(args.mode)}")
-    if args.async_momentum is not None and "async" not in args.mode:
-        raise ValueError(f"--async-momentum only applies to --mode async, got --mode {','.join(args.mode)}")
     w = WORKLOADS[args.workload]
     for opt, field in (("--data-dir", "data_dir"), ("--data-file", "data_file")):
         if getattr(args, field) is not None and w.needs != field:
@@ -440,6 +451,11 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         print(f"gradcomp train: error: missing {', '.join(missing)}; "
               'install the study\'s extras: pip install "gradcomp[train]"', file=sys.stderr)
+        return 2
+    try:
+        _check_row_options(args)
+    except ValueError as e:
+        print(f"gradcomp train: error: {e}", file=sys.stderr)
         return 2
     if args.mode == ("pipeline",):
         from gradcomp.train.pipeline import run_pipeline

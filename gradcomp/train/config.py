@@ -29,6 +29,9 @@ ALGORITHMS = ("ring", "two_phase")
 TOPK_RATIO = 0.01
 #: Largest ``timeout`` of a run, in seconds.
 MAX_TIMEOUT = 1e7
+#: Largest ``dgc_warmup_epochs`` (a warm-up in steps then stays an exact int64
+#: for any data set: a larger one overflows the step count)
+MAX_WARMUP_EPOCHS = 1e6
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ class TrainConfig:
         lr: SGD learning rate of a sync step (async: each push is applied with
             ``lr / workers``, see :mod:`gradcomp.train.async_`); momentum: SGD momentum.
         dgc_warmup_epochs: the DGC rows' warm-up, in epochs of the training data
-            (0: none; see :mod:`gradcomp.train.dgc`).
+            (0: none, at most :data:`MAX_WARMUP_EPOCHS`; see :mod:`gradcomp.train.dgc`).
         async_momentum: the server's SGD momentum in async mode (None: ``momentum``).
             Asynchrony itself acts like momentum (Mitliagkas et al. 2016,
             "Asynchrony begets momentum": about ``1 - 1/workers`` with stale
@@ -204,8 +207,10 @@ class TrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr!r}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
-        if not (isinstance(self.dgc_warmup_epochs, (int, float)) and 0 <= self.dgc_warmup_epochs < float("inf")):
-            raise ValueError(f"dgc_warmup_epochs must be a finite number >= 0, got {self.dgc_warmup_epochs!r}")
+        if (isinstance(self.dgc_warmup_epochs, bool) or not isinstance(self.dgc_warmup_epochs, (int, float))
+                or not 0 <= self.dgc_warmup_epochs <= MAX_WARMUP_EPOCHS):
+            raise ValueError(f"dgc_warmup_epochs must be a number of epochs in [0, {MAX_WARMUP_EPOCHS:g}], "
+                             f"got {self.dgc_warmup_epochs!r}")
         if self.async_momentum is not None and not 0 <= self.async_momentum < 1:
             raise ValueError(f"async_momentum must be None or in [0, 1), got {self.async_momentum!r}")
         if self.algorithm not in ALGORITHMS:
