@@ -524,7 +524,7 @@ class LocalSGD:
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 1 or t.numel() != numel:
             got = (f"{t.dtype} of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__)
             raise ValueError(f"{name} must be a flat float32 tensor of {numel} elements, got {got}")
-        if not bool(torch.isfinite(t).all()):
+        if not v.all_finite(t):
             raise ValueError(f"{name} holds NaN or Inf")
 
     def __repr__(self) -> str:

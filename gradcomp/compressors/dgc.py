@@ -206,7 +206,7 @@ class DGC(ErrorFeedback):
             vals = torch.cat([val for _, val in picks])
         p = top._pack(n, idx, vals, dtype, shape)
         sent = idx.long()
-        if not bool(torch.isfinite(vals).all()):
+        if not v.all_finite(vals):
             u.zero_()
             r.zero_()
             self.nonfinite_resets += 1
