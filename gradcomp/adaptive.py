@@ -48,7 +48,8 @@ The rule: the candidate with the least predicted *time per unit of progress*
 * the bucket's candidates form a ladder, lightest (most wire bytes) first: the
   wire bytes ``B`` a rank sends for this bucket (dense: ring/two-phase
   ``2 (N - 1) / N`` of the chunks' payloads; sparse: the allgather forwards
-  ``N - 1`` payloads). Every bucket starts on the lightest;
+  ``N - 1`` payloads). Every bucket starts on the lightest, or under a link
+  prior on the codec the prior predicts (below);
 * predicted communication time of candidate ``j``: ``T_j = k_j + alpha +
   B_j x beta``. ``k_j`` is its byte-independent kernel cost: one compress +
   decompress of a bucket-sized float32 tensor, timed on every rank once, at
@@ -86,6 +87,17 @@ The rule: the candidate with the least predicted *time per unit of progress*
   doubles that wait (up to 64), so a borderline link does not make the codec
   flap. A measured lighter codec stays in the choice: a heavier move that its
   own measurement refutes is undone at once.
+
+The start under a link prior (``link=(latency_s, bytes_per_s)``, e.g. from
+``gradcomp plan calibrate``): starting on the lightest codec costs its slow
+steps until the first decision (``probe`` steps), the most where compression
+pays the most. With a prior, each bucket's first call times its kernels (as
+above, agreed with ``MAX``) and predicts ``T_j = k_j + m_j x latency_s + B_j /
+bytes_per_s`` (``m_j``: messages in sequence, ``2 (N - 1)`` for the ring and
+two-phase, ``N - 1`` for the allgather); with the compute not yet measured, it
+starts on the lightest of the fastest-converging candidates whose ``T`` is
+within 10% of their least (:func:`start`). The first decision, with the
+compute and the start codec measured, applies the rule above.
 
 With every convergence factor 1 and zero kernel costs this is the ladder of
 "the least compression that hides the communication": a heavier codec is taken
@@ -139,7 +151,7 @@ from gradcomp.compressors import (BF16, FP16, Compressor, ErrorFeedback, Int8Qua
 from gradcomp.meter import TrafficMeter
 
 __all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES", "TOPK_RATIO", "choose",
-           "fit_link"]
+           "fit_link", "start"]
 
 #: density of the top-k candidates (k = 1% of each bucket's elements)
 TOPK_RATIO = 0.01
@@ -288,13 +300,46 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
     return new, preds, (alpha, beta)
 
 
+def start(kernel_s: Sequence[float], nbytes: Sequence[float], messages: Sequence[int],
+          convergence: Sequence[float], latency_s: float, bytes_per_s: float) -> tuple[int, list[dict[str, float]]]:
+    """The ladder position a bucket starts on under a link prior (see
+    :class:`Adaptive`'s ``link``), before anything of it is measured.
+
+    Predicted communication of position ``j``: ``T_j = kernel_s[j] +
+    messages[j] x latency_s + nbytes[j] / bytes_per_s``. The compute that could
+    hide it is not known yet, and it weighs against a codec that needs more
+    steps (a longer step times a larger factor), so only the positions with the
+    least convergence factor compete; the start is the lightest of them whose
+    ``T`` is within :data:`NEAR` of the least ``T`` (the first decision, with
+    the compute measured, then weighs the slower-converging codecs).
+
+    Args:
+        kernel_s: each position's byte-independent cost (seconds).
+        nbytes: wire bytes per rank of each position (descending).
+        messages: point-to-point messages in sequence per collective of each position.
+        convergence: each position's steps to a target relative to uncompressed.
+        latency_s: the prior's seconds per message (>= 0).
+        bytes_per_s: the prior's bytes per second (> 0).
+
+    Returns:
+        ``(position, predictions)``: per position ``comm_s`` (``T_j``).
+    """
+    preds = [{"comm_s": k + m * latency_s + b / bytes_per_s}
+             for k, b, m in zip(kernel_s, nbytes, messages)]
+    fastest = min(convergence)
+    eligible = [j for j, f in enumerate(convergence) if f == fastest]
+    best = min(preds[j]["comm_s"] for j in eligible)
+    return next(j for j in eligible if preds[j]["comm_s"] <= (1 + NEAR) * best), preds
+
+
 class _Track:
     """The policy's state for one bucket (or key)."""
 
-    def __init__(self, bucket: Hashable, numel: int, ladder: list[int], nbytes: list[int], patience: int,
-                 window: int):
-        self.bucket, self.numel, self.ladder, self.nbytes = bucket, numel, ladder, nbytes
+    def __init__(self, bucket: Hashable, numel: int, ladder: list[int], nbytes: list[int], messages: list[int],
+                 patience: int, window: int):
+        self.bucket, self.numel, self.ladder, self.nbytes, self.messages = bucket, numel, ladder, nbytes, messages
         self.level = 0
+        self.started = False  # the start under a link prior was taken
         self.window = window  # samples before the next decision
         self.changed = True  # the next call checks the ranks' arguments (a new codec)
         self.samples: list[tuple[float, float, float]] = []  # (comm_s, compute_s, exposed_s)
@@ -369,6 +414,15 @@ class Adaptive(CodecPolicy):
         patience: decisions to wait before a lighter move after a heavier one (>= 0).
         memory: decisions for which a codec's measured communication time is
             trusted over the prediction (>= 0).
+        link: optional prior for the link, ``(latency_s, bytes_per_s)``:
+            seconds per point-to-point message and bytes per second, e.g. the
+            ``alpha_s`` and ``beta_bytes_per_s`` of a ``gradcomp plan
+            calibrate`` profile of this link. With it, a bucket does not start
+            on the lightest codec: before its first collective it times its
+            kernels and starts on the codec :func:`start` predicts fastest
+            among those that converge fastest (logged as a switch with
+            ``"start": True``); the measurements take over from the first
+            decision. None: start on the lightest.
         error_feedback: the collective keeps a residual per key for lossy
             codecs when no ``residual`` is given (a GradCompState follows its
             own ``error_feedback``).
@@ -404,12 +458,14 @@ class Adaptive(CodecPolicy):
         lower: float = 0.5,
         patience: int = 2,
         memory: int = 30,
+        link: tuple[float, float] | None = None,
         error_feedback: bool = True,
         clock: Callable[[], float] | None = None,
         timing: Callable[[Timing], Timing] | None = None,
     ):
         self.candidates, self.names = _candidates(candidates)
         self.convergence = _convergence(convergence, self.names)
+        self.link = _link_prior(link)
         self.interval = v.integer("interval", interval, 1)
         self.probe = v.integer("probe", probe, 1)
         self.upper = v.real("upper", upper)
@@ -491,6 +547,8 @@ class Adaptive(CodecPolicy):
         start = self.clock()
         calls, last_end = self._calls.get(key, (0, None))
         track = self._track(key, tensor.numel(), dist.get_world_size(group), algorithm)
+        if self.link is not None and not track.started:
+            self._start(track, group, timeout, tensor.device, calls, meter)
         if len(track.samples) >= track.window:
             self._decide([track], group, timeout, tensor.device, calls, meter)
         if residual is None and self.error_feedback and self.lossy:
@@ -520,6 +578,8 @@ class Adaptive(CodecPolicy):
                 self._decide(list(self._tracks.values()), group, timeout, buf.device, ticket.step, meter)
                 self._window_steps = 0
         track = self._track(ticket.bucket, ticket.numel, dist.get_world_size(group), algorithm)
+        if self.link is not None and not track.started:
+            self._start(track, group, timeout, buf.device, ticket.step, meter)
         compute = ticket.handed - self._free if self._free is not None else None
         self._free = ticket.handed
         _, sample = self._run(track, buf, ticket.step, compute, op="avg", algorithm=algorithm, group=group,
@@ -547,7 +607,9 @@ class Adaptive(CodecPolicy):
         if t is None or t.numel != numel:  # new, or DDP rebuilt its buckets
             sizes = [_wire_bytes(c, numel, world) for c in self.candidates]
             ladder = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
-            t = self._tracks[bucket] = _Track(bucket, numel, ladder, [sizes[i] for i in ladder],
+            # messages in sequence: ring / two-phase 2 (N - 1), the sparse allgather N - 1
+            messages = [(world - 1) * (1 if self.candidates[i].sparse else 2) for i in ladder]
+            t = self._tracks[bucket] = _Track(bucket, numel, ladder, [sizes[i] for i in ladder], messages,
                                               self.patience, self.probe)
         return t
 
@@ -587,12 +649,7 @@ class Adaptive(CodecPolicy):
             local += [comm, -compute, exposed]
             if t.kernel is None:
                 local += self._kernels(t, step, device)
-        agreed = torch.tensor(local, dtype=torch.float64, device=device)
-        if dist.get_world_size(group) > 1:
-            with exclusive(group, "gradcomp.Adaptive"):
-                work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True)
-                work.wait(timeout=datetime.timedelta(seconds=timeout))
-        agreed = agreed.tolist()
+        agreed = _agree(local, group, timeout, device)
         number = self.decisions
         self.decisions += 1
         at = 0
@@ -629,6 +686,29 @@ class Adaptive(CodecPolicy):
             if meter is not None:
                 meter.record_switch(entry)
 
+    def _start(self, t: _Track, group, timeout: float, device, step: int, meter: TrafficMeter | None) -> None:
+        """Under a link prior, time ``t``'s kernels (agreed with ``MAX``) and move
+        it to the position :func:`start` predicts, before its first collective."""
+        t.started = True
+        t.kernel = _agree(self._kernels(t, step, device), group, timeout, device)
+        latency_s, bytes_per_s = self.link
+        new, preds = start(t.kernel, t.nbytes, t.messages, [self.convergence[i] for i in t.ladder],
+                           latency_s, bytes_per_s)
+        if new == t.level:
+            return
+        predicted = {self.names[i]: {"wire_bytes": t.nbytes[j], "kernel_s": t.kernel[j], **preds[j],
+                                     "convergence": self.convergence[i]}
+                     for j, i in enumerate(t.ladder)}
+        entry = {"step": step, "bucket": t.bucket if isinstance(t.bucket, (int, str)) else repr(t.bucket),
+                 "numel": t.numel, "from": self.names[t.candidate], "to": self.names[t.ladder[new]],
+                 "start": True, "prior_latency_s": latency_s, "prior_bytes_per_s": bytes_per_s,
+                 "predicted": predicted}
+        t.level = new
+        t.changed = True
+        self.switches.append(entry)
+        if meter is not None:
+            meter.record_switch(entry)
+
     def _kernels(self, t: _Track, step: int, device) -> list[float]:
         """This rank's byte-independent cost of each ladder position for
         ``t``'s size, through the ``timing`` hook (``kind="kernel"``)."""
@@ -664,9 +744,31 @@ class Adaptive(CodecPolicy):
     def __repr__(self) -> str:
         conv = dict(zip(self.names, self.convergence))
         return (f"Adaptive(candidates={self.names!r}, convergence={conv!r}, interval={self.interval}, "
-                f"probe={self.probe}, "
-                f"upper={self.upper:g}, "
-                f"lower={self.lower:g}, patience={self.patience})")
+                f"probe={self.probe}, upper={self.upper:g}, lower={self.lower:g}, patience={self.patience}, "
+                f"link={self.link!r})")
+
+
+def _agree(local: list[float], group, timeout: float, device) -> list[float]:
+    """The element-wise ``MAX`` of ``local`` over ``group``'s ranks (one float64 allreduce)."""
+    agreed = torch.tensor(local, dtype=torch.float64, device=device)
+    if dist.get_world_size(group) > 1:
+        with exclusive(group, "gradcomp.Adaptive"):
+            work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+    return agreed.tolist()
+
+
+def _link_prior(link) -> tuple[float, float] | None:
+    if link is None:
+        return None
+    if isinstance(link, (str, bytes)) or not isinstance(link, Sequence) or len(link) != 2:
+        raise TypeError(f"link must be None or a pair (latency_s, bytes_per_s), got {link!r}")
+    latency_s, bytes_per_s = v.real("link[0] (latency_s)", link[0]), v.real("link[1] (bytes_per_s)", link[1])
+    if not (math.isfinite(latency_s) and latency_s >= 0):
+        raise ValueError(f"link[0] (latency_s, seconds per message) must be a finite number >= 0, got {latency_s!r}")
+    if not (math.isfinite(bytes_per_s) and bytes_per_s > 0):
+        raise ValueError(f"link[1] (bytes_per_s) must be a finite number > 0, got {bytes_per_s!r}")
+    return latency_s, bytes_per_s
 
 
 def _candidates(candidates) -> tuple[tuple[Compressor, ...], tuple[str, ...]]:

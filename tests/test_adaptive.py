@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp as gc
-from gradcomp.adaptive import Adaptive, Timing, choose, fit_link
+from gradcomp.adaptive import Adaptive, Timing, choose, fit_link, start
 from gradcomp.ddp import GradCompState, compressed_allreduce_hook
 from gradcomp.launch import launch
 
@@ -106,6 +106,26 @@ def test_fit_link(points, expected):
     assert fit_link(points) == pytest.approx(expected)
 
 
+# the start under a link prior: kernels 0 / 1 / 2 / 3 ms, messages 2 / 2 / 2 / 1 (ring, allgather)
+KS, MSGS = [0.0, 1e-3, 2e-3, 3e-3], [2, 2, 2, 1]
+
+
+@pytest.mark.parametrize("latency_s, bytes_per_s, conv, expected, comm_ms", [
+    # 1 byte/us: none 2 + 4 = 6 ms, fp16 1 + 2 + 2 = 5, int8 2 + 2 + 1 = 5, top-k 3 + 1 + 0.05 (converges
+    # slower: not a start); fp16 is the lightest within 10% of 5
+    (1e-3, 1e6, FD, 1, [6.0, 5.0, 5.0, 4.05]),
+    # 10 us/byte: none 42, fp16 23, int8 14 -> int8; top-k (8.5) only if it converges as fast
+    (1e-3, 1e5, FD, 2, [42.0, 23.0, 14.0, 4.5]),
+    (1e-3, 1e5, F1, 3, [42.0, 23.0, 14.0, 4.5]),
+    # a fast link: none's 0.004 ms beats every kernel
+    (0.0, 1e9, FD, 0, [0.004, 1.002, 2.001, 3.00005]),
+])
+def test_start(latency_s, bytes_per_s, conv, expected, comm_ms):
+    new, preds = start(KS, NB, MSGS, conv, latency_s, bytes_per_s)
+    assert new == expected
+    assert [p["comm_s"] / MS for p in preds] == pytest.approx(comm_ms)
+
+
 def test_convergence_defaults_and_overrides():
     assert Adaptive().convergence == (1.0, 1.0, 1.0, 1.47)
     a = Adaptive(["topk-int8", "int8", gc.TopK(ratio=0.001)], convergence={"topk-int8": 1.3})
@@ -117,7 +137,7 @@ def test_convergence_defaults_and_overrides():
 
 def test_hysteresis_waits_and_backs_off_on_reverted_lighter_moves():
     from gradcomp.adaptive import _Track
-    t = _Track("b", 100, [0, 1, 2], [400, 100, 5], patience=2, window=3)
+    t = _Track("b", 100, [0, 1, 2], [400, 100, 5], [2, 2, 1], patience=2, window=3)
     moves = []
     for number, new in enumerate([2, 2, 2, 1, 2, 2, 2, 2, 2, 1, 1]):
         moved = t.hysteresis(new, number, base=2)
@@ -386,8 +406,52 @@ def _collective_run(rank):
             "identical": identical, "carried": carried, "codecs": codecs, "bad_timing": bad_timing}
 
 
+#: the prior of the start tests: 0.1 ms per message, 1e5 bytes/s (10 us a byte)
+PRIOR = (1e-4, 1e5)
+
+
+def _prior_timing(rank, slow_int8_kernel):
+    """Kernel timings of 0, except rank 1's int8 on the keys of ``slow_int8_kernel`` (1 s)."""
+    def timing(s: Timing) -> Timing:
+        if s.kind != "kernel":
+            return s
+        slow = rank == 1 and s.codec == "int8" and s.bucket in slow_int8_kernel
+        return dataclasses.replace(s, comm_s=1.0 if slow else 0.0)
+    return timing
+
+
+def _prior_run(rank):
+    """The start under a link prior, in the collective and in DDP.
+
+    Collective, candidates none / int8 / top-k + int8 on 3000 elements (2 ranks;
+    none sends ~12 kB, int8 ~3 kB): under PRIOR none takes ~1.2 s, int8 ~0.3 s,
+    top-k converges slower (no start). Key "a": int8. Key "b": rank 1 times
+    int8's kernel at 1 s, and the agreed (MAX) 1.3 s is more than none's: none.
+    DDP, one bucket of _Net's 2243 parameters: int8 from step 0.
+    """
+    policy = Adaptive(["none", "int8", "topk-int8"], link=PRIOR, timing=_prior_timing(rank, {"b"}))
+    meter = gc.TrafficMeter()
+    outs = {}
+    for key in ("a", "b"):
+        t = torch.randn(3000, generator=torch.Generator().manual_seed(rank)) * (1 + rank)
+        outs[key] = _gathered(gc.allreduce(t, policy, key=key, meter=meter))
+    torch.manual_seed(0)
+    model = DDP(_Net())
+    ddp_policy = Adaptive(link=PRIOR, timing=_prior_timing(rank, set()))
+    state = GradCompState(compressor=ddp_policy, min_compress_numel=0, start_iter=0, timeout=30)
+    model.register_comm_hook(state, compressed_allreduce_hook)
+    x, y = _data(rank, 0)
+    nn.functional.cross_entropy(model(x), y).backward()
+    grads = _gathered(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+    state.close()
+    return {"codecs": (policy.codec("a"), policy.codec("b")), "switches": policy.switches,
+            "meter": meter.as_dict()["switches"], "identical": all(torch.equal(o[0], o[1]) for o in outs.values()),
+            "ddp_codec": ddp_policy.codec(0), "ddp_switches": ddp_policy.switches,
+            "ddp_identical": torch.equal(grads[0], grads[1])}
+
+
 def _both(rank, world):
-    return {"ddp": _ddp_run(rank), "collective": _collective_run(rank)}
+    return {"ddp": _ddp_run(rank), "collective": _collective_run(rank), "prior": _prior_run(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -486,3 +550,20 @@ def test_collective_auto_switches_and_delivers_residuals(runs):
 def test_timing_hook_must_return_a_timing(runs):
     assert all("timing must return a gradcomp.adaptive.Timing, got NoneType" in r["collective"]["bad_timing"]
                for r in runs)
+
+
+@pytest.mark.slow
+def test_link_prior_starts_on_the_predicted_codec_and_ranks_agree(runs):
+    for r in runs:
+        p = r["prior"]
+        assert p["codecs"] == ("int8", "none")  # "b": rank 1's slow int8 kernel counts for both
+        assert [(s["step"], s["bucket"], s["from"], s["to"], s["start"]) for s in p["switches"]] == [
+            (0, "a", "none", "int8", True)]
+        s = p["switches"][0]
+        assert s["prior_latency_s"] == PRIOR[0] and s["prior_bytes_per_s"] == PRIOR[1]
+        assert s["predicted"]["none"]["comm_s"] == pytest.approx(
+            2 * PRIOR[0] + s["predicted"]["none"]["wire_bytes"] / PRIOR[1])
+        assert p["meter"] == p["switches"] and p["identical"]
+        assert p["ddp_codec"] == "int8" and p["ddp_identical"]
+        assert [(s["step"], s["to"], s["start"]) for s in p["ddp_switches"]] == [(0, "int8", True)]
+    assert runs[0]["prior"]["switches"] == runs[1]["prior"]["switches"]

@@ -152,6 +152,28 @@ def test_settings_that_cannot_work_exit_2(capsys, argv, words):
     assert words in capsys.readouterr().err
 
 
+def test_bad_auto_profiles_exit_2_before_the_study(capsys, tmp_path):
+    good = tmp_path / "100mbit.json"
+    good.write_text('{"version": 1, "alpha_s": 1e-4, "beta_bytes_per_s": 1.25e7, "link": "100mbit"}')
+    nobw = tmp_path / "roofline.json"
+    nobw.write_text('{"version": 1, "alpha_s": 1e-4, "beta_bytes_per_s": null, "link": "100mbit"}')
+    junk = tmp_path / "junk.json"
+    junk.write_text("{not json")
+    auto = ["train", "--mode", "sync", "--compressors", "auto", "--steps", "1"]
+    for argv, words in [
+        (["train", "--mode", "sync", "--compressors", "int8", "--auto-profile", str(good)],
+         "--auto-profile only applies to the auto row"),
+        ([*auto, "--auto-profile", str(tmp_path / "missing.json")], "--auto-profile: cannot read"),
+        ([*auto, "--auto-profile", str(junk)], "is not valid JSON"),
+        ([*auto, "--auto-profile", str(nobw)], "has no measured bandwidth"),
+        ([*auto, "--auto-profile", f"{good},{good}"], "two profiles for link '100mbit'"),
+        ([*auto, "--auto-profile", str(good)], "no profile for scenario 'loopback' (link none); profiles for: 100mbit"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+
+
 def test_out_that_is_a_file_exits_2_before_the_study(capsys, tmp_path):
     f = tmp_path / "results"
     f.write_text("not a directory")

@@ -106,6 +106,13 @@ def _compressor_list(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _files(text: str) -> list[str]:
+    paths = [t.strip() for t in text.split(",")]
+    if not all(paths):
+        raise argparse.ArgumentTypeError(f"expected comma-separated file paths, got {text!r}")
+    return paths
+
+
 def _cv(text: str) -> float:
     try:
         val = float(text)
@@ -193,6 +200,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the parameter server's SGD momentum in async mode, in [0, 1) (default: "
                         "--momentum); asynchrony adds momentum of its own (Mitliagkas et al. 2016), "
                         "so stale gradients often need less")
+    p.add_argument("--auto-profile", type=_files, default=None, metavar="FILES",
+                   help="comma-separated link profiles from `gradcomp plan calibrate --link RATE`: the "
+                        "auto rows on a scenario of that link start on the codec the profile predicts "
+                        "fastest (gc.Adaptive(link=)); every scenario needs one (default: none, auto "
+                        "starts on the lightest codec)")
     p.add_argument("--seed", type=_seed, default=d.seed,
                    help="seed of the model, the data split and the data order (default 0)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default=d.algorithm,
@@ -296,8 +308,12 @@ LOCAL_OPTIONS = {"--sync-every": "sync_every", "--outer": "outer", "--fragments"
 
 
 def _check_row_options(args: argparse.Namespace) -> None:
-    """ValueError for ``--async-momentum`` without an async mode or ``--dgc-warmup``
-    without a DGC row (checked before any mode, the pipeline's included, runs)."""
+    """ValueError for ``--async-momentum`` without an async mode, ``--dgc-warmup``
+    without a DGC row or ``--auto-profile`` without the auto row (checked before
+    any mode, the pipeline's included, runs)."""
+    if args.auto_profile is not None and ("auto" not in args.compressors or "sync" not in args.mode):
+        raise ValueError(f"--auto-profile only applies to the auto row (--compressors auto, --mode sync), "
+                         f"got --compressors {','.join(args.compressors)} --mode {','.join(args.mode)}")
     if args.async_momentum is not None and "async" not in args.mode:
         raise ValueError(f"--async-momentum only applies to --mode async, got --mode {','.join(args.mode)}")
     if args.dgc_warmup is not None and args.mode == ("pipeline",):
@@ -480,6 +496,7 @@ def run(args: argparse.Namespace) -> int:
     lead = not in_torchrun() or os.environ.get("RANK") == "0"
     try:
         scenarios = _scenario_list(args, cfg.workers)
+        args.auto_links = _auto_links(args.auto_profile, scenarios)
     except ValueError as e:
         return fail(str(e), 2)
     made = None
@@ -502,6 +519,40 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
+def _auto_links(files: list[str] | None, scenarios) -> dict[str, tuple[float, float]]:
+    """Per scenario link (``"none"``: loopback), the auto rows' link prior
+    ``(alpha_s, beta_bytes_per_s)`` from the ``--auto-profile`` files.
+
+    Raises:
+        ValueError: an unreadable or bad profile, one without a measured
+            bandwidth, two for one link, or a scenario whose link has none.
+    """
+    if files is None:
+        return {}
+    from gradcomp.plan.profile import Profile
+
+    links: dict[str, tuple[float, float]] = {}
+    for path in files:
+        try:
+            prof = Profile.load(path)
+        except OSError as e:
+            raise ValueError(f"--auto-profile: cannot read {path}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise ValueError(f"--auto-profile: {path}: {e}") from None
+        if prof.beta_bytes_per_s is None:
+            raise ValueError(f"--auto-profile: {path} has no measured bandwidth (write it with "
+                             f"`gradcomp plan calibrate --link RATE`)")
+        link = (prof.link or "none").strip().lower()
+        if link in links:
+            raise ValueError(f"--auto-profile: two profiles for link {link!r}")
+        links[link] = (prof.alpha_s, prof.beta_bytes_per_s)
+    for sc in scenarios:
+        if (sc.link or "none").lower() not in links:
+            raise ValueError(f"--auto-profile: no profile for scenario {sc.name!r} (link {sc.link or 'none'}); "
+                             f"profiles for: {', '.join(sorted(links))}")
+    return links
+
+
 def _run_and_report(args, cfg, modes, scenarios, lead, console, fail) -> int:
     from gradcomp.launch import WorkerError
     from gradcomp.train import report
@@ -510,6 +561,7 @@ def _run_and_report(args, cfg, modes, scenarios, lead, console, fail) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
     names = list(dict.fromkeys(["none", *args.compressors]))
+    links = getattr(args, "auto_links", {})
     grand = cfg.steps * len(modes) * len(names) * args.seeds * len(scenarios)
     studies = []
     try:
@@ -520,7 +572,8 @@ def _run_and_report(args, cfg, modes, scenarios, lead, console, fail) -> int:
             for sc in scenarios:
                 if bars is not None and len(scenarios) > 1:
                     bars.prefix = f"{sc.name}: "
-                studies.append(run_study(cfg, modes, args.compressors, on_progress=bars,
+                prior = links.get((sc.link or "none").lower())
+                studies.append(run_study(dataclasses.replace(cfg, auto_link=prior), modes, args.compressors, on_progress=bars,
                                          scenario=sc, seeds=args.seeds, target_acc=args.target_acc))
         if args.target_acc is None and len(studies) > 1:
             # one target for every scenario: the first scenario's baseline

@@ -53,12 +53,14 @@ class CompressorChoice:
     dgc: bool = False
     modes: tuple[str, ...] = ALL_MODES
 
-    def build(self, threshold: float | None = None) -> "Compressor | Adaptive":
+    def build(self, threshold: float | None = None, link: tuple[float, float] | None = None
+              ) -> "Compressor | Adaptive":
         """A fresh codec (without error feedback: the transport's state adds it);
         for ``auto`` a fresh :class:`gradcomp.Adaptive` policy.
 
         Args:
             threshold: magnitude threshold for ``threshold-ef`` (required there).
+            link: ``auto``'s link prior (``gc.Adaptive(link=)``), or None.
         """
         from gradcomp.compressors import (BF16, FP16, Int8Quantizer, NoCompression, Threshold,
                                           TopK)
@@ -82,7 +84,7 @@ class CompressorChoice:
         if self.name == "auto":
             from gradcomp.adaptive import Adaptive
 
-            return Adaptive()
+            return Adaptive(link=link)
         if self.name == "threshold-ef":
             if threshold is None:
                 raise ValueError("threshold-ef needs a threshold")
@@ -143,6 +145,8 @@ class TrainConfig:
         dgc_warmup_epochs: the DGC rows' warm-up, in epochs of the training data
             (0: none, at most :data:`MAX_WARMUP_EPOCHS`; see :mod:`gradcomp.train.dgc`).
         async_momentum: the server's SGD momentum in async mode (None: ``momentum``).
+        auto_link: the ``auto`` rows' link prior ``(latency_s, bytes_per_s)``
+            (:class:`gradcomp.Adaptive`'s ``link``), or None.
             Asynchrony itself acts like momentum (Mitliagkas et al. 2016,
             "Asynchrony begets momentum": about ``1 - 1/workers`` with stale
             gradients), so a stable async run often needs less explicit momentum.
@@ -173,6 +177,7 @@ class TrainConfig:
     momentum: float = 0.9
     async_momentum: float | None = None
     dgc_warmup_epochs: float = 0.0
+    auto_link: tuple[float, float] | None = None
     seed: int = 0
     hidden: tuple[int, ...] = field(default=DEFAULT_HIDDEN)
     test_fraction: float = 0.25
@@ -213,6 +218,10 @@ class TrainConfig:
                              f"got {self.dgc_warmup_epochs!r}")
         if self.async_momentum is not None and not 0 <= self.async_momentum < 1:
             raise ValueError(f"async_momentum must be None or in [0, 1), got {self.async_momentum!r}")
+        if self.auto_link is not None:
+            from gradcomp.adaptive import Adaptive
+
+            Adaptive(link=self.auto_link)  # raises for a bad prior, naming it
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
         if self.threshold is not None and not self.threshold >= 0:

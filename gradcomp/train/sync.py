@@ -57,7 +57,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
     ddp = DistributedDataParallel(model)
     meter = TrafficMeter()
     timeline = Timeline()
-    codec = choice.build(cfg.threshold)
+    codec = choice.build(cfg.threshold, link=cfg.auto_link)
     if choice.dgc:
         codec = dgc_compressor(codec, cfg, len(data.y_train))
     state = GradCompState(
