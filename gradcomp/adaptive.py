@@ -544,7 +544,7 @@ class Adaptive(CodecPolicy):
             raise RuntimeError("gradcomp.allreduce needs torch.distributed initialised "
                                "(dist.init_process_group or gradcomp.launch)")
         group = dist.group.WORLD if group is None else group
-        start = self.clock()
+        began = self.clock()
         calls, last_end = self._calls.get(key, (0, None))
         track = self._track(key, tensor.numel(), dist.get_world_size(group), algorithm)
         if self.link is not None and not track.started:
@@ -553,7 +553,7 @@ class Adaptive(CodecPolicy):
             self._decide([track], group, timeout, tensor.device, calls, meter)
         if residual is None and self.error_feedback and self.lossy:
             residual = self._residual(key, tensor)
-        compute = start - last_end if last_end is not None else None
+        compute = began - last_end if last_end is not None else None
         result, sample = self._run(track, tensor, calls, compute, op=op, algorithm=algorithm, group=group,
                                    meter=meter, timeout=timeout, residual=residual, out=out, check=check)
         if sample.compute_s is not None:
