@@ -59,9 +59,15 @@ The rule: the candidate with the least predicted *time per unit of progress*
   the link's, fitted (:func:`fit_link`, least squares, both >= 0) to
   ``comm_s - k`` of the codecs measured on this bucket: the current one and
   those measured within the last ``memory`` decisions, unless the current
-  codec's ``comm_s`` moved by more than 2x since its previous measurement (:data:`CHANGE`: a changed link makes older measurements
-  mislead; they are forgotten). With one codec measured, ``alpha = 0``
-  (everything per byte). A measured codec is predicted by its measurement;
+  codec's ``comm_s`` moved by more than 2x since its previous measurement
+  (:data:`CHANGE`: a changed link makes older measurements mislead; they are
+  forgotten). The fit is per kind of collective: a dense codec is predicted
+  from the measured dense codecs (ring / two-phase), a sparse one from the
+  measured sparse ones (allgather), since their per-collective costs differ
+  (a kernel-bound top-k measured beside int8 would otherwise read as "bytes
+  cost nothing"); with none of its kind measured, from all measured codecs.
+  With one codec measured, ``alpha = 0`` (everything per byte). A measured
+  codec is predicted by its measurement;
   an unmeasured lighter codec gets its ``B_j x beta`` multiplied by ``upper /
   lower`` (2 by default): moves to less compression are cautious;
 * predicted step time (the bucket's share): ``step_j = compute_s +
@@ -252,7 +258,8 @@ def fit_link(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float], nbytes: Sequence[float],
            seen: dict[int, float], convergence: Sequence[float], *, upper: float, lower: float,
-           lighter_allowed: bool = True) -> tuple[int, list[dict[str, float]], tuple[float, float]]:
+           lighter_allowed: bool = True, sparse: Sequence[bool] | None = None
+           ) -> tuple[int, list[dict[str, float]], tuple[float, float]]:
     """The ladder position the policy moves to, and the predictions behind it
     (see the module docstring for the rule).
 
@@ -267,21 +274,33 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         upper, lower: the hiding bound and the caution of lighter moves (``lower < upper``).
         lighter_allowed: False while the policy waits after a heavier move:
             lighter positions are then chosen only when measured (in ``seen``).
+        sparse: per position, whether it runs the sparse allgather (None: all
+            alike). An unmeasured position is predicted from the link fitted
+            to the measured positions of its own kind (the ring's and the
+            allgather's per-collective costs differ), or to all measured
+            positions when none of its kind is measured.
 
     Returns:
         ``(position, predictions, (alpha, beta))``: the new position (``level``
         when nothing moves); per position, ``comm_s``, ``step_s`` and
         ``cost_s`` (predicted step seconds x convergence factor); the link's
         seconds per collective and per wire byte fitted to the measured
-        codecs (:func:`fit_link`).
+        codecs of the current position's kind (:func:`fit_link`).
     """
     measured = {**seen, level: comm_s}
-    alpha, beta = fit_link([(nbytes[j], t - kernel_s[j]) for j, t in measured.items()])
+    kind = list(sparse) if sparse is not None else [False] * len(nbytes)
+
+    def fit(positions) -> tuple[float, float]:
+        return fit_link([(nbytes[j], measured[j] - kernel_s[j]) for j in positions])
+
+    overall = fit(measured)
+    fits = {k: fit([j for j in measured if kind[j] == k]) for k in {kind[j] for j in measured}}
     preds = []
     for j in range(len(nbytes)):
         if j in measured:
             comm = measured[j]
         else:
+            alpha, beta = fits.get(kind[j], overall)
             link = nbytes[j] * beta
             comm = kernel_s[j] + alpha + (link * upper / lower if j < level else link)
         step = compute_s + max(0.0, comm - upper * compute_s)
@@ -297,7 +316,7 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         new = next(j for j in range(level + 1, new + 1)
                    if j == new or (j not in measured and convergence[j] < convergence[new]
                                    and preds[j]["cost_s"] <= upper / lower * best))
-    return new, preds, (alpha, beta)
+    return new, preds, fits[kind[level]]
 
 
 def start(kernel_s: Sequence[float], nbytes: Sequence[float], messages: Sequence[int],
@@ -457,7 +476,7 @@ class Adaptive(CodecPolicy):
         upper: float = 1.0,
         lower: float = 0.5,
         patience: int = 2,
-        memory: int = 30,
+        memory: int = 10,
         link: tuple[float, float] | None = None,
         error_feedback: bool = True,
         clock: Callable[[], float] | None = None,
@@ -669,7 +688,8 @@ class Adaptive(CodecPolicy):
             seen = {j: c for j, (c, at_) in t.seen.items() if j != t.level and number - at_ <= self.memory}
             new, preds, (alpha, beta) = choose(
                 t.level, comm, compute, t.kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
-                upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0)
+                upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0,
+                sparse=[self.candidates[i].sparse for i in t.ladder])
             if not t.hysteresis(new, number, self.patience):
                 continue
             predicted = {self.names[i]: {"wire_bytes": t.nbytes[j], "kernel_s": t.kernel[j], **preds[j],

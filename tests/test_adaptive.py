@@ -80,6 +80,23 @@ def test_choose(level, comm_ms, kernel_ms, seen_ms, conv, allowed, expected):
     assert new == expected
 
 
+def test_choose_fits_the_link_per_kind_of_collective():
+    # int8 (ring) measured 30 ms, top-k (allgather) 34 ms: over both the bytes do not show
+    # (negative slope: alpha 32 ms, beta 0), so none and fp16 are predicted at 32 -> step 32,
+    # cost 32 <= 1.1 x 30: the lightest, none. Per kind: the dense codecs from int8 alone,
+    # 0.03 ms/B, lighter ones 2x: fp16 120, none 240 -> int8 stays.
+    args = (2, 30 * MS, C, Z, NB, {3: 34 * MS}, FD)
+    assert choose(*args, upper=1.0, lower=0.5)[0] == 0
+    new, preds, link = choose(*args, upper=1.0, lower=0.5, sparse=[False, False, False, True])
+    assert new == 2
+    assert [p["comm_s"] / MS for p in preds] == pytest.approx([240, 120, 30, 34])
+    assert link == (0, pytest.approx(0.03 * MS))
+    # a sparse codec with none of its kind measured: from every measured codec (int8 alone,
+    # 0.03 ms/B): top-k 1.5 ms, hidden: cost 10 x 1.47 = 14.7 < 30; int8 measured: top-k
+    new, preds, _ = choose(2, 30 * MS, C, Z, NB, {}, FD, upper=1.0, lower=0.5, sparse=[False, False, False, True])
+    assert new == 3 and preds[3]["comm_s"] == pytest.approx(1.5 * MS)
+
+
 def test_choose_reports_its_predictions():
     _, preds, link = choose(0, 0.1, C, [0, 1e-3, 1e-3, 0.02], NB, {}, FD, upper=1.0, lower=0.5)
     assert link == (0, pytest.approx(0.1 / 4000))
