@@ -54,7 +54,9 @@ The rule: the candidate with the least predicted *time per unit of progress*
   B_j x beta``. ``k_j`` is its byte-independent kernel cost: one compress +
   decompress of a bucket-sized float32 tensor, timed on every rank once, at
   the bucket's first decision (median of 3 after a warm-up; on the
-  communication thread in DDP), agreed with ``MAX``. ``alpha`` (seconds per
+  communication thread in DDP), agreed with ``MAX``; a bucket within 2x
+  the size of one already timed (DDP's rebuilt buckets) reuses that cost,
+  scaled by size (:data:`KERNEL_REUSE`). ``alpha`` (seconds per
   collective: latency, scheduling) and ``beta`` (seconds per wire byte) are
   the link's, fitted (:func:`fit_link`, least squares, both >= 0) to
   ``comm_s - k`` of the codecs measured on this bucket: the current one and
@@ -192,6 +194,9 @@ MAX_CONVERGENCE = 1e6
 NEAR = 0.1
 #: kernel timings per candidate at a bucket's first decision (after one warm-up; median)
 KERNEL_REPEATS = 3
+#: a kernel cost timed on n elements is reused, scaled to the size, for a bucket of
+#: n / KERNEL_REUSE to n x KERNEL_REUSE elements (e.g. after DDP rebuilds its buckets)
+KERNEL_REUSE = 2.0
 #: a codec's communication time changing by more than this factor since its last
 #: measurement means the link changed: the other codecs' measurements are forgotten
 CHANGE = 2.0
@@ -506,6 +511,7 @@ class Adaptive(CodecPolicy):
         self.decisions = 0
         self.residuals: dict[Hashable, torch.Tensor] = {}
         self._tracks: dict[Hashable, _Track] = {}
+        self._kernel_times: dict[int, dict[int, float]] = {}  # candidate -> {numel: agreed s} timed
         # DDP step bookkeeping (communication thread)
         self._step: int | None = None
         self._free: float | None = None  # when the training thread last handed over / was released
@@ -676,7 +682,7 @@ class Adaptive(CodecPolicy):
             comm, compute, exposed = agreed[at], -agreed[at + 1], agreed[at + 2]
             at += 3
             if t.kernel is None:
-                t.kernel = agreed[at:at + len(t.ladder)]
+                t.kernel = self._kept_kernels(t, agreed[at:at + len(t.ladder)])
                 at += len(t.ladder)
             t.samples = []
             t.window = self.interval
@@ -710,7 +716,7 @@ class Adaptive(CodecPolicy):
         """Under a link prior, time ``t``'s kernels (agreed with ``MAX``) and move
         it to the position :func:`start` predicts, before its first collective."""
         t.started = True
-        t.kernel = _agree(self._kernels(t, step, device), group, timeout, device)
+        t.kernel = self._kept_kernels(t, _agree(self._kernels(t, step, device), group, timeout, device))
         latency_s, bytes_per_s = self.link
         new, preds = start(t.kernel, t.nbytes, t.messages, [self.convergence[i] for i in t.ladder],
                            latency_s, bytes_per_s)
@@ -729,11 +735,33 @@ class Adaptive(CodecPolicy):
         if meter is not None:
             meter.record_switch(entry)
 
+    def _reused(self, t: _Track, i: int) -> float | None:
+        """Candidate ``i``'s agreed kernel cost scaled to ``t``'s size from a
+        bucket timed within :data:`KERNEL_REUSE` x that size (None: time it)."""
+        near = [(abs(math.log(n / t.numel)), n, k) for n, k in self._kernel_times.get(i, {}).items()
+                 if t.numel and n / KERNEL_REUSE <= t.numel <= n * KERNEL_REUSE]
+        if not near:
+            return None
+        _, n, k = min(near)
+        return k * t.numel / n
+
+    def _kept_kernels(self, t: _Track, agreed: list[float]) -> list[float]:
+        """Keep the agreed kernel costs timed for ``t`` (not the reused ones) for reuse."""
+        for i, k in zip(t.ladder, agreed):
+            if t.numel and self._reused(t, i) is None:
+                self._kernel_times.setdefault(i, {})[t.numel] = k
+        return agreed
+
     def _kernels(self, t: _Track, step: int, device) -> list[float]:
         """This rank's byte-independent cost of each ladder position for
-        ``t``'s size, through the ``timing`` hook (``kind="kernel"``)."""
+        ``t``'s size: reused (:meth:`_reused`, identical on every rank) or
+        timed through the ``timing`` hook (``kind="kernel"``)."""
         out = []
         for i in t.ladder:
+            reused = self._reused(t, i)
+            if reused is not None:
+                out.append(reused)
+                continue
             sample = Timing(step=step, bucket=t.bucket, codec=self.names[i], numel=t.numel, wire_bytes=0,
                             comm_s=_kernel_seconds(self.candidates[i], t.numel, device, self.clock),
                             compute_s=None, kind="kernel")

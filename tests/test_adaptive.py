@@ -427,30 +427,36 @@ def _collective_run(rank):
 PRIOR = (1e-4, 1e5)
 
 
-def _prior_timing(rank, slow_int8_kernel):
-    """Kernel timings of 0, except rank 1's int8 on the keys of ``slow_int8_kernel`` (1 s)."""
+def _prior_timing(rank, slow_int8_kernel, timed=None):
+    """Kernel timings of 0, except rank 1's int8 on the keys of ``slow_int8_kernel``
+    (5 s); ``timed`` collects the (key, codec) of every kernel timing."""
     def timing(s: Timing) -> Timing:
         if s.kind != "kernel":
             return s
+        if timed is not None:
+            timed.append((s.bucket, s.codec))
         slow = rank == 1 and s.codec == "int8" and s.bucket in slow_int8_kernel
-        return dataclasses.replace(s, comm_s=1.0 if slow else 0.0)
+        return dataclasses.replace(s, comm_s=5.0 if slow else 0.0)
     return timing
 
 
 def _prior_run(rank):
     """The start under a link prior, in the collective and in DDP.
 
-    Collective, candidates none / int8 / top-k + int8 on 3000 elements (2 ranks;
-    none sends ~12 kB, int8 ~3 kB): under PRIOR none takes ~1.2 s, int8 ~0.3 s,
-    top-k converges slower (no start). Key "a": int8. Key "b": rank 1 times
-    int8's kernel at 1 s, and the agreed (MAX) 1.3 s is more than none's: none.
+    Collective, candidates none / int8 / top-k + int8 (2 ranks; none sends ~4
+    bytes an element, int8 ~1): under PRIOR, on 3000 elements none takes ~1.2
+    s, int8 ~0.3 s, top-k converges slower (no start). Key "a" (3000): int8.
+    Key "b" (7000, more than 2x "a": timed): rank 1 times int8's kernel at 5 s,
+    and the agreed (MAX) 5.7 s is more than none's 2.8: none. Key "c" (3000):
+    reuses "a"'s kernel costs (rank 1 would time int8 at 5 s): int8.
     DDP, one bucket of _Net's 2243 parameters: int8 from step 0.
     """
-    policy = Adaptive(["none", "int8", "topk-int8"], link=PRIOR, timing=_prior_timing(rank, {"b"}))
+    timed = []
+    policy = Adaptive(["none", "int8", "topk-int8"], link=PRIOR, timing=_prior_timing(rank, {"b", "c"}, timed))
     meter = gc.TrafficMeter()
     outs = {}
-    for key in ("a", "b"):
-        t = torch.randn(3000, generator=torch.Generator().manual_seed(rank)) * (1 + rank)
+    for key, n in (("a", 3000), ("b", 7000), ("c", 3000)):
+        t = torch.randn(n, generator=torch.Generator().manual_seed(rank)) * (1 + rank)
         outs[key] = _gathered(gc.allreduce(t, policy, key=key, meter=meter))
     torch.manual_seed(0)
     model = DDP(_Net())
@@ -461,7 +467,8 @@ def _prior_run(rank):
     nn.functional.cross_entropy(model(x), y).backward()
     grads = _gathered(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
     state.close()
-    return {"codecs": (policy.codec("a"), policy.codec("b")), "switches": policy.switches,
+    return {"codecs": (policy.codec("a"), policy.codec("b"), policy.codec("c")), "timed": timed,
+            "switches": policy.switches,
             "meter": meter.as_dict()["switches"], "identical": all(torch.equal(o[0], o[1]) for o in outs.values()),
             "ddp_codec": ddp_policy.codec(0), "ddp_switches": ddp_policy.switches,
             "ddp_identical": torch.equal(grads[0], grads[1])}
@@ -573,9 +580,12 @@ def test_timing_hook_must_return_a_timing(runs):
 def test_link_prior_starts_on_the_predicted_codec_and_ranks_agree(runs):
     for r in runs:
         p = r["prior"]
-        assert p["codecs"] == ("int8", "none")  # "b": rank 1's slow int8 kernel counts for both
+        assert p["codecs"] == ("int8", "none", "int8")  # "b": rank 1's slow int8 kernel counts for both
         assert [(s["step"], s["bucket"], s["from"], s["to"], s["start"]) for s in p["switches"]] == [
-            (0, "a", "none", "int8", True)]
+            (0, "a", "none", "int8", True), (0, "c", "none", "int8", True)]
+        assert sorted(p["timed"]) == sorted((k, c) for k in "ab" for c in ("none", "int8", "topk-int8"))
+        a, c = p["switches"][0]["predicted"], p["switches"][1]["predicted"]
+        assert [c[n]["kernel_s"] for n in a] == [a[n]["kernel_s"] for n in a]  # same size: the same
         s = p["switches"][0]
         assert s["prior_latency_s"] == PRIOR[0] and s["prior_bytes_per_s"] == PRIOR[1]
         assert s["predicted"]["none"]["comm_s"] == pytest.approx(
