@@ -89,6 +89,9 @@ The rule: the candidate with the least predicted *time per unit of progress*
   predictions' caution factor, 2 by default) of the best; the next decision
   has its measurement (top-k, whose speed-up the byte count overstates where
   kernels dominate, is taken only after int8 measured slower);
+* a measured lighter codec is a candidate only if its cost is no more than
+  the current codec's: two measured codecs within the noise of each other
+  (within 10%) do not trade places at every decision;
 * hysteresis: after a move to heavier compression, lighter candidates that
   are not measured (predictions only) are left out of the choice for
   ``patience`` decisions, and a lighter move undone by the next decision
@@ -310,7 +313,12 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
             comm = kernel_s[j] + alpha + (link * upper / lower if j < level else link)
         step = compute_s + max(0.0, comm - upper * compute_s)
         preds.append({"comm_s": comm, "step_s": step, "cost_s": step * convergence[j]})
-    allowed = [j for j in range(len(nbytes)) if lighter_allowed or j >= level or j in measured]
+    # a lighter codec is a candidate while it is predicted only (and lighter moves are
+    # allowed), or measured at no more than the current codec's cost: two measured codecs
+    # within the noise of each other do not trade places at every decision
+    allowed = [j for j in range(len(nbytes))
+               if j >= level or (j in measured and preds[j]["cost_s"] <= preds[level]["cost_s"])
+               or (j not in measured and lighter_allowed)]
     best = min(preds[j]["cost_s"] for j in allowed)
     new = next(j for j in allowed if preds[j]["cost_s"] <= (1 + NEAR) * best)
     if new > level and new not in measured:

@@ -68,6 +68,10 @@ MS = 1e-3
     (0, 30.0, Z, {2: 20.0}, FD, True, 2),
     (3, 0.1, Z, {}, F1, True, 1),          # 0.002 ms/B: none 2 x 8 = 16; fp16 2 x 4 = 8 -> 10
     (3, 0.1, Z, {0: 9.0}, F1, True, 0),    # none measured 9 -> 10
+    # int8 measured 30 (cost 30), fp16 measured 32: within 10% of the best, but a measured
+    # lighter codec must cost no more than the current one: int8 stays (no trading places)
+    (2, 30.0, Z, {1: 32.0}, F1, True, 2),
+    (2, 32.0, Z, {1: 30.0}, F1, False, 1),  # fp16 measured cheaper: back to it (none, unmeasured, waits)
     # a latency-bound link (a loaded host): none 16 ms, int8 19 ms: the bytes do not show,
     # alpha 17.5 ms, beta 0: fp16 17.5, top-k 17.5 x 1.47: none (16) stays
     (0, 16.0, Z, {2: 19.0}, FD, True, 0),
