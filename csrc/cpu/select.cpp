@@ -37,6 +37,9 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 namespace gradcomp {
 
@@ -117,11 +120,12 @@ inline bool passes(typename E::Key raw, typename E::Key lim) {
     return typename E::Key(raw & E::ABS) >= lim;
 }
 
-// Bit j of the result is passes(x[j], lim), j < 32.
+// Bit j of the result is passes(x[j], lim), j < 32: compares of 8 (AVX2) or
+// 4 (SSE2, every x86-64) keys at a time where the key type allows, else one by one.
 template <class E>
 inline uint32_t pass_mask32(const typename E::Key* x, typename E::Key lim) {
-#ifdef __AVX2__
     using K = typename E::Key;
+#ifdef __AVX2__
     if (lim == 0) return 0xFFFFFFFFu;
     if constexpr (sizeof(K) == 4) {
         const __m256i absm = _mm256_set1_epi32(int32_t(E::ABS)), thr = _mm256_set1_epi32(int32_t(lim - 1));
@@ -146,11 +150,31 @@ inline uint32_t pass_mask32(const typename E::Key* x, typename E::Key lim) {
         }
         return m;
     }
-#else
+#elif defined(__SSE2__)
+    if (lim == 0) return 0xFFFFFFFFu;
+    if constexpr (sizeof(K) == 4) {
+        const __m128i absm = _mm_set1_epi32(int32_t(E::ABS)), thr = _mm_set1_epi32(int32_t(lim - 1));
+        uint32_t m = 0;
+        for (int j = 0; j < 8; ++j) {
+            const __m128i a = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 4 * j)), absm);
+            m |= uint32_t(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(a, thr)))) << (4 * j);
+        }
+        return m;
+    } else if constexpr (sizeof(K) == 2) {
+        const __m128i absm = _mm_set1_epi16(int16_t(E::ABS)), thr = _mm_set1_epi16(int16_t(lim - 1));
+        uint32_t m = 0;
+        for (int j = 0; j < 2; ++j) {
+            const __m128i a0 = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16 * j)), absm);
+            const __m128i a1 = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16 * j + 8)), absm);
+            const __m128i p = _mm_packs_epi16(_mm_cmpgt_epi16(a0, thr), _mm_cmpgt_epi16(a1, thr));
+            m |= uint32_t(_mm_movemask_epi8(p)) << (16 * j);
+        }
+        return m;
+    }
+#endif
     uint32_t m = 0;
     for (int j = 0; j < 32; ++j) m |= uint32_t(passes<E>(x[j], lim)) << j;
     return m;
-#endif
 }
 
 // Calls f(i, mask) for [lo, hi) in groups of 32 elements starting at i, bit j
