@@ -5,7 +5,7 @@
 // order of |x| with NaN above +Inf. All three ops reduce to "keep the elements
 // whose key is >= T (plus some ties)", done by a parallel stream compaction:
 // the input is split into one contiguous chunk per thread; each chunk scans
-// its elements 32 at a time (a compare mask, AVX2 when available) and either
+// its elements 32 at a time (a compare mask, AVX2 or SSE2 when available) and either
 // writes them at an offset known in advance (exclusive prefix sum of per-chunk
 // counts from a histogram) or, when the counts are not known, appends them to
 // its own buffer, after which the buffers are concatenated at the prefix sum
@@ -30,6 +30,10 @@
 //   (nth_element on the sample); one compaction pass keeps key >= t; the set is
 //   returned if its size is in [lo, hi], its exact top k if larger, and the
 //   exact topk if smaller.
+// * dgc_topk: Deep Gradient Compression's momentum correction fused with the
+//   topk of its result: the sample is computed from g, u and v at the sample
+//   points, then one pass over blocks of 1024 elements accumulates each block
+//   and runs topk's compaction scan over it while it is in L1 cache.
 #include "kernels.h"
 
 #include <cmath>
