@@ -504,7 +504,7 @@ def test_topk_when_the_sampled_bound_misses():
     # the exact path through the histogram: the sample points hold the largest
     # values, so the sampled lower bound lies above the k-th largest
     n = 2**20 + 7
-    stride = n // min(2**16, n // 4)
+    stride = n // min(2**14, n // 4)  # the kernel's sample points (bound_sample_size)
     for dtype in DTYPES:
         x = make(n, dtype, seed=13)
         x[::stride] = torch.arange(1000, 1000 + len(range(0, n, stride)), dtype=torch.float64).to(dtype)
@@ -522,7 +522,7 @@ def test_dgc_topk_fused_matches_the_reference_over_steps(threads):
     # largest values sit on the sample points (the sampled bound misses: the
     # histogram path runs over v)
     n = 2**17 + 5
-    stride = n // min(2**16, n // 4)
+    stride = n // min(2**14, n // 4)  # the kernel's sample points (bound_sample_size)
     g = torch.Generator().manual_seed(21)
     ties = (torch.randint(-3, 4, (n,), generator=g) * 0.5).float()
     on_sample = make(n, seed=23)
