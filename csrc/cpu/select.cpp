@@ -18,10 +18,11 @@
 //   elements at 1% density, 2.5 k at 0.1%). If that is at least k elements
 //   -- almost always -- 8-bit MSB radix histograms over the candidates find
 //   the exact k-th key K, and a last compaction over them keeps the keys > K
-//   and the first (lowest-index) keys == K until k are kept. Otherwise (an unlucky or adversarial sample) one
-//   histogram pass over the top 15 key bits (per-chunk histograms) finds the
-//   bin holding the k-th key, one compaction pass collects that bin and above,
-//   and the same radix select finishes. No sort in either path.
+//   and the first (lowest-index) keys == K until k are kept. Otherwise (an
+//   unlucky or adversarial sample) one histogram pass over the top 15 key
+//   bits (per-chunk histograms) finds the bin holding the k-th key, one
+//   compaction pass collects that bin and above, and the same radix select
+//   finishes. No sort in either path.
 // * threshold: the key of tau is computed once; one compaction pass keeps
 //   key >= key(tau) (== |x| >= tau or NaN, compared in float32, or in float64
 //   for float64 input).
