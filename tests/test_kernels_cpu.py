@@ -504,12 +504,48 @@ def test_topk_when_the_sampled_bound_misses():
     # the exact path through the histogram: the sample points hold the largest
     # values, so the sampled lower bound lies above the k-th largest
     n = 2**20 + 7
-    stride = n // min(2**16, n // 4)
+    stride = n // min(2**14, n // 4)  # the kernel's sample points (bound_sample_size)
     for dtype in DTYPES:
         x = make(n, dtype, seed=13)
         x[::stride] = torch.arange(1000, 1000 + len(range(0, n, stride)), dtype=torch.float64).to(dtype)
         for k in (5000, 2**17):
             check_selection(K.topk(x, k, backend="cpu"), K.topk(x, k, backend="reference"), "topk (histogram)")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dgc_topk_fused_matches_the_reference_over_steps(threads):
+    # the fused momentum correction + top-k against the pure-PyTorch reference
+    # (u = u m + g s, v += u; stable sort of |v|), with the sent coordinates
+    # masked between steps; n is no multiple of the fused pass's 1024-element
+    # blocks or of 32, two threads split it in two chunks; the steps bring ties
+    # (the first: v is the gradient), a scale, NaN / Inf, and a gradient whose
+    # largest values sit on the sample points (the sampled bound misses: the
+    # histogram path runs over v)
+    n = 2**17 + 5
+    stride = n // min(2**14, n // 4)  # the kernel's sample points (bound_sample_size)
+    g = torch.Generator().manual_seed(21)
+    ties = (torch.randint(-3, 4, (n,), generator=g) * 0.5).float()
+    on_sample = make(n, seed=23)
+    on_sample[::stride] = torch.arange(1e4, 1e4 + len(range(0, n, stride)))
+    steps = [(ties, 1.0, 2000)] + [(make(n, seed=s), 1.0, 3000) for s in range(3)] + [
+        (make(n, seed=3), 0.37, 130), (make(n, seed=4, scale=1e3, special_rate=0.002), 0.5, 400),
+        (on_sample, 1.0, 5000)]
+    got_u, got_v = torch.zeros(n), torch.zeros(n)
+    want_u, want_v = torch.zeros(n), torch.zeros(n)
+    try:
+        C.set_num_threads(threads)
+        for step, (grad, scale, k) in enumerate(steps):
+            got = K.dgc_topk_(grad, got_u, got_v, 0.9, scale, k, backend="cpu")
+            want_u.mul_(0.9).add_(grad * scale if scale != 1.0 else grad)
+            want_v.add_(want_u)
+            order = torch.sort(want_v.abs(), descending=True, stable=True).indices[:k].sort().values
+            check_selection(got, (order.int(), want_v[order]), f"step {step} selection")
+            assert_bits_equal(got_u, want_u, f"step {step} u")
+            assert_bits_equal(got_v, want_v, f"step {step} v")
+            for t in (got_u, got_v, want_u, want_v):
+                t.index_fill_(0, order, 0.0)
+    finally:
+        C.set_num_threads(0)
 
 
 # ---------------------------------------------------------------------------

@@ -5,7 +5,7 @@
 // order of |x| with NaN above +Inf. All three ops reduce to "keep the elements
 // whose key is >= T (plus some ties)", done by a parallel stream compaction:
 // the input is split into one contiguous chunk per thread; each chunk scans
-// its elements 32 at a time (a compare mask, AVX2 when available) and either
+// its elements 32 at a time (a compare mask, AVX2 or SSE2 when available) and either
 // writes them at an offset known in advance (exclusive prefix sum of per-chunk
 // counts from a histogram) or, when the counts are not known, appends them to
 // its own buffer, after which the buffers are concatenated at the prefix sum
@@ -14,14 +14,15 @@
 // * topk (exact; radix select, as in Alabi et al. 2012, "Fast k-selection
 //   algorithms for graphics processing units"): a strided sample gives a
 //   lower bound L of the k-th largest key (a few standard deviations of
-//   margin); one compaction pass collects the keys >= L (about 1.2 k
-//   elements). If that is at least k elements -- almost always -- 8-bit MSB
-//   radix histograms over the candidates find the exact k-th key K, and a last
-//   compaction over them keeps the keys > K and the first (lowest-index) keys
-//   == K until k are kept. Otherwise (an unlucky or adversarial sample) one
-//   histogram pass over the top 15 key bits (per-chunk histograms) finds the
-//   bin holding the k-th key, one compaction pass collects that bin and above,
-//   and the same radix select finishes. No sort in either path.
+//   margin); one compaction pass collects the keys >= L (about 1.4 k
+//   elements at 1% density, 2.5 k at 0.1%). If that is at least k elements
+//   -- almost always -- 8-bit MSB radix histograms over the candidates find
+//   the exact k-th key K, and a last compaction over them keeps the keys > K
+//   and the first (lowest-index) keys == K until k are kept. Otherwise (an
+//   unlucky or adversarial sample) one histogram pass over the top 15 key
+//   bits (per-chunk histograms) finds the bin holding the k-th key, one
+//   compaction pass collects that bin and above, and the same radix select
+//   finishes. No sort in either path.
 // * threshold: the key of tau is computed once; one compaction pass keeps
 //   key >= key(tau) (== |x| >= tau or NaN, compared in float32, or in float64
 //   for float64 input).
@@ -30,6 +31,10 @@
 //   (nth_element on the sample); one compaction pass keeps key >= t; the set is
 //   returned if its size is in [lo, hi], its exact top k if larger, and the
 //   exact topk if smaller.
+// * dgc_topk: Deep Gradient Compression's momentum correction fused with the
+//   topk of its result: the sample is computed from g, u and v at the sample
+//   points, then one pass over blocks of 1024 elements accumulates each block
+//   and runs topk's compaction scan over it while it is in L1 cache.
 #include "kernels.h"
 
 #include <cmath>
@@ -37,6 +42,9 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 namespace gradcomp {
 
@@ -117,11 +125,12 @@ inline bool passes(typename E::Key raw, typename E::Key lim) {
     return typename E::Key(raw & E::ABS) >= lim;
 }
 
-// Bit j of the result is passes(x[j], lim), j < 32.
+// Bit j of the result is passes(x[j], lim), j < 32: compares of 8 (AVX2) or
+// 4 (SSE2, every x86-64) keys at a time where the key type allows, else one by one.
 template <class E>
 inline uint32_t pass_mask32(const typename E::Key* x, typename E::Key lim) {
-#ifdef __AVX2__
     using K = typename E::Key;
+#ifdef __AVX2__
     if (lim == 0) return 0xFFFFFFFFu;
     if constexpr (sizeof(K) == 4) {
         const __m256i absm = _mm256_set1_epi32(int32_t(E::ABS)), thr = _mm256_set1_epi32(int32_t(lim - 1));
@@ -146,11 +155,31 @@ inline uint32_t pass_mask32(const typename E::Key* x, typename E::Key lim) {
         }
         return m;
     }
-#else
+#elif defined(__SSE2__)
+    if (lim == 0) return 0xFFFFFFFFu;
+    if constexpr (sizeof(K) == 4) {
+        const __m128i absm = _mm_set1_epi32(int32_t(E::ABS)), thr = _mm_set1_epi32(int32_t(lim - 1));
+        uint32_t m = 0;
+        for (int j = 0; j < 8; ++j) {
+            const __m128i a = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 4 * j)), absm);
+            m |= uint32_t(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(a, thr)))) << (4 * j);
+        }
+        return m;
+    } else if constexpr (sizeof(K) == 2) {
+        const __m128i absm = _mm_set1_epi16(int16_t(E::ABS)), thr = _mm_set1_epi16(int16_t(lim - 1));
+        uint32_t m = 0;
+        for (int j = 0; j < 2; ++j) {
+            const __m128i a0 = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16 * j)), absm);
+            const __m128i a1 = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16 * j + 8)), absm);
+            const __m128i p = _mm_packs_epi16(_mm_cmpgt_epi16(a0, thr), _mm_cmpgt_epi16(a1, thr));
+            m |= uint32_t(_mm_movemask_epi8(p)) << (16 * j);
+        }
+        return m;
+    }
+#endif
     uint32_t m = 0;
     for (int j = 0; j < 32; ++j) m |= uint32_t(passes<E>(x[j], lim)) << j;
     return m;
-#endif
 }
 
 // Calls f(i, mask) for [lo, hi) in groups of 32 elements starting at i, bit j
@@ -344,7 +373,30 @@ Selection all_elements(const typename E::Key* x, size_t n) {
     return out.release();
 }
 
-// The bound above from the sampled keys (destroys their order).
+// `size` keys key_at(j * (n / size)), j < size (0 < size <= n), read by up
+// to one thread per 4096 keys.
+template <class K, class KeyAt>
+std::vector<K> strided_sample(size_t n, size_t size, KeyAt&& key_at) {
+    std::vector<K> keys(size);
+    const size_t stride = n / size;
+    const int nchunks = chunks_for(size, 4096);
+#pragma omp parallel for schedule(static, 1) num_threads(nchunks) if (nchunks > 1)
+    for (int c = 0; c < nchunks; ++c)
+        for (size_t j = chunk_begin(size, nchunks, c), e = chunk_begin(size, nchunks, c + 1); j < e; ++j)
+            keys[j] = key_at(j * stride);
+    return keys;
+}
+
+// Size of the strided sample whose keys bound the k-th largest key (n >= 8192).
+// Each sample point is a cache miss (three for dgc_topk) that costs about as
+// much as streaming 3 or 4 cache lines; 16384 points keep the sample a small
+// part of the scan from n = 2**20 on, for about 1.4 k (1% density) to 2.5 k
+// (0.1%) candidates.
+inline size_t bound_sample_size(size_t n) { return std::min<size_t>(size_t(1) << 14, n / 4); }
+
+// Lower bound of the k-th largest key from a strided sample of n elements:
+// the r-th largest sampled key, r = expected count k * sample / n plus four
+// standard deviations (binomial) plus 8 (destroys the keys' order).
 template <class E>
 typename E::Key lower_bound_of_sample(std::vector<typename E::Key>& keys, size_t n, size_t k) {
     using K = typename E::Key;
@@ -353,18 +405,6 @@ typename E::Key lower_bound_of_sample(std::vector<typename E::Key>& keys, size_t
     const size_t r = std::min(sample, size_t(std::ceil(expect + 4.0 * std::sqrt(expect) + 8.0)));
     std::nth_element(keys.begin(), keys.begin() + std::ptrdiff_t(r - 1), keys.end(), std::greater<K>());
     return keys[r - 1];
-}
-
-// Lower bound of the k-th largest key from a strided sample of `sample`
-// elements: the r-th largest sampled key, r = expected count k * sample / n
-// plus four standard deviations (binomial) plus 8.
-template <class E>
-typename E::Key sampled_lower_bound(const typename E::Key* x, size_t n, size_t k, size_t sample) {
-    using K = typename E::Key;
-    const size_t stride = n / sample;
-    std::vector<K> keys(sample);
-    for (size_t j = 0; j < sample; ++j) keys[j] = sel_key<E>(x[j * stride]);
-    return lower_bound_of_sample<E>(keys, n, k);
 }
 
 // Expected number of elements >= the bound above: k scaled by the margin.
@@ -408,6 +448,21 @@ Selection topk_by_histogram(const typename E::Key* x, size_t n, size_t k) {
     return finish_select<E, I>(cand, k);
 }
 
+// Exact top k of x (n >= 8192, 0 < k < n) from the sampled lower bound:
+// key_at(i) is the key x[i] holds when scanned, scan(lo, hi, lim, f) walks a
+// chunk as scan_pass does (collect_ge_scan). If the bound misses (fewer than k
+// keys >= it), the exact histogram path runs over x as the scan left it.
+template <class E, class I, class KeyAt, class Scan>
+Selection topk_sampled(const typename E::Key* x, size_t n, size_t k, KeyAt&& key_at, Scan&& scan) {
+    using K = typename E::Key;
+    const size_t sample = bound_sample_size(n);
+    std::vector<K> keys = strided_sample<K>(n, sample, key_at);
+    Candidates<I, K> cand =
+        collect_ge_scan<E, I>(x, n, lower_bound_of_sample<E>(keys, n, k), sampled_count_estimate(n, k, sample), scan);
+    if (cand.count >= k) return finish_select<E, I>(cand, k);
+    return topk_by_histogram<E, I>(x, n, k);
+}
+
 template <class E, class I>
 Selection topk_impl(const typename E::Key* x, size_t n, size_t k) {
     using K = typename E::Key;
@@ -417,18 +472,15 @@ Selection topk_impl(const typename E::Key* x, size_t n, size_t k) {
         Candidates<I, K> cand = collect_ge<E, I>(x, n, K(0));
         return finish_select<E, I>(cand, k);
     }
-    const size_t sample = std::min<size_t>(size_t(1) << 16, n / 4);
-    Candidates<I, K> cand = collect_ge<E, I>(x, n, sampled_lower_bound<E>(x, n, k, sample),
-                                             sampled_count_estimate(n, k, sample));
-    if (cand.count >= k) return finish_select<E, I>(cand, k);
-    return topk_by_histogram<E, I>(x, n, k);  // the bound missed: exact histogram path
+    return topk_sampled<E, I>(x, n, k, [x](size_t i) { return sel_key<E>(x[i]); },
+                              [x](size_t lo, size_t hi, K lim, auto&& f) { scan_pass<E>(x, lo, hi, lim, f); });
 }
 
 // Deep Gradient Compression's accumulation fused with the top-k of its
 // result: u = u * m + g * scale, v = v + u (dgc_accumulate's arithmetic),
-// then exactly topk_impl(v): the sample is drawn from the new values of v at
-// the same positions, and the compaction pass runs inside the accumulation
-// pass, 32 elements at a time, on the values just written.
+// then exactly topk_impl(v): the sample is computed from g, u and v at its
+// positions, and the compaction pass runs inside the accumulation pass, block
+// by block on the values just written.
 template <class I>
 Selection dgc_topk_impl(const float* g, float* u, float* v, size_t n, float m, float scale, size_t k) {
     using K = F32::Key;
@@ -437,26 +489,20 @@ Selection dgc_topk_impl(const float* g, float* u, float* v, size_t n, float m, f
         dgc_accumulate(g, u, v, n, m, scale);
         return topk_impl<F32, I>(vk, n, k);
     }
-    const size_t sample = std::min<size_t>(size_t(1) << 16, n / 4), stride = n / sample;
-    std::vector<K> keys(sample);
-    for (size_t j = 0; j < sample; ++j) {
-        const size_t i = j * stride;
+    auto new_key = [=](size_t i) {
         const float ui = u[i] * m + (scale == 1.0f ? g[i] : g[i] * scale);
-        keys[j] = sel_key<F32>(f32_bits(v[i] + ui));
-    }
-    const K bound = lower_bound_of_sample<F32>(keys, n, k);
-    Candidates<I, K> cand = collect_ge_scan<F32, I>(
-        vk, n, bound, sampled_count_estimate(n, k, sample), [&](size_t lo, size_t hi, K lim, auto&& f) {
-            // blocks of 1024 elements: accumulated (vectorised), then scanned while in L1
-            constexpr size_t B = 1024;
-            for (size_t b = lo; b < hi; b += B) {
-                const size_t e = std::min(hi, b + B);
-                dgc_accumulate_range(g, u, v, b, e, m, scale);
-                scan_pass<F32>(vk, b, e, lim, f);
-            }
-        });
-    if (cand.count >= k) return finish_select<F32, I>(cand, k);
-    return topk_by_histogram<F32, I>(vk, n, k);  // the bound missed: exact histogram path over v
+        return sel_key<F32>(f32_bits(v[i] + ui));
+    };
+    auto accumulate_scan = [=](size_t lo, size_t hi, K lim, auto&& f) {
+        // blocks of 1024 elements: accumulated (vectorised), then scanned while in L1
+        constexpr size_t B = 1024;
+        for (size_t b = lo; b < hi; b += B) {
+            const size_t e = std::min(hi, b + B);
+            dgc_accumulate_range(g, u, v, b, e, m, scale);
+            scan_pass<F32>(vk, b, e, lim, f);
+        }
+    };
+    return topk_sampled<F32, I>(vk, n, k, new_key, accumulate_scan);
 }
 
 template <class E>
@@ -496,9 +542,7 @@ Selection approx_topk_impl(const typename E::Key* x, size_t n, size_t k, size_t 
     if (k >= n) return all_elements<E, I>(x, n);
     sample = std::max<size_t>(1, std::min(sample, n));
     sample_k = std::max<size_t>(1, std::min(sample_k, sample));
-    const size_t stride = n / sample;
-    std::vector<K> keys(sample);
-    for (size_t j = 0; j < sample; ++j) keys[j] = sel_key<E>(x[j * stride]);
+    std::vector<K> keys = strided_sample<K>(n, sample, [x](size_t i) { return sel_key<E>(x[i]); });
     std::nth_element(keys.begin(), keys.begin() + std::ptrdiff_t(sample_k - 1), keys.end(),
                      std::greater<K>());
     Candidates<I, K> cand = collect_ge<E, I>(x, n, keys[sample_k - 1], hi);

@@ -36,7 +36,9 @@ sent coordinates in ``u`` and ``v``) against two
 baselines on the automatically chosen backend: ``topk`` (the plain top-k
 kernel on the gradient) and ``topk+ef`` (the best plain error-feedback top-k
 a user would write: ``r += g``, top-k of ``r``, ``r[sent] = 0``); ``/topk`` and
-``/topk+ef`` are its time over theirs.
+``/topk+ef`` are its time over theirs. Its bandwidth counts the 20 bytes per
+element a step must move (g, u, v read; u, v written), so its ``%copy`` says
+how near the step runs to the memory floor, where top-k moves 4.
 
 Outputs are preallocated where the op accepts them (``out_q``/``out_scales``,
 ``out``) for backends and peers alike. Reported per row: median, p10 and

@@ -122,9 +122,9 @@ def op_bytes(case: Case, block: int, result) -> int:
         return n + 4 * nb + 8 * n
     if op == "quantize_int8_ef":
         return n * isz + 8 * n + n + 4 * nb
-    if op == "dgc":  # g, u, v read; u, v written; v read by the selection
+    if op == "dgc":  # g, u, v read, u, v written: a fused step's floor (unfused, v is read again)
         idx, val = result
-        return 24 * n + idx.numel() * (idx.element_size() + val.element_size())
+        return 20 * n + idx.numel() * (idx.element_size() + val.element_size())
     if op in ("topk", "approx_topk", "threshold"):
         idx, val = result
         return n * isz + idx.numel() * (idx.element_size() + val.element_size())
