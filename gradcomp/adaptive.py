@@ -706,19 +706,8 @@ class Adaptive(CodecPolicy):
                 sparse=[self.candidates[i].sparse for i in t.ladder])
             if not t.hysteresis(new, number, self.patience):
                 continue
-            predicted = {self.names[i]: {"wire_bytes": t.nbytes[j], "kernel_s": t.kernel[j], **preds[j],
-                                         "convergence": self.convergence[i]}
-                         for j, i in enumerate(t.ladder)}
-            entry = {"step": step, "bucket": t.bucket if isinstance(t.bucket, (int, str)) else repr(t.bucket),
-                     "numel": t.numel, "from": self.names[t.candidate], "to": self.names[t.ladder[new]],
-                     "rho": rho, "comm_s": comm, "compute_s": compute, "exposed_s": exposed,
-                     "latency_s": alpha, "s_per_byte": beta, "predicted": predicted}
-            t.level = new
-            t.changed = True
-            t.window = self.probe
-            self.switches.append(entry)
-            if meter is not None:
-                meter.record_switch(entry)
+            self._switch(t, new, step, preds, meter, rho=rho, comm_s=comm, compute_s=compute, exposed_s=exposed,
+                         latency_s=alpha, s_per_byte=beta)
 
     def _start(self, t: _Track, group, timeout: float, device, step: int, meter: TrafficMeter | None) -> None:
         """Under a link prior, time ``t``'s kernels (agreed with ``MAX``) and move
@@ -728,17 +717,23 @@ class Adaptive(CodecPolicy):
         latency_s, bytes_per_s = self.link
         new, preds = start(t.kernel, t.nbytes, t.messages, [self.convergence[i] for i in t.ladder],
                            latency_s, bytes_per_s)
-        if new == t.level:
-            return
+        if new != t.level:
+            self._switch(t, new, step, preds, meter, start=True, prior_latency_s=latency_s,
+                         prior_bytes_per_s=bytes_per_s)
+
+    def _switch(self, t: _Track, new: int, step: int, preds: list[dict], meter: TrafficMeter | None,
+                **fields) -> None:
+        """Move ``t`` to ladder position ``new`` and log the switch (``fields``
+        and the predictions of every candidate) here and in ``meter``."""
         predicted = {self.names[i]: {"wire_bytes": t.nbytes[j], "kernel_s": t.kernel[j], **preds[j],
                                      "convergence": self.convergence[i]}
                      for j, i in enumerate(t.ladder)}
         entry = {"step": step, "bucket": t.bucket if isinstance(t.bucket, (int, str)) else repr(t.bucket),
                  "numel": t.numel, "from": self.names[t.candidate], "to": self.names[t.ladder[new]],
-                 "start": True, "prior_latency_s": latency_s, "prior_bytes_per_s": bytes_per_s,
-                 "predicted": predicted}
+                 **fields, "predicted": predicted}
         t.level = new
         t.changed = True
+        t.window = self.probe
         self.switches.append(entry)
         if meter is not None:
             meter.record_switch(entry)
