@@ -573,8 +573,9 @@ def _run_and_report(args, cfg, modes, scenarios, lead, console, fail) -> int:
                 if bars is not None and len(scenarios) > 1:
                     bars.prefix = f"{sc.name}: "
                 prior = links.get((sc.link or "none").lower())
-                studies.append(run_study(dataclasses.replace(cfg, auto_link=prior), modes, args.compressors, on_progress=bars,
-                                         scenario=sc, seeds=args.seeds, target_acc=args.target_acc))
+                studies.append(run_study(dataclasses.replace(cfg, auto_link=prior), modes, args.compressors,
+                                         on_progress=bars, scenario=sc, seeds=args.seeds,
+                                         target_acc=args.target_acc))
         if args.target_acc is None and len(studies) > 1:
             # one target for every scenario: the first scenario's baseline
             common = studies[0].target_accuracy

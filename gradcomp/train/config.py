@@ -145,11 +145,11 @@ class TrainConfig:
         dgc_warmup_epochs: the DGC rows' warm-up, in epochs of the training data
             (0: none, at most :data:`MAX_WARMUP_EPOCHS`; see :mod:`gradcomp.train.dgc`).
         async_momentum: the server's SGD momentum in async mode (None: ``momentum``).
-        auto_link: the ``auto`` rows' link prior ``(latency_s, bytes_per_s)``
-            (:class:`gradcomp.Adaptive`'s ``link``), or None.
             Asynchrony itself acts like momentum (Mitliagkas et al. 2016,
             "Asynchrony begets momentum": about ``1 - 1/workers`` with stale
             gradients), so a stable async run often needs less explicit momentum.
+        auto_link: the ``auto`` rows' link prior ``(latency_s, bytes_per_s)``
+            (:class:`gradcomp.Adaptive`'s ``link``), or None.
         seed: model initialisation, data split and data order.
         hidden: hidden-layer widths of the MLP.
         test_fraction: share of the digits held out for testing.
