@@ -496,7 +496,7 @@ def run(args: argparse.Namespace) -> int:
     lead = not in_torchrun() or os.environ.get("RANK") == "0"
     try:
         scenarios = _scenario_list(args, cfg.workers)
-        args.auto_links = _auto_links(args.auto_profile, scenarios)
+        priors = _auto_links(args.auto_profile, scenarios)
     except ValueError as e:
         return fail(str(e), 2)
     made = None
@@ -510,7 +510,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(quiet=not lead)
     if not console.is_terminal:
         console = Console(quiet=not lead, width=max(console.width, 132))
-    status = _run_and_report(args, cfg, modes, scenarios, lead, console, fail)
+    status = _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail)
     if status != 0 and made is not None:
         try:
             os.rmdir(made)  # only if the failed run left it empty
@@ -553,7 +553,7 @@ def _auto_links(files: list[str] | None, scenarios) -> dict[str, tuple[float, fl
     return links
 
 
-def _run_and_report(args, cfg, modes, scenarios, lead, console, fail) -> int:
+def _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail) -> int:
     from gradcomp.launch import WorkerError
     from gradcomp.train import report
     from gradcomp.train.study import fill_targets, run_study
@@ -561,7 +561,6 @@ def _run_and_report(args, cfg, modes, scenarios, lead, console, fail) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
     names = list(dict.fromkeys(["none", *args.compressors]))
-    links = getattr(args, "auto_links", {})
     grand = cfg.steps * len(modes) * len(names) * args.seeds * len(scenarios)
     studies = []
     try:
@@ -572,7 +571,7 @@ def _run_and_report(args, cfg, modes, scenarios, lead, console, fail) -> int:
             for sc in scenarios:
                 if bars is not None and len(scenarios) > 1:
                     bars.prefix = f"{sc.name}: "
-                prior = links.get((sc.link or "none").lower())
+                prior = priors.get((sc.link or "none").lower())
                 studies.append(run_study(dataclasses.replace(cfg, auto_link=prior), modes, args.compressors,
                                          on_progress=bars, scenario=sc, seeds=args.seeds,
                                          target_acc=args.target_acc))
