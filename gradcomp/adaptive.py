@@ -760,13 +760,16 @@ class Adaptive(CodecPolicy):
         ``t``'s size: reused (:meth:`_reused`, identical on every rank) or
         timed through the ``timing`` hook (``kind="kernel"``)."""
         out = []
+        bucket = None  # one bucket-sized input shared by the candidates timed
         for i in t.ladder:
             reused = self._reused(t, i)
             if reused is not None:
                 out.append(reused)
                 continue
+            if bucket is None:
+                bucket = _kernel_input(t.numel, device)
             sample = Timing(step=step, bucket=t.bucket, codec=self.names[i], numel=t.numel, wire_bytes=0,
-                            comm_s=_kernel_seconds(self.candidates[i], t.numel, device, self.clock),
+                            comm_s=_kernel_seconds(self.candidates[i], *bucket, self.clock),
                             compute_s=None, kind="kernel")
             out.append(self._hooked(sample).comm_s)
         return out
@@ -871,11 +874,16 @@ def _convergence(convergence, names: tuple[str, ...]) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _kernel_seconds(comp: Compressor, numel: int, device, clock: Callable[[], float]) -> float:
-    """Median seconds of one ``comp.compress`` + ``decompress_add_`` of a
-    bucket-sized float32 tensor on ``device`` (after one warm-up)."""
+def _kernel_input(numel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded standard-normal float32 bucket of ``numel`` elements on
+    ``device`` and a zero accumulator of its shape."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device)
-    acc = torch.zeros_like(x)
+    return x, torch.zeros_like(x)
+
+
+def _kernel_seconds(comp: Compressor, x: torch.Tensor, acc: torch.Tensor, clock: Callable[[], float]) -> float:
+    """Median seconds of one ``comp.compress(x)`` + ``decompress_add_`` into
+    ``acc`` (after one warm-up)."""
     sync = (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else (lambda: None)
     times = []
     for _ in range(KERNEL_REPEATS + 1):
