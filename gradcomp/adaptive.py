@@ -48,7 +48,9 @@ The rule: the candidate with the least predicted *time per unit of progress*
 * the bucket's candidates form a ladder, lightest (most wire bytes) first: the
   wire bytes ``B`` a rank sends for this bucket (dense: ring/two-phase
   ``2 (N - 1) / N`` of the chunks' payloads; sparse: the allgather forwards
-  ``N - 1`` payloads). Every bucket starts on the lightest, or under a link
+  ``N - 1`` payloads; ``none``: ``2 (N - 1) / N`` of the float32 bytes, since
+  an uncompressed float32 bucket runs on the backend's own allreduce,
+  ``dist.all_reduce``, as a plain DDP bucket does: :mod:`gradcomp.comm.native`). Every bucket starts on the lightest, or under a link
   prior on the codec the prior predicts (below);
 * predicted communication time of candidate ``j``: ``T_j = k_j + alpha +
   B_j x beta``. ``k_j`` is its byte-independent kernel cost: one compress +
@@ -154,7 +156,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import _validate as v
-from gradcomp.comm import DEFAULT_TIMEOUT, DENSE_ALGORITHMS, allreduce, chunk_bounds
+from gradcomp.comm import DEFAULT_TIMEOUT, DENSE_ALGORITHMS, allreduce, chunk_bounds, native
 from gradcomp.comm.guard import exclusive
 from gradcomp.comm.policy import CodecPolicy
 from gradcomp.compressors import (BF16, FP16, Compressor, ErrorFeedback, Int8Quantizer,
@@ -658,8 +660,12 @@ class Adaptive(CodecPolicy):
         alg = "allgather" if comp.sparse else algorithm
         own = TrafficMeter()
         t0 = self.clock()
-        result = allreduce(tensor, comp, op=op, algorithm=alg, group=group, meter=own, timeout=timeout,
-                           residual=residual, out=out, check=check)
+        if _native(comp) and tensor.dtype == torch.float32:
+            result = native.allreduce(tensor, op=op, group=group, meter=own, timeout=timeout,
+                                      residual=residual, out=out, check=check)
+        else:
+            result = allreduce(tensor, comp, op=op, algorithm=alg, group=group, meter=own, timeout=timeout,
+                               residual=residual, out=out, check=check)
         sample = Timing(step=step, bucket=track.bucket, codec=self.names[track.candidate],
                         numel=track.numel, wire_bytes=own.bytes_sent, comm_s=self.clock() - t0,
                         compute_s=compute)
@@ -895,10 +901,18 @@ def _kernel_seconds(comp: Compressor, x: torch.Tensor, acc: torch.Tensor, clock:
     return statistics.median(times[1:])
 
 
+def _native(comp: Compressor) -> bool:
+    """``comp`` runs on the backend's own allreduce (:mod:`gradcomp.comm.native`):
+    uncompressed float32 gains nothing from gradcomp's ring."""
+    return type(comp) is NoCompression
+
+
 def _wire_bytes(comp: Compressor, numel: int, world: int) -> int | None:
     """Bytes one rank sends to reduce ``numel`` elements over ``world`` ranks with ``comp``."""
     if world < 2:
         return 0
+    if _native(comp):  # the float32 ring's, without payload headers
+        return 2 * (world - 1) * 4 * numel // world
     if comp.sparse:
         one = comp.wire_nbytes((numel,))
         return None if one is None else (world - 1) * one

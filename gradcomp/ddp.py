@@ -61,8 +61,7 @@ import torch.distributed as dist
 
 from gradcomp import _validate as v
 from gradcomp.adaptive import Adaptive
-from gradcomp.comm import (ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce,
-                           ring_raw_bytes)
+from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce, native
 from gradcomp.compressors import DGC, Compressor, Int8Quantizer, TopK, unwrapped
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import Timeline, span
@@ -371,14 +370,8 @@ class GradCompState:
             if r is not None and r.numel() == n:
                 buf[off:off + n].add_(r.to(buf.dtype))
         buf.div_(world)
-        work = dist.all_reduce(buf, group=group, async_op=True)
         with span("communicate"):
-            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
-        if self.meter is not None and world > 1:
-            rs, ag, rs_in, ag_in = ring_raw_bytes(buf.numel(), world, dist.get_rank(group))
-            scale = buf.element_size() / 4
-            self.meter.record_send(int((rs + ag) * scale), rs + ag, phase="plain_allreduce")
-            self.meter.record_recv(int((rs_in + ag_in) * scale), rs_in + ag_in, phase="plain_allreduce")
+            native.allreduce_(buf, group=group, timeout=self.timeout, meter=self.meter)
 
     def _momentum_plain(self, buf: torch.Tensor, segments) -> None:
         """DGC on a plain-allreduce bucket: exact momentum SGD. ``u = m u + g``

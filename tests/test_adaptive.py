@@ -180,8 +180,10 @@ def test_candidates_ranked_by_wire_bytes_per_bucket():
     a = Adaptive(["topk-int8", "none", "int8", "fp16"])
     t = a._track("b", 10_000, 2, "ring")
     assert [a.names[i] for i in t.ladder] == ["none", "fp16", "int8", "topk-int8"]
-    # 2 ranks, ring: a rank sends (N - 1) / N of both phases = one chunk each way
-    assert t.nbytes[0] == 2 * (5000 * 4 + gc.NoCompression().wire_nbytes((0,)))
+    # 2 ranks, ring: a rank sends (N - 1) / N of both phases = one chunk each way;
+    # none on the backend's allreduce: float32 without payload headers
+    assert t.nbytes[0] == 2 * 5000 * 4
+    assert t.nbytes[1] == 2 * (5000 * 2 + gc.FP16().wire_nbytes((0,)))
     # the sparse allgather forwards N - 1 payloads (255 x ~310 bytes at 256 ranks with
     # compact indices, vs ~2 x 20000 x 255/256 for fp16): at 256 ranks top-k 1% + int8
     # is no longer lighter on the wire than fp16 for this bucket

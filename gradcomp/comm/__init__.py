@@ -56,9 +56,12 @@ INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: default seconds one exchange may take before TimeoutError
 DEFAULT_TIMEOUT = 300.0
 
+#: the agreement's algorithm code of the backend's own allreduce (:mod:`gradcomp.comm.native`)
+NATIVE = len(ALGORITHMS)
+
 _REDUCE_SCATTER = {"ring": _ring.reduce_scatter, "two_phase": _two_phase.reduce_scatter}
 # how a disagreement names the codes of the agreement's fields
-_NAMES = {"op": dict(enumerate(OPS)), "algorithm": dict(enumerate(ALGORITHMS)),
+_NAMES = {"op": dict(enumerate(OPS)), "algorithm": {**dict(enumerate(ALGORITHMS)), NATIVE: "native"},
           "codec": {c.id: c.name for c in W.CODECS.values()}}
 
 
@@ -238,11 +241,8 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
         else:
             plan = Plan(n, comm.world_size, local.inner)
             descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
-        if check and needs_check(group, descriptor):
-            last = pattern(group)
-            if last is not None:  # tell ranks that skip the check, if any (see agreement)
-                replay(comm, last, x.device)
-            agree(comm, descriptor, _NAMES, device=x.device)  # before anything changes
+        if check:
+            check_call(comm, descriptor, x.device)  # before anything changes
         try:
             if algorithm == "allgather":
                 _allgather.allreduce(comm, local, work, op)
@@ -269,6 +269,22 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
             out.view(-1).copy_(work)
     comm.release()  # after the last read of pooled buffers
     return result
+
+
+def check_call(comm: Comm, descriptor: dict[str, int], device, *, always: bool = False) -> None:
+    """Agree on ``descriptor`` (:data:`gradcomp.comm.agreement.FIELDS`) over
+    ``comm``'s group unless it is the one the group last agreed on (or
+    ``always``); first replay the last agreed call's pattern, for ranks that
+    skip the check (see :mod:`gradcomp.comm.agreement`).
+
+    Raises:
+        ValueError: the ranks' descriptors differ (on every rank).
+    """
+    if always or needs_check(comm.group, descriptor):
+        last = pattern(comm.group)
+        if last is not None:  # tell ranks that skip the check, if any (see agreement)
+            replay(comm, last, device)
+        agree(comm, descriptor, _NAMES, device=device)
 
 
 def member_group(group, what: str):

@@ -1,0 +1,116 @@
+"""The backend's own uncompressed allreduce, with gradcomp's accounting.
+
+An uncompressed bucket gains nothing from gradcomp's point-to-point ring: the
+backend's ``dist.all_reduce`` (gloo's or NCCL's ring) moves the same float32
+bytes with less overhead per message. A plain DDP bucket and the adaptive
+policy's ``none`` codec both reduce this way; the meter records what a ring
+allreduce of the same chunks sends and receives
+(:func:`gradcomp.comm.chunks.ring_raw_bytes`), sent and raw bytes alike.
+Every rank ends bit-identical: each chunk is summed once, along the ring, and
+its sum forwarded to every rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+from gradcomp import wire as W
+from gradcomp.comm import NATIVE, OPS, _check_args, check_call, member_group
+from gradcomp.comm.agreement import forget, remember_pattern
+from gradcomp.comm.chunks import ring_raw_bytes
+from gradcomp.comm.guard import exclusive
+from gradcomp.comm.p2p import Comm
+from gradcomp.compressors import NoCompression
+from gradcomp.meter import TrafficMeter
+
+__all__ = ["allreduce", "allreduce_"]
+
+#: the meter's phase of these bytes
+PHASE = "plain_allreduce"
+
+
+def allreduce(tensor: torch.Tensor, *, op: str = "avg", group=None, meter: TrafficMeter | None = None,
+              timeout: float, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+              check: bool = True) -> torch.Tensor:
+    """:func:`gradcomp.allreduce` of a float32 ``tensor`` with
+    :class:`~gradcomp.NoCompression`, by the backend's ``dist.all_reduce``.
+
+    The arguments are those of :func:`gradcomp.allreduce`. ``residual`` is
+    delivered in full (added, then zeroed); ``"avg"`` divides before the sum,
+    as DDP's own allreduce does. ``check``: the ranks agree first on the
+    call (:mod:`gradcomp.comm.agreement`, algorithm ``"native"``), on every
+    call: a rank that skipped the check would wait in the backend's
+    collective, where no disagreement envelope can reach it. ``False``: a
+    disagreement aborts the process (gloo), as ``dist.all_reduce`` does.
+
+    Returns:
+        ``out`` if given, else a new float32 tensor of ``tensor``'s shape.
+
+    Raises:
+        TypeError / ValueError: as :func:`gradcomp.allreduce` (and ``tensor``
+            not float32; the ranks' calls differ);
+        TimeoutError / RuntimeError: a slow or dead peer.
+    """
+    _check_args(tensor, NoCompression(), op, "ring", timeout, residual, out, meter)
+    if tensor.dtype != torch.float32:
+        raise TypeError(f"tensor must be float32 for the backend's allreduce, got {tensor.dtype}")
+    group = member_group(group, "gradcomp native allreduce")
+    x = tensor.detach()
+    n, world = x.numel(), dist.get_world_size(group)
+    work = out.view(-1) if out is not None else torch.empty(n, dtype=torch.float32, device=x.device)
+    with exclusive(group):
+        try:
+            if check and world > 1:
+                descriptor = {"numel": n, "op": OPS.index(op), "algorithm": NATIVE,
+                              "codec": W.codec(NoCompression.codec).id, "wire_nbytes": 4 * n}
+                comm = Comm(group, timeout, meter)
+                # on every call: a rank that skipped it would be waiting in the backend's
+                # collective, where no disagreement envelope reaches it
+                check_call(comm, descriptor, x.device, always=True)
+                remember_pattern(group, descriptor, comm.trace)  # no payload message to replay
+                comm.release()
+            if work.data_ptr() != x.data_ptr():
+                work.copy_(x.reshape(-1))
+            if residual is not None:
+                work.add_(residual)
+            if op == "avg" and world > 1:
+                work.div_(world)
+            if world > 1:
+                allreduce_(work, group=group, timeout=timeout, meter=meter)
+        except BaseException:
+            forget(group)  # this rank's next call on the group checks again
+            raise
+        if residual is not None:
+            residual.zero_()  # delivered
+    return out if out is not None else work.view(x.shape)
+
+
+def allreduce_(buf: torch.Tensor, *, group, timeout: float, meter: TrafficMeter | None = None) -> torch.Tensor:
+    """Sum ``buf`` over ``group`` in place with ``dist.all_reduce``.
+
+    Args:
+        buf: a contiguous tensor on the group's device (float32, float16 or
+            bfloat16: summed in its own dtype, as ``dist.all_reduce`` does).
+        group: a torch.distributed process group this process is in.
+        timeout: seconds the transfer may take.
+        meter: optional :class:`~gradcomp.TrafficMeter`: bytes in ``buf``'s
+            element size, raw bytes as float32.
+
+    Returns:
+        ``buf``.
+
+    Raises:
+        TimeoutError / RuntimeError: the backend's, on a slow or dead peer.
+    """
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    work.wait(timeout=datetime.timedelta(seconds=timeout))
+    world = dist.get_world_size(group)
+    if meter is not None and world > 1:
+        rs, ag, rs_in, ag_in = ring_raw_bytes(buf.numel(), world, dist.get_rank(group))
+        scale = buf.element_size() / 4
+        meter.record_send(int((rs + ag) * scale), rs + ag, phase=PHASE)
+        meter.record_recv(int((rs_in + ag_in) * scale), rs_in + ag_in, phase=PHASE)
+    return buf
