@@ -50,13 +50,16 @@ The rule: the candidate with the least predicted *time per unit of progress*
   ``2 (N - 1) / N`` of the chunks' payloads; sparse: the allgather forwards
   ``N - 1`` payloads; ``none``: ``2 (N - 1) / N`` of the float32 bytes, since
   an uncompressed float32 bucket runs on the backend's own allreduce,
-  ``dist.all_reduce``, as a plain DDP bucket does: :mod:`gradcomp.comm.native`). Every bucket starts on the lightest, or under a link
-  prior on the codec the prior predicts (below);
+  ``dist.all_reduce``, as a plain DDP bucket does: :mod:`gradcomp.comm.native`).
+  Every bucket starts on the lightest, or under a link prior on the codec the
+  prior predicts (below);
 * predicted communication time of candidate ``j``: ``T_j = k_j + alpha +
   B_j x beta``. ``k_j`` is its byte-independent kernel cost: one compress +
   decompress of a bucket-sized float32 tensor, timed on every rank once, at
   the bucket's first decision (median of 3 after a warm-up; on the
-  communication thread in DDP), agreed with ``MAX``; a bucket within 2x
+  communication thread in DDP; a bucket of more than :data:`KERNEL_NUMEL`
+  elements is timed on that many and the cost scaled by size, since the
+  kernels are memory-bound passes), agreed with ``MAX``; a bucket within 2x
   the size of one already timed (DDP's rebuilt buckets) reuses that cost,
   scaled by size (:data:`KERNEL_REUSE`). ``alpha`` (seconds per
   collective: latency, scheduling) and ``beta`` (seconds per wire byte) are
@@ -199,6 +202,10 @@ MAX_CONVERGENCE = 1e6
 NEAR = 0.1
 #: kernel timings per candidate at a bucket's first decision (after one warm-up; median)
 KERNEL_REPEATS = 3
+#: largest number of elements a kernel is timed on: a larger bucket's cost is scaled from it
+#: (linear in the elements; top-k's sampled threshold makes its cost grow a little slower, so
+#: its scaled cost errs high)
+KERNEL_NUMEL = 1 << 18
 #: a kernel cost timed on n elements is reused, scaled to the size, for a bucket of
 #: n / KERNEL_REUSE to n x KERNEL_REUSE elements (e.g. after DDP rebuilds its buckets)
 KERNEL_REUSE = 2.0
@@ -766,17 +773,18 @@ class Adaptive(CodecPolicy):
         ``t``'s size: reused (:meth:`_reused`, identical on every rank) or
         timed through the ``timing`` hook (``kind="kernel"``)."""
         out = []
-        bucket = None  # one bucket-sized input shared by the candidates timed
+        bucket = None  # one input shared by the candidates timed
+        timed = min(t.numel, KERNEL_NUMEL)
         for i in t.ladder:
             reused = self._reused(t, i)
             if reused is not None:
                 out.append(reused)
                 continue
             if bucket is None:
-                bucket = _kernel_input(t.numel, device)
+                bucket = _kernel_input(timed, device)
+            seconds = _kernel_seconds(self.candidates[i], *bucket, self.clock) * (t.numel / timed if timed else 1)
             sample = Timing(step=step, bucket=t.bucket, codec=self.names[i], numel=t.numel, wire_bytes=0,
-                            comm_s=_kernel_seconds(self.candidates[i], *bucket, self.clock),
-                            compute_s=None, kind="kernel")
+                            comm_s=seconds, compute_s=None, kind="kernel")
             out.append(self._hooked(sample).comm_s)
         return out
 
