@@ -191,6 +191,26 @@ def test_candidates_ranked_by_wire_bytes_per_bucket():
     assert [a.names[i] for i in wide.ladder][:2] == ["none", "topk-int8"]
 
 
+def test_kernel_costs_of_a_large_bucket_are_timed_on_kernel_numel_elements_and_scaled():
+    from gradcomp.adaptive import KERNEL_NUMEL
+
+    sizes = []
+
+    class Counting(gc.NoCompression):  # records the size it is timed on
+        def compress(self, x):
+            sizes.append(x.numel())
+            return super().compress(x)
+
+    ticks = iter(range(10**6))
+    a = Adaptive([Counting(), "int8"], clock=lambda: next(ticks) * 1e-3)  # every reading 1 ms later
+    # each timed run spans two readings: 1 ms, whatever the size
+    small = a._kernels(a._track("s", 1000, 2, "ring"), 0, torch.device("cpu"))
+    big = a._kernels(a._track("b", 4 * KERNEL_NUMEL, 2, "ring"), 0, torch.device("cpu"))
+    assert small == pytest.approx([1e-3, 1e-3])
+    assert big == pytest.approx([4e-3, 4e-3])  # scaled from KERNEL_NUMEL elements by size
+    assert set(sizes) == {1000, KERNEL_NUMEL}
+
+
 @pytest.mark.parametrize("kwargs, exc, words", [
     (dict(candidates="int8"), TypeError, "candidates must be a sequence"),
     (dict(candidates=[]), ValueError, "candidates must not be empty"),
