@@ -56,10 +56,10 @@ The rule: the candidate with the least predicted *time per unit of progress*
 * predicted communication time of candidate ``j``: ``T_j = k_j + alpha +
   B_j x beta``. ``k_j`` is its byte-independent kernel cost: one compress +
   decompress of a bucket-sized float32 tensor, timed on every rank once, at
-  the bucket's first decision (median of 3 after a warm-up; on the
-  communication thread in DDP; a bucket of more than :data:`KERNEL_NUMEL`
-  elements is timed on that many and the cost scaled by size, since the
-  kernels are memory-bound passes), agreed with ``MAX``; a bucket within 2x
+  the bucket's first decision (the least of 3 after a warm-up: preemption
+  only adds; on the communication thread in DDP; a bucket of more than
+  :data:`KERNEL_NUMEL` elements is timed on that many and the cost scaled by
+  size, since the kernels are memory-bound passes), agreed with ``MAX``; a bucket within 2x
   the size of one already timed (DDP's rebuilt buckets) reuses that cost,
   scaled by size (:data:`KERNEL_REUSE`). ``alpha`` (seconds per
   collective: latency, scheduling) and ``beta`` (seconds per wire byte) are
@@ -73,8 +73,11 @@ The rule: the candidate with the least predicted *time per unit of progress*
   measured sparse ones (allgather), since their per-collective costs differ
   (a kernel-bound top-k measured beside int8 would otherwise read as "bytes
   cost nothing"); with none of its kind measured, from all measured codecs.
-  With one codec measured, ``alpha = 0`` (everything per byte). A measured
-  codec is predicted by its measurement;
+  With one codec (one byte count) of a kind measured, its time is split as
+  the link prior (below) splits it, ``m x latency_s`` per collective and
+  ``B / bytes_per_s`` per byte, scaled to the measurement; without a prior,
+  ``alpha = 0`` (everything per byte). A measured codec is predicted by its
+  measurement;
   an unmeasured lighter codec gets its ``B_j x beta`` multiplied by ``upper /
   lower`` (2 by default): moves to less compression are cautious;
 * predicted step time (the bucket's share): ``step_j = compute_s +
@@ -200,7 +203,7 @@ MAX_CONVERGENCE = 1e6
 #: factor) is within this fraction of the least one's (less compression for a small
 #: loss of speed)
 NEAR = 0.1
-#: kernel timings per candidate at a bucket's first decision (after one warm-up; median)
+#: kernel timings per candidate at a bucket's first decision (after one warm-up; the least)
 KERNEL_REPEATS = 3
 #: largest number of elements a kernel is timed on: a larger bucket's cost is scaled from it
 #: (linear in the elements; top-k's sampled threshold makes its cost grow a little slower, so
@@ -246,15 +249,19 @@ class Timing:
     kind: str = "comm"
 
 
-def fit_link(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+def fit_link(points: Sequence[tuple[float, float]], prior: tuple[float, float] | None = None
+             ) -> tuple[float, float]:
     """The link's ``(alpha, beta)``: seconds per collective and per wire byte,
     from ``(wire bytes, seconds)`` measurements of codecs on that link.
 
     Least squares with both parts >= 0 (a negative slope means the bytes do
     not show in the times: all latency, the mean; a negative intercept: all
-    bytes, the slope through the origin). With a single byte count the whole
-    time is taken as per-byte (``alpha = 0``: the cautious reading for a move
-    to a lighter codec). Counts of 0 bytes (nothing sent) are left out.
+    bytes, the slope through the origin). With a single byte count, two
+    parts cannot be fitted: the time is split as the ``prior`` ``(alpha0,
+    beta0)`` splits it at that count (both scaled by the measured time over
+    ``alpha0 + beta0 x bytes``), or, without a prior, taken as all per-byte
+    (``alpha = 0``: the cautious reading for a move to a lighter codec).
+    Counts of 0 bytes (nothing sent) are left out.
     """
     pts = [(b, max(0.0, t)) for b, t in points if b > 0]
     if not pts:
@@ -263,6 +270,9 @@ def fit_link(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     mx, my = statistics.fmean(xs), statistics.fmean(t for _, t in pts)
     var = sum((x - mx) ** 2 for x in xs)
     if var == 0:
+        if prior is not None and prior[0] + prior[1] * mx > 0:
+            scale = my / (prior[0] + prior[1] * mx)
+            return scale * prior[0], scale * prior[1]
         return 0.0, my / mx
     beta = sum((x - mx) * (t - my) for x, t in pts) / var
     if beta <= 0:
@@ -275,7 +285,8 @@ def fit_link(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float], nbytes: Sequence[float],
            seen: dict[int, float], convergence: Sequence[float], *, upper: float, lower: float,
-           lighter_allowed: bool = True, sparse: Sequence[bool] | None = None
+           lighter_allowed: bool = True, sparse: Sequence[bool] | None = None,
+           link: tuple[float, float] | None = None, messages: Sequence[int] | None = None
            ) -> tuple[int, list[dict[str, float]], tuple[float, float]]:
     """The ladder position the policy moves to, and the predictions behind it
     (see the module docstring for the rule).
@@ -296,6 +307,11 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
             to the measured positions of its own kind (the ring's and the
             allgather's per-collective costs differ), or to all measured
             positions when none of its kind is measured.
+        link, messages: optional link prior ``(latency_s, bytes_per_s)`` and
+            each position's messages in sequence: where the measured
+            positions of a kind share one byte count, the fit splits their
+            time as ``messages x latency_s + bytes / bytes_per_s`` does
+            (:func:`fit_link`'s ``prior``) instead of taking it all as per-byte.
 
     Returns:
         ``(position, predictions, (alpha, beta))``: the new position (``level``
@@ -308,7 +324,11 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
     kind = list(sparse) if sparse is not None else [False] * len(nbytes)
 
     def fit(positions) -> tuple[float, float]:
-        return fit_link([(nbytes[j], measured[j] - kernel_s[j]) for j in positions])
+        positions = list(positions)
+        prior = None
+        if link is not None and messages is not None and positions:
+            prior = (messages[positions[0]] * link[0], 1 / link[1])
+        return fit_link([(nbytes[j], measured[j] - kernel_s[j]) for j in positions], prior)
 
     overall = fit(measured)
     fits = {k: fit([j for j in measured if kind[j] == k]) for k in {kind[j] for j in measured}}
@@ -716,7 +736,7 @@ class Adaptive(CodecPolicy):
             new, preds, (alpha, beta) = choose(
                 t.level, comm, compute, t.kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
                 upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0,
-                sparse=[self.candidates[i].sparse for i in t.ladder])
+                sparse=[self.candidates[i].sparse for i in t.ladder], link=self.link, messages=t.messages)
             if not t.hysteresis(new, number, self.patience):
                 continue
             self._switch(t, new, step, preds, meter, rho=rho, comm_s=comm, compute_s=compute, exposed_s=exposed,
@@ -896,8 +916,9 @@ def _kernel_input(numel: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _kernel_seconds(comp: Compressor, x: torch.Tensor, acc: torch.Tensor, clock: Callable[[], float]) -> float:
-    """Median seconds of one ``comp.compress(x)`` + ``decompress_add_`` into
-    ``acc`` (after one warm-up)."""
+    """Least seconds of one ``comp.compress(x)`` + ``decompress_add_`` into
+    ``acc`` over :data:`KERNEL_REPEATS` runs after one warm-up (a run that
+    another process preempts only takes longer)."""
     sync = (lambda: torch.cuda.synchronize(x.device)) if x.is_cuda else (lambda: None)
     times = []
     for _ in range(KERNEL_REPEATS + 1):
@@ -906,7 +927,7 @@ def _kernel_seconds(comp: Compressor, x: torch.Tensor, acc: torch.Tensor, clock:
         comp.decompress_add_(comp.compress(x), acc)
         sync()
         times.append(clock() - t0)
-    return statistics.median(times[1:])
+    return min(times[1:])
 
 
 def _native(comp: Compressor) -> bool:

@@ -127,6 +127,33 @@ def test_fit_link(points, expected):
     assert fit_link(points) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("points, expected", [
+    ([(1000, 0.02)], (0.008, 1.2e-5)),                # prior time 0.004 + 0.006 = 0.01: scaled by 2
+    ([(1000, 0.01), (1000, 0.03)], (0.008, 1.2e-5)),  # one byte count: the mean, as above
+    ([(4000, 30.0), (1000, 20.0)], (50 / 3, 1 / 300)),  # two byte counts: fitted, the prior unused
+])
+def test_fit_link_splits_a_single_byte_count_as_the_prior_does(points, expected):
+    assert fit_link(points, prior=(0.004, 6e-6)) == pytest.approx(expected)
+    assert fit_link([(100, 1.0)], prior=(0.0, 0.0)) == (0.0, 0.01)  # an empty prior: all per byte
+
+
+def test_choose_splits_one_measured_codec_as_the_link_prior_does():
+    # int8 measured at 30 ms on a latency-bound link: prior 6 messages x 4 ms + 1000 B / 1e8 B/s.
+    # Without the prior all 30 ms count as per byte: none is predicted at 240 ms and top-k
+    # (50 B) at 1.5 ms, hidden behind the 10 ms compute: top-k. With it nearly all are per
+    # collective: every codec is predicted near 30 ms, and none (bytes x 2, the caution) is
+    # within 10% of the least: none
+    prior, messages = (0.004, 1e8), [6, 6, 6, 6]
+    scale = 0.030 / (6 * 0.004 + 1000 / 1e8)
+    alpha, beta = scale * 6 * 0.004, scale / 1e8
+    assert choose(2, 0.030, C, Z, NB, {}, F1, upper=1.0, lower=0.5)[0] == 3
+    new, preds, link = choose(2, 0.030, C, Z, NB, {}, F1, upper=1.0, lower=0.5, link=prior, messages=messages)
+    assert link == (pytest.approx(alpha), pytest.approx(beta))
+    assert [p["comm_s"] for p in preds] == pytest.approx(
+        [alpha + 4000 * beta * 2, alpha + 2000 * beta * 2, 0.030, alpha + 50 * beta])
+    assert new == 0
+
+
 # the start under a link prior: kernels 0 / 1 / 2 / 3 ms, messages 2 / 2 / 2 / 1 (ring, allgather)
 KS, MSGS = [0.0, 1e-3, 2e-3, 3e-3], [2, 2, 2, 1]
 
