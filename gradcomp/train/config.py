@@ -45,6 +45,10 @@ class CompressorChoice:
         dgc: Deep Gradient Compression around the top-k (:mod:`gradcomp.train.dgc`).
         modes: the modes it can run in (``auto``, adaptive compression, needs
             the DDP hook: sync only).
+        native: uncompressed, on the backend's own ``dist.all_reduce`` (what
+            DDP does without a hook) instead of gradcomp's ring: the
+            baseline a user would call (``none`` runs gradcomp's transport,
+            so that its bytes are those of the compressed rows' transport).
     """
 
     name: str
@@ -52,6 +56,7 @@ class CompressorChoice:
     error_feedback: bool
     dgc: bool = False
     modes: tuple[str, ...] = ALL_MODES
+    native: bool = False
 
     def build(self, threshold: float | None = None, link: tuple[float, float] | None = None
               ) -> "Compressor | Adaptive":
@@ -65,7 +70,7 @@ class CompressorChoice:
         from gradcomp.compressors import (BF16, FP16, Int8Quantizer, NoCompression, Threshold,
                                           TopK)
 
-        if self.name == "none":
+        if self.name in ("none", "native"):
             return NoCompression()
         if self.name == "fp16":
             return FP16()
@@ -108,6 +113,7 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
     CompressorChoice("dgc", "dgc0.1%", True, dgc=True),
     CompressorChoice("dgc-int8", "dgc0.1%+int8", True, dgc=True),
     CompressorChoice("auto", "auto", True, modes=("sync",)),
+    CompressorChoice("native", "all_reduce f32", False, modes=("sync",), native=True),
 )}
 
 #: The default study's menu, baseline first.

@@ -6,7 +6,9 @@ with a compressed collective (``ring`` or ``two_phase`` for dense codecs,
 ``allgather`` for sparse ones) and counts the wire bytes in a
 :class:`~gradcomp.TrafficMeter`. The ``none`` baseline goes through the same
 hook and transport with :class:`~gradcomp.NoCompression`, so its bytes are
-measured the same way.
+measured the same way; the ``native`` row is the baseline a user would call,
+the backend's own ``dist.all_reduce`` of every bucket (the hook's plain
+allreduce, :mod:`gradcomp.comm.native`), counted at the same nominal ring bytes.
 
 The hook compresses every bucket from the first step (``start_iter=0``,
 ``min_compress_numel=0``; the default model fits in one DDP bucket): every
@@ -17,6 +19,8 @@ allreduces, counted in the meter's ``"plain_allreduce"`` phase.)
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -64,7 +68,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         compressor=codec,
         error_feedback=choice.error_feedback,
         algorithm="allgather" if choice.sparse else cfg.algorithm,
-        min_compress_numel=0,
+        min_compress_numel=sys.maxsize if choice.native else 0,  # native: every bucket a plain allreduce
         start_iter=0,
         meter=meter,
         timeout=cfg.timeout,
