@@ -69,14 +69,10 @@ The rule: the candidate with the least predicted *time per unit of progress*
   codec's ``comm_s`` moved by more than 2x since its previous measurement
   (:data:`CHANGE`: a changed link makes older measurements mislead; they are
   forgotten). The fit is per kind of collective: a dense codec is predicted
-  from the measured dense codecs (gradcomp's ring / two-phase), a sparse one
-  from the measured sparse ones (allgather), ``none`` from its own
-  measurements (the backend's allreduce), since their per-collective costs
-  differ (a kernel-bound top-k measured beside int8 would otherwise read as
-  "bytes cost nothing"; on a 2-core host gradcomp's ring pays more per
-  message than gloo's); with none of its kind measured, from the link prior
-  when there is one (below: ``m x latency_s + B / bytes_per_s``), else from
-  all measured codecs.
+  from the measured dense codecs (ring / two-phase), a sparse one from the
+  measured sparse ones (allgather), since their per-collective costs differ
+  (a kernel-bound top-k measured beside int8 would otherwise read as "bytes
+  cost nothing"); with none of its kind measured, from all measured codecs.
   With one codec (one byte count) of a kind measured, its time is split as
   the link prior (below) splits it, ``m x latency_s`` per collective and
   ``B / bytes_per_s`` per byte, scaled to the measurement; without a prior,
@@ -289,7 +285,7 @@ def fit_link(points: Sequence[tuple[float, float]], prior: tuple[float, float] |
 
 def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float], nbytes: Sequence[float],
            seen: dict[int, float], convergence: Sequence[float], *, upper: float, lower: float,
-           lighter_allowed: bool = True, kinds: Sequence[Hashable] | None = None,
+           lighter_allowed: bool = True, sparse: Sequence[bool] | None = None,
            link: tuple[float, float] | None = None, messages: Sequence[int] | None = None
            ) -> tuple[int, list[dict[str, float]], tuple[float, float]]:
     """The ladder position the policy moves to, and the predictions behind it
@@ -306,20 +302,16 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         upper, lower: the hiding bound and the caution of lighter moves (``lower < upper``).
         lighter_allowed: False while the policy waits after a heavier move:
             lighter positions are then chosen only when measured (in ``seen``).
-        kinds: per position, the kind of collective it runs (any labels:
-            the adaptive policy's ``"ring"`` for gradcomp's dense ring /
-            two-phase, ``"allgather"`` for the sparse one, ``"native"`` for
-            the backend's allreduce; None: all alike). An unmeasured position
-            is predicted from the link fitted to the measured positions of its
-            own kind (their per-collective costs differ); with none of its
-            kind measured, from the link prior when there is one, else from
-            the link fitted to all measured positions.
+        sparse: per position, whether it runs the sparse allgather (None: all
+            alike). An unmeasured position is predicted from the link fitted
+            to the measured positions of its own kind (the ring's and the
+            allgather's per-collective costs differ), or to all measured
+            positions when none of its kind is measured.
         link, messages: optional link prior ``(latency_s, bytes_per_s)`` and
-            each position's messages in sequence: an unmeasured kind is
-            predicted as ``messages x latency_s + bytes / bytes_per_s``, and
-            where the measured positions of a kind share one byte count, the
-            fit splits their time as the prior does (:func:`fit_link`'s
-            ``prior``) instead of taking it all as per-byte.
+            each position's messages in sequence: where the measured
+            positions of a kind share one byte count, the fit splits their
+            time as ``messages x latency_s + bytes / bytes_per_s`` does
+            (:func:`fit_link`'s ``prior``) instead of taking it all as per-byte.
 
     Returns:
         ``(position, predictions, (alpha, beta))``: the new position (``level``
@@ -329,7 +321,7 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         codecs of the current position's kind (:func:`fit_link`).
     """
     measured = {**seen, level: comm_s}
-    kind = list(kinds) if kinds is not None else [None] * len(nbytes)
+    kind = list(sparse) if sparse is not None else [False] * len(nbytes)
 
     def fit(positions) -> tuple[float, float]:
         positions = list(positions)
@@ -345,14 +337,9 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         if j in measured:
             comm = measured[j]
         else:
-            if kind[j] in fits:
-                alpha, beta = fits[kind[j]]
-            elif link is not None and messages is not None:  # a transport not measured here yet
-                alpha, beta = messages[j] * link[0], 1 / link[1]
-            else:
-                alpha, beta = overall
-            per_byte = nbytes[j] * beta
-            comm = kernel_s[j] + alpha + (per_byte * upper / lower if j < level else per_byte)
+            alpha, beta = fits.get(kind[j], overall)
+            link = nbytes[j] * beta
+            comm = kernel_s[j] + alpha + (link * upper / lower if j < level else link)
         step = compute_s + max(0.0, comm - upper * compute_s)
         preds.append({"comm_s": comm, "step_s": step, "cost_s": step * convergence[j]})
     # a lighter codec is a candidate while it is predicted only (and lighter moves are
@@ -749,7 +736,7 @@ class Adaptive(CodecPolicy):
             new, preds, (alpha, beta) = choose(
                 t.level, comm, compute, t.kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
                 upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0,
-                kinds=[_kind(self.candidates[i]) for i in t.ladder], link=self.link, messages=t.messages)
+                sparse=[self.candidates[i].sparse for i in t.ladder], link=self.link, messages=t.messages)
             if not t.hysteresis(new, number, self.patience):
                 continue
             self._switch(t, new, step, preds, meter, rho=rho, comm_s=comm, compute_s=compute, exposed_s=exposed,
@@ -941,12 +928,6 @@ def _kernel_seconds(comp: Compressor, x: torch.Tensor, acc: torch.Tensor, clock:
         sync()
         times.append(clock() - t0)
     return min(times[1:])
-
-
-def _kind(comp: Compressor) -> str:
-    """The collective ``comp`` runs on: ``"native"`` (the backend's allreduce,
-    for a float32 bucket), ``"allgather"`` (sparse) or ``"ring"``."""
-    return "native" if _native(comp) else "allgather" if comp.sparse else "ring"
 
 
 def _native(comp: Compressor) -> bool:

@@ -91,13 +91,13 @@ def test_choose_fits_the_link_per_kind_of_collective():
     # 0.03 ms/B, lighter ones 2x: fp16 120, none 240 -> int8 stays.
     args = (2, 30 * MS, C, Z, NB, {3: 34 * MS}, FD)
     assert choose(*args, upper=1.0, lower=0.5)[0] == 0
-    new, preds, link = choose(*args, upper=1.0, lower=0.5, kinds=["ring", "ring", "ring", "allgather"])
+    new, preds, link = choose(*args, upper=1.0, lower=0.5, sparse=[False, False, False, True])
     assert new == 2
     assert [p["comm_s"] / MS for p in preds] == pytest.approx([240, 120, 30, 34])
     assert link == (0, pytest.approx(0.03 * MS))
     # a sparse codec with none of its kind measured: from every measured codec (int8 alone,
     # 0.03 ms/B): top-k 1.5 ms, hidden: cost 10 x 1.47 = 14.7 < 30; int8 measured: top-k
-    new, preds, _ = choose(2, 30 * MS, C, Z, NB, {}, FD, upper=1.0, lower=0.5, kinds=["ring", "ring", "ring", "allgather"])
+    new, preds, _ = choose(2, 30 * MS, C, Z, NB, {}, FD, upper=1.0, lower=0.5, sparse=[False, False, False, True])
     assert new == 3 and preds[3]["comm_s"] == pytest.approx(1.5 * MS)
 
 
@@ -152,26 +152,6 @@ def test_choose_splits_one_measured_codec_as_the_link_prior_does():
     assert [p["comm_s"] for p in preds] == pytest.approx(
         [alpha + 4000 * beta * 2, alpha + 2000 * beta * 2, 0.030, alpha + 50 * beta])
     assert new == 0
-
-
-def test_choose_predicts_a_kind_not_measured_yet_from_the_link_prior():
-    # int8 on gradcomp's ring measured at 30 ms, 10 ms of compute; prior 1 us per message,
-    # 1e6 B/s. none runs on the backend's allreduce, top-k on the allgather: neither kind is
-    # measured, so both come from the prior (none: 6 messages + 4000 B, x 2 as a lighter
-    # codec = 8.006 ms, hidden: cost 10 ms, the least: none). Without the kinds every codec
-    # comes from int8's 30 ms, split as the prior splits it: none 239 ms, top-k 1.7 ms -> top-k
-    prior, messages = (1e-6, 1e6), [6, 6, 6, 3]
-    kinds = ["native", "ring", "ring", "allgather"]
-    new, preds, _ = choose(2, 0.030, C, Z, NB, {}, FD, upper=1.0, lower=0.5, link=prior, messages=messages,
-                           kinds=kinds)
-    assert preds[0]["comm_s"] == pytest.approx(6e-6 + 2 * 4000e-6)
-    assert preds[3]["comm_s"] == pytest.approx(3e-6 + 50e-6)
-    scale = 0.030 / (6e-6 + 1000e-6)  # the ring kind: int8 alone, split as the prior splits it
-    assert preds[1]["comm_s"] == pytest.approx(scale * (6e-6 + 2 * 2000e-6))
-    assert new == 0
-    new, preds, _ = choose(2, 0.030, C, Z, NB, {}, FD, upper=1.0, lower=0.5, link=prior, messages=messages)
-    assert preds[0]["comm_s"] == pytest.approx(scale * (6e-6 + 2 * 4000e-6))
-    assert new == 3
 
 
 # the start under a link prior: kernels 0 / 1 / 2 / 3 ms, messages 2 / 2 / 2 / 1 (ring, allgather)
