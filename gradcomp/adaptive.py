@@ -59,9 +59,9 @@ The rule: the candidate with the least predicted *time per unit of progress*
   the bucket's first decision (the least of 3 after a warm-up: preemption
   only adds; on the communication thread in DDP; a bucket of more than
   :data:`KERNEL_NUMEL` elements is timed on that many and the cost scaled by
-  size, since the kernels are memory-bound passes), agreed with ``MAX``; a bucket within 2x
-  the size of one already timed (DDP's rebuilt buckets) reuses that cost,
-  scaled by size (:data:`KERNEL_REUSE`). ``alpha`` (seconds per
+  size, since the kernels are memory-bound passes), agreed with ``MAX``; a
+  bucket within 2x the size of one already timed (DDP's rebuilt buckets)
+  reuses that cost, scaled by size (:data:`KERNEL_REUSE`). ``alpha`` (seconds per
   collective: latency, scheduling) and ``beta`` (seconds per wire byte) are
   the link's, fitted (:func:`fit_link`, least squares, both >= 0) to
   ``comm_s - k`` of the codecs measured on this bucket: the current one and
