@@ -69,10 +69,17 @@ The rule: the candidate with the least predicted *time per unit of progress*
   codec's ``comm_s`` moved by more than 2x since its previous measurement
   (:data:`CHANGE`: a changed link makes older measurements mislead; they are
   forgotten). The fit is per kind of collective: a dense codec is predicted
-  from the measured dense codecs (ring / two-phase), a sparse one from the
-  measured sparse ones (allgather), since their per-collective costs differ
-  (a kernel-bound top-k measured beside int8 would otherwise read as "bytes
-  cost nothing"); with none of its kind measured, from all measured codecs.
+  from the measured dense codecs (gradcomp's ring / two-phase), a sparse one
+  from the measured sparse ones (allgather), ``none`` from its own
+  measurements (the backend's allreduce), since their per-collective costs
+  differ (a kernel-bound top-k measured beside int8 would otherwise read as
+  "bytes cost nothing"; gradcomp's ring pays more per message than the
+  backend's allreduce). With none of its kind measured, a codec is predicted
+  from all measured codecs, except ``none``: under a link prior (below) it is
+  then predicted from the prior alone (``m x latency_s + B / bytes_per_s``),
+  since gradcomp's collectives, measured, say little of the backend's. Its
+  measurement expires after ``memory`` decisions like any other, so where the
+  prior says it may pay, it is measured again once per ``memory`` decisions.
   With one codec (one byte count) of a kind measured, its time is split as
   the link prior (below) splits it, ``m x latency_s`` per collective and
   ``B / bytes_per_s`` per byte, scaled to the measurement; without a prior,
@@ -286,6 +293,7 @@ def fit_link(points: Sequence[tuple[float, float]], prior: tuple[float, float] |
 def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float], nbytes: Sequence[float],
            seen: dict[int, float], convergence: Sequence[float], *, upper: float, lower: float,
            lighter_allowed: bool = True, sparse: Sequence[bool] | None = None,
+           native: Sequence[bool] | None = None,
            link: tuple[float, float] | None = None, messages: Sequence[int] | None = None
            ) -> tuple[int, list[dict[str, float]], tuple[float, float]]:
     """The ladder position the policy moves to, and the predictions behind it
@@ -307,6 +315,11 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
             to the measured positions of its own kind (the ring's and the
             allgather's per-collective costs differ), or to all measured
             positions when none of its kind is measured.
+        native: per position, whether it runs the backend's allreduce (None:
+            none does): a kind of its own, and, while not measured, predicted
+            from the link prior alone when there is one (``messages x
+            latency_s + bytes / bytes_per_s``, times ``upper / lower`` when
+            lighter than ``level``).
         link, messages: optional link prior ``(latency_s, bytes_per_s)`` and
             each position's messages in sequence: where the measured
             positions of a kind share one byte count, the fit splits their
@@ -321,7 +334,9 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         codecs of the current position's kind (:func:`fit_link`).
     """
     measured = {**seen, level: comm_s}
-    kind = list(sparse) if sparse is not None else [False] * len(nbytes)
+    sparse = list(sparse) if sparse is not None else [False] * len(nbytes)
+    native = list(native) if native is not None else [False] * len(nbytes)
+    kind = ["native" if n else "sparse" if sp else "dense" for n, sp in zip(native, sparse)]
 
     def fit(positions) -> tuple[float, float]:
         positions = list(positions)
@@ -337,9 +352,14 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         if j in measured:
             comm = measured[j]
         else:
-            alpha, beta = fits.get(kind[j], overall)
-            link = nbytes[j] * beta
-            comm = kernel_s[j] + alpha + (link * upper / lower if j < level else link)
+            if kind[j] in fits:
+                alpha, beta = fits[kind[j]]
+            elif native[j] and link is not None and messages is not None:
+                alpha, beta = messages[j] * link[0], 1 / link[1]
+            else:
+                alpha, beta = overall
+            per_byte = nbytes[j] * beta
+            comm = kernel_s[j] + alpha + (per_byte * upper / lower if j < level else per_byte)
         step = compute_s + max(0.0, comm - upper * compute_s)
         preds.append({"comm_s": comm, "step_s": step, "cost_s": step * convergence[j]})
     # a lighter codec is a candidate while it is predicted only (and lighter moves are
@@ -736,7 +756,8 @@ class Adaptive(CodecPolicy):
             new, preds, (alpha, beta) = choose(
                 t.level, comm, compute, t.kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
                 upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0,
-                sparse=[self.candidates[i].sparse for i in t.ladder], link=self.link, messages=t.messages)
+                sparse=[self.candidates[i].sparse for i in t.ladder],
+                native=[_native(self.candidates[i]) for i in t.ladder], link=self.link, messages=t.messages)
             if not t.hysteresis(new, number, self.patience):
                 continue
             self._switch(t, new, step, preds, meter, rho=rho, comm_s=comm, compute_s=compute, exposed_s=exposed,

@@ -154,6 +154,39 @@ def test_choose_splits_one_measured_codec_as_the_link_prior_does():
     assert new == 0
 
 
+def test_choose_predicts_the_backends_allreduce_from_the_link_prior_until_it_is_measured():
+    # int8 on gradcomp's ring measured at 30 ms, 10 ms of compute; prior 1 us per message,
+    # 1e6 B/s. none runs on the backend's allreduce, not measured yet: from the prior alone
+    # (6 messages + 4000 B, x 2 as a lighter codec = 8.006 ms, hidden: cost 10 ms, the
+    # least: none). fp16 and top-k still come from int8's 30 ms, split as the prior splits
+    # it (fp16 x 2 as a lighter codec). Without the prior, or with none measured, none
+    # comes from the measurements
+    prior, messages = (1e-6, 1e6), [6, 6, 6, 3]
+    native, sparse = [True, False, False, False], [False, False, False, True]
+    scale = 0.030 / (6e-6 + 1000e-6)  # int8 alone, split as the prior splits it
+    new, preds, _ = choose(2, 0.030, C, Z, NB, {}, FD, upper=1.0, lower=0.5, link=prior, messages=messages,
+                           native=native, sparse=sparse)
+    assert preds[0]["comm_s"] == pytest.approx(6e-6 + 2 * 4000e-6)
+    assert preds[1]["comm_s"] == pytest.approx(scale * (6e-6 + 2 * 2000e-6))
+    assert preds[3]["comm_s"] == pytest.approx(scale * (6e-6 + 50e-6))  # messages[2]: int8's split
+    assert new == 0
+    # none's 40 ms measurement (its own kind) outweighs the prior: exposed, cost 40; top-k from
+    # the line through none and int8 (26.67 ms + 50 B x 3.33 us/B, exposed: cost 26.83 x 1.47
+    # = 39.4); int8 at 30 stays
+    new, preds, _ = choose(2, 0.030, C, Z, NB, {0: 0.040}, FD, upper=1.0, lower=0.5, link=prior,
+                           messages=messages, native=native, sparse=sparse)
+    assert preds[0]["comm_s"] == 0.040 and preds[3]["comm_s"] == pytest.approx(0.080 / 3 + 50 * 0.01 / 3000)
+    assert new == 2
+    # without the prior: from int8's 30 ms, all per byte, x 2: 240 ms
+    new, preds, _ = choose(2, 0.030, C, Z, NB, {}, F1, upper=1.0, lower=0.5, native=native)
+    assert preds[0]["comm_s"] == pytest.approx(0.240)
+    # measured none (5 ms for 4000 B) predicts the ring kind only while nothing of it is measured
+    _, preds, _ = choose(0, 0.005, C, Z, NB, {}, F1, upper=1.0, lower=0.5, link=prior, messages=messages,
+                         native=native)
+    scale0 = 0.005 / (6e-6 + 4000e-6)
+    assert preds[2]["comm_s"] == pytest.approx(scale0 * (6e-6 + 1000e-6))
+
+
 # the start under a link prior: kernels 0 / 1 / 2 / 3 ms, messages 2 / 2 / 2 / 1 (ring, allgather)
 KS, MSGS = [0.0, 1e-3, 2e-3, 3e-3], [2, 2, 2, 1]
 
