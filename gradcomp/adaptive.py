@@ -32,9 +32,11 @@ does and may replace it (tests inject the timings of a slowing link; a link
 emulator may sleep there: it runs on the communication thread, so the sleep
 delays the bucket like a slower link would).
 
-Decision (every ``interval`` steps, and ``probe`` steps after the start and
-after a switch, so that a new codec is judged soon; the same on every rank): each rank takes
-the median of its window's ``comm_s``, ``compute_s`` and ``exposed_s`` per
+Decision (once a bucket holds ``interval`` measurements, one a step, or
+``probe`` after the start and after a switch, so that a new codec is judged
+soon; the first step, without a compute time, gives none, so the first
+window's median is not one of two samples, one of them the warm-up; the same
+on every rank): each rank takes the median of its window's ``comm_s``, ``compute_s`` and ``exposed_s`` per
 bucket; one tiny allreduce (float64, ``MAX``, on the collective's group) agrees
 on the largest communication time, the smallest compute time and the largest
 exposed time over the ranks (and, at a bucket's first decision, on the largest
@@ -573,7 +575,6 @@ class Adaptive(CodecPolicy):
         self._step: int | None = None
         self._free: float | None = None  # when the training thread last handed over / was released
         self._in_step: list[tuple[_Track, Timing, float]] = []  # (track, sample, end) of the open step
-        self._window_steps = 0
         # collective bookkeeping: key -> (calls, end of the last call)
         self._calls: dict[Hashable, tuple[int, float]] = {}
 
@@ -655,10 +656,10 @@ class Adaptive(CodecPolicy):
         if ticket.step != self._step:
             self._close_step()
             self._step = ticket.step
-            due = min((t.window for t in self._tracks.values() if t.samples), default=None)
-            if due is not None and self._window_steps >= due:  # buckets gone after a rebuild hold no samples
+            # due once a bucket holds its window of measurements (a step without a compute
+            # time, the first, holds none); buckets gone after a rebuild hold no samples
+            if any(t.samples and len(t.samples) >= t.window for t in self._tracks.values()):
                 self._decide(list(self._tracks.values()), group, timeout, buf.device, ticket.step, meter)
-                self._window_steps = 0
         track = self._track(ticket.bucket, ticket.numel, dist.get_world_size(group), algorithm)
         if self.link is not None and not track.started:
             self._start(track, group, timeout, buf.device, ticket.step, meter)
@@ -681,7 +682,6 @@ class Adaptive(CodecPolicy):
                 track.samples.append((sample.comm_s, sample.compute_s, exposed))
         self._free = max(last_handed, prev_end)  # DDP's wait for the step returned
         self._in_step = []
-        self._window_steps += 1
 
     # ---- shared -----------------------------------------------------------------
     def _track(self, bucket: Hashable, numel: int, world: int, algorithm: str) -> _Track:

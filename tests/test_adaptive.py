@@ -387,21 +387,24 @@ def _expected(interval):
     convergence factor 1.2 (TOPK_FACTOR), the others' 1 (costs in units of C: the step
     1 + max(0, T - 1) x the factor):
 
-    * decision at step SLOW_FROM + interval (the first window of slow steps):
+    Decisions come at steps 1 + k x interval (step 0 has no compute time, so no
+    measurement; a window is ``interval`` measured steps):
+
+    * decision at step SLOW_FROM + interval + 1 (the first window of slow steps):
       none's T = 10 (one codec measured: all per byte): fp16 (5) and int8
       (2.7) cost their T, top-k (0.02 + 10 x 0.021, hidden) costs 1.2:
       none -> topk-int8 (int8's 2.7 > 2 x 1.2: not measured on the way).
     * while slow, on top-k (T ~ 0.23): the link fitted to none (10) and top-k
       is nearly all per byte; int8 predicted 2 x 2.7 (an unmeasured lighter
       codec's link time counts twice): stay.
-    * first window of fast steps (decision at FAST_FROM + interval): top-k's
+    * first window of fast steps (decision at FAST_FROM + interval + 1): top-k's
       T falls to ~ 0.03, 8x less: the link changed, none's measurement is
       forgotten; none is predicted from top-k alone, 2 x ~0.43 (its bytes at
       top-k's seconds per byte), hidden: cost 1 < 1.2: topk-int8 -> none
       (the hold after the heavier move ran out long before). Then none stays
       (0.4, hidden; nothing costs less).
     """
-    return [(SLOW_FROM + interval, "none", "topk-int8"), (FAST_FROM + interval, "topk-int8", "none")]
+    return [(SLOW_FROM + interval + 1, "none", "topk-int8"), (FAST_FROM + interval + 1, "topk-int8", "none")]
 
 
 class _Net(nn.Module):
@@ -619,7 +622,7 @@ def test_ddp_kernel_costs_are_timed_once_per_bucket(runs):
         assert sorted((b, codec, n) for b, codec, n, _, _, _ in k) == sorted(
             (b, codec, n) for b, n in ((0, 1667), (1, 624)) for codec in ("none", "fp16", "int8", "topk-int8"))
         assert all(wire == 0 and 0 < secs < 1 for _, _, _, wire, secs, _ in k)
-        assert {step for *_, step in k} == {INTERVAL}  # the first decision
+        assert {step for *_, step in k} == {INTERVAL + 1}  # the first decision (step 0 is not measured)
 
 
 @pytest.mark.slow

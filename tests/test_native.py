@@ -70,6 +70,7 @@ def test_native_allreduce_values_residual_meter_and_agreement():
         phase = out["meter"]["phases"]["plain_allreduce"]
         assert phase["bytes_sent"] == phase["raw_bytes_sent"] == rs + ag
         assert phase["bytes_received"] == rs_in + ag_in
+        assert phase["seconds"] > 0  # the call's wall time
         assert "agreement" in out["meter"]["phases"]  # the first call agreed
         assert "numbers of elements" in out["mismatch"] and "rank 1:" in out["mismatch"], out["mismatch"]
         assert out["after_mismatch"] == [6.0] * 5  # 0 + 1 + 2 + 3: the group still works

@@ -13,6 +13,7 @@ its sum forwarded to every rank.
 from __future__ import annotations
 
 import datetime
+import time
 
 import torch
 import torch.distributed as dist
@@ -97,7 +98,7 @@ def allreduce_(buf: torch.Tensor, *, group, timeout: float, meter: TrafficMeter 
         group: a torch.distributed process group this process is in.
         timeout: seconds the transfer may take.
         meter: optional :class:`~gradcomp.TrafficMeter`: bytes in ``buf``'s
-            element size, raw bytes as float32.
+            element size, raw bytes as float32, and the seconds of the call.
 
     Returns:
         ``buf``.
@@ -105,10 +106,12 @@ def allreduce_(buf: torch.Tensor, *, group, timeout: float, meter: TrafficMeter 
     Raises:
         TimeoutError / RuntimeError: the backend's, on a slow or dead peer.
     """
+    began = time.perf_counter()
     work = dist.all_reduce(buf, group=group, async_op=True)
     work.wait(timeout=datetime.timedelta(seconds=timeout))
     world = dist.get_world_size(group)
     if meter is not None and world > 1:
+        meter.record_time(time.perf_counter() - began, phase=PHASE)
         rs, ag, rs_in, ag_in = ring_raw_bytes(buf.numel(), world, dist.get_rank(group))
         scale = buf.element_size() / 4
         meter.record_send(int((rs + ag) * scale), rs + ag, phase=PHASE)
