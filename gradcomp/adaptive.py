@@ -114,7 +114,9 @@ The rule: the candidate with the least predicted *time per unit of progress*
   ``patience`` decisions, and a lighter move undone by the next decision
   doubles that wait (up to 64), so a borderline link does not make the codec
   flap. A measured lighter codec stays in the choice: a heavier move that its
-  own measurement refutes is undone at once.
+  own measurement refutes is undone at once, and leaves no wait (a probe of
+  top-k that measured slow does not keep ``none`` out for ``patience``
+  decisions).
 
 The start under a link prior (``link=(latency_s, bytes_per_s)``, e.g. from
 ``gradcomp plan calibrate``): starting on the lightest codec costs its slow
@@ -431,6 +433,7 @@ class _Track:
         self.hold = 0
         self.patience = patience
         self.last_lighter = -2  # decision number of the last lighter move
+        self.last_heavier = (-2, 0)  # decision number of the last heavier move, and the wait before it
 
     def hysteresis(self, new: int, number: int, base: int) -> bool:
         """Update the wait before lighter moves for a decision (number
@@ -439,6 +442,7 @@ class _Track:
         if new > self.level:
             if after_lighter:  # it is undone at once: wait longer before the next one
                 self.patience = min(MAX_PATIENCE, max(1, 2 * self.patience))
+            self.last_heavier = (number, self.hold)
             self.hold = self.patience
             return True
         if after_lighter:
@@ -446,6 +450,10 @@ class _Track:
         if new == self.level:
             self.hold = max(0, self.hold - 1)
             return False
+        if number - self.last_heavier[0] == 1:
+            # a heavier move its own measurement refuted at once said nothing of the link:
+            # it leaves no wait (the wait is what it was before it)
+            self.hold = self.last_heavier[1]
         self.last_lighter = number
         return True
 

@@ -236,6 +236,28 @@ def test_hysteresis_waits_and_backs_off_on_reverted_lighter_moves():
     ]
 
 
+def test_hysteresis_a_refuted_heavier_move_leaves_no_wait():
+    from gradcomp.adaptive import _Track
+    t = _Track("b", 100, [0, 1, 2], [400, 100, 5], [2, 2, 1], patience=2, window=3)
+    t.level = 1
+    moves = []
+    for number, new in enumerate([2, 1, 0, 0, 1, 2, 2, 1]):
+        moved = t.hysteresis(new, number, base=2)
+        if moved:
+            t.level = new
+        moves.append((moved, t.hold, t.patience))
+    assert moves == [
+        (True, 2, 2),    # 0: heavier (a probe)
+        (True, 0, 2),    # 1: refuted and undone at once: no wait
+        (True, 0, 2),    # 2: lighter again, at once
+        (False, 0, 2),
+        (True, 2, 2),    # 4: heavier
+        (True, 2, 2),    # 5: heavier again
+        (False, 1, 2),
+        (True, 1, 2),    # 7: lighter, two decisions after the last heavier move: the wait stays
+    ]
+
+
 def test_candidates_ranked_by_wire_bytes_per_bucket():
     a = Adaptive(["topk-int8", "none", "int8", "fp16"])
     t = a._track("b", 10_000, 2, "ring")
