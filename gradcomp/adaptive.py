@@ -36,11 +36,12 @@ Decision (once a bucket holds ``interval`` measurements, one a step, or
 ``probe`` after the start and after a switch, so that a new codec is judged
 soon; the first step, without a compute time, gives none, so the first
 window's median is not one of two samples, one of them the warm-up; the same
-on every rank): each rank takes the median of its window's ``comm_s``, ``compute_s`` and ``exposed_s`` per
-bucket; one tiny allreduce (float64, ``MAX``, on the collective's group) agrees
-on the largest communication time, the smallest compute time and the largest
-exposed time over the ranks (and, at a bucket's first decision, on the largest
-kernel cost of each candidate, below). From these agreed numbers alone, each
+on every rank): each rank takes the median of its window's ``comm_s``,
+``compute_s`` and ``exposed_s`` per bucket; one tiny allreduce (float64,
+``MAX``, on the collective's group) agrees on the largest communication
+time, the smallest compute time and the largest exposed time over the ranks
+(and, at a bucket's first decision, on the largest kernel cost of each
+candidate, below). From these agreed numbers alone, each
 rank applies the same rule, so every rank picks the same codec and the results
 stay bit-identical across ranks.
 
@@ -419,6 +420,8 @@ def start(kernel_s: Sequence[float], nbytes: Sequence[float], messages: Sequence
 
 class _Track:
     """The policy's state for one bucket (or key)."""
+
+    last_heavier = (-2, 0)  # (class default: a track pickled before this field existed)
 
     def __init__(self, bucket: Hashable, numel: int, ladder: list[int], nbytes: list[int], messages: list[int],
                  patience: int, window: int):
