@@ -343,12 +343,13 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
     native = list(native) if native is not None else [False] * len(nbytes)
     kind = ["native" if n else "sparse" if sp else "dense" for n, sp in zip(native, sparse)]
 
+    def prior(j) -> tuple[float, float] | None:  # the link prior's (alpha, beta) for position j
+        return None if link is None or messages is None else (messages[j] * link[0], 1 / link[1])
+
     def fit(positions) -> tuple[float, float]:
         positions = list(positions)
-        prior = None
-        if link is not None and messages is not None and positions:
-            prior = (messages[positions[0]] * link[0], 1 / link[1])
-        return fit_link([(nbytes[j], measured[j] - kernel_s[j]) for j in positions], prior)
+        points = [(nbytes[j], measured[j] - kernel_s[j]) for j in positions]
+        return fit_link(points, prior(positions[0]) if positions else None)
 
     overall = fit(measured)
     fits = {k: fit([j for j in measured if kind[j] == k]) for k in {kind[j] for j in measured}}
@@ -359,8 +360,8 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         else:
             if kind[j] in fits:
                 alpha, beta = fits[kind[j]]
-            elif native[j] and link is not None and messages is not None:
-                alpha, beta = messages[j] * link[0], 1 / link[1]
+            elif native[j] and prior(j) is not None:  # the backend's allreduce, not measured yet
+                alpha, beta = prior(j)
             else:
                 alpha, beta = overall
             per_byte = nbytes[j] * beta
@@ -421,7 +422,9 @@ def start(kernel_s: Sequence[float], nbytes: Sequence[float], messages: Sequence
 class _Track:
     """The policy's state for one bucket (or key)."""
 
-    last_heavier = (-2, 0)  # (class default: a track pickled before this field existed)
+    # decision number of the last heavier move, and the wait before it (a class default, so
+    # that a track pickled before this field existed has it too)
+    last_heavier = (-2, 0)
 
     def __init__(self, bucket: Hashable, numel: int, ladder: list[int], nbytes: list[int], messages: list[int],
                  patience: int, window: int):
@@ -436,7 +439,6 @@ class _Track:
         self.hold = 0
         self.patience = patience
         self.last_lighter = -2  # decision number of the last lighter move
-        self.last_heavier = (-2, 0)  # decision number of the last heavier move, and the wait before it
 
     def hysteresis(self, new: int, number: int, base: int) -> bool:
         """Update the wait before lighter moves for a decision (number
@@ -669,7 +671,7 @@ class Adaptive(CodecPolicy):
             self._step = ticket.step
             # due once a bucket holds its window of measurements (a step without a compute
             # time, the first, holds none); buckets gone after a rebuild hold no samples
-            if any(t.samples and len(t.samples) >= t.window for t in self._tracks.values()):
+            if any(len(t.samples) >= t.window for t in self._tracks.values()):
                 self._decide(list(self._tracks.values()), group, timeout, buf.device, ticket.step, meter)
         track = self._track(ticket.bucket, ticket.numel, dist.get_world_size(group), algorithm)
         if self.link is not None and not track.started:
