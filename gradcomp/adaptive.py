@@ -40,8 +40,8 @@ on every rank): each rank takes the median of its window's ``comm_s``,
 ``compute_s`` and ``exposed_s`` per bucket; one tiny allreduce (float64,
 ``MAX``, on the collective's group) agrees on the largest communication
 time, the smallest compute time and the largest exposed time over the ranks
-(and, at a bucket's first decision, on the largest kernel cost of each
-candidate, below). From these agreed numbers alone, each
+(and, in a second one, at the first decision that needs them, on the
+largest kernel cost of each candidate, below). From these agreed numbers alone, each
 rank applies the same rule, so every rank picks the same codec and the results
 stay bit-identical across ranks.
 
@@ -58,8 +58,13 @@ The rule: the candidate with the least predicted *time per unit of progress*
   prior predicts (below);
 * predicted communication time of candidate ``j``: ``T_j = k_j + alpha +
   B_j x beta``. ``k_j`` is its byte-independent kernel cost: one compress +
-  decompress of a bucket-sized float32 tensor, timed on every rank once, at
-  the bucket's first decision (the least of 3 after a warm-up: preemption
+  decompress of a bucket-sized float32 tensor (0 for ``none``, whose backend
+  allreduce runs no codec kernel), timed on every rank once, at the bucket's
+  first decision that could move it (until then the decision is taken with
+  every ``k`` as 0: on ``none``, with nothing lighter, a stay with those costs
+  is a stay whatever they are, since a codec's predicted cost only grows
+  with its ``k``; a bucket whose link stays fast never times them; the least
+  of 3 after a warm-up: preemption
   only adds; on the communication thread in DDP; a bucket of more than
   :data:`KERNEL_NUMEL` elements is timed on that many and the cost scaled by
   size, since the kernels are memory-bound passes), agreed with ``MAX``; a
@@ -127,7 +132,11 @@ above, agreed with ``MAX``) and predicts ``T_j = k_j + m_j x latency_s + B_j /
 bytes_per_s`` (``m_j``: messages in sequence, ``2 (N - 1)`` for the ring and
 two-phase, ``N - 1`` for the allgather); with the compute not yet measured, it
 starts on the lightest of the fastest-converging candidates whose ``T`` is
-within 10% of their least (:func:`start`). The first decision, with the
+within 10% of their least, or, for ``none`` (the backend's allreduce, which
+the prior, a ping-pong of gradcomp's messages, does not describe), within
+``upper / lower`` of it (:func:`start`). Where ``none`` is the start with
+every kernel cost taken as 0, it is the start whatever they cost, and the
+kernels are not timed then. The first decision, with the
 compute and the start codec measured, applies the rule above.
 
 With every convergence factor 1 and zero kernel costs this is the ladder of
@@ -215,7 +224,7 @@ MAX_CONVERGENCE = 1e6
 #: factor) is within this fraction of the least one's (less compression for a small
 #: loss of speed)
 NEAR = 0.1
-#: kernel timings per candidate at a bucket's first decision (after one warm-up; the least)
+#: kernel timings per candidate when a bucket's kernels are timed (after one warm-up; the least)
 KERNEL_REPEATS = 3
 #: largest number of elements a kernel is timed on: a larger bucket's cost is scaled from it
 #: (linear in the elements; top-k's sampled threshold makes its cost grow a little slower, so
@@ -388,7 +397,8 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
 
 
 def start(kernel_s: Sequence[float], nbytes: Sequence[float], messages: Sequence[int],
-          convergence: Sequence[float], latency_s: float, bytes_per_s: float) -> tuple[int, list[dict[str, float]]]:
+          convergence: Sequence[float], latency_s: float, bytes_per_s: float, *,
+          native: Sequence[bool] | None = None, caution: float = 1.0) -> tuple[int, list[dict[str, float]]]:
     """The ladder position a bucket starts on under a link prior (see
     :class:`Adaptive`'s ``link``), before anything of it is measured.
 
@@ -398,7 +408,16 @@ def start(kernel_s: Sequence[float], nbytes: Sequence[float], messages: Sequence
     steps (a longer step times a larger factor), so only the positions with the
     least convergence factor compete; the start is the lightest of them whose
     ``T`` is within :data:`NEAR` of the least ``T`` (the first decision, with
-    the compute measured, then weighs the slower-converging codecs).
+    the compute measured, then weighs the slower-converging codecs). A position
+    on the backend's allreduce (``native``) is within ``max(1 + NEAR,
+    caution)`` of the least ``T``: the prior, a ping-pong of gradcomp's
+    point-to-point messages, describes neither the backend's collective nor the
+    ring's per-hop kernels, so the start leaves the backend's collective only
+    for a predicted gain beyond the predictions' caution.
+
+    The choice does not decrease in any non-native ``kernel_s``: where it is a
+    native position with those costs taken as 0, it is that position whatever
+    they are.
 
     Args:
         kernel_s: each position's byte-independent cost (seconds).
@@ -407,16 +426,21 @@ def start(kernel_s: Sequence[float], nbytes: Sequence[float], messages: Sequence
         convergence: each position's steps to a target relative to uncompressed.
         latency_s: the prior's seconds per message (>= 0).
         bytes_per_s: the prior's bytes per second (> 0).
+        native: per position, whether it runs the backend's allreduce (None: none does).
+        caution: the factor (>= 1) by which a native position's ``T`` may
+            exceed the least (``Adaptive`` passes ``upper / lower``).
 
     Returns:
         ``(position, predictions)``: per position ``comm_s`` (``T_j``).
     """
     preds = [{"comm_s": k + m * latency_s + b / bytes_per_s}
              for k, b, m in zip(kernel_s, nbytes, messages)]
+    native = list(native) if native is not None else [False] * len(nbytes)
     fastest = min(convergence)
     eligible = [j for j, f in enumerate(convergence) if f == fastest]
     best = min(preds[j]["comm_s"] for j in eligible)
-    return next(j for j in eligible if preds[j]["comm_s"] <= (1 + NEAR) * best), preds
+    within = [max(1 + NEAR, caution) if native[j] else 1 + NEAR for j in range(len(nbytes))]
+    return next(j for j in eligible if preds[j]["comm_s"] <= within[j] * best), preds
 
 
 class _Track:
@@ -514,11 +538,11 @@ class Adaptive(CodecPolicy):
             seconds per point-to-point message and bytes per second, e.g. the
             ``alpha_s`` and ``beta_bytes_per_s`` of a ``gradcomp plan
             calibrate`` profile of this link. With it, a bucket does not start
-            on the lightest codec: before its first collective it times its
-            kernels and starts on the codec :func:`start` predicts fastest
-            among those that converge fastest (logged as a switch with
-            ``"start": True``); the measurements take over from the first
-            decision. None: start on the lightest.
+            on the lightest codec: before its first collective it starts on
+            the codec :func:`start` predicts fastest among those that converge
+            fastest (timing its kernels unless that is ``none`` whatever they
+            cost; logged as a switch with ``"start": True``); the measurements
+            take over from the first decision. None: start on the lightest.
         error_feedback: the collective keeps a residual per key for lossy
             codecs when no ``residual`` is given (a GradCompState follows its
             own ``error_feedback``).
@@ -582,6 +606,8 @@ class Adaptive(CodecPolicy):
         self.switches: list[dict] = []
         self.decisions = 0
         self.residuals: dict[Hashable, torch.Tensor] = {}
+        # bucket -> (residual, its version counter) after the native codec delivered and zeroed it
+        self._cleared: dict[Hashable, tuple[torch.Tensor, int]] = {}
         self._tracks: dict[Hashable, _Track] = {}
         self._kernel_times: dict[int, dict[int, float]] = {}  # candidate -> {numel: agreed s} timed
         # DDP step bookkeeping (communication thread)
@@ -611,8 +637,8 @@ class Adaptive(CodecPolicy):
         ``gc.allreduce(tensor, policy, key=k, ...)`` calls this. Every rank of
         ``group`` must call it with the same keys in the same order (like any
         collective); every ``interval`` calls of a key, that call first agrees
-        on the key's timings (one float64 allreduce of 3 values, plus one per
-        candidate at the key's first decision: the kernel costs, timed then).
+        on the key's timings (one float64 allreduce of 3 values; at the first
+        decision that needs them, a second one of the kernel costs, timed then).
         Between two calls of a key, the caller's time counts as the compute
         the communication could hide behind.
 
@@ -721,9 +747,17 @@ class Adaptive(CodecPolicy):
         own = TrafficMeter()
         t0 = self.clock()
         if _native(comp) and tensor.dtype == torch.float32:
+            # a residual this codec zeroed last time, unwritten since, adds nothing: skip its add and zero
+            cleared = self._cleared.get(track.bucket)
+            known_zero = residual is not None and cleared is not None and cleared[0] is residual \
+                and cleared[1] == residual._version
             result = native.allreduce(tensor, op=op, group=group, meter=own, timeout=timeout,
-                                      residual=residual, out=out, check=check)
+                                      residual=None if known_zero else residual, out=out, check=check)
+            if residual is not None:
+                self._cleared[track.bucket] = (residual, residual._version)
         else:
+            # a lossy codec's kernels write the residual without bumping its version counter
+            self._cleared.pop(track.bucket, None)
             result = allreduce(tensor, comp, op=op, algorithm=alg, group=group, meter=own, timeout=timeout,
                                residual=residual, out=out, check=check)
         sample = Timing(step=step, bucket=track.bucket, codec=self.names[track.candidate],
@@ -737,8 +771,13 @@ class Adaptive(CodecPolicy):
 
     def _decide(self, tracks: list[_Track], group, timeout: float, device, step: int,
                 meter: TrafficMeter | None) -> None:
-        """Agree on the window's timings (and new buckets' kernel costs) over
-        ``group`` and move each track."""
+        """Agree on the window's timings over ``group`` and move each track.
+
+        A track whose kernels are not timed yet is decided with every kernel
+        cost taken as 0 first: on the backend's allreduce (no kernel), with
+        nothing lighter, a stay with those costs is a stay whatever they are
+        (a heavier codec's predicted cost only grows with its kernels). Only
+        otherwise are its kernels timed, and agreed in a second allreduce."""
         tracks = [t for t in tracks if t.samples]
         if not tracks:
             return
@@ -746,53 +785,81 @@ class Adaptive(CodecPolicy):
         for t in tracks:
             comm, compute, exposed = (statistics.median(col) for col in zip(*t.samples))
             local += [comm, -compute, exposed]
-            if t.kernel is None:
-                local += self._kernels(t, step, device)
         agreed = _agree(local, group, timeout, device)
         number = self.decisions
         self.decisions += 1
-        at = 0
-        for t in tracks:
+        decided, untimed = [], []
+        for at, t in zip(range(0, len(agreed), 3), tracks):
             comm, compute, exposed = agreed[at], -agreed[at + 1], agreed[at + 2]
-            at += 3
-            if t.kernel is None:
-                t.kernel = self._kept_kernels(t, agreed[at:at + len(t.ladder)])
-                at += len(t.ladder)
             t.samples = []
             t.window = self.interval
-            rho = comm / compute if compute > 0 else math.inf
             before = t.seen.get(t.level)
             if before is not None and not before[0] / CHANGE <= comm <= before[0] * CHANGE:
                 t.seen = {}  # the link (or the load) changed: older measurements of other codecs mislead
             t.seen[t.level] = (comm, number)
             seen = {j: c for j, (c, at_) in t.seen.items() if j != t.level and number - at_ <= self.memory}
-            new, preds, (alpha, beta) = choose(
-                t.level, comm, compute, t.kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
-                upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0,
-                sparse=[self.candidates[i].sparse for i in t.ladder],
-                native=[_native(self.candidates[i]) for i in t.ladder], link=self.link, messages=t.messages)
+            window = (t, comm, compute, exposed, seen)
+            if t.kernel is None and not (t.level == 0 and self._natives(t)[0]
+                                         and self._choose(t, *window[1:], [0.0] * len(t.ladder))[0] == 0):
+                untimed.append(window)
+            else:
+                decided.append(window)
+        if untimed:
+            local = [k for t, *_ in untimed for k in self._kernels(t, step, device)]
+            kernels, at = _agree(local, group, timeout, device), 0
+            for t, *_ in untimed:
+                t.kernel = self._kept_kernels(t, kernels[at:at + len(t.ladder)])
+                at += len(t.ladder)
+        for t, comm, compute, exposed, seen in decided + untimed:
+            kernel = t.kernel if t.kernel is not None else [0.0] * len(t.ladder)
+            new, preds, (alpha, beta) = self._choose(t, comm, compute, exposed, seen, kernel)
             if not t.hysteresis(new, number, self.patience):
                 continue
-            self._switch(t, new, step, preds, meter, rho=rho, comm_s=comm, compute_s=compute, exposed_s=exposed,
-                         latency_s=alpha, s_per_byte=beta)
+            rho = comm / compute if compute > 0 else math.inf
+            self._switch(t, new, step, preds, meter, kernel, rho=rho, comm_s=comm, compute_s=compute,
+                         exposed_s=exposed, latency_s=alpha, s_per_byte=beta)
+
+    def _choose(self, t: _Track, comm: float, compute: float, exposed: float, seen: dict[int, float],
+                kernel: list[float]):
+        """:func:`choose` for ``t``'s agreed window with these kernel costs."""
+        return choose(t.level, comm, compute, kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
+                      upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0,
+                      sparse=[self.candidates[i].sparse for i in t.ladder], native=self._natives(t),
+                      link=self.link, messages=t.messages)
 
     def _start(self, t: _Track, group, timeout: float, device, step: int, meter: TrafficMeter | None) -> None:
-        """Under a link prior, time ``t``'s kernels (agreed with ``MAX``) and move
-        it to the position :func:`start` predicts, before its first collective."""
+        """Under a link prior, move ``t`` to the position :func:`start` predicts,
+        before its first collective. Its kernels are timed (agreed with ``MAX``)
+        unless the start is the backend's allreduce with every kernel cost
+        taken as 0 (then it is whatever they cost: they are timed when a
+        decision needs them)."""
         t.started = True
-        t.kernel = self._kept_kernels(t, _agree(self._kernels(t, step, device), group, timeout, device))
         latency_s, bytes_per_s = self.link
-        new, preds = start(t.kernel, t.nbytes, t.messages, [self.convergence[i] for i in t.ladder],
-                           latency_s, bytes_per_s)
+        native = self._natives(t)
+
+        def predict(kernel):
+            return start(kernel, t.nbytes, t.messages, [self.convergence[i] for i in t.ladder],
+                         latency_s, bytes_per_s, native=native, caution=self.upper / self.lower)
+
+        new, preds = predict([0.0] * len(t.ladder))
+        if not native[new]:
+            t.kernel = self._kept_kernels(t, _agree(self._kernels(t, step, device), group, timeout, device))
+            new, preds = predict(t.kernel)
+        kernel = t.kernel if t.kernel is not None else [0.0] * len(t.ladder)
         if new != t.level:
-            self._switch(t, new, step, preds, meter, start=True, prior_latency_s=latency_s,
+            self._switch(t, new, step, preds, meter, kernel, start=True, prior_latency_s=latency_s,
                          prior_bytes_per_s=bytes_per_s)
 
+    def _natives(self, t: _Track) -> list[bool]:
+        """Per ladder position of ``t``, whether it runs the backend's allreduce."""
+        return [_native(self.candidates[i]) for i in t.ladder]
+
     def _switch(self, t: _Track, new: int, step: int, preds: list[dict], meter: TrafficMeter | None,
-                **fields) -> None:
+                kernel: list[float], **fields) -> None:
         """Move ``t`` to ladder position ``new`` and log the switch (``fields``
-        and the predictions of every candidate) here and in ``meter``."""
-        predicted = {self.names[i]: {"wire_bytes": t.nbytes[j], "kernel_s": t.kernel[j], **preds[j],
+        and the predictions of every candidate, made with ``kernel``) here and
+        in ``meter``."""
+        predicted = {self.names[i]: {"wire_bytes": t.nbytes[j], "kernel_s": kernel[j], **preds[j],
                                      "convergence": self.convergence[i]}
                      for j, i in enumerate(t.ladder)}
         entry = {"step": step, "bucket": t.bucket if isinstance(t.bucket, (int, str)) else repr(t.bucket),
@@ -830,6 +897,9 @@ class Adaptive(CodecPolicy):
         bucket = None  # one input shared by the candidates timed
         timed = min(t.numel, KERNEL_NUMEL)
         for i in t.ladder:
+            if _native(self.candidates[i]):  # the backend's allreduce runs no codec kernel
+                out.append(0.0)
+                continue
             reused = self._reused(t, i)
             if reused is not None:
                 out.append(reused)
@@ -861,7 +931,12 @@ class Adaptive(CodecPolicy):
         state["_in_step"] = []  # an open step's timings mean nothing in another process
         state["_step"] = state["_free"] = None
         state["_calls"] = {}
+        state["_cleared"] = {}  # the restored residuals are other tensors
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_cleared", {})  # a policy pickled before this field existed
 
     def __repr__(self) -> str:
         conv = dict(zip(self.names, self.convergence))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 __all__ = ["TrafficMeter", "PhaseCounters"]
 
@@ -23,6 +23,9 @@ class PhaseCounters:
     messages_sent: int = 0
     messages_received: int = 0
     seconds: float = 0.0
+
+
+_FIELDS = tuple(f.name for f in fields(PhaseCounters))
 
 
 class TrafficMeter:
@@ -128,7 +131,21 @@ class TrafficMeter:
 
     def merge(self, other: "TrafficMeter | dict") -> None:
         """Add another meter's counters (or its :meth:`as_dict`) into this one."""
-        d = other.as_dict() if isinstance(other, TrafficMeter) else other
+        if isinstance(other, TrafficMeter):  # counter by counter: no JSON copy on the hot path
+            with other._lock:
+                phases = [(name, [getattr(c, f) for f in _FIELDS]) for name, c in other.phases.items()]
+                steps, switches = other.steps, list(other.switches)
+            with self._lock:
+                for name, vals in phases:
+                    c = self._phase(name)
+                    for f, val in zip(_FIELDS, vals):
+                        setattr(c, f, getattr(c, f) + val)
+                self.steps = max(self.steps, steps)
+                for entry in switches:
+                    if entry not in self.switches:
+                        self.switches.append(dict(entry))
+            return
+        d = other
         with self._lock:
             for name, vals in d.get("phases", {}).items():
                 c = self._phase(name)
