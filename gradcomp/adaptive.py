@@ -751,8 +751,14 @@ class Adaptive(CodecPolicy):
             cleared = self._cleared.get(track.bucket)
             known_zero = residual is not None and cleared is not None and cleared[0] is residual \
                 and cleared[1] == residual._version
-            result = native.allreduce(tensor, op=op, group=group, meter=own, timeout=timeout,
-                                      residual=None if known_zero else residual, out=out, check=check)
+            due = None if known_zero else residual
+            if not check and out is tensor and tensor.dim() == 1 and tensor.is_contiguous():
+                # a DDP bucket (flat, in place, checked at its last switch): the unchecked core
+                result = native.reduce_(tensor, due, op=op, group=group, timeout=timeout, meter=meter)
+                own = None
+            else:
+                result = native.allreduce(tensor, op=op, group=group, meter=own, timeout=timeout,
+                                          residual=due, out=out, check=check)
             if residual is not None:
                 self._cleared[track.bucket] = (residual, residual._version)
         else:
@@ -760,12 +766,14 @@ class Adaptive(CodecPolicy):
             self._cleared.pop(track.bucket, None)
             result = allreduce(tensor, comp, op=op, algorithm=alg, group=group, meter=own, timeout=timeout,
                                residual=residual, out=out, check=check)
+        comm_s = self.clock() - t0
+        wire = (own.bytes_sent if own is not None
+                else native.sent_bytes(track.numel, dist.get_world_size(group), dist.get_rank(group)))
         sample = Timing(step=step, bucket=track.bucket, codec=self.names[track.candidate],
-                        numel=track.numel, wire_bytes=own.bytes_sent, comm_s=self.clock() - t0,
-                        compute_s=compute)
+                        numel=track.numel, wire_bytes=wire, comm_s=comm_s, compute_s=compute)
         track.changed = False
         sample = self._hooked(sample)
-        if meter is not None:
+        if meter is not None and own is not None:
             meter.merge(own)
         return result, sample
 

@@ -35,6 +35,12 @@ def _cases(rank, world):
     buf = x.clone().view(7, 143)
     same = native.allreduce(buf, op="sum", timeout=30, out=buf)
     out["in_place"] = (same is buf, buf.clone())
+    flat, res = x.clone(), torch.full((N,), 0.5 * rank)
+    core_meter = gc.TrafficMeter()
+    out["reduce_"] = (native.reduce_(flat, res, op="avg", group=dist.group.WORLD, timeout=30,
+                                     meter=core_meter) is flat, flat.clone(), res.clone(),
+                      core_meter.as_dict()["phases"]["plain_allreduce"]["bytes_sent"],
+                      native.sent_bytes(N, world, rank))
     group = dist.new_group(list(range(world)))  # the mismatch on a group of its own
     native.allreduce(torch.ones(N), group=group, timeout=30)  # agreed, then a rank alone changes
     try:
@@ -72,6 +78,11 @@ def test_native_allreduce_values_residual_meter_and_agreement():
         assert phase["bytes_received"] == rs_in + ag_in
         assert phase["seconds"] > 0  # the call's wall time
         assert "agreement" in out["meter"]["phases"]  # the first call agreed
+        # the unchecked core: in place, (x + residual) / world summed (exact: quarters of small
+        # integers), the residual delivered; the bytes it counts are sent_bytes'
+        same, flat, res, counted, sent = out["reduce_"]
+        assert same and torch.equal(flat, sum((x + 0.5 * r) / world for r, x in enumerate(xs)))
+        assert torch.count_nonzero(res) == 0 and counted == sent == rs + ag
         assert "numbers of elements" in out["mismatch"] and "rank 1:" in out["mismatch"], out["mismatch"]
         assert out["after_mismatch"] == [6.0] * 5  # 0 + 1 + 2 + 3: the group still works
         assert "float32" in out["fp16"]

@@ -166,6 +166,27 @@ def test_fit_recovers_alpha_beta_from_synthetic_timings():
     assert exact[:2] == pytest.approx((alpha, beta), rel=1e-9)
 
 
+def test_fit_takes_the_latency_from_the_smallest_message():
+    """One-way times recorded on the emulated 1 Gbit link (tbf), 8 B to 12.5 MB:
+    the least-squares intercept comes out at -0.26 ms, yet 8 bytes take
+    0.64 ms: alpha is the smallest message's time, beta the line's slope."""
+    sizes = [8, 195312, 781250, 3125000, 6250000, 12500000]
+    t = [0.000638583, 0.000838047, 0.005683406, 0.024812455, 0.050014485, 0.100467929]
+    ols_intercept = np.polyfit(sizes, t, 1)[1]
+    assert ols_intercept < 0
+    a, b, info = C.fit_alpha_beta(sizes, t)
+    assert 0.5 * t[0] < a <= t[0]
+    assert b == pytest.approx(1.25e8, rel=0.03)  # 1 Gbit/s
+    assert "alpha_clamped_from_s" not in info
+    assert info["line_intercept_s"] < 0
+    # relative noise of 5% on a known line: recovered within its noise
+    alpha, beta = 5e-4, 1.25e8
+    x = np.array(sizes, dtype=float)
+    noisy = (alpha + x / beta) * (1 + 0.05 * np.random.default_rng(1).standard_normal(len(x)))
+    a, b, _ = C.fit_alpha_beta(x, noisy)
+    assert a == pytest.approx(alpha, rel=0.15) and b == pytest.approx(beta, rel=0.1)
+
+
 def test_fit_rejects_times_that_do_not_grow():
     with pytest.raises(ValueError, match="do not grow"):
         C.fit_alpha_beta([10, 20, 30], [3.0, 2.0, 1.0])

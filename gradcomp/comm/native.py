@@ -27,7 +27,7 @@ from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import NoCompression
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["allreduce", "allreduce_"]
+__all__ = ["allreduce", "allreduce_", "reduce_", "sent_bytes"]
 
 #: the meter's phase of these bytes
 PHASE = "plain_allreduce"
@@ -75,18 +75,50 @@ def allreduce(tensor: torch.Tensor, *, op: str = "avg", group=None, meter: Traff
                 comm.release()
             if work.data_ptr() != x.data_ptr():
                 work.copy_(x.reshape(-1))
-            if residual is not None:
-                work.add_(residual)
-            if op == "avg" and world > 1:
-                work.div_(world)
-            if world > 1:
-                allreduce_(work, group=group, timeout=timeout, meter=meter)
+            reduce_(work, residual, op=op, group=group, timeout=timeout, meter=meter)
         except BaseException:
             forget(group)  # this rank's next call on the group checks again
             raise
-        if residual is not None:
-            residual.zero_()  # delivered
     return out if out is not None else work.view(x.shape)
+
+
+def reduce_(buf: torch.Tensor, residual: torch.Tensor | None, *, op: str, group, timeout: float,
+            meter: TrafficMeter | None = None) -> torch.Tensor:
+    """The core of :func:`allreduce`, unchecked, in place: add ``residual`` to
+    ``buf`` (then zero it: delivered), divide by the group's size for
+    ``"avg"``, sum with :func:`allreduce_`.
+
+    For callers that validated the call themselves (the adaptive policy's DDP
+    buckets): ``buf`` a flat contiguous float32 tensor, ``residual`` None or
+    one of its size, ``op`` ``"sum"`` or ``"avg"``; every rank of ``group``
+    calls it alike.
+
+    Returns:
+        ``buf``.
+
+    Raises:
+        TimeoutError / RuntimeError: a slow or dead peer (``residual`` then
+            still holds what it held, added or not).
+    """
+    world = dist.get_world_size(group)
+    if residual is not None:
+        buf.add_(residual)
+    if op == "avg" and world > 1:
+        buf.div_(world)
+    if world > 1:
+        allreduce_(buf, group=group, timeout=timeout, meter=meter)
+    if residual is not None:
+        residual.zero_()  # delivered
+    return buf
+
+
+def sent_bytes(numel: int, world: int, rank: int) -> int:
+    """Bytes :func:`allreduce_` counts as sent by ``rank`` for ``numel``
+    float32 elements over ``world`` ranks (a ring allreduce's)."""
+    if world < 2:
+        return 0
+    rs, ag, _, _ = ring_raw_bytes(numel, world, rank)
+    return rs + ag
 
 
 def allreduce_(buf: torch.Tensor, *, group, timeout: float, meter: TrafficMeter | None = None) -> torch.Tensor:

@@ -3,10 +3,11 @@
 Link: ranks 0 and 1 of an initialised process group play ping-pong through
 gradcomp's own point-to-point layer (:meth:`gradcomp.comm.p2p.Comm.exchange`,
 the path every collective takes, pieces included) with messages of several
-sizes; half the median round trip of each size is a one-way time ``t(m)``,
-and ordinary least squares over ``t(m) = alpha + m / beta`` gives the
-per-message latency ``alpha`` (seconds) and the bandwidth ``beta`` (bytes per
-second) (:func:`fit_alpha_beta`). Other ranks of the group stay idle.
+sizes; half the median round trip of each size is a one-way time ``t(m)``.
+``t(m) = alpha + m / beta`` gives the bandwidth ``beta`` (bytes per second)
+from the least-squares slope and the per-message latency ``alpha`` (seconds)
+from the smallest message (:func:`fit_alpha_beta`). Other ranks of the group
+stay idle.
 
 Kernels: every codec operation of :data:`gradcomp.plan.profile.OPS`, timed
 in this process on a float32 tensor of ``numel`` elements through the
@@ -46,17 +47,25 @@ def sizes_for(rate_bytes_per_s: float | None) -> tuple[int, ...]:
 
 
 def fit_alpha_beta(sizes, seconds) -> tuple[float, float, dict]:
-    """Least-squares fit of ``seconds = alpha + size / beta``.
+    """Fit ``seconds = alpha + size / beta``: ``beta`` from the slope of the
+    least-squares line (which the large messages dominate), ``alpha`` the
+    smallest message's time less its bytes at that rate (a latency as a
+    ping-pong of tiny messages measures it).
+
+    The line's own intercept is not the latency: on a shaped link (tbf) a
+    token burst lets mid-sized messages through faster than the rate, and
+    the intercept can come out negative while 8 bytes take half a millisecond.
 
     Args:
         sizes: message sizes in bytes (at least two distinct).
         seconds: one-way times in seconds, one per size.
 
     Returns:
-        ``(alpha_s, beta_bytes_per_s, info)``; ``info`` holds the fitted
-        line's residuals (seconds), the coefficient of determination ``r2``
-        and, if the intercept came out below 1 microsecond (noise around a
-        tiny latency), the clamp applied.
+        ``(alpha_s, beta_bytes_per_s, info)``; ``info`` holds the residuals
+        of ``alpha + size / beta`` (seconds), their coefficient of
+        determination ``r2``, the least-squares line's intercept and, if
+        ``alpha`` came out below 1 microsecond (noise around a tiny
+        latency), the clamp applied.
 
     Raises:
         ValueError: fewer than two distinct sizes, mismatched lengths, a
@@ -72,14 +81,17 @@ def fit_alpha_beta(sizes, seconds) -> tuple[float, float, dict]:
     if not (np.isfinite(y).all() and (y >= 0).all()):
         raise ValueError("times must be finite and >= 0")
     a = np.stack([np.ones_like(x), x], axis=1)
-    (alpha, inv_beta), *_ = np.linalg.lstsq(a, y, rcond=None)
+    (intercept, inv_beta), *_ = np.linalg.lstsq(a, y, rcond=None)
     if not inv_beta > 0:
         raise ValueError(f"times do not grow with message size (slope {inv_beta:.3g} s/byte): "
                          "no bandwidth can be fitted")
+    smallest = x == x.min()
+    alpha = float(np.median(y[smallest])) - float(x.min()) * inv_beta
     resid = y - (alpha + inv_beta * x)
     ss = float(((y - y.mean()) ** 2).sum())
     info = {"sizes": x.tolist(), "seconds": y.tolist(), "residuals_s": resid.tolist(),
-            "r2": 1.0 - float((resid ** 2).sum()) / ss if ss > 0 else 1.0}
+            "r2": 1.0 - float((resid ** 2).sum()) / ss if ss > 0 else 1.0,
+            "line_intercept_s": float(intercept)}
     if alpha < 1e-6:
         info["alpha_clamped_from_s"] = float(alpha)
         alpha = 1e-6
