@@ -105,6 +105,11 @@ The rule: the candidate with the least predicted *time per unit of progress*
 * the choice is the lightest candidate whose ``cost`` is within 10%
   (:data:`NEAR`) of the least one (less compression for a small loss of
   speed; a heavier move thus needs a gain of more than 10%);
+* a move off ``none`` (the backend's allreduce) to a kind of collective
+  nothing of which is measured (gradcomp's ring, the allgather) is predicted
+  from the backend's allreduce or the prior, which describe neither
+  gradcomp's hops nor their kernels: such a candidate counts only if its
+  predicted cost is at most ``lower / upper`` (half) of ``none``'s;
 * measure before trusting a slower-converging codec: a heavier move on
   predictions alone (the chosen codec not measured) to a codec with a larger
   convergence factor stops at the first unmeasured codec on the way that
@@ -383,6 +388,12 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
     allowed = [j for j in range(len(nbytes))
                if j >= level or (j in measured and preds[j]["cost_s"] <= preds[level]["cost_s"])
                or (j not in measured and lighter_allowed)]
+    if native[level]:
+        # off the backend's allreduce to a kind nothing of which is measured: predicted from
+        # the backend's allreduce (or the prior), which describes neither gradcomp's hops
+        # nor their kernels, so such a move needs a gain beyond the predictions' caution
+        allowed = [j for j in allowed
+                   if j <= level or kind[j] in fits or preds[j]["cost_s"] * upper / lower <= preds[level]["cost_s"]]
     best = min(preds[j]["cost_s"] for j in allowed)
     new = next(j for j in allowed if preds[j]["cost_s"] <= (1 + NEAR) * best)
     if new > level and new not in measured:
@@ -391,7 +402,7 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         # cost is within the predictions' uncertainty (upper / lower) of the best: it is
         # measured before the slower-converging codec's predicted speed is trusted
         new = next(j for j in range(level + 1, new + 1)
-                   if j == new or (j not in measured and convergence[j] < convergence[new]
+                   if j == new or (j in allowed and j not in measured and convergence[j] < convergence[new]
                                    and preds[j]["cost_s"] <= upper / lower * best))
     return new, preds, fits[kind[level]]
 
@@ -446,9 +457,10 @@ def start(kernel_s: Sequence[float], nbytes: Sequence[float], messages: Sequence
 class _Track:
     """The policy's state for one bucket (or key)."""
 
-    # decision number of the last heavier move, and the wait before it (a class default, so
-    # that a track pickled before this field existed has it too)
+    # decision number of the last heavier move, and the wait before it; the bucket's dtype
+    # (class defaults, so that a track pickled before these fields existed has them too)
     last_heavier = (-2, 0)
+    dtype = torch.float32
 
     def __init__(self, bucket: Hashable, numel: int, ladder: list[int], nbytes: list[int], messages: list[int],
                  patience: int, window: int):
@@ -668,7 +680,7 @@ class Adaptive(CodecPolicy):
         group = dist.group.WORLD if group is None else group
         began = self.clock()
         calls, last_end = self._calls.get(key, (0, None))
-        track = self._track(key, tensor.numel(), dist.get_world_size(group), algorithm)
+        track = self._track(key, tensor.numel(), dist.get_world_size(group), algorithm, tensor.dtype)
         if self.link is not None and not track.started:
             self._start(track, group, timeout, tensor.device, calls, meter)
         if len(track.samples) >= track.window:
@@ -699,7 +711,7 @@ class Adaptive(CodecPolicy):
             # time, the first, holds none); buckets gone after a rebuild hold no samples
             if any(len(t.samples) >= t.window for t in self._tracks.values()):
                 self._decide(list(self._tracks.values()), group, timeout, buf.device, ticket.step, meter)
-        track = self._track(ticket.bucket, ticket.numel, dist.get_world_size(group), algorithm)
+        track = self._track(ticket.bucket, ticket.numel, dist.get_world_size(group), algorithm, buf.dtype)
         if self.link is not None and not track.started:
             self._start(track, group, timeout, buf.device, ticket.step, meter)
         compute = ticket.handed - self._free if self._free is not None else None
@@ -723,15 +735,17 @@ class Adaptive(CodecPolicy):
         self._in_step = []
 
     # ---- shared -----------------------------------------------------------------
-    def _track(self, bucket: Hashable, numel: int, world: int, algorithm: str) -> _Track:
+    def _track(self, bucket: Hashable, numel: int, world: int, algorithm: str,
+               dtype: torch.dtype = torch.float32) -> _Track:
         t = self._tracks.get(bucket)
-        if t is None or t.numel != numel:  # new, or DDP rebuilt its buckets
-            sizes = [_wire_bytes(c, numel, world) for c in self.candidates]
+        if t is None or t.numel != numel or t.dtype != dtype:  # new, or DDP rebuilt its buckets
+            sizes = [_wire_bytes(c, numel, world, dtype) for c in self.candidates]
             ladder = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
             # messages in sequence: ring / two-phase 2 (N - 1), the sparse allgather N - 1
             messages = [(world - 1) * (1 if self.candidates[i].sparse else 2) for i in ladder]
             t = self._tracks[bucket] = _Track(bucket, numel, ladder, [sizes[i] for i in ladder], messages,
                                               self.patience, self.probe)
+            t.dtype = dtype
         return t
 
     def _residual(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
@@ -746,7 +760,7 @@ class Adaptive(CodecPolicy):
         alg = "allgather" if comp.sparse else algorithm
         own = TrafficMeter()
         t0 = self.clock()
-        if _native(comp) and tensor.dtype == torch.float32:
+        if self._natives(track)[track.level]:
             # a residual this codec zeroed last time, unwritten since, adds nothing: skip its add and zero
             cleared = self._cleared.get(track.bucket)
             known_zero = residual is not None and cleared is not None and cleared[0] is residual \
@@ -860,7 +874,7 @@ class Adaptive(CodecPolicy):
 
     def _natives(self, t: _Track) -> list[bool]:
         """Per ladder position of ``t``, whether it runs the backend's allreduce."""
-        return [_native(self.candidates[i]) for i in t.ladder]
+        return [_native(self.candidates[i], t.dtype) for i in t.ladder]
 
     def _switch(self, t: _Track, new: int, step: int, preds: list[dict], meter: TrafficMeter | None,
                 kernel: list[float], **fields) -> None:
@@ -904,8 +918,8 @@ class Adaptive(CodecPolicy):
         out = []
         bucket = None  # one input shared by the candidates timed
         timed = min(t.numel, KERNEL_NUMEL)
-        for i in t.ladder:
-            if _native(self.candidates[i]):  # the backend's allreduce runs no codec kernel
+        for i, native_ in zip(t.ladder, self._natives(t)):
+            if native_:  # the backend's allreduce runs no codec kernel
                 out.append(0.0)
                 continue
             reused = self._reused(t, i)
@@ -1047,17 +1061,19 @@ def _kernel_seconds(comp: Compressor, x: torch.Tensor, acc: torch.Tensor, clock:
     return min(times[1:])
 
 
-def _native(comp: Compressor) -> bool:
-    """``comp`` runs on the backend's own allreduce (:mod:`gradcomp.comm.native`):
-    uncompressed float32 gains nothing from gradcomp's ring."""
-    return type(comp) is NoCompression
+def _native(comp: Compressor, dtype: torch.dtype = torch.float32) -> bool:
+    """``comp`` runs on the backend's own allreduce (:mod:`gradcomp.comm.native`)
+    for a bucket of ``dtype``: uncompressed float32 gains nothing from
+    gradcomp's ring (a float16 / bfloat16 bucket's ``none`` runs the ring)."""
+    return type(comp) is NoCompression and dtype == torch.float32
 
 
-def _wire_bytes(comp: Compressor, numel: int, world: int) -> int | None:
-    """Bytes one rank sends to reduce ``numel`` elements over ``world`` ranks with ``comp``."""
+def _wire_bytes(comp: Compressor, numel: int, world: int, dtype: torch.dtype = torch.float32) -> int | None:
+    """Bytes one rank sends to reduce ``numel`` elements of ``dtype`` over
+    ``world`` ranks with ``comp``."""
     if world < 2:
         return 0
-    if _native(comp):  # the float32 ring's, without payload headers
+    if _native(comp, dtype):  # the float32 ring's, without payload headers
         return 2 * (world - 1) * 4 * numel // world
     if comp.sparse:
         one = comp.wire_nbytes((numel,))

@@ -187,6 +187,21 @@ def test_choose_predicts_the_backends_allreduce_from_the_link_prior_until_it_is_
     assert preds[2]["comm_s"] == pytest.approx(scale0 * (6e-6 + 1000e-6))
 
 
+def test_a_move_off_the_backends_allreduce_on_predictions_needs_the_caution():
+    native, sparse = [True, False, False, False], [False, False, False, True]
+    kw = dict(upper=1.0, lower=0.5, sparse=sparse)
+    # none measured at 1.5 C, all per byte (no prior): fp16 (0.75 C) and int8 (0.375 C) hide, a
+    # step of C, 1.5x shorter, not beyond upper / lower = 2: none stays (not native: fp16)
+    new, preds, _ = choose(0, 1.5 * C, C, Z, NB, {}, FD, native=native, **kw)
+    assert [p["step_s"] / C for p in preds] == pytest.approx([1.5, 1.0, 1.0, 1.0]) and new == 0
+    assert choose(0, 1.5 * C, C, Z, NB, {}, FD, **kw)[0] == 1
+    # at 3 C: fp16's 1.5 C and int8's C are 2x and 3x shorter: int8 (fp16 not within 10% of it)
+    assert choose(0, 3 * C, C, Z, NB, {}, FD, native=native, **kw)[0] == 2
+    # with int8 measured (1.2 C), the ring kind is predicted from it: the usual rule takes int8
+    new, preds, _ = choose(0, 1.5 * C, C, Z, NB, {2: 1.2 * C}, FD, native=native, **kw)
+    assert preds[1]["comm_s"] == pytest.approx(2.4 * C) and new == 2
+
+
 # the start under a link prior: kernels 0 / 1 / 2 / 3 ms, messages 2 / 2 / 2 / 1 (ring, allgather)
 KS, MSGS = [0.0, 1e-3, 2e-3, 3e-3], [2, 2, 2, 1]
 
@@ -287,6 +302,12 @@ def test_candidates_ranked_by_wire_bytes_per_bucket():
     # is no longer lighter on the wire than fp16 for this bucket
     wide = a._track("c", 10_000, 256, "ring")
     assert [a.names[i] for i in wide.ladder][:2] == ["none", "topk-int8"]
+    # a bfloat16 bucket's none runs gradcomp's ring: its payloads and headers, not a native kind
+    half = a._track("h", 10_000, 2, "ring", torch.bfloat16)
+    assert a._natives(t) == [True, False, False, False] and a._natives(half) == [False] * 4
+    assert half.nbytes[0] == 2 * gc.NoCompression().wire_nbytes((5000,)) != t.nbytes[0]
+    assert a._track("h", 10_000, 2, "ring", torch.bfloat16) is half  # the same bucket
+    assert a._track("h", 10_000, 2, "ring").dtype == torch.float32  # a new dtype: a new track
 
 
 def test_kernel_costs_of_a_large_bucket_are_timed_on_kernel_numel_elements_and_scaled():
