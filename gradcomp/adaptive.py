@@ -392,8 +392,8 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
         # off the backend's allreduce to a kind nothing of which is measured: predicted from
         # the backend's allreduce (or the prior), which describes neither gradcomp's hops
         # nor their kernels, so such a move needs a gain beyond the predictions' caution
-        allowed = [j for j in allowed
-                   if j <= level or kind[j] in fits or preds[j]["cost_s"] * upper / lower <= preds[level]["cost_s"]]
+        allowed = [j for j in allowed if j <= level or kind[j] in fits
+                   or preds[j]["cost_s"] * upper / lower <= preds[level]["cost_s"]]
     best = min(preds[j]["cost_s"] for j in allowed)
     new = next(j for j in allowed if preds[j]["cost_s"] <= (1 + NEAR) * best)
     if new > level and new not in measured:
@@ -822,7 +822,7 @@ class Adaptive(CodecPolicy):
             seen = {j: c for j, (c, at_) in t.seen.items() if j != t.level and number - at_ <= self.memory}
             window = (t, comm, compute, exposed, seen)
             if t.kernel is None and not (t.level == 0 and self._natives(t)[0]
-                                         and self._choose(t, *window[1:], [0.0] * len(t.ladder))[0] == 0):
+                                         and self._choose(t, comm, compute, seen, [0.0] * len(t.ladder))[0] == 0):
                 untimed.append(window)
             else:
                 decided.append(window)
@@ -834,15 +834,14 @@ class Adaptive(CodecPolicy):
                 at += len(t.ladder)
         for t, comm, compute, exposed, seen in decided + untimed:
             kernel = t.kernel if t.kernel is not None else [0.0] * len(t.ladder)
-            new, preds, (alpha, beta) = self._choose(t, comm, compute, exposed, seen, kernel)
+            new, preds, (alpha, beta) = self._choose(t, comm, compute, seen, kernel)
             if not t.hysteresis(new, number, self.patience):
                 continue
             rho = comm / compute if compute > 0 else math.inf
             self._switch(t, new, step, preds, meter, kernel, rho=rho, comm_s=comm, compute_s=compute,
                          exposed_s=exposed, latency_s=alpha, s_per_byte=beta)
 
-    def _choose(self, t: _Track, comm: float, compute: float, exposed: float, seen: dict[int, float],
-                kernel: list[float]):
+    def _choose(self, t: _Track, comm: float, compute: float, seen: dict[int, float], kernel: list[float]):
         """:func:`choose` for ``t``'s agreed window with these kernel costs."""
         return choose(t.level, comm, compute, kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
                       upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0,
