@@ -10,9 +10,11 @@ hits all three alike):
 * ``native``: :func:`gradcomp.comm.native.allreduce` with a residual (the
   error-feedback memory: added, then zeroed) and no agreement check;
 * ``adaptive``: ``gc.allreduce(buf, gc.Adaptive(candidates=("none",)),
-  key=..., residual=..., check=False)``: the same collective through the
-  policy's bookkeeping (timing, own meter, window, one agreement allreduce
-  every ``interval`` calls).
+  key=..., residual=..., out=buf, check=False)``: the same collective through the
+  policy's bookkeeping (timing, window, one agreement allreduce every
+  ``interval`` calls; a flat bucket reduced in place takes
+  :func:`gradcomp.comm.native.reduce_`, and a residual it delivered is not
+  added again while it stays zero).
 
 Run from the repository root::
 
