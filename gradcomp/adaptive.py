@@ -461,6 +461,7 @@ class _Track:
     # (class defaults, so that a track pickled before these fields existed has them too)
     last_heavier = (-2, 0)
     dtype = torch.float32
+    native: list[bool] | None = None  # per position: on the backend's allreduce (set by the policy)
 
     def __init__(self, bucket: Hashable, numel: int, ladder: list[int], nbytes: list[int], messages: list[int],
                  patience: int, window: int):
@@ -872,8 +873,11 @@ class Adaptive(CodecPolicy):
                          prior_bytes_per_s=bytes_per_s)
 
     def _natives(self, t: _Track) -> list[bool]:
-        """Per ladder position of ``t``, whether it runs the backend's allreduce."""
-        return [_native(self.candidates[i], t.dtype) for i in t.ladder]
+        """Per ladder position of ``t``, whether it runs the backend's allreduce
+        (computed once per track)."""
+        if t.native is None:
+            t.native = [_native(self.candidates[i], t.dtype) for i in t.ladder]
+        return t.native
 
     def _switch(self, t: _Track, new: int, step: int, preds: list[dict], meter: TrafficMeter | None,
                 kernel: list[float], **fields) -> None:
