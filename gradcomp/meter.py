@@ -133,26 +133,17 @@ class TrafficMeter:
         """Add another meter's counters (or its :meth:`as_dict`) into this one."""
         if isinstance(other, TrafficMeter):  # counter by counter: no JSON copy on the hot path
             with other._lock:
-                phases = [(name, [getattr(c, f) for f in _FIELDS]) for name, c in other.phases.items()]
+                phases = {name: {f: getattr(c, f) for f in _FIELDS} for name, c in other.phases.items()}
                 steps, switches = other.steps, list(other.switches)
-            with self._lock:
-                for name, vals in phases:
-                    c = self._phase(name)
-                    for f, val in zip(_FIELDS, vals):
-                        setattr(c, f, getattr(c, f) + val)
-                self.steps = max(self.steps, steps)
-                for entry in switches:
-                    if entry not in self.switches:
-                        self.switches.append(dict(entry))
-            return
-        d = other
+        else:
+            phases, steps, switches = other.get("phases", {}), int(other.get("steps", 0)), other.get("switches", ())
         with self._lock:
-            for name, vals in d.get("phases", {}).items():
+            for name, vals in phases.items():
                 c = self._phase(name)
                 for f, val in vals.items():
                     setattr(c, f, getattr(c, f) + val)
-            self.steps = max(self.steps, int(d.get("steps", 0)))
-            for entry in d.get("switches", ()):
+            self.steps = max(self.steps, steps)
+            for entry in switches:
                 if entry not in self.switches:
                     self.switches.append(dict(entry))
 
