@@ -822,20 +822,25 @@ class Adaptive(CodecPolicy):
             t.seen[t.level] = (comm, number)
             seen = {j: c for j, (c, at_) in t.seen.items() if j != t.level and number - at_ <= self.memory}
             window = (t, comm, compute, exposed, seen)
-            if t.kernel is None and not (t.level == 0 and self._natives(t)[0]
-                                         and self._choose(t, comm, compute, seen, [0.0] * len(t.ladder))[0] == 0):
-                untimed.append(window)
+            if t.kernel is not None:
+                decided.append((window, t.kernel, None))
+                continue
+            zero = [0.0] * len(t.ladder)
+            bound = self._choose(t, comm, compute, seen, zero) if t.level == 0 and self._natives(t)[0] else None
+            if bound is not None and bound[0] == 0:  # a stay whatever the kernels cost
+                decided.append((window, zero, bound))
             else:
-                decided.append(window)
+                untimed.append(window)
         if untimed:
             local = [k for t, *_ in untimed for k in self._kernels(t, step, device)]
             kernels, at = _agree(local, group, timeout, device), 0
-            for t, *_ in untimed:
+            for window in untimed:
+                t = window[0]
                 t.kernel = self._kept_kernels(t, kernels[at:at + len(t.ladder)])
                 at += len(t.ladder)
-        for t, comm, compute, exposed, seen in decided + untimed:
-            kernel = t.kernel if t.kernel is not None else [0.0] * len(t.ladder)
-            new, preds, (alpha, beta) = self._choose(t, comm, compute, seen, kernel)
+                decided.append((window, t.kernel, None))
+        for (t, comm, compute, exposed, seen), kernel, chosen in decided:
+            new, preds, (alpha, beta) = chosen or self._choose(t, comm, compute, seen, kernel)
             if not t.hysteresis(new, number, self.patience):
                 continue
             rho = comm / compute if compute > 0 else math.inf
