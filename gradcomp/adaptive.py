@@ -38,10 +38,16 @@ soon; the first step, without a compute time, gives none, so the first
 window's median is not one of two samples, one of them the warm-up; the same
 on every rank): each rank takes the median of its window's ``comm_s``,
 ``compute_s`` and ``exposed_s`` per bucket; one tiny allreduce (float64,
-``MAX``, on the collective's group) agrees on the largest communication
-time, the smallest compute time and the largest exposed time over the ranks
-(and, in a second one, at the first decision that needs them, on the
-largest kernel cost of each candidate, below). From these agreed numbers alone, each
+``MAX``, on the collective's group) agrees on the smallest and the largest
+communication time, the smallest compute time and the largest exposed time
+over the ranks (and, in a second one, at the first decision that needs them,
+on the largest kernel cost of each candidate, below). The smallest
+communication time is the one the rule uses: a collective ends at about the
+same moment on every rank, so a rank that arrives early measures its wait
+for the last one as well (a straggler's whole delay), while the last rank to
+arrive measures the collective alone, the time a codec can change (a slow
+link slows every rank's collective alike). The difference, the wait for the
+last rank, is logged as ``wait_s``. From these agreed numbers alone, each
 rank applies the same rule, so every rank picks the same codec and the results
 stay bit-identical across ranks.
 
@@ -567,7 +573,8 @@ class Adaptive(CodecPolicy):
         convergence: the convergence factor of each candidate (tuple, in
             the order of ``candidates``).
         switches: every switch made, oldest first (JSON-ready dicts: ``step``,
-            ``bucket``, ``numel``, ``from``, ``to``, ``comm_s``,
+            ``bucket``, ``numel``, ``from``, ``to``, ``comm_s`` (the
+            smallest over the ranks), ``wait_s`` (the largest minus it),
             ``compute_s``, ``exposed_s``, all agreed across ranks, ``rho =
             comm_s / compute_s``,
             ``latency_s`` and ``s_per_byte`` (the fitted link) and
@@ -650,7 +657,7 @@ class Adaptive(CodecPolicy):
         ``gc.allreduce(tensor, policy, key=k, ...)`` calls this. Every rank of
         ``group`` must call it with the same keys in the same order (like any
         collective); every ``interval`` calls of a key, that call first agrees
-        on the key's timings (one float64 allreduce of 3 values; at the first
+        on the key's timings (one float64 allreduce of 4 values; at the first
         decision that needs them, a second one of the kernel costs, timed then).
         Between two calls of a key, the caller's time counts as the compute
         the communication could hide behind.
@@ -807,13 +814,15 @@ class Adaptive(CodecPolicy):
         local = []
         for t in tracks:
             comm, compute, exposed = (statistics.median(col) for col in zip(*t.samples))
-            local += [comm, -compute, exposed]
+            local += [-comm, comm, -compute, exposed]
         agreed = _agree(local, group, timeout, device)
         number = self.decisions
         self.decisions += 1
         decided, untimed = [], []
-        for at, t in zip(range(0, len(agreed), 3), tracks):
-            comm, compute, exposed = agreed[at], -agreed[at + 1], agreed[at + 2]
+        for at, t in zip(range(0, len(agreed), 4), tracks):
+            # the last rank to arrive measures the collective without a wait for a late peer
+            comm, wait = -agreed[at], agreed[at + 1] + agreed[at]
+            compute, exposed = -agreed[at + 2], agreed[at + 3]
             t.samples = []
             t.window = self.interval
             before = t.seen.get(t.level)
@@ -821,7 +830,7 @@ class Adaptive(CodecPolicy):
                 t.seen = {}  # the link (or the load) changed: older measurements of other codecs mislead
             t.seen[t.level] = (comm, number)
             seen = {j: c for j, (c, at_) in t.seen.items() if j != t.level and number - at_ <= self.memory}
-            window = (t, comm, compute, exposed, seen)
+            window = (t, comm, compute, exposed, wait, seen)
             if t.kernel is not None:
                 decided.append((window, t.kernel, None))
                 continue
@@ -839,13 +848,13 @@ class Adaptive(CodecPolicy):
                 t.kernel = self._kept_kernels(t, kernels[at:at + len(t.ladder)])
                 at += len(t.ladder)
                 decided.append((window, t.kernel, None))
-        for (t, comm, compute, exposed, seen), kernel, chosen in decided:
+        for (t, comm, compute, exposed, wait, seen), kernel, chosen in decided:
             new, preds, (alpha, beta) = chosen or self._choose(t, comm, compute, seen, kernel)
             if not t.hysteresis(new, number, self.patience):
                 continue
             rho = comm / compute if compute > 0 else math.inf
             self._switch(t, new, step, preds, meter, kernel, rho=rho, comm_s=comm, compute_s=compute,
-                         exposed_s=exposed, latency_s=alpha, s_per_byte=beta)
+                         exposed_s=exposed, wait_s=wait, latency_s=alpha, s_per_byte=beta)
 
     def _choose(self, t: _Track, comm: float, compute: float, seen: dict[int, float], kernel: list[float]):
         """:func:`choose` for ``t``'s agreed window with these kernel costs."""

@@ -3,11 +3,13 @@ the meter's switch log, and 2-rank gloo runs with injected link timings.
 
 The injected link: a rank's communication time is the bytes it really sent
 (its meter's count, as the policy reports it in ``Timing.wire_bytes``)
-divided by a link rate that the test sets per step; its compute time is a
-constant of the test. Rank 1's link slows down, rank 0's never does, and rank
-0 computes slower: only the agreed numbers (max communication, min compute
-over the ranks) make both ranks switch, and at the steps the test derives by
-hand below.
+divided by a link rate that the test sets per step, plus the slowest rank's
+kernel cost; its compute time is a constant of the test. Rank 0 computes
+slower, so rank 1 also waits for it in every collective; the link slows down
+for both. Only the agreed numbers (min communication: the collective without
+the wait, min compute, max kernel cost over the ranks) make both ranks
+switch at the steps the test derives by hand below; the max communication,
+rank 1's wait read as link time, would move off none at the first decision.
 """
 
 import dataclasses
@@ -435,25 +437,30 @@ PROBE = 2  # the collective's short windows (the DDP run decides every INTERVAL 
 #: rank 1's byte-independent cost of top-k + int8 (seconds, 0.02 x the agreed compute);
 #: rank 0's and every other codec's are 0: the ranks must agree on the MAX
 TOPK_KERNEL_S = 0.0002
+#: rank 1's wait for rank 0 in each collective (rank 0 computes slower and arrives later)
+WAIT_S = COMPUTE_S[0] - COMPUTE_S[1]
 
 
 def _link(rank, steady=None, kernels=None):
     """The injected link of ``rank``: for each bucket (or key), fast enough that
-    uncompressed traffic takes 0.4 x the agreed compute; rank 1's slows down
-    25x for steps [SLOW_FROM, FAST_FROM), except for bucket ``steady``. A
-    codec's kernel cost (rank 1: ``TOPK_KERNEL_S`` for top-k + int8 when
-    ``kernels`` is a list, 0 otherwise) replaces the kernel timings and is added to
-    each collective's time; ``kernels`` collects the kernel timings the hook saw."""
+    uncompressed traffic takes 0.4 x the agreed compute; it slows down 25x for
+    steps [SLOW_FROM, FAST_FROM), except for bucket ``steady``. A codec's
+    kernel cost (rank 1's: ``TOPK_KERNEL_S`` for top-k + int8 when ``kernels``
+    is a list, 0 otherwise) replaces the kernel timings and is added to each
+    collective's time on both ranks (the collective waits for the slowest
+    rank's compression); rank 1 also waits ``WAIT_S`` for rank 0 in each
+    collective; ``kernels`` collects the kernel timings the hook saw."""
     def timing(s: Timing) -> Timing:
-        kernel = TOPK_KERNEL_S if kernels is not None and rank == 1 and s.codec == "topk-int8" else 0.0
+        kernel = TOPK_KERNEL_S if kernels is not None and s.codec == "topk-int8" else 0.0
         if s.kind == "kernel":
             if kernels is not None:
                 kernels.append(s)
-            return dataclasses.replace(s, comm_s=kernel)
+            return dataclasses.replace(s, comm_s=kernel if rank == 1 else 0.0)
         rate = 4 * s.numel / (0.4 * COMPUTE_S[1])  # bytes per second
-        if rank == 1 and SLOW_FROM <= s.step < FAST_FROM and s.bucket != steady:
+        if SLOW_FROM <= s.step < FAST_FROM and s.bucket != steady:
             rate /= SLOWDOWN
-        return dataclasses.replace(s, comm_s=kernel + s.wire_bytes / rate,
+        wait = WAIT_S if rank == 1 else 0.0
+        return dataclasses.replace(s, comm_s=kernel + s.wire_bytes / rate + wait,
                                    compute_s=COMPUTE_S[rank] if s.compute_s is not None else None)
     return timing
 
@@ -682,10 +689,11 @@ def test_ddp_auto_switches_with_the_link_and_ranks_agree(runs):
     assert runs[0]["ddp"]["codecs"] == runs[1]["ddp"]["codecs"]
     assert all(r["ddp"]["identical"] for r in runs)
     first, back = runs[0]["ddp"]["switches"]
-    # agreed: rank 1's slow link (10 x the compute) over rank 1's compute
+    # agreed: rank 0's slow link (10 x the compute, no wait) over rank 1's compute
     assert first["compute_s"] == COMPUTE_S[1]
     assert first["rho"] == pytest.approx(10.0, rel=0.02)
-    # the predictions behind the first switch, re-derived from the wire bytes: rank 1's
+    assert first["wait_s"] == pytest.approx(WAIT_S)
+    # the predictions behind the first switch, re-derived from the wire bytes: the
     # slow link sends 4 x 1667 bytes in 10 x C; top-k's kernel cost is rank 1's (the MAX)
     c = COMPUTE_S[1]
     per_byte_slow = 10 * c / (4 * 1667)
