@@ -100,11 +100,17 @@ The rule: the candidate with the least predicted *time per unit of progress*
   ``alpha = 0`` (everything per byte). A measured codec is predicted by its
   measurement;
   an unmeasured lighter codec gets its ``B_j x beta`` multiplied by ``upper /
-  lower`` (2 by default): moves to less compression are cautious;
-* predicted step time (the bucket's share): ``step_j = compute_s +
-  max(0, T_j - upper x compute_s)``, the compute plus the part of the
-  communication that the compute does not hide (communication up to
-  ``upper`` x the compute counts as hidden);
+  lower`` (2 by default): moves to less compression are cautious (except, at
+  the first decision after a start under a link prior, a move to ``none``:
+  the caution keeps heavier moves that measurements made, and the start's
+  was the prior's alone, so ``none`` is then predicted from the prior as it
+  is);
+* predicted step time (the bucket's share): ``step_j = compute_s + wait_s +
+  max(0, T_j - upper x compute_s)``, the compute, the agreed wait for the
+  last rank to arrive (the same for every codec, but a codec that needs more
+  steps waits more often) and the part of the communication that the compute
+  does not hide (communication up to ``upper`` x the compute counts as
+  hidden);
 * ``cost_j = step_j x convergence_j``, where ``convergence_j`` is the steps to
   a target accuracy relative to uncompressed training (:data:`CONVERGENCE`:
   more steps cost as much as a longer step);
@@ -319,7 +325,8 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
            seen: dict[int, float], convergence: Sequence[float], *, upper: float, lower: float,
            lighter_allowed: bool = True, sparse: Sequence[bool] | None = None,
            native: Sequence[bool] | None = None,
-           link: tuple[float, float] | None = None, messages: Sequence[int] | None = None
+           link: tuple[float, float] | None = None, messages: Sequence[int] | None = None,
+           wait_s: float = 0.0, after_start: bool = False
            ) -> tuple[int, list[dict[str, float]], tuple[float, float]]:
     """The ladder position the policy moves to, and the predictions behind it
     (see the module docstring for the rule).
@@ -350,6 +357,14 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
             positions of a kind share one byte count, the fit splits their
             time as ``messages x latency_s + bytes / bytes_per_s`` does
             (:func:`fit_link`'s ``prior``) instead of taking it all as per-byte.
+        wait_s: agreed seconds an early rank waits for the last one in the
+            collective (>= 0): part of every position's step, which no codec
+            shortens, and which a codec that needs more steps pays more often.
+        after_start: the current position was taken by the start under the
+            link prior and nothing has been decided since: an unmeasured
+            native position lighter than it is predicted without the
+            caution factor (the caution keeps a heavier move that
+            measurements made; the start's was the prior's alone).
 
     Returns:
         ``(position, predictions, (alpha, beta))``: the new position (``level``
@@ -385,8 +400,9 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
             else:
                 alpha, beta = overall
             per_byte = nbytes[j] * beta
-            comm = kernel_s[j] + alpha + (per_byte * upper / lower if j < level else per_byte)
-        step = compute_s + max(0.0, comm - upper * compute_s)
+            cautious = j < level and not (after_start and native[j])
+            comm = kernel_s[j] + alpha + (per_byte * upper / lower if cautious else per_byte)
+        step = compute_s + wait_s + max(0.0, comm - upper * compute_s)
         preds.append({"comm_s": comm, "step_s": step, "cost_s": step * convergence[j]})
     # a lighter codec is a candidate while it is predicted only (and lighter moves are
     # allowed), or measured at no more than the current codec's cost: two measured codecs
@@ -466,6 +482,7 @@ class _Track:
     # decision number of the last heavier move, and the wait before it; the bucket's dtype
     # (class defaults, so that a track pickled before these fields existed has them too)
     last_heavier = (-2, 0)
+    from_start = False  # the current position is the start's, and nothing was decided since
     dtype = torch.float32
     native: list[bool] | None = None  # per position: on the backend's allreduce (set by the policy)
 
@@ -835,7 +852,8 @@ class Adaptive(CodecPolicy):
                 decided.append((window, t.kernel, None))
                 continue
             zero = [0.0] * len(t.ladder)
-            bound = self._choose(t, comm, compute, seen, zero) if t.level == 0 and self._natives(t)[0] else None
+            bound = (self._choose(t, comm, compute, wait, seen, zero) if t.level == 0 and self._natives(t)[0]
+                     else None)
             if bound is not None and bound[0] == 0:  # a stay whatever the kernels cost
                 decided.append((window, zero, bound))
             else:
@@ -849,19 +867,21 @@ class Adaptive(CodecPolicy):
                 at += len(t.ladder)
                 decided.append((window, t.kernel, None))
         for (t, comm, compute, exposed, wait, seen), kernel, chosen in decided:
-            new, preds, (alpha, beta) = chosen or self._choose(t, comm, compute, seen, kernel)
+            new, preds, (alpha, beta) = chosen or self._choose(t, comm, compute, wait, seen, kernel)
+            t.from_start = False
             if not t.hysteresis(new, number, self.patience):
                 continue
             rho = comm / compute if compute > 0 else math.inf
             self._switch(t, new, step, preds, meter, kernel, rho=rho, comm_s=comm, compute_s=compute,
                          exposed_s=exposed, wait_s=wait, latency_s=alpha, s_per_byte=beta)
 
-    def _choose(self, t: _Track, comm: float, compute: float, seen: dict[int, float], kernel: list[float]):
+    def _choose(self, t: _Track, comm: float, compute: float, wait: float, seen: dict[int, float],
+                kernel: list[float]):
         """:func:`choose` for ``t``'s agreed window with these kernel costs."""
         return choose(t.level, comm, compute, kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
                       upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0,
                       sparse=[self.candidates[i].sparse for i in t.ladder], native=self._natives(t),
-                      link=self.link, messages=t.messages)
+                      link=self.link, messages=t.messages, wait_s=max(0.0, wait), after_start=t.from_start)
 
     def _start(self, t: _Track, group, timeout: float, device, step: int, meter: TrafficMeter | None) -> None:
         """Under a link prior, move ``t`` to the position :func:`start` predicts,
@@ -885,6 +905,7 @@ class Adaptive(CodecPolicy):
         if new != t.level:
             self._switch(t, new, step, preds, meter, kernel, start=True, prior_latency_s=latency_s,
                          prior_bytes_per_s=bytes_per_s)
+            t.from_start = True
 
     def _natives(self, t: _Track) -> list[bool]:
         """Per ladder position of ``t``, whether it runs the backend's allreduce

@@ -189,6 +189,35 @@ def test_choose_predicts_the_backends_allreduce_from_the_link_prior_until_it_is_
     assert preds[2]["comm_s"] == pytest.approx(scale0 * (6e-6 + 1000e-6))
 
 
+def test_choose_counts_the_wait_for_the_last_rank_in_every_step():
+    # int8 measured at 2.5 C, top-k at 1.3 C (hidden up to C), compute C. Without a wait: int8's
+    # step 2.5 C, top-k's 1.3 C x 1.47 = 1.911 C: top-k. Waiting 2 C for the last rank in every
+    # step: int8 4.5 C, top-k 3.3 C x 1.47 = 4.851 C: int8 stays (the wait is paid per step,
+    # and top-k needs 1.47x the steps)
+    kw = dict(upper=1.0, lower=0.5, sparse=[False, False, False, True])
+    assert choose(2, 2.5 * C, C, Z, NB, {3: 1.3 * C}, FD, **kw)[0] == 3
+    new, preds, _ = choose(2, 2.5 * C, C, Z, NB, {3: 1.3 * C}, FD, wait_s=2 * C, **kw)
+    assert new == 2
+    assert preds[2]["step_s"] == pytest.approx(4.5 * C) and preds[3]["step_s"] == pytest.approx(3.3 * C)
+    assert preds[3]["cost_s"] == pytest.approx(1.47 * 3.3 * C)
+
+
+def test_the_first_decision_after_a_start_predicts_none_from_the_prior_without_the_caution():
+    # the start put the bucket on int8 (gradcomp's ring) on the prior alone (1 us per message,
+    # 1e6 B/s); int8 then measured 6 ms, compute 1 ms: int8's step 6 ms. none (the backend's
+    # allreduce, not measured): 6 messages + 4000 B = 4.006 ms, x 2 as a lighter codec 8.006.
+    # With the caution int8 stays; at the first decision after the start none is predicted
+    # as the prior says (step 4.006 ms): none. fp16, of the measured ring kind, keeps it
+    # (candidates none, fp16, int8)
+    prior, messages, native = (1e-6, 1e6), [6, 6, 6], [True, False, False]
+    kw = dict(upper=1.0, lower=0.5, link=prior, messages=messages, native=native)
+    new, preds, _ = choose(2, 6e-3, 1e-3, Z[:3], NB[:3], {}, F1[:3], **kw)
+    assert new == 2 and preds[0]["comm_s"] == pytest.approx(6e-6 + 2 * 4000e-6)
+    new, preds_after, _ = choose(2, 6e-3, 1e-3, Z[:3], NB[:3], {}, F1[:3], after_start=True, **kw)
+    assert new == 0 and preds_after[0]["step_s"] == pytest.approx(6e-6 + 4000e-6)
+    assert preds_after[1]["comm_s"] == pytest.approx(preds[1]["comm_s"])
+
+
 def test_a_move_off_the_backends_allreduce_on_predictions_needs_the_caution():
     native, sparse = [True, False, False, False], [False, False, False, True]
     kw = dict(upper=1.0, lower=0.5, sparse=sparse)
@@ -473,27 +502,31 @@ def _expected(interval):
     0.4 x the compute C when fast and 10 x when slow (25x slower), for
     ``none`` ~ 4 bytes/element, fp16 ~ 2, int8 ~ 1, top-k 1% + int8 ~ 0.09
     (141 bytes for 1667 elements; 0.02 C more with its kernel cost); top-k's
-    convergence factor 1.2 (TOPK_FACTOR), the others' 1 (costs in units of C: the step
-    1 + max(0, T - 1) x the factor):
+    convergence factor 1.2 (TOPK_FACTOR), the others' 1; the agreed wait
+    WAIT_S = C (costs in units of C: the step 1 + 1 + max(0, T - 1) x the factor):
 
     Decisions come at steps 1 + k x interval (step 0 has no compute time, so no
-    measurement; a window is ``interval`` measured steps):
+    measurement; a window is ``interval`` measured steps), and ``interval``
+    steps after a switch (the DDP run's probe):
 
     * decision at step SLOW_FROM + interval + 1 (the first window of slow steps):
-      none's T = 10 (one codec measured: all per byte): fp16 (5) and int8
-      (2.7) cost their T, top-k (0.02 + 10 x 0.021, hidden) costs 1.2:
-      none -> topk-int8 (int8's 2.7 > 2 x 1.2: not measured on the way).
-    * while slow, on top-k (T ~ 0.23): the link fitted to none (10) and top-k
-      is nearly all per byte; int8 predicted 2 x 2.7 (an unmeasured lighter
-      codec's link time counts twice): stay.
+      none's T = 10 (one codec measured: all per byte): fp16 (5.1) and int8
+      (2.7) cost 1 + their T, top-k (0.02 + 10 x 0.021, hidden) costs 2 x 1.2 =
+      2.4: int8 (3.7 <= 2 x 2.4, converges faster, not measured) is measured on
+      the way: none -> int8.
+    * the next decision: int8 measured at 2.7 (cost 3.7 > 1.1 x 2.4): int8 ->
+      topk-int8.
+    * while slow, on top-k (T ~ 0.23): none (10) and int8 (2.7) measured and
+      costlier: stay.
     * first window of fast steps (decision at FAST_FROM + interval + 1): top-k's
-      T falls to ~ 0.03, 8x less: the link changed, none's measurement is
+      T falls to ~ 0.03, 8x less: the link changed, the other measurements are
       forgotten; none is predicted from top-k alone, 2 x ~0.43 (its bytes at
-      top-k's seconds per byte), hidden: cost 1 < 1.2: topk-int8 -> none
+      top-k's seconds per byte), hidden: cost 2 < 2.4: topk-int8 -> none
       (the hold after the heavier move ran out long before). Then none stays
       (0.4, hidden; nothing costs less).
     """
-    return [(SLOW_FROM + interval + 1, "none", "topk-int8"), (FAST_FROM + interval + 1, "topk-int8", "none")]
+    slow, fast = SLOW_FROM + interval + 1, FAST_FROM + interval + 1
+    return [(slow, "none", "int8"), (slow + interval, "int8", "topk-int8"), (fast, "topk-int8", "none")]
 
 
 class _Net(nn.Module):
@@ -524,8 +557,8 @@ def _ddp_run(rank):
     model = DDP(_Net(), bucket_cap_mb=0.004)
     meter = gc.TrafficMeter()
     kernels = []
-    # top-k's factor 1.2: int8 (2.7 C) is then outside 2 x top-k's cost, so the first
-    # move goes straight to top-k (with 1.47 int8 would be measured on the way)
+    # top-k's factor 1.2: int8 (3.7 C) is within 2 x top-k's cost (2.4 C) and is measured on
+    # the way, then top-k
     policy = Adaptive(interval=INTERVAL, probe=INTERVAL, convergence={"topk-int8": TOPK_FACTOR},
                       timing=_link(rank, steady=1, kernels=kernels))
     state = GradCompState(compressor=policy, min_compress_numel=0, start_iter=0, meter=meter, timeout=30)
@@ -557,7 +590,7 @@ def _ddp_run(rank):
         ps = _gathered(p)
         identical &= all(torch.equal(ps[0], q) for q in ps)
     # the switch out of top-k: this step's codec (none) must deliver the residual top-k left
-    at = _expected(INTERVAL)[1][0]
+    at = _expected(INTERVAL)[-1][0]
     g, r, out = records[at, 0]
     everyone = [_gathered(t) for t in (g, r)]
     restored = pickle.loads(pickle.dumps(state))
@@ -688,7 +721,7 @@ def test_ddp_auto_switches_with_the_link_and_ranks_agree(runs):
     assert runs[0]["ddp"]["policy_switches"] == runs[0]["ddp"]["switches"]
     assert runs[0]["ddp"]["codecs"] == runs[1]["ddp"]["codecs"]
     assert all(r["ddp"]["identical"] for r in runs)
-    first, back = runs[0]["ddp"]["switches"]
+    first, to_topk, back = runs[0]["ddp"]["switches"]
     # agreed: rank 0's slow link (10 x the compute, no wait) over rank 1's compute
     assert first["compute_s"] == COMPUTE_S[1]
     assert first["rho"] == pytest.approx(10.0, rel=0.02)
@@ -704,10 +737,14 @@ def test_ddp_auto_switches_with_the_link_and_ranks_agree(runs):
     assert [p[n]["convergence"] for n in p] == [1, 1, 1, TOPK_FACTOR]
     assert p["none"]["comm_s"] == first["comm_s"] == pytest.approx(p["none"]["wire_bytes"] * per_byte_slow)
     assert p["int8"]["comm_s"] == pytest.approx(p["int8"]["wire_bytes"] * per_byte_slow)
-    assert p["int8"]["step_s"] == pytest.approx(p["int8"]["comm_s"])  # exposed beyond C: C + (T - C)
+    # exposed beyond C: C + W + (T - C)
+    assert p["int8"]["step_s"] == pytest.approx(p["int8"]["comm_s"] + WAIT_S)
     topk = TOPK_KERNEL_S + p["topk-int8"]["wire_bytes"] * per_byte_slow
     assert p["topk-int8"]["comm_s"] == pytest.approx(topk) and topk < c
-    assert p["topk-int8"]["cost_s"] == pytest.approx(TOPK_FACTOR * c)
+    assert p["topk-int8"]["cost_s"] == pytest.approx(TOPK_FACTOR * (c + WAIT_S))  # hidden: C + W
+    # the next decision: int8 measured as predicted, top-k unchanged
+    assert to_topk["comm_s"] == pytest.approx(p["int8"]["comm_s"])
+    assert to_topk["predicted"]["topk-int8"]["cost_s"] == pytest.approx(p["topk-int8"]["cost_s"])
     # back on the fast link: none predicted from top-k's seconds per byte, twice its link
     # time (top-k's bytes sent vary with the compact indices: near the ladder's estimate)
     q = back["predicted"]
@@ -715,8 +752,8 @@ def test_ddp_auto_switches_with_the_link_and_ranks_agree(runs):
     assert fast == pytest.approx(per_byte_slow / SLOWDOWN, rel=0.1)
     assert back["latency_s"] == 0 and back["s_per_byte"] == pytest.approx(fast)
     assert q["none"]["comm_s"] == pytest.approx(2 * q["none"]["wire_bytes"] * fast)
-    assert q["none"]["cost_s"] == pytest.approx(c)
-    assert runs[0]["ddp"]["restored_codec"] == "none" and runs[0]["ddp"]["restored_switches"] == 2
+    assert q["none"]["cost_s"] == pytest.approx(c + WAIT_S)
+    assert runs[0]["ddp"]["restored_codec"] == "none" and runs[0]["ddp"]["restored_switches"] == 3
 
 
 @pytest.mark.slow
