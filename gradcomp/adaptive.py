@@ -47,7 +47,8 @@ same moment on every rank, so a rank that arrives early measures its wait
 for the last one as well (a straggler's whole delay), while the last rank to
 arrive measures the collective alone, the time a codec can change (a slow
 link slows every rank's collective alike). The difference, the wait for the
-last rank, is logged as ``wait_s``. From these agreed numbers alone, each
+last rank, is logged as ``wait_s`` and counted in every candidate's step
+(below). From these agreed numbers alone, each
 rank applies the same rule, so every rank picks the same codec and the results
 stay bit-identical across ranks.
 
@@ -101,7 +102,8 @@ The rule: the candidate with the least predicted *time per unit of progress*
   measurement;
   an unmeasured lighter codec gets its ``B_j x beta`` multiplied by ``upper /
   lower`` (2 by default): moves to less compression are cautious (except, at
-  the first decision after a start under a link prior, a move to ``none``:
+  the first decision after a start under a link prior, a move to ``none`` on
+  the backend's allreduce:
   the caution keeps heavier moves that measurements made, and the start's
   was the prior's alone, so ``none`` is then predicted from the prior as it
   is);
@@ -169,7 +171,11 @@ communication that is not, and so leans to lighter codecs. A codec whose
 time its kernels dominate (top-k) hardly sees the link: when the link
 recovers while it runs, its ``comm_s`` may move less than :data:`CHANGE`, and
 the slow measurements of lighter codecs then hold it for up to ``memory``
-decisions. The factors of
+decisions. ``wait_s`` is the spread of the ranks' medians, never negative: without
+a straggler it is the ranks' ordinary skew, which grows with their number, and
+in a step of several buckets a rank that lags the whole step makes the others
+wait in bucket after bucket while their own compute is counted too; both make
+slower-converging codecs look a little costlier than they are. The factors of
 :data:`CONVERGENCE` were measured on one small model; other models may need
 other ones (``convergence=``). Every switch records the predictions it was
 made with (``latency_s`` and ``s_per_byte``: the fitted link; ``predicted``:
@@ -333,7 +339,7 @@ def choose(level: int, comm_s: float, compute_s: float, kernel_s: Sequence[float
 
     Args:
         level: current position (0 = lightest).
-        comm_s: agreed communication seconds of the current codec.
+        comm_s: agreed communication seconds of the current codec (the smallest over the ranks).
         compute_s: agreed seconds of compute that can hide it.
         kernel_s: each position's byte-independent cost (seconds).
         nbytes: wire bytes per rank of each position (descending).
@@ -839,6 +845,7 @@ class Adaptive(CodecPolicy):
         for at, t in zip(range(0, len(agreed), 4), tracks):
             # the last rank to arrive measures the collective without a wait for a late peer
             comm, wait = -agreed[at], agreed[at + 1] + agreed[at]
+            wait = wait if math.isfinite(wait) and wait > 0 else 0.0  # inf - inf: a hook's infinite times
             compute, exposed = -agreed[at + 2], agreed[at + 3]
             t.samples = []
             t.window = self.interval
@@ -881,7 +888,7 @@ class Adaptive(CodecPolicy):
         return choose(t.level, comm, compute, kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
                       upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0,
                       sparse=[self.candidates[i].sparse for i in t.ladder], native=self._natives(t),
-                      link=self.link, messages=t.messages, wait_s=max(0.0, wait), after_start=t.from_start)
+                      link=self.link, messages=t.messages, wait_s=wait, after_start=t.from_start)
 
     def _start(self, t: _Track, group, timeout: float, device, step: int, meter: TrafficMeter | None) -> None:
         """Under a link prior, move ``t`` to the position :func:`start` predicts,

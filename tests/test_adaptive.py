@@ -8,8 +8,11 @@ kernel cost; its compute time is a constant of the test. Rank 0 computes
 slower, so rank 1 also waits for it in every collective; the link slows down
 for both. Only the agreed numbers (min communication: the collective without
 the wait, min compute, max kernel cost over the ranks) make both ranks
-switch at the steps the test derives by hand below; the max communication,
-rank 1's wait read as link time, would move off none at the first decision.
+switch at the steps the test derives by hand below. With the max
+communication (rank 1's wait read as link time), or without the wait in the
+predicted steps, the DDP run goes from none straight to top-k and misses the
+recovery (top-k's time then moves by less than 2x), and the collective never
+returns to none (int8 measured with the wait predicts none at 8.8 C).
 """
 
 import dataclasses
@@ -685,6 +688,34 @@ def _prior_run(rank):
             "ddp_identical": torch.equal(grads[0], grads[1])}
 
 
+def _after_start_timing(s: Timing) -> Timing:
+    """Kernels 0; int8 (gradcomp's ring) measures 1.5x what the prior predicts
+    for none; none (the backend's allreduce) what the prior predicts; 10 ms of compute."""
+    if s.kind == "kernel":
+        return dataclasses.replace(s, comm_s=0.0)
+    none_prior = 2 * PRIOR[0] + 4 * s.numel / PRIOR[1]  # 2 ranks: 2 messages, 4 bytes an element
+    comm = 1.5 * none_prior if s.codec == "int8" else 2 * PRIOR[0] + s.wire_bytes / PRIOR[1]
+    return dataclasses.replace(s, comm_s=comm, compute_s=0.01 if s.compute_s is not None else None)
+
+
+def _after_start_run(rank):
+    """Candidates none / int8 under PRIOR, 3000 elements, probe 2: the start
+    takes int8 (the prior: ~4x faster than none); int8 then measures 1.5x
+    none's prediction, which with the lighter-move caution (2x) would keep
+    int8, but the first decision after the start predicts none from the
+    prior as it is: none at call 3 (samples of calls 1-2). Then none, measured
+    as predicted, stays."""
+    policy = Adaptive(["none", "int8"], link=PRIOR, probe=2, interval=5, timing=_after_start_timing)
+    flags = []
+    for call in range(8):
+        t = torch.randn(3000, generator=torch.Generator().manual_seed(10 * call + rank))
+        gc.allreduce(t, policy, key="d")
+        flags.append(policy._tracks["d"].from_start)
+        if call == 0:
+            restored = pickle.loads(pickle.dumps(policy))._tracks["d"].from_start
+    return {"switches": policy.switches, "flags": flags, "restored": restored, "codec": policy.codec("d")}
+
+
 def _cleared_run(rank):
     """``none`` (the backend's allreduce) with a residual, 2 ranks: x = rank's
     (rank + 1) x [0..5], the residual (rank + 1) everywhere."""
@@ -702,7 +733,7 @@ def _cleared_run(rank):
 
 def _both(rank, world):
     return {"ddp": _ddp_run(rank), "collective": _collective_run(rank), "prior": _prior_run(rank),
-            "cleared": _cleared_run(rank)}
+            "cleared": _cleared_run(rank), "after_start": _after_start_run(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -847,3 +878,19 @@ def test_link_prior_starts_on_the_predicted_codec_and_ranks_agree(runs):
         assert p["ddp_codec"] == "int8" and p["ddp_identical"]
         assert [(s["step"], s["to"], s["start"]) for s in p["ddp_switches"]] == [(0, "int8", True)]
     assert runs[0]["prior"]["switches"] == runs[1]["prior"]["switches"]
+
+
+@pytest.mark.slow
+def test_the_first_decision_after_a_start_measures_none_against_the_prior(runs):
+    assert runs[0]["after_start"]["switches"] == runs[1]["after_start"]["switches"]
+    for r in runs:
+        a = r["after_start"]
+        assert [(s["step"], s["from"], s["to"], s.get("start", False)) for s in a["switches"]] == [
+            (0, "none", "int8", True), (3, "int8", "none", False)]
+        assert a["codec"] == "none" and a["restored"] is True
+        assert a["flags"] == [True, True, True] + [False] * 5  # cleared by the first decision
+        first = a["switches"][1]
+        none_prior = 2 * PRIOR[0] + first["predicted"]["none"]["wire_bytes"] / PRIOR[1]
+        assert first["predicted"]["none"]["comm_s"] == pytest.approx(none_prior)  # no 2x caution
+        assert first["comm_s"] == first["exposed_s"] == pytest.approx(1.5 * (2 * PRIOR[0] + 4 * 3000 / PRIOR[1]))
+        assert first["wait_s"] == 0.0 and first["compute_s"] == 0.01
