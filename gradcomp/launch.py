@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import shutil
 import tempfile
 import time
 import traceback
@@ -212,14 +213,8 @@ def launch(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        try:
-            os.remove(init_file)
-        except OSError:
-            pass
-        try:
-            os.rmdir(tmpdir)
-        except OSError:
-            pass
+        # the store's file with its directory (a rank's teardown may have written it again)
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def init_from_env(backend: str = "gloo", timeout: float = 120.0) -> tuple[int, int]:
