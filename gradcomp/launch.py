@@ -213,7 +213,7 @@ def launch(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        # the store's file with its directory (a rank's teardown may have written it again)
+        # the directory with whatever the store left in it
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
