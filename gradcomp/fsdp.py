@@ -63,7 +63,8 @@ from gradcomp import _validate as v
 from gradcomp import timeline as _timeline
 from gradcomp import wire as W
 from gradcomp.comm import DEFAULT_TIMEOUT, INPUT_DTYPES, reduce_scatter
-from gradcomp.comm.agreement import agree, needs_check
+from gradcomp.comm import checked as _checked
+from gradcomp.comm.agreement import signature
 from gradcomp.comm.reduce_scatter import agree_settings
 from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
@@ -78,6 +79,8 @@ _RedOpType = dist.ReduceOp.RedOpType
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # an ambiguous layout search stops at this many distinct partial sums
 _MAX_LAYOUTS = 4096
+# the tag of gradcomp's reduce-scatters here: FSDP may call them from any thread
+_TAG = "gradcomp.fsdp"
 
 
 class CompressedReduceScatter(ReduceScatter):
@@ -178,7 +181,7 @@ class CompressedReduceScatter(ReduceScatter):
         described = (id(module), n, op_name, world)
         reduce_scatter(inp, self.compressor, op=op_name, factor=factor, group=own, meter=self.meter,
                        timeout=self.timeout, residual=residual, out=output.view(-1),
-                       check=described not in self._agreed)
+                       check=described not in self._agreed, tag=_TAG)
         self._agreed.add(described)
         return None
 
@@ -231,12 +234,14 @@ class CompressedReduceScatter(ReduceScatter):
 
     def _agree_settings(self, module: "_Module", own: dist.ProcessGroup, device) -> None:
         """Check with every rank at :func:`apply` that they reduce the same
-        layout with the same compressor (so the first step need not)."""
+        layout (each parameter's name, shape, dtypes and shard dim, in
+        order) with the same compressor (so the first step need not)."""
         world = dist.get_world_size(own)
         if world == 1:
             return
         n = world * sum(p[3] for p in module._params(world))
-        agree_settings(Comm(own, self.timeout, self.meter), n, self.compressor, "avg", device)
+        agree_settings(Comm(own, self.timeout, self.meter), n, self.compressor, "avg", device,
+                       details=module.details(world), tag=_TAG)
         self._agreed.add((id(module), n, "avg", world))
 
     def _bind(self, name: str, param_group, names: dict[int, str]) -> "_BoundReduceScatter":
@@ -279,9 +284,9 @@ def _meter(meter):
     return meter
 
 
-#: agreement ``algorithm`` code of the parameter all-gather (after the
-#: collectives' 0-3), so ranks that mix it up with another call fail cleanly
-_ALLGATHER_CODE = 4
+#: agreement ``algorithm`` code of the parameter all-gather (apart from the
+#: collectives' codes), so ranks that mix it up with another call fail cleanly
+_ALLGATHER_CODE = 101
 
 
 class CompressedAllGather(AllGather):
@@ -382,26 +387,33 @@ class CompressedAllGather(AllGather):
         return None
 
 
-    def _agree(self, comm: Comm, m: int, dtype: torch.dtype, device) -> None:
+    def _agree(self, comm: Comm, m: int, dtype: torch.dtype, device,
+               details: dict[str, str] | None = None) -> None:
         """Every rank gathers ``m`` elements of ``dtype`` with the same
-        compressor: checked once per size (at :func:`apply`, or the first gather)."""
+        compressor (and, at :func:`apply`, the same parameter layout
+        ``details``): checked once per size (at :func:`apply`, or the first gather)."""
         described = (m, comm.world_size, dtype)
         if described in self._agreed or comm.world_size == 1:
             return
-        descriptor = {"numel": comm.world_size * m, "op": 0, "algorithm": _ALLGATHER_CODE,
-                      "codec": W.codec(self.compressor.codec).id,
-                      "wire_nbytes": self.compressor.wire_nbytes((m,), dtype)}
-        if needs_check(comm.group, descriptor):
-            agree(comm, descriptor, {"algorithm": {_ALLGATHER_CODE: "fsdp parameter all-gather"}}, device=device)
+        sig = signature(numel=comm.world_size * m, algorithm=_ALLGATHER_CODE,
+                        codec=W.codec(self.compressor.codec).id,
+                        wire_nbytes=self.compressor.wire_nbytes((m,), dtype),
+                        details={"call": "gradcomp.fsdp parameter all-gather", "dtype": str(dtype),
+                                 **(details or {})},
+                        labels={"algorithm": {_ALLGATHER_CODE: "fsdp parameter all-gather"}})
+        _checked.check(comm, sig, device=device)
         self._agreed.add(described)
 
-    def _agree_settings(self, param_group, own: dist.ProcessGroup) -> None:
+    def _agree_settings(self, module: "_Module", own: dist.ProcessGroup) -> None:
         """:meth:`_agree` at :func:`apply` for a module whose parameters gather in one float dtype."""
+        param_group = module.param_group
         policy = param_group.mp_policy
         dtypes = {policy.param_dtype or fp.sharded_param.dtype for fp in param_group.fsdp_params}
         if len(dtypes) == 1 and next(iter(dtypes)) in INPUT_DTYPES:
             m = sum(fp.padded_sharded_param_size.numel() for fp in param_group.fsdp_params)
-            self._agree(Comm(own, self.timeout, self.meter), m, dtypes.pop(), param_group.device)
+            world = dist.get_world_size(own)
+            self._agree(Comm(own, self.timeout, self.meter), m, dtypes.pop(), param_group.device,
+                        module.details(world))
 
 
 class _Module:
@@ -427,6 +439,21 @@ class _Module:
             else:
                 per = math.prod(shape) // world
             out.append((self._names.get(id(p), f"{self.name}#{i}"), shape, dim, per))
+        return out
+
+    def details(self, world: int) -> dict[str, str]:
+        """What the ranks agree on for this module (:func:`apply`): its name and
+        each parameter's name, shape, dtype (and the dtype FSDP reduces it
+        in) and shard dim, in FSDP's order; a trainable flag for every one."""
+        policy = self.param_group.mp_policy
+        out = {"FSDP module": self.name or "<root>"}
+        for i, fp in enumerate(self.param_group.fsdp_params):
+            p = fp.sharded_param
+            reduce = policy.reduce_dtype or policy.param_dtype or p.dtype
+            shape = tuple(fp._orig_size) if hasattr(fp, "_orig_size") else tuple(p.shape)
+            out[f"parameter {i}"] = (f"{self._names.get(id(p), '?')}: shape {shape}, {p.dtype} "
+                                     f"(reduced in {reduce}), shard dim {fp.fsdp_placement.dim}"
+                                     + ("" if p.requires_grad else ", frozen"))
         return out
 
     def layout(self, n: int, world: int, rank: int) -> list[tuple[tuple, int, int]] | None:
@@ -551,7 +578,7 @@ def apply(module: nn.Module, compressor: Compressor | None = None, error_feedbac
         own = comm.groups.get(group)
         comm._agree_settings(b.module, own, b.module.device)
         if comm.allgather is not None:
-            comm.allgather._agree_settings(b.module.param_group, own)
+            comm.allgather._agree_settings(b.module, own)
     for m, b, group in bound:
         m.set_custom_reduce_scatter(b)
         if comm.allgather is not None:

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.comm import allgather as _allgather
+from gradcomp.comm import checked as _checked
 from gradcomp.comm import pipelined as _pipelined
-from gradcomp.comm.agreement import (Disagreement, agree, forget, needs_check, pattern, remember_pattern,
-                                     replay)
+from gradcomp.comm.agreement import Signature, call_identity, digest, signature
 from gradcomp.comm import ring as _ring
 from gradcomp.comm import two_phase as _two_phase
 from gradcomp.comm.chunks import chunk_bounds, ring_raw_bytes
@@ -78,17 +78,20 @@ def allreduce(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check: bool = True,
+    tag: str | int | None = None,
 ) -> torch.Tensor:
     """Compressed allreduce: every rank returns the same (bit-identical) tensor.
 
     All ranks of ``group`` must call it with tensors of the same shape and
-    dtype, the same compressor settings, ``op`` and ``algorithm``, in the
-    same order (like any collective). With ``check=True`` (the default) a
-    call verifies that they did (the number of elements, ``op``,
-    ``algorithm``, the compressor type and payload size:
-    :mod:`gradcomp.comm.agreement`) whenever these differ from the last call
-    the group's ranks agreed on, and, if not, every rank raises the same
-    ``ValueError`` before any payload moves. The input is widened to float32 (so
+    dtype, the same compressor settings, ``op``, ``algorithm`` and ``tag``,
+    in the same order (like any collective). With ``check=True`` (the
+    default) a call verifies that they did (its signature: the number of
+    elements, ``op``, ``algorithm``, the compressor type, every message's
+    size, the tag or calling thread; :mod:`gradcomp.comm.agreement`) whenever
+    it differs from the last call the group's ranks agreed on, and, if not,
+    every rank raises the same ``ValueError`` before any payload moves and the
+    group stays usable, also when only one rank changed its call
+    (:mod:`gradcomp.comm.replay`). The input is widened to float32 (so
     payloads carry float32 tensors: :class:`~gradcomp.NoCompression` moves 4
     bytes per element whatever the input dtype), sums are accumulated in
     float32, and the result is cast back to the input's dtype.
@@ -160,19 +163,27 @@ def allreduce(
             device to write the result to; it may be ``tensor`` itself (an
             in-place allreduce, like ``dist.all_reduce``). For float32 it is
             also the accumulation workspace, so no n-element buffer is allocated.
-        check: exchange a 40-byte descriptor with every other rank first
+        check: exchange a 56-byte signature with every other rank first
             when it differs from the last one the group agreed on (see above
-            and :mod:`gradcomp.comm.agreement`): one small round trip, about
-            1-3 ms on gloo over loopback on a busy 2-core host, paid once by a
-            loop that reduces the same tensor every step (but on every call
-            by one alternating between different calls on one group: give
-            each its own group). Like the other
-            arguments it must be the same on every rank. ``False``: never
-            (the DDP hook checks its first bucket, then relies on DDP's
+            and :mod:`gradcomp.comm.agreement`): one small round trip, paid
+            once by a loop that reduces the same tensor every step; a loop
+            alternating between different calls on one group pays it on
+            every call, plus its disagreement envelopes (at most 8 bytes per
+            message piece of the previous call's reduce-scatter). Like the
+            other arguments it must be the same on every rank. ``False``:
+            never (the DDP hook checks its first bucket, then relies on DDP's
             identical bucket layout on every rank); a disagreement then aborts
             the process (gloo) or returns different values on different
             ranks. (``"allgather"`` also exchanges payload sizes, 8 bytes per
             peer, on every call.)
+        tag: what tells this call apart from other calls on ``group`` (a str
+            or an int, the same on every rank); None: the calling thread's
+            name. Calls with different tags (or, untagged, from differently
+            named threads) never pair silently: when one rank's call meets
+            another's, every rank raises ``ValueError``. Two threads must
+            still not run collectives on one group at the same time (the
+            second raises ``RuntimeError`` at once): give each its own group
+            (``torch.distributed.new_group``) to run them concurrently.
 
     Returns:
         ``out`` if given, else a new tensor with ``tensor``'s shape, dtype and device.
@@ -180,29 +191,31 @@ def allreduce(
     Raises:
         TypeError: ``tensor`` is not a float32/float16/bfloat16 tensor, or
             ``compressor`` is not a gradcomp compressor.
+        TypeError: ``tag`` is not None, a str or an int.
         ValueError: unknown ``op`` / ``algorithm``; a sparse compressor with a
             dense algorithm or a dense one with ``"allgather"``; a dense
             compressor without a fixed wire size; a bad ``residual`` or
             ``timeout``; this process is not in ``group``; the ranks of the
-            group passed different numels, ops, algorithms or compressors
-            (raised on every rank).
+            group passed different numels, ops, algorithms, compressor
+            settings or tags (raised on every rank, also when only one rank
+            changed its call since the group's last agreement).
         RuntimeError: another thread of this process is in a gradcomp
             collective on ``group`` (raised at once, nothing sent: give each
             thread its own group); the transport failed (see below).
         TimeoutError: a transfer did not finish within ``timeout`` seconds
-            (also when only some ranks changed their arguments since the
-            group's last agreement, or passed different ``check`` values;
-            after any error other than the agreement's ``ValueError`` the
-            group is not safe to use again).
+            (also when ranks passed different ``check`` values; after any
+            error other than the agreement's ``ValueError`` the group is not
+            safe to use again).
         RuntimeError: the transport failed (e.g. a peer died, or a peer that
             timed out closed its connections first).
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
     if isinstance(compressor, CodecPolicy):
         return compressor.allreduce(tensor, op=op, algorithm=algorithm, group=group, meter=meter,
-                                    timeout=timeout, key=key, residual=residual, out=out, check=check)
+                                    timeout=timeout, key=key, residual=residual, out=out, check=check, tag=tag)
     _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
     v.flag("check", check)
+    call_identity(tag)  # a bad tag raises here
     group = member_group(group, "gradcomp.allreduce")
     x = tensor.detach()
     if dist.get_world_size(group) == 1:
@@ -210,10 +223,11 @@ def allreduce(
             return x.clone(memory_format=torch.contiguous_format)
         return out.copy_(x) if out.data_ptr() != x.data_ptr() else out
     with exclusive(group):
-        return _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check)
+        return _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check,
+                          tag)
 
 
-def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check):
+def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check, tag):
     comm = Comm(group, timeout, meter)
     n = x.numel()
     # float32 temporaries come from the buffer pool (a fresh multi-MiB tensor
@@ -232,35 +246,21 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
     # the default key (used by an ErrorFeedback only): one reused for tensors of
     # several sizes keeps a residual per size
     local = Local(flat, compressor, ("numel", n) if key is None else key, residual)
-    descriptor = {"numel": n, "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
-                  "codec": W.codec(local.inner.codec).id}
-    try:
+    plan = None if algorithm == "allgather" else Plan(n, comm.world_size, local.inner)
+    pipelined = plan is not None and algorithm == "ring" and _pipelined.applies(local, plan)
+    sig = call_signature("gradcomp.allreduce", n, op, ALGORITHMS.index(algorithm), local.inner, plan,
+                         _pipelined.segment_count(plan) if pipelined else 0, tag)
+
+    def body() -> None:
         if algorithm == "allgather":
-            fixed = local.inner.wire_nbytes((n,), torch.float32)  # None for data-dependent sizes
-            descriptor["wire_nbytes"] = -1 if fixed is None else fixed
+            _allgather.allreduce(comm, local, work, op)
+        elif pipelined:
+            _pipelined.allreduce(comm, local, plan, work, op)
         else:
-            plan = Plan(n, comm.world_size, local.inner)
-            descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
-        if check:
-            check_call(comm, descriptor, x.device)  # before anything changes
-        try:
-            if algorithm == "allgather":
-                _allgather.allreduce(comm, local, work, op)
-            elif algorithm == "ring" and _pipelined.applies(local, plan):
-                _pipelined.allreduce(comm, local, plan, work, op)
-            else:
-                pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
-                share_owned(comm, plan, work, op, pending)
-        except Disagreement:  # a peer changed its call: finish its pattern, then agree (raises)
-            replay(comm, (pattern(group) or [])[len(comm.trace):], x.device)
-            agree(comm, descriptor, _NAMES, device=x.device)
-            raise RuntimeError("gradcomp collective: a peer sent a disagreement envelope but "
-                               "agreed afterwards") from None
-        if check:
-            remember_pattern(group, descriptor, comm.trace)
-    except BaseException:
-        forget(group)  # this rank's next call on the group checks again
-        raise
+            pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
+            share_owned(comm, plan, work, op, pending)
+
+    _checked.run(comm, sig, body, device=x.device, check=check)
     if out is None:
         result = work.to(tensor.dtype).view(tensor.shape)  # work itself for float32
     else:
@@ -271,20 +271,31 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
     return result
 
 
-def check_call(comm: Comm, descriptor: dict[str, int], device, *, always: bool = False) -> None:
-    """Agree on ``descriptor`` (:data:`gradcomp.comm.agreement.FIELDS`) over
-    ``comm``'s group unless it is the one the group last agreed on (or
-    ``always``); first replay the last agreed call's pattern, for ranks that
-    skip the check (see :mod:`gradcomp.comm.agreement`).
+def call_signature(call: str, numel: int, op: str, algorithm: int, compressor: Compressor, plan: Plan | None,
+                   segments: int, tag, *, details: dict[str, str] | None = None,
+                   labels: dict[int, str] | None = None) -> Signature:
+    """The :class:`~gradcomp.comm.agreement.Signature` of a collective call:
+    its size, op, algorithm code, codec, payload bytes, message pattern (each
+    chunk's payload size and the pipelined ring's segments; for the sparse
+    allgather the fixed payload size, or -1 when it depends on the data) and
+    details (the call's name, :func:`~gradcomp.comm.agreement.call_identity`
+    and ``details``); ``labels`` names algorithm codes beyond the allreduce's.
 
     Raises:
-        ValueError: the ranks' descriptors differ (on every rank).
+        TypeError: a bad ``tag``.
     """
-    if always or needs_check(comm.group, descriptor):
-        last = pattern(comm.group)
-        if last is not None:  # tell ranks that skip the check, if any (see agreement)
-            replay(comm, last, device)
-        agree(comm, descriptor, _NAMES, device=device)
+    if plan is None:  # the sparse allgather
+        fixed = compressor.wire_nbytes((numel,), torch.float32)
+        wire = -1 if fixed is None else fixed
+        shape = (wire,)
+    else:
+        wire = sum(plan.wire_nbytes)
+        shape = (segments, *plan.wire_nbytes)
+    names = _NAMES if not labels else dict(_NAMES, algorithm={**_NAMES["algorithm"], **labels})
+    return signature(numel=numel, op=OPS.index(op), algorithm=algorithm, codec=W.codec(compressor.codec).id,
+                     wire_nbytes=wire, pattern=digest(shape),
+                     details={"call": call, "tags or calling threads": call_identity(tag), **(details or {})},
+                     labels=names)
 
 
 def member_group(group, what: str):

@@ -1,83 +1,55 @@
-"""Every rank checks, before any payload moves, that all ranks called the same collective.
+"""Every rank checks, before any payload moves, that all ranks made the same call.
 
-A collective is only well defined when every rank passes the same number of
-elements, ``op``, algorithm and compressor. When they do not, the transports
-misbehave badly: a receive posted for one size that gets another makes gloo
-abort the process ("Received data size doesn't match expected size"), and a
-mismatched ``op`` silently returns different values on different ranks. So a
-call can start with an *agreement*: every rank sends a small descriptor
-(:data:`FIELDS`, little-endian int64) to every other rank, and every rank
-compares all of them. On a mismatch every rank raises the same
-``ValueError`` naming the field and the ranks, before anything is compressed
-or sent, so nothing aborts, hangs or corrupts, no error-feedback residual
-changes, and the group stays usable.
+A collective is only well defined when every rank passes the same tensor
+size, ``op``, algorithm and compressor settings; a mismatch makes gloo abort
+a process (a message longer than the receive posted for it) or silently
+returns different values. So a call starts with an *agreement*: every rank
+sends its :class:`Signature`, a fixed-size row of little-endian int64
+(:data:`FIELDS`: the message pattern, the op and a digest of the call's
+``details`` such as its tag or calling thread, or a component's settings),
+to every other rank (:data:`SIGNATURE_NBYTES` each, tag :data:`TAG`). Every
+rank compares all rows; when the digests differ the ranks also exchange the
+details themselves (lengths first, so every receive has its exact size), and
+every rank raises the same ``ValueError`` naming the first difference and each
+rank's value, before any payload is compressed or sent: no residual changes,
+and the group stays usable.
 
-A call agrees only when its descriptor differs from the last one every rank
-of the group agreed on (:func:`needs_check`), so a training loop that reduces
-the same tensors every step pays for one agreement, not one per step. This is
-sound because agreements are collective: as long as no call failed, every
-rank remembers the same last descriptor, so when all ranks skip the check
-they all pass that descriptor. If only some ranks changed theirs, those ranks
-check and the others do not; agreements travel under their own tags
-(:data:`TAG`), so on gloo they never match a payload message, and both sides
-end with a ``TimeoutError`` (or a ``RuntimeError`` on a rank whose peer timed
-out first and closed its connections) instead of an abort. (NCCL ignores
-point-to-point tags: there this case is undefined, as any mismatched
-collective is.) Only the last descriptor is remembered (remembering several
-would let ranks skip with different ones), so a loop that alternates between
-two different calls on one group agrees on every call: give each its own
-group (the DDP hook has its own). A failed call forgets
-the group's descriptor (:func:`forget`); the memory goes with the group
-object, so a group created later never inherits it.
-
-The sparse ``allgather`` algorithm agrees in the same way (its
-``wire_nbytes`` is the compressor's fixed payload size, or -1 when the size
-depends on the data) and then exchanges its payload sizes on every call,
-under tag ``TAG + 1``.
-
-One rank alone changing its call after the group agreed (it checks, the
-others skip) must not leave the others waiting for payloads that never come.
-So a group also remembers the message pattern of the reduce-scatter phase
-(the ``"reduce_scatter"`` and ``"sizes"`` exchanges) of its last agreed call
-(:func:`remember_pattern`): deterministic given the descriptor, the same on
-every rank. A rank whose call differs first *replays* that pattern
-(:func:`replay`), every message replaced by a *disagreement envelope* of the
-same size (it starts with :data:`ENVELOPE`), then agrees. A rank that
-skipped the check finds an envelope where it expected a payload (its decode
-fails on the magic, :func:`raise_if_envelope`; or an 8-byte size reads
-:data:`ENVELOPE`), replays the rest of the pattern in the same way, and
-agrees too. The pattern reaches every rank (the ring's reduce-scatter has
-``N - 1`` hops; two-phase and the size exchange are direct), so every rank
-ends in the same agreement and raises the same ``ValueError`` naming the
-field, every message posted is matched, and the group stays usable. A rank
-that skipped the check has by then compressed its first chunks (their error
-feedback residuals changed); the ranks that checked have not.
-
-Traffic: ``8 * len(FIELDS) * (N - 1)`` bytes sent per rank per agreement,
-plus, when a call differs from a remembered one, that call's reduce-scatter
-message sizes; recorded in meter phase ``"agreement"`` with no raw (float32
-ring) equivalent.
+A call agrees only when its signature differs from the last one its group
+agreed on (:func:`needs_check`): a loop that repeats a call pays one
+agreement. A rank alone changing its call reaches the ranks that skip their
+check through disagreement envelopes (:mod:`gradcomp.comm.replay`), posted
+with its agreement. The memory goes with the group object (a new group never
+inherits it) and a failed call forgets it (:func:`forget`).
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import threading
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 
-from gradcomp.comm.p2p import PIECES, Comm, Message
+from gradcomp.comm.p2p import PIECES, Comm, Message, Transfer
+from gradcomp.comm.replay import PATTERN_PHASES, replay
 
-__all__ = ["FIELDS", "AGREEMENT_NBYTES", "TAG", "ENVELOPE", "agree", "needs_check", "forget",
-           "Disagreement", "remember_pattern", "pattern", "replay", "raise_if_envelope", "is_envelope"]
+__all__ = ["FIELDS", "SIGNATURE_NBYTES", "TAG", "SIZES_TAG", "MAX_DETAILS_NBYTES", "Signature", "signature",
+           "call_identity", "digest", "agree", "needs_check", "forget", "remember_pattern", "pattern"]
 
-#: descriptor fields, in wire order
-FIELDS = ("numel", "op", "algorithm", "codec", "wire_nbytes")
-#: bytes of one descriptor on the wire
-AGREEMENT_NBYTES = 8 * len(FIELDS)
-#: point-to-point tag of agreement messages (payload pieces use 0 .. PIECES - 1;
-#: the allgather's size exchange uses TAG + 1)
+#: signature fields, in wire order (``details``: a digest of the details)
+FIELDS = ("numel", "op", "algorithm", "codec", "wire_nbytes", "pattern", "details")
+#: bytes of one signature on the wire
+SIGNATURE_NBYTES = 8 * len(FIELDS)
+#: point-to-point tag of signatures (payload pieces use 0 .. PIECES - 1); the
+#: details' lengths and texts use TAG + 2 and TAG + 3
 TAG = 2 * PIECES
+#: tag of the sparse allgather's payload sizes (:mod:`gradcomp.comm.allgather`)
+SIZES_TAG = TAG + 1
+#: longest details text a rank accepts from a peer (a longer announced length is a broken peer)
+MAX_DETAILS_NBYTES = 1 << 26
 
 _WHAT = {
     "numel": "numbers of elements",
@@ -85,142 +57,218 @@ _WHAT = {
     "algorithm": "algorithms",
     "codec": "compressor types",
     "wire_nbytes": "compressor settings (payload sizes)",
+    "pattern": "compressor settings (message pattern: chunk payload sizes, block size or rounding)",
 }
-
-#: first 8 bytes of a disagreement envelope (not a payload's b"GCMP" magic)
-ENVELOPE = b"GCDISAGR"
-
-# group -> the descriptor every rank of that group last agreed on; an entry
-# goes with its group (a new group never inherits one, even at the same address)
-_AGREED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# group -> (descriptor, reduce-scatter message pattern of a call with it)
-_PATTERNS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_AGREED_LOCK = threading.Lock()
+_SHORT = {_WHAT["wire_nbytes"]: "payload sizes", _WHAT["pattern"]: "message pattern"}
+_HINT = ("every rank of a group must make the same gradcomp calls with the same settings, in the same "
+         "order (see gradcomp.comm.agreement)")
 
 
-class Disagreement(Exception):
-    """A peer sent a disagreement envelope where this rank expected a payload
-    (internal: the collective replays and agrees, then raises ValueError)."""
+@dataclass(frozen=True)
+class Signature:
+    """What a call agrees on: a row of ints (:data:`FIELDS`) and named details.
+
+    Attributes:
+        row: the int64 values sent, ``details`` last (its :func:`digest`).
+        details: name -> text of everything else the ranks must share (the
+            call's name, tag or thread, a component's settings); sent only
+            when the digests differ, to name the difference.
+        labels: per field, how to print its codes (``{"op": {0: "avg"}}``).
+    """
+
+    row: tuple[int, ...]
+    details: dict[str, str] = field(compare=False)
+    labels: dict[str, dict[int, str]] = field(compare=False, default_factory=dict)
 
 
-def needs_check(group, values: dict[str, int]) -> bool:
-    """Whether a call on ``group`` with this descriptor must agree first: it
-    differs from the one the group's ranks last agreed on (or none yet)."""
-    with _AGREED_LOCK:
+def signature(*, details: dict[str, str], labels: dict[str, dict[int, str]] | None = None,
+              **values: int) -> Signature:
+    """A :class:`Signature` from the int fields given (the others 0) and ``details``.
+
+    Raises:
+        ValueError: a name in ``values`` is not one of :data:`FIELDS`.
+    """
+    unknown = set(values) - set(FIELDS[:-1])
+    if unknown:
+        raise ValueError(f"signature: unknown fields {sorted(unknown)}; allowed: {FIELDS[:-1]}")
+    row = tuple(int(values.get(f, 0)) for f in FIELDS[:-1]) + (digest(tuple(details.items())),)
+    return Signature(row, details, labels or {})
+
+
+@functools.lru_cache(maxsize=4096)
+def digest(items: tuple) -> int:
+    """A signed 64-bit digest (BLAKE2b) of a tuple of strings and ints, the same in every process."""
+    text = json.dumps(items, separators=(",", ":")).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+
+
+def call_identity(tag) -> str:
+    """What tells one call apart from another on a group: ``tag`` if given,
+    else the calling thread's name.
+
+    Raises:
+        TypeError: ``tag`` is not None, a str or an int.
+    """
+    if tag is None:
+        return f"thread {threading.current_thread().name!r}"
+    if isinstance(tag, bool) or not isinstance(tag, (str, int)):
+        raise TypeError(f"tag must be None, a str or an int, got {type(tag).__name__}")
+    return f"tag {tag!r}"
+
+
+# group -> (row every rank of it last agreed on, that call's message pattern or None);
+# an entry goes with its group (a new group never inherits one, even at the same address)
+_MEMORY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def needs_check(group, sig: Signature) -> bool:
+    """Whether a call on ``group`` with ``sig`` must agree first: it differs
+    from the signature the group's ranks last agreed on (or there is none)."""
+    with _LOCK:
         try:
-            return _AGREED.get(group) != _row(values)
+            kept = _MEMORY.get(group)
         except TypeError:  # a group object without weak references: always check
             return True
+        return kept is None or kept[0] != sig.row
 
 
 def forget(group) -> None:
     """Drop what ``group`` agreed on (after a failed call): its next call checks."""
-    with _AGREED_LOCK:
+    with _LOCK:
         try:
-            _AGREED.pop(group, None)
-            _PATTERNS.pop(group, None)
+            _MEMORY.pop(group, None)
         except TypeError:
             pass
 
 
-def remember_pattern(group, values: dict[str, int], trace) -> None:
-    """After a successful call with the group's agreed descriptor ``values``:
-    keep the reduce-scatter part of its message trace (see
-    :attr:`gradcomp.comm.p2p.Comm.trace`) unless already kept."""
-    row = _row(values)
-    with _AGREED_LOCK:
+def remember_pattern(group, sig: Signature, trace) -> None:
+    """After a successful call with the group's agreed signature ``sig``: keep
+    the pattern phases of its message trace (:attr:`gradcomp.comm.p2p.Comm.trace`;
+    :data:`gradcomp.comm.replay.PATTERN_PHASES`) unless one is kept."""
+    with _LOCK:
         try:
-            if _AGREED.get(group) != row or (_PATTERNS.get(group) or (None,))[0] == row:
-                return
-            _PATTERNS[group] = (row, [t for t in trace if t[2] in ("reduce_scatter", "sizes")])
+            kept = _MEMORY.get(group)
+            if kept is not None and kept[0] == sig.row and kept[1] is None:
+                _MEMORY[group] = (sig.row, [t for t in trace if t[2] in PATTERN_PHASES])
         except TypeError:
             pass
 
 
-def pattern(group) -> list | None:
-    """The reduce-scatter message pattern of the group's last agreed call (None: none kept)."""
-    with _AGREED_LOCK:
+def pattern(group) -> list:
+    """The message pattern of the group's last agreed call ([] when none is kept)."""
+    with _LOCK:
         try:
-            kept = _PATTERNS.get(group)
-            return kept[1] if kept is not None and kept[0] == _AGREED.get(group) else None
+            kept = _MEMORY.get(group)
         except TypeError:
-            return None
+            return []
+        return [] if kept is None or kept[1] is None else kept[1]
 
 
-def replay(comm: Comm, entries, device="cpu") -> None:
-    """Exchange disagreement envelopes with the sizes, peers and tags of ``entries``
-    (``(sends, recvs, phase, tag)``, sends and recvs as ``(peer, nbytes)``).
-
-    Every entry is posted before any is waited for, in the entries' order: an
-    entry may hold only receives whose sends come in a later entry of the
-    peer (the pipelined ring posts its receives ahead). Messages of one peer
-    and tag match in posting order, on both sides."""
-    transfers = []
-    for sends, recvs, _, tag in entries:
-        out = [Message(p, _envelope(nbytes, device)) for p, nbytes in sends]
-        into = [Message(p, torch.empty(nbytes, dtype=torch.uint8, device=device)) for p, nbytes in recvs]
-        transfers.append(comm.start(out, into, "agreement", tag=tag))
-    for t in transfers:
-        t.wait()
-
-
-def _envelope(nbytes: int, device) -> torch.Tensor:
-    buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    buf[:len(ENVELOPE)] = torch.frombuffer(bytearray(ENVELOPE), dtype=torch.uint8)[:nbytes].to(device)
-    return buf
-
-
-def is_envelope(buf: torch.Tensor) -> bool:
-    """``buf`` (uint8) starts with :data:`ENVELOPE`."""
-    return buf.numel() >= len(ENVELOPE) and bytes(buf[:len(ENVELOPE)].cpu().numpy().tobytes()) == ENVELOPE
-
-
-def raise_if_envelope(buf: torch.Tensor) -> None:
-    """Raise :class:`Disagreement` if ``buf`` is a disagreement envelope."""
-    if is_envelope(buf):
-        raise Disagreement()
-
-
-def _row(values: dict[str, int]) -> tuple[int, ...]:
-    return tuple(int(values[f]) for f in FIELDS)
-
-
-def agree(comm: Comm, values: dict[str, int], names: dict[str, dict[int, str]], device="cpu") -> None:
-    """Exchange this rank's descriptor with every other rank, check them all,
-    and remember it as what ``comm``'s group agreed on.
+def agree(comm: Comm, sig: Signature, *, device="cpu", replaying=()) -> None:
+    """Exchange ``sig`` with every other rank (and post the envelopes of
+    ``replaying``, :func:`gradcomp.comm.replay.replay`, at the same time),
+    check every rank's, and remember it as what ``comm``'s group agreed on.
 
     Args:
         comm: the group (world size >= 2).
-        values: this rank's value of every field in :data:`FIELDS` (ints).
-        names: how to print codes in errors, per field: ``{"op": {0: "avg",
-            1: "sum"}, ...}``.
-        device: where the descriptor tensors live (the group's device).
+        sig: this rank's signature.
+        device: where the message tensors live (the group's device).
+        replaying: trace entries to replay as envelopes first (the pattern
+            of the group's last agreed call, or what is left of it).
 
     Raises:
-        ValueError: ranks disagree on a field (every rank raises it, naming
-            the field and each rank's value).
+        ValueError: the ranks' signatures differ (every rank raises the same
+            one, naming the first difference and each rank's value).
         TimeoutError / RuntimeError: as :meth:`~gradcomp.comm.p2p.Transfer.wait`.
+        gradcomp.PayloadError: a peer announced details longer than
+            :data:`MAX_DETAILS_NBYTES`.
     """
     n, r = comm.world_size, comm.rank
-    mine = _row(values)
-    wire = torch.tensor(mine, dtype=torch.int64, device=device).view(torch.uint8)
-    recvs = [Message(p, torch.empty(AGREEMENT_NBYTES, dtype=torch.uint8, device=device))
+    pending = replay(comm, list(replaying), device) if replaying else None
+    wire = torch.tensor(sig.row, dtype=torch.int64).view(torch.uint8).to(device)
+    recvs = [Message(p, torch.empty(SIGNATURE_NBYTES, dtype=torch.uint8, device=device))
              for p in range(n) if p != r]
-    comm.exchange([Message(p, wire) for p in range(n) if p != r], recvs, "agreement", tag=TAG)
-    table: list[tuple[int, ...]] = [mine] * n
+    rows = comm.start([Message(p, wire) for p in range(n) if p != r], recvs, "agreement", tag=TAG)
+    _wait_both(rows, pending)
+    table: list[tuple[int, ...]] = [sig.row] * n
     for m in recvs:
-        table[m.peer] = tuple(m.buf.view(torch.int64).tolist())
-    for i, field in enumerate(FIELDS):
-        seen = [row[i] for row in table]
-        if len(set(seen)) > 1:
-            labels = names.get(field, {})
-            per_rank = ", ".join(f"rank {j}: {labels.get(v, v)!r}" for j, v in enumerate(seen))
-            raise ValueError(
-                f"gradcomp collective: the ranks of the group passed different {_WHAT[field]} "
-                f"({per_rank}); every rank must call it with the same tensor size, op, algorithm "
-                "and compressor settings, in the same order")
-    with _AGREED_LOCK:
+        table[m.peer] = tuple(m.buf.cpu().view(torch.int64).tolist())
+    details = None
+    if len({row[-1] for row in table}) > 1:
+        details = _exchange_details(comm, sig.details, device)
+    problem = _difference(table, details, sig)
+    if problem is not None:
+        raise ValueError(problem)
+    with _LOCK:
         try:
-            _AGREED[comm.group] = mine
+            _MEMORY[comm.group] = (sig.row, None)
         except TypeError:  # a group object without weak references: nothing remembered
             pass
+
+
+def _wait_both(first: Transfer, second) -> None:
+    """Wait for both (the second may be None), even when the first fails, so
+    that no posted receive is left to catch a later call's bytes."""
+    try:
+        first.wait()
+    finally:
+        if second is not None:
+            second.wait()
+
+
+def _exchange_details(comm: Comm, details: dict[str, str], device) -> list[dict[str, str]]:
+    """Every rank's details (lengths, then texts), indexed by group rank."""
+    from gradcomp.errors import PayloadError
+
+    n, r = comm.world_size, comm.rank
+    mine = json.dumps(list(details.items())).encode()
+    size = torch.tensor([len(mine)], dtype=torch.int64).view(torch.uint8).to(device)
+    lens = [Message(p, torch.empty(8, dtype=torch.uint8, device=device)) for p in range(n) if p != r]
+    comm.exchange([Message(p, size) for p in range(n) if p != r], lens, "agreement", tag=TAG + 2)
+    sizes = {m.peer: int(m.buf.cpu().view(torch.int64).item()) for m in lens}
+    for p, s in sizes.items():
+        if not 0 <= s <= MAX_DETAILS_NBYTES:
+            raise PayloadError(f"gradcomp agreement: rank {p} announced {s} bytes of call details "
+                               f"(at most {MAX_DETAILS_NBYTES})")
+    text = torch.frombuffer(bytearray(mine), dtype=torch.uint8).to(device) if mine else \
+        torch.empty(0, dtype=torch.uint8, device=device)
+    texts = [Message(p, torch.empty(sizes[p], dtype=torch.uint8, device=device)) for p in range(n) if p != r]
+    comm.start([Message(p, text) for p in range(n) if p != r], texts, "agreement", tag=TAG + 3,
+               split=False).wait()
+    out: list[dict[str, str]] = [dict(details)] * n
+    for m in texts:
+        try:
+            out[m.peer] = dict(json.loads(bytes(m.buf.cpu().numpy().tobytes()).decode()))
+        except (ValueError, TypeError) as e:
+            raise PayloadError(f"gradcomp agreement: rank {m.peer} sent malformed call details: {e}") from e
+    return out
+
+
+def _difference(table, details, sig: Signature) -> str | None:
+    """The message naming the first field the ranks differ on (None: they agree);
+    the same text on every rank (built from every rank's values alone)."""
+    labels, found = sig.labels, []
+    if details is not None and len({d.get("call") for d in details}) > 1:
+        found.append(("calls", [d.get("call") for d in details]))
+    for i, name in enumerate(FIELDS[:-1]):
+        seen = [row[i] for row in table]
+        if len(set(seen)) > 1:
+            names = labels.get(name, {})
+            found.append((_WHAT[name], [names.get(s, s) for s in seen]))
+    if details is not None:
+        keys = list(dict.fromkeys(k for d in details for k in d if k != "call"))
+        for k in keys:
+            seen = [d.get(k, "(not given)") for d in details]
+            if len(set(seen)) > 1:
+                found.append((k, seen))
+    if not found:
+        return None
+    what, seen = found[0]
+    per_rank = ", ".join(f"rank {j}: {s!r}" for j, s in enumerate(seen))
+    # equal digests: every rank's details are this rank's
+    calls = {d.get("call") for d in details} if details is not None else {sig.details.get("call")}
+    prefix = calls.pop() if len(calls) == 1 and None not in calls else "gradcomp"
+    also = list(dict.fromkeys(_SHORT.get(w, w) for w, _ in found[1:]))
+    more = f"; they also differ in {', '.join(also)}" if also else ""
+    return f"{prefix}: the ranks of the group passed different {what} ({per_rank}){more}; {_HINT}"

@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from gradcomp import timeline as _timeline
-from gradcomp.comm.agreement import TAG, raise_if_envelope
+from gradcomp.comm.agreement import SIZES_TAG
+from gradcomp.comm.replay import raise_if_envelope
 from gradcomp.comm.chunks import ring_raw_bytes
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm, Message
@@ -44,7 +45,7 @@ def exchange_sizes(comm: Comm, nbytes: int, device) -> list[int]:
     """Every rank's payload size in bytes (direct exchange, phase ``"sizes"``).
 
     Each rank sends its size as one little-endian int64 to every other rank
-    (``8 (N - 1)`` bytes sent per rank, tag ``TAG + 1`` of
+    (``8 (N - 1)`` bytes sent per rank, tag ``SIZES_TAG`` of
     :mod:`gradcomp.comm.agreement`; a float32 ring needs none, so their raw
     equivalent is 0).
     """
@@ -52,7 +53,7 @@ def exchange_sizes(comm: Comm, nbytes: int, device) -> list[int]:
     mine = torch.tensor([nbytes], dtype=torch.int64, device=device).view(torch.uint8)
     recvs = [Message(p, torch.empty(SIZE_NBYTES, dtype=torch.uint8, device=device), 0)
              for p in range(n) if p != r]
-    comm.exchange([Message(p, mine, 0) for p in range(n) if p != r], recvs, "sizes", tag=TAG + 1)
+    comm.exchange([Message(p, mine, 0) for p in range(n) if p != r], recvs, "sizes", tag=SIZES_TAG)
     sizes = [0] * n
     sizes[r] = nbytes
     for m in recvs:

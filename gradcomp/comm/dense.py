@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from gradcomp import timeline as _timeline
-from gradcomp.comm.agreement import raise_if_envelope
+from gradcomp.comm.replay import raise_if_envelope
 from gradcomp.comm.chunks import FLOAT32_BYTES, chunk_bounds
 from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import Compressor

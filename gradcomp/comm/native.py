@@ -18,10 +18,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from gradcomp import wire as W
-from gradcomp.comm import NATIVE, OPS, _check_args, check_call, member_group
-from gradcomp.comm.agreement import forget, remember_pattern
+from gradcomp.comm import NATIVE, _check_args, call_signature, member_group
+from gradcomp.comm import checked as _checked
+from gradcomp.comm.agreement import call_identity
 from gradcomp.comm.chunks import ring_raw_bytes
+from gradcomp.comm.dense import Plan
 from gradcomp.comm.guard import exclusive
 from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import NoCompression
@@ -35,7 +36,7 @@ PHASE = "plain_allreduce"
 
 def allreduce(tensor: torch.Tensor, *, op: str = "avg", group=None, meter: TrafficMeter | None = None,
               timeout: float, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-              check: bool = True) -> torch.Tensor:
+              check: bool = True, tag: str | int | None = None) -> torch.Tensor:
     """:func:`gradcomp.allreduce` of a float32 ``tensor`` with
     :class:`~gradcomp.NoCompression`, by the backend's ``dist.all_reduce``.
 
@@ -58,27 +59,29 @@ def allreduce(tensor: torch.Tensor, *, op: str = "avg", group=None, meter: Traff
     _check_args(tensor, NoCompression(), op, "ring", timeout, residual, out, meter)
     if tensor.dtype != torch.float32:
         raise TypeError(f"tensor must be float32 for the backend's allreduce, got {tensor.dtype}")
+    call_identity(tag)  # a bad tag raises here
     group = member_group(group, "gradcomp native allreduce")
     x = tensor.detach()
     n, world = x.numel(), dist.get_world_size(group)
     work = out.view(-1) if out is not None else torch.empty(n, dtype=torch.float32, device=x.device)
+
+    def body() -> None:
+        if work.data_ptr() != x.data_ptr():
+            work.copy_(x.reshape(-1))
+        reduce_(work, residual, op=op, group=group, timeout=timeout, meter=meter)
+
     with exclusive(group):
-        try:
-            if check and world > 1:
-                descriptor = {"numel": n, "op": OPS.index(op), "algorithm": NATIVE,
-                              "codec": W.codec(NoCompression.codec).id, "wire_nbytes": 4 * n}
-                comm = Comm(group, timeout, meter)
-                # on every call: a rank that skipped it would be waiting in the backend's
-                # collective, where no disagreement envelope reaches it
-                check_call(comm, descriptor, x.device, always=True)
-                remember_pattern(group, descriptor, comm.trace)  # no payload message to replay
-                comm.release()
-            if work.data_ptr() != x.data_ptr():
-                work.copy_(x.reshape(-1))
-            reduce_(work, residual, op=op, group=group, timeout=timeout, meter=meter)
-        except BaseException:
-            forget(group)  # this rank's next call on the group checks again
-            raise
+        if world > 1:
+            comm = Comm(group, timeout, meter)
+            # the float32 chunks' sizes stand for the message pattern (the backend's own)
+            sig = call_signature("gradcomp.allreduce", n, op, NATIVE, NoCompression(),
+                                 Plan(n, world, NoCompression()), 0, tag)
+            # on every call: a rank that skipped it would be waiting in the backend's
+            # collective, where no disagreement envelope reaches it
+            _checked.run(comm, sig, body, device=x.device, check=check, always=True)
+            comm.release()
+        else:
+            body()
     return out if out is not None else work.view(x.shape)
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from gradcomp import timeline as _timeline
 from gradcomp.comm.buffers import POOL
 
-__all__ = ["PIECES", "MIN_PIECE_BYTES", "Message", "Comm", "Transfer", "pieces"]
+__all__ = ["PIECES", "MIN_PIECE_BYTES", "Message", "Comm", "Transfer", "pieces", "cuts"]
 
 #: most concurrent pieces per message
 PIECES = 4
@@ -52,6 +52,12 @@ def pieces(nbytes: int) -> list[tuple[int, int]]:
         out.append((start, end))
         start = end
     return out
+
+
+def cuts(nbytes: int, split: bool = True) -> list[tuple[int, int]]:
+    """Byte ranges a message of ``nbytes`` travels in: :func:`pieces` when
+    ``split``, else one range (none for an empty message)."""
+    return pieces(nbytes) if split else [(0, nbytes)] * bool(nbytes)
 
 
 @dataclass
@@ -91,8 +97,8 @@ class Comm:
         self.meter = meter
         self._taken: list[torch.Tensor] = []
         self.gloo = dist.get_backend(group) == "gloo"
-        #: every :meth:`start` of this call: ``(sends, recvs, phase, tag)`` with
-        #: sends and recvs as ``((peer, nbytes), ...)`` (see gradcomp.comm.agreement)
+        #: every :meth:`start` of this call: ``(sends, recvs, phase, tag, split)``
+        #: with sends and recvs as ``((peer, nbytes), ...)`` (see gradcomp.comm.replay)
         self.trace: list[tuple] = []
 
     def buffer(self, nbytes: int, device) -> torch.Tensor:
@@ -154,7 +160,7 @@ class Comm:
             ValueError: two messages to (or from) one peer, or a bad buffer.
         """
         self.trace.append((tuple((m.peer, m.buf.numel()) for m in sends),
-                           tuple((m.peer, m.buf.numel()) for m in recvs), phase, tag))
+                           tuple((m.peer, m.buf.numel()) for m in recvs), phase, tag, split))
         ops = []
         for kind, msgs in (("irecv", recvs), ("isend", sends)):
             seen = set()
@@ -165,18 +171,24 @@ class Comm:
                 if m.buf.dtype != torch.uint8 or m.buf.dim() != 1 or not m.buf.is_contiguous():
                     raise ValueError("exchange: message buffers must be contiguous 1-D uint8 tensors, "
                                      f"got {m.buf.dtype} of shape {tuple(m.buf.shape)}")
-                cuts = pieces(m.buf.numel()) if split else [(0, m.buf.numel())] * bool(m.buf.numel())
-                ops.extend((kind, m.buf[a:b], tag + i, m.peer) for i, (a, b) in enumerate(cuts))
-        if not ops:
-            works = []
-        elif self.gloo:  # gloo posts each op on its own, without a group call's cost
-            works = [dist.irecv(buf, group=self.group, tag=t, group_src=peer) if kind == "irecv"
-                     else dist.isend(buf, group=self.group, tag=t, group_dst=peer) for kind, buf, t, peer in ops]
-        else:  # NCCL: one group call, so that sends and receives cannot deadlock
-            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv if kind == "irecv" else dist.isend, buf,
-                                                       group=self.group, tag=t, group_peer=peer)
-                                            for kind, buf, t, peer in ops])
+                ops.extend((kind, m.buf[a:b], tag + i, m.peer) for i, (a, b) in enumerate(cuts(m.buf.numel(), split)))
+        works = self.post(ops)
         return Transfer(self, list(sends), list(recvs), phase, works, timed)
+
+    def post(self, ops: Sequence[tuple[str, torch.Tensor, int, int]]) -> list:
+        """Post raw point-to-point operations ``(kind, buf, tag, peer)`` (kind
+        ``"isend"`` or ``"irecv"``, ``peer`` a group rank) without recording
+        them in :attr:`trace` or the meter; returns their works (for a
+        :class:`Transfer`)."""
+        if not ops:
+            return []
+        if self.gloo:  # gloo posts each op on its own, without a group call's cost
+            return [dist.irecv(buf, group=self.group, tag=t, group_src=peer) if kind == "irecv"
+                    else dist.isend(buf, group=self.group, tag=t, group_dst=peer) for kind, buf, t, peer in ops]
+        # NCCL: one group call, so that sends and receives cannot deadlock
+        return dist.batch_isend_irecv([dist.P2POp(dist.irecv if kind == "irecv" else dist.isend, buf,
+                                                  group=self.group, tag=t, group_peer=peer)
+                                       for kind, buf, t, peer in ops])
 
     def ring_allgather(self, mine: torch.Tensor, sizes: Sequence[int], raw_nbytes: Sequence[int],
                        phase: str = "allgather",

@@ -22,8 +22,8 @@ decoded into the result while the next segment is on the link.
 Payloads, bytes, results and residuals equal the unsegmented ring's bit for
 bit; only when the bytes leave changes. Each segment's two ranges travel as
 two point-to-point exchanges (one send to the next rank and one receive from
-the previous, under their own tags), so a disagreement replay
-(:mod:`gradcomp.comm.agreement`) pairs them as it pairs the ring's hops. The
+the previous, under their own tags, uncut), so a disagreement replay
+(:mod:`gradcomp.comm.replay`) pairs them as it pairs the ring's hops. The
 meter counts each payload once (its first range) and its raw bytes over its
 segments.
 
@@ -40,7 +40,7 @@ import time
 import torch
 
 from gradcomp import timeline as _timeline
-from gradcomp.comm.agreement import Disagreement
+from gradcomp.comm.replay import Disagreement
 from gradcomp.comm.dense import Plan
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import PIECES, Comm, Message, Transfer
@@ -102,7 +102,7 @@ def allreduce(comm: Comm, local: Local, plan: Plan, work: torch.Tensor, op: str)
         TimeoutError / RuntimeError / gradcomp.PayloadError: as :func:`gradcomp.allreduce`
         (after the receives already posted completed or timed out, so none
         is left to catch a later call's bytes);
-        :class:`~gradcomp.comm.agreement.Disagreement` when a peer sent a
+        :class:`~gradcomp.comm.replay.Disagreement` when a peer sent a
         disagreement envelope (the caller replays and agrees).
     """
     n, r = comm.world_size, comm.rank

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from gradcomp import _validate as v
 from gradcomp import timeline as _timeline
-from gradcomp import wire as W
+from gradcomp.comm import checked as _checked
 from gradcomp.comm import two_phase as _two_phase
-from gradcomp.comm.agreement import agree, forget, needs_check
+from gradcomp.comm.agreement import call_identity
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.dense import Plan
 from gradcomp.comm.local import Local
@@ -32,9 +32,9 @@ from gradcomp.compressors import Compressor, ErrorFeedback, split
 __all__ = ["reduce_scatter", "agree_settings", "AGREEMENT_CODE"]
 
 #: the ``algorithm`` code this collective agrees under (the allreduce
-#: algorithms use 0, 1, 2), so a rank calling it while another calls
+#: algorithms use small codes), so a rank calling it while another calls
 #: :func:`gradcomp.allreduce` gets a ValueError, not a mismatched transfer
-AGREEMENT_CODE = 3
+AGREEMENT_CODE = 100
 
 
 def reduce_scatter(
@@ -50,6 +50,7 @@ def reduce_scatter(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check: bool = True,
+    tag: str | int | None = None,
 ) -> torch.Tensor:
     """Compressed reduce-scatter of a flat tensor; this rank gets its chunk of the sum.
 
@@ -67,9 +68,10 @@ def reduce_scatter(
 
     All ranks must call it with the same number of elements, compressor
     settings, ``op`` and ``factor``, in the same order. ``check`` verifies all
-    but ``factor`` as :func:`gradcomp.allreduce` does (one 40-byte message to
-    each peer when the call differs from the last one the group agreed on;
-    every rank raises the same ValueError on a mismatch, before anything moves).
+    but ``factor`` as :func:`gradcomp.allreduce` does (one 56-byte signature
+    to each peer when the call differs from the last one the group agreed on;
+    every rank raises the same ValueError on a mismatch, before anything
+    moves, also when only one rank changed its call).
 
     Error feedback, as in :func:`gradcomp.allreduce`: an
     :class:`~gradcomp.ErrorFeedback` compressor keeps residual ``(key, j)``
@@ -98,6 +100,7 @@ def reduce_scatter(
         out: optional contiguous float32/float16/bfloat16 tensor of
             ``len_rank`` elements on ``tensor``'s device to write the result to.
         check: agree with the other ranks first (see above).
+        tag: tells calls apart, as for :func:`gradcomp.allreduce`.
 
     Returns:
         ``out`` if given, else a new 1-D tensor of ``len_rank`` elements with
@@ -115,6 +118,7 @@ def reduce_scatter(
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     _check_args(tensor, compressor, op, "two_phase", timeout, residual, None, meter)
     v.flag("check", check)
+    call_identity(tag)  # a bad tag raises here
     factor = v.real("factor", factor)
     if not math.isfinite(factor):
         raise ValueError(f"factor must be a finite number, got {factor}")
@@ -141,15 +145,13 @@ def reduce_scatter(
         own = comm.buffer(4 * (hi - lo), x.device).view(torch.float32)
     local = Local(flat, compressor, key, residual)
     plan = Plan(n, world, local.inner)
-    try:
-        if check:
-            agree_settings(comm, n, local.inner, op, x.device)  # before anything changes
+
+    def body() -> None:
         pending = _two_phase.reduce_scatter(comm, local, plan, None, own=own)
         with _timeline.span("decompress"):
             local.inner.decompress_add_(plan.received(pending), own)
-    except BaseException:
-        forget(group)
-        raise
+
+    _checked.run(comm, _signature(n, op, plan, tag), body, device=x.device, check=check)
     if op == "avg":
         own.div_(world)
     if factor != 1.0:
@@ -164,28 +166,33 @@ def reduce_scatter(
     return result
 
 
-def agree_settings(comm: Comm, numel: int, compressor: Compressor, op: str, device) -> None:
+def agree_settings(comm: Comm, numel: int, compressor: Compressor, op: str, device, *,
+                   details: dict[str, str] | None = None, tag: str | int | None = None) -> None:
     """The agreement :func:`reduce_scatter` makes with ``check=True``, on its own.
 
-    Every rank of ``comm``'s group sends the descriptor of a reduce-scatter
-    of ``numel`` elements with ``compressor`` and ``op`` (40 bytes to each
-    peer, meter phase ``"agreement"``) unless it equals the one the group last
-    agreed on; a later :func:`reduce_scatter` with the same settings then skips it.
+    Every rank of ``comm``'s group sends the signature of a reduce-scatter
+    of ``numel`` elements with ``compressor``, ``op`` and ``tag`` (56 bytes to
+    each peer, meter phase ``"agreement"``) unless it equals the one the group
+    last agreed on; a later :func:`reduce_scatter` with the same settings then
+    skips it. ``details`` (name -> text, e.g. each parameter's name, shape and
+    dtype) are agreed as well: the ranks compare their digest, and the texts
+    name a difference.
 
     Raises:
-        ValueError: the ranks passed different numels, ops or compressor
-            settings (raised on every rank).
+        ValueError: the ranks passed different numels, ops, compressor
+            settings or details (raised on every rank).
         TimeoutError / RuntimeError: as :func:`gradcomp.comm.agreement.agree`.
     """
-    from gradcomp.comm import _NAMES, OPS
-
     inner, _ = split(compressor)
-    wire = sum(inner.wire_nbytes((hi - lo,), torch.float32) for lo, hi in chunk_bounds(numel, comm.world_size))
-    descriptor = {"numel": numel, "op": OPS.index(op), "algorithm": AGREEMENT_CODE,
-                  "codec": W.codec(inner.codec).id, "wire_nbytes": wire}
-    if needs_check(comm.group, descriptor):
-        names = dict(_NAMES, algorithm={**_NAMES["algorithm"], AGREEMENT_CODE: "reduce_scatter"})
-        agree(comm, descriptor, names, device=device)
+    sig = _signature(numel, op, Plan(numel, comm.world_size, inner), tag, details)
+    _checked.check(comm, sig, device=device)
+
+
+def _signature(numel: int, op: str, plan: Plan, tag, details: dict[str, str] | None = None):
+    from gradcomp.comm import call_signature  # (this module is imported by it)
+
+    return call_signature("gradcomp reduce_scatter", numel, op, AGREEMENT_CODE, plan.compressor, plan, 0, tag,
+                          details=details, labels={AGREEMENT_CODE: "reduce_scatter"})
 
 
 def _check_out(out, numel: int, device) -> None:
