@@ -199,6 +199,7 @@ import datetime
 import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -207,8 +208,10 @@ import torch.distributed as dist
 
 from gradcomp import _validate as v
 from gradcomp.comm import DEFAULT_TIMEOUT, DENSE_ALGORITHMS, allreduce, chunk_bounds, native
+from gradcomp.comm.agreement import call_identity
 from gradcomp.comm.guard import exclusive
 from gradcomp.comm.policy import CodecPolicy
+from gradcomp.comm.settings import agree_settings, compressor_text
 from gradcomp.compressors import (BF16, FP16, Compressor, ErrorFeedback, Int8Quantizer,
                                   NoCompression, TopK)
 from gradcomp.meter import TrafficMeter
@@ -261,6 +264,22 @@ KERNEL_REUSE = 2.0
 CHANGE = 2.0
 #: largest wait (decisions) before a lighter move after repeated reverts
 MAX_PATIENCE = 64
+# the tag of a DDP bucket's collective: the hook's communication thread has a name of its own per process
+_DDP_TAG = "gradcomp.ddp"
+
+
+class _GroupSet:
+    """Process groups held weakly (a group object made later at the same address is not in it)."""
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def __contains__(self, group) -> bool:
+        ref = self._refs.get(id(group))
+        return ref is not None and ref() is group
+
+    def add(self, group) -> None:
+        self._refs[id(group)] = weakref.ref(group)
 
 
 @dataclass(frozen=True)
@@ -659,6 +678,7 @@ class Adaptive(CodecPolicy):
         self._in_step: list[tuple[_Track, Timing, float]] = []  # (track, sample, end) of the open step
         # collective bookkeeping: key -> (calls, end of the last call)
         self._calls: dict[Hashable, tuple[int, float]] = {}
+        self._agreed_groups: _GroupSet | None = None  # groups whose ranks agreed on the settings
 
     # ---- public ----------------------------------------------------------------
     @property
@@ -674,7 +694,7 @@ class Adaptive(CodecPolicy):
     def allreduce(self, tensor: torch.Tensor, *, op: str = "avg", algorithm: str = "ring", group=None,
                   meter: TrafficMeter | None = None, timeout: float = DEFAULT_TIMEOUT,
                   key: Hashable = None, residual: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
+                  out: torch.Tensor | None = None, check: bool = True, tag=None) -> torch.Tensor:
         """:func:`gradcomp.allreduce` with the codec this policy picks for ``key``.
 
         ``gc.allreduce(tensor, policy, key=k, ...)`` calls this. Every rank of
@@ -685,8 +705,12 @@ class Adaptive(CodecPolicy):
         Between two calls of a key, the caller's time counts as the compute
         the communication could hide behind.
 
+        The first call on a group checks that every rank of it holds a policy
+        with the same settings (the link prior included: it decides the first
+        codec), see :meth:`agree`.
+
         Args:
-            tensor, op, group, meter, timeout, out, check: as for :func:`gradcomp.allreduce`.
+            tensor, op, group, meter, timeout, out, check, tag: as for :func:`gradcomp.allreduce`.
             algorithm: for the dense candidates, ``"ring"`` or ``"two_phase"``
                 (sparse candidates always use ``"allgather"``).
             key: the tensor's identity across calls (statistics, codec and residual).
@@ -698,17 +722,20 @@ class Adaptive(CodecPolicy):
             The reduced tensor (bit-identical on every rank).
 
         Raises:
-            ValueError: ``algorithm`` is not a dense algorithm; anything
+            ValueError: ``algorithm`` is not a dense algorithm; the ranks'
+                policies differ (on every rank, naming the setting); anything
                 :func:`gradcomp.allreduce` raises.
         """
         v.choice("algorithm", algorithm, DENSE_ALGORITHMS)
         v.key(key)
+        call_identity(tag)  # a bad tag raises here
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("gradcomp.allreduce needs torch.distributed initialised "
                                "(dist.init_process_group or gradcomp.launch)")
         group = dist.group.WORLD if group is None else group
+        self.agree(group, timeout=timeout, device=tensor.device, meter=meter)
         began = self.clock()
         calls, last_end = self._calls.get(key, (0, None))
         track = self._track(key, tensor.numel(), dist.get_world_size(group), algorithm, tensor.dtype)
@@ -720,11 +747,41 @@ class Adaptive(CodecPolicy):
             residual = self._residual(key, tensor)
         compute = began - last_end if last_end is not None else None
         result, sample = self._run(track, tensor, calls, compute, op=op, algorithm=algorithm, group=group,
-                                   meter=meter, timeout=timeout, residual=residual, out=out, check=check)
+                                   meter=meter, timeout=timeout, residual=residual, out=out, check=check,
+                                   tag=tag)
         if sample.compute_s is not None:
             track.samples.append((sample.comm_s, sample.compute_s, sample.comm_s))
         self._calls[key] = (calls + 1, self.clock())
         return result
+
+    def agree(self, group=None, *, timeout: float = DEFAULT_TIMEOUT, device="cpu",
+              meter: TrafficMeter | None = None) -> None:
+        """Check, once per group, that every rank of ``group`` holds a policy
+        with the same settings: candidates, convergence factors, ``interval``,
+        ``probe``, ``upper``, ``lower``, ``patience``, ``memory``, ``link`` and
+        ``error_feedback`` (:func:`gradcomp.comm.settings.agree_settings`).
+        They decide every rank's codec from agreed numbers; a rank with another
+        prior would start on another codec and wait out the timeout in a
+        collective its peers never join. :meth:`allreduce` and the DDP hook
+        call it before a group's first call; every rank must reach it.
+
+        Raises:
+            ValueError: the ranks' settings differ (on every rank, naming the
+                first setting that differs and each rank's value, e.g. the priors).
+            TimeoutError / RuntimeError: a peer did not answer within ``timeout`` seconds.
+        """
+        group = dist.group.WORLD if group is None else group
+        if self._agreed_groups is None:
+            self._agreed_groups = _GroupSet()
+        if group in self._agreed_groups:
+            return
+        settings = {"candidates": [compressor_text(c) for c in self.candidates],
+                    "convergence": self.convergence, "interval": self.interval, "probe": self.probe,
+                    "upper": self.upper, "lower": self.lower, "patience": self.patience,
+                    "memory": self.memory, "link (latency_s, bytes_per_s)": self.link,
+                    "error_feedback": self.error_feedback}
+        agree_settings(group, "gradcomp.Adaptive", settings, timeout=timeout, device=device, meter=meter)
+        self._agreed_groups.add(group)
 
     # ---- DDP hook side (gradcomp.ddp) ---------------------------------------------
     def ticket(self, step: int, bucket: int, numel: int) -> _Ticket:
@@ -735,6 +792,7 @@ class Adaptive(CodecPolicy):
                       algorithm: str, group, meter: TrafficMeter | None, timeout: float) -> None:
         """Average ``buf`` in place with the bucket's codec (communication thread,
         buckets in DDP's order, the same on every rank)."""
+        self.agree(group, timeout=timeout, device=buf.device, meter=meter)
         if ticket.step != self._step:
             self._close_step()
             self._step = ticket.step
@@ -748,7 +806,8 @@ class Adaptive(CodecPolicy):
         compute = ticket.handed - self._free if self._free is not None else None
         self._free = ticket.handed
         _, sample = self._run(track, buf, ticket.step, compute, op="avg", algorithm=algorithm, group=group,
-                              meter=meter, timeout=timeout, residual=residual, out=buf, check=track.changed)
+                              meter=meter, timeout=timeout, residual=residual, out=buf, check=track.changed,
+                              tag=_DDP_TAG)
         self._in_step.append((track, sample, self.clock()))
 
     def _close_step(self) -> None:
@@ -786,7 +845,7 @@ class Adaptive(CodecPolicy):
         return r
 
     def _run(self, track: _Track, tensor, step, compute, *, op, algorithm, group, meter, timeout, residual,
-             out, check):
+             out, check, tag):
         comp = self.candidates[track.candidate]
         alg = "allgather" if comp.sparse else algorithm
         own = TrafficMeter()
@@ -803,14 +862,14 @@ class Adaptive(CodecPolicy):
                 own = None
             else:
                 result = native.allreduce(tensor, op=op, group=group, meter=own, timeout=timeout,
-                                          residual=due, out=out, check=check)
+                                          residual=due, out=out, check=check, tag=tag)
             if residual is not None:
                 self._cleared[track.bucket] = (residual, residual._version)
         else:
             # a lossy codec's kernels write the residual without bumping its version counter
             self._cleared.pop(track.bucket, None)
             result = allreduce(tensor, comp, op=op, algorithm=alg, group=group, meter=own, timeout=timeout,
-                               residual=residual, out=out, check=check)
+                               residual=residual, out=out, check=check, tag=tag)
         comm_s = self.clock() - t0
         wire = (own.bytes_sent if own is not None
                 else native.sent_bytes(track.numel, dist.get_world_size(group), dist.get_rank(group)))
@@ -999,11 +1058,13 @@ class Adaptive(CodecPolicy):
         state["_step"] = state["_free"] = None
         state["_calls"] = {}
         state["_cleared"] = {}  # the restored residuals are other tensors
+        state["_agreed_groups"] = None  # process groups are runtime objects
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_cleared", {})  # a policy pickled before this field existed
+        self.__dict__.setdefault("_agreed_groups", None)
 
     def __repr__(self) -> str:
         conv = dict(zip(self.names, self.convergence))

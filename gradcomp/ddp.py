@@ -62,6 +62,7 @@ import torch.distributed as dist
 from gradcomp import _validate as v
 from gradcomp.adaptive import Adaptive
 from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce, native
+from gradcomp.comm.settings import agree_settings, compressor_text
 from gradcomp.compressors import DGC, Compressor, Int8Quantizer, TopK, unwrapped
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import Timeline, span
@@ -268,7 +269,8 @@ class GradCompState:
         self._failure: BaseException | None = None
         self._param_keys: dict[int, tuple[weakref.ref, int]] = {}
         self._next_key = 0
-        self._checked = False  # the ranks' settings verified (first compressed bucket)
+        self._checked = False  # the ranks' call verified (first compressed bucket)
+        self._agreed = False  # the ranks' settings verified (first bucket)
 
     def _ensure_group(self):
         """gradcomp's own process group over the ranks of ``process_group``."""
@@ -348,6 +350,10 @@ class GradCompState:
             if buf.is_cuda:  # a new thread starts on device 0; NCCL needs the bucket's device
                 torch.cuda.set_device(buf.device)
                 ready.synchronize()  # the gradients are written
+            if not self._agreed:  # which buckets go compressed, and how, must be the same everywhere
+                agree_settings(self._group, "gradcomp.ddp.GradCompState", self._settings(), timeout=self.timeout,
+                               device=buf.device, meter=self.meter)
+                self._agreed = True
             if compress:
                 self._reduce_compressed(buf, segments, step, ticket)
             else:
@@ -401,8 +407,15 @@ class GradCompState:
         # settings; later buckets rely on DDP's identical bucket layout
         allreduce(buf, compressor, op="avg", algorithm=self.algorithm, group=self._group,
                   meter=self.meter, timeout=self.timeout, residual=residual, out=buf,
-                  check=not self._checked)
+                  check=not self._checked, tag="gradcomp.ddp")  # the thread's name differs per process
         self._checked = True
+
+    def _settings(self) -> dict[str, object]:
+        """What decides each bucket's messages: every rank must share it."""
+        comp = self.compressor if self.adaptive is not None else compressor_text(self.compressor)
+        return {"compressor": comp, "dgc": self.dgc, "error_feedback": self.error_feedback,
+                "algorithm": self.algorithm, "min_compress_numel": self.min_compress_numel,
+                "start_iter": self.start_iter}
 
     def _bucket_state(self, store: dict, segments, buf: torch.Tensor) -> torch.Tensor:
         """The bucket's flat float32 state from ``store`` (the residuals, or the

@@ -58,13 +58,21 @@ parameters, so the fragment's last ``tau`` local steps are dropped (the
 paper's mixing factor ``alpha = 0``, torchft's default; it keeps the ranks
 bit-identical). At most one exchange is in flight at a time.
 
+Agreement: every rank must construct it with the same schedule
+(``sync_every``, ``fragments``, ``overlap``), codec, algorithm, error
+feedback, outer optimizer and parameters (names, shapes, dtypes): the
+constructor checks them over the group before anything else moves
+(:func:`gradcomp.comm.settings.agree_settings`) and every rank raises the same
+``ValueError`` naming the first difference.
+
 Traffic: the exchanges run on a process group of gradcomp's own (made with
 ``dist.new_group`` over ``group``'s ranks), so they never interleave with the
-user's collectives, also from the background thread. Each fragment's first
-exchange checks that the ranks agree (:mod:`gradcomp.comm.agreement`, 40 bytes
-per peer; from the second fragment on, once, also the previous fragment's
-reduce-scatter messages, replayed as disagreement envelopes); later ones rely
-on every rank running the same schedule. ``meter``
+user's collectives, also from the background thread. The constructor's
+settings agreement and each fragment's first exchange check that the ranks
+agree (:mod:`gradcomp.comm.agreement`, a 56-byte signature per peer; from the
+second fragment on, once, also the previous fragment's disagreement
+envelopes, at most 8 bytes per message piece); later ones rely on every rank
+running the agreed schedule. ``meter``
 gets the bytes per phase as :func:`gradcomp.allreduce` records them and one
 :meth:`~gradcomp.TrafficMeter.step` per :meth:`LocalSGD.step`. A ring
 exchange of a fragment of ``n`` elements sends ``2 (N - 1)`` chunk payloads
@@ -85,6 +93,7 @@ from torch import nn
 
 from gradcomp import _validate as v
 from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce
+from gradcomp.comm.settings import agree_settings, compressor_text, setting_text
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import Timeline
@@ -228,6 +237,9 @@ class LocalSGD:
     Raises:
         TypeError / ValueError: a bad argument (the message names it and the
             allowed values).
+        ValueError: the ranks of the group passed different schedules,
+            codecs, algorithms, error feedback, outer optimizers or parameter
+            layouts (on every rank, naming the first difference).
         RuntimeError: torch.distributed is not initialised.
     """
 
@@ -297,6 +309,11 @@ class LocalSGD:
         self._group = dist.new_group(dist.get_process_group_ranks(pg), backend=dist.get_backend(pg),
                                      timeout=datetime.timedelta(seconds=self.timeout),
                                      use_local_synchronization=True)
+        # every rank must run the same schedule on the same layout: checked before anything else
+        # moves (ranks that differ would pair unrelated exchanges, or wait out the timeout)
+        agree_settings(self._group, "gradcomp.LocalSGD",
+                       self._settings(model, params, outer_optimizer), timeout=self.timeout,
+                       device=params[0].device, meter=meter)
         with torch.no_grad():
             src = dist.get_global_rank(self._group, 0)
             for p in params:
@@ -313,6 +330,18 @@ class LocalSGD:
         self.syncs = 0
         self._pending: tuple[int, int, concurrent.futures.Future] | None = None  # (fragment, due, future)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _settings(self, model: nn.Module, params: list[nn.Parameter], outer) -> dict[str, object]:
+        """What every rank must share: the schedule, the codec, the outer
+        optimizer and each synchronised parameter's name, shape and dtype."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        layout = {f"parameter {i}": f"{names.get(id(p), '?')}: shape {tuple(p.shape)}, {p.dtype}"
+                  for i, p in enumerate(params)}
+        return {"sync_every": self.sync_every, "fragments": self.fragments, "overlap": self.overlap,
+                "compressor": compressor_text(self.compressor), "algorithm": self.algorithm,
+                "error_feedback": self.error_feedback,
+                "outer_optimizer": "avg" if outer is None else setting_text(outer),
+                "parameters": len(params), **layout}
 
     def _make_outer(self, spec) -> torch.optim.Optimizer | None:
         if spec is None or spec == "avg":
@@ -407,7 +436,7 @@ class LocalSGD:
                 stack.enter_context(self.timeline.span("collective"))
             allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
                       meter=self.meter, timeout=self.timeout, residual=frag.residual, out=delta,
-                      check=not frag.checked)
+                      check=not frag.checked, tag="gradcomp.LocalSGD")  # main or background thread
         frag.checked = True
         if ready is not None:
             torch.cuda.current_stream(delta.device).synchronize()

@@ -133,8 +133,9 @@ def _check_case(rank, world, name, make, algorithm, op, n, dtype):
         assert rs_raw + ag_raw == 2 * (world - 1) * 4 * n // world
     d = meter.as_dict()
     ph = d["phases"]
-    # every case starts with a descriptor of 5 int64 to every other rank
-    assert ph["agreement"]["bytes_sent"] == 40 * (world - 1) == ph["agreement"]["bytes_received"], where
+    # every case starts with a signature of 7 int64 to every other rank
+    nbytes = agreement.SIGNATURE_NBYTES * (world - 1)
+    assert ph["agreement"]["bytes_sent"] == nbytes == ph["agreement"]["bytes_received"], where
     assert ph["agreement"]["raw_bytes_sent"] == 0, where
     assert d["raw_bytes_sent"] == rs_raw + ag_raw, where
     if algorithm == "two_phase":  # raw bytes are counted per message: chunk `rank`, N - 1 times
@@ -451,7 +452,7 @@ def test_a_new_group_never_inherits_an_agreement():
     # what a destroyed group agreed on goes with it, even if a new group object
     # lands at the same address
     for agreed in launch(_new_groups, 2, timeout=TIMEOUT):
-        assert agreed == [40] * 6, agreed
+        assert agreed == [agreement.SIGNATURE_NBYTES] * 6, agreed
 
 
 @pytest.mark.slow
@@ -552,21 +553,23 @@ def _agreement_traffic(rank, world):
 
 
 def _replayed(numel, world, rank, codec):
-    """Bytes a rank sends replaying a ring call's reduce-scatter: at step s the
-    wire of chunk (rank - s - 1) mod world, for s = 0 .. world - 2."""
+    """Bytes a rank sends replaying a ring call's reduce-scatter: at step s an
+    envelope of 8 bytes per piece of the wire of chunk (rank - s - 1) mod world,
+    for s = 0 .. world - 2."""
     bounds = chunk_bounds(numel, world)
-    return sum(W.dense_nbytes(codec, (bounds[(rank - s - 1) % world][1] - bounds[(rank - s - 1) % world][0],))
+    return sum(8 * len(pieces(W.dense_nbytes(codec, (bounds[(rank - s - 1) % world][1]
+                                                    - bounds[(rank - s - 1) % world][0],))))
                for s in range(world - 1))
 
 
 @pytest.mark.slow
 def test_agreement_only_when_the_call_changes():
     res = launch(_agreement_traffic, 3, timeout=TIMEOUT)
-    d = 40 * 2
+    d = agreement.SIGNATURE_NBYTES * 2
     for rank, (seen, outcome) in enumerate(res):
         # a, a, b, b, a, a-sum, a-fp16, topk, topk, a-fp16 (the last agreement
         # was topk's), unchecked; a changed call first replays the last agreed
-        # call's reduce-scatter messages (its size exchange for the allgather)
+        # call's reduce-scatter messages as envelopes (its size exchange for the allgather)
         int8_a, int8_b = _replayed(3000, 3, rank, "int8"), _replayed(2000, 3, rank, "int8")
         assert seen == [d, 0, d + int8_a, 0, d + int8_b, d + int8_a, d + int8_a,
                         d + _replayed(3000, 3, rank, "fp16"), 0, d + 8 * 2, 0], seen

@@ -1,9 +1,11 @@
-"""gc.allreduce misuse that used to mix results or time out: two threads on one
-group, one rank changing its call after the group agreed, one ErrorFeedback
-reused without a key for tensors of different sizes."""
+"""Collective misuse that used to abort a process, mix results or time out: one
+rank changing its call after the group agreed (every size, algorithm and
+compressor), two threads on one group, one ErrorFeedback reused without a key
+for tensors of different sizes."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 
@@ -12,18 +14,242 @@ import torch
 import torch.distributed as dist
 
 import gradcomp as gc
+from gradcomp.comm import native, reduce_scatter
+from gradcomp.comm.pipelined import MIN_SEGMENT_NUMEL
 from gradcomp.launch import launch
 
-TIMEOUT = 120
+TIMEOUT = 240
+#: the promise: a mismatch named on every rank within this many seconds (loopback)
+NAMED_WITHIN_S = 5.0
+
+#: compressor builders by name (the cases travel to the ranks as names)
+COMPRESSORS = {
+    "int8": lambda: gc.Int8Quantizer(),
+    "int8-sr": lambda: gc.Int8Quantizer(rounding="stochastic"),
+    "int8-b64": lambda: gc.Int8Quantizer(block_size=64),
+    "fp16": gc.FP16,
+    "bf16": gc.BF16,
+    "none": gc.NoCompression,
+    "topk": lambda: gc.TopK(ratio=0.01),
+    "threshold": lambda: gc.Threshold(0.5),
+}
+
+#: what each kind of change must be named as
+FIELD = {"numel": "numbers of elements", "op": "ops", "codec": "compressor types", "algorithm": "algorithms",
+         "rounding": "message pattern", "block_size": "payload sizes", "tag": "tags or calling threads",
+         "kind": "calls"}
 
 
-def _two_threads(rank, world):
+def _changed(case, rank):
+    """The call of ``rank`` in ``case``: (n, algorithm, compressor name, op, tag, kind)."""
+    n, algorithm, comp, change, who, new = case
+    call = [n, algorithm, comp, "avg", "agreed", "allreduce"]
+    if rank != who:
+        return call
+    field = {"numel": 0, "algorithm": 1, "codec": 2, "rounding": 2, "block_size": 2, "op": 3, "tag": 4,
+             "kind": 5}[change]
+    call[field] = new
+    return call
+
+
+def _call(n, algorithm, comp, op, tag, kind, group, value):
+    x = torch.full((n,), value)
+    if kind == "reduce_scatter":
+        return reduce_scatter(x, COMPRESSORS[comp](), op=op, group=group, timeout=20, tag=tag)
+    if algorithm == "native":
+        return native.allreduce(x, op=op, group=group, timeout=20, tag=tag)
+    return gc.allreduce(x, COMPRESSORS[comp](), op=op, algorithm=algorithm, group=group, timeout=20, tag=tag)
+
+
+def _one_rank_changes(rank, world, cases):
+    out = []
+    for case in cases:
+        group = dist.new_group(list(range(world)))  # each case on a group of its own
+        agreed = _changed(case, -1)
+        _call(*agreed, group, float(rank + 1))  # the group agrees; later calls equal to it skip the check
+        dist.barrier(group)
+        t0 = time.time()
+        try:
+            _call(*_changed(case, rank), group, float(rank + 1))
+            outcome = "ok"
+        except ValueError as e:
+            outcome = str(e)
+        t1 = time.time()
+        small = gc.allreduce(torch.full((10,), float(rank)), gc.NoCompression(), op="sum", group=group,
+                             timeout=20)
+        again = _call(*agreed, group, float(rank + 1))  # the agreed call once more, everywhere
+        digest = hashlib.sha256(again.numpy().tobytes()).hexdigest()
+        out.append((outcome, t0, t1, small.tolist(), digest))
+        dist.destroy_process_group(group)
+    return out
+
+
+def _cases(world):
+    """One rank alone changes one thing, at every size from 2**10 to 2**22, across
+    algorithms and compressors; the pipelined ring from its smallest size on."""
+    last, seg = world - 1, world * MIN_SEGMENT_NUMEL  # above seg elements the ring pipelines
+    return [
+        (2**10, "ring", "int8", "numel", last, 2**20),
+        (2**16, "two_phase", "fp16", "op", 0, "sum"),
+        (seg, "ring", "int8", "numel", 1, 64),  # the largest unsegmented ring
+        (seg + 1, "ring", "int8", "numel", 1, 64),  # the smallest pipelined ring
+        (2**19, "ring", "int8", "numel", 1, 64),  # as filed
+        (2**20, "ring", "int8", "rounding", 0, "int8-sr"),
+        (2**20, "ring", "int8", "block_size", last, "int8-b64"),
+        (2**20, "two_phase", "int8", "algorithm", 1, "ring"),
+        (2**20, "ring", "int8", "algorithm", 0, "two_phase"),
+        (2**20, "ring", "int8", "tag", last, "other"),
+        (2**20, "allgather", "topk", "numel", last, 2**10),
+        (2**16, "allgather", "threshold", "op", 1, "sum"),
+        (2**18, "ring", "none", "kind", 1, "reduce_scatter"),
+        (2**16, "ring", "fp16", "algorithm", 0, "native"),
+        (2**22, "ring", "int8", "numel", 0, 64),
+        (2**22, "two_phase", "bf16", "codec", last, "int8"),
+        (2**22, "ring", "int8-sr", "numel", 1, 2**10),
+    ]
+
+
+def _check_cases(cases, results, world):
+    for i, case in enumerate(cases):
+        per_rank = [r[i] for r in results]
+        outcomes = {o for o, *_ in per_rank}
+        where = (world, case, outcomes)
+        assert len(outcomes) == 1, where  # the same ValueError on every rank
+        outcome = outcomes.pop()
+        assert "ranks of the group passed different" in outcome and FIELD[case[3]] in outcome, where
+        assert f"rank {case[4]}:" in outcome, where
+        seconds = max(t1 for _, _, t1, _, _ in per_rank) - min(t0 for _, t0, _, _, _ in per_rank)
+        assert seconds < NAMED_WITHIN_S, (where, seconds)
+        for _, _, _, small, _ in per_rank:  # every message was matched: the group works
+            assert small == [world * (world - 1) / 2] * 10, where
+        assert len({d for *_, d in per_rank}) == 1, where  # and its agreed call is bit-identical everywhere
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_one_rank_changing_at_any_size_raises_the_same_value_error_everywhere(world):
+    """It used to abort the changed rank with SIGABRT (gloo's ``op.preamble.length
+    <= op.nbytes``) from the pipelined ring on, and cost the others a RuntimeError."""
+    cases = _cases(world)
+    _check_cases(cases, launch(_one_rank_changes, world, (cases,), timeout=TIMEOUT), world)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_rank_changing_at_world_8():
+    seg = 8 * MIN_SEGMENT_NUMEL
+    cases = [(2**10, "ring", "int8", "numel", 7, 2**16), (seg + 8, "ring", "int8", "numel", 3, 64),
+             (2**16, "two_phase", "fp16", "op", 0, "sum"), (2**14, "allgather", "topk", "numel", 5, 2**10)]
+    _check_cases(cases, launch(_one_rank_changes, 8, (cases,), timeout=TIMEOUT), 8)
+
+
+def _threads(rank, world, trials):
+    """Two threads per rank reduce on one group, started in a different order per
+    rank (as filed: A on rank 0 first, B on rank 1 first)."""
+    group = dist.new_group(list(range(world)))
+    gc.allreduce(torch.ones(1000), gc.Int8Quantizer(), group=group, timeout=20)  # the main thread's
+    values = {"A": [1.0, 2.0], "B": [2.0, 4.0]}  # right sums 3 and 6; mixed 5
+    log = []
+    for _ in range(trials):
+        out = {}
+
+        def call(name):
+            t0 = time.perf_counter()
+            try:
+                y = gc.allreduce(torch.full((1 << 14,), values[name][rank]), gc.NoCompression(), op="sum",
+                                 group=group, timeout=20)
+                out[name] = ("ok", float(y.min()), float(y.max()))
+            except (ValueError, RuntimeError) as e:
+                out[name] = (type(e).__name__, str(e), time.perf_counter() - t0)
+
+        threads = [threading.Thread(target=call, args=(name,), name=f"worker-{name}")
+                   for name in (("A", "B") if rank == 0 else ("B", "A"))]
+        for t in threads:
+            t.start()
+            time.sleep(0.02)
+        for t in threads:
+            t.join(60)
+        log.append(out)
+    after = gc.allreduce(torch.full((10,), 1.0), gc.NoCompression(), op="sum", group=group, timeout=20)
+    return log, after.tolist()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_threads_on_one_group_never_return_a_wrong_sum():
+    """It used to return 5 where 3 and 6 were right, in 5 of 5 trials."""
+    res = launch(_threads, 2, (4,), timeout=TIMEOUT)
+    right = {"A": 3.0, "B": 6.0}
+    for log, after in res:
+        assert after == [2.0] * 10  # the group still works
+        for out in log:
+            for name, got in out.items():
+                if got[0] == "ok":
+                    assert got[1] == got[2] == right[name], (name, got)
+                elif got[0] == "RuntimeError":  # the guard: at once, nothing sent
+                    assert "already in use by thread" in got[1] and got[2] < 0.5, got
+                else:  # a thread's call met the other thread's on the other rank: named
+                    assert "tags or calling threads" in got[1] and "worker-" in got[1], got
+                    assert got[2] < NAMED_WITHIN_S, got
+
+
+def _tagged_threads(rank, world):
+    """The documented ways: one group per thread (concurrent), or a tag per
+    call (sequential on one group, any thread)."""
+    groups = {name: dist.new_group(list(range(world))) for name in ("A", "B")}
+    out = {}
+
+    def run(name, value):
+        y = gc.allreduce(torch.full((1 << 12,), value), gc.Int8Quantizer(), op="sum", group=groups[name],
+                         timeout=20, tag=name)
+        out[name] = float(y[0])
+
+    threads = [threading.Thread(target=run, args=(name, float(rank + k)), name=f"t{rank}{name}")
+               for k, name in enumerate("AB")]  # names differ per rank: the tag tells the calls apart
+    for t in (threads if rank == 0 else threads[::-1]):
+        t.start()
+    for t in threads:
+        t.join(60)
+    # one group, calls from differently named threads in turn, all with one tag: no agreement trips
+    shared = dist.new_group(list(range(world)))
+    seen = []
+    for k in range(3):
+        t = threading.Thread(target=lambda: seen.append(float(gc.allreduce(
+            torch.full((64,), float(rank)), gc.NoCompression(), op="sum", group=shared, timeout=20,
+            tag="shared")[0])), name=f"r{rank}-turn{k}")
+        t.start()
+        t.join(60)
+    # a tag that differs on one rank: the same ValueError everywhere, quickly
+    t0 = time.perf_counter()
+    try:
+        gc.allreduce(torch.ones(64), gc.NoCompression(), group=shared, timeout=20,
+                     tag="left" if rank == 1 else "right")
+        mismatch = "ok"
+    except ValueError as e:
+        mismatch = str(e)
+    return out, seen, mismatch, time.perf_counter() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tags_tell_calls_apart_across_threads():
+    res = launch(_tagged_threads, 3, timeout=TIMEOUT)
+    for out, seen, mismatch, seconds in res:
+        assert out == {"A": pytest.approx(0 + 1 + 2, rel=0.01), "B": pytest.approx(1 + 2 + 3, rel=0.01)}
+        assert seen == [3.0] * 3
+        assert "tags or calling threads" in mismatch and "rank 1: tag 'left'" in mismatch, mismatch
+        assert seconds < NAMED_WITHIN_S
+    assert len({m for _, _, m, _ in res}) == 1
+
+
+def _concurrent(rank, world):
+    """Rank 1's second call arrives while its first is in flight: the guard."""
     n = 1 << 16
     if rank == 1:
         time.sleep(1.5)  # rank 0's first call is waiting inside the collective meanwhile
-        first = gc.allreduce(torch.full((n,), 10.0), gc.NoCompression(), op="sum", timeout=30)
-        again = gc.allreduce(torch.full((n,), 10.0), gc.NoCompression(), op="sum", timeout=30)
-        return float(first[0]), float(again[0])
+        first = gc.allreduce(torch.full((n,), 10.0), gc.NoCompression(), op="sum", timeout=30, tag="A")
+        return float(first[0])
     out, entered = {}, threading.Event()
 
     def call(name, value):
@@ -32,7 +258,7 @@ def _two_threads(rank, world):
         t0 = time.perf_counter()
         try:
             out[name] = ("ok", float(gc.allreduce(torch.full((n,), value), gc.NoCompression(), op="sum",
-                                                  timeout=30)[0]))
+                                                  timeout=30, tag=name)[0]))
         except RuntimeError as e:
             out[name] = ("raised", str(e), time.perf_counter() - t0)
 
@@ -42,23 +268,17 @@ def _two_threads(rank, world):
     time.sleep(0.3)
     call("B", 2.0)  # this thread, while A's call is in flight
     a.join(30)
-    again = gc.allreduce(torch.full((n,), 1.0), gc.NoCompression(), op="sum", timeout=30)
-    return out, float(again[0])
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_concurrent_calls_on_one_group_are_detected():
-    (out, again0), (first1, again1) = launch(_two_threads, 2, timeout=TIMEOUT)
-    raised = [k for k, v in out.items() if v[0] == "raised"]
-    assert len(raised) == 1, out
-    loser, winner = raised[0], "A" if raised[0] == "B" else "B"
-    msg, seconds = out[loser][1], out[loser][2]
-    assert "already in use by thread" in msg and "new_group" in msg
+def test_a_second_concurrent_call_on_one_group_raises_at_once():
+    out, first1 = launch(_concurrent, 2, timeout=TIMEOUT)
+    assert out["A"] == ("ok", 11.0) and first1 == 11.0
+    msg, seconds = out["B"][1], out["B"][2]
+    assert out["B"][0] == "raised" and "already in use by thread 'thread-A'" in msg and "new_group" in msg
     assert seconds < 0.5  # at once, not after a timeout
-    value = {"A": 1.0, "B": 2.0}[winner]
-    assert out[winner] == ("ok", value + 10.0) and first1 == value + 10.0  # not mixed
-    assert again0 == again1 == 11.0  # the group still works
 
 
 def _ef_default_key(rank, world):
@@ -84,58 +304,3 @@ def test_one_error_feedback_for_several_sizes_keeps_a_residual_per_size():
         j = (rank - 1) % 3  # the ring chunk this rank compresses alone
         assert keys == sorted([repr((("numel", 3000), j)), repr((("numel", 3001), j))])
         assert alone_keys == [repr((("numel", 3000), j))]
-
-
-CASES = {"numel-ring": "numbers of elements", "numel-two_phase": "numbers of elements",
-         "numel-allgather": "numbers of elements", "op": "ops", "algorithm": "algorithms",
-         "codec": "compressor types", "block_size": "payload sizes"}
-
-
-def _one_rank_changes(rank, world):
-    out = {}
-    for case in CASES:
-        group = dist.new_group(list(range(world)))  # each case on a group of its own
-        n, comp, op, algorithm = 3000, gc.Int8Quantizer(), "avg", "ring"
-        if case == "numel-allgather":
-            comp, algorithm = gc.TopK(ratio=0.1), "allgather"
-        elif case == "numel-two_phase":
-            algorithm = "two_phase"
-        for _ in range(2):  # the group agrees on the call, then skips the check
-            gc.allreduce(torch.randn(n), comp, op=op, algorithm=algorithm, group=group, timeout=20)
-        if rank == 1:  # one rank alone changes one thing
-            if case.startswith("numel"):
-                n = 2999
-            elif case == "op":
-                op = "sum"
-            elif case == "algorithm":
-                algorithm = "two_phase"
-            elif case == "codec":
-                comp = gc.FP16()
-            elif case == "block_size":
-                comp = gc.Int8Quantizer(block_size=32)
-        t0 = time.perf_counter()
-        try:
-            gc.allreduce(torch.randn(n), comp, op=op, algorithm=algorithm, group=group, timeout=20)
-            outcome = "ok"
-        except ValueError as e:
-            outcome = str(e)
-        seconds = time.perf_counter() - t0
-        y = gc.allreduce(torch.full((10,), float(rank)), gc.NoCompression(), op="sum", group=group, timeout=20)
-        z = gc.allreduce(torch.full((3000,), float(rank)), gc.Int8Quantizer(), op="sum", group=group,
-                         timeout=20)
-        out[case] = (outcome, seconds, y.tolist(), float(z.max() - z.min()), float(z.mean()))
-    return out
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_one_rank_changing_after_the_agreement_gets_every_rank_a_value_error():
-    """It used to cost every rank a bare TimeoutError after the full timeout."""
-    for rank, cases in enumerate(launch(_one_rank_changes, 4, timeout=TIMEOUT)):
-        for case, (outcome, seconds, y, spread, mean) in cases.items():
-            where = (rank, case, outcome)
-            assert "ranks of the group passed different" in outcome and CASES[case] in outcome, where
-            assert "rank 1:" in outcome, where
-            assert seconds < 10, (where, seconds)  # not the 20 s timeout
-            assert y == [6.0] * 10, where  # 0 + 1 + 2 + 3: every message was matched, the group works
-            assert spread == 0 and mean == pytest.approx(6.0, rel=0.01), where

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp as gc
+from gradcomp.comm.agreement import SIGNATURE_NBYTES
 from gradcomp.launch import launch
 
 WORLD = 3
@@ -330,17 +331,19 @@ def test_bytes_equal_the_formula(runs):
         single = r["bytes"]["single"]
         assert single["sizes"] == [423]
         m = single["meter"]
-        agreement = 40 * (WORLD - 1)
-        assert m["bytes_sent"] == 3 * 4 * _int8_nbytes(141) + agreement  # 3 syncs in 6 steps
+        agreement = SIGNATURE_NBYTES * (WORLD - 1)
+        # the constructor's settings agreement, the first exchange's, 3 syncs in 6 steps
+        assert m["bytes_sent"] == 3 * 4 * _int8_nbytes(141) + 2 * agreement
         assert m["raw_bytes_sent"] == 3 * 2 * (WORLD - 1) * 4 * 141
         assert m["steps"] == 6
         frag = r["bytes"]["fragments"]
         assert frag["sizes"] == [300, 123]
         # fragment 1's first (checked) exchange differs from fragment 0's, which the
         # group agreed on last: it first replays fragment 0's reduce-scatter messages
-        # (gradcomp.comm.agreement), every chunk of 300 but this rank's own, 100 each
-        replay = (WORLD - 1) * _int8_nbytes(100)
-        assert frag["meter"]["bytes_sent"] == sum(2 * _ring_sent(n, rank) + agreement for n in (300, 123)) + replay
+        # as 8-byte envelopes (gradcomp.comm.replay), one per chunk of 300 but this rank's own
+        replay = (WORLD - 1) * 8
+        assert frag["meter"]["bytes_sent"] == (agreement + replay
+                                               + sum(2 * _ring_sent(n, rank) + agreement for n in (300, 123)))
         assert frag["meter"]["steps"] == 8
 
 

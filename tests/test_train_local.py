@@ -7,6 +7,7 @@ import math
 import pytest
 
 from gradcomp.cli import main
+from gradcomp.comm.agreement import SIGNATURE_NBYTES
 from gradcomp.train import report
 from gradcomp.train.config import TrainConfig
 from gradcomp.train.study import run_study
@@ -51,11 +52,13 @@ def test_local_runs_count_the_bytes_of_every_sync(local_study, tmp_path):
     none, int8 = local_study.runs
     assert (none.mode, none.compressor, int8.mode, int8.compressor) == ("local", "none", "local", "int8")
     # syncs after steps 4, 8, 12, 16 and the final one after step 18; two workers:
-    # each sends both halves once per sync (reduce-scatter and allgather), plus one 40-byte agreement
+    # each sends both halves once per sync (reduce-scatter and allgather), plus two signatures
+    # (the settings agreed at construction, the first exchange's)
     for run in (none, int8):
         assert run.extra["local_syncs"] == 5
-    assert none.bytes_per_worker_per_step == (5 * 2 * (HEADER + 4 * params // 2) + 40) / 18
-    assert int8.bytes_per_worker_per_step == (5 * 2 * _int8_nbytes(params // 2) + 40) / 18
+    agreed = 2 * SIGNATURE_NBYTES
+    assert none.bytes_per_worker_per_step == (5 * 2 * (HEADER + 4 * params // 2) + agreed) / 18
+    assert int8.bytes_per_worker_per_step == (5 * 2 * _int8_nbytes(params // 2) + agreed) / 18
     assert int8.raw_bytes_per_worker_per_step == 5 * 4 * params / 18
     assert 3.5 < int8.reduction_x < 4
     assert 0 < int8.test_accuracy <= 1 and math.isfinite(int8.test_loss)

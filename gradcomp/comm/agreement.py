@@ -245,12 +245,19 @@ def _exchange_details(comm: Comm, details: dict[str, str], device) -> list[dict[
     return out
 
 
+class _Text(str):
+    """A details text, printed as it is (a setting's text is already a ``repr``)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
 def _difference(table, details, sig: Signature) -> str | None:
     """The message naming the first field the ranks differ on (None: they agree);
     the same text on every rank (built from every rank's values alone)."""
     labels, found = sig.labels, []
     if details is not None and len({d.get("call") for d in details}) > 1:
-        found.append(("calls", [d.get("call") for d in details]))
+        found.append(("calls", [_Text(d.get("call")) for d in details]))
     for i, name in enumerate(FIELDS[:-1]):
         seen = [row[i] for row in table]
         if len(set(seen)) > 1:
@@ -259,7 +266,7 @@ def _difference(table, details, sig: Signature) -> str | None:
     if details is not None:
         keys = list(dict.fromkeys(k for d in details for k in d if k != "call"))
         for k in keys:
-            seen = [d.get(k, "(not given)") for d in details]
+            seen = [_Text(d.get(k, "(not given)")) for d in details]
             if len(set(seen)) > 1:
                 found.append((k, seen))
     if not found:

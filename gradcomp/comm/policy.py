@@ -24,7 +24,7 @@ class CodecPolicy(abc.ABC):
     @abc.abstractmethod
     def allreduce(self, tensor: torch.Tensor, *, op: str, algorithm: str, group, meter,
                   timeout: float, key: Hashable, residual: torch.Tensor | None,
-                  out: torch.Tensor | None, check: bool) -> torch.Tensor:
+                  out: torch.Tensor | None, check: bool, tag=None) -> torch.Tensor:
         """Reduce ``tensor`` with a compressor of the policy's choice; the
         arguments mean what they mean for :func:`gradcomp.allreduce`
         (``algorithm`` is the algorithm of dense choices)."""

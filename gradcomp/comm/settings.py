@@ -14,6 +14,9 @@ same ``ValueError`` naming the setting and each rank's value.
 
 from __future__ import annotations
 
+import functools
+import re
+import types
 from collections.abc import Mapping
 
 import torch.distributed as dist
@@ -22,15 +25,31 @@ from gradcomp.comm.agreement import agree, forget, pattern, signature
 from gradcomp.comm.guard import exclusive
 from gradcomp.comm.p2p import Comm
 
-__all__ = ["agree_settings", "setting_text"]
+__all__ = ["agree_settings", "setting_text", "compressor_text"]
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_SEED = re.compile(r"(, )?\bseed=\d+(, )?")
 
 
 def setting_text(value) -> str:
-    """How a setting is compared and printed: ``repr`` (exact for floats),
-    a callable's qualified name (a factory's code cannot be compared)."""
-    if callable(value) and not hasattr(value, "wire_nbytes"):  # a compressor's repr names its settings
-        return f"callable {getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
-    return repr(value)
+    """How a setting is compared and printed: a str as it is, else ``repr``
+    (exact for floats) with object addresses left out (they differ between processes), a function or
+    class by its qualified name, a ``functools.partial`` by its function and
+    arguments."""
+    if isinstance(value, str):  # already a text (e.g. a compressor's, from compressor_text)
+        return value
+    if isinstance(value, functools.partial):
+        return f"{setting_text(value.func)}(*{setting_text(value.args)}, **{setting_text(value.keywords)})"
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', '?')}"
+    return _ADDRESS.sub("", repr(value))
+
+
+def compressor_text(compressor) -> str:
+    """A compressor's settings as ranks must share them: its ``repr`` without
+    its random seed (ranks may seed stochastic rounding apart: every rank
+    decodes the same bytes either way)."""
+    return _SEED.sub(lambda m: ", " if m.group(1) and m.group(2) else "", setting_text(compressor))
 
 
 def agree_settings(group, what: str, settings: Mapping[str, object], *, timeout: float, device="cpu",
