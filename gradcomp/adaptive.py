@@ -1077,7 +1077,7 @@ def _agree(local: list[float], group, timeout: float, device) -> list[float]:
     """The element-wise ``MAX`` of ``local`` over ``group``'s ranks (one float64 allreduce)."""
     agreed = torch.tensor(local, dtype=torch.float64, device=device)
     if dist.get_world_size(group) > 1:
-        with exclusive(group, "gradcomp.Adaptive"):
+        with exclusive(group, "gradcomp.Adaptive", timeout):
             work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True)
             work.wait(timeout=datetime.timedelta(seconds=timeout))
     return agreed.tolist()

@@ -180,10 +180,11 @@ def allreduce(
             or an int, the same on every rank); None: the calling thread's
             name. Calls with different tags (or, untagged, from differently
             named threads) never pair silently: when one rank's call meets
-            another's, every rank raises ``ValueError``. Two threads must
-            still not run collectives on one group at the same time (the
-            second raises ``RuntimeError`` at once): give each its own group
-            (``torch.distributed.new_group``) to run them concurrently.
+            another's, every rank raises ``ValueError``. Calls of several
+            threads on one group run one at a time (a second thread's call
+            waits for the first, :mod:`gradcomp.comm.guard`); give each
+            thread its own group (``torch.distributed.new_group``) to run
+            them concurrently.
 
     Returns:
         ``out`` if given, else a new tensor with ``tensor``'s shape, dtype and device.
@@ -199,9 +200,9 @@ def allreduce(
             group passed different numels, ops, algorithms, compressor
             settings or tags (raised on every rank, also when only one rank
             changed its call since the group's last agreement).
-        RuntimeError: another thread of this process is in a gradcomp
-            collective on ``group`` (raised at once, nothing sent: give each
-            thread its own group); the transport failed (see below).
+        RuntimeError: another thread of this process held ``group`` for
+            more than ``timeout`` seconds, or this thread is already in a
+            collective on it (nothing sent); the transport failed (see below).
         TimeoutError: a transfer did not finish within ``timeout`` seconds
             (also when ranks passed different ``check`` values; after any
             error other than the agreement's ``ValueError`` the group is not
@@ -222,7 +223,7 @@ def allreduce(
         if out is None:
             return x.clone(memory_format=torch.contiguous_format)
         return out.copy_(x) if out.data_ptr() != x.data_ptr() else out
-    with exclusive(group):
+    with exclusive(group, timeout=timeout):
         return _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check,
                           tag)
 

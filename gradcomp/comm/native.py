@@ -70,7 +70,7 @@ def allreduce(tensor: torch.Tensor, *, op: str = "avg", group=None, meter: Traff
             work.copy_(x.reshape(-1))
         reduce_(work, residual, op=op, group=group, timeout=timeout, meter=meter)
 
-    with exclusive(group):
+    with exclusive(group, timeout=timeout):
         if world > 1:
             comm = Comm(group, timeout, meter)
             # the float32 chunks' sizes stand for the message pattern (the backend's own)

@@ -25,6 +25,7 @@ from gradcomp.comm import two_phase as _two_phase
 from gradcomp.comm.agreement import call_identity
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.dense import Plan
+from gradcomp.comm.guard import exclusive
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import Compressor, ErrorFeedback, split
@@ -151,7 +152,8 @@ def reduce_scatter(
         with _timeline.span("decompress"):
             local.inner.decompress_add_(plan.received(pending), own)
 
-    _checked.run(comm, _signature(n, op, plan, tag), body, device=x.device, check=check)
+    with exclusive(group, "gradcomp reduce_scatter", timeout):
+        _checked.run(comm, _signature(n, op, plan, tag), body, device=x.device, check=check)
     if op == "avg":
         own.div_(world)
     if factor != 1.0:

@@ -77,7 +77,7 @@ def agree_settings(group, what: str, settings: Mapping[str, object], *, timeout:
     if dist.get_world_size(group) == 1:
         return
     sig = signature(details={"call": what, **{k: setting_text(val) for k, val in settings.items()}})
-    with exclusive(group, what):
+    with exclusive(group, what, timeout):
         comm = Comm(group, timeout, meter)
         try:
             # a rank may have skipped a check on the group's last agreed call: reach it
