@@ -258,21 +258,22 @@ def _difference(table, details, sig: Signature) -> str | None:
     labels, found = sig.labels, []
     if details is not None and len({d.get("call") for d in details}) > 1:
         found.append(("calls", [_Text(d.get("call")) for d in details]))
-    for i, name in enumerate(FIELDS[:-1]):
-        seen = [row[i] for row in table]
-        if len(set(seen)) > 1:
-            names = labels.get(name, {})
-            found.append((_WHAT[name], [names.get(s, s) for s in seen]))
-    if details is not None:
+    if details is not None:  # the settings a call's sizes follow from come first
         keys = list(dict.fromkeys(k for d in details for k in d if k != "call"))
         for k in keys:
             seen = [_Text(d.get(k, "(not given)")) for d in details]
             if len(set(seen)) > 1:
                 found.append((k, seen))
+    for i, name in enumerate(FIELDS[:-1]):
+        seen = [row[i] for row in table]
+        if len(set(seen)) > 1:
+            names = labels.get(name, {})
+            found.append((_WHAT[name], [names.get(s, s) for s in seen]))
     if not found:
         return None
     what, seen = found[0]
-    per_rank = ", ".join(f"rank {j}: {s!r}" for j, s in enumerate(seen))
+    sep = "; " if any(isinstance(v, _Text) and ", " in v for v in seen) else ", "  # texts hold commas
+    per_rank = sep.join(f"rank {j}: {v!r}" for j, v in enumerate(seen))
     # equal digests: every rank's details are this rank's
     calls = {d.get("call") for d in details} if details is not None else {sig.details.get("call")}
     prefix = calls.pop() if len(calls) == 1 and None not in calls else "gradcomp"
