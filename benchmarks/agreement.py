@@ -22,7 +22,10 @@ Three measurements, each rank a process of :func:`gradcomp.launch.launch`
 Run from the repository root::
 
     nice -n 5 python benchmarks/agreement.py [--worlds 2,4] [--mismatch-worlds 2,4,8]
-                                             [--rounds 15] [--out agreement.json]
+                                             [--rounds 15] [--link 1gbit] [--out agreement.json]
+
+``--link RATE`` runs every rank in the emulated cluster (:class:`gradcomp.cluster.LocalCluster`,
+one network namespace per rank, tbf-shaped links; needs root).
 
 Prints three tables (bytes and milliseconds per call, per case) and writes
 every figure to ``--out`` as JSON.
@@ -173,20 +176,25 @@ def main(argv=None) -> int:
     parser.add_argument("--worlds", default="2,4", help="world sizes of the alternating loops")
     parser.add_argument("--mismatch-worlds", default="2,4,8", help="world sizes of the mismatch timings")
     parser.add_argument("--rounds", type=int, default=15, help="rounds of each loop (each ITERATIONS x 2 calls)")
+    parser.add_argument("--link", default=None,
+                        help="run in the emulated cluster at this link rate (e.g. 1gbit; needs root); "
+                             "default: loopback")
     parser.add_argument("--out", default=None, help="JSON file for every figure")
     args = parser.parse_args(argv)
-    from gradcomp.launch import launch
+    from gradcomp.cluster import launch_on  # the lab's runner: loopback, or the emulated cluster
 
-    pairs, mismatches, settings = [], [], {}
+    pairs, mismatches, settings, links = [], [], {}, {}
     for world in (int(w) for w in args.worlds.split(",") if w):
-        res = launch(_alternating, world, (args.rounds,), timeout=3600)
+        res, link = launch_on(args.link, _alternating, world, (args.rounds,), timeout=3600)
+        links[world] = link
+        print(f"\nlink: {link}")
         settings[world] = 1e3 * _report_pairs(world, res, pairs)
     for world in (int(w) for w in args.mismatch_worlds.split(",") if w):
-        res = launch(_mismatch, world, (MISMATCH_SIZES,), timeout=3600)
+        res, _ = launch_on(args.link, _mismatch, world, (MISMATCH_SIZES,), timeout=3600)
         _report_mismatch(world, res, mismatches)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"iterations": ITERATIONS, "rounds": args.rounds, "pairs": pairs,
+            json.dump({"iterations": ITERATIONS, "rounds": args.rounds, "links": links, "pairs": pairs,
                        "settings_agreement_ms": settings, "mismatch": mismatches}, f, indent=1)
     return 0
 
