@@ -41,6 +41,7 @@ import time
 
 #: the call pairs of the alternating loop: (name, algorithm, compressor, size a, size b)
 PAIRS = [
+    ("int8 ring 2^10/2^11", "ring", "int8", 1 << 10, 1 << 11),  # latency-bound: the agreement's time shows
     ("int8 ring 2^16/2^18", "ring", "int8", 1 << 16, 1 << 18),
     ("int8 ring 2^20/2^22", "ring", "int8", 1 << 20, 1 << 22),  # pipelined
     ("fp16 two_phase 2^18/2^20", "two_phase", "fp16", 1 << 18, 1 << 20),

@@ -188,6 +188,11 @@ codec produced it: a switch keeps the residuals, and the next codec applies
 them (adds them to the gradient it compresses; a lossless codec delivers them
 in full and they reset to zero).
 
+Every rank must hold a policy with the same settings (the link prior above
+all: it decides the first codec): :meth:`Adaptive.agree` checks them before
+a group's first call and raises the same ``ValueError`` on every rank,
+naming each rank's value, where they differ.
+
 Every switch is appended to :attr:`Adaptive.switches` and, with a meter, to
 :attr:`gradcomp.TrafficMeter.switches` (so to ``as_dict()`` and the study's
 results).
@@ -627,6 +632,7 @@ class Adaptive(CodecPolicy):
 
     Raises:
         TypeError / ValueError: a bad argument (named in the message).
+        ValueError: (at a group's first call, on every rank) the ranks' policies differ.
     """
 
     def __init__(

@@ -176,6 +176,13 @@ class GradCompState:
         momenta: parameter key -> flat float32 velocity (DGC only).
         dgc: the :class:`~gradcomp.DGC` settings, or None.
 
+    At the first bucket every rank of the group checks that all hold the same
+    compressor (settings, not its seed), DGC, ``error_feedback``,
+    ``algorithm``, ``min_compress_numel`` and ``start_iter``
+    (:func:`gradcomp.comm.settings.agree_settings`): they decide which buckets
+    go compressed and how; otherwise every rank raises the same ``ValueError``
+    (DDP's backward re-raises it as a ``RuntimeError``).
+
     Raises:
         TypeError / ValueError: a bad setting (the message gives the reason).
     """

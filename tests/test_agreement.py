@@ -72,8 +72,8 @@ def test_settings_are_named_before_the_sizes_and_calls_before_both():
 class _Comm:
     """What :func:`gradcomp.comm.replay.replay` needs of a Comm: it records the ops."""
 
-    def __init__(self):
-        self.ops, self.meter, self.timeout = [], TrafficMeter(), 5.0
+    def __init__(self, gloo=True):
+        self.ops, self.meter, self.timeout, self.gloo = [], TrafficMeter(), 5.0, gloo
 
     def buffer(self, nbytes, device):
         return torch.full((nbytes,), 7, dtype=torch.uint8)
@@ -110,6 +110,18 @@ def test_envelopes_follow_the_pieces_and_tags_of_the_pattern():
     ph = comm.meter.as_dict()["phases"]["agreement"]
     assert ph["bytes_sent"] == 3 * 8 + 8 + 3
     assert ph["bytes_received"] == 8 + sum(b - a for a, b in cuts[1:]) + 3
+
+
+def test_on_nccl_envelopes_are_as_long_as_the_pieces():
+    """NCCL matches a receive only with a send of its size."""
+    big = 2 * MIN_PIECE_BYTES
+    comm = _Comm(gloo=False)
+    R.replay(comm, [(((1, big),), ((1, big),), "reduce_scatter", 0, True)]).wait()
+    sends = [buf for kind, buf, _, _ in comm.ops if kind == "isend"]
+    assert [buf.numel() for buf in sends] == [b - a for a, b in pieces(big)]
+    assert all(R.is_envelope(buf) and int(buf[8:].sum()) == 0 for buf in sends)
+    ph = comm.meter.as_dict()["phases"]["agreement"]
+    assert ph["bytes_sent"] == ph["bytes_received"] == big
 
 
 def test_the_rest_of_a_pattern_skips_what_a_call_posted():

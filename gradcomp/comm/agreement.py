@@ -18,8 +18,9 @@ A call agrees only when its signature differs from the last one its group
 agreed on (:func:`needs_check`): a loop that repeats a call pays one
 agreement. A rank alone changing its call reaches the ranks that skip their
 check through disagreement envelopes (:mod:`gradcomp.comm.replay`), posted
-with its agreement. The memory goes with the group object (a new group never
-inherits it) and a failed call forgets it (:func:`forget`).
+with its agreement (on gloo; NCCL ignores point-to-point tags, so there that
+case is as undefined as any mismatched NCCL collective). The memory goes with
+the group object (a new group never inherits it) and a failed call forgets it.
 """
 
 from __future__ import annotations

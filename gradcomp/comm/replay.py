@@ -22,7 +22,10 @@ process aborts and the group stays usable.
 
 Traffic (meter phase ``"agreement"``): the envelopes (at most 8 bytes per
 piece) and what the receives really got (8 bytes per piece from a rank that
-replays, the payload from one that did not check).
+replays, the payload from one that did not check). On NCCL, which matches a
+receive only with a send of the same size (and ignores tags), every envelope
+is as long as the piece it replaces, zero-padded: a changed call then costs
+the previous call's reduce-scatter bytes again.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def replay(comm: Comm, entries, device="cpu") -> "Replay":
     and tag match in posting order, on both sides.
     """
     ops, sent, inboxes = [], 0, []
+    full = not comm.gloo  # NCCL matches a receive only with a send of its size
     for sends, recvs, _, tag, split in entries:
         for peer, nbytes in recvs:
             buf = comm.buffer(nbytes, device)
@@ -85,17 +89,18 @@ def replay(comm: Comm, entries, device="cpu") -> "Replay":
                 ops.append(("irecv", piece, tag + i, peer))
         for peer, nbytes in sends:
             for i, (a, b) in enumerate(cuts(nbytes, split)):
-                env = _envelope(b - a, device)
+                env = _envelope(b - a, device, full)
                 sent += env.numel()
                 ops.append(("isend", env, tag + i, peer))
-    return Replay(comm, comm.post(ops), sent, inboxes)
+    return Replay(comm, comm.post(ops), sent, [] if full else inboxes,
+                  sum(p.numel() for p in inboxes) if full else 0)
 
 
 class Replay:
     """Posted envelopes and receives of :func:`replay`."""
 
-    def __init__(self, comm: Comm, works: list, sent: int, inboxes: list[torch.Tensor]):
-        self.comm, self.sent, self.inboxes = comm, sent, inboxes
+    def __init__(self, comm: Comm, works: list, sent: int, inboxes: list[torch.Tensor], received: int = 0):
+        self.comm, self.sent, self.inboxes, self.received = comm, sent, inboxes, received
         self.transfer = Transfer(comm, [], [], "agreement", works, timed=False)
 
     def wait(self) -> None:
@@ -109,7 +114,8 @@ class Replay:
         meter = self.comm.meter
         if meter is None:
             return
-        got = sum(min(len(ENVELOPE), p.numel()) if _starts_envelope(p) else p.numel() for p in self.inboxes)
+        got = self.received + sum(min(len(ENVELOPE), p.numel()) if _starts_envelope(p) else p.numel()
+                                  for p in self.inboxes)
         if self.sent:
             meter.record_send(self.sent, 0, phase="agreement", messages=0)
         if got:
@@ -121,7 +127,9 @@ def _starts_envelope(piece: torch.Tensor) -> bool:
     return bytes(piece[:k].cpu().numpy().tobytes()) == ENVELOPE[:k]
 
 
-def _envelope(nbytes: int, device) -> torch.Tensor:
-    """The envelope for a piece of ``nbytes``: never longer than the receive it meets."""
+def _envelope(nbytes: int, device, full: bool = False) -> torch.Tensor:
+    """The envelope for a piece of ``nbytes``: never longer than the receive it
+    meets (``full``: exactly as long, zero-padded)."""
     k = min(len(ENVELOPE), nbytes)
-    return torch.frombuffer(bytearray(ENVELOPE[:k]), dtype=torch.uint8).to(device)
+    head = bytearray(ENVELOPE[:k]) + (bytearray(nbytes - k) if full else bytearray())
+    return torch.frombuffer(head, dtype=torch.uint8).to(device)
