@@ -30,8 +30,8 @@ def _rank(rank: int, world: int, steps: int, block: int) -> dict:
     import gradcomp as gc
     from gradcomp.ddp import GradCompState, compressed_allreduce_hook
     from gradcomp.timeline import Timeline
-    from gradcomp.train.data import load_digits_split, worker_batches
-    from gradcomp.train.model import make_model
+    from gradcomp.lab.study.data import load_digits_split, worker_batches
+    from gradcomp.lab.study.model import make_model
 
     data = load_digits_split(0.25, 0)
     out = {"on": [], "off": []}
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
         res = launch(_rank, args.workers, (args.steps, args.block), timeout=1200)
         link = "loopback"
     else:
-        from gradcomp.cluster import LocalCluster, format_rate
+        from gradcomp.lab.cluster import LocalCluster, format_rate
 
         with LocalCluster(args.workers, rate=args.link) as c:
             res = c.run(_rank, args.steps, args.block, timeout=1200)

@@ -10,7 +10,7 @@ from torch import nn
 
 from gradcomp.launch import launch
 from gradcomp.pipeline import BoundaryCodec, analyze, split_sequential
-from gradcomp.train.model import make_model
+from gradcomp.lab.study.model import make_model
 from tests import pipeline_fns as F
 
 
@@ -90,8 +90,8 @@ def test_engine_schedules_match_gradient_accumulation_and_int8_decodes_within_th
 
 @pytest.mark.slow
 def test_pipeline_replicas_average_their_stage_gradients():
-    from gradcomp.train.data import load_digits_split, worker_batches
-    from gradcomp.train.pipeline import PipelineConfig
+    from gradcomp.lab.study.data import load_digits_split, worker_batches
+    from gradcomp.lab.study.pipeline import PipelineConfig
 
     cfg = PipelineConfig(stages=2, workers=4, microbatches=(2,), steps=3, batch_size=8, lr=0.1,
                          momentum=0.9, hidden=(32, 24))
@@ -166,7 +166,7 @@ def test_pipedream_vertical_sync_and_int8_boundaries():
 
 
 def _cli(argv, capsys):
-    from gradcomp.train.command import main
+    from gradcomp.lab.study.command import main
 
     rc = main(argv)
     return rc, capsys.readouterr().err.strip().splitlines()
