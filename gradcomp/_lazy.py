@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
 import sys
 from collections.abc import Callable
 
@@ -60,9 +58,10 @@ def after_import(name: str, callback: Callable[[], object]) -> None:
     sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
+class _AfterImport:
     """A one-shot finder: finds ``name``'s spec with the other finders, then runs ``callback``
-    after the module's own code (the standard post-import hook pattern)."""
+    after the module's own code (the standard post-import hook pattern; a meta path finder
+    needs only ``find_spec``, and importlib.abc would cost more than all of gradcomp's import)."""
 
     def __init__(self, name: str, callback: Callable[[], object]):
         self.name, self.callback = name, callback
@@ -71,6 +70,8 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)  # one shot; the lookup below must not find this finder again
+        import importlib.util  # loaded by the time any module is imported: no start-up cost
+
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
             return spec
