@@ -27,10 +27,11 @@ from gradcomp.lab.cluster import jitter_type, link_type
 from gradcomp.lab.study.config import (ALGORITHMS, ALL_MODES, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
                                    TrainConfig, parse_compressors)
 from gradcomp.lab.study.menu import WORKLOADS
+from gradcomp.lab.study.output import DEFAULT_OUT, prepare_out
+from gradcomp.lab.study.scenarios import scenario_list
 
 __all__ = ["add_arguments", "build_parser", "run", "main"]
 
-DEFAULT_OUT = "./gradcomp-results"
 
 
 def _positive_int(text: str) -> int:
@@ -360,42 +361,6 @@ def _hidden(args: argparse.Namespace, workload: str) -> tuple[int, ...]:
     return hidden_widths(text)
 
 
-def _scenario_list(args: argparse.Namespace, workers: int):
-    """The scenarios to run: ``--scenarios``, or one from ``--link`` and friends.
-
-    Raises:
-        ValueError: a straggler rank that is not a worker; --scenarios with
-            --link / --straggler / --compute-jitter; a link without the emulated cluster.
-    """
-    from gradcomp.lab.study.scenarios import Scenario
-
-    if args.scenarios is not None:
-        if args.link != "none" or args.straggler or args.compute_jitter or args.link_jitter:
-            raise ValueError("--scenarios sets link, jitter and stragglers itself: drop --link, "
-                             "--link-jitter, --straggler and --compute-jitter")
-        scenarios = list(args.scenarios)
-    else:
-        if args.link_jitter and args.link == "none":
-            raise ValueError("--link-jitter needs a shaped --link (e.g. --link 100mbit)")
-        name = "loopback" if args.link == "none" else args.link
-        if args.straggler or args.compute_jitter or args.link_jitter:
-            name += "+custom"
-        scenarios = [Scenario(name=name, link=None if args.link == "none" else args.link,
-                              link_jitter=args.link_jitter, straggler=args.straggler,
-                              compute_jitter=args.compute_jitter)]
-    for s in scenarios:
-        if s.straggler is not None and not s.straggler[0] < workers:
-            raise ValueError(f"--straggler rank {s.straggler[0]} is not a worker: "
-                             f"the study has workers 0..{workers - 1}")
-    if any(s.link for s in scenarios):
-        from gradcomp.lab.cluster import requirements_missing
-
-        reason = requirements_missing()
-        if reason is not None:
-            raise ValueError(f"a shaped link needs the emulated cluster: {reason}")
-    return scenarios
-
-
 class _Bars:
     """One rich progress bar per run."""
 
@@ -431,30 +396,6 @@ class _Bars:
         self.progress.update(self.tasks[key], completed=step)
         self.progress.update(self.overall, completed=sum(
             t.completed for i, t in enumerate(self.progress.tasks) if t.id != self.overall))
-
-
-def prepare_out(out: str | None, overwrite: bool = False) -> str:
-    """The directory the results go to, created and checked writable before
-    anything runs: ``out``, or a new ``DEFAULT_OUT/<YYYYmmdd-HHMMSS>`` (``-2``,
-    ``-3``, ... when taken).
-
-    Raises:
-        ValueError: ``out`` is a file, cannot be created or written, or already
-            holds results and ``overwrite`` is False (one-line reasons).
-    """
-    if out is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        out = os.path.join(DEFAULT_OUT, stamp)
-        k = 2
-        while os.path.exists(out):
-            out = os.path.join(DEFAULT_OUT, f"{stamp}-{k}")
-            k += 1
-    from gradcomp._validate import writable_dir
-
-    if os.path.isdir(out) and not overwrite and os.path.exists(os.path.join(out, "results.json")):
-        raise ValueError(f"--out {out} already holds results (results.json); pass --overwrite to "
-                         "replace them, or choose another directory")
-    return writable_dir("--out", out)
 
 
 def _interrupt(signum, frame):
@@ -496,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
     modes = args.mode
     lead = not in_torchrun() or os.environ.get("RANK") == "0"
     try:
-        scenarios = _scenario_list(args, cfg.workers)
+        scenarios = scenario_list(args, cfg.workers)
         priors = _auto_links(args.auto_profile, scenarios)
     except ValueError as e:
         return fail(str(e), 2)

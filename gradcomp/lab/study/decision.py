@@ -18,6 +18,7 @@ import os
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from gradcomp.lab.study.output import json_ready
 from gradcomp.lab.study.timing import mean_ci95
 
 __all__ = ["Aggregate", "aggregate", "decide", "decision_doc", "write_decision", "DEFAULT_MAX_GAP_PP"]
@@ -203,7 +204,6 @@ def decision_markdown(doc: dict) -> str:
 def write_decision(runs, out_dir: str, target: float, max_gap_pp: float = DEFAULT_MAX_GAP_PP,
                    meta: dict | None = None) -> dict[str, str]:
     """Write ``decision.json`` and ``decision.md`` into ``out_dir``; returns their paths."""
-    from gradcomp.lab.study.report import json_ready
 
     doc = decision_doc(aggregate(runs), target, max_gap_pp, meta or {})
     paths = {"decision_json": os.path.join(out_dir, "decision.json"),

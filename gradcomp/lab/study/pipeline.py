@@ -52,6 +52,8 @@ from torch import nn
 from gradcomp.lab.study.config import COMPRESSORS, TrainConfig
 from gradcomp.lab.study.data import Digits, load_digits_split, worker_batches
 from gradcomp.lab.study.model import DEFAULT_HIDDEN, evaluate, make_model
+from gradcomp.lab.study.output import prepare_out
+from gradcomp.lab.study.scenarios import scenario_list
 from gradcomp.lab.study.pipeline_args import PIPELINE_SCHEDULES, add_pipeline_arguments, hidden_widths
 
 __all__ = ["PipelineConfig", "PIPELINE_SCHEDULES", "add_pipeline_arguments", "pipeline_rank",
@@ -622,12 +624,10 @@ def run_pipeline(args: argparse.Namespace) -> int:
         print(f"gradcomp train: error: {msg}", file=sys.stderr)
         return status
 
-    from gradcomp.lab.study.command import _scenario_list, prepare_out
-
     lead = os.environ.get("RANK", "0") == "0"
     try:
         cfg = config_from_args(args)
-        scenarios = _scenario_list(args, cfg.workers)
+        scenarios = scenario_list(args, cfg.workers)
         if lead:
             if (args.out is not None and not getattr(args, "overwrite", False)
                     and os.path.exists(os.path.join(args.out, "pipeline.json"))):

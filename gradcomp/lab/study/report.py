@@ -16,6 +16,7 @@ import textwrap
 from dataclasses import asdict
 
 from gradcomp.lab.study.config import COMPRESSORS
+from gradcomp.lab.study.output import json_ready
 from gradcomp.lab.study.study import RunResult, StudyResult
 
 __all__ = ["title", "table", "write_json", "write_csv", "write_plot", "write_time_plot",
@@ -174,17 +175,6 @@ def _perplexities(study: StudyResult) -> dict[tuple, float]:
         key = (r.scenario.get("name", "loopback"), r.mode, r.compressor)
         groups.setdefault(key, []).append(perplexity(r.test_loss))
     return {k: sum(v) / len(v) for k, v in groups.items()}
-
-
-def json_ready(x):
-    """``x`` with NaN/inf floats as None, tuples as lists (for ``json.dump``)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: json_ready(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_ready(v) for v in x]
-    return x
 
 
 def run_record(r: RunResult, study: StudyResult) -> dict:

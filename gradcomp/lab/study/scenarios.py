@@ -15,6 +15,7 @@ e.g. ``100mbit+straggler``, ``1gbit+jitter``, ``loopback+straggler+jitter``.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 __all__ = ["Scenario", "parse_scenario", "parse_scenarios", "DEFAULT_SCENARIOS",
@@ -96,3 +97,37 @@ def parse_scenarios(text: str) -> tuple[Scenario, ...]:
         s = parse_scenario(n)
         out[s.name] = s
     return tuple(out.values())
+
+
+def scenario_list(args: argparse.Namespace, workers: int) -> list[Scenario]:
+    """The scenarios to run: ``--scenarios``, or one from ``--link`` and friends.
+
+    Raises:
+        ValueError: a straggler rank that is not a worker; --scenarios with
+            --link / --straggler / --compute-jitter; a link without the emulated cluster.
+    """
+    if args.scenarios is not None:
+        if args.link != "none" or args.straggler or args.compute_jitter or args.link_jitter:
+            raise ValueError("--scenarios sets link, jitter and stragglers itself: drop --link, "
+                             "--link-jitter, --straggler and --compute-jitter")
+        scenarios = list(args.scenarios)
+    else:
+        if args.link_jitter and args.link == "none":
+            raise ValueError("--link-jitter needs a shaped --link (e.g. --link 100mbit)")
+        name = "loopback" if args.link == "none" else args.link
+        if args.straggler or args.compute_jitter or args.link_jitter:
+            name += "+custom"
+        scenarios = [Scenario(name=name, link=None if args.link == "none" else args.link,
+                              link_jitter=args.link_jitter, straggler=args.straggler,
+                              compute_jitter=args.compute_jitter)]
+    for s in scenarios:
+        if s.straggler is not None and not s.straggler[0] < workers:
+            raise ValueError(f"--straggler rank {s.straggler[0]} is not a worker: "
+                             f"the study has workers 0..{workers - 1}")
+    if any(s.link for s in scenarios):
+        from gradcomp.lab.cluster import requirements_missing
+
+        reason = requirements_missing()
+        if reason is not None:
+            raise ValueError(f"a shaped link needs the emulated cluster: {reason}")
+    return scenarios
