@@ -206,27 +206,20 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import _validate as v
+from gradcomp import catalog
 from gradcomp.comm import DEFAULT_TIMEOUT, DENSE_ALGORITHMS, allreduce, chunk_bounds, native
 from gradcomp.comm.guard import exclusive
 from gradcomp.comm.policy import CodecPolicy
-from gradcomp.compressors import (BF16, FP16, Compressor, ErrorFeedback, Int8Quantizer,
-                                  NoCompression, TopK)
+from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES", "TOPK_RATIO", "choose",
+__all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES", "choose",
            "fit_link", "start"]
 
-#: density of the top-k candidates (k = 1% of each bucket's elements)
-TOPK_RATIO = 0.01
-#: candidate names and the codec each one builds
+#: candidate names (names of :mod:`gradcomp.catalog`) and the codec each one builds; the
+#: policy keeps the residuals itself (``error_feedback``), whatever codec runs
 CANDIDATES: dict[str, Callable[[], Compressor]] = {
-    "none": NoCompression,
-    "fp16": FP16,
-    "bf16": BF16,
-    "int8": Int8Quantizer,
-    "topk": lambda: TopK(ratio=TOPK_RATIO),
-    "topk-int8": lambda: TopK(ratio=TOPK_RATIO, values=Int8Quantizer()),
-}
+    name: catalog.entry(name).build for name in ("none", "fp16", "bf16", "int8", "topk", "topk-int8")}
 #: the default ladder: none, fp16, int8, top-k 1% with int8 values
 DEFAULT_CANDIDATES = ("none", "fp16", "int8", "topk-int8")
 #: steps to a target accuracy relative to uncompressed training, per named candidate

@@ -57,7 +57,7 @@ import os
 import statistics
 
 from gradcomp.lab.plan.host import Host
-from gradcomp.lab.plan.model import CODECS, MODES, Codec, Setting, allreduce_bytes, predict, ps_bytes
+from gradcomp.lab.plan.model import CODECS, MODES, PlanCodec, Setting, allreduce_bytes, predict, ps_bytes
 from gradcomp.lab.plan.profile import Profile
 
 __all__ = ["load_results", "validate_runs", "breakdown", "fit_host", "run_host", "summary", "REQUIRED_KEYS", "TERMS"]
@@ -143,7 +143,7 @@ def _setting(run: dict, prof: Profile, host: Host | None = None, tensors: int = 
                    ranks_per_host=world, background_load=background)
 
 
-def _measured_bytes(run: dict, c: Codec, s: Setting, algorithm: str) -> int:
+def _measured_bytes(run: dict, c: PlanCodec, s: Setting, algorithm: str) -> int:
     """The model's bytes for ``run`` as the study counts them (sync: sent;
     async: sent + received)."""
     if run["mode"] == "async":
@@ -152,7 +152,7 @@ def _measured_bytes(run: dict, c: Codec, s: Setting, algorithm: str) -> int:
     return allreduce_bytes(c, algorithm, s.params, s.nodes)[0]
 
 
-def _codec(run: dict, s: Setting, algorithm: str) -> Codec:
+def _codec(run: dict, s: Setting, algorithm: str) -> PlanCodec:
     """The run's codec, with the sparse index layout and (threshold) the density
     its recorded bytes imply: the model prices the payloads the run really sent."""
     c = CODECS[run["compressor"]]

@@ -5,10 +5,10 @@ worker before compressing (momentum correction), so a DGC run moves the
 study's momentum from the optimizer into the compressor: the optimizer (the
 DDP ranks' in sync mode, the server's in async mode) is plain SGD with the
 study's learning rate, and ``gc.DGC`` gets ``momentum = cfg.momentum``. Every
-other setting is the study's, so a DGC row differs from ``topk`` rows by the
+other setting is the study's, so a DGC row differs from the ``topk-ef`` rows by the
 DGC fixes and the density alone.
 
-Settings: final density :data:`DGC_RATIO` (0.1%, the paper's, selected per
+Settings: final density :data:`gradcomp.catalog.DGC_DENSITY` (0.1%, the paper's, selected per
 parameter); local clipping off (the study's baseline does not clip either);
 momentum factor masking on; warm-up over ``cfg.dgc_warmup_epochs`` epochs
 (``gradcomp train --dgc-warmup``) from :data:`WARMUP_START` in four stages:
@@ -26,10 +26,8 @@ from gradcomp.compressors import DGC, Compressor
 from gradcomp.lab.study.config import TrainConfig
 from gradcomp.lab.study.data import steps_per_epoch
 
-__all__ = ["DGC_RATIO", "WARMUP_EPOCHS", "WARMUP_START", "dgc_compressor", "optimizer_momentum"]
+__all__ = ["WARMUP_EPOCHS", "WARMUP_START", "dgc_compressor", "optimizer_momentum"]
 
-#: final density of the DGC rows
-DGC_RATIO = 0.001
 #: default warm-up length in epochs of the study's data (``TrainConfig.dgc_warmup_epochs``)
 WARMUP_EPOCHS = TrainConfig.dgc_warmup_epochs
 #: density of the first warm-up stage
