@@ -88,7 +88,8 @@ def main(argv=None) -> int:
         res = launch(_rank, args.workers, (args.steps, args.block), timeout=1200)
         link = "loopback"
     else:
-        from gradcomp.lab.cluster import LocalCluster, format_rate
+        from gradcomp.lab.cluster import LocalCluster
+        from gradcomp.lab.units import format_rate
 
         with LocalCluster(args.workers, rate=args.link) as c:
             res = c.run(_rank, args.steps, args.block, timeout=1200)

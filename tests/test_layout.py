@@ -59,7 +59,7 @@ INTERFACE_NAMES = {
 }
 # public names defined by two modules with different meanings, still to rename
 ALLOWED_DUPLICATE_NAMES = {
-    "Timeline", "format_rate", "parse_rate", "measure", "measure_link", "plot",
+    "Timeline", "measure", "measure_link", "plot",
     "print_report", "run", "run_study", "summary", "write_all", "write_plot", "check_schedule", "decode",
 }
 

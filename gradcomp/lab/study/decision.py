@@ -159,7 +159,7 @@ def decision_doc(aggs: list[Aggregate], target: float, max_gap_pp: float, meta: 
 
 
 def _link_text(link: dict) -> str:
-    from gradcomp.lab.cluster import format_rate
+    from gradcomp.lab.units import format_rate
 
     if not link or not link.get("configured_bps"):
         return "loopback (unshaped)"

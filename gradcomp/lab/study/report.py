@@ -99,7 +99,7 @@ def title(study: StudyResult) -> str:
 
 def link_line(study: StudyResult) -> str:
     """Where the study ran: the scenario and, per mode, the link's configured and achieved rate."""
-    from gradcomp.lab.cluster import format_rate
+    from gradcomp.lab.units import format_rate
 
     parts = []
     for mode, link in study.links.items():
@@ -381,7 +381,7 @@ _PHASE_COLORS = {"compute": "#4c72b0", "compress": "#dd8452", "communicate": "#5
 
 
 def _scenario_title(s: StudyResult) -> str:
-    from gradcomp.lab.cluster import format_rate
+    from gradcomp.lab.units import format_rate
 
     links = [v for v in s.links.values() if v.get("configured_bps")]
     rate = (f", achieved {format_rate(links[0]['achieved_bps'])}" if links and links[0].get("achieved_bps")
