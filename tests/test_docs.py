@@ -113,6 +113,23 @@ def test_every_results_page_says_where_its_figures_come_from():
         assert "| host |" in text, f"{page.name}: no host row"
 
 
+def test_every_doc_page_the_code_points_to_exists():
+    # module docstrings link to their doc page ("docs/adaptive.md"): a renamed page breaks them
+    pointer = re.compile(r"\bdocs/[\w./-]+?\.(?:md|png)\b")
+    sources = [*ROOT.glob("gradcomp/**/*.py"), *ROOT.glob("benchmarks/*"), *ROOT.glob("examples/*.py"),
+               *ROOT.glob("tests/*.py"), ROOT / ".ci" / "run", ROOT / "mkdocs.yml"]
+    seen, missing = set(), []
+    for path in sources:
+        if not path.is_file():
+            continue
+        for ref in pointer.findall(path.read_text(errors="replace")):
+            seen.add(ref)
+            if not (ROOT / ref).is_file():
+                missing.append(f"{path.relative_to(ROOT)}: {ref}")
+    assert "docs/settings.md" in seen  # the scan finds what it should
+    assert not missing, f"doc pages the code names that do not exist: {missing}"
+
+
 @pytest.mark.slow
 def test_the_site_builds_in_strict_mode(tmp_path):
     pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
