@@ -139,6 +139,7 @@ from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.lab.plan.host import Host
 from gradcomp.lab.plan.lognormal import expected_max
 from gradcomp.lab.plan.profile import Profile
+from gradcomp.pipeline.bubble import bubble_fraction
 from gradcomp.ps import protocol as _ps_protocol
 
 __all__ = [
@@ -755,18 +756,6 @@ def predict(mode: str, compressor: str, algorithm: str, s: Setting, prof: Profil
 
 
 # ---- pipeline ----------------------------------------------------------------------
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """GPipe / 1F1B bubble: ``(p - 1) / (m + p - 1)`` of the step is idle.
-
-    Raises:
-        ValueError: ``stages`` or ``microbatches`` not an integer >= 1.
-    """
-    for name, v in (("stages", stages), ("microbatches", microbatches)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    return (stages - 1) / (microbatches + stages - 1)
-
 
 #: share of a step's compute that is forward (backward: the rest, about twice the forward)
 FORWARD_SHARE = 1.0 / 3.0
