@@ -92,6 +92,50 @@ def test_every_gc_name_in_the_readme_and_docs_resolves():
         "\n".join(f"  {c} ({', '.join(sorted(set(where[c])))}): {why}" for c, why in failed.items())
 
 
+def _mentions(pattern: str) -> dict[str, str]:
+    """Each match of ``pattern`` inside an inline code span of the README and docs/ -> a file
+    that mentions it."""
+    found = {}
+    for path in _markdown_files():
+        for span in _INLINE.findall(_FENCE.sub("", path.read_text())):
+            for m in re.finditer(pattern, span):
+                found.setdefault(m.group(1), str(path.relative_to(ROOT)))
+    return found
+
+
+def _resolves(dotted: str) -> bool:
+    """Whether ``a.b.c`` is a module, or an attribute of the longest importable module prefix."""
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError as e:
+            if e.name and not e.name.startswith("gradcomp"):
+                return True  # an optional dependency (triton, cupy) is missing here, not the name
+            continue
+        try:
+            for name in parts[i:]:
+                obj = getattr(obj, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_every_path_and_module_the_docs_name_exists():
+    paths = _mentions(r"(?<![\w./-])((?:gradcomp|benchmarks|examples|tests|csrc)/[\w./*-]*\w/?)")
+    assert "gradcomp/wire.py" in paths and "examples/ddp_hook.py" in paths
+    missing = [f"{p} ({where})" for p, where in paths.items()
+               if not (list(ROOT.glob(p)) if "*" in p else (ROOT / p).exists())]
+    assert not missing, f"paths in the docs that do not exist: {missing}"
+    dotted = _mentions(r"(?<![\w.])(gradcomp(?:\.[A-Za-z]\w*)+)")  # public dotted names
+    assert "gradcomp.adaptive.CONVERGENCE" in dotted
+    unresolved = [f"{d} ({where})" for d, where in dotted.items() if not _resolves(d)]
+    assert not unresolved, f"dotted names in the docs that do not resolve: {unresolved}"
+
+
 def test_the_readme_is_short_and_gives_ci_s_test_command():
     lines = README.read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
