@@ -2,8 +2,8 @@
 
 The alpha-beta model (:mod:`gradcomp.lab.plan.model`) prices every rank as if it
 had a machine to itself. When ``R`` processes of one job run on a host with
-``C`` cores (the time study: 4 workers, plus the parameter server in async
-mode, on 2 cores), three things change, and a :class:`Host` carries the
+``C`` cores (the time study's workers, plus the parameter server in async
+mode, on a host with fewer cores), three things change, and a :class:`Host` carries the
 numbers that describe them:
 
 * **Processor sharing.** ``r`` runnable processes on ``C`` cores each run at
