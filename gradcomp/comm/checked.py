@@ -10,17 +10,25 @@ disagreement envelopes for ranks that skip the check
 replays the rest of the pattern and agrees too, so every rank raises the same
 ``ValueError``. A successful checked call keeps its pattern; any failure
 forgets what the group agreed on (the next call checks again).
+:func:`call_signature` is what a collective call agrees on.
 """
 
 from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-from gradcomp.comm.agreement import Signature, agree, forget, needs_check, pattern, remember_pattern
+import torch
+
+from gradcomp import wire as W
+from gradcomp.comm._args import NAMES, OPS
+from gradcomp.comm.agreement import (Signature, agree, call_identity, digest, forget, needs_check, pattern,
+                                     remember_pattern, signature)
+from gradcomp.comm.dense import Plan
 from gradcomp.comm.p2p import Comm
 from gradcomp.comm.replay import Disagreement, rest_of
+from gradcomp.compressors import Compressor
 
-__all__ = ["run", "check"]
+__all__ = ["run", "check", "call_signature"]
 
 T = TypeVar("T")
 
@@ -82,3 +90,30 @@ def check(comm: Comm, sig: Signature, *, device) -> None:
     except BaseException:
         forget(group)
         raise
+
+
+def call_signature(call: str, numel: int, op: str, algorithm: int, compressor: Compressor, plan: Plan | None,
+                   segments: int, tag, *, details: dict[str, str] | None = None,
+                   labels: dict[int, str] | None = None) -> Signature:
+    """The :class:`~gradcomp.comm.agreement.Signature` of a collective call:
+    its size, op, algorithm code, codec, payload bytes, message pattern (each
+    chunk's payload size and the pipelined ring's segments; for the sparse
+    allgather the fixed payload size, or -1 when it depends on the data) and
+    details (the call's name, :func:`~gradcomp.comm.agreement.call_identity`
+    and ``details``); ``labels`` names algorithm codes beyond the allreduce's.
+
+    Raises:
+        TypeError: a bad ``tag``.
+    """
+    if plan is None:  # the sparse allgather
+        fixed = compressor.wire_nbytes((numel,), torch.float32)
+        wire = -1 if fixed is None else fixed
+        shape = (wire,)
+    else:
+        wire = sum(plan.wire_nbytes)
+        shape = (segments, *plan.wire_nbytes)
+    names = NAMES if not labels else dict(NAMES, algorithm={**NAMES["algorithm"], **labels})
+    return signature(numel=numel, op=OPS.index(op), algorithm=algorithm, codec=W.codec(compressor.codec).id,
+                     wire_nbytes=wire, pattern=digest(shape),
+                     details={"call": call, "tags or calling threads": call_identity(tag), **(details or {})},
+                     labels=names)

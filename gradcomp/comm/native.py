@@ -18,8 +18,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from gradcomp.comm import NATIVE, _check_args, call_signature, member_group
 from gradcomp.comm import checked as _checked
+from gradcomp.comm._args import NATIVE, check_args, member_group
 from gradcomp.comm.agreement import call_identity
 from gradcomp.comm.chunks import ring_raw_bytes
 from gradcomp.comm.dense import Plan
@@ -56,7 +56,7 @@ def allreduce(tensor: torch.Tensor, *, op: str = "avg", group=None, meter: Traff
             not float32; the ranks' calls differ);
         TimeoutError / RuntimeError: a slow or dead peer.
     """
-    _check_args(tensor, NoCompression(), op, "ring", timeout, residual, out, meter)
+    check_args(tensor, NoCompression(), op, "ring", timeout, residual, out, meter)
     if tensor.dtype != torch.float32:
         raise TypeError(f"tensor must be float32 for the backend's allreduce, got {tensor.dtype}")
     call_identity(tag)  # a bad tag raises here
@@ -74,7 +74,7 @@ def allreduce(tensor: torch.Tensor, *, op: str = "avg", group=None, meter: Traff
         if world > 1:
             comm = Comm(group, timeout, meter)
             # the float32 chunks' sizes stand for the message pattern (the backend's own)
-            sig = call_signature("gradcomp.allreduce", n, op, NATIVE, NoCompression(),
+            sig = _checked.call_signature("gradcomp.allreduce", n, op, NATIVE, NoCompression(),
                                  Plan(n, world, NoCompression()), 0, tag)
             # on every call: a rank that skipped it would be waiting in the backend's
             # collective, where no disagreement envelope reaches it

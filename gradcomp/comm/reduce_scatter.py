@@ -22,6 +22,7 @@ from gradcomp import _validate as v
 from gradcomp import timeline as _timeline
 from gradcomp.comm import checked as _checked
 from gradcomp.comm import two_phase as _two_phase
+from gradcomp.comm._args import DEFAULT_TIMEOUT, INPUT_DTYPES, check_args, member_group
 from gradcomp.comm.agreement import call_identity
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.dense import Plan
@@ -114,10 +115,8 @@ def reduce_scatter(
         TimeoutError / RuntimeError / gradcomp.PayloadError: as
             :func:`gradcomp.allreduce`.
     """
-    from gradcomp.comm import DEFAULT_TIMEOUT, _check_args, member_group  # (this module is imported by it)
-
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
-    _check_args(tensor, compressor, op, "two_phase", timeout, residual, None, meter)
+    check_args(tensor, compressor, op, "two_phase", timeout, residual, None, meter)
     v.flag("check", check)
     call_identity(tag)  # a bad tag raises here
     factor = v.real("factor", factor)
@@ -191,17 +190,13 @@ def agree_settings(comm: Comm, numel: int, compressor: Compressor, op: str, devi
 
 
 def _signature(numel: int, op: str, plan: Plan, tag, details: dict[str, str] | None = None):
-    from gradcomp.comm import call_signature  # (this module is imported by it)
-
-    return call_signature("gradcomp reduce_scatter", numel, op, AGREEMENT_CODE, plan.compressor, plan, 0, tag,
+    return _checked.call_signature("gradcomp reduce_scatter", numel, op, AGREEMENT_CODE, plan.compressor, plan, 0, tag,
                           details=details, labels={AGREEMENT_CODE: "reduce_scatter"})
 
 
 def _check_out(out, numel: int, device) -> None:
     if out is None:
         return
-    from gradcomp.comm import INPUT_DTYPES
-
     if (not isinstance(out, torch.Tensor) or out.dtype not in INPUT_DTYPES or out.numel() != numel
             or out.device != torch.device(device) or not out.is_contiguous()):
         got = (f"{out.dtype} with {out.numel()} elements on {out.device}"
