@@ -16,9 +16,7 @@ or key whatever codec made them. Every switch is logged with the predictions it 
 (:attr:`Adaptive.switches`, :attr:`gradcomp.TrafficMeter.switches`).
 
 The rule in full (what is measured, the agreement, the prediction and its cautions, the start
-under a link prior, the model's limits): docs/adaptive.md. Every rank must hold a policy with
-the same settings (the link prior above all: it decides the first codec): :meth:`Adaptive.agree`
-checks them before a group's first call, or every rank raises the same ``ValueError``.
+under a link prior, the model's limits): docs/adaptive.md.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import datetime
 import math
 import statistics
 import time
-import weakref
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -37,10 +34,9 @@ import torch.distributed as dist
 from gradcomp import _validate as v
 from gradcomp import catalog
 from gradcomp.comm import DEFAULT_TIMEOUT, DENSE_ALGORITHMS, allreduce, chunk_bounds, native
-from gradcomp.comm.agreement import call_identity
 from gradcomp.comm.guard import exclusive
 from gradcomp.comm.policy import CodecPolicy
-from gradcomp.comm.settings import agree_settings, compressor_text
+from gradcomp.comm.settings import compressor_text
 from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
 from gradcomp.meter import TrafficMeter
 
@@ -79,22 +75,6 @@ KERNEL_REUSE = 2.0
 CHANGE = 2.0
 #: largest wait (decisions) before a lighter move after repeated reverts
 MAX_PATIENCE = 64
-# the tag of a DDP bucket's collective: the hook's communication thread has a name of its own per process
-_DDP_TAG = "gradcomp.ddp"
-
-
-class _GroupSet:
-    """Process groups held weakly (a group object made later at the same address is not in it)."""
-
-    def __init__(self):
-        self._refs: dict[int, weakref.ref] = {}
-
-    def __contains__(self, group) -> bool:
-        ref = self._refs.get(id(group))
-        return ref is not None and ref() is group
-
-    def add(self, group) -> None:
-        self._refs[id(group)] = weakref.ref(group)
 
 
 @dataclass(frozen=True)
@@ -442,7 +422,6 @@ class Adaptive(CodecPolicy):
 
     Raises:
         TypeError / ValueError: a bad argument (named in the message).
-        ValueError: (at a group's first call, on every rank) the ranks' policies differ.
     """
 
     def __init__(
@@ -494,7 +473,6 @@ class Adaptive(CodecPolicy):
         self._in_step: list[tuple[_Track, Timing, float]] = []  # (track, sample, end) of the open step
         # collective bookkeeping: key -> (calls, end of the last call)
         self._calls: dict[Hashable, tuple[int, float]] = {}
-        self._agreed_groups: _GroupSet | None = None  # groups whose ranks agreed on the settings
 
     # ---- public ----------------------------------------------------------------
     @property
@@ -521,10 +499,6 @@ class Adaptive(CodecPolicy):
         Between two calls of a key, the caller's time counts as the compute
         the communication could hide behind.
 
-        The first call on a group checks that every rank of it holds a policy
-        with the same settings (the link prior included: it decides the first
-        codec), see :meth:`agree`.
-
         Args:
             tensor, op, group, meter, timeout, out, check, tag: as for :func:`gradcomp.allreduce`.
             algorithm: for the dense candidates, ``"ring"`` or ``"two_phase"``
@@ -538,20 +512,18 @@ class Adaptive(CodecPolicy):
             The reduced tensor (bit-identical on every rank).
 
         Raises:
-            ValueError: ``algorithm`` is not a dense algorithm; the ranks'
-                policies differ (on every rank, naming the setting); anything
+            ValueError: ``algorithm`` is not a dense algorithm; anything
                 :func:`gradcomp.allreduce` raises.
         """
         v.choice("algorithm", algorithm, DENSE_ALGORITHMS)
         v.key(key)
-        call_identity(tag)  # a bad tag raises here
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}")
         if not dist.is_initialized():
             raise RuntimeError("gradcomp.allreduce needs torch.distributed initialised "
                                "(dist.init_process_group or gradcomp.launch)")
         group = dist.group.WORLD if group is None else group
-        self.agree(group, timeout=timeout, device=tensor.device, meter=meter)
+        self.agree(group, timeout=timeout, device=tensor.device, meter=meter)  # once per group
         began = self.clock()
         calls, last_end = self._calls.get(key, (0, None))
         track = self._track(key, tensor.numel(), dist.get_world_size(group), algorithm, tensor.dtype)
@@ -562,42 +534,16 @@ class Adaptive(CodecPolicy):
         if residual is None and self.error_feedback and self.lossy:
             residual = self._residual(key, tensor)
         compute = began - last_end if last_end is not None else None
-        result, sample = self._run(track, tensor, calls, compute, op=op, algorithm=algorithm, group=group,
-                                   meter=meter, timeout=timeout, residual=residual, out=out, check=check,
-                                   tag=tag)
+        result, sample = self._run(track, tensor, calls, compute, op=op, algorithm=algorithm, group=group, tag=tag,
+                                   meter=meter, timeout=timeout, residual=residual, out=out, check=check)
         if sample.compute_s is not None:
             track.samples.append((sample.comm_s, sample.compute_s, sample.comm_s))
         self._calls[key] = (calls + 1, self.clock())
         return result
 
-    def agree(self, group=None, *, timeout: float = DEFAULT_TIMEOUT, device="cpu",
-              meter: TrafficMeter | None = None) -> None:
-        """Check, once per group, that every rank of ``group`` holds a policy
-        with the same settings: candidates, convergence factors, ``interval``,
-        ``probe``, ``upper``, ``lower``, ``patience``, ``memory``, ``link`` and
-        ``error_feedback`` (:func:`gradcomp.comm.settings.agree_settings`).
-        They decide every rank's codec from agreed numbers; a rank with another
-        prior would start on another codec and wait out the timeout in a
-        collective its peers never join. :meth:`allreduce` and the DDP hook
-        call it before a group's first call; every rank must reach it.
-
-        Raises:
-            ValueError: the ranks' settings differ (on every rank, naming the
-                first setting that differs and each rank's value, e.g. the priors).
-            TimeoutError / RuntimeError: a peer did not answer within ``timeout`` seconds.
-        """
-        group = dist.group.WORLD if group is None else group
-        if self._agreed_groups is None:
-            self._agreed_groups = _GroupSet()
-        if group in self._agreed_groups:
-            return
-        settings = {"candidates": [compressor_text(c) for c in self.candidates],
-                    "convergence": self.convergence, "interval": self.interval, "probe": self.probe,
-                    "upper": self.upper, "lower": self.lower, "patience": self.patience,
-                    "memory": self.memory, "link (latency_s, bytes_per_s)": self.link,
-                    "error_feedback": self.error_feedback}
-        agree_settings(group, "gradcomp.Adaptive", settings, timeout=timeout, device=device, meter=meter)
-        self._agreed_groups.add(group)
+    def settings(self) -> dict:  # what decides the codecs (CodecPolicy.settings)
+        names = ("link", "interval", "probe", "upper", "lower", "patience", "memory", "convergence")
+        return {"candidates": [compressor_text(c) for c in self.candidates], **{n: getattr(self, n) for n in names}}
 
     # ---- DDP hook side (gradcomp.ddp) ---------------------------------------------
     def ticket(self, step: int, bucket: int, numel: int) -> _Ticket:
@@ -605,10 +551,9 @@ class Adaptive(CodecPolicy):
         return _Ticket(step, bucket, numel, self.clock())
 
     def reduce_bucket(self, ticket: _Ticket, buf: torch.Tensor, residual: torch.Tensor | None, *,
-                      algorithm: str, group, meter: TrafficMeter | None, timeout: float) -> None:
+                      algorithm: str, group, meter: TrafficMeter | None, timeout: float, tag=None) -> None:
         """Average ``buf`` in place with the bucket's codec (communication thread,
-        buckets in DDP's order, the same on every rank)."""
-        self.agree(group, timeout=timeout, device=buf.device, meter=meter)
+        buckets in DDP's order, the same on every rank; ``tag`` as for :func:`gradcomp.allreduce`)."""
         if ticket.step != self._step:
             self._close_step()
             self._step = ticket.step
@@ -621,9 +566,8 @@ class Adaptive(CodecPolicy):
             self._start(track, group, timeout, buf.device, ticket.step, meter)
         compute = ticket.handed - self._free if self._free is not None else None
         self._free = ticket.handed
-        _, sample = self._run(track, buf, ticket.step, compute, op="avg", algorithm=algorithm, group=group,
-                              meter=meter, timeout=timeout, residual=residual, out=buf, check=track.changed,
-                              tag=_DDP_TAG)
+        _, sample = self._run(track, buf, ticket.step, compute, op="avg", algorithm=algorithm, group=group, tag=tag,
+                              meter=meter, timeout=timeout, residual=residual, out=buf, check=track.changed)
         self._in_step.append((track, sample, self.clock()))
 
     def _close_step(self) -> None:
@@ -874,13 +818,11 @@ class Adaptive(CodecPolicy):
         state["_step"] = state["_free"] = None
         state["_calls"] = {}
         state["_cleared"] = {}  # the restored residuals are other tensors
-        state["_agreed_groups"] = None  # process groups are runtime objects
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_cleared", {})  # a policy pickled before this field existed
-        self.__dict__.setdefault("_agreed_groups", None)
 
     def __repr__(self) -> str:
         conv = dict(zip(self.names, self.convergence))

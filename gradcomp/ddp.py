@@ -71,6 +71,8 @@ __all__ = ["GradCompState", "compressed_allreduce_hook", "DEFAULT_MIN_COMPRESS_N
 
 logger = logging.getLogger(__name__)
 
+# the tag of the hook's collectives: its communication thread's name differs per process
+_TAG = "gradcomp.ddp"
 #: buckets with fewer elements go uncompressed (64 KiB of float32: below that,
 #: the bytes saved are worth less than the ring's 2 (N - 1) message latencies)
 DEFAULT_MIN_COMPRESS_NUMEL = 16384
@@ -360,6 +362,8 @@ class GradCompState:
             if not self._agreed:  # which buckets go compressed, and how, must be the same everywhere
                 agree_settings(self._group, "gradcomp.ddp.GradCompState", self._settings(), timeout=self.timeout,
                                device=buf.device, meter=self.meter)
+                if self.adaptive is not None:
+                    self.adaptive.agree(self._group, timeout=self.timeout, device=buf.device, meter=self.meter)
                 self._agreed = True
             if compress:
                 self._reduce_compressed(buf, segments, step, ticket)
@@ -401,7 +405,7 @@ class GradCompState:
         if ticket is not None:  # the adaptive policy picks the codec and checks on each switch
             residual = self._bucket_state(self.residuals, segments, buf) if segments is not None else None
             self.adaptive.reduce_bucket(ticket, buf, residual, algorithm=self.algorithm, group=self._group,
-                                        meter=self.meter, timeout=self.timeout)
+                                        meter=self.meter, timeout=self.timeout, tag=_TAG)
             return
         compressor, residual = self.compressor, None
         if self.dgc is not None and segments is not None:
@@ -414,7 +418,7 @@ class GradCompState:
         # settings; later buckets rely on DDP's identical bucket layout
         allreduce(buf, compressor, op="avg", algorithm=self.algorithm, group=self._group,
                   meter=self.meter, timeout=self.timeout, residual=residual, out=buf,
-                  check=not self._checked, tag="gradcomp.ddp")  # the thread's name differs per process
+                  check=not self._checked, tag=_TAG)
         self._checked = True
 
     def _settings(self) -> dict[str, object]:

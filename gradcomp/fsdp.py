@@ -65,7 +65,7 @@ from gradcomp import wire as W
 from gradcomp.comm import DEFAULT_TIMEOUT, INPUT_DTYPES, reduce_scatter
 from gradcomp.comm import checked as _checked
 from gradcomp.comm.agreement import signature
-from gradcomp.comm.reduce_scatter import agree_settings
+from gradcomp.comm.reduce_scatter import agree_reduce_scatter
 from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
 from gradcomp.meter import TrafficMeter
@@ -79,8 +79,6 @@ _RedOpType = dist.ReduceOp.RedOpType
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 # an ambiguous layout search stops at this many distinct partial sums
 _MAX_LAYOUTS = 4096
-# the tag of gradcomp's reduce-scatters here: FSDP may call them from any thread
-_TAG = "gradcomp.fsdp"
 
 
 class CompressedReduceScatter(ReduceScatter):
@@ -181,7 +179,7 @@ class CompressedReduceScatter(ReduceScatter):
         described = (id(module), n, op_name, world)
         reduce_scatter(inp, self.compressor, op=op_name, factor=factor, group=own, meter=self.meter,
                        timeout=self.timeout, residual=residual, out=output.view(-1),
-                       check=described not in self._agreed, tag=_TAG)
+                       check=described not in self._agreed, tag="gradcomp.fsdp")  # from any thread
         self._agreed.add(described)
         return None
 
@@ -240,8 +238,8 @@ class CompressedReduceScatter(ReduceScatter):
         if world == 1:
             return
         n = world * sum(p[3] for p in module._params(world))
-        agree_settings(Comm(own, self.timeout, self.meter), n, self.compressor, "avg", device,
-                       details=module.details(world), tag=_TAG)
+        agree_reduce_scatter(Comm(own, self.timeout, self.meter), n, self.compressor, "avg", device,
+                       details=module.details(), tag="gradcomp.fsdp")
         self._agreed.add((id(module), n, "avg", world))
 
     def _bind(self, name: str, param_group, names: dict[int, str]) -> "_BoundReduceScatter":
@@ -387,33 +385,26 @@ class CompressedAllGather(AllGather):
         return None
 
 
-    def _agree(self, comm: Comm, m: int, dtype: torch.dtype, device,
-               details: dict[str, str] | None = None) -> None:
+    def _agree(self, comm: Comm, m: int, dtype: torch.dtype, device) -> None:
         """Every rank gathers ``m`` elements of ``dtype`` with the same
-        compressor (and, at :func:`apply`, the same parameter layout
-        ``details``): checked once per size (at :func:`apply`, or the first gather)."""
+        compressor: checked once per size (at :func:`apply`, or the first gather)."""
         described = (m, comm.world_size, dtype)
         if described in self._agreed or comm.world_size == 1:
             return
         sig = signature(numel=comm.world_size * m, algorithm=_ALLGATHER_CODE,
-                        codec=W.codec(self.compressor.codec).id,
-                        wire_nbytes=self.compressor.wire_nbytes((m,), dtype),
-                        details={"call": "gradcomp.fsdp parameter all-gather", "dtype": str(dtype),
-                                 **(details or {})},
+                        codec=W.codec(self.compressor.codec).id, wire_nbytes=self.compressor.wire_nbytes((m,), dtype),
+                        details={"call": "gradcomp.fsdp parameter all-gather", "dtype": str(dtype)},
                         labels={"algorithm": {_ALLGATHER_CODE: "fsdp parameter all-gather"}})
         _checked.check(comm, sig, device=device)
         self._agreed.add(described)
 
-    def _agree_settings(self, module: "_Module", own: dist.ProcessGroup) -> None:
+    def _agree_settings(self, param_group, own: dist.ProcessGroup) -> None:
         """:meth:`_agree` at :func:`apply` for a module whose parameters gather in one float dtype."""
-        param_group = module.param_group
         policy = param_group.mp_policy
         dtypes = {policy.param_dtype or fp.sharded_param.dtype for fp in param_group.fsdp_params}
         if len(dtypes) == 1 and next(iter(dtypes)) in INPUT_DTYPES:
             m = sum(fp.padded_sharded_param_size.numel() for fp in param_group.fsdp_params)
-            world = dist.get_world_size(own)
-            self._agree(Comm(own, self.timeout, self.meter), m, dtypes.pop(), param_group.device,
-                        module.details(world))
+            self._agree(Comm(own, self.timeout, self.meter), m, dtypes.pop(), param_group.device)
 
 
 class _Module:
@@ -441,19 +432,15 @@ class _Module:
             out.append((self._names.get(id(p), f"{self.name}#{i}"), shape, dim, per))
         return out
 
-    def details(self, world: int) -> dict[str, str]:
-        """What the ranks agree on for this module (:func:`apply`): its name and
-        each parameter's name, shape, dtype (and the dtype FSDP reduces it
-        in) and shard dim, in FSDP's order; a trainable flag for every one."""
-        policy = self.param_group.mp_policy
-        out = {"FSDP module": self.name or "<root>"}
+    def details(self) -> dict[str, str]:
+        """What the ranks agree on at :func:`apply`: the module's name and, in FSDP's order, each
+        parameter's name, shape, dtype, the dtype FSDP reduces it in, shard dim and whether it trains."""
+        policy, out = self.param_group.mp_policy, {"FSDP module": self.name or "<root>"}
         for i, fp in enumerate(self.param_group.fsdp_params):
             p = fp.sharded_param
-            reduce = policy.reduce_dtype or policy.param_dtype or p.dtype
-            shape = tuple(fp._orig_size) if hasattr(fp, "_orig_size") else tuple(p.shape)
-            out[f"parameter {i}"] = (f"{self._names.get(id(p), '?')}: shape {shape}, {p.dtype} "
-                                     f"(reduced in {reduce}), shard dim {fp.fsdp_placement.dim}"
-                                     + ("" if p.requires_grad else ", frozen"))
+            out[f"parameter {i}"] = (f"{self._names.get(id(p), '?')}: shape {tuple(p.shape)}, {p.dtype} (reduced in "
+                                     f"{policy.reduce_dtype or policy.param_dtype or p.dtype}), shard dim "
+                                     f"{fp.fsdp_placement.dim}" + ("" if p.requires_grad else ", frozen"))
         return out
 
     def layout(self, n: int, world: int, rank: int) -> list[tuple[tuple, int, int]] | None:
@@ -578,7 +565,7 @@ def apply(module: nn.Module, compressor: Compressor | None = None, error_feedbac
         own = comm.groups.get(group)
         comm._agree_settings(b.module, own, b.module.device)
         if comm.allgather is not None:
-            comm.allgather._agree_settings(b.module, own)
+            comm.allgather._agree_settings(b.module.param_group, own)
     for m, b, group in bound:
         m.set_custom_reduce_scatter(b)
         if comm.allgather is not None:

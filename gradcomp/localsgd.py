@@ -58,21 +58,12 @@ parameters, so the fragment's last ``tau`` local steps are dropped (the
 paper's mixing factor ``alpha = 0``, torchft's default; it keeps the ranks
 bit-identical). At most one exchange is in flight at a time.
 
-Agreement: every rank must construct it with the same schedule
-(``sync_every``, ``fragments``, ``overlap``), codec, algorithm, error
-feedback, outer optimizer and parameters (names, shapes, dtypes): the
-constructor checks them over the group before anything else moves
-(:func:`gradcomp.comm.settings.agree_settings`) and every rank raises the same
-``ValueError`` naming the first difference.
-
 Traffic: the exchanges run on a process group of gradcomp's own (made with
 ``dist.new_group`` over ``group``'s ranks), so they never interleave with the
-user's collectives, also from the background thread. The constructor's
-settings agreement and each fragment's first exchange check that the ranks
-agree (:mod:`gradcomp.comm.agreement`, a 56-byte signature per peer; from the
-second fragment on, once, also the previous fragment's disagreement
-envelopes, at most 8 bytes per message piece); later ones rely on every rank
-running the agreed schedule. ``meter``
+user's collectives, also from the background thread. The constructor checks
+that every rank passed the same schedule, codec, outer optimizer and
+parameters (docs/local-sgd.md), each fragment's first exchange that the ranks
+agree (:mod:`gradcomp.comm.agreement`); later ones rely on that. ``meter``
 gets the bytes per phase as :func:`gradcomp.allreduce` records them and one
 :meth:`~gradcomp.TrafficMeter.step` per :meth:`LocalSGD.step`. A ring
 exchange of a fragment of ``n`` elements sends ``2 (N - 1)`` chunk payloads

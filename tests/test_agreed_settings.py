@@ -80,8 +80,8 @@ def test_localsgd_settings_are_agreed_at_construction():
 
 # ---- the adaptive codec ----------------------------------------------------------------------
 ADAPTIVE = {  # case -> (setting named, rank 0's policy, rank 1's policy)
-    "priors": ("link (latency_s, bytes_per_s)", {"link": PRIOR}, {"link": (1e-4, 1.3e8)}),
-    "prior_and_none": ("link (latency_s, bytes_per_s)", {"link": PRIOR}, {}),
+    "priors": ("link", {"link": PRIOR}, {"link": (1e-4, 1.3e8)}),
+    "prior_and_none": ("link", {"link": PRIOR}, {}),
     "interval": ("interval", {}, {"interval": 5}),
     "candidates": ("candidates", {}, {"candidates": ("none", "int8")}),
     "same": (None, {"link": PRIOR}, {"link": PRIOR}),

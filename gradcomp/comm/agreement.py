@@ -1,26 +1,21 @@
 """Every rank checks, before any payload moves, that all ranks made the same call.
 
-A collective is only well defined when every rank passes the same tensor
-size, ``op``, algorithm and compressor settings; a mismatch makes gloo abort
-a process (a message longer than the receive posted for it) or silently
-returns different values. So a call starts with an *agreement*: every rank
-sends its :class:`Signature`, a fixed-size row of little-endian int64
-(:data:`FIELDS`: the message pattern, the op and a digest of the call's
-``details`` such as its tag or calling thread, or a component's settings),
-to every other rank (:data:`SIGNATURE_NBYTES` each, tag :data:`TAG`). Every
-rank compares all rows; when the digests differ the ranks also exchange the
-details themselves (lengths first, so every receive has its exact size), and
-every rank raises the same ``ValueError`` naming the first difference and each
-rank's value, before any payload is compressed or sent: no residual changes,
-and the group stays usable.
-
-A call agrees only when its signature differs from the last one its group
-agreed on (:func:`needs_check`): a loop that repeats a call pays one
-agreement. A rank alone changing its call reaches the ranks that skip their
-check through disagreement envelopes (:mod:`gradcomp.comm.replay`), posted
-with its agreement (on gloo; NCCL ignores point-to-point tags, so there that
-case is as undefined as any mismatched NCCL collective). The memory goes with
-the group object (a new group never inherits it) and a failed call forgets it.
+A mismatched collective makes gloo abort a process (a message longer than the
+receive posted for it) or silently returns different values. So a call starts
+with an *agreement*: every rank sends its :class:`Signature`, a fixed-size row
+of little-endian int64 (:data:`FIELDS`: the message pattern, the op and a
+digest of the call's details such as its tag or calling thread, or a
+component's settings), to every other rank (tag :data:`TAG`). When the digests
+differ the ranks also exchange the details (lengths first, so every receive
+has its exact size). Every rank then raises the same ``ValueError`` naming the
+first difference and each rank's value, before any payload is compressed or
+sent; the group stays usable. A call agrees only when its signature differs
+from the last one its group agreed on (:func:`needs_check`), so a loop that
+repeats a call pays once; a rank alone changing its call reaches the ranks
+that skip their check through disagreement envelopes (:mod:`gradcomp.comm.replay`;
+on gloo: NCCL ignores tags, so there that case is as undefined as any
+mismatched NCCL collective). The memory goes with the group object and a
+failed call forgets it (:func:`forget`). More: docs/collectives.md.
 """
 
 from __future__ import annotations

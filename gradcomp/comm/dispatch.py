@@ -176,12 +176,12 @@ def allreduce(
             timed out closed its connections first).
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
-    if isinstance(compressor, CodecPolicy):
+    call_identity(tag)  # a bad tag raises here
+    if isinstance(compressor, CodecPolicy):  # it checks its arguments and agrees on its settings
         return compressor.allreduce(tensor, op=op, algorithm=algorithm, group=group, meter=meter,
                                     timeout=timeout, key=key, residual=residual, out=out, check=check, tag=tag)
     check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
     v.flag("check", check)
-    call_identity(tag)  # a bad tag raises here
     group = member_group(group, "gradcomp.allreduce")
     x = tensor.detach()
     if dist.get_world_size(group) == 1:

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 __all__ = ["exclusive"]
 
-_COND = threading.Condition()
+_LOCK = threading.Condition()
 # id(group) -> (group, thread name, thread ident): the group is held while its call runs
 _IN_USE: dict[int, tuple[object, str, int]] = {}
 
@@ -43,7 +43,7 @@ def exclusive(group, what: str = "gradcomp.allreduce", timeout: float | None = N
     """
     key, me = id(group), threading.get_ident()
     deadline = None if timeout is None else time.monotonic() + timeout
-    with _COND:
+    with _LOCK:
         while True:
             held = _IN_USE.get(key)
             if held is None or held[0] is not group:
@@ -57,11 +57,11 @@ def exclusive(group, what: str = "gradcomp.allreduce", timeout: float | None = N
                     f"{what}: the process group was in use by thread {held[1]!r} of this process for more "
                     f"than {timeout} s; collectives of several threads on one group run one at a time "
                     "(give each thread its own group, torch.distributed.new_group, to run them concurrently)")
-            _COND.wait(left)
+            _LOCK.wait(left)
         _IN_USE[key] = (group, threading.current_thread().name, me)
     try:
         yield
     finally:
-        with _COND:
+        with _LOCK:
             _IN_USE.pop(key, None)
-            _COND.notify_all()
+            _LOCK.notify_all()

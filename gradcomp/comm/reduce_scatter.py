@@ -31,7 +31,7 @@ from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import Compressor, ErrorFeedback, split
 
-__all__ = ["reduce_scatter", "agree_settings", "AGREEMENT_CODE"]
+__all__ = ["reduce_scatter", "agree_reduce_scatter", "AGREEMENT_CODE"]
 
 #: the ``algorithm`` code this collective agrees under (the allreduce
 #: algorithms use small codes), so a rank calling it while another calls
@@ -167,7 +167,7 @@ def reduce_scatter(
     return result
 
 
-def agree_settings(comm: Comm, numel: int, compressor: Compressor, op: str, device, *,
+def agree_reduce_scatter(comm: Comm, numel: int, compressor: Compressor, op: str, device, *,
                    details: dict[str, str] | None = None, tag: str | int | None = None) -> None:
     """The agreement :func:`reduce_scatter` makes with ``check=True``, on its own.
 
@@ -190,8 +190,8 @@ def agree_settings(comm: Comm, numel: int, compressor: Compressor, op: str, devi
 
 
 def _signature(numel: int, op: str, plan: Plan, tag, details: dict[str, str] | None = None):
-    return _checked.call_signature("gradcomp reduce_scatter", numel, op, AGREEMENT_CODE, plan.compressor, plan, 0, tag,
-                          details=details, labels={AGREEMENT_CODE: "reduce_scatter"})
+    return _checked.call_signature("gradcomp reduce_scatter", numel, op, AGREEMENT_CODE, plan.compressor, plan,
+                                   0, tag, details=details, labels={AGREEMENT_CODE: "reduce_scatter"})
 
 
 def _check_out(out, numel: int, device) -> None:

@@ -1,31 +1,21 @@
 """Disagreement envelopes: how a rank that changed its call reaches ranks that did not check.
 
 A rank whose call equals the one its group last agreed on skips the agreement
-(:mod:`gradcomp.comm.agreement`) and posts that call's messages at once. A
-rank that changed its call must not leave such a rank waiting for payloads
-that never come, nor send it anything longer than the receive it posted
-(gloo aborts the receiving process when a message is longer than its
-receive). So it *replays* the remembered message pattern of the last agreed
-call (its ``"reduce_scatter"`` and ``"sizes"`` exchanges, the same on every
-rank: deterministic given the agreed signature): every receive of the
-pattern is posted at its remembered size, and every send, piece by piece
-(the peers, tags and cuts the payload would have), becomes a *disagreement
-envelope*: the first ``min(8, piece size)`` bytes of :data:`ENVELOPE`, never
-longer than the receive it meets. A rank that skipped the check finds an
-envelope where its decoder expected a payload header (:func:`raise_if_envelope`
-raises :class:`Disagreement`; an 8-byte size reads :data:`ENVELOPE`),
-replays the rest of the pattern in the same way, and agrees too. The
-pattern reaches every rank: the ring's reduce-scatter has ``N - 1`` hops, so
-an envelope travels it to the end; two-phase and the size exchange are
-direct. Every receive posted is matched by one send no longer than it, so no
-process aborts and the group stays usable.
-
-Traffic (meter phase ``"agreement"``): the envelopes (at most 8 bytes per
-piece) and what the receives really got (8 bytes per piece from a rank that
-replays, the payload from one that did not check). On NCCL, which matches a
-receive only with a send of the same size (and ignores tags), every envelope
-is as long as the piece it replaces, zero-padded: a changed call then costs
-the previous call's reduce-scatter bytes again.
+and posts that call's messages at once. A rank that changed its call must not
+leave it waiting for payloads that never come, nor send it a message longer
+than the receive it posted (gloo aborts on that). So it *replays* the
+remembered message pattern of the last agreed call (its ``"reduce_scatter"``
+and ``"sizes"`` exchanges, deterministic given the agreed signature): every
+receive at its remembered size, and every send, piece by piece (the payload's
+peers, tags and cuts), as a *disagreement envelope*: the first ``min(8, piece)``
+bytes of :data:`ENVELOPE` (on NCCL, which matches only equal sizes, the whole
+piece, zero-padded). A rank that skipped the check finds an envelope where it
+expected a payload header (:class:`Disagreement`), replays the rest of the
+pattern and agrees too; the ring's ``N - 1`` hops carry it to every rank. Every
+receive is matched by one send no longer than it, so no process aborts.
+Traffic (meter phase ``"agreement"``): the envelopes, and what the receives
+really got (8 bytes per piece from a rank that replays, the payload from one
+that did not check).
 """
 
 from __future__ import annotations
