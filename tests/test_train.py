@@ -15,6 +15,7 @@ import torch
 
 import gradcomp as gc
 from gradcomp.comm import chunk_bounds
+from gradcomp.comm.agreement import SIGNATURE_NBYTES
 from gradcomp.launch import WorkerError
 from gradcomp.ps import protocol as P
 from gradcomp.lab.study import command
@@ -212,9 +213,10 @@ def test_study_bytes_match_the_wire_formulas(tiny_study):
 
     sync_none, sync_int8 = runs["sync", "none"], runs["sync", "int8"]
     # the whole model is one DDP bucket, compressed from the first step; the
-    # hook checks the ranks' settings once (40 bytes to the other rank)
+    # hook checks the ranks' settings and then its call once (a signature each
+    # to the other rank)
     assert sync_int8["bytes_per_worker_per_step"] == pytest.approx(
-        _int8_ring_bytes_per_rank(n, 2) + 40 / 24, rel=1e-12)
+        _int8_ring_bytes_per_rank(n, 2) + 2 * SIGNATURE_NBYTES / 24, rel=1e-12)
     raw_ring = 2 * (2 - 1) / 2 * 4 * n
     assert sync_int8["raw_bytes_per_worker_per_step"] == raw_ring
     assert sync_none["bytes_per_worker_per_step"] == pytest.approx(raw_ring, rel=1e-3)
@@ -245,8 +247,10 @@ def test_the_native_row_runs_every_bucket_on_the_backends_allreduce(tmp_path):
     runs = {r["compressor"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
     native, none = runs["native"], runs["none"]
     raw_ring = 2 * (2 - 1) / 2 * 4 * num_parameters(make_model(0))  # nominal float32 ring bytes, no header
-    assert native["bytes_per_worker_per_step"] == native["raw_bytes_per_worker_per_step"] == raw_ring
-    assert set(native["meter"]["phases"]) == {"plain_allreduce"}
+    assert native["raw_bytes_per_worker_per_step"] == raw_ring
+    # and, once, the hook's settings checked with the other rank (one signature)
+    assert native["bytes_per_worker_per_step"] == pytest.approx(raw_ring + SIGNATURE_NBYTES / 12, rel=1e-12)
+    assert set(native["meter"]["phases"]) == {"plain_allreduce", "agreement"}
     assert "plain_allreduce" not in none["meter"]["phases"]  # none: gradcomp's ring
     assert native["test_accuracy"] == pytest.approx(none["test_accuracy"], abs=0.05)
 
