@@ -182,6 +182,8 @@ def main(argv=None) -> int:
                              "default: loopback")
     parser.add_argument("--out", default=None, help="JSON file for every figure")
     args = parser.parse_args(argv)
+    import torch  # noqa: F401  (before gradcomp's modules: importing torch first from inside one fails)
+
     from gradcomp.cluster import launch_on  # the lab's runner: loopback, or the emulated cluster
 
     pairs, mismatches, settings, links = [], [], {}, {}
