@@ -32,10 +32,10 @@ _SEED = re.compile(r"(, )?\bseed=\d+(, )?")
 
 
 def setting_text(value) -> str:
-    """How a setting is compared and printed: a str as it is, else ``repr``
-    (exact for floats) with object addresses left out (they differ between processes), a function or
+    """How a setting is compared and printed: a str as it is, a function or
     class by its qualified name, a ``functools.partial`` by its function and
-    arguments."""
+    arguments, anything else by its ``repr`` (exact for floats) without object
+    addresses (they differ between processes)."""
     if isinstance(value, str):  # already a text (e.g. a compressor's, from compressor_text)
         return value
     if isinstance(value, functools.partial):
@@ -70,7 +70,7 @@ def agree_settings(group, what: str, settings: Mapping[str, object], *, timeout:
     Raises:
         ValueError: the ranks passed different settings (on every rank: the
             first setting that differs and each rank's value).
-        RuntimeError: another thread of this process is in a gradcomp call on ``group``.
+        RuntimeError: another thread of this process held ``group`` for more than ``timeout`` seconds.
         TimeoutError / RuntimeError: a peer did not answer within ``timeout`` seconds.
     """
     group = dist.group.WORLD if group is None else group
