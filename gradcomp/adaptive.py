@@ -206,15 +206,19 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import _validate as v
-from gradcomp.comm import DEFAULT_TIMEOUT, DENSE_ALGORITHMS, allreduce, chunk_bounds, native
+from gradcomp.comm import DEFAULT_TIMEOUT, allreduce, chunk_bounds, native
 from gradcomp.comm.guard import exclusive
 from gradcomp.comm.policy import CodecPolicy
 from gradcomp.compressors import (BF16, FP16, Compressor, ErrorFeedback, Int8Quantizer,
                                   NoCompression, TopK)
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES", "TOPK_RATIO", "choose",
-           "fit_link", "start"]
+__all__ = ["Adaptive", "Timing", "POLICY_ALGORITHMS", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES",
+           "TOPK_RATIO", "choose", "fit_link", "start"]
+
+#: the algorithms the policy runs its dense candidates on (its ladders count their
+#: ``2 (N - 1)`` messages; the other dense algorithms are not among its choices)
+POLICY_ALGORITHMS = ("ring", "two_phase")
 
 #: density of the top-k candidates (k = 1% of each bucket's elements)
 TOPK_RATIO = 0.01
@@ -701,7 +705,7 @@ class Adaptive(CodecPolicy):
             ValueError: ``algorithm`` is not a dense algorithm; anything
                 :func:`gradcomp.allreduce` raises.
         """
-        v.choice("algorithm", algorithm, DENSE_ALGORITHMS)
+        v.choice("algorithm", algorithm, POLICY_ALGORITHMS)
         v.key(key)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}")

@@ -11,7 +11,12 @@ on any process group (gloo on CPU, NCCL on GPU):
 * ``"two_phase"``: direct compressed reduce-scatter, one compression per chunk
   (:mod:`gradcomp.comm.two_phase`), then the same allgather;
 * ``"allgather"``: for sparse compressors, every rank's payload gathered and
-  the union summed (:mod:`gradcomp.comm.allgather`).
+  the union summed (:mod:`gradcomp.comm.allgather`);
+* ``"halving_doubling"``: recursive halving and doubling, ``2 log2 N``
+  messages for latency-bound buckets (:mod:`gradcomp.comm.halving_doubling`);
+* ``"sparse_reduce_scatter"``: top-k sent to each region's owner, which
+  re-selects, then the owners' selections gathered: bytes per rank that do
+  not grow with N (:mod:`gradcomp.comm.sparse_reduce_scatter`).
 
 :func:`reduce_scatter` is the two-phase reduce-scatter on its own
 (:mod:`gradcomp.comm.reduce_scatter`), for sharded data parallelism.
@@ -25,10 +30,12 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.comm import allgather as _allgather
+from gradcomp.comm import halving_doubling as _halving_doubling
 from gradcomp.comm import pipelined as _pipelined
 from gradcomp.comm.agreement import (Disagreement, agree, forget, needs_check, pattern, remember_pattern,
                                      replay)
 from gradcomp.comm import ring as _ring
+from gradcomp.comm import sparse_reduce_scatter as _sparse_reduce_scatter
 from gradcomp.comm import two_phase as _two_phase
 from gradcomp.comm.chunks import chunk_bounds, ring_raw_bytes
 from gradcomp.comm.dense import Plan, share_owned
@@ -39,16 +46,19 @@ from gradcomp.comm.policy import CodecPolicy
 from gradcomp.comm.reduce_scatter import reduce_scatter
 from gradcomp import _validate as v
 from gradcomp import wire as W
-from gradcomp.compressors import Compressor, ErrorFeedback, split
+from gradcomp.compressors import Compressor, ErrorFeedback, TopK, split
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["allreduce", "reduce_scatter", "ALGORITHMS", "DENSE_ALGORITHMS", "OPS", "INPUT_DTYPES",
-           "DEFAULT_TIMEOUT", "CodecPolicy", "chunk_bounds", "ring_raw_bytes"]
+__all__ = ["allreduce", "reduce_scatter", "ALGORITHMS", "DENSE_ALGORITHMS", "SPARSE_ALGORITHMS", "OPS",
+           "INPUT_DTYPES", "DEFAULT_TIMEOUT", "CodecPolicy", "chunk_bounds", "ring_raw_bytes",
+           "check_algorithm"]
 
 #: every algorithm name
-ALGORITHMS = ("ring", "two_phase", "allgather")
+ALGORITHMS = ("ring", "two_phase", "allgather", "halving_doubling", "sparse_reduce_scatter")
 #: algorithms for dense compressors (fixed wire sizes)
-DENSE_ALGORITHMS = ("ring", "two_phase")
+DENSE_ALGORITHMS = ("ring", "two_phase", "halving_doubling")
+#: algorithms for sparse compressors (TopK, Threshold)
+SPARSE_ALGORITHMS = ("allgather", "sparse_reduce_scatter")
 #: reduction ops
 OPS = ("avg", "sum")
 #: accepted input dtypes (everything is accumulated in float32)
@@ -107,6 +117,15 @@ def allreduce(
     * ``"allgather"`` (sparse compressors: TopK, Threshold): payload sizes are
       exchanged, payloads gathered over the ring unchanged, and every rank sums
       the union in float32 in rank order.
+    * ``"halving_doubling"`` (dense compressors): recursive halving
+      reduce-scatter, the owner's compressed chunk sum, recursive doubling
+      allgather of the owners' bytes; ``2 log2 N`` messages per rank (ranks
+      beyond a power of two folded in: 2 more), for small buckets; at most
+      ``log2 N + 2`` quantizations of any partial sum's contribution.
+    * ``"sparse_reduce_scatter"`` (exact ``TopK`` with a ``ratio``): each rank
+      sends the top-k of every region to its owner, which sums, re-selects
+      the top-k and shares its bytes as in the ring's allgather; what the
+      re-selection drops stays in the owner's error-feedback residual.
 
     Every rank ends bit-identical because each chunk's final value is the
     decompression of one set of bytes that every rank (its owner included)
@@ -120,33 +139,46 @@ def allreduce(
 
     * ``compressor`` an :class:`~gradcomp.ErrorFeedback`: residual key
       ``(key, j)`` for chunk ``j`` that this rank compresses alone (the ring:
-      chunk ``rank - 1 mod N``; two-phase: every chunk but ``rank``);
-      ``key`` itself for the allgather algorithm (the whole tensor).
+      chunk ``rank - 1 mod N``; two-phase and the sparse reduce-scatter: every
+      chunk but ``rank``); ``key`` itself for the allgather algorithm (the
+      whole tensor); ``(key, ("halving_doubling", lo, hi))`` for the element
+      range ``[lo, hi)`` halving-doubling compresses alone (the first half it
+      sends, or a folded rank's whole tensor); the sparse reduce-scatter's
+      owner keeps what its re-selection drops under ``(key, rank)``.
     * ``residual``: a flat float32 memory for the whole tensor, updated in
       place: compressed ranges keep their compression error, ranges added
-      exactly are delivered with their residual, which resets to zero.
+      exactly are delivered with their residual, which resets to zero (the
+      sparse reduce-scatter's owner then keeps what its re-selection drops
+      in its region).
 
     Traffic: ``meter`` records the bytes this rank really sent and received
     per phase (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``,
-    ``"sizes"``) and, as
+    ``"sizes"``, and ``"fold"`` for halving-doubling's extra ranks) and, as
     raw bytes, what a float32 ring allreduce over the same chunks would have
     moved: ``4 (2 n - len_rank - len_{rank+1})`` bytes sent per rank, i.e.
     ``2 (N - 1) / N * 4 n`` when ``N`` divides ``n``
-    (:func:`gradcomp.comm.chunks.ring_raw_bytes`).
+    (:func:`gradcomp.comm.chunks.ring_raw_bytes`); halving-doubling and the
+    sparse reduce-scatter count, per message, the float32 bytes of the
+    elements it carries (halving-doubling: ``2 (p - 1) / p * 4 n`` for a
+    rank of the power-of-two group ``p``, ``4 n`` plus ``4 n`` more per
+    folded partner).
 
     Args:
         tensor: float32/float16/bfloat16 tensor of any shape (any number of
             elements, 0 included) on the group's device (CPU for gloo, the
             current CUDA device for NCCL). Not modified.
         compressor: a gradcomp compressor: dense (NoCompression, FP16, BF16,
-            Int8Quantizer) for ``"ring"`` / ``"two_phase"``, sparse (TopK,
-            Threshold) for ``"allgather"``; optionally wrapped in ErrorFeedback.
+            Int8Quantizer) for ``"ring"`` / ``"two_phase"`` /
+            ``"halving_doubling"``, sparse (TopK, Threshold) for
+            ``"allgather"``, exact ``TopK(ratio=...)`` for
+            ``"sparse_reduce_scatter"``; optionally wrapped in ErrorFeedback.
             Or a :class:`~gradcomp.comm.policy.CodecPolicy` such as
             :class:`gradcomp.Adaptive`, which picks the compressor of each
             call (``algorithm`` is then the algorithm of its dense choices;
             see :meth:`gradcomp.Adaptive.allreduce`).
         op: ``"avg"`` (divide the sum by the group size) or ``"sum"``.
-        algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"``.
+        algorithm: one of :data:`ALGORITHMS`: ``"ring"``, ``"two_phase"``,
+            ``"allgather"``, ``"halving_doubling"`` or ``"sparse_reduce_scatter"``.
         group: a torch.distributed process group (default: the world).
         meter: optional :class:`~gradcomp.TrafficMeter`.
         timeout: seconds each exchange may take (> 0, finite, at most 1e9).
@@ -181,7 +213,9 @@ def allreduce(
         TypeError: ``tensor`` is not a float32/float16/bfloat16 tensor, or
             ``compressor`` is not a gradcomp compressor.
         ValueError: unknown ``op`` / ``algorithm``; a sparse compressor with a
-            dense algorithm or a dense one with ``"allgather"``; a dense
+            dense algorithm or a dense one with a sparse algorithm; a
+            compressor other than an exact ``TopK`` with a ratio for
+            ``"sparse_reduce_scatter"``; a dense
             compressor without a fixed wire size; a bad ``residual`` or
             ``timeout``; this process is not in ``group``; the ranks of the
             group passed different numels, ops, algorithms or compressors
@@ -239,13 +273,20 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
             fixed = local.inner.wire_nbytes((n,), torch.float32)  # None for data-dependent sizes
             descriptor["wire_nbytes"] = -1 if fixed is None else fixed
         else:
-            plan = Plan(n, comm.world_size, local.inner)
+            chunks = comm.world_size
+            if algorithm == "halving_doubling":  # one chunk per rank of the power-of-two group
+                chunks = _halving_doubling.layout(comm.world_size, comm.rank)[0]
+            plan = Plan(n, chunks, local.inner)
             descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
         if check:
             check_call(comm, descriptor, x.device)  # before anything changes
         try:
             if algorithm == "allgather":
                 _allgather.allreduce(comm, local, work, op)
+            elif algorithm == "halving_doubling":
+                _halving_doubling.allreduce(comm, local, plan, work, op)
+            elif algorithm == "sparse_reduce_scatter":
+                _sparse_reduce_scatter.allreduce(comm, local, plan, work, op)
             elif algorithm == "ring" and _pipelined.applies(local, plan):
                 _pipelined.allreduce(comm, local, plan, work, op)
             else:
@@ -315,17 +356,7 @@ def _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter
     compressor, ef = split(compressor, "compressor", " or ErrorFeedback")
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if algorithm in DENSE_ALGORITHMS and compressor.sparse:
-        raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "
-                         "use algorithm='allgather' for TopK / Threshold")
-    if algorithm == "allgather" and not compressor.sparse:
-        raise ValueError(f"algorithm 'allgather' is for sparse compressors (TopK, Threshold), got dense "
-                         f"{compressor!r}: use algorithm='ring' or 'two_phase'")
-    if algorithm in DENSE_ALGORITHMS and compressor.wire_nbytes((1,), torch.float32) is None:
-        raise ValueError(f"algorithm {algorithm!r} needs a compressor with a fixed wire size "
-                         f"(wire_nbytes not None), got {compressor!r}")
+    check_algorithm(algorithm, compressor)
     v.timeout("timeout", timeout)
     if meter is not None and not isinstance(meter, TrafficMeter):
         raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
@@ -346,3 +377,32 @@ def _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter
                if isinstance(out, torch.Tensor) else type(out).__name__)
         raise ValueError(f"out must be a contiguous {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
                          f"on {tensor.device}, got {got}")
+
+
+def check_algorithm(algorithm: str, compressor: Compressor) -> None:
+    """Check that ``algorithm`` takes ``compressor`` (not an ErrorFeedback).
+
+    Raises:
+        ValueError: ``algorithm`` is not in :data:`ALGORITHMS`; a sparse
+            compressor with a dense algorithm or a dense one with a sparse
+            algorithm; a dense compressor without a fixed wire size;
+            ``"sparse_reduce_scatter"`` with anything but an exact ``TopK``
+            with a ``ratio`` (its regions need fixed payload sizes and the
+            density applies per region).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm in DENSE_ALGORITHMS and compressor.sparse:
+        raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "
+                         f"use one of {SPARSE_ALGORITHMS} for TopK / Threshold")
+    if algorithm in SPARSE_ALGORITHMS and not compressor.sparse:
+        raise ValueError(f"algorithm {algorithm!r} is for sparse compressors (TopK, Threshold), got dense "
+                         f"{compressor!r}: use one of {DENSE_ALGORITHMS}")
+    if algorithm in DENSE_ALGORITHMS and compressor.wire_nbytes((1,), torch.float32) is None:
+        raise ValueError(f"algorithm {algorithm!r} needs a compressor with a fixed wire size "
+                         f"(wire_nbytes not None), got {compressor!r}")
+    if algorithm == "sparse_reduce_scatter" and (
+            not isinstance(compressor, TopK) or compressor.ratio is None or not compressor.exact):
+        raise ValueError("algorithm 'sparse_reduce_scatter' needs an exact TopK with a ratio "
+                         f"(e.g. gc.TopK(ratio=0.01)): the density applies per region and payload sizes "
+                         f"must be fixed; got {compressor!r}")
