@@ -5,7 +5,8 @@ cannot run here (16 to 1024 nodes) from a few measured numbers, and uses the
 prediction to recommend a mode, compressor and algorithm:
 
 * :mod:`~gradcomp.plan.model`: the latency-bandwidth (alpha-beta) model:
-  exact wire bytes of ring / two-phase / sparse allgather / parameter server,
+  exact wire bytes of ring / two-phase / halving-doubling / sparse allgather /
+  sparse reduce-scatter / parameter server, messages and quantizations per allreduce,
   kernel time from measured rates, overlap of buckets with backward,
   stragglers, async throughput and staleness, the pipeline bubble;
 * :mod:`~gradcomp.plan.lognormal`: the expected maximum of lognormal compute times;

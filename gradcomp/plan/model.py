@@ -43,6 +43,20 @@ decompress, decompress-add of one chunk), following what
   tensor's sparse payload), then ``N`` decompress-adds of ``k`` elements:
   each rank receives ``(N - 1) P`` bytes, growing with ``N`` where the dense
   ring's ``2 (N - 1) / N`` stays flat.
+* ``sparse_reduce_scatter`` (:mod:`gradcomp.comm.sparse_reduce_scatter`):
+  two-phase's exchange with region payloads ``w`` (top-k of ``L`` elements):
+  ``(N - 1) c + (N - 1) alpha + (N - 1) w / beta + (N - 1) da + c`` (the
+  owner's re-selection), then the ring allgather of region payloads. Bytes
+  sent per rank: ``N - 1`` region payloads per phase, about ``2 (N - 1) / N P``.
+* ``halving_doubling`` (:mod:`gradcomp.comm.halving_doubling`; ``p`` the
+  largest power of two <= N, ``l = log2 p``, ``L = n / p``): halving steps
+  ``s = 1 .. l`` each ``c(n / 2^s) + alpha + w(n / 2^s) / beta + da(n / 2^s)``
+  (the last one's ``da`` fused into the owner's ``rc(L)``), doubling steps
+  each ``max(alpha + 2^(s-1) w(L) / beta, decoding the last block)``; with
+  ``N > p`` the folded rank's ``c(n) + alpha + w(n) / beta + da(n)`` before
+  and ``alpha + p w(L) / beta + p d(L)`` after. ``2 l`` messages per rank
+  (+2 on a folded pair's path) against the ring's ``2 (N - 1)``; bytes per
+  rank ``2 (p - 1) / p`` of the tensor's payload, as the ring's.
 
 **Overlap with backward.** The gradient is cut into DDP's buckets (the first
 1 MiB, then 25 MiB of float32 by default; buckets under the hook's
@@ -135,6 +149,8 @@ import torch
 
 from gradcomp import wire as W
 from gradcomp.comm.chunks import chunk_bounds
+from gradcomp.comm.halving_doubling import gathered_offsets
+from gradcomp.comm.halving_doubling import layout as hd_layout
 from gradcomp.compressors import BF16, FP16, Int8Quantizer, NoCompression, TopK
 from gradcomp.plan.host import Host
 from gradcomp.plan.lognormal import expected_max
@@ -143,7 +159,8 @@ from gradcomp.ps import protocol as _ps_protocol
 
 __all__ = [
     "Codec", "CODECS", "CODEC_NAMES", "ALGORITHMS", "MODES", "Setting", "Prediction",
-    "codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "ps_bytes", "predict",
+    "codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "allreduce_messages", "quantizations",
+    "ps_bytes", "predict",
     "sync_step", "ps_sync_step", "async_throughput", "mva_response", "bubble_fraction", "FORWARD_SHARE",
     "pipeline_step",
     "PS_HEADER_NBYTES", "SIZE_NBYTES", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES",
@@ -163,7 +180,7 @@ MIN_COMPRESS_NUMEL = 16384
 #: top-k density of the study's top-k compressors (gradcomp.train.config.TOPK_RATIO)
 TOPK_DENSITY = 0.01
 
-ALGORITHMS = ("ring", "two_phase", "allgather", "ps")
+ALGORITHMS = ("ring", "two_phase", "allgather", "halving_doubling", "sparse_reduce_scatter", "ps")
 MODES = ("sync", "async")
 
 
@@ -200,7 +217,9 @@ class Codec:
     @property
     def algorithms(self) -> tuple[str, ...]:
         """Allreduce algorithms that accept this codec (plus the parameter server)."""
-        return ("allgather", "ps") if self.sparse else ("ring", "two_phase", "ps")
+        if self.sparse:  # the sparse reduce-scatter takes exact top-k (fixed payload sizes)
+            return ("allgather", "sparse_reduce_scatter", "ps") if self.kind == "topk" else ("allgather", "ps")
+        return ("ring", "two_phase", "halving_doubling", "ps")
 
     def compressor(self, numel: int):
         """A compressor object with this codec's exact wire layout for ``numel``-element tensors."""
@@ -275,6 +294,9 @@ def allreduce_bytes(c: Codec, algorithm: str, numel: int, world: int, rank: int 
     chunk ``rank - s - 2``); the allgather sends every chunk but ``rank + 1``'s
     and receives every chunk but ``rank``'s. Sparse ``allgather``: ``N - 1``
     whole-tensor payloads forwarded each way plus ``8 (N - 1)`` bytes of sizes.
+    ``sparse_reduce_scatter``: two-phase's formula with top-k region payloads.
+    ``halving_doubling``: step by step over its schedule
+    (:func:`_halving_doubling_bytes`).
 
     Raises:
         ValueError: an algorithm that does not take this codec.
@@ -286,14 +308,88 @@ def allreduce_bytes(c: Codec, algorithm: str, numel: int, world: int, rank: int 
     if algorithm == "allgather":
         p = _wire(c, numel)
         return (world - 1) * (p + SIZE_NBYTES), (world - 1) * (p + SIZE_NBYTES)
+    if algorithm == "halving_doubling":
+        return _halving_doubling_bytes(c, numel, world, rank)
     lens = _chunk_lens(numel, world)
     w = [_wire(c, n) for n in lens]
     total = sum(w)
     sent = (total - w[rank]) + (total - w[(rank + 1) % world])
     ag_received = total - w[rank]  # every chunk but this rank's own
-    if algorithm == "two_phase":
+    if algorithm in ("two_phase", "sparse_reduce_scatter"):
         return sent, (world - 1) * w[rank] + ag_received  # N - 1 payloads of chunk rank
     return sent, (total - w[(rank - 1) % world]) + ag_received  # ring: chunks rank-2, ..., rank
+
+
+def _halving_doubling_bytes(c: Codec, numel: int, world: int, rank: int) -> tuple[int, int]:
+    """``(sent, received)`` of :func:`allreduce_bytes` for ``halving_doubling``:
+    the halving steps' halves, the doubling steps' blocks of owners' payloads
+    (each padded to 8 bytes), and the fold messages of a folded pair."""
+    p, me, partner = hd_layout(world, rank)
+    lens = _chunk_lens(numel, p)
+    offsets = gathered_offsets([_wire(c, m) for m in lens])
+    if me < 0:  # folded: its tensor out, every owner's payload back
+        return _wire(c, numel), offsets[-1]
+    sent = received = 0
+    a, b, d = 0, p, p // 2
+    while d >= 1:  # recursive halving: give one half of [a, b), keep the other
+        give, keep = ((a, a + d), (a + d, b)) if me & d else ((a + d, b), (a, a + d))
+        sent += _wire(c, sum(lens[give[0]:give[1]]))
+        received += _wire(c, sum(lens[keep[0]:keep[1]]))
+        a, b = keep
+        d //= 2
+    d = 1
+    while d < p:  # recursive doubling: blocks of d owners' payloads
+        mine, theirs = (me // d) * d, ((me ^ d) // d) * d
+        sent += offsets[mine + d] - offsets[mine]
+        received += offsets[theirs + d] - offsets[theirs]
+        d *= 2
+    if partner >= 0:
+        sent, received = sent + offsets[-1], received + _wire(c, numel)
+    return sent, received
+
+
+def allreduce_messages(algorithm: str, world: int, rank: int = 0) -> int:
+    """Point-to-point messages ``rank`` sends in one allreduce over ``world`` ranks
+    (a message cut into concurrent pieces counts once, as the meter counts it):
+    ``2 (N - 1)`` for the ring, two-phase and the sparse reduce-scatter (and the
+    sparse allgather: ``N - 1`` sizes and ``N - 1`` payloads); halving-doubling
+    ``2 log2 p`` (``p`` the largest power of two <= N), one more for a rank
+    that a folded rank hands its tensor to, 1 for the folded rank.
+
+    Raises:
+        ValueError: an unknown algorithm (``ps`` included: see :func:`ps_bytes`).
+    """
+    if algorithm not in ALGORITHMS[:-1]:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS[:-1]}, got {algorithm!r}")
+    if world == 1:
+        return 0
+    if algorithm != "halving_doubling":
+        return 2 * (world - 1)
+    p, me, partner = hd_layout(world, rank)
+    if me < 0:
+        return 1
+    return 2 * (p.bit_length() - 1) + (1 if partner >= 0 else 0)
+
+
+def quantizations(algorithm: str, world: int) -> int:
+    """The most compressions a rank's contribution to an element of the result
+    goes through (each adds its quantization error): the ring ``N`` (``N - 1``
+    hops and the owner's), two-phase 2, the sparse allgather 1, the sparse
+    reduce-scatter 2 (the sender's selection and the owner's re-selection),
+    halving-doubling ``log2 p + 1`` (``log2 p`` halving steps and the owner's),
+    plus 1 when N is not a power of two (a folded rank's own).
+
+    Raises:
+        ValueError: an unknown algorithm.
+    """
+    if algorithm not in ALGORITHMS[:-1]:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS[:-1]}, got {algorithm!r}")
+    if world == 1:
+        return 0
+    if algorithm == "halving_doubling":
+        p = 1 << (world.bit_length() - 1)
+        return (p.bit_length() - 1) + 1 + (1 if world > p else 0)
+    return {"ring": world, "two_phase": 2, "allgather": 1, "sparse_reduce_scatter": 2}[algorithm]
 
 
 def ps_bytes(c: Codec, numel: int, servers: int, tensors: int = 1, compress_pull: bool = True) -> dict:
@@ -390,8 +486,12 @@ def allreduce_seconds(c: Codec, algorithm: str, numel: int, world: int, alpha: f
         transfer = (world - 1) * step(SIZE_NBYTES) + (world - 1) * step(p)
         kernel = share * (_compress_s(c, prof, numel, ef) + world * _decompress_add_s(c, prof, numel))
         return {"total": transfer + kernel, "kernel": kernel, "transfer": transfer}
+    if algorithm == "halving_doubling":
+        return _halving_doubling_seconds(c, numel, world, step, prof, share)
+    if algorithm == "sparse_reduce_scatter":
+        return _sparse_reduce_scatter_seconds(c, numel, world, step, prof, share)
     if algorithm not in ("ring", "two_phase"):
-        raise ValueError(f"algorithm must be one of {ALGORITHMS[:3]}, got {algorithm!r}")
+        raise ValueError(f"algorithm must be one of {ALGORITHMS[:-1]}, got {algorithm!r}")
     L = -(-numel // world)
     w = _wire(c, L)
     hop = step(w)
@@ -408,6 +508,54 @@ def allreduce_seconds(c: Codec, algorithm: str, numel: int, world: int, alpha: f
     ag_transfer = (world - 1) * hop
     total = rs_transfer + rs_kernel + ag
     return {"total": total, "kernel": total - rs_transfer - ag_transfer, "transfer": rs_transfer + ag_transfer}
+
+
+def _halving_doubling_seconds(c: Codec, numel: int, world: int, step, prof: Profile, share: float) -> dict:
+    """:func:`allreduce_seconds` of ``halving_doubling`` on its longest path (a
+    fold partner's when ``world`` is not a power of two; see the module docstring)."""
+    p = 1 << (world.bit_length() - 1)
+    levels = p.bit_length() - 1
+    L = -(-numel // p)
+    w = _wire(c, L)
+    folded = world > p
+    transfer = kernel = 0.0
+    if folded:  # the folded rank's whole tensor, added by its partner
+        transfer += step(_wire(c, numel))
+        kernel += share * (_compress_s(c, prof, numel, c.error_feedback) + _decompress_add_s(c, prof, numel))
+    for s in range(1, levels + 1):  # halving: compress the half given, add the half received
+        m = -(-numel // 2**s)
+        transfer += step(_wire(c, m))
+        kernel += share * _compress_s(c, prof, m, c.error_feedback and s == 1 and not folded)
+        kernel += share * (_decompress_add_s(c, prof, m) if s < levels else 0.0)
+    kernel += share * prof.seconds(f"{c.kind}.reduce_compress", L)  # the owner's, fused with the last add
+    d = share * prof.seconds(f"{c.kind}.decompress", L)
+    waits = 0.0
+    for s in range(1, levels + 1):  # doubling: blocks of 2^(s-1) payloads, the last block decoded meanwhile
+        hop = step(2 ** (s - 1) * w)
+        transfer += hop
+        waits += max(0.0, 2 ** (s - 2) * d - hop) if s > 1 else 0.0
+    kernel += waits + (p // 2) * d
+    if folded:  # every owner's payload back to the folded rank, which decodes them all
+        transfer += step(p * w)
+        kernel += p * d
+    return {"total": transfer + kernel, "kernel": kernel, "transfer": transfer}
+
+
+def _sparse_reduce_scatter_seconds(c: Codec, numel: int, world: int, step, prof: Profile,
+                                   share: float) -> dict:
+    """:func:`allreduce_seconds` of ``sparse_reduce_scatter``: the direct exchange of
+    region payloads, the owner's re-selection, the ring allgather of region payloads."""
+    L = -(-numel // world)
+    w = _wire(c, L)
+    ef = c.error_feedback
+    rs_transfer = step((world - 1) * w, world - 1)
+    rs_kernel = share * ((world - 1) * _compress_s(c, prof, L, ef) + (world - 1) * _decompress_add_s(c, prof, L)
+                         + _compress_s(c, prof, L, ef))  # every other region's selection, the owner's re-selection
+    hop = step(w)
+    d = share * _decompress_add_s(c, prof, L)
+    ag = hop + (world - 2) * max(hop, d) + d
+    total = rs_transfer + rs_kernel + ag
+    return {"total": total, "kernel": total - rs_transfer - (world - 1) * hop, "transfer": rs_transfer + (world - 1) * hop}
 
 
 # ---- the step -----------------------------------------------------------------------
@@ -562,9 +710,9 @@ def _apply_s(s: Setting, prof: Profile, elements: int) -> float:
 
 
 def sync_step(c: Codec, algorithm: str, s: Setting, prof: Profile) -> Prediction:
-    """Synchronous data-parallel step with gradcomp's DDP hook (``ring``,
-    ``two_phase`` or ``allgather``): buckets reduced in FIFO order as backward
-    produces them, behind the slowest worker."""
+    """Synchronous data-parallel step with gradcomp's DDP hook (any allreduce
+    algorithm of :data:`ALGORITHMS` but ``ps``): buckets reduced in FIFO order
+    as backward produces them, behind the slowest worker."""
     if algorithm not in c.algorithms or algorithm == "ps":
         raise ValueError(f"algorithm for {c.name} must be one of {c.algorithms[:-1]}, got {algorithm!r}")
     alpha, beta, n = s.alpha(prof), s.link_bytes_per_s, s.nodes
@@ -734,8 +882,9 @@ def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
 
 def predict(mode: str, compressor: str, algorithm: str, s: Setting, prof: Profile) -> Prediction:
     """The step of ``mode`` (``sync``/``async``) with ``compressor`` (a :data:`CODECS`
-    name or a :class:`Codec`) and ``algorithm`` (``ring``, ``two_phase``,
-    ``allgather`` or ``ps``; async is always ``ps``).
+    name or a :class:`Codec`) and ``algorithm`` (one of :data:`ALGORITHMS`:
+    ``ring``, ``two_phase``, ``allgather``, ``halving_doubling``,
+    ``sparse_reduce_scatter`` or ``ps``; async is always ``ps``).
 
     Raises:
         ValueError: an unknown mode, compressor or algorithm, or a combination
