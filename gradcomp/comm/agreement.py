@@ -90,9 +90,9 @@ _WHAT = {
     "wire_nbytes": "compressor settings (payload sizes)",
 }
 
-#: meter phases of the messages a remembered pattern keeps: those sent before any
-#: rank may have decoded every peer's first payload (halving-doubling's ``"fold"``
-#: messages included: the folded ranks see nothing else before the result)
+#: meter phases of the messages a remembered pattern keeps: those that carry a
+#: disagreement envelope to every rank (halving-doubling's ``"fold"`` messages
+#: included: a folded rank receives nothing else)
 PATTERN_PHASES = ("reduce_scatter", "sizes", "fold")
 
 #: first 8 bytes of a disagreement envelope (not a payload's b"GCMP" magic)

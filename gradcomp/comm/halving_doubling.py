@@ -14,10 +14,10 @@ sits out, and receives every owner's bytes at the end (meter phase ``"fold"``).
 Every rank decodes each chunk from its owner's bytes: results are bit-identical.
 
 Error feedback applies where a rank compresses its own data alone (its first
-half, or a folded rank's whole tensor; :mod:`gradcomp.comm.local`). Each
-reduction step quantizes partial sums of disjoint rank sets, so with int8 the
-error of an element of the sum is at most ``(log2 p + 1 + [N > p]) 0.52 A / 127``
-(``A``: the sum over ranks of each rank's absolute maximum).
+half, or a folded rank's whole tensor; :mod:`gradcomp.comm.local`). A step
+quantizes partial sums of disjoint rank sets: with int8 an element of the sum
+errs by at most ``(log2 p + 1 + [N > p]) 0.52 A / 127`` (``A``: the sum over
+ranks of each rank's absolute maximum).
 """
 
 from __future__ import annotations
