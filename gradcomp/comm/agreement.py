@@ -46,10 +46,8 @@ same size (it starts with :data:`ENVELOPE`), then agrees. A rank that
 skipped the check finds an envelope where it expected a payload (its decode
 fails on the magic, :func:`raise_if_envelope`; or an 8-byte size reads
 :data:`ENVELOPE`), replays the rest of the pattern in the same way, and
-agrees too. The pattern reaches every rank (the ring's reduce-scatter has
-``N - 1`` hops; two-phase and the size exchange are direct; recursive
-halving reaches every rank of its hypercube in ``log2 p`` steps, and the
-fold messages the ranks beyond it), so every rank
+agrees too. The pattern reaches every rank (the ring in ``N - 1`` hops, halving
+in ``log2 p`` and its fold messages; the others direct), so every rank
 ends in the same agreement and raises the same ``ValueError`` naming the
 field, every message posted is matched, and the group stays usable. A rank
 that skipped the check has by then compressed its first chunks (their error
