@@ -11,7 +11,11 @@ on any process group (gloo on CPU, NCCL on GPU):
 * ``"two_phase"``: direct compressed reduce-scatter, one compression per chunk
   (:mod:`gradcomp.comm.two_phase`), then the same allgather;
 * ``"allgather"``: for sparse compressors, every rank's payload gathered and
-  the union summed (:mod:`gradcomp.comm.allgather`).
+  the union summed (:mod:`gradcomp.comm.allgather`);
+* ``"hierarchical"``: exact reduce-scatter inside each host, the compressed
+  ring or two-phase allreduce of each shard across hosts, allgather inside
+  the host (:mod:`gradcomp.comm.hierarchical`, hosts from
+  :mod:`gradcomp.comm.topology`).
 
 :func:`reduce_scatter` is the two-phase reduce-scatter on its own
 (:mod:`gradcomp.comm.reduce_scatter`), for sharded data parallelism.
@@ -25,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.comm import allgather as _allgather
+from gradcomp.comm import hierarchical as _hierarchical
 from gradcomp.comm import pipelined as _pipelined
 from gradcomp.comm.agreement import (Disagreement, agree, forget, needs_check, pattern, remember_pattern,
                                      replay)
@@ -37,18 +42,21 @@ from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
 from gradcomp.comm.policy import CodecPolicy
 from gradcomp.comm.reduce_scatter import reduce_scatter
+from gradcomp.comm.topology import INTER_ALGORITHMS, Topology, layout
 from gradcomp import _validate as v
 from gradcomp import wire as W
 from gradcomp.compressors import Compressor, ErrorFeedback, split
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["allreduce", "reduce_scatter", "ALGORITHMS", "DENSE_ALGORITHMS", "OPS", "INPUT_DTYPES",
-           "DEFAULT_TIMEOUT", "CodecPolicy", "chunk_bounds", "ring_raw_bytes"]
+__all__ = ["allreduce", "reduce_scatter", "ALGORITHMS", "DENSE_ALGORITHMS", "FLAT_DENSE_ALGORITHMS", "OPS",
+           "INPUT_DTYPES", "DEFAULT_TIMEOUT", "CodecPolicy", "Topology", "chunk_bounds", "ring_raw_bytes"]
 
 #: every algorithm name
-ALGORITHMS = ("ring", "two_phase", "allgather")
+ALGORITHMS = ("ring", "two_phase", "allgather", "hierarchical")
 #: algorithms for dense compressors (fixed wire sizes)
-DENSE_ALGORITHMS = ("ring", "two_phase")
+DENSE_ALGORITHMS = ("ring", "two_phase", "hierarchical")
+#: dense algorithms over one flat group (the adaptive policy's, the hierarchical inter-host leg's)
+FLAT_DENSE_ALGORITHMS = INTER_ALGORITHMS
 #: reduction ops
 OPS = ("avg", "sum")
 #: accepted input dtypes (everything is accumulated in float32)
@@ -57,11 +65,14 @@ INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEFAULT_TIMEOUT = 300.0
 
 #: the agreement's algorithm code of the backend's own allreduce (:mod:`gradcomp.comm.native`)
-NATIVE = len(ALGORITHMS)
+NATIVE = 3
 
 _REDUCE_SCATTER = {"ring": _ring.reduce_scatter, "two_phase": _two_phase.reduce_scatter}
 # how a disagreement names the codes of the agreement's fields
-_NAMES = {"op": dict(enumerate(OPS)), "algorithm": {**dict(enumerate(ALGORITHMS)), NATIVE: "native"},
+_NAMES = {"op": dict(enumerate(OPS)),
+          "algorithm": {**dict(enumerate(ALGORITHMS[:3])), NATIVE: "native",
+                        **{_hierarchical.AGREEMENT_CODE + i: f"hierarchical ({a} across hosts)"
+                           for i, a in enumerate(INTER_ALGORITHMS)}},
           "codec": {c.id: c.name for c in W.CODECS.values()}}
 
 
@@ -78,6 +89,7 @@ def allreduce(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check: bool = True,
+    topology: Topology | None = None,
 ) -> torch.Tensor:
     """Compressed allreduce: every rank returns the same (bit-identical) tensor.
 
@@ -107,6 +119,16 @@ def allreduce(
     * ``"allgather"`` (sparse compressors: TopK, Threshold): payload sizes are
       exchanged, payloads gathered over the ring unchanged, and every rank sums
       the union in float32 in rank order.
+    * ``"hierarchical"`` (dense compressors; :mod:`gradcomp.comm.hierarchical`):
+      hosts of ``R`` ranks each (``topology``); an exact float32
+      reduce-scatter inside each host, the compressed allreduce (the
+      topology's ``inter_algorithm``, ring or two-phase) of each local rank's
+      shard across hosts, an allgather inside the host. Only the slow links
+      between hosts carry compressed bytes: ``2 (H - 1) / H`` times the
+      compressed bucket per host. The first call on a group with a topology
+      resolves it (collective; cached); with ``check=True`` the ranks agree
+      on every call (a rank that skipped it would wait in the backend's
+      intra-host collective, where no disagreement envelope reaches it).
 
     Every rank ends bit-identical because each chunk's final value is the
     decompression of one set of bytes that every rank (its owner included)
@@ -121,7 +143,9 @@ def allreduce(
     * ``compressor`` an :class:`~gradcomp.ErrorFeedback`: residual key
       ``(key, j)`` for chunk ``j`` that this rank compresses alone (the ring:
       chunk ``rank - 1 mod N``; two-phase: every chunk but ``rank``);
-      ``key`` itself for the allgather algorithm (the whole tensor).
+      ``key`` itself for the allgather algorithm (the whole tensor);
+      ``(("hierarchical", key), j)`` for chunk ``j`` of this rank's shard
+      on the inter-host leg (the only leg that compresses).
     * ``residual``: a flat float32 memory for the whole tensor, updated in
       place: compressed ranges keep their compression error, ranges added
       exactly are delivered with their residual, which resets to zero.
@@ -146,7 +170,7 @@ def allreduce(
             call (``algorithm`` is then the algorithm of its dense choices;
             see :meth:`gradcomp.Adaptive.allreduce`).
         op: ``"avg"`` (divide the sum by the group size) or ``"sum"``.
-        algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"``.
+        algorithm: ``"ring"``, ``"two_phase"``, ``"allgather"`` or ``"hierarchical"``.
         group: a torch.distributed process group (default: the world).
         meter: optional :class:`~gradcomp.TrafficMeter`.
         timeout: seconds each exchange may take (> 0, finite, at most 1e9).
@@ -173,6 +197,10 @@ def allreduce(
             the process (gloo) or returns different values on different
             ranks. (``"allgather"`` also exchanges payload sizes, 8 bytes per
             peer, on every call.)
+        topology: a :class:`gradcomp.Topology` for ``"hierarchical"`` (None:
+            the hosts come from the environment, ``GRADCOMP_HOST_ID`` or
+            torchrun's ``GROUP_RANK`` / ``LOCAL_WORLD_SIZE``); must be None
+            with the other algorithms.
 
     Returns:
         ``out`` if given, else a new tensor with ``tensor``'s shape, dtype and device.
@@ -185,7 +213,10 @@ def allreduce(
             compressor without a fixed wire size; a bad ``residual`` or
             ``timeout``; this process is not in ``group``; the ranks of the
             group passed different numels, ops, algorithms or compressors
-            (raised on every rank).
+            (raised on every rank); a bad topology for ``"hierarchical"``
+            (ranks per host that differ, a rank without a host id, ranks
+            given different topologies: raised on every rank, before any
+            payload moves).
         RuntimeError: another thread of this process is in a gradcomp
             collective on ``group`` (raised at once, nothing sent: give each
             thread its own group); the transport failed (see below).
@@ -203,6 +234,10 @@ def allreduce(
                                     timeout=timeout, key=key, residual=residual, out=out, check=check)
     _check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
     v.flag("check", check)
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
+    if topology is not None and algorithm != "hierarchical":
+        raise ValueError(f"topology is used by algorithm='hierarchical' only, got algorithm={algorithm!r}")
     group = member_group(group, "gradcomp.allreduce")
     x = tensor.detach()
     if dist.get_world_size(group) == 1:
@@ -210,7 +245,41 @@ def allreduce(
             return x.clone(memory_format=torch.contiguous_format)
         return out.copy_(x) if out.data_ptr() != x.data_ptr() else out
     with exclusive(group):
+        if algorithm == "hierarchical":
+            call = _hierarchical.Call(compressor, op, meter, timeout, ("numel", x.numel()) if key is None else key,
+                                      residual)
+            return _allreduce_hierarchical(tensor, x, call, group, topology, out, check)
         return _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check)
+
+
+def _allreduce_hierarchical(tensor, x, call, group, topology, out, check):
+    """:func:`allreduce` with ``algorithm="hierarchical"`` (arguments checked)."""
+    lay = layout(group, topology, call.timeout, x.device)  # the same ValueError on every rank if bad
+    comm = Comm(group, call.timeout, call.meter)
+    n = x.numel()
+    inner, _ = split(call.compressor)
+    descriptor = {"numel": n, "op": OPS.index(call.op), "algorithm": _hierarchical.agreement_code(lay),
+                  "codec": W.codec(inner.codec).id, "wire_nbytes": inner.wire_nbytes((n,), torch.float32)}
+    try:
+        if check:  # on every call (see the docstring)
+            check_call(comm, descriptor, x.device, always=True)
+            remember_pattern(group, descriptor, comm.trace)  # no payload message on this group to replay
+        flat = x.reshape(-1) if x.dtype == torch.float32 else x.reshape(-1).to(torch.float32)
+        if out is not None and out.dtype == torch.float32:
+            work = out.detach().view(-1)
+        else:
+            work = torch.empty(n, dtype=torch.float32, device=x.device)
+        _hierarchical.allreduce(flat, lay, call, work)
+    except BaseException:
+        forget(group)
+        raise
+    finally:
+        comm.release()
+    if out is None:
+        return work.to(tensor.dtype).view(tensor.shape)
+    if work.data_ptr() != out.data_ptr():
+        out.view(-1).copy_(work)
+    return out
 
 
 def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check):

@@ -182,7 +182,7 @@ def allreduce(comm: Comm, local: Local, plan: Plan, work: torch.Tensor, op: str)
                 for _ in own:  # the residual is kept at the generator's end
                     pass
             if t == n - 1 and comm.meter is not None:  # the reduce-scatter's payloads all arrived
-                comm.meter.record_time(time.perf_counter() - t0, phase="reduce_scatter")
+                comm.meter.record_time(time.perf_counter() - t0, phase="reduce_scatter", tier=comm.tier)
                 t0 = time.perf_counter()
         last_j = chunks(steps - 1)[1]
         llo = plan.bounds[last_j][0]
@@ -200,7 +200,7 @@ def allreduce(comm: Comm, local: Local, plan: Plan, work: torch.Tensor, op: str)
         _drain(recvs, sends)
         raise
     if comm.meter is not None:
-        comm.meter.record_time(time.perf_counter() - t0, phase="allgather")
+        comm.meter.record_time(time.perf_counter() - t0, phase="allgather", tier=comm.tier)
 
 
 def _drain(recvs, sends) -> None:
