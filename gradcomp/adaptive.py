@@ -206,7 +206,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import _validate as v
-from gradcomp.comm import DEFAULT_TIMEOUT, DENSE_ALGORITHMS, allreduce, chunk_bounds, native
+from gradcomp.comm import DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, allreduce, chunk_bounds, native
 from gradcomp.comm.guard import exclusive
 from gradcomp.comm.policy import CodecPolicy
 from gradcomp.compressors import (BF16, FP16, Compressor, ErrorFeedback, Int8Quantizer,
@@ -701,7 +701,7 @@ class Adaptive(CodecPolicy):
             ValueError: ``algorithm`` is not a dense algorithm; anything
                 :func:`gradcomp.allreduce` raises.
         """
-        v.choice("algorithm", algorithm, DENSE_ALGORITHMS)
+        v.choice("algorithm", algorithm, FLAT_DENSE_ALGORITHMS)
         v.key(key)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}")

@@ -269,7 +269,8 @@ def _allreduce_hierarchical(tensor, x, call, group, topology, out, check):
             work = out.detach().view(-1)
         else:
             work = torch.empty(n, dtype=torch.float32, device=x.device)
-        _hierarchical.allreduce(flat, lay, call, work)
+        if n:
+            _hierarchical.allreduce(flat, lay, call, work)
     except BaseException:
         forget(group)
         raise
