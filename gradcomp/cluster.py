@@ -590,12 +590,24 @@ class LocalCluster:
         n = self.world_size if world_size is None else world_size
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.world_size:
             raise ValueError(f"world_size must be an int in [1, {self.world_size}], got {world_size!r}")
-        return self._launch(fn, list(range(n)), args, timeout, env)
+        return self.run_on(fn, list(range(n)), *args, timeout=timeout, env=env)
 
-    def _launch(self, fn, ranks: list[int], args: tuple, timeout: float, env=None) -> list[Any]:
-        """``fn`` on processes placed as cluster ranks ``ranks`` (they form a group of ``len(ranks)``)."""
+    def run_on(self, fn: Callable[..., Any], ranks: Sequence[int], *args, timeout: float = 300.0,
+               env: dict[str, str] | None = None) -> list[Any]:
+        """Run ``fn(i, len(ranks), *args)`` on processes placed as cluster ranks
+        ``ranks`` (each in that rank's host namespace, with its :meth:`rank_env`),
+        joined in a group of their own: e.g. ``[0, ranks_per_host]`` for a pair
+        on two hosts, ``[0, 1]`` for a pair on one.
+
+        Returns / Raises: as :meth:`run`.
+        """
         from gradcomp.launch import launch
 
+        self._check_up()
+        ranks = list(ranks)
+        if not ranks or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.world_size
+                            for r in ranks) or len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks must be distinct ranks in [0, {self.world_size - 1}], got {ranks!r}")
         return launch(fn, len(ranks), args, timeout=timeout, env=env,
                       rank_env=[self.rank_env(r) for r in ranks], netns=[self.namespace_of(r) for r in ranks])
 
@@ -628,7 +640,7 @@ class LocalCluster:
         bps = self.rate_bps if tier == "inter" else self.intra_rate_bps
         if nbytes is None:
             nbytes = 32 << 20 if bps is None else int(min(128 << 20, max(1 << 20, bps / 8 * 0.5)))
-        return self._launch(measure_link, pair, (nbytes,), timeout)[1]
+        return self.run_on(measure_link, pair, nbytes, timeout=timeout)[1]
 
     def describe(self) -> dict:
         """What the runs ran on (for results JSON): the inter-host link's

@@ -55,12 +55,15 @@ def test_topology_arguments():
         Topology(host=1.5)
     with pytest.raises(ValueError, match="host"):
         Topology(host=" ")
+    with pytest.raises(ValueError, match="segments"):
+        Topology(segments=17)
     assert Topology(2) == Topology(ranks_per_host=2) != Topology(2, inter_algorithm="two_phase")
     assert gc.Topology is Topology
 
 
-def _row(host, claim=-1, kind=0, per=0, inter=0):
-    return (int(host is not None), 0 if host is None else hash(host) & (2**62 - 1), claim, kind, per, inter)
+def _row(host, claim=-1, kind=0, per=0, inter=0, segments=0):
+    return (int(host is not None), 0 if host is None else hash(host) & (2**62 - 1), claim, kind, per, inter,
+            segments)
 
 
 def test_check_orders_hosts_and_names_every_bad_case():
@@ -78,10 +81,12 @@ def test_check_orders_hosts_and_names_every_bad_case():
         check([_row("a", claim=4), _row("a", claim=4), _row("b", claim=4), _row("b", claim=4)])
     with pytest.raises(ValueError, match="different topologies"):
         check([_row("a", inter=0), _row("a", inter=1)])
+    with pytest.raises(ValueError, match="segments=2.*segments=None"):
+        check([_row("a", segments=2), _row("a")])
 
 
 # -------------------------------------------------------------- multi-process
-def _inter_sent(make, shard_len, hosts, i, algorithm):
+def _inter_sent(make, shard_len, hosts, i):
     """Wire bytes one local rank (index ``i`` in its inter-host group) sends on the
     inter-host leg: the flat algorithm over ``hosts`` ranks on its shard."""
     lens = [hi - lo for lo, hi in chunk_bounds(shard_len, hosts)]
@@ -94,8 +99,10 @@ def _inter_sent(make, shard_len, hosts, i, algorithm):
 
 
 def _shapes_case(rank, world, hosts, per, inter, via):
-    """Bit-identity (int8), exact integer sums (none, fp16), the tier bytes, avg == sum / world."""
-    topo = Topology(per, inter_algorithm=inter) if via == "topology" else (
+    """Bit-identity (int8), exact integer sums (none, fp16), the tier bytes, avg == sum / world.
+    ``via="topology"`` also cuts every bucket into 3 pipelined segments."""
+    segments = 3 if via == "topology" else 1
+    topo = Topology(per, inter_algorithm=inter, segments=3) if via == "topology" else (
         Topology(inter_algorithm=inter) if inter != "ring" else None)
     host, local = rank // per, rank % per
     out = {}
@@ -111,16 +118,20 @@ def _shapes_case(rank, world, hosts, per, inter, via):
             assert torch.equal(y, exact), (n, make.__name__)
         avg = gc.allreduce(x, gc.NoCompression(), op="avg", algorithm="hierarchical", topology=topo)
         assert torch.equal(avg, exact / world), n
-        # tiers: NoCompression's meter, by the formulas of the module docstring
+        # tiers: NoCompression's meter, by the formulas of the module docstring. Per
+        # segment (the bucket cut as chunk_bounds) a rank's shard is its chunk_bounds
+        # chunk; the reduce-scatter sends the other local ranks' shards, raw float32;
+        # the allgather sends this rank's shard to the R - 1 others
         tiers = meters[gc.NoCompression].as_dict()["tiers"]
-        s = -(-n // per)
-        shard_len = max(0, min(n, (local + 1) * s) - local * s)
-        intra = 2 * (per - 1) * 4 * s
-        inter = (_inter_sent(lambda k: HEADER + 4 * k, shard_len, hosts, host, inter)
-                 if hosts > 1 and shard_len else 0)
-        assert tiers.get("intra_host", {}).get("bytes_sent", 0) == intra, (n, tiers)
-        assert tiers.get("inter_host", {}).get("bytes_sent", 0) == inter, (n, tiers)
-        out[n] = (intra, inter)
+        intra_bytes = inter_bytes = 0
+        for a, b in chunk_bounds(n, segments):
+            lo, hi = chunk_bounds(b - a, per)[local]
+            intra_bytes += 4 * (b - a - (hi - lo)) + 4 * (per - 1) * (hi - lo)
+            if hosts > 1 and hi > lo:
+                inter_bytes += _inter_sent(lambda k: HEADER + 4 * k, hi - lo, hosts, host)
+        assert tiers.get("intra_host", {}).get("bytes_sent", 0) == intra_bytes, (n, tiers)
+        assert tiers.get("inter_host", {}).get("bytes_sent", 0) == inter_bytes, (n, tiers)
+        out[n] = (intra_bytes, inter_bytes)
     return out
 
 
@@ -135,7 +146,8 @@ def test_shapes_bit_identical_exact_and_tier_bytes(hosts, per, inter, via):
     n = 3 * 4096 + 7
     per_host = sum(out[r][n][1] for r in range(per))
     payload = 4 * n * 2 * (hosts - 1) / hosts
-    assert payload < per_host < payload + 2 * (hosts - 1) * per * HEADER + 8 * per
+    headers = 2 * (hosts - 1) * per * HEADER * (3 if via == "topology" else 1)
+    assert payload < per_host <= payload + headers + 8 * per
 
 
 def _interleaved(rank, world):
@@ -166,8 +178,7 @@ def _residual_case(rank, world, per):
     assert not res.any()
     res2 = torch.zeros(n)
     gc.allreduce(x * 0.37, gc.Int8Quantizer(block_size=32), algorithm="hierarchical", residual=res2)
-    s = -(-n // per)
-    lo, hi = min(n, (rank % per) * s), min(n, (rank % per + 1) * s)
+    lo, hi = chunk_bounds(n, per)[rank % per]
     assert not res2[:lo].any() and not res2[hi:].any()
     return bool(res2[lo:hi].any())
 

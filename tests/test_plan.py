@@ -204,6 +204,26 @@ def test_calibrate_on_loopback_writes_a_profile(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_calibrate_two_tier_measures_both_tiers(tmp_path, capsys):
+    from gradcomp.cluster import requirements_missing
+
+    if requirements_missing() is not None:
+        pytest.skip(f"emulated cluster unavailable: {requirements_missing()}")
+    out = tmp_path / "profile.json"
+    assert main(["plan", "calibrate", "--link", "1gbit", "--topology", "2x2", "--intra-link", "400mbit",
+                 "--out", str(out), "--repeats", "1", "--kernel-numel", "65536"]) == 0
+    prof = Profile.load(str(out))
+    assert prof.topology == "2x2" and prof.link == "1gbit" and prof.intra["link"] == "400mbit"
+    # each tier's fitted bandwidth near its rate (TCP payload of a tbf-shaped layer-2 rate)
+    assert 0.7 < prof.beta_bytes_per_s / 125e6 < 1.1, prof.beta_bytes_per_s
+    assert 0.7 < prof.intra["beta_bytes_per_s"] / 50e6 < 1.1, prof.intra
+    cluster = prof.source["cluster"]
+    assert cluster["configured_bps"] == 10**9 and cluster["intra"]["configured_bps"] == 4 * 10**8
+    assert cluster["achieved_bps"] > 0 and cluster["intra"]["achieved_bps"] > 0
+    assert "intra-host (2x2)" in capsys.readouterr().out
+
+
 def test_kernel_rates_from_kernels_json(tmp_path):
     def row(op, name, n, median, kind="backend", **kw):
         return {"device": "cpu", "threads": "all", "op": op, "n": n, "dtype": "float32", "density": None,
@@ -402,6 +422,9 @@ def test_projection_and_recommend_commands(tmp_path, capsys):
     (["plan", "recommend", "--nodes", "8", "--link", "1gbit", "--params", "1B", "--compute-ms", "1",
       "--max-gap", "x"], "--max-gap"),
     (["plan", "calibrate", "--link", "fast"], "--link"),
+    (["plan", "calibrate", "--topology", "2"], "--topology"),
+    (["plan", "calibrate", "--topology", "1x4", "--link", "1gbit"], "--topology"),
+    (["plan", "calibrate", "--topology", "2x2"], "--topology"),
     (["plan", "validate", "/nonexistent/dir"], "No such file"),
     (["plan", "--profile", "/nonexistent.json"], "No such file"),
 ])

@@ -21,10 +21,12 @@ elements), every rank holds
 * gradcomp :func:`gradcomp.allreduce`: ``none ring`` (float32 on the wire),
   ``fp16 ring``, ``int8 ring``, ``int8 two_phase``, ``topk1% allgather`` and
   ``topk1%+int8 allgather`` (top-k values int8-quantized); with
-  ``--topology HxR`` also ``int8 hierarchical`` and ``int8 hierarchical
+  ``--topology HxR`` also ``int8 hierarchical``, ``int8 hierarchical
   two_phase`` (exact float32 inside a host, int8 ring or two-phase across
-  hosts; called with ``check=False`` after the warm-up, as the DDP hook
-  does, since a checked hierarchical call agrees on every call);
+  hosts, the intra-host steps pipelined with the inter-host leg in segments)
+  and ``int8 hierarchical unpipelined`` (one segment: the stages one after
+  the other), each called with ``check=False`` after the warm-up, as the DDP
+  hook does, since a checked hierarchical call agrees on every call;
 * PyTorch's own DDP communication hooks, called directly on a GradBucket-like
   object over the same data (the hooks only use ``buffer()``,
   ``gradients()``, ``index()`` and ``is_last()``): ``fp16_compress_hook``,
@@ -173,7 +175,7 @@ def _torch_allreduce(buf, world):
     return call
 
 
-def _gradcomp(make, algorithm, inter="ring"):
+def _gradcomp(make, algorithm, inter="ring", segments=None):
     def setup(buf, world):
         import gradcomp as gc
 
@@ -184,7 +186,7 @@ def _gradcomp(make, algorithm, inter="ring"):
         group = dist.new_group(list(range(world)))
         kw = {}
         if algorithm == "hierarchical":
-            kw["topology"] = gc.Topology(inter_algorithm=inter)  # hosts from the environment
+            kw["topology"] = gc.Topology(inter_algorithm=inter, segments=segments)  # hosts from the environment
         calls = [0]
 
         def call():
@@ -262,6 +264,8 @@ def _methods():
         Method("int8 hierarchical", "gradcomp", _gradcomp(gc.Int8Quantizer, "hierarchical"), hierarchical=True),
         Method("int8 hierarchical two_phase", "gradcomp",
                _gradcomp(gc.Int8Quantizer, "hierarchical", "two_phase"), hierarchical=True),
+        Method("int8 hierarchical unpipelined", "gradcomp",
+               _gradcomp(gc.Int8Quantizer, "hierarchical", segments=1), hierarchical=True),
         Method("topk1% allgather", "gradcomp", _gradcomp(lambda: gc.TopK(ratio=0.01), "allgather")),
         Method("topk1%+int8 allgather", "gradcomp",
                _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "allgather")),

@@ -3,57 +3,60 @@
 Hosts hold ``R`` ranks each on a fast link and reach each other over a slow
 one (the two-level schemes of Horovod's hierarchical allreduce and of
 BlueConnect, Cho et al. 2019; compression on the slow tier only, as in
-CGX, Markov et al. 2022). With ``H`` hosts (:mod:`gradcomp.comm.topology`):
+CGX, Markov et al. 2022). With ``H`` hosts (:mod:`gradcomp.comm.topology`),
+for each segment of the bucket (:func:`segment_bounds`):
 
-1. intra-host reduce-scatter, exact float32 (the backend's
-   ``reduce_scatter_tensor``): local rank ``l`` of each host ends with its
-   host's float32 sum of shard ``l`` (``ceil(n / R)`` elements);
+1. intra-host reduce-scatter, exact float32, by direct exchange: local rank
+   ``l`` receives every other local rank's shard ``l`` and adds them to its
+   own in local-rank order;
 2. the ``R`` local ranks of every host run, in parallel, the compressed
    allreduce of their shard across hosts (``"ring"`` or ``"two_phase"``,
    :mod:`gradcomp.comm.ring` / :mod:`gradcomp.comm.two_phase`); error
    feedback applies here only, to the host sum a rank compresses alone;
-3. intra-host allgather of the shards (``all_gather_into_tensor``).
+3. intra-host allgather: each local rank sends its shard to the others.
 
-Every rank ends bit-identical: each chunk of a shard is the decoding of its
-owner's bytes on every host, and step 3 copies bits. Per host and call the
-slow links carry ``2 (H - 1) / H`` times the compressed bucket, against
-``2 (N - 1) / N`` times it per rank for a flat ring over ``N = H R`` ranks.
-The meter records tier ``"inter_host"`` (step 2, exact bytes) and
-``"intra_host"`` (phases ``"host_reduce_scatter"``, ``"host_allgather"``:
-the nominal ring volume, ``(R - 1) x 4 ceil(n / R)`` bytes each way, since
-the backend picks its own algorithm).
+Steps 1 and 3 are point-to-point float32 transfers posted ahead, so they run
+while the calling thread does step 2 of the previous segment (a pipeline, as
+NCCL's hierarchical rings overlap their tiers). Every rank ends bit-identical:
+each chunk of a shard is the decoding of its owner's bytes on every host, and
+step 3 copies bits. Per host and call the slow links carry ``2 (H - 1) / H``
+times the compressed bucket, against ``2 (N - 1) / N`` times it per rank for a
+flat ring over ``N = H R`` ranks. The meter records tier ``"inter_host"``
+(step 2) and ``"intra_host"`` (phases ``"host_reduce_scatter"``,
+``"host_allgather"``: ``4 (n - len_l)`` and ``4 (R - 1) len_l`` bytes sent;
+their seconds are the time the calling thread waited for or summed them).
 """
 
 from __future__ import annotations
 
-import datetime
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from gradcomp import timeline as _timeline
 from gradcomp.comm import pipelined as _pipelined
 from gradcomp.comm import ring as _ring
 from gradcomp.comm import two_phase as _two_phase
+from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.dense import Plan, share_owned
 from gradcomp.comm.local import Local
-from gradcomp.comm.p2p import Comm
+from gradcomp.comm.p2p import PIECES, Comm, Message, Transfer
 from gradcomp.comm.topology import INTER_ALGORITHMS, Layout
 
-__all__ = ["Call", "allreduce", "agreement_code", "AGREEMENT_CODE", "PHASES", "shard_bounds"]
+__all__ = ["Call", "allreduce", "agreement_code", "segment_bounds", "AGREEMENT_CODE", "PHASES",
+           "MIN_SEGMENT_NUMEL", "MAX_AUTO_SEGMENTS"]
 
 #: agreement ``algorithm`` code of a hierarchical call: this plus the index of
 #: its inter-host algorithm in :data:`~gradcomp.comm.topology.INTER_ALGORITHMS`
 AGREEMENT_CODE = 8
 #: meter phases of the intra-host steps
 PHASES = ("host_reduce_scatter", "host_allgather")
+#: fewest elements per segment when the count is chosen by size (4 MiB of float32)
+MIN_SEGMENT_NUMEL = 2**20
+#: most segments chosen by size
+MAX_AUTO_SEGMENTS = 4
 _REDUCE_SCATTER = {"ring": _ring.reduce_scatter, "two_phase": _two_phase.reduce_scatter}
-# the backend's collectives on one flat tensor (torch 2.13 renamed them; the old names warn)
-_BACKEND_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_BACKEND_ALLGATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -75,13 +78,18 @@ class Call:
     residual: torch.Tensor | None
 
 
-def shard_bounds(numel: int, ranks_per_host: int, local_rank: int) -> tuple[int, int, int]:
-    """``(lo, hi, s)``: local rank ``local_rank``'s shard ``[lo, hi)`` of ``numel``
-    elements cut into ``ranks_per_host`` shards of ``s = ceil(numel / R)`` (the
-    last ones shorter or empty: the intra-host collectives pad to ``R s``)."""
-    s = -(-numel // ranks_per_host)
-    lo = min(numel, local_rank * s)
-    return lo, min(numel, lo + s), s
+def segment_bounds(numel: int, segments: int | None = None) -> list[tuple[int, int]]:
+    """The element ranges a bucket of ``numel`` elements is reduced in, one after the
+    other: ``segments`` of them, or by size ``ceil(numel / MIN_SEGMENT_NUMEL)``
+    (1 to :data:`MAX_AUTO_SEGMENTS`); cut as :func:`~gradcomp.comm.chunks.chunk_bounds`."""
+    if segments is None:
+        segments = max(1, min(MAX_AUTO_SEGMENTS, -(-numel // MIN_SEGMENT_NUMEL)))
+    return chunk_bounds(numel, segments)
+
+
+def agreement_code(lay: Layout) -> int:
+    """The agreement's ``algorithm`` code of a call with this layout."""
+    return AGREEMENT_CODE + INTER_ALGORITHMS.index(lay.inter_algorithm)
 
 
 def allreduce(x: torch.Tensor, lay: Layout, call: Call, work: torch.Tensor) -> torch.Tensor:
@@ -91,86 +99,115 @@ def allreduce(x: torch.Tensor, lay: Layout, call: Call, work: torch.Tensor) -> t
         x: float32 ``[n]``, this rank's data (read only, unless it is ``work``).
         lay: the resolved layout (:func:`gradcomp.comm.topology.layout`).
         call: the call's settings.
-        work: float32 ``[n]`` to write the result to (may be ``x``).
+        work: contiguous float32 ``[n]`` for the result (may be ``x``).
 
     Returns:
         ``work``, bit-identical on every rank.
 
     Raises:
-        TimeoutError / RuntimeError / gradcomp.PayloadError: as :func:`gradcomp.allreduce`.
+        TimeoutError / RuntimeError / gradcomp.PayloadError: as :func:`gradcomp.allreduce`
+        (after every transfer this call posted completed or failed).
     """
-    n, R, H = x.numel(), lay.ranks_per_host, lay.host_count
-    lo, hi, s = shard_bounds(n, R, lay.local_rank)
-    comm = Comm(lay.inter if lay.inter is not None else lay.intra, call.timeout, call.meter, tier="inter_host")
+    n = x.numel()
+    segs = segment_bounds(n, lay.segments)
+    intra = Comm(lay.intra, call.timeout, call.meter, tier="intra_host") if lay.intra is not None else None
+    inter = Comm(lay.inter, call.timeout, call.meter, tier="inter_host") if lay.inter is not None else None
+    posted: list[Transfer] = []
     try:
-        source = _intra_input(comm, x, call.residual, (lo, hi) if H > 1 else (0, 0), R * s)
-        if lay.intra is None:  # one rank per host: its own data is its host's sum, reduced in place
-            shard = work
-            if work.data_ptr() != source.data_ptr():
-                work.copy_(source[:n])
-        else:
-            shard = _host_reduce_scatter(comm, source, lay, call, s)
-        if H > 1 and hi > lo:
-            _inter_leg(comm, shard[:hi - lo], lay, call, lo, hi)
-        if call.op == "avg":
-            shard.div_(R * H)
-        if lay.intra is not None:
-            _host_allgather(comm, shard, lay, call, work, n)
+        x = _delivered(intra or inter, x, call.residual, lay, segs)
+        pending = _post_reduce_scatter(intra, x, work, lay, segs, 0)
+        posted += pending[0]
+        for k, (a, b) in enumerate(segs):
+            ahead = _post_reduce_scatter(intra, x, work, lay, segs, k + 1) if k + 1 < len(segs) else None
+            if ahead is not None:
+                posted += ahead[0]
+            lo, hi = _own(a, b, lay)
+            _host_sum(intra, x, work, lo, hi, pending, call)
+            if inter is not None and hi > lo:
+                _inter_leg(inter, work[lo:hi], lay, call, k, lo, hi)
+            if call.op == "avg":
+                work[lo:hi].div_(lay.host_count * lay.ranks_per_host)
+            posted += _post_allgather(intra, work, lay, a, b, k)
+            pending = ahead
+        _wait_allgather(intra, posted, call)
+    except BaseException:
+        _drain(posted)
+        raise
     finally:
-        comm.release()
+        for c in (intra, inter):
+            if c is not None:
+                c.release()
     return work
 
 
-def _intra_input(comm: Comm, x: torch.Tensor, residual, keep: tuple[int, int], m: int) -> torch.Tensor:
-    """The float32 ``[m]`` input of the intra-host reduce-scatter: ``x`` padded
-    with zeros, plus ``residual`` outside ``keep`` (delivered exactly: those
-    ranges are not this rank's to compress, so their residual resets)."""
-    n = x.numel()
-    spill = [] if residual is None else [(a, b) for a, b in ((0, keep[0]), (keep[1], n))
-                                          if b > a and bool(residual[a:b].any())]
-    if m == n and not spill:
+def _own(a: int, b: int, lay: Layout) -> tuple[int, int]:
+    """This rank's shard of segment ``[a, b)``."""
+    lo, hi = chunk_bounds(b - a, lay.ranks_per_host)[lay.local_rank]
+    return a + lo, a + hi
+
+
+def _delivered(comm: Comm, x: torch.Tensor, residual, lay: Layout, segs) -> torch.Tensor:
+    """``x`` with the residual outside this rank's inter-host shards added (they are
+    not this rank's to compress: delivered exactly, their residual resets); ``x``
+    itself when there is none (the usual case)."""
+    if residual is None:
         return x
-    buf = comm.buffer(4 * m, x.device).view(torch.float32)
-    buf[:n].copy_(x)
-    buf[n:].zero_()
-    for a, b in spill:
-        buf[a:b].add_(residual[a:b])
-        residual[a:b].zero_()
-    return buf
+    keep = [_own(a, b, lay) for a, b in segs] if lay.inter is not None else []
+    spill, at = [], 0
+    for lo, hi in keep + [(x.numel(), x.numel())]:
+        if lo > at and bool(residual[at:lo].any()):
+            spill.append((at, lo))
+        at = hi
+    if not spill:
+        return x
+    out = comm.buffer(4 * x.numel(), x.device).view(torch.float32).copy_(x)
+    for lo, hi in spill:
+        out[lo:hi].add_(residual[lo:hi])
+        residual[lo:hi].zero_()
+    return out
 
 
-def _wait(work, what: str, timeout: float) -> None:
-    try:
-        work.wait(timeout=datetime.timedelta(seconds=timeout))
-    except RuntimeError as e:
-        if "timed out" in str(e).lower():
-            raise TimeoutError(f"gradcomp hierarchical {what} did not finish within {timeout} s: {e}") from e
-        raise RuntimeError(f"gradcomp hierarchical {what} failed: {e}") from e
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
 
 
-def _record(call: Call, phase: str, nbytes: int, peers: int, began: float) -> None:
-    if call.meter is not None and peers:
-        call.meter.record_send(nbytes, nbytes, phase=phase, messages=peers, tier="intra_host")
-        call.meter.record_recv(nbytes, nbytes, phase=phase, messages=peers, tier="intra_host")
-        call.meter.record_time(time.perf_counter() - began, phase=phase, tier="intra_host")
+def _post_reduce_scatter(comm, x, work, lay: Layout, segs, k: int):
+    """Post segment ``k``'s intra-host reduce-scatter: ``([transfer], [(peer, buffer)])``."""
+    if comm is None:
+        return [], []
+    a, b = segs[k]
+    chunks = chunk_bounds(b - a, lay.ranks_per_host)
+    mine = chunks[lay.local_rank]
+    sends = [Message(j, _bytes(x[a + lo:a + hi]), 4 * (hi - lo)) for j, (lo, hi) in enumerate(chunks)
+             if j != lay.local_rank]
+    recvs = [Message(j, comm.buffer(4 * (mine[1] - mine[0]), x.device), 4 * (mine[1] - mine[0]))
+             for j in range(lay.ranks_per_host) if j != lay.local_rank]
+    transfer = comm.start(sends, recvs, PHASES[0], tag=2 * k * PIECES, timed=False)
+    return [transfer], [(m.peer, m.buf) for m in recvs]
 
 
-def _host_reduce_scatter(comm: Comm, source: torch.Tensor, lay: Layout, call: Call, s: int) -> torch.Tensor:
-    """This host's exact float32 sum of shard ``local_rank`` (``s`` elements, a pooled buffer)."""
-    R = lay.ranks_per_host
-    shard = comm.buffer(4 * s, source.device).view(torch.float32)
+def _host_sum(comm, x, work, lo: int, hi: int, pending, call: Call) -> None:
+    """``work[lo:hi]``: this host's float32 sum of the shard (own data, then the
+    other local ranks' in local-rank order)."""
+    if work.data_ptr() != x.data_ptr():
+        work[lo:hi].copy_(x[lo:hi])
+    if comm is None:
+        return
     began = time.perf_counter()
-    with _timeline.span("communicate"):
-        _wait(_BACKEND_REDUCE_SCATTER(shard, source, group=lay.intra, async_op=True),
-              "intra-host reduce-scatter", call.timeout)
-    _record(call, PHASES[0], 4 * s * (R - 1), R - 1, began)
-    return shard
+    transfers, received = pending
+    for t in transfers:
+        t.wait()
+    acc = work[lo:hi]
+    for _, buf in sorted(received, key=lambda r: r[0]):
+        acc.add_(buf.view(torch.float32))
+    if call.meter is not None:
+        call.meter.record_time(time.perf_counter() - began, phase=PHASES[0], tier="intra_host")
 
 
-def _inter_leg(comm: Comm, shard: torch.Tensor, lay: Layout, call: Call, lo: int, hi: int) -> None:
+def _inter_leg(comm: Comm, shard: torch.Tensor, lay: Layout, call: Call, k: int, lo: int, hi: int) -> None:
     """Compressed allreduce (sum) of ``shard`` across hosts, in place."""
     residual = None if call.residual is None else call.residual[lo:hi]
-    local = Local(shard, call.compressor, ("hierarchical", call.key), residual)
+    local = Local(shard, call.compressor, ("hierarchical", call.key, k), residual)
     plan = Plan(hi - lo, lay.host_count, local.inner)
     if lay.inter_algorithm == "ring" and _pipelined.applies(local, plan):
         _pipelined.allreduce(comm, local, plan, shard, "sum")
@@ -179,20 +216,33 @@ def _inter_leg(comm: Comm, shard: torch.Tensor, lay: Layout, call: Call, lo: int
         share_owned(comm, plan, shard, "sum", pending)
 
 
-def _host_allgather(comm: Comm, shard: torch.Tensor, lay: Layout, call: Call, work: torch.Tensor,
-                    n: int) -> None:
-    """Every shard of this host into ``work`` (float32 ``[n]``)."""
-    R, s = lay.ranks_per_host, shard.numel()
-    target = work if R * s == n else comm.buffer(4 * R * s, work.device).view(torch.float32)
+def _post_allgather(comm, work, lay: Layout, a: int, b: int, k: int) -> list[Transfer]:
+    """Post segment ``k``'s intra-host allgather: this rank's shard to every local
+    rank, theirs straight into ``work``."""
+    if comm is None:
+        return []
+    chunks = chunk_bounds(b - a, lay.ranks_per_host)
+    lo, hi = chunks[lay.local_rank]
+    mine = _bytes(work[a + lo:a + hi])
+    sends = [Message(j, mine, 4 * (hi - lo)) for j in range(lay.ranks_per_host) if j != lay.local_rank]
+    recvs = [Message(j, _bytes(work[a + c:a + d]), 4 * (d - c)) for j, (c, d) in enumerate(chunks)
+             if j != lay.local_rank]
+    return [comm.start(sends, recvs, PHASES[1], tag=(2 * k + 1) * PIECES, timed=False)]
+
+
+def _wait_allgather(comm, posted: list[Transfer], call: Call) -> None:
     began = time.perf_counter()
-    with _timeline.span("communicate"):
-        _wait(_BACKEND_ALLGATHER(target, shard, group=lay.intra, async_op=True),
-              "intra-host allgather", call.timeout)
-    _record(call, PHASES[1], 4 * s * (R - 1), R - 1, began)
-    if target.data_ptr() != work.data_ptr():
-        work.copy_(target[:n])
+    for t in posted:
+        t.wait()
+    if comm is not None and call.meter is not None:
+        call.meter.record_time(time.perf_counter() - began, phase=PHASES[1], tier="intra_host")
 
 
-def agreement_code(lay: Layout) -> int:
-    """The agreement's ``algorithm`` code of a call with this layout."""
-    return AGREEMENT_CODE + INTER_ALGORITHMS.index(lay.inter_algorithm)
+def _drain(posted: list[Transfer]) -> None:
+    """Wait (each within its deadline) for every transfer a failed call posted, so
+    that none is left to write into a buffer given back or catch a later call's bytes."""
+    for t in posted:
+        try:
+            t.wait()
+        except Exception:  # the original error is the one raised
+            pass

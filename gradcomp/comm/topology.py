@@ -27,14 +27,16 @@ import torch.distributed as dist
 
 from gradcomp import _validate as v
 
-__all__ = ["Topology", "Layout", "layout", "INTER_ALGORITHMS", "HOST_ENV"]
+__all__ = ["Topology", "Layout", "layout", "INTER_ALGORITHMS", "HOST_ENV", "MAX_SEGMENTS"]
 
 #: algorithms of the inter-host leg (dense, fixed wire sizes)
 INTER_ALGORITHMS = ("ring", "two_phase")
 #: the environment variable naming this rank's host (any string)
 HOST_ENV = "GRADCOMP_HOST_ID"
 _KINDS = ("environment", "ranks_per_host", "host")
-_FIELDS = 6  # has_host, host hash, claimed ranks per host, spec kind, spec ranks_per_host, inter algorithm
+_FIELDS = 7  # has_host, host hash, claimed ranks per host, spec kind, spec ranks_per_host, inter algorithm, segments
+#: most segments a bucket is cut into (the pipeline's depth)
+MAX_SEGMENTS = 16
 
 
 class Topology:
@@ -53,13 +55,16 @@ class Topology:
         host: this rank's host id (str or int; ranks with equal ids share a host).
         inter_algorithm: the compressed allreduce across hosts, ``"ring"`` or
             ``"two_phase"`` (see :func:`gradcomp.allreduce`).
+        segments: pieces a bucket is cut into so that the intra-host steps
+            of one overlap the inter-host leg of another (1 to 16; None: by
+            size, see :func:`gradcomp.comm.hierarchical.segment_bounds`; 1: no overlap).
 
     Raises:
         TypeError / ValueError: a bad argument (named in the message).
     """
 
     def __init__(self, ranks_per_host: int | None = None, *, host: str | int | None = None,
-                 inter_algorithm: str = "ring"):
+                 inter_algorithm: str = "ring", segments: int | None = None):
         if ranks_per_host is not None and host is not None:
             raise ValueError("give at most one of ranks_per_host and host")
         if ranks_per_host is not None:
@@ -71,6 +76,7 @@ class Topology:
         self.ranks_per_host = ranks_per_host
         self.host = None if host is None else str(host)
         self.inter_algorithm = v.choice("inter_algorithm", inter_algorithm, INTER_ALGORITHMS)
+        self.segments = None if segments is None else v.integer("segments", segments, 1, MAX_SEGMENTS)
 
     @property
     def kind(self) -> str:
@@ -81,7 +87,7 @@ class Topology:
 
     def key(self) -> tuple:
         """What identifies this spec on this rank (the layout cache's key)."""
-        return (self.kind, self.ranks_per_host, self.host, self.inter_algorithm)
+        return (self.kind, self.ranks_per_host, self.host, self.inter_algorithm, self.segments)
 
     def own_host(self, group_rank: int) -> tuple[str | None, int]:
         """This rank's host id (None: unknown) and the ranks per host it claims (-1: none)."""
@@ -107,7 +113,7 @@ class Topology:
     def __repr__(self) -> str:
         spec = (f"ranks_per_host={self.ranks_per_host}" if self.ranks_per_host is not None
                 else f"host={self.host!r}" if self.host is not None else "from the environment")
-        return f"Topology({spec}, inter_algorithm={self.inter_algorithm!r})"
+        return f"Topology({spec}, inter_algorithm={self.inter_algorithm!r}, segments={self.segments})"
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,7 @@ class Layout:
         intra: process group of this rank's host (None with one rank per host).
         inter: process group of the ``local_rank``-th rank of every host (None with one host).
         inter_algorithm: ``"ring"`` or ``"two_phase"``.
+        segments: the spec's ``segments`` (None: by size).
     """
 
     hosts: tuple[tuple[int, ...], ...]
@@ -128,6 +135,7 @@ class Layout:
     intra: object
     inter: object
     inter_algorithm: str
+    segments: int | None = None
 
     @property
     def host_count(self) -> int:
@@ -147,7 +155,7 @@ def layout(group, topology: Topology | None, timeout: float, device="cpu") -> La
     resolved and its groups built on the first call, cached afterwards.
 
     Collective on the first call for a (group, spec): every rank of ``group``
-    must call it (it exchanges 48 bytes with every rank, then builds the
+    must call it (it exchanges 56 bytes with every rank, then builds the
     subgroups with ``dist.new_group``).
 
     Raises:
@@ -169,7 +177,7 @@ def layout(group, topology: Topology | None, timeout: float, device="cpu") -> La
     rank = dist.get_rank(group)
     host = next(h for h, members in enumerate(hosts) if rank in members)
     intra, inter = _build_groups(group, hosts, host, hosts[host].index(rank), timeout)
-    out = Layout(hosts, host, hosts[host].index(rank), intra, inter, topology.inter_algorithm)
+    out = Layout(hosts, host, hosts[host].index(rank), intra, inter, topology.inter_algorithm, topology.segments)
     with _LOCK:
         _CACHE.setdefault(group, {})[key] = out
     return out
@@ -185,7 +193,7 @@ def _exchange(group, topology: Topology, timeout: float, device) -> list[tuple[i
     host, claim = topology.own_host(rank)
     row = [int(host is not None), _hash(host) if host is not None else 0, claim,
            _KINDS.index(topology.kind), topology.ranks_per_host or 0,
-           INTER_ALGORITHMS.index(topology.inter_algorithm)]
+           INTER_ALGORITHMS.index(topology.inter_algorithm), topology.segments or 0]
     if world == 1:
         return [tuple(row)]
     mine = torch.tensor(row, dtype=torch.int64, device=device)
@@ -207,7 +215,7 @@ def _spec(row) -> str:
     kind = _KINDS[row[3]]
     what = {"environment": "the environment", "host": "host=...",
             "ranks_per_host": f"ranks_per_host={row[4]}"}[kind]
-    return f"Topology({what}, inter_algorithm={INTER_ALGORITHMS[row[5]]!r})"
+    return f"Topology({what}, inter_algorithm={INTER_ALGORITHMS[row[5]]!r}, segments={row[6] or None})"
 
 
 def check(table: list[tuple[int, ...]], topology: Topology | None = None) -> tuple[tuple[int, ...], ...]:
@@ -216,7 +224,7 @@ def check(table: list[tuple[int, ...]], topology: Topology | None = None) -> tup
 
     Args:
         table: per group rank, ``(has_host, host hash, claimed ranks per host,
-            spec kind, spec ranks_per_host, inter algorithm)``.
+            spec kind, spec ranks_per_host, inter algorithm, segments or 0)``.
     """
     specs: dict[str, list[int]] = {}
     for r, row in enumerate(table):

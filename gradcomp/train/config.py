@@ -24,7 +24,7 @@ MODES = ("sync", "async")
 #: (:mod:`gradcomp.train.local`).
 ALL_MODES = (*MODES, "local")
 #: Dense algorithms of the sync mode; sparse compressors always use ``allgather``.
-ALGORITHMS = ("ring", "two_phase")
+ALGORITHMS = ("ring", "two_phase", "hierarchical")
 #: Density of the top-k compressors (k = 1% of each tensor's elements).
 TOPK_RATIO = 0.01
 #: Largest ``timeout`` of a run, in seconds.
@@ -159,7 +159,10 @@ class TrainConfig:
         seed: model initialisation, data split and data order.
         hidden: hidden-layer widths of the MLP.
         test_fraction: share of the digits held out for testing.
-        algorithm: sync allreduce for dense codecs (``ring`` or ``two_phase``).
+        algorithm: sync allreduce for dense codecs (``ring``, ``two_phase`` or
+            ``hierarchical``: exact inside a host, compressed across hosts).
+        ranks_per_host: workers sharing a host (``--topology HxR``: ``workers
+            = H x R``); 1: one per host.
         eval_every: steps between test-set evaluations (and the last step).
         threshold: threshold of ``threshold-ef`` (None: calibrated, see :mod:`gradcomp.train.study`).
         timeout: seconds allowed for one run before its processes are stopped.
@@ -188,6 +191,7 @@ class TrainConfig:
     hidden: tuple[int, ...] = field(default=DEFAULT_HIDDEN)
     test_fraction: float = 0.25
     algorithm: str = "ring"
+    ranks_per_host: int = 1
     eval_every: int = 10
     threshold: float | None = None
     timeout: float = 600.0
@@ -230,6 +234,10 @@ class TrainConfig:
             Adaptive(link=self.auto_link)  # raises for a bad prior, naming it
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if (isinstance(self.ranks_per_host, bool) or not isinstance(self.ranks_per_host, int)
+                or self.ranks_per_host < 1 or self.workers % self.ranks_per_host):
+            raise ValueError(f"ranks_per_host must be an int >= 1 dividing workers ({self.workers}), "
+                             f"got {self.ranks_per_host!r}")
         if self.threshold is not None and not self.threshold >= 0:
             raise ValueError(f"threshold must be >= 0, got {self.threshold!r}")
         if not 0 < self.timeout <= MAX_TIMEOUT:
