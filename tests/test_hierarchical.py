@@ -121,13 +121,15 @@ def _shapes_case(rank, world, hosts, per, inter, via):
         # tiers: NoCompression's meter, by the formulas of the module docstring. Per
         # segment (the bucket cut as chunk_bounds) a rank's shard is its chunk_bounds
         # chunk; the reduce-scatter sends the other local ranks' shards, raw float32;
-        # the allgather sends this rank's shard to the R - 1 others
+        # the allgather sends the R - 1 others the H chunk payloads of this rank's
+        # shard as the inter-host leg ended with them (HEADER + 4 len each)
         tiers = meters[gc.NoCompression].as_dict()["tiers"]
         intra_bytes = inter_bytes = 0
         for a, b in chunk_bounds(n, segments):
             lo, hi = chunk_bounds(b - a, per)[local]
-            intra_bytes += 4 * (b - a - (hi - lo)) + 4 * (per - 1) * (hi - lo)
-            if hosts > 1 and hi > lo:
+            intra_bytes += 4 * (b - a - (hi - lo))
+            if hi > lo:
+                intra_bytes += (per - 1) * (hosts * HEADER + 4 * (hi - lo))
                 inter_bytes += _inter_sent(lambda k: HEADER + 4 * k, hi - lo, hosts, host)
         assert tiers.get("intra_host", {}).get("bytes_sent", 0) == intra_bytes, (n, tiers)
         assert tiers.get("inter_host", {}).get("bytes_sent", 0) == inter_bytes, (n, tiers)
@@ -286,3 +288,28 @@ def _sparse_rejected(rank, world):
 @pytest.mark.slow
 def test_bad_calls_raise_before_anything_moves():
     assert launch(_sparse_rejected, 2, timeout=TIMEOUT) == [True, True]
+
+
+def _large_and_degenerate(rank, world, per):
+    """The inter-host leg on the segment-pipelined ring (chunks of 2**18 elements,
+    int8 nearest), and one host or one rank per host: identical results, exact sums."""
+    if world // per > 1 and per > 1:
+        n = 2**20
+        x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
+        y = gc.allreduce(x, gc.Int8Quantizer(), algorithm="hierarchical", topology=Topology(per, segments=1))
+        assert all(torch.equal(y, t) for t in _gather(y))
+        exact = torch.stack(_gather(x)).double().mean(0)
+        assert float((y.double() - exact).norm() / exact.norm()) < 0.02
+    n = 4097
+    x = _data(rank, n)
+    y = gc.allreduce(x, gc.NoCompression(), op="sum", algorithm="hierarchical", topology=Topology(per))
+    assert torch.equal(y, _exact_sum(world, n))
+    z = gc.allreduce(x, gc.Int8Quantizer(), algorithm="hierarchical", topology=Topology(per, segments=2))
+    assert all(torch.equal(z, t) for t in _gather(z))
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,per", [(4, 2), (3, 3), (3, 1)])
+def test_pipelined_inter_leg_one_host_and_one_rank_per_host(world, per):
+    assert launch(_large_and_degenerate, world, (per,), timeout=TIMEOUT) == [True] * world

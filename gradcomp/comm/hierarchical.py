@@ -13,18 +13,20 @@ for each segment of the bucket (:func:`segment_bounds`):
    allreduce of their shard across hosts (``"ring"`` or ``"two_phase"``,
    :mod:`gradcomp.comm.ring` / :mod:`gradcomp.comm.two_phase`); error
    feedback applies here only, to the host sum a rank compresses alone;
-3. intra-host allgather: each local rank sends its shard to the others.
+3. intra-host allgather: each local rank sends the other local ranks the
+   owners' compressed bytes of its shard's chunks (the bytes step 2 ended
+   with; float32 with one host), and every rank decodes them.
 
-Steps 1 and 3 are point-to-point float32 transfers posted ahead, so they run
-while the calling thread does step 2 of the previous segment (a pipeline, as
-NCCL's hierarchical rings overlap their tiers). Every rank ends bit-identical:
-each chunk of a shard is the decoding of its owner's bytes on every host, and
-step 3 copies bits. Per host and call the slow links carry ``2 (H - 1) / H``
+Steps 1 and 3 are point-to-point transfers posted ahead, so they run while
+the calling thread does step 2 of the next segment (a pipeline, as NCCL's
+hierarchical rings overlap their tiers). Every rank ends bit-identical: each
+chunk is the decoding of one set of owner's bytes on every rank of every host. Per host and call the slow links carry ``2 (H - 1) / H``
 times the compressed bucket, against ``2 (N - 1) / N`` times it per rank for a
 flat ring over ``N = H R`` ranks. The meter records tier ``"inter_host"``
 (step 2) and ``"intra_host"`` (phases ``"host_reduce_scatter"``,
-``"host_allgather"``: ``4 (n - len_l)`` and ``4 (R - 1) len_l`` bytes sent;
-their seconds are the time the calling thread waited for or summed them).
+``"host_allgather"``: ``4 (n - len_l)`` bytes, and ``R - 1`` times the
+shard's ``H`` chunk payloads, sent per segment; their seconds are the time
+the calling thread waited for, summed or decoded them).
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.dense import Plan, share_owned
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import PIECES, Comm, Message, Transfer
-from gradcomp.comm.topology import INTER_ALGORITHMS, Layout
+from gradcomp.comm.topology import INTER_ALGORITHMS, MAX_SEGMENTS, Layout
+from gradcomp.compressors import split
 
 __all__ = ["Call", "allreduce", "agreement_code", "segment_bounds", "AGREEMENT_CODE", "PHASES",
            "MIN_SEGMENT_NUMEL", "MAX_AUTO_SEGMENTS"]
@@ -113,6 +116,7 @@ def allreduce(x: torch.Tensor, lay: Layout, call: Call, work: torch.Tensor) -> t
     intra = Comm(lay.intra, call.timeout, call.meter, tier="intra_host") if lay.intra is not None else None
     inter = Comm(lay.inter, call.timeout, call.meter, tier="inter_host") if lay.inter is not None else None
     posted: list[Transfer] = []
+    gathers: list = []
     try:
         x = _delivered(intra or inter, x, call.residual, lay, segs)
         pending = _post_reduce_scatter(intra, x, work, lay, segs, 0)
@@ -123,13 +127,15 @@ def allreduce(x: torch.Tensor, lay: Layout, call: Call, work: torch.Tensor) -> t
                 posted += ahead[0]
             lo, hi = _own(a, b, lay)
             _host_sum(intra, x, work, lo, hi, pending, call)
-            if inter is not None and hi > lo:
-                _inter_leg(inter, work[lo:hi], lay, call, k, lo, hi)
+            # hosts hold equal shards: all of a shard's inter-host group skip an empty one
+            wires = _inter_leg(inter, work[lo:hi], lay, call, k, lo, hi) if inter is not None and hi > lo else None
             if call.op == "avg":
                 work[lo:hi].div_(lay.host_count * lay.ranks_per_host)
-            posted += _post_allgather(intra, work, lay, a, b, k)
+            gather = _post_allgather(intra, work, lay, (a, b), k, wires, call)
+            posted += [t for t, _ in gather]
+            gathers.append(gather)
             pending = ahead
-        _wait_allgather(intra, posted, call)
+        _finish_allgather(intra, gathers, work, call, lay)
     except BaseException:
         _drain(posted)
         raise
@@ -204,37 +210,76 @@ def _host_sum(comm, x, work, lo: int, hi: int, pending, call: Call) -> None:
         call.meter.record_time(time.perf_counter() - began, phase=PHASES[0], tier="intra_host")
 
 
-def _inter_leg(comm: Comm, shard: torch.Tensor, lay: Layout, call: Call, k: int, lo: int, hi: int) -> None:
-    """Compressed allreduce (sum) of ``shard`` across hosts, in place."""
+def _inter_leg(comm: Comm, shard: torch.Tensor, lay: Layout, call: Call, k: int, lo: int,
+               hi: int) -> list[torch.Tensor]:
+    """Compressed allreduce (sum) of ``shard`` across hosts, in place; returns the
+    owners' bytes of its ``H`` chunks (pooled buffers of ``comm``)."""
     residual = None if call.residual is None else call.residual[lo:hi]
     local = Local(shard, call.compressor, ("hierarchical", call.key, k), residual)
     plan = Plan(hi - lo, lay.host_count, local.inner)
     if lay.inter_algorithm == "ring" and _pipelined.applies(local, plan):
-        _pipelined.allreduce(comm, local, plan, shard, "sum")
-    else:
-        pending = _REDUCE_SCATTER[lay.inter_algorithm](comm, local, plan, shard)
-        share_owned(comm, plan, shard, "sum", pending)
+        return _pipelined.allreduce(comm, local, plan, shard, "sum")
+    pending = _REDUCE_SCATTER[lay.inter_algorithm](comm, local, plan, shard)
+    return share_owned(comm, plan, shard, "sum", pending)
 
 
-def _post_allgather(comm, work, lay: Layout, a: int, b: int, k: int) -> list[Transfer]:
-    """Post segment ``k``'s intra-host allgather: this rank's shard to every local
-    rank, theirs straight into ``work``."""
+def _chunk_wire_sizes(call: Call, length: int, hosts: int) -> list[int]:
+    """Wire sizes of the ``hosts`` inter-host chunks of a shard of ``length`` elements."""
+    inner, _ = split(call.compressor)
+    return Plan(length, hosts, inner).wire_nbytes
+
+
+def _post_allgather(comm, work, lay: Layout, seg: tuple[int, int], k: int, wires, call: Call) -> list:
+    """Post segment ``k``'s intra-host allgather; returns ``[(transfer, where)]``,
+    ``where`` saying what to decode into ``work`` (None: the float32 shards
+    land in place). With an inter-host leg every message is one chunk's owner
+    bytes (``wires``: this rank's, None for an empty shard), else the float32 shard."""
     if comm is None:
         return []
-    chunks = chunk_bounds(b - a, lay.ranks_per_host)
-    lo, hi = chunks[lay.local_rank]
-    mine = _bytes(work[a + lo:a + hi])
-    sends = [Message(j, mine, 4 * (hi - lo)) for j in range(lay.ranks_per_host) if j != lay.local_rank]
-    recvs = [Message(j, _bytes(work[a + c:a + d]), 4 * (d - c)) for j, (c, d) in enumerate(chunks)
-             if j != lay.local_rank]
-    return [comm.start(sends, recvs, PHASES[1], tag=(2 * k + 1) * PIECES, timed=False)]
+    a, b = seg
+    shards = [(a + c, a + d) for c, d in chunk_bounds(b - a, lay.ranks_per_host)]
+    me = lay.local_rank
+    peers = [j for j in range(lay.ranks_per_host) if j != me]
+    tag = PIECES * (2 * MAX_SEGMENTS + k * (lay.host_count + 1))
+    if lay.inter is None:
+        lo, hi = shards[me]
+        sends = [Message(j, _bytes(work[lo:hi]), 4 * (hi - lo)) for j in peers]
+        recvs = [Message(j, _bytes(work[shards[j][0]:shards[j][1]]), 4 * (shards[j][1] - shards[j][0]))
+                 for j in peers]
+        return [(comm.start(sends, recvs, PHASES[1], tag=tag, timed=False), None)]
+    out = []
+    sizes = {j: _chunk_wire_sizes(call, shards[j][1] - shards[j][0], lay.host_count) for j in range(len(shards))}
+    raw = {j: [4 * (d - c) for c, d in chunk_bounds(shards[j][1] - shards[j][0], lay.host_count)]
+           for j in range(len(shards))}
+    for i in range(lay.host_count):  # chunk i of every shard, under a tag of its own
+        sends = [Message(j, wires[i], raw[me][i]) for j in peers if wires is not None]
+        recvs = [Message(j, comm.buffer(sizes[j][i], work.device), raw[j][i]) for j in peers
+                 if shards[j][1] > shards[j][0]]
+        out.append((comm.start(sends, recvs, PHASES[1], tag=tag + (i + 1) * PIECES, timed=False), (i, shards)))
+    return out
 
 
-def _wait_allgather(comm, posted: list[Transfer], call: Call) -> None:
+def _finish_allgather(comm, gathers: list, work: torch.Tensor, call: Call, lay: Layout) -> None:
+    """Wait for every segment's allgather and decode what it brought into ``work``."""
+    if comm is None:
+        return
     began = time.perf_counter()
-    for t in posted:
-        t.wait()
-    if comm is not None and call.meter is not None:
+    inner, _ = split(call.compressor)
+    divisor = lay.host_count * lay.ranks_per_host
+    for gather in gathers:
+        for transfer, where in gather:
+            transfer.wait()
+            if where is None:  # float32, already in place
+                continue
+            i, shards = where
+            for m in transfer.recvs:
+                lo, hi = shards[m.peer]
+                c, d = chunk_bounds(hi - lo, lay.host_count)[i]
+                dst = work[lo + c:lo + d]
+                inner.decompress(Plan.received(m.buf), out=dst)
+                if call.op == "avg":  # as the shard's owner did
+                    dst.div_(divisor)
+    if call.meter is not None:
         call.meter.record_time(time.perf_counter() - began, phase=PHASES[1], tier="intra_host")
 
 
