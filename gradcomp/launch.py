@@ -146,7 +146,7 @@ def launch(
             the world size (one host) unless ``env`` or ``rank_env`` set them.
         netns: per-rank network namespace names (``ip netns`` names, one per
             rank): each rank enters its namespace before it opens a socket
-            (used by :class:`gradcomp.cluster.LocalCluster`; needs root).
+            (used by :class:`gradcomp.lab.cluster.LocalCluster`; needs root).
 
     Returns:
         The per-rank return values, indexed by rank.

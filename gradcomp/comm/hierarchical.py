@@ -1,32 +1,17 @@
 """Hierarchical compressed allreduce: exact inside a host, compressed between hosts.
 
-Hosts hold ``R`` ranks each on a fast link and reach each other over a slow
-one (the two-level schemes of Horovod's hierarchical allreduce and of
-BlueConnect, Cho et al. 2019; compression on the slow tier only, as in
-CGX, Markov et al. 2022). With ``H`` hosts (:mod:`gradcomp.comm.topology`),
-for each segment of the bucket (:func:`segment_bounds`):
-
-1. intra-host reduce-scatter, exact float32, by direct exchange: local rank
-   ``l`` receives every other local rank's shard ``l`` and adds them to its
-   own in local-rank order;
-2. the ``R`` local ranks of every host run, in parallel, the compressed
-   allreduce of their shard across hosts (``"ring"`` or ``"two_phase"``,
-   :mod:`gradcomp.comm.ring` / :mod:`gradcomp.comm.two_phase`); error
-   feedback applies here only, to the host sum a rank compresses alone;
-3. intra-host allgather: each local rank sends the other local ranks the
-   owners' compressed bytes of its shard's chunks (the bytes step 2 ended
-   with; float32 with one host), and every rank decodes them.
-
-Steps 1 and 3 are point-to-point transfers posted ahead, so they run while
-the calling thread does step 2 of the next segment (a pipeline, as NCCL's
-hierarchical rings overlap their tiers). Every rank ends bit-identical: each
-chunk is the decoding of one set of owner's bytes on every rank of every host. Per host and call the slow links carry ``2 (H - 1) / H``
-times the compressed bucket, against ``2 (N - 1) / N`` times it per rank for a
-flat ring over ``N = H R`` ranks. The meter records tier ``"inter_host"``
-(step 2) and ``"intra_host"`` (phases ``"host_reduce_scatter"``,
-``"host_allgather"``: ``4 (n - len_l)`` bytes, and ``R - 1`` times the
-shard's ``H`` chunk payloads, sent per segment; their seconds are the time
-the calling thread waited for, summed or decoded them).
+For each segment of the bucket (:func:`segment_bounds`), with ``H`` hosts of ``R`` ranks
+(:mod:`gradcomp.comm.topology`): (1) an exact float32 reduce-scatter inside each host by direct
+exchange (local rank ``l`` adds the others' shard ``l`` to its own, in local-rank order); (2)
+every local rank runs the compressed ring or two-phase allreduce of its shard across hosts, the
+``R`` of a host in parallel, error feedback on this leg only; (3) an allgather inside the host
+of the owners' bytes of each shard's chunks, which every rank decodes (float32 with one host).
+Steps 1 and 3 are transfers posted ahead, so they overlap step 2 of another segment. Every
+rank ends bit-identical: each chunk is the decoding of one owner's bytes everywhere. Per host
+the links between hosts carry ``2 (H - 1) / H`` times the compressed bucket. The meter
+records tier ``"inter_host"`` (step 2) and ``"intra_host"`` (phases ``"host_reduce_scatter"``
+and ``"host_allgather"``, their seconds the calling thread's wait, sum and decode). Sources
+(Horovod, BlueConnect, CGX) and the full text: docs/collectives.md#hierarchical.
 """
 
 from __future__ import annotations
@@ -40,6 +25,7 @@ import torch
 from gradcomp.comm import pipelined as _pipelined
 from gradcomp.comm import ring as _ring
 from gradcomp.comm import two_phase as _two_phase
+from gradcomp.comm._args import HIERARCHICAL
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.dense import Plan, share_owned
 from gradcomp.comm.local import Local
@@ -52,7 +38,7 @@ __all__ = ["Call", "allreduce", "agreement_code", "segment_bounds", "AGREEMENT_C
 
 #: agreement ``algorithm`` code of a hierarchical call: this plus the index of
 #: its inter-host algorithm in :data:`~gradcomp.comm.topology.INTER_ALGORITHMS`
-AGREEMENT_CODE = 8
+AGREEMENT_CODE = HIERARCHICAL
 #: meter phases of the intra-host steps
 PHASES = ("host_reduce_scatter", "host_allgather")
 #: fewest elements per segment when the count is chosen by size (4 MiB of float32)
