@@ -392,7 +392,8 @@ def _calibrate(args) -> int:
             if per > 1:  # a pair on one host: the intra-host tier
                 tier = c.run_on(C.measure_link, [0, 1], C.sizes_for(intra_rate),
                                 args.repeats, args.timeout, timeout=args.timeout * 2 + 60)
-                intra = C.link_profile(tier, args.intra_link.strip().lower())
+                name = args.intra_link.strip().lower()
+                intra = {**C.link_profile(tier, name), "link": name}
             cluster = c.describe()
     elif args.topology is not None or args.intra_link.strip().lower() != "none":
         print("gradcomp plan calibrate: error: --topology and --intra-link need a shaped --link "
