@@ -452,3 +452,39 @@ def test_plan_does_not_import_train_or_cluster():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_two_tier_model_bytes_and_time():
+    from gradcomp.comm.chunks import chunk_bounds
+    from gradcomp.lab.plan.model import CODECS
+    from gradcomp.lab.plan.tiers import hierarchical_bytes, hierarchical_seconds
+
+    # NoCompression, one segment: the hand formula of tests/test_hierarchical.py (48-byte headers)
+    n, hosts, per = 3 * 4096 + 7, 2, 2
+    got = hierarchical_bytes(CODECS["none"], n, hosts, per, segments=1)
+    inter = 0
+    for local in range(per):
+        lo, hi = chunk_bounds(n, per)[local]
+        lens = [b - a for a, b in chunk_bounds(hi - lo, hosts)]
+        inter += sum(48 + 4 * k for j, k in enumerate(lens) if j != 0) + sum(
+            48 + 4 * k for j, k in enumerate(lens) if j != 1)
+    s0 = chunk_bounds(n, per)[0][1]
+    assert got == {"inter_host_per_host": inter,
+                   "intra_host_per_rank": 4 * (n - s0) + (per - 1) * (hosts * 48 + 4 * s0)}
+    # int8, 2 x 4, 2**24: per host 2 (H - 1) / H of the compressed bucket, within 0.1%
+    int8 = CODECS["int8"]
+    bucket = int8.compressor(2**24).wire_nbytes((2**24,))
+    per_host = hierarchical_bytes(int8, 2**24, 2, 4)["inter_host_per_host"]
+    assert abs(per_host / bucket - 1.0) < 1e-3
+    # time: the inter-host leg shares the host's link; pipelining hides the shorter stage
+    prof = Profile(alpha_s=1e-4, beta_bytes_per_s=12.5e6, kernels={op: 1e9 for op in OPS},
+                   intra={"alpha_s": 5e-5, "beta_bytes_per_s": 5e8})
+    one = hierarchical_seconds(int8, 2**24, 2, 4, prof, segments=1)
+    four = hierarchical_seconds(int8, 2**24, 2, 4, prof, segments=4)
+    assert one["total"] == pytest.approx(one["intra"] + one["inter"])
+    assert max(four["inter"], four["intra"]) < four["total"] < one["total"]
+    # the link's bytes over its rate bound the inter-host leg from below
+    assert one["inter"] > per_host / prof.beta_bytes_per_s
+    fast = hierarchical_seconds(int8, 2**24, 2, 4, Profile(alpha_s=1e-4, beta_bytes_per_s=125e6,
+                                                             kernels=prof.kernels, intra=prof.intra))
+    assert fast["inter"] < one["inter"] / 5
