@@ -272,6 +272,8 @@ def test_ddp_hook_and_localsgd_end_bit_identical():
 
 def test_topology_only_with_hierarchical():
     with pytest.raises(ValueError, match="hierarchical"):
+        gc.allreduce(torch.ones(4), gc.Adaptive(), topology=Topology(2))
+    with pytest.raises(ValueError, match="hierarchical"):
         gc.ddp.GradCompState(algorithm="ring", topology=Topology(2))
     with pytest.raises(TypeError, match="topology"):
         gc.ddp.GradCompState(algorithm="hierarchical", topology=2)

@@ -190,6 +190,9 @@ def allreduce(
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
     if isinstance(compressor, CodecPolicy):
+        if topology is not None:
+            raise ValueError("topology is used by algorithm='hierarchical' only, which an adaptive policy "
+                             "does not run (its dense choices take 'ring' or 'two_phase')")
         return compressor.allreduce(tensor, op=op, algorithm=algorithm, group=group, meter=meter,
                                     timeout=timeout, key=key, residual=residual, out=out, check=check)
     check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
