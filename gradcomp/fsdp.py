@@ -395,7 +395,7 @@ class CompressedAllGather(AllGather):
                         codec=W.codec(self.compressor.codec).id, wire_nbytes=self.compressor.wire_nbytes((m,), dtype),
                         details={"call": "gradcomp.fsdp parameter all-gather", "dtype": str(dtype)},
                         labels={"algorithm": {_ALLGATHER_CODE: "fsdp parameter all-gather"}})
-        _checked.check(comm, sig, device=device)
+        _checked.check_call(comm, sig, device=device)
         self._agreed.add(described)
 
     def _agree_settings(self, param_group, own: dist.ProcessGroup) -> None:

@@ -83,8 +83,9 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomp import _validate as v
-from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce
+from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, INPUT_DTYPES, Topology, allreduce, check_algorithm
 from gradcomp.comm.settings import agree_settings, compressor_text, setting_text
+from gradcomp.comm.topology import layout
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import StepTimeline
@@ -209,8 +210,10 @@ class LocalSGD:
         meter: optional :class:`~gradcomp.TrafficMeter`.
         error_feedback: keep residuals of the pseudo-gradients (ignored for
             lossless compressors).
-        algorithm: ``"ring"`` or ``"two_phase"`` for dense compressors,
-            ``"allgather"`` for sparse ones; None picks ``"ring"`` or ``"allgather"``.
+        algorithm: ``"ring"``, ``"two_phase"``, ``"hierarchical"`` or
+            ``"halving_doubling"`` for dense compressors, ``"allgather"`` or
+            ``"sparse_reduce_scatter"`` for sparse ones (:func:`gradcomp.allreduce`);
+            None picks ``"ring"`` or ``"allgather"``.
         fragments: ``F``, fragments synced in turn; must divide ``sync_every``.
         overlap: ``tau``, inner steps between the start of a fragment's
             exchange and the application of its update (0: at once, no thread);
@@ -220,6 +223,8 @@ class LocalSGD:
             is recorded as a ``"collective"`` span (with the transport's
             ``"compress"``, ``"communicate"`` and ``"decompress"`` spans inside),
             on whichever thread runs it.
+        topology: a :class:`gradcomp.Topology` for ``algorithm="hierarchical"``
+            (None: hosts from the environment), resolved here (collective).
 
     Attributes:
         steps: calls of :meth:`step` so far.
@@ -249,6 +254,7 @@ class LocalSGD:
         overlap: int = 0,
         timeout: float = DEFAULT_TIMEOUT,
         timeline: StepTimeline | None = None,
+        topology: Topology | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -260,9 +266,12 @@ class LocalSGD:
         if algorithm is None:
             algorithm = "allgather" if compressor.sparse else "ring"
         v.choice("algorithm", algorithm, ALGORITHMS)
-        if (algorithm in DENSE_ALGORITHMS) == compressor.sparse:
-            raise ValueError(f"algorithm {algorithm!r} does not fit {compressor!r}: dense compressors use "
-                             f"{DENSE_ALGORITHMS}, sparse ones 'allgather'")
+        check_algorithm(algorithm, compressor)
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
+        if topology is not None and algorithm != "hierarchical":
+            raise ValueError(f"topology is used by algorithm='hierarchical' only, got algorithm={algorithm!r}")
+        self.topology = topology
         if not (outer_optimizer is None or callable(outer_optimizer) or outer_optimizer in OUTER_OPTIMIZERS):
             raise ValueError(f"outer_optimizer must be None, one of {OUTER_OPTIMIZERS} or a callable "
                              f"params -> torch.optim.Optimizer, got {outer_optimizer!r}")
@@ -305,6 +314,8 @@ class LocalSGD:
         agree_settings(self._group, "gradcomp.LocalSGD",
                        self._settings(model, params, outer_optimizer), timeout=self.timeout,
                        device=params[0].device, meter=meter)
+        if algorithm == "hierarchical":  # collective: here, not on the exchange thread
+            layout(self._group, topology, self.timeout, params[0].device)
         with torch.no_grad():
             src = dist.get_global_rank(self._group, 0)
             for p in params:
@@ -326,13 +337,13 @@ class LocalSGD:
         """What every rank must share: the schedule, the codec, the outer
         optimizer and each synchronised parameter's name, shape and dtype."""
         names = {id(p): n for n, p in model.named_parameters()}
-        layout = {f"parameter {i}": f"{names.get(id(p), '?')}: shape {tuple(p.shape)}, {p.dtype}"
+        shapes = {f"parameter {i}": f"{names.get(id(p), '?')}: shape {tuple(p.shape)}, {p.dtype}"
                   for i, p in enumerate(params)}
         return {"sync_every": self.sync_every, "fragments": self.fragments, "overlap": self.overlap,
                 "compressor": compressor_text(self.compressor), "algorithm": self.algorithm,
                 "error_feedback": self.error_feedback,
                 "outer_optimizer": "avg" if outer is None else setting_text(outer),
-                "parameters": len(params), **layout}
+                "topology": self.topology, "parameters": len(params), **shapes}
 
     def _make_outer(self, spec) -> torch.optim.Optimizer | None:
         if spec is None or spec == "avg":
@@ -427,7 +438,7 @@ class LocalSGD:
                 stack.enter_context(self.timeline.span("collective"))
             allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
                       meter=self.meter, timeout=self.timeout, residual=frag.residual, out=delta,
-                      check=not frag.checked, tag="gradcomp.LocalSGD")  # main or background thread
+                      check=not frag.checked, topology=self.topology, tag="gradcomp.LocalSGD")
         frag.checked = True
         if ready is not None:
             torch.cuda.current_stream(delta.device).synchronize()

@@ -73,7 +73,7 @@ class _Comm:
     """What :func:`gradcomp.comm.replay.replay` needs of a Comm: it records the ops."""
 
     def __init__(self, gloo=True):
-        self.ops, self.meter, self.timeout, self.gloo = [], TrafficMeter(), 5.0, gloo
+        self.ops, self.meter, self.timeout, self.gloo, self.tier = [], TrafficMeter(), 5.0, gloo, None
 
     def buffer(self, nbytes, device):
         return torch.full((nbytes,), 7, dtype=torch.uint8)

@@ -28,7 +28,7 @@ from gradcomp.comm.p2p import Comm
 from gradcomp.comm.replay import Disagreement, rest_of
 from gradcomp.compressors import Compressor
 
-__all__ = ["run", "check", "call_signature"]
+__all__ = ["run", "check_call", "call_signature"]
 
 T = TypeVar("T")
 
@@ -73,7 +73,7 @@ def run(comm: Comm, sig: Signature, body: Callable[[], T], *, device, check: boo
         raise
 
 
-def check(comm: Comm, sig: Signature, *, device) -> None:
+def check_call(comm: Comm, sig: Signature, *, device) -> None:
     """The agreement :func:`run` makes, on its own (no message of a call
     follows, so no message pattern is kept): agree on ``sig`` unless it is the
     group's last agreed signature; a failure forgets what the group agreed on.

@@ -1,7 +1,8 @@
 """The compressed allreduce: argument checks, the agreement, then one algorithm's module.
 
 See :func:`allreduce`; the algorithms live one per module (:mod:`gradcomp.comm.ring`,
-:mod:`gradcomp.comm.two_phase`, :mod:`gradcomp.comm.pipelined`, :mod:`gradcomp.comm.allgather`).
+:mod:`gradcomp.comm.two_phase`, :mod:`gradcomp.comm.pipelined`, :mod:`gradcomp.comm.allgather`,
+:mod:`gradcomp.comm.hierarchical`).
 """
 
 from __future__ import annotations
@@ -14,21 +15,26 @@ import torch.distributed as dist
 from gradcomp import _validate as v
 from gradcomp.comm import allgather as _allgather
 from gradcomp.comm import checked as _checked
+from gradcomp.comm import halving_doubling as _halving_doubling
+from gradcomp.comm import hierarchical as _hierarchical
 from gradcomp.comm import pipelined as _pipelined
 from gradcomp.comm import ring as _ring
+from gradcomp.comm import sparse_reduce_scatter as _sparse_reduce_scatter
 from gradcomp.comm import two_phase as _two_phase
-from gradcomp.comm._args import ALGORITHMS, DEFAULT_TIMEOUT, check_args, member_group
+from gradcomp.comm._args import ALGORITHM_CODES, DEFAULT_TIMEOUT, check_args, member_group
 from gradcomp.comm.agreement import call_identity
 from gradcomp.comm.dense import Plan, share_owned
 from gradcomp.comm.guard import exclusive
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
 from gradcomp.comm.policy import CodecPolicy
-from gradcomp.compressors import Compressor, ErrorFeedback
+from gradcomp.comm.topology import Topology, layout
+from gradcomp.compressors import Compressor, ErrorFeedback, split
 
 __all__ = ["allreduce"]
 
 _REDUCE_SCATTER = {"ring": _ring.reduce_scatter, "two_phase": _two_phase.reduce_scatter}
+
 
 def allreduce(
     tensor: torch.Tensor,
@@ -43,6 +49,7 @@ def allreduce(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check: bool = True,
+    topology: Topology | None = None,
     tag: str | int | None = None,
 ) -> torch.Tensor:
     """Compressed allreduce: every rank returns the same (bit-identical) tensor.
@@ -75,6 +82,26 @@ def allreduce(
     * ``"allgather"`` (sparse compressors: TopK, Threshold): payload sizes are
       exchanged, payloads gathered over the ring unchanged, and every rank sums
       the union in float32 in rank order.
+    * ``"halving_doubling"`` (dense compressors): recursive halving
+      reduce-scatter, the owner's compressed chunk sum, recursive doubling
+      allgather of the owners' bytes; ``2 log2 N`` messages per rank (ranks
+      beyond a power of two folded in: 2 more), for small buckets; at most
+      ``log2 N + 2`` quantizations of any partial sum's contribution.
+    * ``"sparse_reduce_scatter"`` (exact ``TopK`` with a ``ratio``): each rank
+      sends the top-k of every region to its owner, which sums, re-selects
+      the top-k and shares its bytes as in the ring's allgather; what the
+      re-selection drops stays in the owner's error-feedback residual.
+    * ``"hierarchical"`` (dense compressors; :mod:`gradcomp.comm.hierarchical`):
+      hosts of ``R`` ranks each (``topology``); an exact float32
+      reduce-scatter inside each host, the compressed allreduce (the
+      topology's ``inter_algorithm``, ring or two-phase) of each local rank's
+      shard across hosts, an allgather of the owners' bytes inside the host,
+      pipelined in segments. Only the links between hosts carry the
+      compressed bucket: ``2 (H - 1) / H`` times it per host. The first call
+      on a group with a topology resolves it (collective; cached); with
+      ``check=True`` the ranks agree on every call (a rank that skipped it
+      would exchange on the intra-host and inter-host groups, which the
+      agreement's disagreement envelopes do not reach).
 
     Every rank ends bit-identical because each chunk's final value is the
     decompression of one set of bytes that every rank (its owner included)
@@ -88,33 +115,49 @@ def allreduce(
 
     * ``compressor`` an :class:`~gradcomp.ErrorFeedback`: residual key
       ``(key, j)`` for chunk ``j`` that this rank compresses alone (the ring:
-      chunk ``rank - 1 mod N``; two-phase: every chunk but ``rank``);
-      ``key`` itself for the allgather algorithm (the whole tensor).
+      chunk ``rank - 1 mod N``; two-phase and the sparse reduce-scatter: every
+      chunk but ``rank``); ``key`` itself for the allgather algorithm (the
+      whole tensor); ``(key, ("halving_doubling", lo, hi))`` for the element
+      range ``[lo, hi)`` halving-doubling compresses alone (the first half it
+      sends, or a folded rank's whole tensor); the sparse reduce-scatter's
+      owner keeps what its re-selection drops under ``(key, rank)``;
+      ``(("hierarchical", key, k), j)`` for chunk ``j`` of this rank's shard
+      of segment ``k`` on the inter-host leg (the only leg that compresses).
     * ``residual``: a flat float32 memory for the whole tensor, updated in
       place: compressed ranges keep their compression error, ranges added
-      exactly are delivered with their residual, which resets to zero.
+      exactly are delivered with their residual, which resets to zero (the
+      sparse reduce-scatter's owner then keeps what its re-selection drops
+      in its region).
 
     Traffic: ``meter`` records the bytes this rank really sent and received
     per phase (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``,
-    ``"sizes"``) and, as
+    ``"sizes"``, and ``"fold"`` for halving-doubling's extra ranks) and, as
     raw bytes, what a float32 ring allreduce over the same chunks would have
     moved: ``4 (2 n - len_rank - len_{rank+1})`` bytes sent per rank, i.e.
     ``2 (N - 1) / N * 4 n`` when ``N`` divides ``n``
-    (:func:`gradcomp.comm.chunks.ring_raw_bytes`).
+    (:func:`gradcomp.comm.chunks.ring_raw_bytes`); halving-doubling and the
+    sparse reduce-scatter count, per message, the float32 bytes of the
+    elements it carries (halving-doubling: ``2 (p - 1) / p * 4 n`` for a
+    rank of the power-of-two group ``p``, ``4 n`` plus ``4 n`` more per
+    folded partner).
 
     Args:
         tensor: float32/float16/bfloat16 tensor of any shape (any number of
             elements, 0 included) on the group's device (CPU for gloo, the
             current CUDA device for NCCL). Not modified.
         compressor: a gradcomp compressor: dense (NoCompression, FP16, BF16,
-            Int8Quantizer) for ``"ring"`` / ``"two_phase"``, sparse (TopK,
-            Threshold) for ``"allgather"``; optionally wrapped in ErrorFeedback.
+            Int8Quantizer) for ``"ring"`` / ``"two_phase"`` /
+            ``"halving_doubling"``, sparse (TopK, Threshold) for
+            ``"allgather"``, exact ``TopK(ratio=...)`` for
+            ``"sparse_reduce_scatter"``; optionally wrapped in ErrorFeedback.
             Or a :class:`~gradcomp.comm.policy.CodecPolicy` such as
             :class:`gradcomp.Adaptive`, which picks the compressor of each
             call (``algorithm`` is then the algorithm of its dense choices;
             see :meth:`gradcomp.Adaptive.allreduce`).
         op: ``"avg"`` (divide the sum by the group size) or ``"sum"``.
-        algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"``.
+        algorithm: one of :data:`~gradcomp.comm.ALGORITHMS`: ``"ring"``,
+            ``"two_phase"``, ``"allgather"``, ``"hierarchical"``,
+            ``"halving_doubling"`` or ``"sparse_reduce_scatter"``.
         group: a torch.distributed process group (default: the world).
         meter: optional :class:`~gradcomp.TrafficMeter`.
         timeout: seconds each exchange may take (> 0, finite, at most 1e9).
@@ -134,13 +177,17 @@ def allreduce(
             once by a loop that reduces the same tensor every step; a loop
             alternating between different calls on one group pays it on
             every call, plus its disagreement envelopes (at most 8 bytes per
-            message piece of the previous call's reduce-scatter). Like the
-            other arguments it must be the same on every rank. ``False``:
-            never (the DDP hook checks its first bucket, then relies on DDP's
-            identical bucket layout on every rank); a disagreement then aborts
-            the process (gloo) or returns different values on different
-            ranks. (``"allgather"`` also exchanges payload sizes, 8 bytes per
-            peer, on every call.)
+            message piece of the previous call's reduce-scatter;
+            docs/results/agreement.md). Like the other arguments it must be
+            the same on every rank. ``False``: never (the DDP hook checks its
+            first bucket, then relies on DDP's identical bucket layout on
+            every rank); a disagreement then aborts the process (gloo) or
+            returns different values on different ranks. (``"allgather"``
+            also exchanges payload sizes, 8 bytes per peer, on every call.)
+        topology: a :class:`gradcomp.Topology` for ``"hierarchical"`` (None:
+            the hosts come from the environment, ``GRADCOMP_HOST_ID`` or
+            torchrun's ``GROUP_RANK`` / ``LOCAL_WORLD_SIZE``); must be None
+            with the other algorithms.
         tag: what tells this call apart from other calls on ``group`` (a str
             or an int, the same on every rank); None: the calling thread's
             name. Calls with different tags (or, untagged, from differently
@@ -156,15 +203,21 @@ def allreduce(
 
     Raises:
         TypeError: ``tensor`` is not a float32/float16/bfloat16 tensor, or
-            ``compressor`` is not a gradcomp compressor.
-        TypeError: ``tag`` is not None, a str or an int.
+            ``compressor`` is not a gradcomp compressor; ``tag`` is not None,
+            a str or an int.
         ValueError: unknown ``op`` / ``algorithm``; a sparse compressor with a
-            dense algorithm or a dense one with ``"allgather"``; a dense
+            dense algorithm or a dense one with a sparse algorithm; a
+            compressor other than an exact ``TopK`` with a ratio for
+            ``"sparse_reduce_scatter"``; a dense
             compressor without a fixed wire size; a bad ``residual`` or
             ``timeout``; this process is not in ``group``; the ranks of the
             group passed different numels, ops, algorithms, compressor
             settings or tags (raised on every rank, also when only one rank
-            changed its call since the group's last agreement).
+            changed its call since the group's last agreement); a bad
+            topology for ``"hierarchical"``
+            (ranks per host that differ, a rank without a host id, ranks
+            given different topologies: raised on every rank, before any
+            payload moves).
         RuntimeError: another thread of this process held ``group`` for
             more than ``timeout`` seconds, or this thread is already in a
             collective on it (nothing sent); the transport failed (see below).
@@ -178,10 +231,17 @@ def allreduce(
     """
     call_identity(tag)  # a bad tag raises here
     if isinstance(compressor, CodecPolicy):  # it checks its arguments and agrees on its settings
+        if topology is not None:
+            raise ValueError("topology is used by algorithm='hierarchical' only, which an adaptive policy "
+                             "does not run (its dense choices take 'ring' or 'two_phase')")
         return compressor.allreduce(tensor, op=op, algorithm=algorithm, group=group, meter=meter,
                                     timeout=timeout, key=key, residual=residual, out=out, check=check, tag=tag)
     check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
     v.flag("check", check)
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
+    if topology is not None and algorithm != "hierarchical":
+        raise ValueError(f"topology is used by algorithm='hierarchical' only, got algorithm={algorithm!r}")
     group = member_group(group, "gradcomp.allreduce")
     x = tensor.detach()
     if dist.get_world_size(group) == 1:
@@ -189,8 +249,43 @@ def allreduce(
             return x.clone(memory_format=torch.contiguous_format)
         return out.copy_(x) if out.data_ptr() != x.data_ptr() else out
     with exclusive(group, timeout=timeout):
+        if algorithm == "hierarchical":
+            call = _hierarchical.Call(compressor, op, meter, timeout, ("numel", x.numel()) if key is None else key,
+                                      residual)
+            return _allreduce_hierarchical(tensor, x, call, group, topology, out, check, tag)
         return _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check,
                           tag)
+
+
+def _allreduce_hierarchical(tensor, x, call, group, topology, out, check, tag):
+    """:func:`allreduce` with ``algorithm="hierarchical"`` (arguments checked)."""
+    lay = layout(group, topology, call.timeout, x.device)  # the same ValueError on every rank if bad
+    comm = Comm(group, call.timeout, call.meter)
+    n = x.numel()
+    inner, _ = split(call.compressor)
+    # the whole tensor's payload size stands for the pattern; the layout is in the algorithm code
+    sig = _checked.call_signature("gradcomp.allreduce", n, call.op, _hierarchical.agreement_code(lay), inner,
+                                  None, 0, tag)
+    if out is not None and out.dtype == torch.float32:
+        work = out.detach().view(-1)
+    else:
+        work = torch.empty(n, dtype=torch.float32, device=x.device)
+
+    def body() -> None:  # its messages travel on the intra- and inter-host groups
+        flat = x.reshape(-1) if x.dtype == torch.float32 else x.reshape(-1).to(torch.float32)
+        if n:
+            _hierarchical.allreduce(flat, lay, call, work)
+
+    try:
+        # on every call (see the docstring): no envelope reaches a rank on the other groups
+        _checked.run(comm, sig, body, device=x.device, check=check, always=True)
+    finally:
+        comm.release()
+    if out is None:
+        return work.to(tensor.dtype).view(tensor.shape)
+    if work.data_ptr() != out.data_ptr():
+        out.view(-1).copy_(work)
+    return out
 
 
 def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check, tag):
@@ -212,14 +307,23 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
     # the default key (used by an ErrorFeedback only): one reused for tensors of
     # several sizes keeps a residual per size
     local = Local(flat, compressor, ("numel", n) if key is None else key, residual)
-    plan = None if algorithm == "allgather" else Plan(n, comm.world_size, local.inner)
-    pipelined = plan is not None and algorithm == "ring" and _pipelined.applies(local, plan)
-    sig = _checked.call_signature("gradcomp.allreduce", n, op, ALGORITHMS.index(algorithm), local.inner, plan,
-                         _pipelined.segment_count(plan) if pipelined else 0, tag)
+    plan = None
+    if algorithm != "allgather":
+        chunks = comm.world_size
+        if algorithm == "halving_doubling":  # one chunk per rank of the power-of-two group
+            chunks = _halving_doubling.fold_layout(comm.world_size, comm.rank)[0]
+        plan = Plan(n, chunks, local.inner)
+    pipelined = algorithm == "ring" and _pipelined.applies(local, plan)
+    sig = _checked.call_signature("gradcomp.allreduce", n, op, ALGORITHM_CODES[algorithm], local.inner, plan,
+                                  _pipelined.segment_count(plan) if pipelined else 0, tag)
 
     def body() -> None:
         if algorithm == "allgather":
             _allgather.allreduce(comm, local, work, op)
+        elif algorithm == "halving_doubling":
+            _halving_doubling.allreduce(comm, local, plan, work, op)
+        elif algorithm == "sparse_reduce_scatter":
+            _sparse_reduce_scatter.allreduce(comm, local, plan, work, op)
         elif pipelined:
             _pipelined.allreduce(comm, local, plan, work, op)
         else:

@@ -34,9 +34,10 @@ from gradcomp.compressors import Compressor, ErrorFeedback, split
 __all__ = ["reduce_scatter", "agree_reduce_scatter", "AGREEMENT_CODE"]
 
 #: the ``algorithm`` code this collective agrees under (the allreduce
-#: algorithms use small codes), so a rank calling it while another calls
-#: :func:`gradcomp.allreduce` gets a ValueError, not a mismatched transfer
-AGREEMENT_CODE = 100
+#: algorithms use small codes, :data:`gradcomp.comm._args.ALGORITHM_CODES`), so
+#: a rank calling it while another calls :func:`gradcomp.allreduce` gets a
+#: ValueError, not a mismatched transfer
+AGREEMENT_CODE = 64
 
 
 def reduce_scatter(
@@ -186,7 +187,7 @@ def agree_reduce_scatter(comm: Comm, numel: int, compressor: Compressor, op: str
     """
     inner, _ = split(compressor)
     sig = _signature(numel, op, Plan(numel, comm.world_size, inner), tag, details)
-    _checked.check(comm, sig, device=device)
+    _checked.check_call(comm, sig, device=device)
 
 
 def _signature(numel: int, op: str, plan: Plan, tag, details: dict[str, str] | None = None):

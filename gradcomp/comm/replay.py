@@ -4,14 +4,15 @@ A rank whose call equals the one its group last agreed on skips the agreement
 and posts that call's messages at once. A rank that changed its call must not
 leave it waiting for payloads that never come, nor send it a message longer
 than the receive it posted (gloo aborts on that). So it *replays* the
-remembered message pattern of the last agreed call (its ``"reduce_scatter"``
-and ``"sizes"`` exchanges, deterministic given the agreed signature): every
+remembered message pattern of the last agreed call (:data:`PATTERN_PHASES`,
+deterministic given the agreed signature): every
 receive at its remembered size, and every send, piece by piece (the payload's
 peers, tags and cuts), as a *disagreement envelope*: the first ``min(8, piece)``
 bytes of :data:`ENVELOPE` (on NCCL, which matches only equal sizes, the whole
 piece, zero-padded). A rank that skipped the check finds an envelope where it
 expected a payload header (:class:`Disagreement`), replays the rest of the
-pattern and agrees too; the ring's ``N - 1`` hops carry it to every rank. Every
+pattern and agrees too; the ring's ``N - 1`` hops, halving's ``log2 p`` and its
+fold messages carry it to every rank. Every
 receive is matched by one send no longer than it, so no process aborts.
 Traffic (meter phase ``"agreement"``): the envelopes, and what the receives
 really got (8 bytes per piece from a rank that replays, the payload from one
@@ -30,8 +31,9 @@ __all__ = ["ENVELOPE", "PATTERN_PHASES", "Disagreement", "replay", "is_envelope"
 #: first 8 bytes of a disagreement envelope (a payload starts with b"GCMP")
 ENVELOPE = b"GCDISAGR"
 #: the phases of a call that a pattern keeps: a rank that did not check finds an
-#: envelope in them before it posts anything else
-PATTERN_PHASES = ("reduce_scatter", "sizes")
+#: envelope in them before it posts anything else (halving-doubling's ``"fold"``
+#: messages included: a folded rank receives nothing else)
+PATTERN_PHASES = ("reduce_scatter", "sizes", "fold")
 
 
 class Disagreement(Exception):
@@ -106,10 +108,11 @@ class Replay:
             return
         got = self.received + sum(min(len(ENVELOPE), p.numel()) if _starts_envelope(p) else p.numel()
                                   for p in self.inboxes)
+        tier = self.comm.tier
         if self.sent:
-            meter.record_send(self.sent, 0, phase="agreement", messages=0)
+            meter.record_send(self.sent, 0, phase="agreement", messages=0, tier=tier)
         if got:
-            meter.record_recv(got, 0, phase="agreement", messages=0)
+            meter.record_recv(got, 0, phase="agreement", messages=0, tier=tier)
 
 
 def _starts_envelope(piece: torch.Tensor) -> bool:
