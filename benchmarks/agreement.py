@@ -51,7 +51,8 @@ PAIRS = [
 ITERATIONS = 5
 #: sizes and algorithms of the mismatch timings
 MISMATCH_SIZES = (1 << 10, 1 << 16, 1 << 19, 1 << 20, 1 << 22)
-MISMATCH_ALGORITHMS = (("ring", "int8"), ("two_phase", "fp16"), ("allgather", "topk"))
+MISMATCH_ALGORITHMS = (("ring", "int8"), ("two_phase", "fp16"), ("allgather", "topk"),
+                       ("halving_doubling", "int8"), ("sparse_reduce_scatter", "topk"))
 
 
 def _compressor(name):
@@ -162,13 +163,13 @@ def _report_pairs(world, res, table):
 
 def _report_mismatch(world, res, table):
     print(f"\none rank changes its call to 64 elements, world {world}: seconds to the last ValueError")
-    print(f"{'numel':>8} {'algorithm':>10} {'compressor':>10} {'seconds':>8} {'every rank':>10}")
+    print(f"{'numel':>8} {'algorithm':>21} {'compressor':>10} {'seconds':>8} {'every rank':>10}")
     for k, case in enumerate(res[0]):
         seconds = max(r[k]["t1"] for r in res) - min(r[k]["t0"] for r in res)
         every = all(r[k]["outcome"] == "ValueError" for r in res)
         table.append({"world": world, "numel": case["numel"], "algorithm": case["algorithm"],
                       "compressor": case["compressor"], "seconds": seconds, "value_error_everywhere": every})
-        print(f"{case['numel']:8d} {case['algorithm']:>10} {case['compressor']:>10} {seconds:8.3f} "
+        print(f"{case['numel']:8d} {case['algorithm']:>21} {case['compressor']:>10} {seconds:8.3f} "
               f"{'yes' if every else 'NO':>10}")
 
 

@@ -58,7 +58,11 @@ def _call(n, algorithm, comp, op, tag, kind, group, value):
         return reduce_scatter(x, COMPRESSORS[comp](), op=op, group=group, timeout=20, tag=tag)
     if algorithm == "native":
         return native.allreduce(x, op=op, group=group, timeout=20, tag=tag)
-    return gc.allreduce(x, COMPRESSORS[comp](), op=op, algorithm=algorithm, group=group, timeout=20, tag=tag)
+    topology = None
+    if algorithm == "hierarchical":  # two hosts of two ranks at world 4, else one rank per host
+        topology = gc.Topology(ranks_per_host=2 if dist.get_world_size(group) % 2 == 0 else 1)
+    return gc.allreduce(x, COMPRESSORS[comp](), op=op, algorithm=algorithm, group=group, timeout=20, tag=tag,
+                        topology=topology)
 
 
 def _one_rank_changes(rank, world, cases):
@@ -86,7 +90,7 @@ def _one_rank_changes(rank, world, cases):
 
 def _cases(world):
     """One rank alone changes one thing, at every size from 2**10 to 2**22, across
-    algorithms and compressors; the pipelined ring from its smallest size on."""
+    algorithms (the scale issue's too) and compressors; the pipelined ring from its smallest size on."""
     last, seg = world - 1, world * MIN_SEGMENT_NUMEL  # above seg elements the ring pipelines
     return [
         (2**10, "ring", "int8", "numel", last, 2**20),
@@ -106,6 +110,11 @@ def _cases(world):
         (2**22, "ring", "int8", "numel", 0, 64),
         (2**22, "two_phase", "bf16", "codec", last, "int8"),
         (2**22, "ring", "int8-sr", "numel", 1, 2**10),
+        (2**16, "halving_doubling", "int8", "numel", last, 2**10),  # ranks folded in at world 3
+        (2**20, "halving_doubling", "fp16", "op", 0, "sum"),
+        (2**16, "sparse_reduce_scatter", "topk", "numel", 1, 2**10),
+        (2**20, "hierarchical", "int8", "numel", last, 64),
+        (2**18, "ring", "int8", "algorithm", 1, "hierarchical"),  # its first call resolves the topology
     ]
 
 

@@ -28,7 +28,7 @@ from gradcomp.comm.guard import exclusive
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
 from gradcomp.comm.policy import CodecPolicy
-from gradcomp.comm.topology import Topology, layout
+from gradcomp.comm.topology import INTER_ALGORITHMS, Topology, layout
 from gradcomp.compressors import Compressor, ErrorFeedback, split
 
 __all__ = ["allreduce"]
@@ -259,19 +259,23 @@ def allreduce(
 
 def _allreduce_hierarchical(tensor, x, call, group, topology, out, check, tag):
     """:func:`allreduce` with ``algorithm="hierarchical"`` (arguments checked)."""
-    lay = layout(group, topology, call.timeout, x.device)  # the same ValueError on every rank if bad
+    spec = Topology() if topology is None else topology
     comm = Comm(group, call.timeout, call.meter)
     n = x.numel()
     inner, _ = split(call.compressor)
-    # the whole tensor's payload size stands for the pattern; the layout is in the algorithm code
-    sig = _checked.call_signature("gradcomp.allreduce", n, call.op, _hierarchical.agreement_code(lay), inner,
-                                  None, 0, tag)
+    # the whole tensor's payload size stands for the pattern; the spec (not a host id, which
+    # differs per rank) is agreed before the layout is resolved, a collective a peer may not be in
+    sig = _checked.call_signature(
+        "gradcomp.allreduce", n, call.op, _hierarchical.AGREEMENT_CODE + INTER_ALGORITHMS.index(spec.inter_algorithm),
+        inner, None, 0, tag, details={"topology": f"{spec.kind}, ranks_per_host={spec.ranks_per_host}, "
+                                                  f"segments={spec.segments}"})
     if out is not None and out.dtype == torch.float32:
         work = out.detach().view(-1)
     else:
         work = torch.empty(n, dtype=torch.float32, device=x.device)
 
-    def body() -> None:  # its messages travel on the intra- and inter-host groups
+    def body() -> None:  # its payloads travel on the intra- and inter-host groups
+        lay = layout(group, topology, call.timeout, x.device)  # the same ValueError on every rank if bad
         flat = x.reshape(-1) if x.dtype == torch.float32 else x.reshape(-1).to(torch.float32)
         if n:
             _hierarchical.allreduce(flat, lay, call, work)
