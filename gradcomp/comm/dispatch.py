@@ -263,12 +263,10 @@ def _allreduce_hierarchical(tensor, x, call, group, topology, out, check, tag):
     comm = Comm(group, call.timeout, call.meter)
     n = x.numel()
     inner, _ = split(call.compressor)
-    # the whole tensor's payload size stands for the pattern; the spec (not a host id, which
-    # differs per rank) is agreed before the layout is resolved, a collective a peer may not be in
-    sig = _checked.call_signature(
-        "gradcomp.allreduce", n, call.op, _hierarchical.AGREEMENT_CODE + INTER_ALGORITHMS.index(spec.inter_algorithm),
-        inner, None, 0, tag, details={"topology": f"{spec.kind}, ranks_per_host={spec.ranks_per_host}, "
-                                                  f"segments={spec.segments}"})
+    # agreed before the layout is resolved (a collective a peer that changed its call is not in,
+    # which names a difference of the specs itself); the whole tensor's payload size stands for the pattern
+    code = _hierarchical.AGREEMENT_CODE + INTER_ALGORITHMS.index(spec.inter_algorithm)
+    sig = _checked.call_signature("gradcomp.allreduce", n, call.op, code, inner, None, 0, tag)
     if out is not None and out.dtype == torch.float32:
         work = out.detach().view(-1)
     else:
