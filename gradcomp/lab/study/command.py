@@ -380,13 +380,15 @@ class _Bars:
         self.overall = self.progress.add_task("all runs (time left: estimate)", total=grand_total)
 
     def __enter__(self):
-        self.progress.start()
-        return self
+        return self  # the bars start at the first step: an error before it prints no empty bar
 
     def __exit__(self, *exc):
-        self.progress.stop()
+        if self.progress.live.is_started:
+            self.progress.stop()
 
     def __call__(self, mode: str, compressor: str, step: int, seed: int = 0) -> None:
+        if not self.progress.live.is_started:
+            self.progress.start()
         key = (self.prefix, mode, compressor, seed)
         if key not in self.tasks:
             label = f"{self.prefix}{mode} {COMPRESSORS[compressor].label}"
@@ -449,9 +451,7 @@ def run(args: argparse.Namespace) -> int:
             made = None if existed else args.out
         except ValueError as e:
             return fail(str(e), 2)
-    console = Console(quiet=not lead)
-    if not console.is_terminal:
-        console = Console(quiet=not lead, width=max(console.width, 132))
+    console = Console(quiet=not lead)  # a pipe gets rich's 80 columns (or $COLUMNS): every table fits
     status = _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail)
     if status != 0 and made is not None:
         try:
@@ -534,12 +534,7 @@ def _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail) ->
     except (TimeoutError, ImportError, RuntimeError) as e:
         return fail(f"{type(e).__name__}: {e}", 1)
     if lead:
-        console.print(report.title(study), highlight=False)
-        for s in studies:
-            console.print(report.link_line(s), highlight=False)
-            console.print(report.table(s))
-        if "threshold-ef" in {r.compressor for r in study.runs}:
-            console.print(f"threshold+ef: threshold {study.threshold:.3g}", highlight=False)
+        _print_tables(console, study, studies, args.max_gap)
         console.print(f"total wall time {time.perf_counter() - t0:.1f} s", highlight=False)
         try:
             paths = report.write_all(study, args.out, studies, args.max_gap)
@@ -548,6 +543,28 @@ def _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail) ->
         console.print(f"results in {args.out}: " + ", ".join(os.path.basename(p) for p in paths.values()),
                       highlight=False)
     return 0
+
+
+def _print_tables(console, study, studies, max_gap: float | None) -> None:
+    """The title, per scenario its link and two tables, the legend and the conclusion."""
+    from gradcomp.lab.study import report, terminal
+    from gradcomp.lab.study.conclusion import conclusion
+    from gradcomp.lab.study.decision import DEFAULT_MAX_GAP_PP, aggregate
+
+    console.print(report.title(study), highlight=False)
+    for s in studies:
+        console.print(report.link_line(s), highlight=False)
+        console.print(terminal.traffic_table(s))
+        console.print(terminal.time_table(s))
+    console.print(terminal.legend(study), highlight=False, style="dim")
+    if "threshold-ef" in {r.compressor for r in study.runs}:
+        console.print(f"threshold+ef: threshold {study.threshold:.3g}", highlight=False)
+    bound = DEFAULT_MAX_GAP_PP if max_gap is None else max_gap
+    words = conclusion(aggregate([r for s in studies for r in s.runs]), study.test_samples, bound)
+    if words:
+        from rich.markup import escape
+
+        console.print("[bold]Conclusion:[/bold] " + escape(" ".join(words)), highlight=False)
 
 
 def main(argv: list[str] | None = None, prog: str = "gradcomp train") -> int:

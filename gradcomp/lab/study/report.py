@@ -1,4 +1,4 @@
-"""Study reports: a terminal table (rich), ``results.json``, ``results.csv`` and plots.
+"""Study reports: ``results.json``, ``results.csv`` and plots (the terminal tables: :mod:`.terminal`).
 
 Plots: ``results.png`` (accuracy against traffic and loss against step, per
 mode), ``time.png`` (accuracy against training-clock seconds, one panel per
@@ -19,7 +19,7 @@ from gradcomp.lab.study.config import COMPRESSORS
 from gradcomp.lab.study.output import json_ready
 from gradcomp.lab.study.study import RunResult, StudyResult
 
-__all__ = ["title", "table", "write_json", "write_csv", "write_plot", "write_time_plot",
+__all__ = ["title", "link_line", "write_json", "write_csv", "write_plot", "write_time_plot",
            "write_all", "json_ready", "run_record"]
 
 #: Columns of the CSV: (CSV field, meaning).
@@ -121,60 +121,6 @@ def link_line(study: StudyResult) -> str:
     return (f"scenario {sc.get('name', 'loopback')} ({'; '.join(parts)}"
             f"{'; ' + ', '.join(extra) if extra else ''}), {seed_text}, target accuracy "
             f"{100 * study.target_accuracy:.2f}%")
-
-
-def table(study: StudyResult):
-    """A :class:`rich.table.Table` of the runs (one row per configuration; with
-    several seeds, means and 95% half-widths)."""
-    from rich import box
-    from rich.table import Table
-
-    from gradcomp.lab.study.decision import aggregate
-
-    t = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False)
-    perplexity = _perplexities(study) if study.config.workload == "text-gpt" else None
-    headers = ("mode", "compressor", "bytes/step", "reduction", "test acc",
-               *(("perplexity",) if perplexity else ()), "gap (pp)",
-               "step ms", "idle", "exp comm", "to target s", "wall s")
-    for header in headers:
-        t.add_column(header, justify="left" if header in ("mode", "compressor") else "right",
-                     no_wrap=True)
-    aggs = aggregate(study.runs)
-    many = any(a.seeds > 1 for a in aggs)
-
-    def pm(x, ci, spec, suffix=""):
-        if x is None or (isinstance(x, float) and math.isnan(x)):
-            return "-"
-        text = format(x, spec) + suffix
-        if many and ci is not None and not math.isnan(ci):
-            text += "±" + format(ci, spec.lstrip("+"))
-        return text
-
-    for i, a in enumerate(aggs):
-        if i and a.mode != aggs[i - 1].mode:
-            t.add_section()
-        ttt = (pm(a.time_to_target_s, a.time_to_target_ci, ".2f") if a.reached == a.seeds
-               else ("not reached" if not a.reached else
-                     f"{pm(a.time_to_target_s, None, '.2f')} ({a.reached}/{a.seeds})"))
-        t.add_row(
-            a.mode, a.label, f"{a.bytes_per_worker_per_step:,.0f}", f"{a.reduction_x:.2f}x",
-            pm(a.accuracy, a.accuracy_ci, ".2f", "%"),
-            *((pm(perplexity[(a.scenario, a.mode, a.compressor)], None, ".2f"),) if perplexity else ()),
-            pm(a.gap_pp, a.gap_ci, "+.2f"),
-            pm(1e3 * a.step_time_median_s, None, ".1f"), pm(100 * a.idle_share, None, ".0f", "%"),
-            pm(100 * a.exposed_comm_share, None, ".0f", "%"), ttt, f"{a.wall_s:.1f}")
-    return t
-
-
-def _perplexities(study: StudyResult) -> dict[tuple, float]:
-    """Mean test perplexity over seeds per (scenario, mode, compressor) (``exp`` of each run's test loss)."""
-    from gradcomp.lab.study.workloads import perplexity
-
-    groups: dict[tuple, list[float]] = {}
-    for r in study.runs:
-        key = (r.scenario.get("name", "loopback"), r.mode, r.compressor)
-        groups.setdefault(key, []).append(perplexity(r.test_loss))
-    return {k: sum(v) / len(v) for k, v in groups.items()}
 
 
 def run_record(r: RunResult, study: StudyResult) -> dict:
