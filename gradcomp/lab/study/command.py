@@ -451,7 +451,8 @@ def run(args: argparse.Namespace) -> int:
             made = None if existed else args.out
         except ValueError as e:
             return fail(str(e), 2)
-    console = Console(quiet=not lead)  # a pipe gets rich's 80 columns (or $COLUMNS): every table fits
+    # sentences wrap at a terminal's width and stay one line in a pipe; tables fit 80 columns either way
+    console = Console(quiet=not lead, soft_wrap=not sys.stdout.isatty())
     status = _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail)
     if status != 0 and made is not None:
         try:
@@ -554,8 +555,8 @@ def _print_tables(console, study, studies, max_gap: float | None) -> None:
     console.print(report.title(study), highlight=False)
     for s in studies:
         console.print(report.link_line(s), highlight=False)
-        console.print(terminal.traffic_table(s))
-        console.print(terminal.time_table(s))
+        console.print(terminal.traffic_table(s), soft_wrap=False)
+        console.print(terminal.time_table(s), soft_wrap=False)
     console.print(terminal.legend(study), highlight=False, style="dim")
     if "threshold-ef" in {r.compressor for r in study.runs}:
         console.print(f"threshold+ef: threshold {study.threshold:.3g}", highlight=False)
