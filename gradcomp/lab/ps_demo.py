@@ -22,6 +22,7 @@ import sys
 
 import torch
 
+from gradcomp.lab.args import OneLineParser
 from gradcomp.lab.cluster import jitter_type, link_type
 from gradcomp.compressors import FP16, Int8Quantizer, TopK
 from gradcomp.ps.run import PSConfig, run
@@ -136,7 +137,7 @@ def summary(out: dict, args: argparse.Namespace, link: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m gradcomp.ps",
         description="A parameter-server run on a least-squares problem with a known optimum.")
     p.add_argument("--mode", choices=("sync", "async"), default="async")

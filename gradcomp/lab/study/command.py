@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from gradcomp.lab.args import OneLineParser
 from gradcomp.lab.cluster import jitter_type, link_type
 from gradcomp.lab.study.config import (ALGORITHMS, ALL_MODES, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
                                    TrainConfig, parse_compressors)
@@ -277,7 +278,7 @@ EPILOG = ("Under torchrun (RANK and WORLD_SIZE set) each process runs as one ran
 
 def build_parser(prog: str = "gradcomp train") -> argparse.ArgumentParser:
     """The parser of ``gradcomp train`` / ``python -m gradcomp.lab.study``."""
-    return add_arguments(argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG))
+    return add_arguments(OneLineParser(prog=prog, description=DESCRIPTION, epilog=EPILOG))
 
 
 def _workers(args: argparse.Namespace) -> int:
