@@ -152,3 +152,25 @@ def test_a_gap_inside_its_interval_is_not_a_loss():
     assert mode.startswith("async: topk1%+ef sent 87.00x fewer bytes per step than none, test accuracy -1.00")
     assert "dgc0.1% -7.00 points lost accuracy beyond the noise" in mode
     assert "3 seeds" in noise
+
+
+def test_progress_bars_start_at_the_first_step_only():
+    from gradcomp.lab.study.command import _Bars
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=80, force_terminal=True)
+    with _Bars(console, total=10, grand_total=20):
+        pass  # an error before the first step: nothing printed
+    assert buf.getvalue() == ""
+    with _Bars(console, total=10, grand_total=20) as bars:
+        bars("sync", "int8", 3)
+    assert "all runs" in buf.getvalue() and "sync int8" in buf.getvalue()
+
+
+def test_an_error_found_after_start_up_prints_no_empty_bar(capsys, tmp_path):
+    from gradcomp.lab.study import command
+
+    code = command.main(["--workload", "text-gpt", "--data-file", str(tmp_path / "missing.txt"), "--mode", "sync",
+                         "--compressors", "none", "--steps", "2", "--out", str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert code == 2 and "all runs" not in out + err and "--data-file" in err
