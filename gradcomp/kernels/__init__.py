@@ -422,3 +422,8 @@ def dgc_topk_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float
     uf, vf = _check_dgc(g, u, v)
     momentum, scale = checks.real("momentum", momentum), checks.real("scale", scale)
     return select("dgc_topk_", g.device.type, backend)(_flat(g), uf, vf, momentum, scale, _check_k(v, k))
+
+
+def __dir__():
+    # the public API only: not the helpers and modules this package imports to implement it
+    return sorted(__all__)
