@@ -23,6 +23,7 @@ _EXPORTS = {
     "decompress_add_": "gradcomp.compressors",
     "kernels": "gradcomp.kernels",
     "compressors": "gradcomp.compressors",
+    "catalog": "gradcomp.catalog",
     "wire": "gradcomp.wire",
     "comm": "gradcomp.comm",
     "meter": "gradcomp.meter",

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomp.lab.cluster import (PREFIX, ClusterError, LocalCluster, format_rate, leftovers,
-                              parse_rate, requirements_missing)
+from gradcomp.lab.cluster import PREFIX, ClusterError, LocalCluster, leftovers, link_rate_bps, requirements_missing
+from gradcomp.lab.units import format_rate, parse_rate
 from gradcomp.launch import WorkerError
 
 REASON = requirements_missing()
@@ -40,6 +40,14 @@ def test_parse_rate():
     for bad in ("fast", "100", "-1gbit", "0mbit", "1pbit", True):
         with pytest.raises(ValueError, match="rate"):
             parse_rate(bad)
+
+
+def test_link_rate_bps_is_a_rate_tc_can_shape():
+    assert link_rate_bps("100mbit") == 100_000_000 and link_rate_bps(2.5e9) == 2_500_000_000
+    assert link_rate_bps("150kbit") == 150_000 and isinstance(link_rate_bps("150kbit"), int)
+    for bad in ("50kbit", "1tbit", 5e11, "fast"):
+        with pytest.raises(ValueError, match="rate"):
+            link_rate_bps(bad)
 
 
 def test_bad_arguments():

@@ -69,7 +69,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["LocalCluster", "ClusterError", "parse_rate", "format_rate", "requirements_missing",
+from gradcomp.lab.units import format_rate, parse_rate
+
+__all__ = ["LocalCluster", "ClusterError", "link_rate_bps", "requirements_missing",
            "leftovers", "remove_leftovers", "measure_link", "launch_on", "link_argument", "link_type", "jitter_type",
            "LINKS",
            "PREFIX", "IFNAME"]
@@ -84,8 +86,8 @@ LINKS = ("none", "100mbit", "1gbit", "10gbit")
 SUBNET = "198.18.0"
 MAX_WORLD = 250
 
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-_RATE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(bit|kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)
+#: The link rates a cluster shapes, in bit/s (100 kbit/s to 400 gbit/s).
+MIN_RATE_BPS, MAX_RATE_BPS = 1e5, 4e11
 _counter = itertools.count()
 
 
@@ -93,34 +95,17 @@ class ClusterError(RuntimeError):
     """The emulated cluster cannot be built or used here (the message says why)."""
 
 
-def parse_rate(text: str | int | float) -> int:
-    """A link rate in bit/s from ``"100mbit"``, ``"1gbit"``, ``"2.5gbit"``... or a number of bit/s.
+def link_rate_bps(rate: str | int | float) -> int:
+    """A link rate a cluster can shape, in bit/s: :func:`gradcomp.lab.units.parse_rate`'s syntax
+    (``"100mbit"``, ``"2.5gbit"``, or a number of bit/s), from 100 kbit/s to 400 gbit/s.
 
     Raises:
-        ValueError: not a positive rate in the units bit, kbit, mbit, gbit, tbit
-            (``tc``'s decimal units), or below 100 kbit/s or above 400 gbit/s.
+        ValueError: not a rate, or outside that range.
     """
-    if isinstance(text, bool):
-        raise ValueError(f"rate must be like '100mbit', '1gbit' or a number of bit/s, got {text!r}")
-    if isinstance(text, (int, float)):
-        bps = float(text)
-    else:
-        m = _RATE_RE.match(str(text))
-        if m is None:
-            raise ValueError(f"rate must be like '100mbit', '1gbit', '10gbit' (units bit, kbit, "
-                             f"mbit, gbit, tbit), got {text!r}")
-        bps = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not (1e5 <= bps <= 4e11):
-        raise ValueError(f"rate must be between 100kbit and 400gbit, got {text!r}")
-    return int(round(bps))
-
-
-def format_rate(bps: float) -> str:
-    """``100000000`` -> ``"100mbit"``; ``1.5e9`` -> ``"1.5gbit"``."""
-    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:.4g}{unit}"
-    return f"{bps:.4g}bit"
+    rate_bps = parse_rate(rate, "rate")
+    if not MIN_RATE_BPS <= rate_bps <= MAX_RATE_BPS:
+        raise ValueError(f"rate must be between 100kbit and 400gbit, got {rate!r}")
+    return int(round(rate_bps))
 
 
 def link_argument(text: str) -> str:
@@ -133,7 +118,7 @@ def link_argument(text: str) -> str:
     if text in ("none", "loopback"):
         return "none"
     try:
-        return format_rate(parse_rate(text))
+        return format_rate(link_rate_bps(text))
     except ValueError as e:
         raise ValueError(f"{e}; or none (the unshaped loopback)") from None
 
@@ -284,7 +269,7 @@ class LocalCluster:
         from gradcomp import _validate
 
         self.world_size = _validate.integer("world_size", world_size, 1, MAX_WORLD)
-        self.rate_bps = parse_rate(rate)
+        self.rate_bps = link_rate_bps(rate)
         self.rate_jitter = _validate.real("rate_jitter", rate_jitter)
         if not 0 <= self.rate_jitter < 1:
             raise ValueError(f"rate_jitter must be in [0, 1), got {rate_jitter!r}")

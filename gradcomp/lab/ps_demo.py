@@ -22,17 +22,27 @@ import sys
 
 import torch
 
+from gradcomp import catalog
 from gradcomp.lab.args import OneLineParser
 from gradcomp.lab.cluster import jitter_type, link_type
-from gradcomp.compressors import FP16, Int8Quantizer, TopK
 from gradcomp.ps.run import PSConfig, run
 
-COMPRESSORS = {
-    "none": lambda: None,
-    "fp16": FP16,
-    "int8": Int8Quantizer,
-    "topk": lambda: TopK(ratio=0.01, values=Int8Quantizer()),
-}
+#: ``--compressor`` choices, names of :mod:`gradcomp.catalog`; the workers keep a residual for
+#: a lossy one (``PSConfig.error_feedback``)
+PS_COMPRESSORS = ("none", "fp16", "int8", "topk-int8")
+
+
+def demo_compressor(name: str):
+    """The compressor of ``--compressor name``: ``gradcomp.catalog.build(name)``, or None for
+    ``none`` (the parameter server's default: uncompressed pushes, int8 pull deltas with
+    ``--compress-pull``).
+
+    Raises:
+        ValueError: a name not in :data:`PS_COMPRESSORS`.
+    """
+    if name not in PS_COMPRESSORS:
+        raise ValueError(f"compressor must be one of {', '.join(PS_COMPRESSORS)}, got {name!r}")
+    return None if name == "none" else catalog.build(name)
 
 
 class LeastSquares:
@@ -72,7 +82,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     problem = LeastSquares(args.dim, args.rows, world_size - args.num_servers, args.seed)
     config = PSConfig(
         mode=args.mode, steps=args.steps, num_servers=args.num_servers,
-        compressor=COMPRESSORS[args.compressor](), compress_pull=args.compress_pull,
+        compressor=demo_compressor(args.compressor), compress_pull=args.compress_pull,
         optimizer=functools.partial(torch.optim.SGD, lr=args.lr, momentum=args.momentum),
         max_staleness=args.max_staleness, staleness_lr=args.staleness_lr,
         worker_timeout=args.worker_timeout, checkpoint_dir=args.checkpoint_dir,
@@ -173,7 +183,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-servers", type=_int_at_least(1), default=1)
     p.add_argument("--world-size", type=_int_at_least(2), default=3,
                    help="local processes when not started by torchrun (default 3: 1 server, 2 workers)")
-    p.add_argument("--compressor", choices=tuple(COMPRESSORS), default="int8")
+    p.add_argument("--compressor", choices=PS_COMPRESSORS, default="int8")
     p.add_argument("--compress-pull", action="store_true")
     p.add_argument("--steps", type=_int_at_least(1), default=200)
     p.add_argument("--dim", type=_int_at_least(4), default=64)

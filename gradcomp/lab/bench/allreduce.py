@@ -356,7 +356,7 @@ def plot(rows, path: str) -> str:
         ax.set_xlabel("float32 elements per rank")
         ax.set_ylabel("median time per allreduce (ms, slowest rank)")
         if info["configured_bps"]:
-            from gradcomp.lab.cluster import format_rate
+            from gradcomp.lab.units import format_rate
 
             title = (f"link {format_rate(info['configured_bps'])} (achieved "
                      f"{format_rate(info['achieved_bps'])}), world {world}")
@@ -509,7 +509,7 @@ def main(argv=None) -> int:
     links = []
 
     def on_link(info):
-        from gradcomp.lab.cluster import format_rate
+        from gradcomp.lab.units import format_rate
 
         links.append(info)
         print(f"link {info['name']}, world {info['world_size']}: configured "

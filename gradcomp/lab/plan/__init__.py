@@ -34,12 +34,12 @@ _EXPORTS = {
     "Host": "gradcomp.lab.plan.host",
     "Profile": "gradcomp.lab.plan.profile",
     **{name: "gradcomp.lab.plan.model" for name in (
-        "ALGORITHMS", "CODECS", "MODES", "Codec", "Prediction", "Setting", "allreduce_bytes",
+        "ALGORITHMS", "CODECS", "MODES", "PlanCodec", "Prediction", "Setting", "allreduce_bytes",
         "allreduce_seconds", "async_throughput", "bubble_fraction", "pipeline_step", "predict",
         "ps_bytes")},
 }
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _EXPORTS)
 
-__all__ = ["ALGORITHMS", "CODECS", "MODES", "Codec", "Host", "Prediction", "Profile", "Setting", "allreduce_bytes",
+__all__ = ["ALGORITHMS", "CODECS", "MODES", "PlanCodec", "Host", "Prediction", "Profile", "Setting", "allreduce_bytes",
            "allreduce_seconds", "async_throughput", "bubble_fraction", "expected_max", "pipeline_step",
            "predict", "ps_bytes"]

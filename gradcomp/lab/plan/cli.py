@@ -97,7 +97,7 @@ def _lists():
 
     def links(t):
         names = parse_list(t, lambda s, name: s.lower(), "--link")
-        return [(n, parse_rate(n, "--link")) for n in names]
+        return [(n, parse_rate(n, "--link") / 8) for n in names]  # (name, bytes/s): the model prices bytes
 
     def params(t):
         return parse_list(t, parse_count, "--params")
@@ -420,7 +420,7 @@ def _calibrate(args) -> int:
     sizes = C.sizes_for(None)
     if link != "none":
         try:
-            sizes = C.sizes_for(parse_rate(link, "--link"))
+            sizes = C.sizes_for(parse_rate(link, "--link") / 8)
         except ValueError as e:
             print(f"gradcomp plan calibrate: error: {e}", file=sys.stderr)
             return 2

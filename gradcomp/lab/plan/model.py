@@ -93,8 +93,8 @@ elements), where DDP's hook compresses one flat bucket.
 
 **Shared host** (:class:`~gradcomp.lab.plan.host.Host`, ``Setting.host`` with
 ``ranks_per_host`` processes on ``cores`` cores, and ``background_load``
-runnable processes of other jobs; the time study runs 4 workers, and in
-async the server, on 2 cores shared with other work). Processor sharing: codec
+runnable processes of other jobs, as when the time study's workers, and in
+async the server, share a few cores with other work). Processor sharing: codec
 kernels and the server's work take ``share = max(1, runnable / cores)``
 times their one-core time. A collective's exchange step waits for a
 descheduled peer, ``skew = slice_s (share - 1)``, which overlaps the
@@ -119,8 +119,8 @@ Not modelled (stated so that a disagreement with a measurement can be
 traced): contention between the hook's compression and the same rank's
 backward (one bucket per step in the time study: nothing to overlap), the
 ring's progress before a late straggler arrives, the parameter-server
-worker's own per-tensor bookkeeping beyond its codec calls (top-k + int8 in
-async: 21 ms measured against 6 ms priced), network congestion beyond
+worker's own per-tensor bookkeeping beyond its codec calls (what it costs:
+docs/results/plan-validation.md), network congestion beyond
 one link per node (a non-blocking fabric is assumed), the agreement message
 of the first call, and zeroing / dividing the allgather's output.
 """
@@ -133,17 +133,18 @@ from functools import lru_cache
 
 import torch
 
+from gradcomp import catalog
 from gradcomp import wire as W
 from gradcomp.comm.chunks import chunk_bounds
-from gradcomp.compressors import BF16, FP16, Int8Quantizer, NoCompression, TopK
 from gradcomp.lab.plan.host import Host
 from gradcomp.lab.plan.lognormal import expected_max
 from gradcomp.lab.plan.profile import Profile
+from gradcomp.pipeline.bubble import bubble_fraction
 from gradcomp.ps import protocol as _ps_protocol
 
 __all__ = [
-    "Codec", "CODECS", "CODEC_NAMES", "ALGORITHMS", "MODES", "Setting", "Prediction",
-    "codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "ps_bytes", "predict",
+    "PlanCodec", "CODECS", "CODEC_NAMES", "PLAN_NAMES", "GAP_PTS", "ALGORITHMS", "MODES", "Setting", "Prediction",
+    "plan_codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "ps_bytes", "predict",
     "sync_step", "ps_sync_step", "async_throughput", "mva_response", "bubble_fraction", "FORWARD_SHARE",
     "pipeline_step",
     "PS_HEADER_NBYTES", "SIZE_NBYTES", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES",
@@ -160,25 +161,28 @@ DDP_BUCKET_BYTES = 25 * 2**20
 DDP_FIRST_BUCKET_BYTES = 2**20
 #: gradcomp.ddp.DEFAULT_MIN_COMPRESS_NUMEL: smaller buckets go uncompressed
 MIN_COMPRESS_NUMEL = 16384
-#: top-k density of the study's top-k compressors (gradcomp.lab.study.config.TOPK_RATIO)
-TOPK_DENSITY = 0.01
+#: the compressors the planner prices, names of :mod:`gradcomp.catalog`
+PLAN_NAMES = ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-ef", "threshold-ef")
+#: accuracy gap in points ``recommend`` assumes per compressor (the default study's sync gap on
+#: digits, docs/results/default-study.md; 0 where none was measurable)
+GAP_PTS = {"topk-ef": 0.22, "topk-int8-ef": 0.22}
 
 ALGORITHMS = ("ring", "two_phase", "allgather", "ps")
 MODES = ("sync", "async")
 
 
 @dataclass(frozen=True)
-class Codec:
-    """One compressor of the menu, named as ``gradcomp train --compressors`` names it.
+class PlanCodec:
+    """One compressor of the planner's menu: a :mod:`gradcomp.catalog` entry's facts plus
+    what the planner assumes of it.
 
     Attributes:
-        name: command-line name; label: the study's table label.
+        name: the catalog name; label: its table label.
         kind: wire codec (``raw``, ``fp16``, ``bf16``, ``int8``, ``topk``, ``threshold``).
         values: codec of a sparse payload's kept values (``raw`` or ``int8``).
         density: kept fraction k / n of a sparse codec (threshold: an assumption).
         error_feedback: residual memory (adds its update to the kernel time).
-        gap_pts: accuracy gap in points assumed by ``recommend`` (the default
-            study's measured sync gap on digits, README; 0 where none was measurable).
+        gap_pts: accuracy gap in points assumed by ``recommend`` (:data:`GAP_PTS`).
         compact_indices: a sparse payload codes its indices compactly
             (Elias-Fano) where smaller, as the library does by default; False:
             fixed-width int32 indices (payloads written before compact indices).
@@ -193,6 +197,16 @@ class Codec:
     gap_pts: float = 0.0
     compact_indices: bool = True
 
+    @classmethod
+    def of(cls, name: str) -> "PlanCodec":
+        """The catalog entry ``name`` with the planner's assumptions.
+
+        Raises:
+            ValueError: a name the catalog does not know.
+        """
+        e = catalog.entry(name)
+        return cls(e.name, e.label, e.kind, e.values, e.density, e.error_feedback, GAP_PTS.get(name, 0.0))
+
     @property
     def sparse(self) -> bool:
         return W.codec(self.kind).sparse
@@ -204,19 +218,14 @@ class Codec:
 
     def compressor(self, numel: int):
         """A compressor object with this codec's exact wire layout for ``numel``-element tensors."""
-        if self.kind == "raw":
-            return NoCompression()
-        if self.kind == "fp16":
-            return FP16()
-        if self.kind == "bf16":
-            return BF16()
-        if self.kind == "int8":
-            return Int8Quantizer()
-        values = Int8Quantizer() if self.values == "int8" else None
-        # threshold: the same layout at its density
-        return TopK(ratio=self.density, values=values, compact_indices=self.compact_indices)
+        compact = self.compact_indices
+        if self.kind == "threshold":  # priced as a top-k payload at its assumed density: the same layout
+            return catalog.build("topk-int8" if self.values == "int8" else "topk", density=self.density,
+                                 compact_indices=compact)
+        density = self.density if self.kind == "topk" else None
+        return catalog.build(self.name, density=density, compact_indices=compact)
 
-    def with_density(self, density: float) -> "Codec":
+    def with_density(self, density: float) -> "PlanCodec":
         """The same sparse codec at another density."""
         if not self.sparse:
             raise ValueError(f"{self.name} is dense: density does not apply")
@@ -224,25 +233,16 @@ class Codec:
             raise ValueError(f"density must be in (0, 1], got {density}")
         return replace(self, density=density)
 
-    def with_compact_indices(self, compact: bool) -> "Codec":
+    def with_compact_indices(self, compact: bool) -> "PlanCodec":
         """The same codec with compact (True) or fixed-width int32 (False) sparse indices."""
         return replace(self, compact_indices=bool(compact)) if self.sparse else self
 
 
-CODECS: dict[str, Codec] = {c.name: c for c in (
-    Codec("none", "none", "raw"),
-    Codec("fp16", "fp16", "fp16"),
-    Codec("bf16", "bf16", "bf16"),
-    Codec("int8", "int8", "int8"),
-    Codec("int8-ef", "int8+ef", "int8", error_feedback=True),
-    Codec("topk-ef", "topk1%+ef", "topk", "raw", TOPK_DENSITY, True, gap_pts=0.22),
-    Codec("topk-int8-ef", "topk1%+int8+ef", "topk", "int8", TOPK_DENSITY, True, gap_pts=0.22),
-    Codec("threshold-ef", "threshold+ef", "threshold", "raw", TOPK_DENSITY, True),
-)}
+CODECS: dict[str, PlanCodec] = {name: PlanCodec.of(name) for name in PLAN_NAMES}
 CODEC_NAMES = tuple(CODECS)
 
 
-def codec(name: str) -> Codec:
+def plan_codec(name: str) -> PlanCodec:
     """The menu entry ``name``.
 
     Raises:
@@ -256,7 +256,7 @@ def codec(name: str) -> Codec:
 # ---- wire bytes --------------------------------------------------------------------
 
 @lru_cache(maxsize=4096)
-def _wire(c: Codec, numel: int) -> int:
+def _wire(c: PlanCodec, numel: int) -> int:
     """Exact wire bytes of ``c``'s payload of a 1-D float32 tensor of ``numel`` elements."""
     return c.compressor(numel).wire_nbytes((numel,), torch.float32)
 
@@ -266,7 +266,7 @@ def _chunk_lens(numel: int, world: int) -> list[int]:
 
 
 @lru_cache(maxsize=4096)
-def allreduce_bytes(c: Codec, algorithm: str, numel: int, world: int, rank: int = 0) -> tuple[int, int]:
+def allreduce_bytes(c: PlanCodec, algorithm: str, numel: int, world: int, rank: int = 0) -> tuple[int, int]:
     """``(sent, received)`` wire bytes at ``rank`` for one allreduce of ``numel`` elements.
 
     Dense (``ring``, ``two_phase``: the same bytes sent): the reduce-scatter
@@ -296,7 +296,7 @@ def allreduce_bytes(c: Codec, algorithm: str, numel: int, world: int, rank: int 
     return sent, (total - w[(rank - 1) % world]) + ag_received  # ring: chunks rank-2, ..., rank
 
 
-def ps_bytes(c: Codec, numel: int, servers: int, tensors: int = 1, compress_pull: bool = True) -> dict:
+def ps_bytes(c: PlanCodec, numel: int, servers: int, tensors: int = 1, compress_pull: bool = True) -> dict:
     """Bytes one worker moves per step with the parameter server.
 
     The gradient of ``numel`` elements in ``tensors`` equal parameter tensors
@@ -342,7 +342,7 @@ def bucket_sizes(params: int, bucket_bytes: int = DDP_BUCKET_BYTES,
 
 # ---- kernel and transfer times -------------------------------------------------------
 
-def _compress_s(c: Codec, prof: Profile, n: int, ef: bool) -> float:
+def _compress_s(c: PlanCodec, prof: Profile, n: int, ef: bool) -> float:
     """Compress ``n`` elements (dense) or a whole ``n``-element tensor (sparse)."""
     if c.sparse:
         k = max(1, math.ceil(c.density * n))
@@ -354,7 +354,7 @@ def _compress_s(c: Codec, prof: Profile, n: int, ef: bool) -> float:
     return prof.seconds(f"{c.kind}.compress", n)
 
 
-def _decompress_add_s(c: Codec, prof: Profile, n: int) -> float:
+def _decompress_add_s(c: PlanCodec, prof: Profile, n: int) -> float:
     if c.sparse:
         k = max(1, math.ceil(c.density * n))
         return prof.seconds("sparse.decompress_add", k) + (
@@ -362,7 +362,7 @@ def _decompress_add_s(c: Codec, prof: Profile, n: int) -> float:
     return prof.seconds(f"{c.kind}.decompress_add", n)
 
 
-def allreduce_seconds(c: Codec, algorithm: str, numel: int, world: int, alpha: float, beta: float,
+def allreduce_seconds(c: PlanCodec, algorithm: str, numel: int, world: int, alpha: float, beta: float,
                       prof: Profile, share: float = 1.0, skew: float = 0.0) -> dict:
     """Time of one compressed allreduce of ``numel`` float32 elements (see the module docstring).
 
@@ -561,7 +561,7 @@ def _apply_s(s: Setting, prof: Profile, elements: int) -> float:
     return prof.seconds("sgd.apply", elements)
 
 
-def sync_step(c: Codec, algorithm: str, s: Setting, prof: Profile) -> Prediction:
+def sync_step(c: PlanCodec, algorithm: str, s: Setting, prof: Profile) -> Prediction:
     """Synchronous data-parallel step with gradcomp's DDP hook (``ring``,
     ``two_phase`` or ``allgather``): buckets reduced in FIFO order as backward
     produces them, behind the slowest worker."""
@@ -597,7 +597,7 @@ def sync_step(c: Codec, algorithm: str, s: Setting, prof: Profile) -> Prediction
                       wait / step, comm_share, n / step, sent, received)
 
 
-def _ps_parts(c: Codec, s: Setting, prof: Profile, runnable: float | None = None) -> dict:
+def _ps_parts(c: PlanCodec, s: Setting, prof: Profile, runnable: float | None = None) -> dict:
     """Per-step parts of a parameter-server worker and shard server, with
     ``runnable`` processes sharing the host (default: all of them): kernel
     times stretched by :meth:`Setting.share`. No scheduling delay
@@ -627,7 +627,7 @@ def _ps_parts(c: Codec, s: Setting, prof: Profile, runnable: float | None = None
             "push_shard": b["push_shard"] / beta, "pull_shard": b["pull_shard"] / beta, "alpha": alpha}
 
 
-def ps_sync_step(c: Codec, s: Setting, prof: Profile) -> Prediction:
+def ps_sync_step(c: PlanCodec, s: Setting, prof: Profile) -> Prediction:
     """Synchronous parameter-server step: every worker pushes, each shard
     server aggregates the N pushes (ingress ``N push_shard / beta``), applies
     one step and answers the N pulls (egress ``N pull_shard / beta``)."""
@@ -681,7 +681,7 @@ def mva_response(groups: list[tuple[int, float]], demand: float) -> list[float]:
     return [ra, rb][:len(groups)]
 
 
-def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
+def async_throughput(c: PlanCodec, s: Setting, prof: Profile) -> Prediction:
     """Asynchronous parameter server: pushes applied on arrival (see the module docstring).
 
     ``step_s`` is a worker's mean time per push (``N / X``), ``throughput`` the
@@ -734,14 +734,14 @@ def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
 
 def predict(mode: str, compressor: str, algorithm: str, s: Setting, prof: Profile) -> Prediction:
     """The step of ``mode`` (``sync``/``async``) with ``compressor`` (a :data:`CODECS`
-    name or a :class:`Codec`) and ``algorithm`` (``ring``, ``two_phase``,
+    name or a :class:`PlanCodec`) and ``algorithm`` (``ring``, ``two_phase``,
     ``allgather`` or ``ps``; async is always ``ps``).
 
     Raises:
         ValueError: an unknown mode, compressor or algorithm, or a combination
             the library rejects (a sparse codec on a dense algorithm, ...).
     """
-    c = compressor if isinstance(compressor, Codec) else codec(compressor)
+    c = compressor if isinstance(compressor, PlanCodec) else plan_codec(compressor)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if algorithm not in c.algorithms:
@@ -756,18 +756,6 @@ def predict(mode: str, compressor: str, algorithm: str, s: Setting, prof: Profil
 
 
 # ---- pipeline ----------------------------------------------------------------------
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """GPipe / 1F1B bubble: ``(p - 1) / (m + p - 1)`` of the step is idle.
-
-    Raises:
-        ValueError: ``stages`` or ``microbatches`` not an integer >= 1.
-    """
-    for name, v in (("stages", stages), ("microbatches", microbatches)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    return (stages - 1) / (microbatches + stages - 1)
-
 
 #: share of a step's compute that is forward (backward: the rest, about twice the forward)
 FORWARD_SHARE = 1.0 / 3.0

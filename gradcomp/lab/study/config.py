@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from gradcomp import catalog
 from gradcomp.lab.study.menu import DEFAULT_HIDDEN, DEFAULT_WORKLOAD, WORKLOADS
 
 if TYPE_CHECKING:
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from gradcomp.compressors import Compressor
 
 __all__ = ["TrainConfig", "CompressorChoice", "COMPRESSORS", "DEFAULT_COMPRESSORS", "MODES",
-           "ALGORITHMS", "TOPK_RATIO", "parse_compressors", "ALL_MODES"]
+           "ALGORITHMS", "parse_compressors", "ALL_MODES"]
 
 MODES = ("sync", "async")
 #: Every mode ``--mode`` accepts: MODES (``both``) plus local SGD / DiLoCo
@@ -25,8 +26,6 @@ MODES = ("sync", "async")
 ALL_MODES = (*MODES, "local")
 #: Dense algorithms of the sync mode; sparse compressors always use ``allgather``.
 ALGORITHMS = ("ring", "two_phase")
-#: Density of the top-k compressors (k = 1% of each tensor's elements).
-TOPK_RATIO = 0.01
 #: Largest ``timeout`` of a run, in seconds.
 MAX_TIMEOUT = 1e7
 #: Largest ``dgc_warmup_epochs`` (a warm-up in steps then stays an exact int64
@@ -36,7 +35,8 @@ MAX_WARMUP_EPOCHS = 1e6
 
 @dataclass(frozen=True)
 class CompressorChoice:
-    """One entry of the study's compressor menu.
+    """One entry of the study's compressor menu: a name of :mod:`gradcomp.catalog` (whose
+    entry says what it builds) or one of the study's own rows, ``auto`` and ``native``.
 
     Attributes:
         name: command-line name (``--compressors``).
@@ -64,54 +64,36 @@ class CompressorChoice:
         for ``auto`` a fresh :class:`gradcomp.Adaptive` policy.
 
         Args:
-            threshold: magnitude threshold for ``threshold-ef`` (required there).
+            threshold: magnitude threshold for ``threshold-ef`` (required there,
+                ignored by the other rows).
             link: ``auto``'s link prior (``gc.Adaptive(link=)``), or None.
+
+        Raises:
+            ValueError: ``threshold-ef`` without a threshold.
         """
-        from gradcomp.compressors import (BF16, FP16, Int8Quantizer, NoCompression, Threshold,
-                                          TopK)
-
-        if self.name in ("none", "native"):
-            return NoCompression()
-        if self.name == "fp16":
-            return FP16()
-        if self.name == "bf16":
-            return BF16()
-        if self.name in ("int8", "int8-ef"):
-            return Int8Quantizer()
-        if self.name == "topk-ef":
-            return TopK(ratio=TOPK_RATIO)
-        if self.name == "topk-int8-ef":
-            return TopK(ratio=TOPK_RATIO, values=Int8Quantizer())
-        if self.name in ("dgc", "dgc-int8"):
-            from gradcomp.lab.study.dgc import DGC_RATIO
-
-            return TopK(ratio=DGC_RATIO, values=Int8Quantizer() if self.name == "dgc-int8" else None)
         if self.name == "auto":
             from gradcomp.adaptive import Adaptive
 
             return Adaptive(link=link)
-        if self.name == "threshold-ef":
-            if threshold is None:
-                raise ValueError("threshold-ef needs a threshold")
-            return Threshold(threshold)
-        raise ValueError(f"unknown compressor {self.name!r}")
+        entry = catalog.entry("none" if self.native else self.name)
+        if entry.kind == "threshold" and threshold is None:
+            raise ValueError(f"{self.name} needs a threshold")
+        return entry.build(threshold=threshold if entry.kind == "threshold" else None)
 
     @property
     def sparse(self) -> bool:
-        return self.name in ("topk-ef", "topk-int8-ef", "threshold-ef", "dgc", "dgc-int8")
+        return self.name in catalog.ENTRIES and catalog.ENTRIES[self.name].sparse
+
+
+def _catalog_row(name: str) -> CompressorChoice:
+    e = catalog.entry(name)
+    return CompressorChoice(name, e.label, e.error_feedback, dgc=e.dgc)
 
 
 COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
-    CompressorChoice("none", "none", False),
-    CompressorChoice("fp16", "fp16", False),
-    CompressorChoice("bf16", "bf16", False),
-    CompressorChoice("int8", "int8", False),
-    CompressorChoice("int8-ef", "int8+ef", True),
-    CompressorChoice("topk-ef", "topk1%+ef", True),
-    CompressorChoice("topk-int8-ef", "topk1%+int8+ef", True),
-    CompressorChoice("threshold-ef", "threshold+ef", True),
-    CompressorChoice("dgc", "dgc0.1%", True, dgc=True),
-    CompressorChoice("dgc-int8", "dgc0.1%+int8", True, dgc=True),
+    *(_catalog_row(n) for n in ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-ef",
+                                "threshold-ef", "dgc", "dgc-int8")),
+    # the study's own rows: a policy over catalog codecs, and the backend's uncompressed collective
     CompressorChoice("auto", "auto", True, modes=("sync",)),
     CompressorChoice("native", "all_reduce f32", False, modes=("sync",), native=True),
 )}

@@ -216,7 +216,7 @@ def verdict(scenario: dict) -> str:
 
 
 def _link_text(link: dict) -> str:
-    from gradcomp.lab.cluster import format_rate
+    from gradcomp.lab.units import format_rate
 
     if not link or not link.get("configured_bps"):
         return "loopback (unshaped)"

@@ -85,7 +85,7 @@ def results_figure(study, title: str):
 
 
 def _scenario_title(s) -> str:
-    from gradcomp.lab.cluster import format_rate
+    from gradcomp.lab.units import format_rate
 
     links = [v for v in s.links.values() if v.get("configured_bps")]
     rate = (f", achieved {format_rate(links[0]['achieved_bps'])}" if links and links[0].get("achieved_bps")

@@ -98,7 +98,7 @@ def title(study: StudyResult) -> str:
 
 def link_line(study: StudyResult) -> str:
     """Where the study ran: the scenario and, per mode, the link's configured and achieved rate."""
-    from gradcomp.lab.cluster import format_rate
+    from gradcomp.lab.units import format_rate
 
     parts = []
     for mode, link in study.links.items():

@@ -48,11 +48,12 @@ from typing import Callable, Iterable
 
 import torch
 
+from gradcomp import catalog
 from gradcomp.launch import launch, start_method
 from gradcomp.meter import TrafficMeter
 from gradcomp.lab.study.async_ import async_world_size, train_async_rank
 from gradcomp.lab.study.common import RankLog, counted_bytes
-from gradcomp.lab.study.config import ALL_MODES, COMPRESSORS, TOPK_RATIO, TrainConfig
+from gradcomp.lab.study.config import ALL_MODES, COMPRESSORS, TrainConfig
 from gradcomp.lab.study.scenarios import Scenario
 from gradcomp.lab.study.timing import server_queue, summarize_time, time_to_target
 from gradcomp.lab.study.data import Digits, steps_per_epoch, worker_batches
@@ -163,7 +164,7 @@ def calibrate_threshold(cfg: TrainConfig, data: Digits | None = None) -> float:
     idx = next(worker_batches(len(data.y_train), cfg.workers, 0, cfg.batch_size, cfg.seed, 1))
     batch_loss(model, data.x_train[idx], data.y_train[idx]).backward()
     g = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).abs()
-    k = max(1, math.ceil(TOPK_RATIO * g.numel()))
+    k = max(1, math.ceil(catalog.entry("threshold-ef").density * g.numel()))
     return float(g.kthvalue(g.numel() - k + 1).values)
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp.meter import TrafficMeter
-from gradcomp.timeline import Timeline, now
+from gradcomp.timeline import StepTimeline, now
 from gradcomp.lab.study.common import RankLog, param_digest
 from gradcomp.lab.study.config import COMPRESSORS, TrainConfig
 from gradcomp.lab.study.data import Digits, worker_batches
@@ -60,7 +60,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
     model = build_model(cfg, data)
     ddp = DistributedDataParallel(model)
     meter = TrafficMeter()
-    timeline = Timeline()
+    timeline = StepTimeline()
     codec = choice.build(cfg.threshold, link=cfg.auto_link)
     if choice.dgc:
         codec = dgc_compressor(codec, cfg, len(data.y_train))
