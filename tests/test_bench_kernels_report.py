@@ -76,9 +76,10 @@ def test_targets_judged_only_at_full_size():
         assert "defined at n=2**24, measured at n=2**20" in text
 
 
-def test_quick_run_output_fits_and_does_not_judge(capsys, tmp_path):
+def test_quick_run_output_fits_and_does_not_judge(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a short --out: the closing "wrote PATH" line holds the user's path
     argv = ["--quick", "--sizes", "4096", "--ops", "quantize_int8", "--threads", "1", "--no-compile",
-            "--repeat", "1", "--budget", "0.01", "--out", str(tmp_path)]
+            "--repeat", "1", "--budget", "0.01", "--out", "bench-results"]
     assert B.main(argv) == 0
     out = capsys.readouterr().out
     assert max(map(len, out.splitlines())) <= WIDTH
