@@ -471,7 +471,18 @@ def _validate(args) -> int:
 
     data = load_results(args.results)
     base = args.results if os.path.isdir(args.results) else os.path.dirname(args.results)
-    prof = _profile(args) if (args.profile or "profile" not in data) else results_profile(data, base)
+    if args.profile or args.kernels_json or args.kernel_gbps:
+        prof = _profile(args)
+    elif "profile" in data:
+        prof = results_profile(data, base)
+    else:  # the runs' own latency is a loopback's: a measured-here profile's default would not fit it
+        from gradcomp.lab.plan.profile import Profile
+
+        prof = Profile.load(DEFAULT_PROFILE)
+        if args.alpha_us:
+            prof.alpha_s = args.alpha_us * 1e-6
+        print(f"profile: the shipped reference profile of another machine ({DEFAULT_PROFILE}); "
+              "`gradcomp plan calibrate --out p.json` measures this one, --profile p.json uses it")
     if args.no_host:
         prof.host = None
     elif args.host_cores:
