@@ -463,26 +463,35 @@ def _writable_file(name: str, path: str) -> str:
     return path
 
 
+def _validation_profile(args, data: dict, base: str):
+    """The profile ``plan validate`` prices the runs with: the one given, else the results'
+    own, else the shipped reference profile (said to be another machine's)."""
+    from gradcomp.lab.plan.validate import results_profile
+
+    if args.profile or args.kernels_json or args.kernel_gbps:
+        return _profile(args)
+    if "profile" in data:
+        return results_profile(data, base)
+    # the runs' own latency is a loopback's: a measured-here profile's default would not fit it
+    from gradcomp.lab.plan.profile import Profile
+
+    prof = Profile.load(DEFAULT_PROFILE)
+    if args.alpha_us:
+        prof.alpha_s = args.alpha_us * 1e-6
+    print(f"profile: the shipped reference profile of another machine ({DEFAULT_PROFILE}); "
+          "`gradcomp plan calibrate --out p.json` measures this one, --profile p.json uses it")
+    return prof
+
+
 def _validate(args) -> int:
     from gradcomp.lab.plan.host import Host
     from gradcomp.lab.plan import tables
-    from gradcomp.lab.plan.validate import (TERMS, summary, breakdown, fit_host, load_results, results_profile,
+    from gradcomp.lab.plan.validate import (TERMS, summary, breakdown, fit_host, load_results,
                                         validate_runs)
 
     data = load_results(args.results)
     base = args.results if os.path.isdir(args.results) else os.path.dirname(args.results)
-    if args.profile or args.kernels_json or args.kernel_gbps:
-        prof = _profile(args)
-    elif "profile" in data:
-        prof = results_profile(data, base)
-    else:  # the runs' own latency is a loopback's: a measured-here profile's default would not fit it
-        from gradcomp.lab.plan.profile import Profile
-
-        prof = Profile.load(DEFAULT_PROFILE)
-        if args.alpha_us:
-            prof.alpha_s = args.alpha_us * 1e-6
-        print(f"profile: the shipped reference profile of another machine ({DEFAULT_PROFILE}); "
-              "`gradcomp plan calibrate --out p.json` measures this one, --profile p.json uses it")
+    prof = _validation_profile(args, data, base)
     if args.no_host:
         prof.host = None
     elif args.host_cores:
