@@ -174,3 +174,8 @@ def test_an_error_found_after_start_up_prints_no_empty_bar(capsys, tmp_path):
                          "--compressors", "none", "--steps", "2", "--out", str(tmp_path / "out")])
     out, err = capsys.readouterr()
     assert code == 2 and "all runs" not in out + err and "--data-file" in err
+
+
+def test_no_negative_zero_in_the_conclusion():
+    aggs = [_agg("sync", "none", 97.0, 0.0, math.nan, 1.0), _agg("sync", "int8", 97.0, 0.0, math.nan, 3.94)]
+    assert "test accuracy +0.00 points" in conclusion(aggs, 450, 0.5)[0]

@@ -45,7 +45,7 @@ def _mode_sentence(mode: str, rows: list[Aggregate], test_samples: int) -> str |
     if kept:
         best = max(kept, key=lambda a: a.reduction_x)
         parts.append(f"{best.label} sent {best.reduction_x:.2f}x fewer bytes per step than none, "
-                     f"test accuracy {-best.gap_pp:+.2f} points, "
+                     f"test accuracy {0.0 - best.gap_pp:+.2f} points, "  # 0.0 - : no "-0.00"
                      + ("no loss beyond the noise" if len(kept) == 1 else
                         f"the largest saving of the {len(kept)} compressors without a loss beyond the noise"))
     if lost:
