@@ -13,6 +13,7 @@ import torch
 
 from gradcomp import _validate as v
 from gradcomp.compressors import DGC, Compressor, ErrorFeedback, Int8Quantizer, check_optimizer, split
+from gradcomp.ps.checkpoint import resume_mode
 from gradcomp.ps.protocol import FAILURE_POLICIES, MODES
 from gradcomp.ps.transport import normalize_address
 
@@ -40,8 +41,11 @@ class PSConfig:
             compressor the workers apply the momentum: it must be given, and
             be plain SGD (:func:`~gradcomp.compressors.check_optimizer`).
         max_staleness, staleness_lr, clip_grad_norm, on_worker_failure,
-        worker_timeout, heartbeat_timeout, checkpoint_dir, checkpoint_every,
-        resume: server settings.
+        worker_timeout, heartbeat_timeout, checkpoint_dir, checkpoint_every:
+            server settings.
+        resume: True: every server loads its checkpoint from ``checkpoint_dir``
+            (a server without one raises CheckpointError instead of starting
+            afresh); ``"if-exists"``: those that have one load it; False: none.
         address: where servers bind (``"host"``, ``"host:port"``,
             ``"tcp://host:port"``; with several servers on one host give no
             fixed port); None: ``$GRADCOMP_PS_HOST``, else the interface that
@@ -71,7 +75,7 @@ class PSConfig:
     heartbeat_interval: float = 1.0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
-    resume: bool = False
+    resume: bool | str = False
     device: str | None = None
 
     def __post_init__(self):
@@ -93,6 +97,8 @@ class PSConfig:
                              f"heartbeat_timeout ({self.heartbeat_timeout:g} s)")
         if self.address is not None:
             normalize_address(self.address)
+        if resume_mode(self.resume) and self.checkpoint_dir is None:
+            raise ValueError(f"resume={self.resume!r} needs a checkpoint_dir")
         if isinstance(self.compressor, DGC):
             if self.optimizer is None:
                 raise ValueError("a DGC compressor needs an explicit plain-SGD optimizer (the default has "

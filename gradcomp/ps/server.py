@@ -136,7 +136,8 @@ class ParameterServer:
             reading (>= 1).
         checkpoint_dir: directory of the checkpoint files (None: no checkpoints).
         checkpoint_every: also checkpoint every this many versions (0: only at the end).
-        resume: load ``checkpoint_dir``'s checkpoint of this server if it exists.
+        resume: True: load ``checkpoint_dir``'s checkpoint of this server (none there:
+            CheckpointError); ``"if-exists"``: load it when there is one; False: start afresh.
         group: the process group (default: the world); ranks are group ranks.
         meter: a :class:`~gradcomp.TrafficMeter` for phases ``"push"`` and
             ``"pull"`` (default: a new one, :attr:`meter`).
@@ -149,7 +150,7 @@ class ParameterServer:
     Raises:
         ValueError / TypeError: an invalid argument (the message names it);
             this rank is not a server rank; ``address`` cannot be bound.
-        CheckpointError: ``resume=True`` and the checkpoint is truncated,
+        CheckpointError: ``resume=True`` and no checkpoint, or one truncated,
             random or foreign bytes, or of another placement (nothing is
             loaded then).
         RuntimeError: torch.distributed is not initialised.
@@ -185,9 +186,9 @@ class ParameterServer:
         self.checkpoint_every = v.integer("checkpoint_every", checkpoint_every, 0)
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise TypeError(f"checkpoint_dir must be a path or None, got {type(checkpoint_dir).__name__}")
-        if (self.checkpoint_every or resume) and checkpoint_dir is None:
+        if (self.checkpoint_every or ckpt.resume_mode(resume)) and checkpoint_dir is None:
             raise ValueError("checkpoint_every > 0 and resume=True need a checkpoint_dir")
-        self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
+        self.checkpoint_dir = None if checkpoint_dir is None else ckpt.usable_dir(os.fspath(checkpoint_dir))
         self.device = torch.device(device)
         self.meter = meter if meter is not None else TrafficMeter()
 
@@ -218,7 +219,7 @@ class ParameterServer:
         #: heartbeats received and answered (kept apart from :attr:`meter`, which counts the data exchange)
         self.heartbeat_meter = TrafficMeter()
         if resume:
-            self._resume()
+            self._resume(missing_ok=resume == "if-exists")
         self._ctx = zmq.Context()
         try:
             self._sock, self.address = T.bind_router(
@@ -585,10 +586,9 @@ class ParameterServer:
     def _record_recv(self, peer: Peer, n: int, raw: int, phase: str) -> None:
         self._record(self.meter, peer.meter, n, phase, raw=raw, recv=True)
 
-    def _resume(self) -> None:
-        """Load this server's checkpoint, if any: validated whole before
-        anything changes (:class:`~gradcomp.ps.CheckpointError` otherwise)."""
-        version = ckpt.resume_shard(self.checkpoint_dir, self.rank, self.num_servers, self._updater)
+    def _resume(self, missing_ok: bool) -> None:
+        """Load this server's checkpoint, validated whole before anything changes (or CheckpointError)."""
+        version = ckpt.resume_shard(self.checkpoint_dir, self.rank, self.num_servers, self._updater, missing_ok)
         if version is not None:
             self.version = self.resumed_from = version
 

@@ -69,6 +69,7 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -76,10 +77,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from gradcomp.lab.args import OneLineParser
 from gradcomp.lab.bench.hosts import HIERARCHICAL_METHODS, gc0_tx_bytes, host_figures, host_table
 from gradcomp.lab.cluster import jitter_type, link_type, topology_type
 
-__all__ = ["main", "run", "method_names"]
+__all__ = ["main", "run", "method_names", "table_lines", "LEGEND", "WIDTH"]
 
 _MATRIX = 1024  # PowerSGD sees the data as _MATRIX x _MATRIX matrices
 _POWERSGD_RANK = 4
@@ -429,17 +431,53 @@ def plot(rows, path: str) -> str:
     return path
 
 
-def _table(rows) -> str:
-    head = (f"{'link':>8} {'world':>5} {'numel':>9} {'method':<38} {'ms':>9} {'x f32':>6} "
-            f"{'MiB/rank':>9} {'ratio':>7} {'rel_err':>9} {'link%':>6}")
-    lines = [head, "-" * len(head)]
+#: the width the table fits (a terminal's default)
+WIDTH = 80
+LEGEND = ("ms: median time of one allreduce on the slowest rank; x f32: torch all_reduce's time over "
+          "the method's; MiB/rank: wire MiB rank 0 sent per call (torch: a ring's nominal volume); ratio: "
+          "a float32 ring's bytes over the bytes sent; rel_err: ||result - exact mean|| / ||exact mean|| "
+          "on the first call (top-k keeps 1% of the coordinates of random data, whose energy is spread "
+          "evenly, so its error is near 1; on real gradients error feedback carries the rest to later "
+          "steps); link%: bytes sent per second over the configured link rate (shaped links only).")
+
+
+def _method_cell(r: dict) -> str:
+    """The method's name in the table: PyTorch's hooks without the ``torch`` prefix (under
+    their own heading)."""
+    return r["method"].removeprefix("torch ") if r["family"] == "torch hook" else r["method"]
+
+
+def table_lines(rows) -> list[str]:
+    """The results as text lines within :data:`WIDTH` columns, every number whole: a heading
+    line per (link, world, size), then a line per method (PyTorch's DDP hooks under a
+    heading of their own); ``link%`` only on shaped links."""
+    shaped = any(r.get("link_share") is not None for r in rows)
+    heads = ["method", "ms", "x f32", "MiB/rank", "ratio", "rel_err", *(["link%"] if shaped else [])]
+    cells = []
     for r in rows:
         ratio = f"{r['compression_ratio']:.2f}" if r["compression_ratio"] else "-"
         share = f"{100 * r['link_share']:.1f}" if r.get("link_share") is not None else "-"
-        lines.append(f"{r['link']['name']:>8} {r['world']:>5} {r['numel']:>9} {r['method']:<38} "
-                     f"{r['median_ms']:>9.1f} {_ratio(r['speedup_vs_f32']):>6} "
-                     f"{r['bytes_per_rank'] / 2**20:>9.3f} {ratio:>7} {r['rel_err']:>9.2e} {share:>6}")
-    return "\n".join(lines)
+        x = r["speedup_vs_f32"]
+        cells.append([_method_cell(r), f"{r['median_ms']:.1f}", f"{x:.{2 if x < 100 else 1}f}",
+                      f"{r['bytes_per_rank'] / 2**20:.3f}", ratio, f"{r['rel_err']:.1e}",
+                      *([share] if shaped else [])])
+    widths = [max([len(h), *(len(c[i]) for c in cells)]) for i, h in enumerate(heads)]
+
+    def line(cs):
+        return "  " + "  ".join([cs[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(cs[1:], widths[1:]))])
+    out = [line(heads).rstrip(), "  " + "-" * (len(line(heads)) - 2)]
+    prev, hooks = None, None
+    for r, cs in zip(rows, cells):
+        case = (r["link"]["name"], r["world"], r["numel"])
+        if case != prev:
+            where = "loopback" if r["link"]["name"] == "none" else f"link {r['link']['name']}"
+            out.append(f"{where}, world {r['world']}, {r['numel']:,} float32 elements")
+            prev, hooks = case, False
+        if r["family"] == "torch hook" and not hooks:
+            out.append("  PyTorch DDP communication hooks:")
+            hooks = True
+        out.append(line(cs).rstrip())
+    return out
 
 
 def _ratio(x) -> str:
@@ -471,7 +509,7 @@ def _ints(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     """Command line entry point (``gradcomp bench allreduce``); returns the exit status."""
-    p = argparse.ArgumentParser(prog="gradcomp bench allreduce", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="gradcomp bench allreduce", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=_ints, help="one size in float32 elements (overrides --sizes)")
     p.add_argument("--sizes", type=_ints, default=[2**20, 2**22, 2**24],
                    help="comma-separated sizes in float32 elements (default 2**20,2**22,2**24)")
@@ -545,9 +583,9 @@ def main(argv=None) -> int:
         "kernel_backends": {k: ("usable" if v is None else v) for k, v in backends.items()},
         "native_cpu_kernels": backends.get("cpu") is None,
     }
-    print(f"gradcomp allreduce benchmark: worlds {worlds}, sizes {sizes}, {repeat} repeats; "
-          f"CPU kernels: {'native (gradcomp._C)' if config['native_cpu_kernels'] else 'reference (torch)'}",
-          flush=True)
+    print(textwrap.fill(f"gradcomp allreduce benchmark: worlds {worlds}, sizes {sizes}, {repeat} repeats; CPU "
+                        f"kernels: {'native (gradcomp._C)' if config['native_cpu_kernels'] else 'reference (torch)'}",
+                        width=WIDTH), flush=True)
     links = []
 
     def on_link(info):
@@ -569,7 +607,8 @@ def main(argv=None) -> int:
                intra_link=None if args.intra_link == "none" else args.intra_link)
     config["link_calibrations"] = links
     config["load_average_end"] = os.getloadavg()
-    print(_table(rows))
+    print("\n".join(table_lines(rows)))
+    print(textwrap.fill(LEGEND, width=WIDTH))
     if args.topology is not None:
         print(host_table(rows))
     if args.out:

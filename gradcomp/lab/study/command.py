@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from gradcomp.lab.args import OneLineParser
 from gradcomp.lab.cluster import jitter_type, link_type, topology_type
 from gradcomp.lab.study.config import (ALGORITHMS, ALL_MODES, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
                                        SPARSE_ALGORITHMS, TrainConfig, parse_compressors)
@@ -285,7 +286,7 @@ EPILOG = ("Under torchrun (RANK and WORLD_SIZE set) each process runs as one ran
 
 def build_parser(prog: str = "gradcomp train") -> argparse.ArgumentParser:
     """The parser of ``gradcomp train`` / ``python -m gradcomp.lab.study``."""
-    return add_arguments(argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG))
+    return add_arguments(OneLineParser(prog=prog, description=DESCRIPTION, epilog=EPILOG))
 
 
 def _workers(args: argparse.Namespace) -> int:
@@ -403,13 +404,15 @@ class _Bars:
         self.overall = self.progress.add_task("all runs (time left: estimate)", total=grand_total)
 
     def __enter__(self):
-        self.progress.start()
-        return self
+        return self  # the bars start at the first step: an error before it prints no empty bar
 
     def __exit__(self, *exc):
-        self.progress.stop()
+        if self.progress.live.is_started:
+            self.progress.stop()
 
     def __call__(self, mode: str, compressor: str, step: int, seed: int = 0) -> None:
+        if not self.progress.live.is_started:
+            self.progress.start()
         key = (self.prefix, mode, compressor, seed)
         if key not in self.tasks:
             label = f"{self.prefix}{mode} {COMPRESSORS[compressor].label}"
@@ -472,9 +475,8 @@ def run(args: argparse.Namespace) -> int:
             made = None if existed else args.out
         except ValueError as e:
             return fail(str(e), 2)
-    console = Console(quiet=not lead)
-    if not console.is_terminal:
-        console = Console(quiet=not lead, width=max(console.width, 132))
+    # sentences wrap at a terminal's width and stay one line in a pipe; tables fit 80 columns either way
+    console = Console(quiet=not lead, soft_wrap=not sys.stdout.isatty())
     status = _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail)
     if status != 0 and made is not None:
         try:
@@ -557,12 +559,7 @@ def _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail) ->
     except (TimeoutError, ImportError, RuntimeError) as e:
         return fail(f"{type(e).__name__}: {e}", 1)
     if lead:
-        console.print(report.title(study), highlight=False)
-        for s in studies:
-            console.print(report.link_line(s), highlight=False)
-            console.print(report.table(s))
-        if "threshold-ef" in {r.compressor for r in study.runs}:
-            console.print(f"threshold+ef: threshold {study.threshold:.3g}", highlight=False)
+        _print_tables(console, study, studies, args.max_gap)
         console.print(f"total wall time {time.perf_counter() - t0:.1f} s", highlight=False)
         try:
             paths = report.write_all(study, args.out, studies, args.max_gap)
@@ -571,6 +568,28 @@ def _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail) ->
         console.print(f"results in {args.out}: " + ", ".join(os.path.basename(p) for p in paths.values()),
                       highlight=False)
     return 0
+
+
+def _print_tables(console, study, studies, max_gap: float | None) -> None:
+    """The title, per scenario its link and two tables, the legend and the conclusion."""
+    from gradcomp.lab.study import report, terminal
+    from gradcomp.lab.study.conclusion import conclusion
+    from gradcomp.lab.study.decision import DEFAULT_MAX_GAP_PP, aggregate
+
+    console.print(report.title(study), highlight=False)
+    for s in studies:
+        console.print(report.link_line(s), highlight=False)
+        console.print(terminal.traffic_table(s), soft_wrap=False)
+        console.print(terminal.time_table(s), soft_wrap=False)
+    console.print(terminal.legend(study), highlight=False, style="dim")
+    if "threshold-ef" in {r.compressor for r in study.runs}:
+        console.print(f"threshold+ef: threshold {study.threshold:.3g}", highlight=False)
+    bound = DEFAULT_MAX_GAP_PP if max_gap is None else max_gap
+    words = conclusion(aggregate([r for s in studies for r in s.runs]), study.test_samples, bound)
+    if words:
+        from rich.markup import escape
+
+        console.print("[bold]Conclusion:[/bold] " + escape(" ".join(words)), highlight=False)
 
 
 def main(argv: list[str] | None = None, prog: str = "gradcomp train") -> int:
