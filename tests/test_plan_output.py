@@ -5,7 +5,6 @@ machine's), a recommendation in words, and one-line errors before any work."""
 from __future__ import annotations
 
 import io
-import json
 import os
 
 import pytest
