@@ -498,7 +498,8 @@ def _garbage_rank(rank, world_size):
                                     worker_timeout=20.0)
         return server.serve()
     if rank == 2:  # breaks the protocol itself: a header with a bad magic number
-        peer = PP.RawPeer(PP.server_addresses()[0], rank, layout)
+        addresses, credential = PP.server_addresses()
+        peer = PP.RawPeer(addresses[0], rank, layout, credential=credential)
         peer.hello()
         bad = bytearray(peer.header(P.PUSH).pack())
         bad[0] = 42

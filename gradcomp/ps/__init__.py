@@ -99,8 +99,9 @@ With torchrun (a least-squares demo; prints the server's stats as JSON)::
 from __future__ import annotations
 
 from gradcomp._lazy import lazy_attributes
+from gradcomp.ps.auth import new_credential
 from gradcomp.ps.errors import (CheckpointError, PeerError, ProtocolError, PSAbortedError, PSError,
-                                WorkerFailedError)
+                                RankConflictError, WorkerFailedError)
 from gradcomp.ps.run import PSConfig, role, run
 from gradcomp.ps.sharding import ParamSpec, shard_parameters
 
@@ -116,10 +117,12 @@ __all__ = [
     "PSConfig",
     "run",
     "role",
+    "new_credential",
     "shard_parameters",
     "ParamSpec",
     "PSError",
     "PeerError",
+    "RankConflictError",
     "ProtocolError",
     "PSAbortedError",
     "WorkerFailedError",

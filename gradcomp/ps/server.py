@@ -27,8 +27,10 @@ from gradcomp.ps import checkpoint as ckpt
 from gradcomp.ps import protocol as P
 from gradcomp.ps import transport as T
 from gradcomp.ps.apply import Rejected, ShardUpdater, check_clip_norm, check_pull_compressor
+from gradcomp.ps.auth import Credential, agree_credential
 from gradcomp.ps.errors import ProtocolError, WorkerFailedError
-from gradcomp.ps.membership import HeartbeatResponder, Peer, expired, peer_table
+from gradcomp.ps.gatekeeper import Gatekeeper
+from gradcomp.ps.membership import REFUSE, TAKE_OVER, HeartbeatResponder, Peer, claim, expired, peer_table
 from gradcomp.ps.sharding import layout_checksum, named_tensors, param_specs, shard_parameters
 
 __all__ = ["ParameterServer", "MODES", "FAILURE_POLICIES"]
@@ -79,6 +81,14 @@ class ParameterServer:
     by the library; each worker has its own queues, bounded by ``send_hwm``
     messages towards it, and a reply is sent without blocking, so no worker
     can stall the server or another worker.
+
+    Authentication: every connection to the request and heartbeat ports
+    proves one worker rank of the job at the ZeroMQ handshake, with the
+    job's :attr:`credential` (:mod:`gradcomp.ps.auth`; PLAIN, or CURVE with
+    ``encrypt=True``); the others are refused there and counted
+    (``stats()["refused_connections"]``), and none of their bytes reaches
+    the protocol. A process of a rank displaces the live one holding it only
+    as a newer incarnation (see :mod:`gradcomp.ps.membership`).
 
     Failures: a worker is declared dead, alone, when its process or link is
     gone (no heartbeat for ``heartbeat_timeout`` seconds), when it makes no
@@ -141,6 +151,12 @@ class ParameterServer:
         meter: a :class:`~gradcomp.TrafficMeter` for phases ``"push"`` and
             ``"pull"`` (default: a new one, :attr:`meter`).
         device: device of the shard and of the update arithmetic.
+        credential: the job's credential (:func:`gradcomp.ps.new_credential`),
+            the same on every server; None: server 0 creates one and it
+            reaches every rank over ``group`` (:attr:`credential` gives it to
+            a worker restarted outside the group).
+        encrypt: CURVE instead of PLAIN: every message authenticated and
+            encrypted (the same on every server).
 
     Construction is collective: every rank of ``group`` builds its role
     (a server or a :class:`~gradcomp.ps.Worker`) so the servers' addresses
@@ -148,7 +164,8 @@ class ParameterServer:
 
     Raises:
         ValueError / TypeError: an invalid argument (the message names it);
-            this rank is not a server rank; ``address`` cannot be bound.
+            this rank is not a server rank; ``address`` cannot be bound; the
+            servers were given different credentials or ``encrypt`` settings.
         CheckpointError: ``resume=True`` and the checkpoint is truncated,
             random or foreign bytes, or of another placement (nothing is
             loaded then).
@@ -162,7 +179,8 @@ class ParameterServer:
                  worker_timeout: float = 60.0, heartbeat_timeout: float = 10.0,
                  address: str | None = None, send_hwm: int = 4, checkpoint_dir: str | None = None,
                  checkpoint_every: int = 0, resume: bool = False, group=None,
-                 meter: TrafficMeter | None = None, device: str | torch.device = "cpu"):
+                 meter: TrafficMeter | None = None, device: str | torch.device = "cpu",
+                 credential: str | None = None, encrypt: bool = False):
         self.mode = v.choice("mode", mode, MODES)
         self.on_worker_failure = v.choice("on_worker_failure", on_worker_failure, FAILURE_POLICIES)
         self.group = group
@@ -190,6 +208,8 @@ class ParameterServer:
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.device = torch.device(device)
         self.meter = meter if meter is not None else TrafficMeter()
+        own = None if credential is None else Credential(credential)
+        encrypt = _flag("encrypt", encrypt)
 
         tensors = named_tensors(params)
         self.shard = shard_parameters(param_specs(tensors), self.num_servers)[self.rank]
@@ -212,30 +232,59 @@ class ParameterServer:
         self._busy: collections.deque = collections.deque(maxlen=1 << 17)
         self.dropped_staleness_histogram: Counter = Counter()
         self.rejected_reasons: Counter = Counter()
-        self.peers, self._by_ident = peer_table(_global(group, i) for i in range(self.num_servers, world))
+        self.peers, self._by_user = peer_table(_global(group, i) for i in range(self.num_servers, world))
         self._failure: tuple[int, str] | None = None
         self._served = False
         #: heartbeats received and answered (kept apart from :attr:`meter`, which counts the data exchange)
         self.heartbeat_meter = TrafficMeter()
         if resume:
             self._resume()
+        # a collective before binding: the sockets' keys derive from the job's credential
+        self._credential = agree_credential(group, self.num_servers, own, encrypt)
+        hb_sock = self._open_sockets(bind_address)
+        self._heartbeats = HeartbeatResponder(self, hb_sock)
+        T.exchange_addresses(group, self.address, self.num_servers)
+
+    def _open_sockets(self, bind_address: str):
+        """The gatekeeper (ZAP handler), then the request and heartbeat ROUTERs
+        it guards; returns the heartbeat socket."""
         self._ctx = zmq.Context()
+        security = self._credential.server_options(self.rank)
+        self._gatekeeper = Gatekeeper(self._ctx, self._credential.verifier(self.peers),
+                                      name=f"gradcomp-ps-gatekeeper-{self.global_rank}")
+        opened = []
         try:
             self._sock, self.address = T.bind_router(
-                self._ctx, bind_address, max_message=self._max_message, send_hwm=self.send_hwm,
-                recv_hwm=max(16, 4 * self.send_hwm))
+                self._ctx, bind_address, security=security, max_message=self._max_message,
+                send_hwm=self.send_hwm, recv_hwm=max(16, 4 * self.send_hwm))
+            opened.append(self._sock)
             # heartbeats on a socket and thread of their own: answered while a step computes
             host = bind_address.rsplit(":", 1)[0]
-            hb_sock, hb_endpoint = T.bind_router(self._ctx, f"{host}:0", max_message=1024, send_hwm=4,
-                                                 recv_hwm=16)
+            hb_sock, hb_endpoint = T.bind_router(self._ctx, f"{host}:0", security=security, max_message=1024,
+                                                 send_hwm=4, recv_hwm=16)
+            opened.append(hb_sock)
+            for sock in opened:
+                self._gatekeeper.watch(sock)
         except BaseException:
-            if hasattr(self, "_sock"):
-                self._sock.close(0)
+            for sock in opened:
+                sock.close(0)
+            self._gatekeeper.stop()
             self._ctx.term()
             raise
-        self._heartbeats = HeartbeatResponder(self, hb_sock)
+        self._gatekeeper.start()
         self.heartbeat_port = int(hb_endpoint.rsplit(":", 1)[1])
-        T.exchange_addresses(group, self.address, self.num_servers)
+        return hb_sock
+
+    @property
+    def credential(self) -> str:
+        """The job's credential (a secret): what a worker restarted outside
+        the process group is given (``Worker(credential=...)`` or ``$GRADCOMP_PS_CREDENTIAL``)."""
+        return self._credential.text
+
+    @property
+    def encrypt(self) -> bool:
+        """CURVE (authenticated and encrypted) rather than PLAIN (authenticated)."""
+        return self._credential.encrypt
 
     # ---- public ---------------------------------------------------------------------
     def serve(self) -> dict:
@@ -272,6 +321,7 @@ class ParameterServer:
         finally:
             self._heartbeats.stop()
             self._sock.close(linger=2000)
+            self._gatekeeper.stop()
             self._ctx.term()
             if self.checkpoint_dir is not None:
                 self.save_checkpoint()
@@ -290,21 +340,29 @@ class ParameterServer:
         ``resumed_from``, ``pushes``, ``accepted``, ``dropped`` (too stale),
         ``rejected`` (malformed messages, all peers), ``rejected_reasons``
         (reason -> count: ``payload``, ``shape``, ``nonfinite``, ``layout``,
-        ``version``, ``duplicate``, ``protocol``, ``session`` (from an earlier
-        process of the rank), ``unknown_peer``),
+        ``version``, ``duplicate``, ``protocol``, ``session`` (from a process
+        the server does not serve for that rank: displaced, or never joined),
+        ``rank_in_use`` (a second process refused: a live one holds the rank),
+        ``unknown_peer``),
         ``staleness_histogram`` (staleness -> accepted pushes),
         ``dropped_staleness_histogram``, ``pulls``, ``clipped`` (steps whose
         gradient norm was clipped), ``checkpoints`` (written), ``workers``
         (rank -> per-worker counters, status, reason, ``sessions`` (1 +
-        restarts) and push/pull bytes with their uncompressed float32
-        equivalents), ``dead_workers`` (rank -> reason), ``done_workers``,
+        restarts and takeovers), ``incarnation`` (of the current process),
+        ``taken_over`` (live processes displaced by a newer incarnation) and
+        push/pull bytes with their uncompressed float32 equivalents),
+        ``dead_workers`` (rank -> reason), ``done_workers``,
         ``traffic`` (:meth:`TrafficMeter.as_dict` of :attr:`meter`: phases
         ``"connect"``, ``"push"``, ``"pull"``), ``heartbeat_traffic`` (the
         heartbeats, counted apart), ``address`` (the bound endpoint),
         ``busy_s`` (seconds spent handling requests) and ``busy_intervals``
         (``(worker rank, start, end)`` per request handled, on the
         :mod:`gradcomp.timeline` clock: with the workers' timelines they tell
-        how long each request queued behind other workers').
+        how long each request queued behind other workers'),
+        ``refused_connections`` (connections refused at the handshake: no,
+        a wrong or another mechanism's credential, or not ZMTP),
+        ``refused_reasons`` (reason -> count) and ``security`` (``"plain"``
+        or ``"curve"``).
         """
         workers = {}
         for r, p in self.peers.items():
@@ -312,7 +370,7 @@ class ParameterServer:
             workers[r] = {
                 "status": p.status, "reason": p.reason, "pushes": p.pushes, "accepted": p.accepted,
                 "dropped": p.dropped, "rejected": p.rejected, "pulls": p.pulls,
-                "sessions": p.sessions,
+                "sessions": p.sessions, "incarnation": p.incarnation, "taken_over": p.taken_over,
                 "push_bytes": ph.get("push", {}).get("bytes_received", 0),
                 "push_raw_bytes": ph.get("push", {}).get("raw_bytes_received", 0),
                 "pull_bytes": ph.get("pull", {}).get("bytes_sent", 0),
@@ -336,6 +394,9 @@ class ParameterServer:
             "traffic": self.meter.as_dict(),
             "heartbeat_traffic": self.heartbeat_meter.as_dict(),
             "malformed_heartbeats": self._heartbeats.malformed,
+            "refused_connections": self._gatekeeper.refused_connections,
+            "refused_reasons": dict(self._gatekeeper.refused),
+            "security": "curve" if self.encrypt else "plain",
             "address": self.address,
             "busy_s": sum(t1 - t0 for _, t0, t1 in self._busy),
             "busy_intervals": list(self._busy),
@@ -356,16 +417,16 @@ class ParameterServer:
 
     # ---- messages ---------------------------------------------------------------------
     def _on_message(self, frames) -> int | None:
-        """Handle one request; returns the sender's rank (None: unknown peer)."""
-        ident = frames[0].bytes
-        entry = self._by_ident.get(ident)
-        if entry is None:
+        """Handle one request; returns the sender's rank (None: not a worker's user)."""
+        # the sender is the user its connection authenticated as, never a routing id it chose
+        peer = self._by_user.get(frames[-1].get("User-Id"))
+        if peer is None:  # the gatekeeper admits worker ranks only: not reached past the handshake
             self.rejected_reasons["unknown_peer"] += 1
             return None
-        self._handle(entry, frames)
-        return entry.rank
+        self._handle(peer, frames[0].bytes, frames)
+        return peer.rank
 
-    def _handle(self, peer: Peer, frames) -> None:
+    def _handle(self, peer: Peer, route: bytes, frames) -> None:
         data = frames[2] if len(frames) == 3 else None
         try:
             if len(frames) not in (2, 3):
@@ -376,13 +437,13 @@ class ParameterServer:
             if h.kind == P.HEARTBEAT:
                 raise ProtocolError("HEARTBEAT on the request connection (heartbeats have their own port)")
         except ProtocolError as e:
-            return self._on_protocol_error(peer, str(e))
+            return self._on_protocol_error(peer, route, str(e))
         now = time.monotonic()
         if h.kind == P.HELLO:
-            return self._on_hello(peer, h, now)
-        if h.session != peer.session:
-            self._count_reject(peer, "session")  # a message of an earlier process of this rank
-            return
+            return self._on_hello(peer, route, h, data, frames[1].get("Peer-Address"), now)
+        if peer.session is None or h.session != peer.session:
+            return self._refuse_session(peer, route, h)
+        peer.route = route  # the session's own connection, or its DEALER reconnected (a new routing id)
         if peer.status == "dead":
             return self._evict(peer, h, peer.reason)
         if peer.status != "active":
@@ -405,28 +466,78 @@ class ParameterServer:
         else:
             self._on_done(peer)
 
-    def _on_hello(self, peer: Peer, h: P.Header, now: float) -> None:
-        """A worker process connects (first time, or restarted with a new session)."""
-        self._record_recv(peer, P.message_nbytes(), P.message_nbytes(), "connect")
+    def _on_hello(self, peer: Peer, route: bytes, h: P.Header, data, address: str | None, now: float) -> None:
+        """A worker process asks for its rank (first time, restarted, or a second process)."""
+        self._record_recv(peer, P.message_nbytes(h.nbytes), P.message_nbytes(h.nbytes), "connect")
         if h.layout != self.layout:
             self._count_reject(peer, "layout")
-            return self._evict(peer, h, "its parameters' names and shapes differ from the server's")
+            return self._evict(peer, h, "its parameters' names and shapes differ from the server's", route=route)
         if h.session == peer.session:
+            peer.route = route
             return  # a repeated HELLO of the current session
+        if h.aux < 0 or h.nbytes > P.MAX_HELLO_NBYTES:
+            return self._on_protocol_error(peer, route, f"HELLO with incarnation {h.aux} and {h.nbytes} data "
+                                                        f"bytes (at most {P.MAX_HELLO_NBYTES})")
+        origin = f"incarnation {h.aux}, {P.read_process_description(data, address)}"
+        verdict = claim(peer, h.aux, self._holder_connected(peer))
+        if verdict == REFUSE:
+            return self._refuse_join(peer, route, h, origin)
         if peer.session is not None and peer.status == "active":
-            log.warning("parameter server rank %d: worker rank %d restarted", self.global_rank, peer.rank)
+            how = "" if verdict == TAKE_OVER else ", after this process's connection had closed"
+            peer.displace(P.TAKEN_OVER, f"worker rank {peer.rank} was taken over by a newer process ({origin}){how}")
+            peer.taken_over += verdict == TAKE_OVER
+            log.warning("parameter server rank %d: worker rank %d (%s) replaced by %s", self.global_rank,
+                        peer.rank, peer.origin, origin)
         # an accepted gradient of the current sync step stays in the sum
-        peer.join(h, now, run_failed=self._failure is not None)
+        peer.join(h, now, run_failed=self._failure is not None, route=route, origin=origin)
         if self._failure is not None:
             return self._abort(peer, h, "connect")
         self._reply(peer, self._header(P.WELCOME, h, aux=peer.accepted, status=self.heartbeat_port),
                     None, "connect")
 
-    def _on_protocol_error(self, peer: Peer, reason: str) -> None:
-        """A malformed message: counted; the peer is cut off (it does not speak the protocol)."""
+    def _holder_connected(self, peer: Peer) -> bool:
+        """Whether the request connection of the process holding ``peer``'s rank
+        is open: a probe it ignores (a reply to request number 0) is sent to it."""
+        if peer.route is None or peer.status != "active":
+            return False
+        probe = P.Header(P.HEARTBEAT, self.global_rank, self.version, session=peer.session or 0)
+        try:
+            self._sock.send_multipart([peer.route, probe.pack()], zmq.NOBLOCK)
+        except zmq.Again:
+            return True  # connected; its queue is full
+        except zmq.ZMQError:
+            return False  # EHOSTUNREACH: the connection closed (the process exited)
+        n = P.message_nbytes()
+        self._record(self.meter, peer.meter, n, "connect")
+        return True
+
+    def _refuse_join(self, peer: Peer, route: bytes, h: P.Header, origin: str) -> None:
+        """A second process asks for a rank a live process of the same or a newer incarnation holds."""
+        self._count_reject(peer, "rank_in_use")
+        text = (f"worker rank {peer.rank} is held by a live process ({peer.origin}); this process "
+                f"(incarnation {h.aux}) may take it over only as a newer incarnation: stop that process, "
+                f"or restart this one with incarnation={peer.incarnation + 1}")
+        log.warning("parameter server rank %d: refused a second process for worker rank %d (%s)",
+                    self.global_rank, peer.rank, origin)
+        self._evict(peer, h, text, route=route, status=P.RANK_IN_USE)
+
+    def _refuse_session(self, peer: Peer, route: bytes, h: P.Header) -> None:
+        """A request of a session the server does not serve for the rank: told why."""
+        self._count_reject(peer, "session")
+        status, text = peer.displaced.get(h.session, (P.UNKNOWN_SESSION, (
+            f"worker rank {peer.rank}: the server serves another process of this rank "
+            f"({peer.origin or 'none yet'}), and this one never joined")))
+        self._evict(peer, h, text, route=route, status=status)
+
+    def _on_protocol_error(self, peer: Peer, route: bytes, reason: str) -> None:
+        """A malformed message: counted; the sending connection is cut off (it
+        does not speak the protocol), the rank with it only when it is the
+        connection of the rank's current process."""
         self._count_reject(peer, "protocol")
         log.warning("parameter server rank %d: protocol error from worker rank %d: %s",
                     self.global_rank, peer.rank, reason)
+        if route != peer.route:
+            return self._evict(peer, P.Header(P.HELLO, peer.rank), f"protocol error: {reason}", route=route)
         if peer.status == "active":
             self._on_failure(peer, f"protocol error: {reason}")
         if peer.status == "dead":
@@ -534,10 +645,13 @@ class ParameterServer:
         if peer.status == "active":
             peer.status, peer.reason = "aborted", f"told to abort after worker rank {rank} failed"
 
-    def _evict(self, peer: Peer, h: P.Header, reason: str) -> None:
-        """Answer a request of a worker the server no longer serves, with the reason."""
+    def _evict(self, peer: Peer, h: P.Header, reason: str, route: bytes | None = None,
+               status: int = P.DECLARED_DEAD) -> None:
+        """Answer a request of a process the server does not serve (on connection
+        ``route``; None: the rank's current one), with the reason."""
         text = reason.encode()
-        self._reply(peer, self._header(P.EVICTED, h, nbytes=len(text)), text, "pull", declare=False)
+        self._reply(peer, self._header(P.EVICTED, h, nbytes=len(text), status=status), text, "pull",
+                    declare=False, route=route)
 
     def _reject(self, peer: Peer, h: P.Header, reason: str) -> None:
         self._count_reject(peer, reason)
@@ -554,10 +668,11 @@ class ParameterServer:
         return P.Header(kind, self.global_rank, self.version, seq=request.seq, session=request.session, **fields)
 
     def _reply(self, peer: Peer, h: P.Header, data, phase: str, raw_nbytes: int | None = None,
-               declare: bool = True) -> None:
-        """Queue a reply without blocking; a worker whose queue is full (it does
-        not read) or whose connection is gone is declared dead (``declare``)."""
-        frames = [peer.ident, h.pack()]
+               declare: bool = True, route: bytes | None = None) -> None:
+        """Queue a reply to ``peer`` on connection ``route`` (None: its current
+        one) without blocking; a worker whose queue is full (it does not read)
+        or whose connection is gone is declared dead (``declare``)."""
+        frames = [peer.route if route is None else route, h.pack()]
         if data is not None:
             frames.append(memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data)
         try:
