@@ -136,7 +136,7 @@ class Worker:
                  server_addresses=None, rank: int | None = None, credential: str | None = None,
                  incarnation: int = 0):
         self.group = group
-        self.incarnation = v.integer("incarnation", incarnation, 0)
+        self.incarnation = v.integer("incarnation", incarnation, 0, 1 << 62)
         if server_addresses is None:
             if rank is not None:
                 raise ValueError("rank is given with server_addresses only (in a group the rank is the group's)")
