@@ -14,7 +14,8 @@ Per run: the median step time over both workers (pull + compute + push,
 the first ``--warmup`` steps left out) and the join time (from the ranks'
 barrier to each worker's first step, roles built and handshakes done).
 Printed: the median over the repeats of each, and its ratio to the baseline.
-Then CURVE's throughput: 1 MiB messages from a PUSH to a PULL socket over
+Then the one per-request cost of PLAIN (a server reads each message's
+``User-Id``), and CURVE's throughput: 1 MiB messages from a PUSH to a PULL socket over
 loopback (one context each), NULL against CURVE; CPU seconds of the process
 (both ends, ZeroMQ's I/O threads included) give the cost of encryption plus
 decryption per byte, and so the bytes per second one core can encrypt and decrypt.
@@ -137,6 +138,39 @@ def _stream(mechanism: str, total_mib: int) -> dict:
     return {"wall_s": wall, "cpu_s": cpu, "bytes_per_s": (total_mib << 20) / wall}
 
 
+def user_id_cost(calls: int = 200_000) -> float:
+    """Seconds of the one thing authentication adds to each request a server
+    handles: reading the message's ``User-Id`` (the rank its connection proved)."""
+    import zmq
+
+    from gradcomp.ps.auth import Credential, new_credential
+    from gradcomp.ps.gatekeeper import Gatekeeper
+
+    credential = Credential(new_credential())
+    ctx = zmq.Context()
+    keeper = Gatekeeper(ctx, credential.verifier([1]), name="bench-gatekeeper")
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    for sock, options in ((router, credential.server_options(0)), (dealer, credential.client_options(1, 0))):
+        for option, value in options.items():
+            sock.setsockopt(option, value)
+    router.bind("tcp://127.0.0.1:*")
+    keeper.watch(router)
+    keeper.start()
+    dealer.connect(router.getsockopt_string(zmq.LAST_ENDPOINT))
+    dealer.send(b"x" * 80)
+    frames = router.recv_multipart(copy=False)
+    assert frames[-1].get("User-Id") == "w1"
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        frames[-1].get("User-Id")
+    per_call = (time.perf_counter() - t0) / calls
+    for sock in (router, dealer):
+        sock.close(linger=0)
+    keeper.stop()
+    ctx.term()
+    return per_call
+
+
 # ---- parent ------------------------------------------------------------------------------
 def _git(*args: str) -> str:
     return subprocess.run(["git", "-C", ROOT, *args], check=True, capture_output=True, text=True).stdout.strip()
@@ -197,6 +231,7 @@ def main(argv=None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     report = _report(runs, rev, args)
     report["throughput"] = curve_throughput(args.throughput_mib)
+    report["user_id_s"] = user_id_cost()
     _print(report)
     if args.json:
         with open(args.json, "w") as f:
@@ -230,6 +265,7 @@ def _print(report: dict) -> None:
           f"({t['null']['cpu_s']:.2f} CPU s), CURVE {t['curve']['bytes_per_s'] / 1e6:.0f} MB/s "
           f"({t['curve']['cpu_s']:.2f} CPU s); CURVE encryption + decryption: "
           f"{t['crypto_bytes_per_cpu_s'] / 1e6:.0f} MB per CPU second")
+    print(f"per request, a server reads its User-Id: {1e6 * report['user_id_s']:.2f} us")
 
 
 if __name__ == "__main__":

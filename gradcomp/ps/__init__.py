@@ -25,7 +25,15 @@ header) and keeps a queue per peer with a high-water mark; the server never
 blocks on one worker. torch.distributed is used only to learn the servers'
 addresses when the roles are built (servers bind the interface that routes to
 ``$MASTER_ADDR``, or ``$GRADCOMP_PS_HOST``, or the ``address`` given); a
-restarted worker process joins with ``server_addresses`` and its old rank.
+restarted worker process joins with ``server_addresses``, its old rank and
+the job's ``credential``.
+
+Authentication: every connection proves one worker rank of the job at the
+ZeroMQ handshake with the credential the servers create when the roles are
+built (PLAIN; ``PSConfig(encrypt=True)``: CURVE, authenticated and
+encrypted); other connections are refused there and counted. A second live
+process of a rank is refused unless it is a newer ``incarnation``, which
+takes over and the older is told (:class:`RankConflictError`).
 
 Failures: a worker whose heartbeats stop (``heartbeat_timeout``), that makes
 no request for ``worker_timeout`` seconds, does not read its replies or breaks
@@ -34,7 +42,7 @@ the protocol is declared dead, alone; the run goes on without it
 :class:`WorkerFailedError` naming its rank and the other workers get
 :class:`PSAbortedError` (``"fail"``). Malformed pushes are rejected and
 counted. A worker restarted with the same rank takes its place again (a new
-session). Servers checkpoint atomically (``checkpoint_dir``,
+session) once the old process is gone. Servers checkpoint atomically (``checkpoint_dir``,
 ``checkpoint_every``) and resume with ``resume=True``; a checkpoint that
 cannot be resumed raises :class:`CheckpointError`.
 
@@ -86,7 +94,9 @@ Roles by hand::
 Modules: :mod:`~gradcomp.ps.run` (``PSConfig``, ``run``, ``role``),
 :mod:`~gradcomp.ps.worker`, :mod:`~gradcomp.ps.server` (the server's message
 loop), :mod:`~gradcomp.ps.apply` (its update rule), :mod:`~gradcomp.ps.membership`
-(workers' records, failure detection, heartbeats), :mod:`~gradcomp.ps.checkpoint`,
+(workers' records, who holds a rank, failure detection, heartbeats),
+:mod:`~gradcomp.ps.auth` (the credential), :mod:`~gradcomp.ps.gatekeeper`
+(the ZAP handler), :mod:`~gradcomp.ps.checkpoint`,
 :mod:`~gradcomp.ps.protocol` (messages), :mod:`~gradcomp.ps.transport`
 (ZeroMQ sockets), :mod:`~gradcomp.ps.sharding` (placement).
 

@@ -106,7 +106,8 @@ class PSConfig:
             raise TypeError(f"encrypt must be a bool, got {type(self.encrypt).__name__}")
         if self.credential is not None and Credential(self.credential).encrypt != self.encrypt:
             raise ValueError(f"credential is for {Credential(self.credential).mechanism.upper()}, which "
-                             f"contradicts encrypt={self.encrypt}: make it with new_credential(encrypt={self.encrypt})")
+                             f"contradicts encrypt={self.encrypt}: make it with "
+                             f"new_credential(encrypt={self.encrypt})")
         if isinstance(self.compressor, DGC):
             if self.optimizer is None:
                 raise ValueError("a DGC compressor needs an explicit plain-SGD optimizer (the default has "

@@ -484,7 +484,8 @@ class ParameterServer:
             return self._refuse_join(peer, route, h, origin)
         if peer.session is not None and peer.status == "active":
             how = "" if verdict == TAKE_OVER else ", after this process's connection had closed"
-            peer.displace(P.TAKEN_OVER, f"worker rank {peer.rank} was taken over by a newer process ({origin}){how}")
+            peer.displace(P.TAKEN_OVER,
+                          f"worker rank {peer.rank} was taken over by a newer process ({origin}){how}")
             peer.taken_over += verdict == TAKE_OVER
             log.warning("parameter server rank %d: worker rank %d (%s) replaced by %s", self.global_rank,
                         peer.rank, peer.origin, origin)

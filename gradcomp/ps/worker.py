@@ -212,7 +212,8 @@ class Worker:
         self._ctx = zmq.Context()
         self._socks, self._monitors = [], []
         for s, address in enumerate(self.server_addresses):
-            sock = T.connect_dealer(self._ctx, address, security=self._credential.client_options(self.global_rank, s),
+            security = self._credential.client_options(self.global_rank, s)
+            sock = T.connect_dealer(self._ctx, address, security=security,
                                     max_message=2 * self._raw_bundle[s] + (1 << 16), hwm=4)
             sock.setsockopt(zmq.SNDTIMEO, int(1000 * min(self.timeout, 1e6)))
             self._socks.append(sock)
@@ -607,7 +608,6 @@ class _Heartbeat:
         finally:
             for sock in socks:
                 sock.close(linger=0)
-
 
     def _on_reply(self, s: int, frames: list[bytes], n: int) -> None:
         """A heartbeat reply, or EVICTED (with the reason) when this process lost its rank."""
