@@ -23,7 +23,7 @@ import json
 import statistics
 from collections import defaultdict
 
-from gradcomp.train.timing import mean_ci95
+from gradcomp.lab.study.timing import mean_ci95
 
 
 def main() -> None:

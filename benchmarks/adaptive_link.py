@@ -39,8 +39,8 @@ import gradcomp as gc
 from gradcomp.adaptive import DEFAULT_CANDIDATES, Timing
 from gradcomp.ddp import GradCompState, compressed_allreduce_hook
 from gradcomp.launch import launch
-from gradcomp.train.data import load_digits_split, worker_batches
-from gradcomp.train.model import evaluate, make_model
+from gradcomp.lab.study.data import load_digits_split, worker_batches
+from gradcomp.lab.study.model import evaluate, make_model
 
 RATES = {"100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9}
 CODECS = ("none", "fp16", "int8", "topk-int8", "auto")

@@ -1,8 +1,8 @@
-"""Allreduce benchmark (same as ``gradcomp bench allreduce``); see gradcomp/bench/allreduce.py."""
+"""Allreduce benchmark (same as ``gradcomp bench allreduce``); see gradcomp/lab/bench/allreduce.py."""
 
 import sys
 
-from gradcomp.bench.allreduce import main
+from gradcomp.lab.bench.allreduce import main
 
 if __name__ == "__main__":
     sys.exit(main())

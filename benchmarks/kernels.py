@@ -1,8 +1,8 @@
-"""Kernel microbenchmark (same as ``gradcomp bench kernels``); see gradcomp/bench/kernels/."""
+"""Kernel microbenchmark (same as ``gradcomp bench kernels``); see gradcomp/lab/bench/kernels/."""
 
 import sys
 
-from gradcomp.bench.kernels import main
+from gradcomp.lab.bench.kernels import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -25,8 +25,8 @@ import json
 import statistics
 import sys
 
-from gradcomp.train.config import TrainConfig, parse_compressors
-from gradcomp.train.study import run_study
+from gradcomp.lab.study.config import TrainConfig, parse_compressors
+from gradcomp.lab.study.study import run_study
 
 #: (minimum x fewer bytes per sample than sync none, maximum mean gap in points)
 TARGETS = {"int8": (100.0, 0.5), "topk-int8-ef": (1000.0, 0.5)}

@@ -11,7 +11,7 @@ decide it) and printed next to the theory: ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
 ``(p-1)/(2m+p-1)`` for interleaved 1F1B with 2 chunks per rank (whose
 chunks each last ``--compute``: half a GPipe stage's layers would take half
 as long, so its time per step is not comparable, only its bubble). ``model``
-is the step time of the step-time model (:func:`gradcomp.plan.model.pipeline_step`)
+is the step time of the step-time model (:func:`gradcomp.lab.plan.model.pipeline_step`)
 for the same stages.
 
     python benchmarks/pipeline_bubble.py [--stages 2] [--microbatches 1,2,4,8,16]
@@ -29,8 +29,8 @@ from gradcomp.launch import launch
 from gradcomp.pipeline import analyze
 from gradcomp.pipeline.engine import check_schedule, stages_per_rank
 from gradcomp.pipeline.synthetic import run_fixed_time
-from gradcomp.plan.model import pipeline_step
-from gradcomp.train.pipeline import theory_bubble
+from gradcomp.lab.plan.model import pipeline_step
+from gradcomp.lab.study.pipeline import theory_bubble
 
 
 def main(argv=None) -> int:

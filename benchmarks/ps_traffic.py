@@ -12,7 +12,7 @@ headers and data, ZMTP frame headers) and what the same messages weigh uncompres
                                     [--link none|100mbit|1gbit|...] [--link-jitter F]
 
 With ``--link RATE`` every rank runs in its own network namespace of a
-:class:`gradcomp.cluster.LocalCluster` (links shaped to RATE both ways; the
+:class:`gradcomp.lab.cluster.LocalCluster` (links shaped to RATE both ways; the
 achieved rate is measured first and printed); ``ms/step`` is then the time
 on that link.
 
@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 import gradcomp as gc
 from gradcomp import ps
-from gradcomp.cluster import format_rate, jitter_type, launch_on, link_type, requirements_missing
+from gradcomp.lab.cluster import jitter_type, launch_on, link_type, requirements_missing
+from gradcomp.lab.units import format_rate
 
 SHAPES = {"w1": (300, 256), "b1": (300,), "w2": (100, 300), "b2": (100,)}
 KEYS = ("bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received")

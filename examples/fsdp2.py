@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import gradcomp as gc
-from gradcomp.cluster import launch_on, link_argument
+from gradcomp.lab.cluster import launch_on, link_argument
 
 DIM, HIDDEN, CLASSES, BATCH = 64, 512, 10, 64
 
@@ -81,7 +81,7 @@ def main():
     ap.add_argument("--allgather", action="store_true", help="also all-gather parameters in 8 bits (forward)")
     ap.add_argument("--link", default="none",
                     help="none (loopback) or a rate such as 100mbit: the two ranks in an emulated "
-                         "cluster (gradcomp.cluster; needs root and iproute2)")
+                         "cluster (gradcomp.lab.cluster; needs root and iproute2)")
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps must be >= 1")

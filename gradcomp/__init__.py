@@ -1,14 +1,16 @@
 """gradcomp: gradient compression for distributed PyTorch training.
 
-``import gradcomp as gc``; see README.md and the public names below. Importing
-gradcomp imports neither torch nor any of its modules: each public name is
-loaded on first use (PEP 562), so ``gradcomp --help`` stays fast, and nothing
-loads the native module, Triton or CuPy, nor initialises CUDA, before a kernel runs.
+``import gradcomp as gc``; the public names below load on first use (PEP 562). Importing
+gradcomp imports neither torch nor the lab (:mod:`gradcomp.lab`), so ``gradcomp --help`` stays
+fast; once torch is imported too (before or after), the ``torch.ops.gradcomp.*`` ops exist.
+Nothing loads the native module, Triton or CuPy, nor initialises CUDA, before a kernel runs.
 """
 
 from __future__ import annotations
 
-from gradcomp._lazy import lazy_attributes
+import importlib
+
+from gradcomp._lazy import after_import, lazy_attributes
 from gradcomp._version import __version__
 from gradcomp.errors import BackendUnavailable, PayloadError
 
@@ -20,6 +22,16 @@ _EXPORTS = {
     "decompress": "gradcomp.compressors",
     "decompress_add_": "gradcomp.compressors",
     "kernels": "gradcomp.kernels",
+    "compressors": "gradcomp.compressors",
+    "catalog": "gradcomp.catalog",
+    "wire": "gradcomp.wire",
+    "comm": "gradcomp.comm",
+    "meter": "gradcomp.meter",
+    "timeline": "gradcomp.timeline",
+    "launch": "gradcomp.launch",
+    "localsgd": "gradcomp.localsgd",
+    "pipeline": "gradcomp.pipeline",
+    "adaptive": "gradcomp.adaptive",
     "Compressor": "gradcomp.compressors",
     "NoCompression": "gradcomp.compressors",
     "FP16": "gradcomp.compressors",
@@ -42,3 +54,7 @@ __all__ = ["__version__", "BackendUnavailable", "PayloadError", *_EXPORTS]
 
 
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _EXPORTS)
+
+# torch.ops.gradcomp.<op> exists once torch and gradcomp are both imported, in either order; the
+# schemas and the reference kernels only: _C, Triton and CuPy still load on a kernel's first run
+after_import("torch", lambda: importlib.import_module("gradcomp.kernels"))

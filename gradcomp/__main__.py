@@ -2,7 +2,7 @@
 
 import sys
 
-from gradcomp.cli import main
+from gradcomp.lab.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(prog="python -m gradcomp"))

@@ -64,7 +64,7 @@ from gradcomp.adaptive import Adaptive
 from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce, native
 from gradcomp.compressors import DGC, Compressor, Int8Quantizer, TopK, unwrapped
 from gradcomp.meter import TrafficMeter
-from gradcomp.timeline import Timeline, span
+from gradcomp.timeline import StepTimeline, span
 
 __all__ = ["GradCompState", "compressed_allreduce_hook", "DEFAULT_MIN_COMPRESS_NUMEL"]
 
@@ -149,7 +149,7 @@ class GradCompState:
             nominal ring volume ``2 (N - 1) / N * itemsize * n``, since gloo /
             NCCL choose their own algorithm).
         timeout: seconds any exchange may take before the step fails.
-        timeline: optional :class:`gradcomp.timeline.Timeline`: the hook marks
+        timeline: optional :class:`gradcomp.timeline.StepTimeline`: the hook marks
             ``"handoff"`` when DDP hands over the last bucket of a step (the
             gradients are computed) and records each bucket's reduction as a
             ``"collective"`` span, with the transfers' ``"communicate"`` and
@@ -232,8 +232,8 @@ class GradCompState:
         if meter is not None and not isinstance(meter, TrafficMeter):
             raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
         timeout = v.timeout("timeout", timeout)
-        if timeline is not None and not isinstance(timeline, Timeline):
-            raise TypeError(f"timeline must be a gradcomp.timeline.Timeline or None, "
+        if timeline is not None and not isinstance(timeline, StepTimeline):
+            raise TypeError(f"timeline must be a gradcomp.timeline.StepTimeline or None, "
                             f"got {type(timeline).__name__}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "

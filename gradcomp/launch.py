@@ -141,7 +141,7 @@ def launch(
         rank_env: per-rank environment variables on top of ``env`` (one dict per rank).
         netns: per-rank network namespace names (``ip netns`` names, one per
             rank): each rank enters its namespace before it opens a socket
-            (used by :class:`gradcomp.cluster.LocalCluster`; needs root).
+            (used by :class:`gradcomp.lab.cluster.LocalCluster`; needs root).
 
     Returns:
         The per-rank return values, indexed by rank.

@@ -87,7 +87,7 @@ from gradcomp import _validate as v
 from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
 from gradcomp.meter import TrafficMeter
-from gradcomp.timeline import Timeline
+from gradcomp.timeline import StepTimeline
 
 __all__ = ["LocalSGD", "OUTER_LR", "OUTER_MOMENTUM", "OUTER_OPTIMIZERS", "check_schedule"]
 
@@ -216,7 +216,7 @@ class LocalSGD:
             exchange and the application of its update (0: at once, no thread);
             ``0 <= tau < sync_every / fragments``.
         timeout: seconds one exchange may take.
-        timeline: optional :class:`gradcomp.timeline.Timeline`: each exchange
+        timeline: optional :class:`gradcomp.timeline.StepTimeline`: each exchange
             is recorded as a ``"collective"`` span (with the transport's
             ``"compress"``, ``"communicate"`` and ``"decompress"`` spans inside),
             on whichever thread runs it.
@@ -245,7 +245,7 @@ class LocalSGD:
         fragments: int = 1,
         overlap: int = 0,
         timeout: float = DEFAULT_TIMEOUT,
-        timeline: Timeline | None = None,
+        timeline: StepTimeline | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -268,8 +268,8 @@ class LocalSGD:
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
         self.timeout = v.timeout("timeout", timeout)
-        if timeline is not None and not isinstance(timeline, Timeline):
-            raise TypeError(f"timeline must be a gradcomp.timeline.Timeline or None, "
+        if timeline is not None and not isinstance(timeline, StepTimeline):
+            raise TypeError(f"timeline must be a gradcomp.timeline.StepTimeline or None, "
                             f"got {type(timeline).__name__}")
         self.timeline = timeline
         params = [p for p in model.parameters() if p.requires_grad]

@@ -15,9 +15,9 @@ def engine_steps(rank, world_size, runs, hidden, x, y, m, steps, lr):
     from gradcomp.pipeline.engine import build_schedule, rank_stages, stages_per_rank
     from gradcomp.pipeline.split import split_sequential
     from gradcomp.pipeline.stage import GradcompStage
-    from gradcomp.pipeline.timeline import Timeline
-    from gradcomp.train.model import make_model
-    from gradcomp.train.pipeline import _shapes
+    from gradcomp.pipeline.bubble import StageTimeline
+    from gradcomp.lab.study.model import make_model
+    from gradcomp.lab.study.pipeline import _shapes
 
     out, decoded = {}, {}
     for schedule, int8 in runs:
@@ -26,7 +26,7 @@ def engine_steps(rank, world_size, runs, hidden, x, y, m, steps, lr):
         ex = _shapes(parts, x.shape[0] // m, x.shape[1])
         codec = BoundaryCodec("int8" if int8 else None)
         ids = rank_stages(schedule, rank, world_size)
-        stages = [GradcompStage(parts[s], s, n, torch.device("cpu"), codec=codec, timeline=Timeline(rank),
+        stages = [GradcompStage(parts[s], s, n, torch.device("cpu"), codec=codec, timeline=StageTimeline(rank),
                                 input_args=ex[s], output_args=ex[s + 1]) for s in ids]
         opt = torch.optim.SGD([q for s in ids for q in parts[s].parameters()], lr=lr)
         sched = build_schedule(schedule, stages, m, nn.functional.cross_entropy)
@@ -78,7 +78,7 @@ def pipedream_record(rank, world_size, n, vertical_sync, compressor):
 def replicated_engine(rank, world_size, cfg, data):
     """One ``gpipe`` run of the study mode's rank loop (pipeline replicas whose
     stage gradients are averaged); returns this rank's stage weights."""
-    from gradcomp.train.pipeline import _engine_run, _groups
+    from gradcomp.lab.study.pipeline import _engine_run, _groups
 
     pp_group, dp_group = _groups(world_size, cfg.stages)
     return _engine_run(cfg, "gpipe", cfg.microbatches[0], "none", data, pp_group, dp_group)["snapshots"][-1]

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import gradcomp.kernels as K
-from gradcomp.bench.kernels import main
-from gradcomp.bench.kernels import peers as P
-from gradcomp.bench.kernels.cases import Case
+from gradcomp.lab.bench.kernels import main
+from gradcomp.lab.bench.kernels import peers as P
+from gradcomp.lab.bench.kernels.cases import Case
 
 BLOCK = 256
 

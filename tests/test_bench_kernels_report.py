@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from gradcomp.bench import kernels as B
+from gradcomp.lab.bench import kernels as B
 
 WIDTH = 100
 

@@ -9,8 +9,8 @@ import types
 import pytest
 
 from gradcomp import __version__
-from gradcomp.cli import main
-from gradcomp.train.config import COMPRESSORS
+from gradcomp.lab.cli import main
+from gradcomp.lab.study.config import COMPRESSORS
 
 
 def _exit_code(capsys, argv):
@@ -75,22 +75,22 @@ def test_impossible_batch_exits_2(capsys):
 
 def test_bench_passes_arguments_through(monkeypatch):
     seen = {}
-    fake = types.ModuleType("gradcomp.bench.kernels")
+    fake = types.ModuleType("gradcomp.lab.bench.kernels")
     fake.main = lambda argv: seen.setdefault("argv", argv) and 0
-    monkeypatch.setitem(sys.modules, "gradcomp.bench.kernels", fake)
+    monkeypatch.setitem(sys.modules, "gradcomp.lab.bench.kernels", fake)
     assert main(["bench", "kernels", "--size", "4096", "--out", "somewhere"]) == 0
     assert seen["argv"] == ["--size", "4096", "--out", "somewhere"]
 
 
 def test_bench_status_is_the_benchmarks(monkeypatch):
-    fake = types.ModuleType("gradcomp.bench.allreduce")
+    fake = types.ModuleType("gradcomp.lab.bench.allreduce")
     fake.main = lambda argv: 3
-    monkeypatch.setitem(sys.modules, "gradcomp.bench.allreduce", fake)
+    monkeypatch.setitem(sys.modules, "gradcomp.lab.bench.allreduce", fake)
     assert main(["bench", "allreduce"]) == 3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module, prog", [("gradcomp.train", "python -m gradcomp.train"),
+@pytest.mark.parametrize("module, prog", [("gradcomp.lab.study", "python -m gradcomp.lab.study"),
                                           ("gradcomp", "python -m gradcomp")])
 def test_python_dash_m_help(module, prog):
     r = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
@@ -101,7 +101,7 @@ def test_python_dash_m_help(module, prog):
 
 @pytest.mark.slow
 def test_python_dash_m_train_bad_option():
-    r = subprocess.run([sys.executable, "-m", "gradcomp.train", "--compressors", "gzip"],
+    r = subprocess.run([sys.executable, "-m", "gradcomp.lab.study", "--compressors", "gzip"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "allowed: none,fp16" in r.stderr
@@ -187,7 +187,7 @@ def test_out_that_is_a_file_exits_2_before_the_study(capsys, tmp_path):
 
 
 def test_threshold_zero_spelled_any_way_is_accepted():
-    from gradcomp.train.command import build_parser
+    from gradcomp.lab.study.command import build_parser
 
     for text in ("0", "0.0", "-0", "0e0"):
         assert build_parser().parse_args(["--threshold", text]).threshold == 0.0
@@ -199,16 +199,16 @@ _LIGHT = ("torch", "numpy", "zmq", "gradcomp.kernels")  # none of these loads fo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("argv, heavy", [
-    (["--help"], (*_LIGHT, "gradcomp.train")), (["--version"], (*_LIGHT, "gradcomp.train")),
-    (["bench", "--help"], (*_LIGHT, "gradcomp.train")), (["train", "--help"], _LIGHT),
+    (["--help"], (*_LIGHT, "gradcomp.lab.study")), (["--version"], (*_LIGHT, "gradcomp.lab.study")),
+    (["bench", "--help"], (*_LIGHT, "gradcomp.lab.study")), (["train", "--help"], _LIGHT),
     (["plan", "--help"], _LIGHT), (["plan", "recommend", "--help"], _LIGHT),
     (["plan", "calibrate", "--help"], _LIGHT), (["plan", "validate", "--help"], _LIGHT)])
 def test_help_and_version_do_not_import_torch(argv, heavy):
     # importing torch takes seconds: gradcomp --help / --version and every subcommand's --help
-    # (the console script `gradcomp` calls gradcomp.cli.main) print before it would have loaded
+    # (the console script `gradcomp` calls gradcomp.lab.cli.main) print before it would have loaded
     code = (
         "import sys\n"
-        "from gradcomp.cli import main\n"
+        "from gradcomp.lab.cli import main\n"
         "try:\n"
         f"    main({argv!r})\n"
         "except SystemExit as e:\n"
@@ -223,7 +223,7 @@ def test_help_and_version_do_not_import_torch(argv, heavy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module, argv", [("gradcomp", ["train", "--help"]), ("gradcomp.train", ["--help"])])
+@pytest.mark.parametrize("module, argv", [("gradcomp", ["train", "--help"]), ("gradcomp.lab.study", ["--help"])])
 def test_module_entry_help_imports_no_torch(module, argv):
     # the real entry point (python -m ...), its imports as the interpreter reports them
     r = subprocess.run([sys.executable, "-X", "importtime", "-m", module, *argv],
@@ -232,7 +232,7 @@ def test_module_entry_help_imports_no_torch(module, argv):
     assert "--workload" in r.stdout and "--stages" in r.stdout
     imported = [line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines()
                 if line.startswith("import time:") and "|" in line]
-    assert "gradcomp.train.command" in imported  # the report was read right
+    assert "gradcomp.lab.study.command" in imported  # the report was read right
     assert not [m for m in imported if m.split(".")[0] == "torch"]
 
 
@@ -240,8 +240,8 @@ def test_train_choices_match_the_libraries():
     # the parser's choices are plain strings (no torch at --help); they must name what the library takes
     from gradcomp.comm import DENSE_ALGORITHMS
     from gradcomp.localsgd import OUTER_OPTIMIZERS
-    from gradcomp.train import menu, workloads
-    from gradcomp.train.command import build_parser
+    from gradcomp.lab.study import menu, workloads
+    from gradcomp.lab.study.command import build_parser
 
     actions = {a.dest: a for a in build_parser()._actions}
     assert tuple(actions["outer"].choices) == OUTER_OPTIMIZERS

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomp.cluster import (PREFIX, ClusterError, LocalCluster, format_rate, leftovers,
-                              parse_rate, requirements_missing)
+from gradcomp.lab.cluster import PREFIX, ClusterError, LocalCluster, leftovers, link_rate_bps, requirements_missing
+from gradcomp.lab.units import format_rate, parse_rate
 from gradcomp.launch import WorkerError
 
 REASON = requirements_missing()
@@ -40,6 +40,14 @@ def test_parse_rate():
     for bad in ("fast", "100", "-1gbit", "0mbit", "1pbit", True):
         with pytest.raises(ValueError, match="rate"):
             parse_rate(bad)
+
+
+def test_link_rate_bps_is_a_rate_tc_can_shape():
+    assert link_rate_bps("100mbit") == 100_000_000 and link_rate_bps(2.5e9) == 2_500_000_000
+    assert link_rate_bps("150kbit") == 150_000 and isinstance(link_rate_bps("150kbit"), int)
+    for bad in ("50kbit", "1tbit", 5e11, "fast"):
+        with pytest.raises(ValueError, match="rate"):
+            link_rate_bps(bad)
 
 
 def test_bad_arguments():
@@ -127,7 +135,7 @@ def test_rank_sigkilled_cleans_up():
 
 def _script(body: str) -> str:
     head = (f"import sys, time\nsys.path.insert(0, {ROOT!r})\n"
-            "from gradcomp.cluster import LocalCluster\nimport tests.test_cluster as t\n")
+            "from gradcomp.lab.cluster import LocalCluster\nimport tests.test_cluster as t\n")
     return head + textwrap.dedent(body)
 
 
@@ -197,7 +205,7 @@ def test_gloo_binds_to_the_shaped_interface():
 def _rates_in_periods(rank, world_size, t0, period_s, periods):
     """In each of ``periods`` (jitter period indices), once it has begun, one
     measured transfer 0 -> 1; returns [(period, bit/s, period at the end)]."""
-    from gradcomp.cluster import measure_link
+    from gradcomp.lab.cluster import measure_link
 
     out = []
     for p in periods:
@@ -256,7 +264,7 @@ def test_torchrun_across_two_namespaces_as_hosts(tmp_path):
     rank ends with bit-identical parameters."""
     import json
 
-    from gradcomp.train import command
+    from gradcomp.lab.study import command
 
     common = ["--mode", "sync", "--compressors", "int8", "--steps", "6", "--eval-every", "3",
               "--no-progress"]
@@ -274,7 +282,7 @@ def test_torchrun_across_two_namespaces_as_hosts(tmp_path):
                                 # advertises its namespace's address (torchrun would look
                                 # both up from the hostname, which all namespaces share)
                                 "--rdzv-conf", f"is_host={int(host == 0)}",
-                                "--local-addr", c.addresses[host], "-m", "gradcomp.train",
+                                "--local-addr", c.addresses[host], "-m", "gradcomp.lab.study",
                                 "--out", str(out), *common],
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for host in range(2)]

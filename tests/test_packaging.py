@@ -43,7 +43,7 @@ def test_extras_name_each_other_instead_of_repeating():
 def test_bench_extra_lists_only_what_the_benchmarks_import():
     extras = _pyproject()["project"]["optional-dependencies"]
     imports = {"scikit-learn": "sklearn"}  # distribution name -> import name, where they differ
-    source = "\n".join(p.read_text() for p in (ROOT / "gradcomp" / "bench").rglob("*.py"))
+    source = "\n".join(p.read_text() for p in (ROOT / "gradcomp" / "lab" / "bench").rglob("*.py"))
     for req in extras["bench"]:
         module = imports.get(_name(req), _name(req))
         assert re.search(rf"^\s*(import|from) {re.escape(module)}\b", source, re.M), req

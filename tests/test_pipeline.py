@@ -10,7 +10,7 @@ from torch import nn
 
 from gradcomp.launch import launch
 from gradcomp.pipeline import BoundaryCodec, analyze, split_sequential
-from gradcomp.train.model import make_model
+from gradcomp.lab.study.model import make_model
 from tests import pipeline_fns as F
 
 
@@ -23,6 +23,23 @@ def test_split_balances_parameters_and_rejects_too_many_stages():
     torch.testing.assert_close(b(a(x)), model(x), rtol=0, atol=0)
     with pytest.raises(ValueError, match="num_stages must be from 1 to the model's 3 layers"):
         split_sequential(model, 4)
+
+
+def test_one_bubble_formula_for_the_library_the_planner_and_the_study():
+    from gradcomp.lab.plan import model as plan_model
+    from gradcomp.lab.study.pipeline import theory_bubble
+    from gradcomp.pipeline import bubble_fraction
+
+    # p stages, m micro-batches, v chunks: the step takes v m + p - 1 slots of which p - 1 idle
+    assert bubble_fraction(4, 8) == 3 / 11 and bubble_fraction(1, 5) == 0.0
+    assert bubble_fraction(4, 8, chunks=2) == 3 / 19
+    assert plan_model.bubble_fraction is bubble_fraction
+    assert theory_bubble("gpipe", 4, 8) == theory_bubble("1f1b", 4, 8) == 3 / 11
+    assert theory_bubble("interleaved", 4, 8) == 3 / 19 and theory_bubble("zb", 4, 8) is None
+    for bad in ({"stages": 0}, {"microbatches": 2.0}, {"chunks": True}):
+        args = {"stages": 4, "microbatches": 8, **bad}
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be an integer >= 1"):
+            bubble_fraction(**args)
 
 
 def test_int8_boundary_decodes_within_the_bound():
@@ -90,8 +107,8 @@ def test_engine_schedules_match_gradient_accumulation_and_int8_decodes_within_th
 
 @pytest.mark.slow
 def test_pipeline_replicas_average_their_stage_gradients():
-    from gradcomp.train.data import load_digits_split, worker_batches
-    from gradcomp.train.pipeline import PipelineConfig
+    from gradcomp.lab.study.data import load_digits_split, worker_batches
+    from gradcomp.lab.study.pipeline import PipelineConfig
 
     cfg = PipelineConfig(stages=2, workers=4, microbatches=(2,), steps=3, batch_size=8, lr=0.1,
                          momentum=0.9, hidden=(32, 24))
@@ -166,7 +183,7 @@ def test_pipedream_vertical_sync_and_int8_boundaries():
 
 
 def _cli(argv, capsys):
-    from gradcomp.train.command import main
+    from gradcomp.lab.study.command import main
 
     rc = main(argv)
     return rc, capsys.readouterr().err.strip().splitlines()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gradcomp.cluster import requirements_missing
+from gradcomp.lab.cluster import requirements_missing
 
 REASON = requirements_missing()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
@@ -23,7 +23,7 @@ def _int8_message(rows: int) -> int:
 
 
 def _cli(argv, capsys):
-    from gradcomp.train.command import main
+    from gradcomp.lab.study.command import main
 
     rc = main(argv)
     out = capsys.readouterr()
@@ -62,8 +62,8 @@ def test_pipeline_on_a_100mbit_link_meters_the_boundaries_and_names_the_link(tmp
 
 
 def test_medians_and_time_to_target_by_hand():
-    from gradcomp.train.pipeline import _fill_targets
-    from gradcomp.train.pipeline_report import medians
+    from gradcomp.lab.study.pipeline import _fill_targets
+    from gradcomp.lab.study.pipeline_report import medians
 
     def row(compressor, seed, step_s, accs):
         return {"scenario": {"name": "100mbit"}, "schedule": "gpipe", "microbatches": 4,
@@ -100,7 +100,7 @@ def test_bad_pipeline_time_settings_exit_2_with_one_line(argv, needle, capsys, t
 
 def test_straggler_slowdown_sleeps_factor_minus_one_times_the_compute(monkeypatch):
     import gradcomp.pipeline.stage as stage_mod
-    from gradcomp.pipeline.timeline import Span
+    from gradcomp.pipeline.bubble import Span
 
     slept = []
     monkeypatch.setattr(stage_mod.time, "perf_counter", lambda: 10.0)

@@ -1,4 +1,4 @@
-"""gradcomp.plan: the step-time model against hand-computed cases, calibration, validation, CLI."""
+"""gradcomp.lab.plan: the step-time model against hand-computed cases, calibration, validation, CLI."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import sys
 import numpy as np
 import pytest
 
-from gradcomp.cli import main
-from gradcomp.plan import calibrate as C
-from gradcomp.plan.lognormal import expected_max
-from gradcomp.plan.model import (CODECS, Setting, allreduce_bytes, async_throughput, bubble_fraction,
+from gradcomp.lab.cli import main
+from gradcomp.lab.plan import calibrate as C
+from gradcomp.lab.plan.lognormal import expected_max
+from gradcomp.lab.plan.model import (CODECS, Setting, allreduce_bytes, async_throughput, bubble_fraction,
                                  pipeline_step, predict, ps_bytes)
-from gradcomp.plan.profile import OPS, Profile
-from gradcomp.plan.units import parse_count, parse_rate
-from gradcomp.plan.validate import validate_runs
+from gradcomp.lab.plan.profile import OPS, Profile
+from gradcomp.lab.units import parse_count, parse_rate
+from gradcomp.lab.plan.validate import validate_runs
 
 # ---- wire bytes ---------------------------------------------------------------------
 
@@ -307,7 +307,7 @@ def test_bad_settings_raise():
 
 def test_units():
     assert parse_count("25M") == 25_000_000 and parse_count("7B") == 7 * 10**9
-    assert parse_rate("10gbit") == 1.25e9 and parse_rate("100mbit") == 12.5e6
+    assert parse_rate("10gbit") == 1e10 and parse_rate("100mbit") == 1e8  # bits per second
     for bad in ("10gbps", "-1gbit", "fast"):
         with pytest.raises(ValueError, match="link"):
             parse_rate(bad)
@@ -416,16 +416,16 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv, words):
 
 
 def test_calibrate_link_without_cluster_exits_2(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "gradcomp.cluster", None)  # import fails
+    monkeypatch.setitem(sys.modules, "gradcomp.lab.cluster", None)  # import fails
     assert main(["plan", "calibrate", "--link", "1gbit"]) == 2
     err = capsys.readouterr().err
-    assert "gradcomp.cluster" in err and err.count("\n") == 1
+    assert "gradcomp.lab.cluster" in err and err.count("\n") == 1
 
 
 @pytest.mark.slow
 def test_plan_does_not_import_train_or_cluster():
-    code = ("import sys, gradcomp.plan, gradcomp.plan.cli, gradcomp.plan.validate, gradcomp.plan.recommend; "
-            "bad = [m for m in sys.modules if m.startswith(('gradcomp.train', 'gradcomp.cluster'))]; "
+    code = ("import sys, gradcomp.lab.plan, gradcomp.lab.plan.cli, gradcomp.lab.plan.validate, gradcomp.lab.plan.recommend; "
+            "bad = [m for m in sys.modules if m.startswith(('gradcomp.lab.study', 'gradcomp.lab.cluster'))]; "
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

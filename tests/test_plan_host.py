@@ -1,4 +1,4 @@
-"""gradcomp.plan on a shared host: processor sharing, scheduling delay, hand-off scatter,
+"""gradcomp.lab.plan on a shared host: processor sharing, scheduling delay, hand-off scatter,
 per-call kernel costs, the closed queue of the parameter server, and the host fit of validate."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import math
 import numpy as np
 import pytest
 
-from gradcomp.cli import main
-from gradcomp.plan.host import Host
-from gradcomp.plan.model import (CODECS, Setting, allreduce_bytes, allreduce_seconds, mva_response, predict,
+from gradcomp.lab.cli import main
+from gradcomp.lab.plan.host import Host
+from gradcomp.lab.plan.model import (CODECS, Setting, allreduce_bytes, allreduce_seconds, mva_response, predict,
                                  ps_bytes)
-from gradcomp.plan.profile import Profile
-from gradcomp.plan.validate import _setting, _tensors, fit_host, validate_runs
+from gradcomp.lab.plan.profile import Profile
+from gradcomp.lab.plan.validate import _setting, _tensors, fit_host, validate_runs
 
 RATES = {"compress": 1e8, "reduce_compress": 5e7, "decompress": 2e8, "decompress_add": 1e8}
 PROFILE = {"version": 1, "alpha_s": 1e-4, "beta_bytes_per_s": None, "link": "none",
@@ -250,7 +250,7 @@ def test_bad_validate_arguments_exit_2(capsys, argv, words):
 
 
 def test_other_kernels_drop_the_measured_per_call_costs():
-    from gradcomp.plan.cli import _build, _profile
+    from gradcomp.lab.plan.cli import _build, _profile
 
     base = ["--nodes", "4", "--link", "1gbit", "--params", "1M", "--compute-ms", "10"]
     assert _profile(_build("recommend").parse_args(base)).call_s  # the shipped profile's, measured on CPU

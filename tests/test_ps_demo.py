@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from gradcomp.ps.demo import default_lr, main
+from gradcomp.lab.ps_demo import default_lr, main
 
 
 @pytest.mark.parametrize("argv, words", [

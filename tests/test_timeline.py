@@ -9,12 +9,12 @@ import statistics
 
 import pytest
 
-from gradcomp.timeline import (PHASES, StepRecord, Timeline, async_step_phases, interval_overlap,
+from gradcomp.timeline import (PHASES, StepRecord, StepTimeline, async_step_phases, interval_overlap,
                                sync_step_phases)
-from gradcomp.train.common import RankLog
-from gradcomp.train.config import TrainConfig
-from gradcomp.train.decision import Aggregate, decide
-from gradcomp.train.timing import (ComputeDelay, jitter_factor, mean_ci95, parse_straggler,
+from gradcomp.lab.study.common import RankLog
+from gradcomp.lab.study.config import TrainConfig
+from gradcomp.lab.study.decision import Aggregate, decide
+from gradcomp.lab.study.timing import (ComputeDelay, jitter_factor, mean_ci95, parse_straggler,
                                    percentile, summarize_time, time_to_target)
 
 
@@ -69,7 +69,7 @@ def test_async_step_phases_are_the_spans():
 def test_timeline_spans_from_other_threads_and_between_steps():
     import threading
 
-    tl = Timeline()
+    tl = StepTimeline()
     tl.add_span("communicate", 0.0, 1.0)  # before the first step: goes to it
     tl.begin_step(2.0)
     t = threading.Thread(target=lambda: tl.add_span("compress", 2.1, 2.2))
@@ -146,8 +146,8 @@ def test_parse_straggler_errors(text, words):
 def test_a_straggler_shows_in_its_compute_and_in_the_others_wait():
     from dataclasses import replace
 
-    from gradcomp.train.data import load_digits_split
-    from gradcomp.train.study import _launch_local
+    from gradcomp.lab.study.data import load_digits_split
+    from gradcomp.lab.study.study import _launch_local
 
     cfg = TrainConfig(workers=3, steps=30, batch_size=64, eval_every=10, timeout=120,
                       straggler=(2, 3.0))
@@ -240,7 +240,7 @@ def test_decision_winner_is_the_argmin_under_the_accuracy_bound():
     (["--async-momentum", "0.5"], "--async-momentum only applies to --mode async"),
 ])
 def test_bad_time_options_exit_2_with_one_line(capsys, argv, words):
-    from gradcomp.cli import main
+    from gradcomp.lab.cli import main
 
     try:
         code = main(["train", "--mode", "sync", "--compressors", "none", *argv])
@@ -253,7 +253,7 @@ def test_bad_time_options_exit_2_with_one_line(capsys, argv, words):
 
 
 def test_scenario_names():
-    from gradcomp.train.scenarios import parse_scenario, parse_scenarios
+    from gradcomp.lab.study.scenarios import parse_scenario, parse_scenarios
 
     s = parse_scenario("100mbit+straggler")
     assert (s.link, s.straggler, s.compute_jitter, s.link_jitter) == ("100mbit", (1, 3.0), 0.0, 0.0)

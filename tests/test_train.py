@@ -1,4 +1,4 @@
-"""The training study (gradcomp.train): data order, model, settings, and small
+"""The training study (gradcomp.lab.study): data order, model, settings, and small
 real studies on local processes whose bytes are checked against the wire-size
 formulas."""
 
@@ -17,11 +17,11 @@ import gradcomp as gc
 from gradcomp.comm import chunk_bounds
 from gradcomp.launch import WorkerError
 from gradcomp.ps import protocol as P
-from gradcomp.train import command
-from gradcomp.train.config import COMPRESSORS, DEFAULT_COMPRESSORS, TrainConfig, parse_compressors
-from gradcomp.train.data import load_digits_split, steps_per_epoch, worker_batches
-from gradcomp.train.model import make_model, num_parameters
-from gradcomp.train.study import _launch_local, calibrate_threshold
+from gradcomp.lab.study import command
+from gradcomp.lab.study.config import COMPRESSORS, DEFAULT_COMPRESSORS, TrainConfig, parse_compressors
+from gradcomp.lab.study.data import load_digits_split, steps_per_epoch, worker_batches
+from gradcomp.lab.study.model import make_model, num_parameters
+from gradcomp.lab.study.study import _launch_local, calibrate_threshold
 from gradcomp.wire import dense_nbytes
 
 
@@ -96,7 +96,7 @@ def test_config_validation():
 
 def test_async_momentum_applies_to_the_async_server_only():
     from gradcomp.compressors import TopK
-    from gradcomp.train.dgc import dgc_compressor, optimizer_momentum
+    from gradcomp.lab.study.dgc import dgc_compressor, optimizer_momentum
 
     cfg = TrainConfig(momentum=0.9, async_momentum=0.5)
     assert optimizer_momentum(False, cfg, "async") == 0.5
@@ -109,7 +109,7 @@ def test_async_momentum_applies_to_the_async_server_only():
 
 def test_dgc_warmup_epochs_set_the_warmup_steps():
     from gradcomp.compressors import TopK
-    from gradcomp.train.dgc import dgc_compressor
+    from gradcomp.lab.study.dgc import dgc_compressor
 
     # 3,750 samples over 4 workers x 32 = 29 full steps per epoch: 2 epochs = 58 steps
     cfg = TrainConfig(workers=4, batch_size=32, dgc_warmup_epochs=2)

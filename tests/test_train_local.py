@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from gradcomp.cli import main
-from gradcomp.train import report
-from gradcomp.train.config import TrainConfig
-from gradcomp.train.study import run_study
+from gradcomp.lab.cli import main
+from gradcomp.lab.study import report
+from gradcomp.lab.study.config import TrainConfig
+from gradcomp.lab.study.study import run_study
 
 HEADER = 48  # wire header of a 1-D payload (40 + 8 * ndim bytes)
 

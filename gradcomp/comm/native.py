@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import wire as W
-from gradcomp.comm import NATIVE, OPS, _check_args, check_call, member_group
+from gradcomp.comm._args import NATIVE, OPS, check_args, member_group
+from gradcomp.comm.dispatch import check_call
 from gradcomp.comm.agreement import forget, remember_pattern
 from gradcomp.comm.chunks import ring_raw_bytes
 from gradcomp.comm.guard import exclusive
@@ -55,7 +56,7 @@ def allreduce(tensor: torch.Tensor, *, op: str = "avg", group=None, meter: Traff
             not float32; the ranks' calls differ);
         TimeoutError / RuntimeError: a slow or dead peer.
     """
-    _check_args(tensor, NoCompression(), op, "ring", timeout, residual, out, meter)
+    check_args(tensor, NoCompression(), op, "ring", timeout, residual, out, meter)
     if tensor.dtype != torch.float32:
         raise TypeError(f"tensor must be float32 for the backend's allreduce, got {tensor.dtype}")
     group = member_group(group, "gradcomp native allreduce")

@@ -22,6 +22,8 @@ from gradcomp import _validate as v
 from gradcomp import timeline as _timeline
 from gradcomp import wire as W
 from gradcomp.comm import two_phase as _two_phase
+from gradcomp.comm._args import (DEFAULT_TIMEOUT, INPUT_DTYPES, NAMES, OPS, check_args,
+                                 member_group)
 from gradcomp.comm.agreement import agree, forget, needs_check
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.dense import Plan
@@ -110,10 +112,9 @@ def reduce_scatter(
         TimeoutError / RuntimeError / gradcomp.PayloadError: as
             :func:`gradcomp.allreduce`.
     """
-    from gradcomp.comm import DEFAULT_TIMEOUT, _check_args, member_group  # (this module is imported by it)
 
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
-    _check_args(tensor, compressor, op, "two_phase", timeout, residual, None, meter)
+    check_args(tensor, compressor, op, "two_phase", timeout, residual, None, meter)
     v.flag("check", check)
     factor = v.real("factor", factor)
     if not math.isfinite(factor):
@@ -177,21 +178,19 @@ def agree_settings(comm: Comm, numel: int, compressor: Compressor, op: str, devi
             settings (raised on every rank).
         TimeoutError / RuntimeError: as :func:`gradcomp.comm.agreement.agree`.
     """
-    from gradcomp.comm import _NAMES, OPS
 
     inner, _ = split(compressor)
     wire = sum(inner.wire_nbytes((hi - lo,), torch.float32) for lo, hi in chunk_bounds(numel, comm.world_size))
     descriptor = {"numel": numel, "op": OPS.index(op), "algorithm": AGREEMENT_CODE,
                   "codec": W.codec(inner.codec).id, "wire_nbytes": wire}
     if needs_check(comm.group, descriptor):
-        names = dict(_NAMES, algorithm={**_NAMES["algorithm"], AGREEMENT_CODE: "reduce_scatter"})
+        names = dict(NAMES, algorithm={**NAMES["algorithm"], AGREEMENT_CODE: "reduce_scatter"})
         agree(comm, descriptor, names, device=device)
 
 
 def _check_out(out, numel: int, device) -> None:
     if out is None:
         return
-    from gradcomp.comm import INPUT_DTYPES
 
     if (not isinstance(out, torch.Tensor) or out.dtype not in INPUT_DTYPES or out.numel() != numel
             or out.device != torch.device(device) or not out.is_contiguous()):

@@ -9,6 +9,7 @@ import torch
 
 from gradcomp import _validate as v
 from gradcomp import wire as W
+from gradcomp.compressors._common import check_acc, check_no_grad, check_wire_out, flat
 from gradcomp.errors import PayloadError
 
 __all__ = ["Compressor", "Decoder", "decoder", "decompress", "decompress_add_"]
@@ -88,7 +89,7 @@ def decompress_add_(p: "W.Payload | torch.Tensor", acc: torch.Tensor) -> torch.T
         PayloadError: malformed bytes. TypeError / ValueError: a bad ``p`` or ``acc``.
     """
     p = _as_payload(p)
-    _check_acc(acc, p)
+    check_acc(acc, p)
     if p.numel:
         decoder(p.codec).add_(p, acc.view(-1))
     return acc
@@ -149,9 +150,9 @@ class Compressor(abc.ABC):
         v.data_tensor("t", t)
         t = t.detach()  # compression is not differentiable: no autograd graph in the payload
         if out is None:
-            return self._encode(_flat(t), t.dtype, t.shape)
-        _check_wire_out(self, out, t)
-        return self._encode(_flat(t), t.dtype, t.shape, out=out)
+            return self._encode(flat(t), t.dtype, t.shape)
+        check_wire_out(self, out, t)
+        return self._encode(flat(t), t.dtype, t.shape, out=out)
 
     def decompress(self, p: "W.Payload | torch.Tensor", *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decompress a payload (or its wire bytes) to a tensor with the original
@@ -182,7 +183,7 @@ class Compressor(abc.ABC):
             ``acc``.
         """
         p = self._payload(p)
-        _check_acc(acc, p)
+        check_acc(acc, p)
         if p.numel:
             self._add_into(p, acc.view(-1))
         return acc
@@ -356,49 +357,10 @@ def _decompress(p: W.Payload, out, values, into) -> torch.Tensor:
                else type(out).__name__)
         raise ValueError(f"out must be a contiguous {p.dtype} tensor of {p.numel} elements on "
                          f"{p.device}, got {got}")
-    _check_no_grad("out", out)
+    check_no_grad("out", out)
     if p.numel:
         into(p, out.detach().view(-1))
     return out
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
-
-
-def _check_acc(acc: torch.Tensor, p: W.Payload) -> None:
-    if not isinstance(acc, torch.Tensor):
-        raise TypeError(f"acc must be a torch.Tensor, got {type(acc).__name__}")
-    if acc.dtype != torch.float32 or not acc.is_contiguous():
-        raise ValueError(f"acc must be a contiguous float32 tensor, got "
-                         f"{'a non-contiguous ' if not acc.is_contiguous() else ''}{acc.dtype}")
-    if acc.numel() != p.numel:
-        raise ValueError(f"acc must have {p.numel} elements (the payload's), got {acc.numel()}")
-    if acc.device != p.device:
-        raise ValueError(f"acc must be on the payload's device {p.device}, got {acc.device}")
-    _check_no_grad("acc", acc)
-
-
-def _check_no_grad(name: str, t: torch.Tensor) -> None:
-    """Decoding writes ``t`` in place outside autograd (kernels write the memory),
-    so a tensor that autograd records is refused, as torch refuses ``out=`` then."""
-    if t.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"{name} must not require grad while autograd is recording (decoding is not "
-                         f"differentiable): pass {name}.detach() or decode under torch.no_grad()")
-
-
-def _check_wire_out(c: Compressor, out, t: torch.Tensor) -> None:
-    if c.sparse:
-        raise ValueError(f"out= needs a dense compressor (fixed wire size), got {c!r}")
-    want = c.wire_nbytes(t.shape, t.dtype)
-    if want is None:
-        raise ValueError(f"out= needs a compressor with a fixed wire size, got {c!r}")
-    if (not isinstance(out, torch.Tensor) or out.dtype != torch.uint8 or out.dim() != 1
-            or not out.is_contiguous() or out.numel() != want or out.device != t.device):
-        got = (f"{out.dtype} tensor of shape {tuple(out.shape)} on {out.device}"
-               if isinstance(out, torch.Tensor) else type(out).__name__)
-        raise ValueError(f"out must be a contiguous 1-D uint8 tensor of {want} bytes (the wire size) "
-                         f"on {t.device}, got {got}")
 
 
 def new_wire(header: bytes, body_nbytes: int, device, out: torch.Tensor | None = None) -> torch.Tensor:

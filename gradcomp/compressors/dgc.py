@@ -41,7 +41,8 @@ import torch
 from gradcomp import _validate as v
 from gradcomp import kernels
 from gradcomp import wire as W
-from gradcomp.compressors.base import Compressor, _flat
+from gradcomp.compressors._common import flat
+from gradcomp.compressors.base import Compressor
 from gradcomp.compressors.error_feedback import ErrorFeedback, checked_residuals
 from gradcomp.compressors.sparse import TopK
 
@@ -156,7 +157,7 @@ class DGC(ErrorFeedback):
         v.key(key)
         if out is not None:
             raise ValueError(f"out= needs a dense compressor (fixed wire size), got {self!r}")
-        x = _flat(t.detach())
+        x = flat(t.detach())
         n = x.numel()
         u, r = self.momenta.get(key), self.residuals.get(key)
         if u is None or r is None:

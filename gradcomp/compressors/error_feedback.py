@@ -15,7 +15,8 @@ import torch
 
 from gradcomp import _validate as v
 from gradcomp import wire as W
-from gradcomp.compressors.base import Compressor, _check_wire_out, _flat
+from gradcomp.compressors._common import check_wire_out, flat
+from gradcomp.compressors.base import Compressor
 from gradcomp.compressors.int8 import Int8Quantizer
 
 __all__ = ["ErrorFeedback", "checked_residuals", "split", "unwrapped"]
@@ -98,8 +99,8 @@ class ErrorFeedback:
         v.key(key)
         t = t.detach()  # a residual must not hold (and chain) autograd graphs across steps
         if out is not None:
-            _check_wire_out(self.wraps, out, t)
-        x = _flat(t)
+            check_wire_out(self.wraps, out, t)
+        x = flat(t)
         r = self.residual_for(key, x.numel(), x.device)
         if isinstance(self.wraps, Int8Quantizer):
             p = self.wraps._encode_ef(x, r, t.dtype, t.shape, out=out)

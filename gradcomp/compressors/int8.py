@@ -11,6 +11,7 @@ import torch
 from gradcomp import _validate as v
 from gradcomp import kernels
 from gradcomp import wire as W
+from gradcomp.compressors._common import check_acc, check_wire_out
 from gradcomp.compressors.base import Compressor, Decoder, new_wire
 
 __all__ = ["Int8Quantizer"]
@@ -93,15 +94,13 @@ class Int8Quantizer(Compressor):
     def reduce_compress_(self, p, acc, *, divisor=1, out=None, decode=False):
         """As :meth:`Compressor.reduce_compress_`, in one pass
         (``kernels.reduce_quantize_int8``) when ``p`` has this block size."""
-        from gradcomp.compressors.base import _check_acc, _check_wire_out
-
         p = self._payload(p)
         if p.block_size != self.block_size or self._overrides("compress", "decompress", "decompress_add_"):
             return super().reduce_compress_(p, acc, divisor=divisor, out=out, decode=decode)
-        _check_acc(acc, p)
+        check_acc(acc, p)
         divisor = v.integer("divisor", divisor, 1)
         if out is not None:
-            _check_wire_out(self, out, acc)
+            check_wire_out(self, out, acc)
         q = self._alloc(acc.dtype, acc.shape, acc.device, out)
         if p.numel:
             kernels.reduce_quantize_int8(acc, p.codes, p.scales, self.block_size, divisor, self.rounding,

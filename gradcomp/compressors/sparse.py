@@ -12,7 +12,8 @@ import torch
 from gradcomp import _validate as v
 from gradcomp import index_codec, kernels
 from gradcomp import wire as W
-from gradcomp.compressors.base import Compressor, Decoder, _check_acc, decoder
+from gradcomp.compressors._common import check_acc
+from gradcomp.compressors.base import Compressor, Decoder, decoder
 from gradcomp.compressors.dense import NoCompression
 
 __all__ = ["TopK", "Threshold"]
@@ -93,7 +94,7 @@ class _Sparse(Compressor):
     def decompress_add_(self, p, acc):
         """``acc[indices] += values`` in place (float32)."""
         p = self._payload(p)
-        _check_acc(acc, p)
+        check_acc(acc, p)
         if p.nnz:
             _SPARSE.add_(p, acc.view(-1), self.backend, self.values)
         return acc

@@ -38,7 +38,7 @@ from torch.func import functional_call
 from gradcomp.comm.p2p import Comm, Message
 from gradcomp.pipeline.boundary import BoundaryCodec, boundary_phase
 from gradcomp.pipeline.memory import ActivationMeter
-from gradcomp.pipeline.timeline import Span, Timeline
+from gradcomp.pipeline.bubble import Span, StageTimeline
 
 __all__ = ["PipeDreamStage", "PipeDreamStats", "one_f_one_b_order", "TAG_FWD", "TAG_BWD"]
 
@@ -121,7 +121,7 @@ class PipeDreamStage:
     def __init__(self, module: nn.Module, stage: int, comm: Comm, codec: BoundaryCodec,
                  optimizer: torch.optim.Optimizer, *, act_shape=None, in_shape=None,
                  loss_fn: Callable | None = None, vertical_sync: bool = False,
-                 timeline: Timeline | None = None, memory: ActivationMeter | None = None,
+                 timeline: StageTimeline | None = None, memory: ActivationMeter | None = None,
                  record: bool = False):
         self.module, self.stage, self.comm, self.codec, self.opt = module, stage, comm, codec, optimizer
         self.stages = comm.world_size
@@ -135,7 +135,7 @@ class PipeDreamStage:
             raise ValueError("the last stage needs loss_fn")
         self.act_shape, self.in_shape, self.loss_fn = act_shape, in_shape, loss_fn
         self.vertical_sync = vertical_sync
-        self.timeline = timeline if timeline is not None else Timeline(stage)
+        self.timeline = timeline if timeline is not None else StageTimeline(stage)
         self.memory, self.record = memory, record
         self.names = [n for n, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]

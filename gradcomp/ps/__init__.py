@@ -22,18 +22,10 @@ Transport: ZeroMQ (pyzmq), as in ps-lite and BytePS: one ROUTER socket per
 server, a DEALER per worker and server (:mod:`gradcomp.ps.transport`). The
 library frames every message (a receiver never sizes a buffer from a peer's
 header) and keeps a queue per peer with a high-water mark; the server never
-blocks on one worker. torch.distributed is used only to learn the servers'
-addresses when the roles are built (servers bind the interface that routes to
-``$MASTER_ADDR``, or ``$GRADCOMP_PS_HOST``, or the ``address`` given); a
-restarted worker process joins with ``server_addresses``, its old rank and
-the job's ``credential``.
-
-Authentication: every connection proves one worker rank of the job at the
-ZeroMQ handshake with the credential the servers create when the roles are
-built (PLAIN; ``PSConfig(encrypt=True)``: CURVE, authenticated and
-encrypted); other connections are refused there and counted. A second live
-process of a rank is refused unless it is a newer ``incarnation``, which
-takes over and the older is told (:class:`RankConflictError`).
+blocks on one worker. torch.distributed only carries the servers' addresses
+and the job's credential when the roles are built (servers bind the interface
+that routes to ``$MASTER_ADDR``, or ``$GRADCOMP_PS_HOST``, or ``address``);
+every connection proves a worker rank with it at the ZeroMQ handshake.
 
 Failures: a worker whose heartbeats stop (``heartbeat_timeout``), that makes
 no request for ``worker_timeout`` seconds, does not read its replies or breaks
@@ -41,18 +33,17 @@ the protocol is declared dead, alone; the run goes on without it
 (``on_worker_failure="continue"``) or the server raises
 :class:`WorkerFailedError` naming its rank and the other workers get
 :class:`PSAbortedError` (``"fail"``). Malformed pushes are rejected and
-counted. A worker restarted with the same rank takes its place again (a new
-session) once the old process is gone. Servers checkpoint atomically (``checkpoint_dir``,
+counted. A worker restarted with its rank, ``server_addresses`` and the
+``credential`` takes its place once the old process is gone, or as a newer
+``incarnation``. Servers checkpoint atomically (``checkpoint_dir``,
 ``checkpoint_every``) and resume with ``resume=True``; a checkpoint that
 cannot be resumed raises :class:`CheckpointError`.
 
-Accounting: every rank's :class:`~gradcomp.TrafficMeter` counts the bytes it
-moved in phases ``"connect"`` (HELLO / WELCOME), ``"push"`` and ``"pull"``
-(DONE included): the bytes ZeroMQ puts on the connection for each message
-(our 80-byte header, the payload bundle and the ZMTP frame headers), with
-their uncompressed float32 equivalents; heartbeats are counted apart
-(``heartbeat_meter``). :meth:`ParameterServer.stats` adds per-worker bytes,
-the staleness histogram, dropped and rejected counts.
+Accounting: every rank's :class:`~gradcomp.TrafficMeter` counts what ZeroMQ
+puts on the connection for each message (80-byte header, payload bundle, ZMTP
+frame headers) in phases ``"connect"``, ``"push"`` and ``"pull"`` (DONE
+included), with uncompressed float32 equivalents; heartbeats apart
+(``heartbeat_meter``). :meth:`ParameterServer.stats` adds per-worker counts.
 
 High-level API (one call per rank)::
 
@@ -94,9 +85,8 @@ Roles by hand::
 Modules: :mod:`~gradcomp.ps.run` (``PSConfig``, ``run``, ``role``),
 :mod:`~gradcomp.ps.worker`, :mod:`~gradcomp.ps.server` (the server's message
 loop), :mod:`~gradcomp.ps.apply` (its update rule), :mod:`~gradcomp.ps.membership`
-(workers' records, who holds a rank, failure detection, heartbeats),
-:mod:`~gradcomp.ps.auth` (the credential), :mod:`~gradcomp.ps.gatekeeper`
-(the ZAP handler), :mod:`~gradcomp.ps.checkpoint`,
+(who holds a rank, failure detection), :mod:`~gradcomp.ps.auth`,
+:mod:`~gradcomp.ps.gatekeeper`, :mod:`~gradcomp.ps.checkpoint`,
 :mod:`~gradcomp.ps.protocol` (messages), :mod:`~gradcomp.ps.transport`
 (ZeroMQ sockets), :mod:`~gradcomp.ps.sharding` (placement).
 

@@ -1,8 +1,8 @@
-"""``python -m gradcomp.ps``: see :mod:`gradcomp.ps.demo`."""
+"""``python -m gradcomp.ps``: see :mod:`gradcomp.lab.ps_demo`."""
 
 import sys
 
-from gradcomp.ps.demo import main
+from gradcomp.lab.ps_demo import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,4 @@
-"""The server's ZAP handler: it admits or refuses every connection at the ZeroMQ handshake.
+"""The server's gatekeeper: it admits or refuses every connection at the ZeroMQ handshake.
 
 libzmq asks the ZAP handler of a socket's context (RFC 27, at
 ``inproc://zeromq.zap.01``) whether a connection's PLAIN or CURVE credentials
@@ -9,7 +9,8 @@ worker ranks of the job (:class:`gradcomp.ps.auth.Verifier`), names each
 admitted connection's user (``w<rank>``, read by the server from every
 message's ``User-Id`` property) and counts what it refused, with the
 handshake failures the sockets' monitors report (a peer without credentials,
-of another mechanism, or not speaking ZMTP at all). See
+of another mechanism, or not speaking ZMTP at all).
+:func:`open_guarded_sockets` opens a server's sockets behind it. See
 ``docs/parameter-server.md``, "Who may connect".
 """
 
@@ -18,13 +19,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from gradcomp.ps.auth import Verifier, handshake_failures
+from gradcomp.ps import transport as T
+from gradcomp.ps.auth import Credential, Verifier, handshake_failures
 
-__all__ = ["Gatekeeper", "ZAP_ENDPOINT"]
+__all__ = ["Gatekeeper", "GuardedSockets", "open_guarded_sockets", "ZAP_ENDPOINT"]
 
 log = logging.getLogger("gradcomp.ps")
 
@@ -121,3 +124,49 @@ class Gatekeeper:
                 self.refused["not the ZMTP protocol"] += 1
         elif kind == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
             self.refused["handshake not completed"] += 1
+
+
+@dataclass
+class GuardedSockets:
+    """A server's context, its gatekeeper (started), its bound request ROUTER
+    (``address``: the endpoint workers connect to) and heartbeat ROUTER."""
+
+    ctx: zmq.Context
+    gatekeeper: Gatekeeper
+    requests: zmq.Socket
+    address: str
+    heartbeats: zmq.Socket
+    heartbeat_port: int
+
+
+def open_guarded_sockets(credential: Credential, server_index: int, ranks, bind_address: str, *,
+                         max_message: int, send_hwm: int, name: str) -> GuardedSockets:
+    """The gatekeeper admitting worker ``ranks``, then the request ROUTER bound
+    to ``bind_address`` and the heartbeat ROUTER (same host, any port) it guards.
+
+    Raises:
+        ValueError: the address cannot be bound (nothing is left open).
+    """
+    ctx = zmq.Context()
+    security = credential.server_options(server_index)
+    # the ZAP handler exists before any secured socket binds: without one, libzmq would admit anyone
+    gatekeeper = Gatekeeper(ctx, credential.verifier(ranks), name=name)
+    opened = []
+    try:
+        requests, address = T.bind_router(ctx, bind_address, security=security, max_message=max_message,
+                                          send_hwm=send_hwm, recv_hwm=max(16, 4 * send_hwm))
+        opened.append(requests)
+        host = bind_address.rsplit(":", 1)[0]
+        heartbeats, hb_endpoint = T.bind_router(ctx, f"{host}:0", security=security, max_message=1024,
+                                                send_hwm=4, recv_hwm=16)
+        opened.append(heartbeats)
+        for sock in opened:
+            gatekeeper.watch(sock)
+    except BaseException:
+        for sock in opened:
+            sock.close(0)
+        gatekeeper.stop()
+        ctx.term()
+        raise
+    gatekeeper.start()
+    return GuardedSockets(ctx, gatekeeper, requests, address, heartbeats, int(hb_endpoint.rsplit(":", 1)[1]))

@@ -20,6 +20,7 @@ its next request or heartbeat.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -32,7 +33,10 @@ from gradcomp.meter import TrafficMeter
 from gradcomp.ps import protocol as P
 from gradcomp.ps.errors import ProtocolError
 
-__all__ = ["Peer", "peer_table", "claim", "expired", "HeartbeatResponder", "JOIN", "TAKE_OVER", "REFUSE"]
+__all__ = ["Peer", "peer_table", "claim", "admit", "expired", "HeartbeatResponder", "JOIN", "TAKE_OVER",
+           "REFUSE"]
+
+log = logging.getLogger("gradcomp.ps")
 
 #: verdicts of :func:`claim`
 JOIN, TAKE_OVER, REFUSE = "join", "take over", "refuse"
@@ -82,6 +86,13 @@ class Peer:
         self.mirror = self.deferred = None
         self.heard = self.clock = now
 
+    def refusal(self, session: int) -> tuple[int, str]:
+        """``(EVICTED status, reason)`` for a message of ``session``, which is
+        not the rank's current one: displaced, or never joined."""
+        return self.displaced.get(session, (P.UNKNOWN_SESSION, (
+            f"worker rank {self.rank}: the server serves another process of this rank "
+            f"({self.origin or 'none yet'}), and this one never joined")))
+
     def displace(self, status: int, reason: str) -> None:
         """Remember the current session as displaced (its later messages are
         answered EVICTED with ``status`` and ``reason``)."""
@@ -118,6 +129,27 @@ def claim(peer: Peer, incarnation: int, holder_connected: bool) -> str:
     if peer.session is None or peer.status != "active" or not holder_connected:
         return JOIN
     return TAKE_OVER if incarnation > peer.incarnation else REFUSE
+
+
+def admit(peer: Peer, incarnation: int, origin: str, holder_connected: bool) -> str | None:
+    """Decide the HELLO of a new process (``origin``: its incarnation, pid,
+    host and address) for ``peer``'s rank, by :func:`claim`.
+
+    Returns:
+        None when it may join: a live holder it displaces is remembered
+        (told why at its next message). Else the refusal's text, naming the holder.
+    """
+    verdict = claim(peer, incarnation, holder_connected)
+    if verdict == REFUSE:
+        return (f"worker rank {peer.rank} is held by a live process ({peer.origin}); this process "
+                f"(incarnation {incarnation}) may take it over only as a newer incarnation: stop that "
+                f"process, or restart this one with incarnation={peer.incarnation + 1}")
+    if peer.session is not None and peer.status == "active":
+        how = "" if verdict == TAKE_OVER else ", after this process's connection had closed"
+        peer.displace(P.TAKEN_OVER, f"worker rank {peer.rank} was taken over by a newer process ({origin}){how}")
+        peer.taken_over += verdict == TAKE_OVER
+        log.warning("parameter server: worker rank %d (%s) replaced by %s", peer.rank, peer.origin, origin)
+    return None
 
 
 def expired(peers: Iterable[Peer], now: float, heartbeat_timeout: float,

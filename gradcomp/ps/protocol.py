@@ -16,8 +16,7 @@ header):
                    the length ZeroMQ delivered, or the message is rejected
        5 status    push reply: ACCEPTED / DROPPED / REJECTED; pull request:
                    WANT_FULL flag; pull reply: FULL / DELTA; WELCOME: the
-                   server's heartbeat port; EVICTED: why (DECLARED_DEAD,
-                   TAKEN_OVER, RANK_IN_USE, UNKNOWN_SESSION)
+                   server's heartbeat port; EVICTED: why (DECLARED_DEAD, ...)
        6 layout    CRC-32 of the shard's names and shapes (requests)
        7 aux       pull request: minimum version wanted; push reply: staleness;
                    ABORT: the failed worker's rank; WELCOME: pushes of this
@@ -32,19 +31,13 @@ header):
 
        int64 count, int64 size[count], payload bytes[size[0]], ..., payload bytes[size[count-1]]
 
-   (an EVICTED reply carries the reason as UTF-8 text instead, a HELLO the
-   process's host and pid as JSON, at most :data:`MAX_HELLO_NBYTES`).
+   (EVICTED: the reason as UTF-8 text; HELLO: the process's host and pid as JSON).
 
 A worker holds one DEALER per server for requests and, on a background
 thread, one per server for heartbeats to the server's heartbeat port, where
-a thread of the server answers them even while a step computes; so the
-server tells a dead process (no heartbeat) from a live one that makes no
-progress (no request), and a worker tells a dead server from a slow step.
-Every connection authenticates as its worker rank at the handshake
-(:mod:`gradcomp.ps.auth`); the server knows the sender of a message by that
-user id, never by a routing id the peer chose, and the session field tells
-the processes of one rank apart (see :mod:`gradcomp.ps.membership` for which
-one a rank's messages belong to).
+a thread of the server answers them even while a step computes. The server
+knows a message's sender by the worker rank its connection authenticated as
+(:mod:`gradcomp.ps.auth`), never by a routing id the peer chose.
 
 Version semantics: a push carries the server version of the parameters its
 gradient was computed from; a push reply and a pull reply carry the server's

@@ -131,7 +131,7 @@ def role(rank: int, num_servers: int) -> str:
 
 
 class _NoTimeline:
-    """Stands in for a :class:`gradcomp.timeline.Timeline` when none is given."""
+    """Stands in for a :class:`gradcomp.timeline.StepTimeline` when none is given."""
 
     def begin_step(self):
         pass
@@ -174,7 +174,7 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         on_step: optional ``(step, loss, worker, push_result)`` callback after
             each push (workers only), e.g. for logging or evaluation.
         group: the process group (default: the world).
-        timeline: optional :class:`gradcomp.timeline.Timeline` (workers): one
+        timeline: optional :class:`gradcomp.timeline.StepTimeline` (workers): one
             step per pull + compute + push, with the spans ``compute``,
             ``compress``, ``communicate`` and ``decompress`` (see
             :func:`gradcomp.timeline.async_step_phases`).

@@ -29,8 +29,8 @@ from gradcomp.ps import transport as T
 from gradcomp.ps.apply import Rejected, ShardUpdater, check_clip_norm, check_pull_compressor
 from gradcomp.ps.auth import Credential, agree_credential
 from gradcomp.ps.errors import ProtocolError, WorkerFailedError
-from gradcomp.ps.gatekeeper import Gatekeeper
-from gradcomp.ps.membership import REFUSE, TAKE_OVER, HeartbeatResponder, Peer, claim, expired, peer_table
+from gradcomp.ps.gatekeeper import open_guarded_sockets
+from gradcomp.ps.membership import HeartbeatResponder, Peer, admit, expired, peer_table
 from gradcomp.ps.sharding import layout_checksum, named_tensors, param_specs, shard_parameters
 
 __all__ = ["ParameterServer", "MODES", "FAILURE_POLICIES"]
@@ -50,69 +50,25 @@ class ParameterServer:
     workers. Parameters are placed whole on servers, balanced by bytes
     (:func:`~gradcomp.ps.sharding.shard_parameters`); this server holds its
     shard as float32 ``nn.Parameter`` tensors on ``device`` and updates them
-    with a real ``torch.optim`` optimizer.
+    with a real ``torch.optim`` optimizer: ``"sync"``, one averaged step per
+    round of pushes from every live worker; ``"async"``, each push applied on
+    arrival (Dean et al. 2012), ``max_staleness`` dropping older ones (Ho et
+    al. 2013), ``staleness_lr`` scaling the learning rate by ``1 / (1 +
+    staleness)`` (Zhang et al. 2016). With ``compress_pull`` a pull returns
+    ``pull_compressor(params - mirror)``, the mirror being the server's copy
+    of that worker's replica (the pull direction's error-feedback residual).
 
-    Modes:
-        ``"sync"``: for step ``t`` the server waits for one gradient from every
-            live worker (stamped with version ``t``), averages them, applies one
-            optimizer step and answers the pulls waiting for version ``t + 1``:
-            data-parallel SGD with a central optimizer.
-        ``"async"``: each gradient is applied on arrival (asynchronous SGD
-            as in Downpour SGD, Dean et al. 2012). Staleness = server version -
-            the version stamped on the push. With ``max_staleness`` a push older
-            than that is dropped and counted (bounded staleness, after the
-            stale synchronous parallel model of Ho et al. 2013, NeurIPS); with
-            ``staleness_lr`` the learning rate of that step is
-            ``lr / (1 + staleness)`` (Zhang et al. 2016, IJCAI,
-            "Staleness-aware Async-SGD").
-
-    Pulls return full float32 parameters. With ``compress_pull`` a worker that
-    already holds a replica gets ``pull_compressor(params - mirror)`` instead,
-    where ``mirror`` is the server's copy of that worker's replica, advanced by
-    exactly the decompressed delta. ``params - mirror`` is the error-feedback
-    residual of the pull direction (one per worker), so every compression
-    error is resent with the next pull and the replica never drifts: after
-    any pull it differs from the server's parameters by that pull's
-    compression error only. The mirrors cost one float32 copy of the shard
-    per worker.
-
-    Transport: one ZeroMQ ROUTER socket (see :mod:`gradcomp.ps.transport`),
-    served by one thread that polls it: every message arrives whole, framed
-    by the library; each worker has its own queues, bounded by ``send_hwm``
-    messages towards it, and a reply is sent without blocking, so no worker
-    can stall the server or another worker.
-
-    Authentication: every connection to the request and heartbeat ports
-    proves one worker rank of the job at the ZeroMQ handshake, with the
-    job's :attr:`credential` (:mod:`gradcomp.ps.auth`; PLAIN, or CURVE with
-    ``encrypt=True``); the others are refused there and counted
-    (``stats()["refused_connections"]``), and none of their bytes reaches
-    the protocol. A process of a rank displaces the live one holding it only
-    as a newer incarnation (see :mod:`gradcomp.ps.membership`).
-
-    Failures: a worker is declared dead, alone, when its process or link is
-    gone (no heartbeat for ``heartbeat_timeout`` seconds), when it makes no
-    request for ``worker_timeout`` seconds after the last reply (alive but
-    silent; a worker waiting for a reply the server holds back is not on
-    that clock), when it does not read its replies (its queue of
-    ``send_hwm`` messages is full) or when it breaks the protocol (a
-    malformed header or frames: counted as a ``"protocol"`` rejection). The
-    run then continues without it (``on_worker_failure="continue"``), and a
-    request it sends later is answered ``EVICTED`` (the worker raises
-    :class:`~gradcomp.ps.PeerError` with the reason); or every live worker
-    is told to abort and :meth:`serve` raises
-    :class:`~gradcomp.ps.WorkerFailedError` naming the rank (``"fail"``). A
-    worker process that restarts with the same rank (a new session, its
-    first message a HELLO) takes its place again, learning how many of its
-    pushes were accepted before. A push whose bundle is malformed
-    (:class:`gradcomp.PayloadError`), whose shapes, placement or version do
-    not match, which repeats a request number, or which decodes to
-    non-finite values is rejected, counted and answered with ``REJECTED``;
-    the server keeps serving.
-
-    Checkpoints (parameters, optimizer state, version) are written atomically
-    every ``checkpoint_every`` versions and when :meth:`serve` returns; a
-    server built with ``resume=True`` continues from its checkpoint.
+    One thread serves one ZeroMQ ROUTER socket (:mod:`gradcomp.ps.transport`)
+    and never blocks on a worker. Every connection proves one worker rank of
+    the job at the handshake (:attr:`credential`; PLAIN, or CURVE with
+    ``encrypt=True``), the others are refused there and counted; a process
+    displaces the live one holding its rank only as a newer incarnation
+    (:mod:`gradcomp.ps.membership`). A worker is declared dead alone (no
+    heartbeat, silent, not reading, or breaking the protocol); the run goes
+    on without it (``on_worker_failure="continue"``) or :meth:`serve` raises
+    :class:`~gradcomp.ps.WorkerFailedError` (``"fail"``). Malformed pushes
+    are rejected and counted; checkpoints are written atomically. The whole
+    story: ``docs/parameter-server.md``.
 
     Args:
         params: the initial parameters: an ``nn.Module`` (its
@@ -208,8 +164,7 @@ class ParameterServer:
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.device = torch.device(device)
         self.meter = meter if meter is not None else TrafficMeter()
-        own = None if credential is None else Credential(credential)
-        encrypt = _flag("encrypt", encrypt)
+        own, encrypt = None if credential is None else Credential(credential), _flag("encrypt", encrypt)
 
         tensors = named_tensors(params)
         self.shard = shard_parameters(param_specs(tensors), self.num_servers)[self.rank]
@@ -241,50 +196,20 @@ class ParameterServer:
             self._resume()
         # a collective before binding: the sockets' keys derive from the job's credential
         self._credential = agree_credential(group, self.num_servers, own, encrypt)
-        hb_sock = self._open_sockets(bind_address)
-        self._heartbeats = HeartbeatResponder(self, hb_sock)
+        guarded = open_guarded_sockets(self._credential, self.rank, self.peers, bind_address,
+                                       max_message=self._max_message, send_hwm=self.send_hwm,
+                                       name=f"gradcomp-ps-gatekeeper-{self.global_rank}")
+        self._ctx, self._gatekeeper, self._sock = guarded.ctx, guarded.gatekeeper, guarded.requests
+        self.address, self.heartbeat_port = guarded.address, guarded.heartbeat_port
+        # heartbeats on a socket and thread of their own: answered while a step computes
+        self._heartbeats = HeartbeatResponder(self, guarded.heartbeats)
         T.exchange_addresses(group, self.address, self.num_servers)
-
-    def _open_sockets(self, bind_address: str):
-        """The gatekeeper (ZAP handler), then the request and heartbeat ROUTERs
-        it guards; returns the heartbeat socket."""
-        self._ctx = zmq.Context()
-        security = self._credential.server_options(self.rank)
-        self._gatekeeper = Gatekeeper(self._ctx, self._credential.verifier(self.peers),
-                                      name=f"gradcomp-ps-gatekeeper-{self.global_rank}")
-        opened = []
-        try:
-            self._sock, self.address = T.bind_router(
-                self._ctx, bind_address, security=security, max_message=self._max_message,
-                send_hwm=self.send_hwm, recv_hwm=max(16, 4 * self.send_hwm))
-            opened.append(self._sock)
-            # heartbeats on a socket and thread of their own: answered while a step computes
-            host = bind_address.rsplit(":", 1)[0]
-            hb_sock, hb_endpoint = T.bind_router(self._ctx, f"{host}:0", security=security, max_message=1024,
-                                                 send_hwm=4, recv_hwm=16)
-            opened.append(hb_sock)
-            for sock in opened:
-                self._gatekeeper.watch(sock)
-        except BaseException:
-            for sock in opened:
-                sock.close(0)
-            self._gatekeeper.stop()
-            self._ctx.term()
-            raise
-        self._gatekeeper.start()
-        self.heartbeat_port = int(hb_endpoint.rsplit(":", 1)[1])
-        return hb_sock
 
     @property
     def credential(self) -> str:
         """The job's credential (a secret): what a worker restarted outside
         the process group is given (``Worker(credential=...)`` or ``$GRADCOMP_PS_CREDENTIAL``)."""
         return self._credential.text
-
-    @property
-    def encrypt(self) -> bool:
-        """CURVE (authenticated and encrypted) rather than PLAIN (authenticated)."""
-        return self._credential.encrypt
 
     # ---- public ---------------------------------------------------------------------
     def serve(self) -> dict:
@@ -334,36 +259,10 @@ class ParameterServer:
         return {n: p.detach() for n, p in self.params.items()}
 
     def stats(self) -> dict:
-        """Counters of this server (JSON-ready except for int dictionary keys).
-
-        Keys: ``rank``, ``mode``, ``version``, ``updates`` (applied this run),
-        ``resumed_from``, ``pushes``, ``accepted``, ``dropped`` (too stale),
-        ``rejected`` (malformed messages, all peers), ``rejected_reasons``
-        (reason -> count: ``payload``, ``shape``, ``nonfinite``, ``layout``,
-        ``version``, ``duplicate``, ``protocol``, ``session`` (from a process
-        the server does not serve for that rank: displaced, or never joined),
-        ``rank_in_use`` (a second process refused: a live one holds the rank),
-        ``unknown_peer``),
-        ``staleness_histogram`` (staleness -> accepted pushes),
-        ``dropped_staleness_histogram``, ``pulls``, ``clipped`` (steps whose
-        gradient norm was clipped), ``checkpoints`` (written), ``workers``
-        (rank -> per-worker counters, status, reason, ``sessions`` (1 +
-        restarts and takeovers), ``incarnation`` (of the current process),
-        ``taken_over`` (live processes displaced by a newer incarnation) and
-        push/pull bytes with their uncompressed float32 equivalents),
-        ``dead_workers`` (rank -> reason), ``done_workers``,
-        ``traffic`` (:meth:`TrafficMeter.as_dict` of :attr:`meter`: phases
-        ``"connect"``, ``"push"``, ``"pull"``), ``heartbeat_traffic`` (the
-        heartbeats, counted apart), ``address`` (the bound endpoint),
-        ``busy_s`` (seconds spent handling requests) and ``busy_intervals``
-        (``(worker rank, start, end)`` per request handled, on the
-        :mod:`gradcomp.timeline` clock: with the workers' timelines they tell
-        how long each request queued behind other workers'),
-        ``refused_connections`` (connections refused at the handshake: no,
-        a wrong or another mechanism's credential, or not ZMTP),
-        ``refused_reasons`` (reason -> count) and ``security`` (``"plain"``
-        or ``"curve"``).
-        """
+        """Counters of this server (JSON-ready except for int dictionary keys):
+        versions, pushes and their fates, rejections and refused connections
+        by reason, per-worker counters and bytes, traffic, busy intervals.
+        Every key is described in ``docs/parameter-server.md``, "Statistics"."""
         workers = {}
         for r, p in self.peers.items():
             ph = p.meter.as_dict()["phases"]
@@ -396,7 +295,7 @@ class ParameterServer:
             "malformed_heartbeats": self._heartbeats.malformed,
             "refused_connections": self._gatekeeper.refused_connections,
             "refused_reasons": dict(self._gatekeeper.refused),
-            "security": "curve" if self.encrypt else "plain",
+            "security": self._credential.mechanism,
             "address": self.address,
             "busy_s": sum(t1 - t0 for _, t0, t1 in self._busy),
             "busy_intervals": list(self._busy),
@@ -441,8 +340,10 @@ class ParameterServer:
         now = time.monotonic()
         if h.kind == P.HELLO:
             return self._on_hello(peer, route, h, data, frames[1].get("Peer-Address"), now)
-        if peer.session is None or h.session != peer.session:
-            return self._refuse_session(peer, route, h)
+        if peer.session is None or h.session != peer.session:  # displaced, or never joined: told why
+            self._count_reject(peer, "session")
+            status, text = peer.refusal(h.session)
+            return self._evict(peer, h, text, route=route, status=status)
         peer.route = route  # the session's own connection, or its DEALER reconnected (a new routing id)
         if peer.status == "dead":
             return self._evict(peer, h, peer.reason)
@@ -479,16 +380,12 @@ class ParameterServer:
             return self._on_protocol_error(peer, route, f"HELLO with incarnation {h.aux} and {h.nbytes} data "
                                                         f"bytes (at most {P.MAX_HELLO_NBYTES})")
         origin = f"incarnation {h.aux}, {P.read_process_description(data, address)}"
-        verdict = claim(peer, h.aux, self._holder_connected(peer))
-        if verdict == REFUSE:
-            return self._refuse_join(peer, route, h, origin)
-        if peer.session is not None and peer.status == "active":
-            how = "" if verdict == TAKE_OVER else ", after this process's connection had closed"
-            peer.displace(P.TAKEN_OVER,
-                          f"worker rank {peer.rank} was taken over by a newer process ({origin}){how}")
-            peer.taken_over += verdict == TAKE_OVER
-            log.warning("parameter server rank %d: worker rank %d (%s) replaced by %s", self.global_rank,
-                        peer.rank, peer.origin, origin)
+        refusal = admit(peer, h.aux, origin, self._holder_connected(peer))
+        if refusal is not None:  # a second live process of the rank
+            self._count_reject(peer, "rank_in_use")
+            log.warning("parameter server rank %d: refused %s as worker rank %d", self.global_rank, origin,
+                        peer.rank)
+            return self._evict(peer, h, refusal, route=route, status=P.RANK_IN_USE)
         # an accepted gradient of the current sync step stays in the sum
         peer.join(h, now, run_failed=self._failure is not None, route=route, origin=origin)
         if self._failure is not None:
@@ -508,27 +405,8 @@ class ParameterServer:
             return True  # connected; its queue is full
         except zmq.ZMQError:
             return False  # EHOSTUNREACH: the connection closed (the process exited)
-        n = P.message_nbytes()
-        self._record(self.meter, peer.meter, n, "connect")
+        self._record(self.meter, peer.meter, P.message_nbytes(), "connect")
         return True
-
-    def _refuse_join(self, peer: Peer, route: bytes, h: P.Header, origin: str) -> None:
-        """A second process asks for a rank a live process of the same or a newer incarnation holds."""
-        self._count_reject(peer, "rank_in_use")
-        text = (f"worker rank {peer.rank} is held by a live process ({peer.origin}); this process "
-                f"(incarnation {h.aux}) may take it over only as a newer incarnation: stop that process, "
-                f"or restart this one with incarnation={peer.incarnation + 1}")
-        log.warning("parameter server rank %d: refused a second process for worker rank %d (%s)",
-                    self.global_rank, peer.rank, origin)
-        self._evict(peer, h, text, route=route, status=P.RANK_IN_USE)
-
-    def _refuse_session(self, peer: Peer, route: bytes, h: P.Header) -> None:
-        """A request of a session the server does not serve for the rank: told why."""
-        self._count_reject(peer, "session")
-        status, text = peer.displaced.get(h.session, (P.UNKNOWN_SESSION, (
-            f"worker rank {peer.rank}: the server serves another process of this rank "
-            f"({peer.origin or 'none yet'}), and this one never joined")))
-        self._evict(peer, h, text, route=route, status=status)
 
     def _on_protocol_error(self, peer: Peer, route: bytes, reason: str) -> None:
         """A malformed message: counted; the sending connection is cut off (it

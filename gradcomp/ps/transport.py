@@ -1,8 +1,7 @@
 """ZeroMQ sockets and addresses of the parameter server (pyzmq).
 
 A server binds one ROUTER socket; each worker connects a DEALER to every
-server (and a second one for heartbeats); every connection authenticates
-at the handshake (:mod:`gradcomp.ps.auth`). ZeroMQ frames every message
+server (and one for heartbeats), authenticated (:mod:`gradcomp.ps.auth`). ZeroMQ frames every message
 (a receiver never sizes a buffer from a peer's header), keeps a queue per
 peer connection bounded by a high-water mark (``SNDHWM`` / ``RCVHWM``, in
 messages), drops a connection whose peer sends a frame over ``MAXMSGSIZE``,

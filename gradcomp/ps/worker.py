@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -24,6 +23,7 @@ from gradcomp.ps import transport as T
 from gradcomp.ps.auth import (agree_credential, credential_from, describe_handshake_failure,
                               handshake_failures)
 from gradcomp.ps.errors import PeerError, ProtocolError, PSAbortedError, RankConflictError
+from gradcomp.ps.heartbeat import Heartbeat
 from gradcomp.ps.sharding import layout_checksum, named_tensors, param_specs, shard_parameters
 from gradcomp.wire import decode
 
@@ -219,7 +219,7 @@ class Worker:
             self._socks.append(sock)
             # watched until the HELLO is answered, so that a refused handshake is named, not timed out
             self._monitors.append(sock.get_monitor_socket(handshake_failures()))
-        self._heartbeat = _Heartbeat(self._ctx, self.global_rank, self.session, self.heartbeat_interval,
+        self._heartbeat = Heartbeat(self._ctx, self.global_rank, self.session, self.heartbeat_interval,
                                      self.heartbeat_meter,
                                      [self._credential.client_options(self.global_rank, s)
                                       for s in range(self.num_servers)])
@@ -545,89 +545,7 @@ def _raise_evicted(server: int, status: int, reason: str) -> None:
     raise PeerError(server, "request to server", f"this worker was declared dead: {reason}")
 
 
-class _Heartbeat:
-    """Background thread sending a heartbeat to every server's heartbeat port
-    each ``interval`` seconds on its own sockets (authenticated with
-    ``security``, one dict of socket options per server) and noting the
-    replies, and a server's word that this process lost its rank."""
-
-    def __init__(self, ctx, rank: int, session: int, interval: float, meter: TrafficMeter, security: list[dict]):
-        self._ctx, self._addresses, self._rank, self._session = ctx, [], rank, session
-        self._interval, self._meter, self._security = interval, meter, security
-        self._last: list[float] | None = None
-        self._evicted: dict[int, tuple[int, str]] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"gradcomp-ps-heartbeat-{rank}")
-
-    def start(self, addresses) -> None:
-        self._addresses = list(addresses)
-        self._last = [time.monotonic()] * len(self._addresses)
-        self._thread.start()
-
-    def silent_for(self, s: int) -> float:
-        """Seconds since server ``s`` last answered (0 before the thread starts)."""
-        return 0.0 if self._last is None else time.monotonic() - self._last[s]
-
-    def evicted(self, s: int) -> tuple[int, str] | None:
-        """``(EVICTED status, reason)`` when server ``s`` answered a heartbeat so, else None."""
-        return self._evicted.get(s)
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2.0)
-
-    def _run(self) -> None:
-        socks = [T.connect_dealer(self._ctx, a, security=sec, max_message=1024, hwm=4)
-                 for a, sec in zip(self._addresses, self._security)]
-        poller = zmq.Poller()
-        for sock in socks:
-            poller.register(sock, zmq.POLLIN)
-        index = {sock: i for i, sock in enumerate(socks)}
-        n, seq, next_beat = P.message_nbytes(), 0, 0.0
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                if now >= next_beat:
-                    seq += 1
-                    beat = P.Header(P.HEARTBEAT, self._rank, seq=seq, session=self._session).pack()
-                    for sock in socks:
-                        try:
-                            sock.send(beat, zmq.NOBLOCK)
-                            self._meter.record_send(n, n, "heartbeat")
-                        except zmq.Again:
-                            pass  # the server is not reading: its silence is noticed below
-                    next_beat = now + self._interval
-                for sock, _ in poller.poll(int(1000 * min(max(next_beat - now, 0.0), 0.1)) + 1):
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._on_reply(index[sock], frames, n)
-        finally:
-            for sock in socks:
-                sock.close(linger=0)
-
-    def _on_reply(self, s: int, frames: list[bytes], n: int) -> None:
-        """A heartbeat reply, or EVICTED (with the reason) when this process lost its rank."""
-        try:
-            data = frames[1] if len(frames) == 2 else None
-            h = P.Header.unpack(frames[0], (P.HEARTBEAT, P.EVICTED), None if data is None else len(data)) \
-                if len(frames) <= 2 else None
-        except ProtocolError:
-            h = None
-        if h is None or h.session != self._session:
-            return
-        if h.kind == P.EVICTED:
-            self._evicted[s] = (h.status, data.decode(errors="replace") if data else "no reason given")
-            self._meter.record_recv(P.message_nbytes(h.nbytes), P.message_nbytes(h.nbytes), "heartbeat")
-            return
-        self._last[s] = time.monotonic()
-        self._meter.record_recv(n, n, "heartbeat")
-
-
-def _close_transport(ctx, socks, heartbeat: _Heartbeat, linger_ms: int, monitors=()) -> None:
+def _close_transport(ctx, socks, heartbeat: Heartbeat, linger_ms: int, monitors=()) -> None:
     heartbeat.stop()
     for sock in (*monitors, *socks):
         sock.close(linger=linger_ms)

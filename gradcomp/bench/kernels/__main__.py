@@ -1,7 +1,0 @@
-"""``python -m gradcomp.bench.kernels``: the same as ``gradcomp bench kernels``."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())

@@ -1,0 +1,99 @@
+"""Argument checks and the constants the compressed collectives share (algorithm names, ops, dtypes).
+
+Public names in a private module: :mod:`gradcomp.comm.dispatch`, :mod:`gradcomp.comm.native` and
+:mod:`gradcomp.comm.reduce_scatter` import them from here, never from the package.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from gradcomp import _validate as v
+from gradcomp import wire as W
+from gradcomp.compressors import split
+from gradcomp.meter import TrafficMeter
+
+#: every algorithm name
+ALGORITHMS = ("ring", "two_phase", "allgather")
+#: algorithms for dense compressors (fixed wire sizes)
+DENSE_ALGORITHMS = ("ring", "two_phase")
+#: reduction ops
+OPS = ("avg", "sum")
+#: accepted input dtypes (everything is accumulated in float32)
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: default seconds one exchange may take before TimeoutError
+DEFAULT_TIMEOUT = 300.0
+
+#: the agreement's algorithm code of the backend's own allreduce (:mod:`gradcomp.comm.native`)
+NATIVE = len(ALGORITHMS)
+
+# how a disagreement names the codes of the agreement's fields
+NAMES = {"op": dict(enumerate(OPS)), "algorithm": {**dict(enumerate(ALGORITHMS)), NATIVE: "native"},
+          "codec": {c.id: c.name for c in W.CODECS.values()}}
+
+
+def member_group(group, what: str):
+    """``group`` (None: the world) once torch.distributed is up and this process is in it.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised (``what`` names the caller).
+        ValueError: this process is not a member of ``group``.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(f"{what} needs torch.distributed initialised "
+                           "(dist.init_process_group or gradcomp.launch)")
+    group = dist.group.WORLD if group is None else group
+    if dist.get_rank(group) < 0:
+        raise ValueError("this process is not a member of group")
+    return group
+
+
+def check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter=None) -> None:
+    """Check the arguments of a compressed collective (see :func:`gradcomp.allreduce`).
+
+    Raises:
+        TypeError / ValueError: naming the argument and the allowed values.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}"
+                        + ("" if not isinstance(tensor, torch.Tensor) else f" with layout {tensor.layout}"))
+    if tensor.is_meta:
+        raise ValueError("tensor must hold data, got a meta tensor")
+    if tensor.dtype not in INPUT_DTYPES:
+        raise TypeError(f"tensor must have dtype float32, float16 or bfloat16 (sums are accumulated "
+                        f"in float32), got {tensor.dtype}")
+    compressor, ef = split(compressor, "compressor", " or ErrorFeedback")
+    if op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {op!r}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm in DENSE_ALGORITHMS and compressor.sparse:
+        raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "
+                         "use algorithm='allgather' for TopK / Threshold")
+    if algorithm == "allgather" and not compressor.sparse:
+        raise ValueError(f"algorithm 'allgather' is for sparse compressors (TopK, Threshold), got dense "
+                         f"{compressor!r}: use algorithm='ring' or 'two_phase'")
+    if algorithm in DENSE_ALGORITHMS and compressor.wire_nbytes((1,), torch.float32) is None:
+        raise ValueError(f"algorithm {algorithm!r} needs a compressor with a fixed wire size "
+                         f"(wire_nbytes not None), got {compressor!r}")
+    v.timeout("timeout", timeout)
+    if meter is not None and not isinstance(meter, TrafficMeter):
+        raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
+    if residual is not None:
+        if ef is not None:
+            raise ValueError("give either an ErrorFeedback compressor or residual=, not both")
+        if (not isinstance(residual, torch.Tensor) or residual.dtype != torch.float32
+                or not residual.is_contiguous() or residual.numel() != tensor.numel()
+                or residual.device != tensor.device):
+            got = (f"{residual.dtype} with {residual.numel()} elements on {residual.device}"
+                   if isinstance(residual, torch.Tensor) else type(residual).__name__)
+            raise ValueError(f"residual must be a contiguous float32 tensor of {tensor.numel()} "
+                             f"elements on {tensor.device}, got {got}")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != tensor.shape
+                            or out.dtype != tensor.dtype or out.device != tensor.device
+                            or not out.is_contiguous()):
+        got = (f"{out.dtype} of shape {tuple(out.shape)} on {out.device}"
+               if isinstance(out, torch.Tensor) else type(out).__name__)
+        raise ValueError(f"out must be a contiguous {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
+                         f"on {tensor.device}, got {got}")

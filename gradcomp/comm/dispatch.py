@@ -1,0 +1,254 @@
+"""The compressed allreduce: argument checks, the agreement, then one algorithm's module.
+
+See :func:`allreduce`; the algorithms live one per module (:mod:`gradcomp.comm.ring`,
+:mod:`gradcomp.comm.two_phase`, :mod:`gradcomp.comm.pipelined`, :mod:`gradcomp.comm.allgather`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+import torch.distributed as dist
+
+from gradcomp import _validate as v
+from gradcomp import wire as W
+from gradcomp.comm import allgather as _allgather
+from gradcomp.comm import pipelined as _pipelined
+from gradcomp.comm import ring as _ring
+from gradcomp.comm import two_phase as _two_phase
+from gradcomp.comm._args import (ALGORITHMS, DEFAULT_TIMEOUT, NAMES, OPS, check_args,
+                                 member_group)
+from gradcomp.comm.agreement import (Disagreement, agree, forget, needs_check, pattern, remember_pattern,
+                                     replay)
+from gradcomp.comm.dense import Plan, share_owned
+from gradcomp.comm.guard import exclusive
+from gradcomp.comm.local import Local
+from gradcomp.comm.p2p import Comm
+from gradcomp.comm.policy import CodecPolicy
+from gradcomp.compressors import Compressor, ErrorFeedback
+
+__all__ = ["allreduce", "check_call"]
+
+_REDUCE_SCATTER = {"ring": _ring.reduce_scatter, "two_phase": _two_phase.reduce_scatter}
+
+def allreduce(
+    tensor: torch.Tensor,
+    compressor: Compressor | ErrorFeedback | CodecPolicy,
+    *,
+    op: str = "avg",
+    algorithm: str = "ring",
+    group=None,
+    meter=None,
+    timeout: float = DEFAULT_TIMEOUT,
+    key: Hashable = None,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    check: bool = True,
+) -> torch.Tensor:
+    """Compressed allreduce: every rank returns the same (bit-identical) tensor.
+
+    All ranks of ``group`` must call it with tensors of the same shape and
+    dtype, the same compressor settings, ``op`` and ``algorithm``, in the
+    same order (like any collective). With ``check=True`` (the default) a
+    call verifies that they did (the number of elements, ``op``,
+    ``algorithm``, the compressor type and payload size:
+    :mod:`gradcomp.comm.agreement`) whenever these differ from the last call
+    the group's ranks agreed on, and, if not, every rank raises the same
+    ``ValueError`` before any payload moves. The input is widened to float32 (so
+    payloads carry float32 tensors: :class:`~gradcomp.NoCompression` moves 4
+    bytes per element whatever the input dtype), sums are accumulated in
+    float32, and the result is cast back to the input's dtype.
+
+    Algorithms (see the modules for details and sources):
+
+    * ``"ring"`` (dense compressors): ring reduce-scatter, each hop
+      decompresses, adds its local chunk in float32 and recompresses; the
+      chunk's owner compresses the final sum once and those bytes are
+      forwarded unchanged to every rank. Each element goes through ``N``
+      quantizations.
+    * ``"two_phase"`` (dense compressors): each rank compresses every chunk
+      once and sends it to the chunk's owner, which sums in float32 (its own
+      chunk uncompressed), compresses the sum once and shares it like the
+      ring. Two quantizations at most; same bytes as the ring.
+    * ``"allgather"`` (sparse compressors: TopK, Threshold): payload sizes are
+      exchanged, payloads gathered over the ring unchanged, and every rank sums
+      the union in float32 in rank order.
+
+    Every rank ends bit-identical because each chunk's final value is the
+    decompression of one set of bytes that every rank (its owner included)
+    decodes the same way. With ``group`` of size 1 the result is a copy of
+    ``tensor`` (the compressor is not called, no byte is sent, error-feedback
+    state is left as it is).
+
+    Error feedback (what a rank remembers is the error of compressing its
+    *own* data alone; partial and final sums are compressed without it; see
+    :mod:`gradcomp.comm.local`):
+
+    * ``compressor`` an :class:`~gradcomp.ErrorFeedback`: residual key
+      ``(key, j)`` for chunk ``j`` that this rank compresses alone (the ring:
+      chunk ``rank - 1 mod N``; two-phase: every chunk but ``rank``);
+      ``key`` itself for the allgather algorithm (the whole tensor).
+    * ``residual``: a flat float32 memory for the whole tensor, updated in
+      place: compressed ranges keep their compression error, ranges added
+      exactly are delivered with their residual, which resets to zero.
+
+    Traffic: ``meter`` records the bytes this rank really sent and received
+    per phase (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``,
+    ``"sizes"``) and, as
+    raw bytes, what a float32 ring allreduce over the same chunks would have
+    moved: ``4 (2 n - len_rank - len_{rank+1})`` bytes sent per rank, i.e.
+    ``2 (N - 1) / N * 4 n`` when ``N`` divides ``n``
+    (:func:`gradcomp.comm.chunks.ring_raw_bytes`).
+
+    Args:
+        tensor: float32/float16/bfloat16 tensor of any shape (any number of
+            elements, 0 included) on the group's device (CPU for gloo, the
+            current CUDA device for NCCL). Not modified.
+        compressor: a gradcomp compressor: dense (NoCompression, FP16, BF16,
+            Int8Quantizer) for ``"ring"`` / ``"two_phase"``, sparse (TopK,
+            Threshold) for ``"allgather"``; optionally wrapped in ErrorFeedback.
+            Or a :class:`~gradcomp.comm.policy.CodecPolicy` such as
+            :class:`gradcomp.Adaptive`, which picks the compressor of each
+            call (``algorithm`` is then the algorithm of its dense choices;
+            see :meth:`gradcomp.Adaptive.allreduce`).
+        op: ``"avg"`` (divide the sum by the group size) or ``"sum"``.
+        algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"``.
+        group: a torch.distributed process group (default: the world).
+        meter: optional :class:`~gradcomp.TrafficMeter`.
+        timeout: seconds each exchange may take (> 0, finite, at most 1e9).
+        key: residual key prefix for an ErrorFeedback compressor; default
+            ``("numel", n)``: one ErrorFeedback reused without a key for
+            tensors of different sizes keeps one residual per size, the same
+            on every rank (an explicit key must name one tensor).
+        residual: optional contiguous float32 tensor with ``tensor.numel()``
+            elements on ``tensor``'s device (not with an ErrorFeedback compressor).
+        out: optional contiguous tensor with ``tensor``'s shape, dtype and
+            device to write the result to; it may be ``tensor`` itself (an
+            in-place allreduce, like ``dist.all_reduce``). For float32 it is
+            also the accumulation workspace, so no n-element buffer is allocated.
+        check: exchange a 40-byte descriptor with every other rank first
+            when it differs from the last one the group agreed on (see above
+            and :mod:`gradcomp.comm.agreement`): one small round trip, about
+            1-3 ms on gloo over loopback on a busy 2-core host, paid once by a
+            loop that reduces the same tensor every step (but on every call
+            by one alternating between different calls on one group: give
+            each its own group). Like the other
+            arguments it must be the same on every rank. ``False``: never
+            (the DDP hook checks its first bucket, then relies on DDP's
+            identical bucket layout on every rank); a disagreement then aborts
+            the process (gloo) or returns different values on different
+            ranks. (``"allgather"`` also exchanges payload sizes, 8 bytes per
+            peer, on every call.)
+
+    Returns:
+        ``out`` if given, else a new tensor with ``tensor``'s shape, dtype and device.
+
+    Raises:
+        TypeError: ``tensor`` is not a float32/float16/bfloat16 tensor, or
+            ``compressor`` is not a gradcomp compressor.
+        ValueError: unknown ``op`` / ``algorithm``; a sparse compressor with a
+            dense algorithm or a dense one with ``"allgather"``; a dense
+            compressor without a fixed wire size; a bad ``residual`` or
+            ``timeout``; this process is not in ``group``; the ranks of the
+            group passed different numels, ops, algorithms or compressors
+            (raised on every rank).
+        RuntimeError: another thread of this process is in a gradcomp
+            collective on ``group`` (raised at once, nothing sent: give each
+            thread its own group); the transport failed (see below).
+        TimeoutError: a transfer did not finish within ``timeout`` seconds
+            (also when only some ranks changed their arguments since the
+            group's last agreement, or passed different ``check`` values;
+            after any error other than the agreement's ``ValueError`` the
+            group is not safe to use again).
+        RuntimeError: the transport failed (e.g. a peer died, or a peer that
+            timed out closed its connections first).
+        gradcomp.PayloadError: a peer sent malformed bytes.
+    """
+    if isinstance(compressor, CodecPolicy):
+        return compressor.allreduce(tensor, op=op, algorithm=algorithm, group=group, meter=meter,
+                                    timeout=timeout, key=key, residual=residual, out=out, check=check)
+    check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
+    v.flag("check", check)
+    group = member_group(group, "gradcomp.allreduce")
+    x = tensor.detach()
+    if dist.get_world_size(group) == 1:
+        if out is None:
+            return x.clone(memory_format=torch.contiguous_format)
+        return out.copy_(x) if out.data_ptr() != x.data_ptr() else out
+    with exclusive(group):
+        return _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check)
+
+
+def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check):
+    comm = Comm(group, timeout, meter)
+    n = x.numel()
+    # float32 temporaries come from the buffer pool (a fresh multi-MiB tensor
+    # page-faults on first write, every call)
+    if x.dtype == torch.float32:
+        flat = x.reshape(-1)
+    else:
+        flat = comm.buffer(4 * n, x.device).view(torch.float32)
+        flat.view(x.shape).copy_(x)
+    if out is not None and out.dtype == torch.float32:
+        work = out.detach().view(-1)
+    elif out is None and x.dtype == torch.float32:
+        work = torch.empty(n, dtype=torch.float32, device=x.device)  # the result itself
+    else:
+        work = comm.buffer(4 * n, x.device).view(torch.float32)
+    # the default key (used by an ErrorFeedback only): one reused for tensors of
+    # several sizes keeps a residual per size
+    local = Local(flat, compressor, ("numel", n) if key is None else key, residual)
+    descriptor = {"numel": n, "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
+                  "codec": W.codec(local.inner.codec).id}
+    try:
+        if algorithm == "allgather":
+            fixed = local.inner.wire_nbytes((n,), torch.float32)  # None for data-dependent sizes
+            descriptor["wire_nbytes"] = -1 if fixed is None else fixed
+        else:
+            plan = Plan(n, comm.world_size, local.inner)
+            descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
+        if check:
+            check_call(comm, descriptor, x.device)  # before anything changes
+        try:
+            if algorithm == "allgather":
+                _allgather.allreduce(comm, local, work, op)
+            elif algorithm == "ring" and _pipelined.applies(local, plan):
+                _pipelined.allreduce(comm, local, plan, work, op)
+            else:
+                pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
+                share_owned(comm, plan, work, op, pending)
+        except Disagreement:  # a peer changed its call: finish its pattern, then agree (raises)
+            replay(comm, (pattern(group) or [])[len(comm.trace):], x.device)
+            agree(comm, descriptor, NAMES, device=x.device)
+            raise RuntimeError("gradcomp collective: a peer sent a disagreement envelope but "
+                               "agreed afterwards") from None
+        if check:
+            remember_pattern(group, descriptor, comm.trace)
+    except BaseException:
+        forget(group)  # this rank's next call on the group checks again
+        raise
+    if out is None:
+        result = work.to(tensor.dtype).view(tensor.shape)  # work itself for float32
+    else:
+        result = out
+        if work.data_ptr() != out.data_ptr():
+            out.view(-1).copy_(work)
+    comm.release()  # after the last read of pooled buffers
+    return result
+
+
+def check_call(comm: Comm, descriptor: dict[str, int], device, *, always: bool = False) -> None:
+    """Agree on ``descriptor`` (:data:`gradcomp.comm.agreement.FIELDS`) over
+    ``comm``'s group unless it is the one the group last agreed on (or
+    ``always``); first replay the last agreed call's pattern, for ranks that
+    skip the check (see :mod:`gradcomp.comm.agreement`).
+
+    Raises:
+        ValueError: the ranks' descriptors differ (on every rank).
+    """
+    if always or needs_check(comm.group, descriptor):
+        last = pattern(comm.group)
+        if last is not None:  # tell ranks that skip the check, if any (see agreement)
+            replay(comm, last, device)
+        agree(comm, descriptor, NAMES, device=device)

@@ -1,0 +1,571 @@
+"""An emulated cluster on one machine: one network namespace per rank, shaped links.
+
+:class:`LocalCluster` gives every rank its own Linux network namespace (its
+"host") with one interface, ``gc0``, plugged into a bridge that lives in a
+namespace of its own (the "switch"). Nothing is created in the host's own
+namespace: its interfaces, loopback and qdiscs are never touched, and every
+packet stays between the namespaces the cluster made.
+
+Topology and shaping (a star of full-duplex links, like hosts on one switch)::
+
+    rank r netns                      switch netns
+    [gc0 198.18.0.(r+1)/24] <-veth-> [sw<r>] --- br0 --- [sw<q>] <-veth-> [gc0] rank q netns
+     egress tbf: upload                egress tbf: download
+
+* Each link is shaped in both directions by a token-bucket filter (``tbf``,
+  ``tc-tbf(8)``): on ``gc0`` (what rank r sends) and on the switch port
+  ``sw<r>`` (what rank r receives), so a rank neither sends nor receives
+  faster than ``rate``, and a server that many workers push to is bounded by
+  its own link, as on a real network.
+* ``burst`` (the bucket) = ``max(96 KiB, rate x 1 ms)``: large enough for one
+  64 KiB GSO segment, small enough that a transfer of a few MiB still runs at
+  ``rate``; the queue holds ``burst + rate x 50 ms`` bytes (TCP fills it, then
+  backs off; no packet loss at steady state).
+* Rates are layer-2 rates, as ``tc`` counts them (Ethernet + IP + TCP
+  headers included): at the default MTU 9000 TCP payload can reach 99.3% of
+  ``rate`` (98.6% at MTU 4500, 95.6% at 1500). Units follow ``tc``: ``mbit``
+  = 10^6 bit/s, ``gbit`` = 10^9 bit/s.
+* ``rate_jitter=f`` redraws every link's rate every ``jitter_period_s``
+  seconds from ``rate x U(1 - f, 1 + f)`` (uniform), deterministic from
+  ``(seed, rank, period index)``: :meth:`LocalCluster.scheduled_rate` says
+  what a link runs at in a given period; both directions of a link change together.
+* ``latency`` (one-way, per link, added to what a rank sends) needs the
+  kernel's ``sch_netem`` qdisc; it is detected at run time and, where the
+  kernel lacks it, a ``latency`` request raises :class:`ClusterError` with
+  that reason instead of being ignored.
+
+Ranks run through :func:`gradcomp.launch.launch` (deadlines, a failing rank's
+traceback), each process entering its rank's namespace before it opens a
+socket, with ``GLOO_SOCKET_IFNAME=gc0`` (gloo binds to the shaped interface)
+and ``MASTER_ADDR`` = rank 0's address. :meth:`LocalCluster.popen` runs any
+command in a rank's namespace (``ip netns exec``), e.g. ``torchrun`` with
+each namespace acting as one host.
+
+Clean-up on every exit path: leaving the ``with`` block (normally or by an
+exception, SIGINT or SIGTERM, which the cluster turns into
+``KeyboardInterrupt`` / ``SystemExit`` while it is up) kills the processes
+left in its namespaces and deletes the namespaces (their veths go with
+them). Names start with :data:`PREFIX` and carry the creating process's PID;
+a cluster whose own process was killed (SIGKILL) leaves namespaces behind,
+which the next :class:`LocalCluster` finds by that prefix and removes once the
+PID is gone.
+
+Needs Linux, root (``CAP_NET_ADMIN``) and iproute2 (``ip``, ``tc``); without
+them :class:`LocalCluster` raises :class:`ClusterError` saying which is missing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from gradcomp.lab.units import format_rate, parse_rate
+
+__all__ = ["LocalCluster", "ClusterError", "link_rate_bps", "requirements_missing",
+           "leftovers", "remove_leftovers", "measure_link", "launch_on", "link_argument", "link_type", "jitter_type",
+           "LINKS",
+           "PREFIX", "IFNAME"]
+
+#: Every namespace a cluster makes is named ``PREFIX<pid>-<n>-<role>``.
+PREFIX = "gcc-"
+#: The rank-side interface, the same name in every rank's namespace.
+IFNAME = "gc0"
+#: Named links of the command line (``none`` = the unshaped loopback).
+LINKS = ("none", "100mbit", "1gbit", "10gbit")
+#: Addresses: 198.18.0.0/15 is reserved for network benchmarks (RFC 2544).
+SUBNET = "198.18.0"
+MAX_WORLD = 250
+
+#: The link rates a cluster shapes, in bit/s (100 kbit/s to 400 gbit/s).
+MIN_RATE_BPS, MAX_RATE_BPS = 1e5, 4e11
+_counter = itertools.count()
+
+
+class ClusterError(RuntimeError):
+    """The emulated cluster cannot be built or used here (the message says why)."""
+
+
+def link_rate_bps(rate: str | int | float) -> int:
+    """A link rate a cluster can shape, in bit/s: :func:`gradcomp.lab.units.parse_rate`'s syntax
+    (``"100mbit"``, ``"2.5gbit"``, or a number of bit/s), from 100 kbit/s to 400 gbit/s.
+
+    Raises:
+        ValueError: not a rate, or outside that range.
+    """
+    rate_bps = parse_rate(rate, "rate")
+    if not MIN_RATE_BPS <= rate_bps <= MAX_RATE_BPS:
+        raise ValueError(f"rate must be between 100kbit and 400gbit, got {rate!r}")
+    return int(round(rate_bps))
+
+
+def link_argument(text: str) -> str:
+    """A command-line ``--link`` value: ``"none"`` (or ``loopback``) or a rate,
+    normalised (``"1000mbit"`` -> ``"1gbit"``).
+
+    Raises:
+        ValueError: neither (the message says what is allowed).
+    """
+    if text in ("none", "loopback"):
+        return "none"
+    try:
+        return format_rate(link_rate_bps(text))
+    except ValueError as e:
+        raise ValueError(f"{e}; or none (the unshaped loopback)") from None
+
+
+def link_type(text: str) -> str:
+    """:func:`link_argument` as an ``argparse`` type (the reason in the usage error)."""
+    import argparse
+
+    try:
+        return link_argument(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def jitter_type(text: str) -> float:
+    """A ``--link-jitter`` fraction in [0, 1) as an ``argparse`` type."""
+    import argparse
+
+    try:
+        val = float(text)
+    except ValueError:
+        val = -1.0
+    if not 0 <= val < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return val
+
+
+def requirements_missing() -> str | None:
+    """None when a cluster can be built here, else the reason it cannot."""
+    if not os.path.isdir("/proc/sys/net"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "network namespaces and tc need root (CAP_NET_ADMIN)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"iproute2's `{tool}` is not on PATH"
+    return None
+
+
+def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    if check and r.returncode != 0:
+        raise ClusterError(f"`{' '.join(argv)}` failed: {(r.stderr or r.stdout).strip()}")
+    return r
+
+
+def _namespaces() -> list[str]:
+    r = _sh("ip", "netns", "list", check=False)
+    return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_inside(ns: str) -> None:
+    """SIGKILL every process still in namespace ``ns`` (all started by the
+    cluster that made it) and wait briefly for them to go."""
+    r = _sh("ip", "netns", "pids", ns, check=False)
+    pids = [int(p) for p in r.stdout.split() if p.isdigit() and int(p) != os.getpid()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 5
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if _pid_alive(p) and not _is_zombie(p)]
+        time.sleep(0.02)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _delete(namespaces: Sequence[str]) -> None:
+    for ns in namespaces:
+        _kill_inside(ns)
+    for ns in namespaces:
+        _sh("ip", "netns", "del", ns, check=False)
+
+
+def leftovers() -> list[str]:
+    """Namespaces of clusters whose creating process is gone (found by :data:`PREFIX`)."""
+    out = []
+    for ns in _namespaces():
+        if not ns.startswith(PREFIX):
+            continue
+        pid = ns[len(PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or not _pid_alive(int(pid)):
+            out.append(ns)
+    return out
+
+
+def remove_leftovers() -> list[str]:
+    """Remove :func:`leftovers` (their processes killed first); returns their names."""
+    old = leftovers()
+    _delete(old)
+    return old
+
+
+@dataclass(frozen=True)
+class _Link:
+    ns: str        # the namespace the shaped interface is in
+    dev: str       # the interface
+    parent: str    # tc parent of the tbf qdisc ("root" or "1:")
+
+
+class LocalCluster:
+    """An emulated cluster of ``world_size`` hosts with shaped links (see the module docstring).
+
+    Args:
+        world_size: ranks (hosts), 1 to 250.
+        rate: every link's rate in each direction (``"100mbit"``, ``"1gbit"``,
+            ``"10gbit"``, any ``tc`` rate, or bit/s).
+        rate_jitter: fraction ``f`` in [0, 1): every ``jitter_period_s`` each
+            link's rate is redrawn from ``rate x U(1 - f, 1 + f)``.
+        jitter_period_s: seconds between redraws (>= 0.05).
+        seed: seed of the redraws.
+        latency: one-way delay per link in seconds (needs ``sch_netem``); None: none added.
+        mtu: interface MTU in bytes (576 to 65535, default 9000, jumbo frames).
+
+    Use::
+
+        with LocalCluster(world_size=4, rate="100mbit") as c:
+            out = c.run(fn, arg)      # fn(rank, world_size, arg) in each rank's namespace
+            c.achieved_bps            # measured by a calibration transfer on entry
+
+    Raises:
+        ValueError / TypeError: a bad argument (named in the message).
+        ClusterError: not root, no iproute2, no ``sch_netem`` for ``latency``, or an
+            ``ip`` / ``tc`` command failed (the command and its message are given).
+    """
+
+    def __init__(self, world_size: int, rate: str | int | float = "1gbit", rate_jitter: float = 0.0,
+                 jitter_period_s: float = 1.0, seed: int = 0, latency: float | None = None,
+                 mtu: int = 9000, calibrate: bool = True):
+        from gradcomp import _validate
+
+        self.world_size = _validate.integer("world_size", world_size, 1, MAX_WORLD)
+        self.rate_bps = link_rate_bps(rate)
+        self.rate_jitter = _validate.real("rate_jitter", rate_jitter)
+        if not 0 <= self.rate_jitter < 1:
+            raise ValueError(f"rate_jitter must be in [0, 1), got {rate_jitter!r}")
+        self.jitter_period_s = _validate.real("jitter_period_s", jitter_period_s)
+        if not 0.05 <= self.jitter_period_s <= 3600:
+            raise ValueError(f"jitter_period_s must be in [0.05, 3600] seconds, got {jitter_period_s!r}")
+        self.seed = _validate.integer("seed", seed, 0, 2**63 - 1)
+        if latency is not None:
+            latency = _validate.real("latency", latency)
+            if not 0 <= latency <= 10:
+                raise ValueError(f"latency must be None or in [0, 10] seconds, got {latency!r}")
+        self.latency = latency
+        self.mtu = _validate.integer("mtu", mtu, 576, 65535)
+        self.calibrate_on_enter = _validate.flag("calibrate", calibrate)
+        self.name = f"{PREFIX}{os.getpid()}-{next(_counter)}"
+        self.namespaces = [f"{self.name}-r{r}" for r in range(self.world_size)]
+        self.switch = f"{self.name}-sw"
+        self.addresses = [f"{SUBNET}.{r + 1}" for r in range(self.world_size)]
+        self.achieved_bps: float | None = None
+        self._links: list[tuple[_Link, _Link]] = []
+        self._up = False
+        self._t0 = 0.0
+        self._stop = threading.Event()
+        self._jitter_thread: threading.Thread | None = None
+        self._old_handlers: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ shaping
+
+    @property
+    def burst_bytes(self) -> int:
+        """The token bucket's size: ``max(96 KiB, rate x 1 ms)``."""
+        return max(96 * 1024, self.rate_bps // 8 // 1000)
+
+    def _limit_bytes(self, bps: int) -> int:
+        return self.burst_bytes + bps // 8 // 20  # 50 ms of queue
+
+    def _tbf(self, verb: str, link: _Link, bps: int) -> None:
+        _sh("tc", "-n", link.ns, "qdisc", verb, "dev", link.dev,
+            *(("root",) if link.parent == "root" else ("parent", link.parent)), "handle", "10:",
+            "tbf", "rate", f"{bps}bit", "burst", str(self.burst_bytes),
+            "limit", str(self._limit_bytes(bps)))
+
+    def scheduled_rate(self, rank: int, period: int) -> int:
+        """The rate in bit/s of rank ``rank``'s link during jitter period ``period``
+        (period 0 starts when the cluster comes up); ``rate`` without jitter."""
+        if self.rate_jitter == 0 or period == 0:
+            return self.rate_bps
+        import numpy as np
+
+        u = np.random.default_rng([self.seed, rank, period]).uniform(-1.0, 1.0)
+        return int(round(self.rate_bps * (1.0 + self.rate_jitter * u)))
+
+    def current_period(self) -> int:
+        """The jitter period now (0 while no jitter runs)."""
+        if self.rate_jitter == 0 or not self._up:
+            return 0
+        return int((time.monotonic() - self._t0) // self.jitter_period_s)
+
+    def link_rate(self, rank: int) -> int:
+        """The rate in bit/s that ``tc`` reports now for rank ``rank``'s upload qdisc."""
+        out = _sh("tc", "-n", self.namespaces[rank], "qdisc", "show", "dev", IFNAME).stdout
+        m = re.search(r"tbf 10: .*?rate ([0-9.]+)([KMG]?)bit", out)
+        if m is None:
+            raise ClusterError(f"no tbf qdisc on rank {rank}'s link: {out.strip()}")
+        return int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)])
+
+    def _jitter_loop(self) -> None:
+        period = 0
+        while not self._stop.is_set():
+            period += 1
+            wake = self._t0 + period * self.jitter_period_s
+            if self._stop.wait(max(0.0, wake - time.monotonic())):
+                return
+            for rank, pair in enumerate(self._links):
+                bps = self.scheduled_rate(rank, period)
+                for link in pair:
+                    try:
+                        self._tbf("change", link, bps)
+                    except ClusterError:
+                        if self._stop.is_set():
+                            return
+                        raise
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def _netem_supported(self) -> str | None:
+        r = _sh("tc", "-n", self.namespaces[0], "qdisc", "add", "dev", "lo", "root", "netem",
+                "delay", "0ms", check=False)
+        if r.returncode != 0:
+            return (r.stderr or r.stdout).strip() or "tc refused netem"
+        _sh("tc", "-n", self.namespaces[0], "qdisc", "del", "dev", "lo", "root", check=False)
+        return None
+
+    def _build(self) -> None:
+        _sh("ip", "netns", "add", self.switch)
+        _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for r, ns in enumerate(self.namespaces):
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            if r == 0 and self.latency is not None:
+                reason = self._netem_supported()
+                if reason is not None:
+                    raise ClusterError(f"latency={self.latency!r} needs the kernel's sch_netem "
+                                       f"qdisc, which this kernel lacks ({reason}); run without latency")
+            port = f"sw{r}"
+            _sh("ip", "-n", self.switch, "link", "add", port, "mtu", str(self.mtu), "type", "veth",
+                "peer", "name", IFNAME, "mtu", str(self.mtu), "netns", ns)
+            _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+            _sh("ip", "-n", self.switch, "link", "set", port, "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{self.addresses[r]}/24", "dev", IFNAME)
+            _sh("ip", "-n", ns, "link", "set", IFNAME, "up")
+            up = _Link(ns, IFNAME, "root")
+            if self.latency is not None:
+                _sh("tc", "-n", ns, "qdisc", "add", "dev", IFNAME, "root", "handle", "1:", "netem",
+                    "delay", f"{self.latency * 1e3:.3f}ms", "limit", "100000")
+                up = _Link(ns, IFNAME, "1:")
+            down = _Link(self.switch, port, "root")
+            for link in (up, down):
+                self._tbf("add", link, self.rate_bps)
+            self._links.append((up, down))
+
+    def __enter__(self) -> "LocalCluster":
+        reason = requirements_missing()
+        if reason is not None:
+            raise ClusterError(f"LocalCluster: {reason}")
+        remove_leftovers()
+        self._install_signal_handlers()
+        atexit.register(self._teardown)
+        try:
+            self._build()
+            self._up = True
+            self._t0 = time.monotonic()
+            if self.rate_jitter > 0:
+                self._jitter_thread = threading.Thread(target=self._jitter_loop, daemon=True,
+                                                       name=f"{self.name}-jitter")
+                self._jitter_thread.start()
+            if self.calibrate_on_enter and self.world_size >= 2:
+                self.achieved_bps = self.measure_rate()
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._teardown()
+
+    def _teardown(self) -> None:
+        self._stop.set()
+        if self._jitter_thread is not None:
+            self._jitter_thread.join(5)
+            self._jitter_thread = None
+        _delete([*self.namespaces, self.switch])
+        self._up = False
+        self._links = []
+        self._restore_signal_handlers()
+        atexit.unregister(self._teardown)
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_term(signum, frame):
+            raise SystemExit(128 + signum)
+
+        for sig, handler in ((signal.SIGTERM, on_term), (signal.SIGINT, signal.default_int_handler)):
+            self._old_handlers[sig] = signal.signal(sig, handler)
+
+    def _restore_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
+
+    # -------------------------------------------------------------------- running
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """Environment of a rank's processes: gloo on ``gc0``, rank 0 as master."""
+        return {"GLOO_SOCKET_IFNAME": IFNAME, "MASTER_ADDR": self.addresses[0],
+                "GRADCOMP_CLUSTER_ADDR": self.addresses[rank]}
+
+    def _check_up(self) -> None:
+        if not self._up:
+            raise ClusterError("the cluster is not up: use it inside `with LocalCluster(...) as c:`")
+
+    def run(self, fn: Callable[..., Any], *args, timeout: float = 300.0,
+            env: dict[str, str] | None = None, world_size: int | None = None) -> list[Any]:
+        """Run ``fn(rank, world_size, *args)`` on every rank, each in its own
+        namespace, joined in a gloo group over the shaped links.
+
+        Args:
+            fn: a module-level (picklable) function.
+            timeout: seconds for the whole run and every collective in it.
+            env: extra environment variables for every rank.
+            world_size: run on the first ``world_size`` ranks only (default all).
+
+        Returns:
+            The per-rank return values.
+
+        Raises:
+            gradcomp.launch.WorkerError / TimeoutError: as :func:`gradcomp.launch.launch`.
+        """
+        from gradcomp.launch import launch
+
+        self._check_up()
+        n = self.world_size if world_size is None else world_size
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.world_size:
+            raise ValueError(f"world_size must be an int in [1, {self.world_size}], got {world_size!r}")
+        return launch(fn, n, args, timeout=timeout, env=env,
+                      rank_env=[self.rank_env(r) for r in range(n)], netns=self.namespaces[:n])
+
+    def popen(self, rank: int, argv: Sequence[str], env: dict[str, str] | None = None,
+              **kwargs) -> subprocess.Popen:
+        """Start ``argv`` in rank ``rank``'s namespace (``ip netns exec``), with
+        :meth:`rank_env` on top of this process's environment and ``env``.
+        The caller waits for it (with a timeout); whatever is left runs until the cluster exits."""
+        self._check_up()
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size - 1}], got {rank!r}")
+        full_env = {**os.environ, **(env or {}), **self.rank_env(rank)}
+        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[rank], *argv],
+                                env=full_env, **kwargs)
+
+    def measure_rate(self, nbytes: int | None = None, timeout: float = 120.0) -> float:
+        """Achieved rate in bit/s of one point-to-point transfer from rank 0 to
+        rank 1 (TCP payload bytes over the receiver's time, after a handshake);
+        ``nbytes`` default: about half a second at the configured rate (1 to 128 MiB)."""
+        self._check_up()
+        if self.world_size < 2:
+            raise ClusterError("measuring a link needs at least 2 ranks")
+        if nbytes is None:
+            nbytes = int(min(128 << 20, max(1 << 20, self.rate_bps / 8 * 0.5)))
+        out = self.run(measure_link, nbytes, timeout=timeout, world_size=2)
+        return out[1]
+
+    def describe(self) -> dict:
+        """What the runs ran on (for results JSON)."""
+        return {"name": format_rate(self.rate_bps), "configured_bps": self.rate_bps,
+                "achieved_bps": self.achieved_bps, "rate_jitter": self.rate_jitter,
+                "jitter_period_s": self.jitter_period_s, "seed": self.seed,
+                "latency_s": self.latency, "mtu": self.mtu, "world_size": self.world_size,
+                "emulation": "netns+tbf"}
+
+
+def measure_link(rank: int, world_size: int, nbytes: int, src: int = 0, dst: int = 1,
+                 group=None) -> float | None:
+    """Run on every rank of an initialised group: rank ``src`` sends ``nbytes``
+    to rank ``dst``, which returns the achieved rate in bit/s (others return None).
+
+    The receiver's clock starts when a 1-byte handshake from the sender
+    arrives (the big message follows at once) and stops when the last byte is
+    in, so connection set-up and the sender's enqueue time are excluded.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if rank not in (src, dst):
+        return None
+    peer = dst if rank == src else src
+    tiny = torch.zeros(1, dtype=torch.uint8)
+    big = torch.empty(nbytes, dtype=torch.uint8)
+    # warm the connection (gloo opens pairs lazily, TCP ramps up)
+    for _ in range(2):
+        if rank == src:
+            dist.send(tiny, peer, group=group)
+        else:
+            dist.recv(tiny, peer, group=group)
+    if rank == src:
+        dist.send(tiny, peer, group=group)
+        dist.send(big, peer, group=group)
+        dist.recv(tiny, peer, group=group)
+        return None
+    dist.recv(tiny, peer, group=group)
+    t0 = time.perf_counter()
+    dist.recv(big, peer, group=group)
+    dt = time.perf_counter() - t0
+    dist.send(tiny, peer, group=group)
+    return 8.0 * nbytes / dt if dt > 0 else math.inf
+
+
+def launch_on(link: str | None, fn: Callable[..., Any], world_size: int, args: tuple = (), *,
+              timeout: float = 300.0, rate_jitter: float = 0.0, seed: int = 0,
+              env: dict[str, str] | None = None) -> tuple[list[Any], dict]:
+    """Run ``fn(rank, world_size, *args)`` on local processes: over the loopback
+    (``link`` None or ``"none"``, :func:`gradcomp.launch.launch`) or in a
+    :class:`LocalCluster` whose links run at ``link``.
+
+    Returns:
+        ``(per-rank results, link description)`` (:meth:`LocalCluster.describe`,
+        or ``{"name": "none", ...}`` for the loopback).
+    """
+    if link in (None, "none"):
+        from gradcomp.launch import launch
+
+        return (launch(fn, world_size, args, timeout=timeout, env=env),
+                {"name": "none", "configured_bps": None, "achieved_bps": None, "emulation": "loopback"})
+    with LocalCluster(world_size, rate=link, rate_jitter=rate_jitter, seed=seed) as c:
+        return c.run(fn, *args, timeout=timeout, env=env), c.describe()

@@ -1,0 +1,469 @@
+"""``gradcomp plan``: project, recommend, calibrate, validate.
+
+::
+
+    gradcomp plan [--nodes 16,64,256,1024] [--link 10gbit,100gbit] [--params 25M,1B,7B]
+                  [--compute-ms T] [--straggler-cv CV] [--out DIR]        # projection table + plot
+    gradcomp plan recommend --nodes N --link RATE --params P --compute-ms T
+                  [--straggler-cv CV] [--max-gap PTS]
+    gradcomp plan calibrate [--link none|RATE] [--out FILE]
+    gradcomp plan validate RESULTS_DIR
+
+Every subcommand but ``calibrate`` takes ``--profile FILE`` (default: the
+profile shipped with gradcomp, measured on its development machine),
+``--alpha-us`` (message latency), ``--kernel-gbps`` (every codec op at one
+memory bandwidth, e.g. a GPU's) and ``--kernels-json`` (rates from
+``gradcomp bench kernels``). Bad values exit with status 2 and one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+__all__ = ["main", "DEFAULT_PROFILE"]
+
+#: the profile used without --profile (``gradcomp plan calibrate`` on the development machine)
+DEFAULT_PROFILE = os.path.join(os.path.dirname(__file__), "default_profile.json")
+SUBCOMMANDS = ("recommend", "calibrate", "validate")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr and exit status 2."""
+
+    def error(self, message):
+        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        raise SystemExit(2)
+
+
+def _arg(parse, what: str):
+    def conv(text):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    conv.__name__ = what
+    return conv
+
+
+def _positive(text: str) -> float:
+    v = float(text)
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"expected a finite number > 0, got {text!r}")
+    return v
+
+
+def _nonneg(text: str) -> float:
+    v = float(text)
+    if not (math.isfinite(v) and v >= 0):
+        raise ValueError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise ValueError(f"expected an integer >= 0, got {text!r}")
+    return v
+
+
+def _int_pos(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise ValueError(f"expected an integer >= 1, got {text!r}")
+    return v
+
+
+def _lists():
+    from gradcomp.lab.units import parse_count, parse_list, parse_rate
+
+    def nodes(t):
+        return parse_list(t, lambda s, name: _int_pos(s), "--nodes")
+
+    def links(t):
+        names = parse_list(t, lambda s, name: s.lower(), "--link")
+        return [(n, parse_rate(n, "--link") / 8) for n in names]  # (name, bytes/s): the model prices bytes
+
+    def params(t):
+        return parse_list(t, parse_count, "--params")
+    return nodes, links, params
+
+
+def _model_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model inputs")
+    g.add_argument("--profile", help="profile JSON from gradcomp plan calibrate (default: the shipped one)")
+    g.add_argument("--alpha-us", type=_arg(_positive, "alpha"), help="message latency in microseconds")
+    g.add_argument("--kernel-gbps", type=_arg(_positive, "gbps"),
+                   help="every codec op at this memory bandwidth in GB/s (roofline; e.g. a GPU's)")
+    g.add_argument("--kernels-json", help="kernel rates from gradcomp bench kernels' kernels.json")
+    g.add_argument("--kernels-device", default="cpu", help="device of the kernels.json rows (default cpu)")
+    g.add_argument("--servers", type=_arg(_int_pos, "servers"),
+                   help="parameter-server shards (default: one per 8 workers)")
+    g.add_argument("--bucket-mb", type=_arg(_positive, "mb"), default=25.0,
+                   help="DDP bucket cap in MiB (default 25, DDP's)")
+    g.add_argument("--straggler-cv", type=_arg(_nonneg, "cv"), default=None,
+                   help="coefficient of variation of each worker's compute time")
+    g.add_argument("--straggler-factor", type=_arg(lambda t: _at_least_one(t), "factor"), default=1.0,
+                   help="one worker's compute takes this many times as long (default 1)")
+
+
+def _at_least_one(text: str) -> float:
+    v = float(text)
+    if not (math.isfinite(v) and v >= 1):
+        raise ValueError(f"expected a finite number >= 1, got {text!r}")
+    return v
+
+
+def _profile(args):
+    from gradcomp.lab.plan.profile import Profile
+
+    prof = Profile.load(args.profile or DEFAULT_PROFILE)
+    # other kernels replace the measured rates and their per-call costs together
+    if args.kernels_json:
+        k = Profile.from_kernels_json(args.kernels_json, device=args.kernels_device)
+        prof.kernels, prof.call_s, prof.source = k.kernels, k.call_s, {**prof.source, **k.source}
+    if args.kernel_gbps:
+        k = Profile.roofline(args.kernel_gbps)
+        prof.kernels, prof.call_s, prof.source = k.kernels, k.call_s, {**prof.source, **k.source}
+    if args.alpha_us:
+        prof.alpha_s = args.alpha_us * 1e-6
+        prof.source = {**prof.source, "alpha": "--alpha-us"}
+    return prof
+
+
+def _build(sub: str | None) -> argparse.ArgumentParser:
+    nodes, links, params = _lists()
+    if sub is None:
+        p = _Parser(prog="gradcomp plan", description=(
+            "Project the step time of data-parallel training over node counts, links and model sizes "
+            "with gradcomp's alpha-beta model (subcommands: recommend, calibrate, validate; "
+            "gradcomp plan SUBCOMMAND --help)."))
+        p.add_argument("--nodes", type=_arg(nodes, "nodes"), default=[16, 64, 256, 1024],
+                       help="data-parallel worker counts (default 16,64,256,1024)")
+        p.add_argument("--link", type=_arg(links, "link"), default=links("10gbit,100gbit"),
+                       help="link rates (default 10gbit,100gbit)")
+        p.add_argument("--params", type=_arg(params, "params"), default=[25_000_000, 10**9, 7 * 10**9],
+                       help="model sizes in parameters, suffixes k M B (default 25M,1B,7B)")
+        p.add_argument("--compute-ms", type=_arg(_positive, "ms"),
+                       help="one worker's forward + backward per step in ms (default: 6 params samples / flops)")
+        p.add_argument("--samples", type=_arg(_int_pos, "samples"), default=8192,
+                       help="samples (tokens) per worker step for the derived compute time (default 8192)")
+        p.add_argument("--flops", type=_arg(_positive, "flops"), default=4e14,
+                       help="sustained FLOP/s per worker for the derived compute time (default 4e14)")
+        p.add_argument("--out", default="plan-results", help="directory for plan.json and plan.png")
+        _model_options(p)
+        return p
+    p = _Parser(prog=f"gradcomp plan {sub}")
+    if sub == "recommend":
+        p.description = "Name the mode, compressor and algorithm the model expects to train fastest."
+        p.add_argument("--nodes", type=_arg(_int_pos, "nodes"), required=True)
+        p.add_argument("--link", type=_arg(lambda t: links(t)[0], "link"), required=True)
+        p.add_argument("--params", type=_arg(lambda t: _parse_one(params, t), "params"), required=True)
+        p.add_argument("--compute-ms", type=_arg(_positive, "ms"), required=True)
+        p.add_argument("--max-gap", type=_arg(_nonneg, "gap"), default=0.5,
+                       help="largest accuracy gap in points a compressor may cost (default 0.5)")
+        p.add_argument("--max-staleness", type=_arg(_nonneg, "staleness"), default=None,
+                       help="largest mean staleness accepted for async (default: no bound, as the "
+                            "parameter server's own default)")
+        _model_options(p)
+    elif sub == "calibrate":
+        p.description = "Measure alpha, beta and the kernel rates here; write a JSON profile."
+        p.add_argument("--link", default="none", help="none (loopback) or a shaped rate such as 1gbit")
+        p.add_argument("--out", default="gradcomp-profile.json", help="profile file to write")
+        p.add_argument("--repeats", type=_arg(_int_pos, "repeats"), default=9,
+                       help="timed rounds per message size and kernel (medians; default 9)")
+        p.add_argument("--kernel-numel", type=_arg(_int_pos, "numel"), default=2**22)
+        p.add_argument("--timeout", type=_arg(_positive, "timeout"), default=300.0)
+    else:
+        p.description = "Predicted vs measured step time and idle share of a time study's runs."
+        p.add_argument("results", help="directory holding results.json (or the file)")
+        p.add_argument("--json", help="also write the comparison to this file")
+        p.add_argument("--save-profile", help="write the profile used, with the median errors recorded in "
+                                              "its fit (recommend then states them), to this file")
+        p.add_argument("--breakdown", action="store_true",
+                       help="also print, per scenario, mode and compressor, the measured phases against "
+                            "the model's terms (compute, wait, codec, comm, apply)")
+        p.add_argument("--fit-seeds", type=_arg(lambda t: [_nonneg_int(x) for x in t.split(",")], "seeds"),
+                       help="fit the host's scheduling constants on the runs of these seeds (e.g. 0) and "
+                            "report the error on the other runs")
+        p.add_argument("--host-cores", type=_arg(_int_pos, "cores"),
+                       help="cores of the host the runs shared (default: the results' or the profile's)")
+        p.add_argument("--no-host", action="store_true",
+                       help="leave out the shared-host terms (every rank priced as if it had a core to itself)")
+        _model_options(p)
+    return p
+
+
+def _parse_one(parse_many, text):
+    values = parse_many(text)
+    if len(values) != 1:
+        raise ValueError(f"expected one value, got {text!r}")
+    return values[0]
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=max(100, os.get_terminal_size(1).columns) if sys.stdout.isatty() else 220,
+                   soft_wrap=True)
+
+
+def _table(title: str, columns, rows, text: int = 2):
+    """A rich table whose first ``text`` columns are left-aligned, the others right-aligned."""
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left")
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="left" if i < text else "right")
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+_SHORT = {"ring": "R", "two_phase": "2P", "allgather": "AG", "ps": "PS"}
+
+
+def _short(key: str) -> str:
+    """``"int8/two_phase"`` -> ``"int8 2P"``."""
+    name, alg = key.split("/")
+    return f"{name} {_SHORT[alg]}"
+
+
+def _ms(s: float) -> str:
+    return f"{1e3 * s:,.1f}" if s < 100 else f"{s:,.1f} s"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _setting_kw(args) -> dict:
+    return {"straggler_cv": args.straggler_cv or 0.0, "straggler_factor": args.straggler_factor,
+            "bucket_bytes": int(args.bucket_mb * 2**20)}
+
+
+# ---- subcommands ---------------------------------------------------------------------
+
+def _project(args) -> int:
+    from gradcomp.lab.plan.project import plot, project
+    from gradcomp.lab.units import format_count
+
+    prof = _profile(args)
+    cv = 0.2 if args.straggler_cv is None else args.straggler_cv
+    compute = args.compute_ms / 1e3 if args.compute_ms else None
+    rows = project(args.nodes, args.link, args.params, prof, compute_s=compute, samples=args.samples,
+                   flops=args.flops, straggler_cv=cv, servers=args.servers,
+                   straggler_factor=args.straggler_factor, bucket_bytes=int(args.bucket_mb * 2**20))
+    con = _console()
+    table = []
+    for r in rows:
+        b = r["sync"][r["best_sync"]]
+        table.append([format_count(r["params"]), r["link"], str(r["nodes"]), _ms(r["compute_s"]),
+                      _ms(r["baseline"]["step_s"]), _pct(r["comm_share_none"]), _short(r["best_sync"]),
+                      _ms(b["step_s"]), f"{r['speedup'][r['best_sync']]:.2f}x", _pct(r["comm_share_best"]),
+                      _short(r["best_async"]), f"{r['async_over_sync']:.2f}x",
+                      f"{r['staleness_best_async']:.1f}", _pct(r["idle_share"])])
+    con.print(_table(
+        f"gradcomp plan: alpha {prof.alpha_s * 1e6:.1f} us/message, kernels: {prof.source.get('kernels', '?')}",
+        ["params", "link", "N", "compute ms", "none ms", "comm none", "fastest sync", "ms", "speed-up",
+         "comm", "fastest async", "async/sync", "stale", f"idle cv{cv:g}"], table))
+    # the table leaves out bf16 (fp16's bytes and kernels) and threshold (its density is
+    # an assumption); plan.json has every one
+    keys = [k for k in (rows[0]["speedup"] if rows else []) if not k.startswith(("bf16/", "threshold"))]
+    con.print(_table("speed-up of each sync compressor/algorithm over none/ring "
+                     "(R ring, 2P two-phase, AG allgather, PS parameter server)",
+                     ["params", "link", "N"] + [_short(k) for k in keys],
+                     [[format_count(r["params"]), r["link"], str(r["nodes"])]
+                      + [f"{r['speedup'][k]:.2f}" for k in keys] for r in rows]))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "plan.json"), "w") as f:
+        json.dump({"profile": prof.to_dict(), "rows": rows}, f, indent=1)
+    plot(rows, os.path.join(args.out, "plan.png"))
+    con.print(f"wrote {os.path.join(args.out, 'plan.json')}, {os.path.join(args.out, 'plan.png')}")
+    return 0
+
+
+def _recommend(args) -> int:
+    from gradcomp.lab.plan.model import Setting
+    from gradcomp.lab.plan.recommend import recommend
+    from gradcomp.lab.units import format_count
+
+    prof = _profile(args)
+    name, beta = args.link
+    s = Setting(nodes=args.nodes, link_bytes_per_s=beta, params=args.params, compute_s=args.compute_ms / 1e3,
+                servers=args.servers or max(1, args.nodes // 8), **_setting_kw(args))
+    try:
+        rec = recommend(s, prof, max_gap=args.max_gap, max_staleness=args.max_staleness)
+    except ValueError as e:
+        print(f"gradcomp plan recommend: error: {e}", file=sys.stderr)
+        return 2
+    con = _console()
+    best, t = rec.best, rec.seconds
+
+    def what(p):
+        return f"{p.mode} {p.compressor} on {p.algorithm}"
+
+    def numbers(p):
+        extra = f", mean staleness {p.staleness_mean:.1f}" if p.staleness_mean is not None else ""
+        return (f"{1e3 * t(p):,.1f} ms per N gradients (step {1e3 * p.step_s:,.1f} ms, exposed comm "
+                f"{_pct(p.comm_share)}, idle {_pct(p.idle_share)}, {p.bytes_sent / 1e6:,.2f} MB sent/step{extra})")
+    con.print(f"setting: {args.nodes} nodes, {name} ({beta / 1e6:,.1f} MB/s), {format_count(args.params)} params, "
+              f"compute {args.compute_ms:g} ms, straggler CV {s.straggler_cv:g}, factor {s.straggler_factor:g}, "
+              f"alpha {s.alpha(prof) * 1e6:.1f} us, kernels: {prof.source.get('kernels', '?')}")
+    con.print(f"[bold]recommended: {what(best)}[/bold]: {numbers(best)}")
+    if rec.runner_up is not None:
+        gain = t(rec.runner_up) / t(best) - 1
+        con.print(f"runner-up: {what(rec.runner_up)}: {numbers(rec.runner_up)} ({100 * gain:.1f}% slower)")
+    con.print(f"no compression: {what(rec.baseline)}: {numbers(rec.baseline)} "
+              f"({t(rec.baseline) / t(best):.2f}x the recommended time)")
+    lo, hi = rec.time_range_s
+    con.print(f"uncertainty: with alpha x0.5..x2, bandwidth x0.8..x1.2, kernel rates x0.5..x2, compute "
+              f"x0.8..x1.2 the recommended choice takes {1e3 * lo:,.1f} to {1e3 * hi:,.1f} ms and stays first in "
+              f"{rec.stays_best} of {rec.cases} cases")
+    val = prof.fit.get("validation_step_mdape_pct")
+    if val is not None:
+        con.print(f"the profile's validation: median step-time error {val:.1f}% over "
+                  f"{prof.fit.get('validation_runs')} measured runs ({prof.fit.get('validation_results')})")
+    else:
+        con.print("the profile carries no validation against measured runs "
+                  "(gradcomp plan validate DIR --save-profile FILE records one)")
+    if best.mode == "async":
+        con.print(f"note: async gradients are {best.staleness_mean:.1f} updates stale on average "
+                  "(accuracy at that staleness is not modelled; bound it with --max-staleness)")
+    for p, why in rec.excluded:
+        con.print(f"excluded: {what(p)}: {why}")
+    return 0
+
+
+def _calibrate(args) -> int:
+    from gradcomp.lab.plan import calibrate as C
+    from gradcomp.lab.plan.host import Host
+    from gradcomp.lab.plan.profile import Profile
+    from gradcomp.lab.units import parse_rate
+
+    link = args.link.strip().lower()
+    sizes = C.sizes_for(None)
+    if link != "none":
+        try:
+            sizes = C.sizes_for(parse_rate(link, "--link") / 8)
+        except ValueError as e:
+            print(f"gradcomp plan calibrate: error: {e}", file=sys.stderr)
+            return 2
+        try:
+            from gradcomp.lab.cluster import LocalCluster
+        except ImportError:
+            print("gradcomp plan calibrate: error: --link needs gradcomp.lab.cluster (the emulated cluster), "
+                  "which is not available in this installation; use --link none for loopback",
+                  file=sys.stderr)
+            return 2
+        with LocalCluster(world_size=2, rate=link) as c:
+            results = c.run(C.measure, sizes, args.repeats, args.timeout, args.kernel_numel)
+    else:
+        from gradcomp.launch import launch
+
+        results = launch(C.measure, 2, (sizes, args.repeats, args.timeout, args.kernel_numel),
+                         timeout=args.timeout * 2 + 600)
+    fitted = C.link_profile(results, link)
+    kern = results[0]["kernels"]
+    prof = Profile(alpha_s=fitted["alpha_s"], beta_bytes_per_s=fitted["beta_bytes_per_s"], link=link,
+                   kernels=kern["kernels"], call_s=kern["call_s"], fit=fitted["fit"],
+                   host=Host(os.cpu_count() or 1),
+                   source={**kern["source"], "link": f"ping-pong over gradcomp p2p, link {link}"})
+    prof.save(args.out)
+    print(f"alpha {prof.alpha_s * 1e6:.1f} us, beta {prof.beta_bytes_per_s / 1e9:.3f} GB/s "
+          f"({8 * prof.beta_bytes_per_s / 1e9:.2f} Gbit/s), r2 {fitted['fit']['r2']:.4f}; "
+          f"int8 compress {prof.kernels['int8.compress'] / 1e6:.0f} M elements/s; wrote {args.out}")
+    return 0
+
+
+def _validate(args) -> int:
+    from gradcomp.lab.plan.host import Host
+    from gradcomp.lab.plan.validate import (TERMS, summary, breakdown, fit_host, load_results, results_profile,
+                                        validate_runs)
+
+    data = load_results(args.results)
+    base = args.results if os.path.isdir(args.results) else os.path.dirname(args.results)
+    prof = _profile(args) if (args.profile or "profile" not in data) else results_profile(data, base)
+    if args.no_host:
+        prof.host = None
+    elif args.host_cores:
+        h = prof.host
+        prof.host = Host(args.host_cores, h.slice_s if h else 0.0, h.sched_cv if h else 0.0)
+    con = _console()
+    fit = None
+    if args.fit_seeds is not None and not args.no_host:
+        prof.host, fit = fit_host(data, prof, args.fit_seeds)
+        prof.fit = {**prof.fit, "host": {**fit, "results": os.path.abspath(args.results)}}
+        con.print(f"host fitted on seeds {fit['seeds']} ({fit['runs']} runs): {prof.host.cores} cores, "
+                  f"slice {1e3 * prof.host.slice_s:.2f} ms, hand-off CV {prof.host.sched_cv:.2f} per unit "
+                  f"of oversubscription; on those runs: step {fit['step_mdape_pct']:.1f}%, "
+                  f"idle {fit['idle_mdae_pts']:.1f} points")
+    out = validate_runs(data, prof)
+    rows = []
+    for r in out["rows"]:
+        st, idle, b, ex = r["step_s"], r["idle_share"], r["bytes"], r["exposed_comm_s"]
+        rows.append([r["label"], _ms(st["measured"]), _ms(st["predicted"]), f"{r['step_error_pct']:+.1f}%",
+                     _ms(ex["measured"]) if ex["measured"] is not None else "-", _ms(ex["predicted"]),
+                     _pct(idle["measured"]), _pct(idle["predicted"]),
+                     f"{b['measured']:,.0f}" if b["measured"] is not None else "-", f"{b['predicted']:,.0f}"])
+    con.print(_table(f"predicted vs measured ({args.results})",
+                     ["run", "step ms", "predicted", "error", "exposed comm ms", "predicted", "idle", "predicted",
+                      "bytes/step", "predicted"], rows, text=1))
+    if args.breakdown:
+        rows = []
+        for g in breakdown(out):
+            m, p = g["terms"]["measured"], g["terms"]["predicted"]
+            rows.append([" ".join(g["group"]), str(g["runs"]), _ms(g["step_s"]["measured"]),
+                         _ms(g["step_s"]["predicted"]), f"{g['step_error_pct']:+.0f}%"]
+                        + [f"{_ms(m[t]) if m else '-'} / {_ms(p[t])}" for t in TERMS])
+        con.print(_table("per group, mean over runs: measured / predicted ms (codec = compress + decompress; "
+                         "comm = the rest of the exchange; apply = apply + other)",
+                         ["scenario mode compressor", "runs", "step ms", "predicted", "error", *TERMS], rows, text=1))
+    for label, why in out["skipped"]:
+        con.print(f"skipped {label}: {why}")
+    if out["step_mdape_pct"] is None:
+        print("gradcomp plan validate: error: no run could be validated", file=sys.stderr)
+        return 2
+    for name, sc in out["by_scenario"].items():
+        con.print(f"  {name}: step {sc['step_mdape_pct']:.1f}%, idle {sc['idle_mdae_pts']:.1f} points "
+                  f"({sc['runs']} runs)")
+    con.print(f"median absolute error: step time {out['step_mdape_pct']:.1f}% over {len(out['rows'])} runs, "
+              f"idle share {out['idle_mdae_pts']:.1f} points")
+    if fit is not None:
+        held = [r for r in out["rows"] if r["seed"] not in fit["seeds"]]
+        step, idle = summary(held)
+        if step is not None:
+            con.print(f"on the runs not fitted ({len(held)}): step time {step:.1f}%, idle share {idle:.1f} points")
+            out["held_out"] = {"runs": len(held), "step_mdape_pct": step, "idle_mdae_pts": idle}
+    out["host"] = prof.host.to_dict() if prof.host is not None else None
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.save_profile:
+        prof.fit = {**prof.fit, "validation_step_mdape_pct": out["step_mdape_pct"],
+                    "validation_idle_mdae_pts": out["idle_mdae_pts"], "validation_runs": len(out["rows"]),
+                    "validation_results": os.path.abspath(args.results)}
+        prof.save(args.save_profile)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``gradcomp plan`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    sub = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    args = _build(sub).parse_args(argv[1:] if sub else argv)
+    run = {None: _project, "recommend": _recommend, "calibrate": _calibrate, "validate": _validate}[sub]
+    try:
+        return run(args)
+    except (OSError, ValueError) as e:
+        print(f"gradcomp plan{' ' + sub if sub else ''}: error: {e}".replace("\n", " "), file=sys.stderr)
+        return 2

@@ -1,0 +1,806 @@
+"""A latency-bandwidth (alpha-beta) model of one data-parallel training step.
+
+Sources: the alpha-beta (Hockney) cost model and its use for collectives in
+Thakur, Rabenseifner and Gropp 2005 ("Optimization of collective
+communication operations in MPICH"); the bandwidth-optimal ring of Patarasuk
+and Yuan 2009; bucketed overlap as in PyTorch DDP (Li et al. 2020); the
+parameter server of Li et al. 2014; the pipeline bubble of GPipe (Huang et
+al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021).
+
+**Messages.** A point-to-point message of ``m`` bytes takes ``alpha + m / beta``
+seconds (``alpha``: per-message latency and software cost; ``beta``: link
+bytes per second, full duplex: a rank sends and receives at ``beta`` at
+once). A rank sending to several peers at once shares its one link (the
+one-port model), so ``k`` concurrent messages cost ``k alpha + sum(m) / beta``.
+
+**Wire sizes** are exact: every payload's size comes from the compressors'
+``wire_nbytes`` (:mod:`gradcomp.wire`: a 48-byte header for a 1-D tensor,
+then the codec's sections; top-k adds padded int32 indices and a nested
+values payload), over the exact chunks of :func:`gradcomp.comm.chunks.chunk_bounds`.
+
+**Kernel time** of each codec operation is elements / rate, rates from a
+:class:`~gradcomp.lab.plan.profile.Profile`.
+
+**One allreduce of a bucket of n elements over N ranks** (chunks of
+``L = ceil(n / N)`` elements, ``w`` = wire bytes of a chunk, ``hop = alpha + w / beta``;
+``c``, ``rc``, ``d``, ``da`` = compress, decompress-add-recompress,
+decompress, decompress-add of one chunk), following what
+:mod:`gradcomp.comm` does step by step:
+
+* ``ring`` (:mod:`gradcomp.comm.ring`): ``c + (N - 1) hop + (N - 1) rc``
+  (compress one chunk; ``N - 1`` hops, after each the received partial sum is
+  decompressed, added and requantized, the owner's final one included), then
+  the allgather ``hop + (N - 2) max(hop, d) + d`` (each received chunk is
+  decompressed while the next one travels). Bytes sent per rank: the
+  ``N - 1`` chunks of each phase; each element is quantized ``N`` times.
+* ``two_phase`` (:mod:`gradcomp.comm.two_phase`): ``(N - 1) c`` (every
+  foreign chunk compressed once, before sending) ``+ (N - 1) alpha + (N - 1) w / beta``
+  (direct exchange, one port) ``+ (N - 2) da + rc``, then the same allgather.
+  Same bytes as the ring, two quantizations.
+* ``allgather`` (sparse, :mod:`gradcomp.comm.allgather`): ``[ef] + select(n) +
+  values(k)``, the size exchange ``(N - 1) (alpha + 8 / beta)``, the payloads
+  forwarded around the ring ``(N - 1) (alpha + P / beta)`` (``P``: the whole
+  tensor's sparse payload), then ``N`` decompress-adds of ``k`` elements:
+  each rank receives ``(N - 1) P`` bytes, growing with ``N`` where the dense
+  ring's ``2 (N - 1) / N`` stays flat.
+
+**Overlap with backward.** The gradient is cut into DDP's buckets (the first
+1 MiB, then 25 MiB of float32 by default; buckets under the hook's
+``min_compress_numel`` go uncompressed as float32). Backward takes
+``backward_share`` of the compute time and produces gradient bytes at a
+constant rate, so bucket ``i`` is ready once backward has produced its
+elements; the hook's one thread reduces buckets in FIFO order:
+``end_i = max(ready_i, end_(i-1)) + allreduce_i``. The *exposed*
+communication is ``max(0, end_last - compute)``.
+
+**Stragglers.** Each worker's compute is its mean (``compute_s``, a
+straggler's ``factor`` times it) times a lognormal factor of mean 1 and
+coefficient of variation ``cv``; a synchronous step starts its last bucket
+when the slowest worker is done, so the compute part is
+``E[max_i]`` (:func:`gradcomp.lab.plan.lognormal.expected_max`) and a worker's
+wait is ``E[max] - its mean``. ``idle_share`` = the workers' mean wait /
+step time (the time study's ``wait / step time``, averaged over workers).
+
+**Parameter server** (:mod:`gradcomp.ps`; ``S`` server shards holding ``n / S``
+elements each): a worker's step is compute, compress, push (to each shard:
+one ZeroMQ message: an 80-byte header frame + a bundle of payloads, each
+frame with its ZMTP frame header; a header-only reply), the server's work,
+pull (request header; reply header + a full float32 or a compressed delta
+bundle), decompress: ``6 S`` messages. A server receives one push shard from
+every worker, so in a synchronous round its ingress ``N push_shard / beta``
+and its egress ``N pull_shard / beta`` are the bottleneck once ``N > S``.
+Asynchronously each push is applied on arrival. A worker's cycle is its
+time away from the server ``Z`` (compute, compress, messages, its own
+transfers, decompress) plus its response time ``R`` at the server, whose
+service per push is ``D = max(push_shard / beta, pull_shard / beta, busy)``
+(``busy``: decompress-add and optimizer step of a shard, plus the pull's
+compression). The workers and the server form a closed queueing network,
+solved by exact mean value analysis (:func:`mva_response`; Reiser and
+Lavenberg 1980): ``R = D (1 + Q)`` with ``Q`` the mean number of pushes
+ahead, so the throughput ``X = sum_i 1 / (Z_i + R_i)`` tends to ``1 / D``
+when the server saturates and to ``sum_i 1 / (Z_i + D)`` when it idles.
+The time queued behind other pushes, ``R - D``, is the worker's wait (its
+busy share ``busy / D`` of it: the time study counts only queueing behind
+the server's work as wait, queueing for its link as communication). Mean
+staleness (updates by others between a worker's pull and its push being
+applied) = ``(X - 1 / cycle) * (cycle - pull)``.
+
+**Kernel calls.** A codec op on ``m`` elements costs ``call_s + m / rate``
+(:meth:`Profile.seconds`): the fixed per-call cost (dispatch, allocation,
+Python) matters for the parameter server, which compresses every parameter
+tensor separately (``tensors`` calls per push, each of ``n / tensors``
+elements), where DDP's hook compresses one flat bucket.
+
+**Shared host** (:class:`~gradcomp.lab.plan.host.Host`, ``Setting.host`` with
+``ranks_per_host`` processes on ``cores`` cores, and ``background_load``
+runnable processes of other jobs; the time study runs 4 workers, and in
+async the server, on 2 cores shared with other work). Processor sharing: codec
+kernels and the server's work take ``share = max(1, runnable / cores)``
+times their one-core time. A collective's exchange step waits for a
+descheduled peer, ``skew = slice_s (share - 1)``, which overlaps the
+transfer: a step costs ``alpha + max(skew, bytes / beta)``; with a
+straggler the others wait idle inside the collective when it hands off, so
+no step waits (skew 0); the parameter server never computes on its own, so
+its exchanges have none either (its delays are the queue and the shared
+core). The ranks' hand-offs scatter under time sharing: a compute CV of
+``sched_cv (share - 1)``, combined with the configured one in quadrature,
+enters the lognormal maximum. A straggler's emulated delay is a sleep: in
+async its share of the straggler's cycle frees a core (runnable
+``ranks_per_host - sleep / cycle``, solved with the cycles by fixed-point
+iteration). Without a host (one rank per node, as in every projection)
+all of this is 1 and 0, and the model is the plain alpha-beta one.
+
+**Pipeline.** ``p`` stages, ``m`` micro-batches per step: GPipe and 1F1B
+both take ``(m + p - 1)`` micro-batch slots for ``m`` micro-batches of work,
+a bubble fraction of ``(p - 1) / (m + p - 1)``; 1F1B keeps at most ``p``
+micro-batches' activations alive where GPipe keeps ``m``.
+
+Not modelled (stated so that a disagreement with a measurement can be
+traced): contention between the hook's compression and the same rank's
+backward (one bucket per step in the time study: nothing to overlap), the
+ring's progress before a late straggler arrives, the parameter-server
+worker's own per-tensor bookkeeping beyond its codec calls (top-k + int8 in
+async: 21 ms measured against 6 ms priced), network congestion beyond
+one link per node (a non-blocking fabric is assumed), the agreement message
+of the first call, and zeroing / dividing the allgather's output.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from functools import lru_cache
+
+import torch
+
+from gradcomp import catalog
+from gradcomp import wire as W
+from gradcomp.comm.chunks import chunk_bounds
+from gradcomp.lab.plan.host import Host
+from gradcomp.lab.plan.lognormal import expected_max
+from gradcomp.lab.plan.profile import Profile
+from gradcomp.pipeline.bubble import bubble_fraction
+from gradcomp.ps import protocol as _ps_protocol
+
+__all__ = [
+    "PlanCodec", "CODECS", "CODEC_NAMES", "PLAN_NAMES", "GAP_PTS", "ALGORITHMS", "MODES", "Setting", "Prediction",
+    "plan_codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "ps_bytes", "predict",
+    "sync_step", "ps_sync_step", "async_throughput", "mva_response", "bubble_fraction", "FORWARD_SHARE",
+    "pipeline_step",
+    "PS_HEADER_NBYTES", "SIZE_NBYTES", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES",
+    "MIN_COMPRESS_NUMEL",
+]
+
+#: a parameter-server message without data on the wire: the 80-byte header frame
+#: plus its ZMTP frame header (:func:`gradcomp.ps.protocol.message_nbytes`)
+PS_HEADER_NBYTES = _ps_protocol.message_nbytes()
+#: one payload size in the sparse allgather's size exchange (int64)
+SIZE_NBYTES = 8
+#: DDP's bucket_cap_mb default (25 MiB) and its first bucket (1 MiB)
+DDP_BUCKET_BYTES = 25 * 2**20
+DDP_FIRST_BUCKET_BYTES = 2**20
+#: gradcomp.ddp.DEFAULT_MIN_COMPRESS_NUMEL: smaller buckets go uncompressed
+MIN_COMPRESS_NUMEL = 16384
+#: the compressors the planner prices, names of :mod:`gradcomp.catalog`
+PLAN_NAMES = ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-ef", "threshold-ef")
+#: accuracy gap in points ``recommend`` assumes per compressor (the default study's sync gap on
+#: digits, docs/results/decision-table.md; 0 where none was measurable)
+GAP_PTS = {"topk-ef": 0.22, "topk-int8-ef": 0.22}
+
+ALGORITHMS = ("ring", "two_phase", "allgather", "ps")
+MODES = ("sync", "async")
+
+
+@dataclass(frozen=True)
+class PlanCodec:
+    """One compressor of the planner's menu: a :mod:`gradcomp.catalog` entry's facts plus
+    what the planner assumes of it.
+
+    Attributes:
+        name: the catalog name; label: its table label.
+        kind: wire codec (``raw``, ``fp16``, ``bf16``, ``int8``, ``topk``, ``threshold``).
+        values: codec of a sparse payload's kept values (``raw`` or ``int8``).
+        density: kept fraction k / n of a sparse codec (threshold: an assumption).
+        error_feedback: residual memory (adds its update to the kernel time).
+        gap_pts: accuracy gap in points assumed by ``recommend`` (:data:`GAP_PTS`).
+        compact_indices: a sparse payload codes its indices compactly
+            (Elias-Fano) where smaller, as the library does by default; False:
+            fixed-width int32 indices (payloads written before compact indices).
+    """
+
+    name: str
+    label: str
+    kind: str
+    values: str = "raw"
+    density: float = 1.0
+    error_feedback: bool = False
+    gap_pts: float = 0.0
+    compact_indices: bool = True
+
+    @classmethod
+    def of(cls, name: str) -> "PlanCodec":
+        """The catalog entry ``name`` with the planner's assumptions.
+
+        Raises:
+            ValueError: a name the catalog does not know.
+        """
+        e = catalog.entry(name)
+        return cls(e.name, e.label, e.kind, e.values, e.density, e.error_feedback, GAP_PTS.get(name, 0.0))
+
+    @property
+    def sparse(self) -> bool:
+        return W.codec(self.kind).sparse
+
+    @property
+    def algorithms(self) -> tuple[str, ...]:
+        """Allreduce algorithms that accept this codec (plus the parameter server)."""
+        return ("allgather", "ps") if self.sparse else ("ring", "two_phase", "ps")
+
+    def compressor(self, numel: int):
+        """A compressor object with this codec's exact wire layout for ``numel``-element tensors."""
+        compact = self.compact_indices
+        if self.kind == "threshold":  # priced as a top-k payload at its assumed density: the same layout
+            return catalog.build("topk-int8" if self.values == "int8" else "topk", density=self.density,
+                                 compact_indices=compact)
+        density = self.density if self.kind == "topk" else None
+        return catalog.build(self.name, density=density, compact_indices=compact)
+
+    def with_density(self, density: float) -> "PlanCodec":
+        """The same sparse codec at another density."""
+        if not self.sparse:
+            raise ValueError(f"{self.name} is dense: density does not apply")
+        if not 0 < density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        return replace(self, density=density)
+
+    def with_compact_indices(self, compact: bool) -> "PlanCodec":
+        """The same codec with compact (True) or fixed-width int32 (False) sparse indices."""
+        return replace(self, compact_indices=bool(compact)) if self.sparse else self
+
+
+CODECS: dict[str, PlanCodec] = {name: PlanCodec.of(name) for name in PLAN_NAMES}
+CODEC_NAMES = tuple(CODECS)
+
+
+def plan_codec(name: str) -> PlanCodec:
+    """The menu entry ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the allowed ones).
+    """
+    if name not in CODECS:
+        raise ValueError(f"unknown compressor {name!r}; allowed: {', '.join(CODECS)}")
+    return CODECS[name]
+
+
+# ---- wire bytes --------------------------------------------------------------------
+
+@lru_cache(maxsize=4096)
+def _wire(c: PlanCodec, numel: int) -> int:
+    """Exact wire bytes of ``c``'s payload of a 1-D float32 tensor of ``numel`` elements."""
+    return c.compressor(numel).wire_nbytes((numel,), torch.float32)
+
+
+def _chunk_lens(numel: int, world: int) -> list[int]:
+    return [hi - lo for lo, hi in chunk_bounds(numel, world)]
+
+
+@lru_cache(maxsize=4096)
+def allreduce_bytes(c: PlanCodec, algorithm: str, numel: int, world: int, rank: int = 0) -> tuple[int, int]:
+    """``(sent, received)`` wire bytes at ``rank`` for one allreduce of ``numel`` elements.
+
+    Dense (``ring``, ``two_phase``: the same bytes sent): the reduce-scatter
+    sends every chunk but ``rank``'s and receives ``N - 1`` payloads of chunk
+    ``rank`` (two-phase) or every chunk but ``rank - 1``'s (ring: in step ``s``
+    chunk ``rank - s - 2``); the allgather sends every chunk but ``rank + 1``'s
+    and receives every chunk but ``rank``'s. Sparse ``allgather``: ``N - 1``
+    whole-tensor payloads forwarded each way plus ``8 (N - 1)`` bytes of sizes.
+
+    Raises:
+        ValueError: an algorithm that does not take this codec.
+    """
+    if algorithm not in c.algorithms or algorithm == "ps":
+        raise ValueError(f"algorithm for {c.name} must be one of {c.algorithms[:-1]}, got {algorithm!r}")
+    if world == 1:
+        return 0, 0
+    if algorithm == "allgather":
+        p = _wire(c, numel)
+        return (world - 1) * (p + SIZE_NBYTES), (world - 1) * (p + SIZE_NBYTES)
+    lens = _chunk_lens(numel, world)
+    w = [_wire(c, n) for n in lens]
+    total = sum(w)
+    sent = (total - w[rank]) + (total - w[(rank + 1) % world])
+    ag_received = total - w[rank]  # every chunk but this rank's own
+    if algorithm == "two_phase":
+        return sent, (world - 1) * w[rank] + ag_received  # N - 1 payloads of chunk rank
+    return sent, (total - w[(rank - 1) % world]) + ag_received  # ring: chunks rank-2, ..., rank
+
+
+def ps_bytes(c: PlanCodec, numel: int, servers: int, tensors: int = 1, compress_pull: bool = True) -> dict:
+    """Bytes one worker moves per step with the parameter server.
+
+    The gradient of ``numel`` elements in ``tensors`` equal parameter tensors
+    is split over ``servers`` shards (whole tensors, balanced; at least one per
+    server). Push: per shard a message (:data:`PS_HEADER_NBYTES` and a data
+    frame: a bundle ``8 + 8 count`` bytes of sizes and each tensor's payload,
+    plus its ZMTP frame header); reply: a header-only message. Pull: a
+    header-only request and a reply with a bundle of full float32 payloads or
+    (``compress_pull``) compressed deltas.
+
+    Returns:
+        ``{"push": bytes sent, "pull": bytes received, "push_shard": largest
+        shard push, "pull_shard": largest shard pull, "sent": all sent,
+        "received": all received}``.
+    """
+    tensors = max(tensors, servers)
+    per = -(-numel // tensors)
+    counts = [tensors // servers + (1 if s < tensors % servers else 0) for s in range(servers)]
+    raw = CODECS["none"]
+    push = [_ps_protocol.message_nbytes(8 + 8 * k + k * _wire(c, per)) for k in counts]
+    pull = [_ps_protocol.message_nbytes(8 + 8 * k + k * _wire(c if compress_pull else raw, per))
+            for k in counts]
+    sent = sum(push) + servers * PS_HEADER_NBYTES  # + pull requests
+    received = sum(pull) + servers * PS_HEADER_NBYTES  # + push replies
+    return {"push": sum(push), "pull": sum(pull), "push_shard": max(push), "pull_shard": max(pull),
+            "sent": sent, "received": received}
+
+
+def bucket_sizes(params: int, bucket_bytes: int = DDP_BUCKET_BYTES,
+                 first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES) -> list[int]:
+    """DDP's bucket sizes in float32 elements for ``params`` elements, in the
+    order backward produces them (first bucket ``first_bucket_bytes``, then
+    ``bucket_bytes`` each, the last one the remainder)."""
+    first = max(1, first_bucket_bytes // 4)
+    size = max(1, bucket_bytes // 4)
+    out = [min(params, first)]
+    left = params - out[0]
+    while left > 0:
+        out.append(min(size, left))
+        left -= out[-1]
+    return out
+
+
+# ---- kernel and transfer times -------------------------------------------------------
+
+def _compress_s(c: PlanCodec, prof: Profile, n: int, ef: bool) -> float:
+    """Compress ``n`` elements (dense) or a whole ``n``-element tensor (sparse)."""
+    if c.sparse:
+        k = max(1, math.ceil(c.density * n))
+        t = prof.seconds(f"{c.kind}.select", n)
+        t += prof.seconds("int8.compress", k) if c.values == "int8" else 0.0
+        return t + (prof.seconds("ef.update", n) if ef else 0.0)
+    if c.kind == "int8" and ef:
+        return prof.seconds("int8.compress_ef", n)
+    return prof.seconds(f"{c.kind}.compress", n)
+
+
+def _decompress_add_s(c: PlanCodec, prof: Profile, n: int) -> float:
+    if c.sparse:
+        k = max(1, math.ceil(c.density * n))
+        return prof.seconds("sparse.decompress_add", k) + (
+            prof.seconds("int8.decompress", k) if c.values == "int8" else 0.0)
+    return prof.seconds(f"{c.kind}.decompress_add", n)
+
+
+def allreduce_seconds(c: PlanCodec, algorithm: str, numel: int, world: int, alpha: float, beta: float,
+                      prof: Profile, share: float = 1.0, skew: float = 0.0) -> dict:
+    """Time of one compressed allreduce of ``numel`` float32 elements (see the module docstring).
+
+    Args:
+        alpha: seconds per message; beta: link bytes per second.
+        share: slowdown of the codec kernels by processor sharing
+            (:meth:`gradcomp.lab.plan.host.Host.share`, 1 with a core per rank).
+        skew: seconds each exchange step waits for a descheduled peer,
+            hidden behind a longer transfer (:meth:`gradcomp.lab.plan.host.Host.skew_s`).
+
+    Returns:
+        ``{"total": s, "kernel": s, "transfer": s}`` (``transfer`` counts the
+        alphas and bytes on the critical path, ``kernel`` the codec work
+        that is not hidden behind a transfer).
+    """
+    if world == 1 or numel == 0:
+        return {"total": 0.0, "kernel": 0.0, "transfer": 0.0}
+    ef = c.error_feedback
+
+    def step(nbytes: float, messages: int = 1) -> float:  # one exchange step
+        return messages * alpha + max(skew, nbytes / beta)
+
+    if algorithm == "allgather":
+        p = _wire(c, numel)
+        transfer = (world - 1) * step(SIZE_NBYTES) + (world - 1) * step(p)
+        kernel = share * (_compress_s(c, prof, numel, ef) + world * _decompress_add_s(c, prof, numel))
+        return {"total": transfer + kernel, "kernel": kernel, "transfer": transfer}
+    if algorithm not in ("ring", "two_phase"):
+        raise ValueError(f"algorithm must be one of {ALGORITHMS[:3]}, got {algorithm!r}")
+    L = -(-numel // world)
+    w = _wire(c, L)
+    hop = step(w)
+    rc = share * prof.seconds(f"{c.kind}.reduce_compress", L)
+    d = share * prof.seconds(f"{c.kind}.decompress", L)
+    if algorithm == "ring":
+        rs_transfer = (world - 1) * hop
+        rs_kernel = share * _compress_s(c, prof, L, ef) + (world - 1) * rc
+    else:
+        rs_transfer = step((world - 1) * w, world - 1)
+        rs_kernel = share * ((world - 1) * _compress_s(c, prof, L, ef)
+                             + (world - 2) * _decompress_add_s(c, prof, L)) + rc
+    ag = hop + (world - 2) * max(hop, d) + d
+    ag_transfer = (world - 1) * hop
+    total = rs_transfer + rs_kernel + ag
+    return {"total": total, "kernel": total - rs_transfer - ag_transfer, "transfer": rs_transfer + ag_transfer}
+
+
+# ---- the step -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Setting:
+    """What a prediction is about.
+
+    Attributes:
+        nodes: data-parallel workers N (>= 1).
+        link_bytes_per_s: each node's link, bytes per second.
+        params: model parameters (float32 gradient elements).
+        compute_s: one worker's mean forward + backward time per step, seconds.
+        straggler_cv: coefficient of variation of every worker's compute time.
+        straggler_factor: one worker's compute takes this many times as long (>= 1).
+        apply_s: optimizer step time per step (None: ``sgd.apply`` rate of the profile).
+        backward_share: share of ``compute_s`` spent in backward (overlappable).
+        bucket_bytes / first_bucket_bytes: DDP bucket caps.
+        min_compress_numel: buckets under it go uncompressed (gradcomp.ddp).
+        servers: parameter-server shards S; tensors: parameter tensors (PS bundles).
+        compress_pull: the PS sends compressed deltas on pull.
+        alpha_s: message latency override (None: the profile's).
+        host: the cores the ranks share (:class:`~gradcomp.lab.plan.host.Host`);
+            None: every rank has a core to itself (no processor-sharing terms).
+        ranks_per_host: processes of the job on one host (workers, plus the
+            parameter server where it shares their host): the runnable
+            processes :class:`~gradcomp.lab.plan.host.Host` divides the cores among.
+        background_load: mean runnable processes of other jobs on the host
+            (e.g. its load average before the job started); they share the
+            cores too (>= 0).
+    """
+
+    nodes: int
+    link_bytes_per_s: float
+    params: int
+    compute_s: float
+    straggler_cv: float = 0.0
+    straggler_factor: float = 1.0
+    apply_s: float | None = None
+    backward_share: float = 2.0 / 3.0
+    bucket_bytes: int = DDP_BUCKET_BYTES
+    first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES
+    min_compress_numel: int = MIN_COMPRESS_NUMEL
+    servers: int = 1
+    tensors: int = 1
+    compress_pull: bool = True
+    alpha_s: float | None = None
+    host: Host | None = None
+    ranks_per_host: int = 1
+    background_load: float = 0.0
+
+    def __post_init__(self):
+        for name in ("nodes", "params", "servers", "tensors", "ranks_per_host"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
+        for name in ("link_bytes_per_s", "compute_s"):
+            val = getattr(self, name)
+            if not (isinstance(val, (int, float)) and math.isfinite(val) and val > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {val!r}")
+        if not (math.isfinite(self.straggler_cv) and self.straggler_cv >= 0):
+            raise ValueError(f"straggler_cv must be a finite number >= 0, got {self.straggler_cv!r}")
+        if not (math.isfinite(self.straggler_factor) and self.straggler_factor >= 1):
+            raise ValueError(f"straggler_factor must be a finite number >= 1, got {self.straggler_factor!r}")
+        if not (math.isfinite(self.background_load) and self.background_load >= 0):
+            raise ValueError(f"background_load must be a finite number >= 0, got {self.background_load!r}")
+        if not 0 <= self.backward_share <= 1:
+            raise ValueError(f"backward_share must be in [0, 1], got {self.backward_share!r}")
+
+    def alpha(self, prof: Profile) -> float:
+        return prof.alpha_s if self.alpha_s is None else self.alpha_s
+
+    @property
+    def runnable(self) -> float:
+        """Processes competing for the host's cores: the job's and the background."""
+        return self.ranks_per_host + self.background_load
+
+    def share(self, runnable: float | None = None) -> float:
+        """CPU slowdown with ``runnable`` processes on the host (default: :attr:`runnable`)."""
+        return 1.0 if self.host is None else self.host.share(self.runnable if runnable is None else runnable)
+
+    def skew_s(self, runnable: float | None = None) -> float:
+        """Scheduling delay of one exchange step (0 without a host)."""
+        return 0.0 if self.host is None else self.host.skew_s(self.runnable if runnable is None else runnable)
+
+    def compute_cv(self) -> float:
+        """CV of the workers' compute: the configured jitter and the host's hand-off
+        scatter, ``sqrt(straggler_cv^2 + host_cv^2)``."""
+        host_cv = 0.0 if self.host is None else self.host.cv(self.runnable)
+        return math.hypot(self.straggler_cv, host_cv)
+
+
+@dataclass
+class Prediction:
+    """A predicted step (seconds unless stated; per worker, averaged over workers).
+
+    ``step_s`` = time per step (async: a worker's time per push);
+    ``compute_s`` = the workers' mean compute; ``compress_s`` = codec kernel
+    time not hidden behind a transfer; ``communicate_s`` = the collectives'
+    (or push + pull's) total time, ``exposed_comm_s`` the part not hidden
+    behind backward; ``wait_s`` = mean wait for the slowest worker (async: for
+    a saturated server); ``apply_s`` = optimizer step; ``idle_share`` =
+    ``wait_s / step_s``; ``comm_share`` = exposed communication (with the
+    kernel time inside it) / step; ``throughput`` = gradients applied per
+    second (``N / step`` for sync, pushes per second for async);
+    ``bytes_sent`` / ``bytes_received`` per worker per step;
+    ``staleness_mean`` for async only; ``notes`` e.g. ``"server-bound"``.
+    """
+
+    mode: str
+    compressor: str
+    algorithm: str
+    nodes: int
+    step_s: float
+    compute_s: float
+    compress_s: float
+    communicate_s: float
+    exposed_comm_s: float
+    wait_s: float
+    apply_s: float
+    idle_share: float
+    comm_share: float
+    throughput: float
+    bytes_sent: int
+    bytes_received: int
+    staleness_mean: float | None = None
+    notes: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _compute_times(s: Setting) -> tuple[float, float]:
+    """(expected slowest compute, workers' mean compute) per step."""
+    n = s.nodes
+    if s.straggler_factor > 1 and n > 1:
+        groups = {s.compute_s: n - 1, s.compute_s * s.straggler_factor: 1}
+        mean = s.compute_s * (n - 1 + s.straggler_factor) / n
+    else:
+        groups = {s.compute_s: n}
+        mean = s.compute_s
+    cv = s.compute_cv()
+    slowest = expected_max(groups, cv) if (cv > 0 or len(groups) > 1) else s.compute_s
+    return slowest, mean
+
+
+def _apply_s(s: Setting, prof: Profile, elements: int) -> float:
+    """Optimizer step over ``elements`` (a given ``apply_s`` is for all ``params``)."""
+    if s.apply_s is not None:
+        return s.apply_s * elements / s.params
+    return prof.seconds("sgd.apply", elements)
+
+
+def sync_step(c: PlanCodec, algorithm: str, s: Setting, prof: Profile) -> Prediction:
+    """Synchronous data-parallel step with gradcomp's DDP hook (``ring``,
+    ``two_phase`` or ``allgather``): buckets reduced in FIFO order as backward
+    produces them, behind the slowest worker."""
+    if algorithm not in c.algorithms or algorithm == "ps":
+        raise ValueError(f"algorithm for {c.name} must be one of {c.algorithms[:-1]}, got {algorithm!r}")
+    alpha, beta, n = s.alpha(prof), s.link_bytes_per_s, s.nodes
+    slowest, mean = _compute_times(s)
+    backward = s.backward_share * slowest
+    forward = slowest - backward
+    done, produced = 0.0, 0
+    sent = received = 0
+    kernel_total = comm_total = 0.0
+    raw = CODECS["none"]
+    # a straggler hands off last, after the others have blocked in the collective:
+    # their cores are idle, so no exchange step waits for a descheduled peer
+    skew = 0.0 if s.straggler_factor > 1 else s.skew_s()
+    for size in bucket_sizes(s.params, s.bucket_bytes, s.first_bucket_bytes):
+        produced += size
+        ready = forward + backward * produced / s.params
+        bc, balg = (c, algorithm) if size >= s.min_compress_numel else (raw, "ring")
+        t = allreduce_seconds(bc, balg, size, n, alpha, beta, prof, s.share(), skew)
+        b_sent, b_recv = allreduce_bytes(bc, balg, size, n)
+        sent, received = sent + b_sent, received + b_recv
+        kernel_total += t["kernel"]
+        comm_total += t["total"]
+        done = max(ready, done) + t["total"]
+    apply = _apply_s(s, prof, s.params)
+    exposed = max(0.0, done - slowest)
+    step = slowest + exposed + apply
+    wait = slowest - mean
+    comm_share = exposed / step
+    return Prediction("sync", c.name, algorithm, n, step, mean, kernel_total, comm_total, exposed, wait, apply,
+                      wait / step, comm_share, n / step, sent, received)
+
+
+def _ps_parts(c: PlanCodec, s: Setting, prof: Profile, runnable: float | None = None) -> dict:
+    """Per-step parts of a parameter-server worker and shard server, with
+    ``runnable`` processes sharing the host (default: all of them): kernel
+    times stretched by :meth:`Setting.share`. No scheduling delay
+    (:meth:`Setting.skew_s`): the server computes nothing of its own, so it is
+    never descheduled behind its own work; it is busy serving other pushes
+    (the queue of :func:`mva_response`) on a shared core (``share``)."""
+    alpha, beta = s.alpha(prof), s.link_bytes_per_s
+    share = s.share(runnable)
+    b = ps_bytes(c, s.params, s.servers, s.tensors, s.compress_pull)
+    shard = -(-s.params // s.servers)
+    # the codec runs once per parameter tensor (ps_bytes' equal tensors, whole
+    # tensors per shard): each call pays the op's per-call cost
+    tensors = max(s.tensors, s.servers)
+    per = -(-s.params // tensors)
+    per_shard = -(-tensors // s.servers)
+    compress = tensors * _compress_s(c, prof, per, c.error_feedback)
+    pull_codec = c if s.compress_pull else CODECS["none"]
+    decompress = tensors * _decompress_add_s(pull_codec, prof, per)
+    # per push a server decompress-adds the shard and (compress_pull) compresses the
+    # pusher's delta with its residual; it applies the optimizer once per update
+    per_push = per_shard * (_decompress_add_s(c, prof, per)
+                            + (_compress_s(c, prof, per, True) if s.compress_pull else 0.0))
+    apply = _apply_s(s, prof, shard)
+    return {"bytes": b, "compress": share * compress, "decompress": share * decompress,
+            "per_push": share * per_push, "apply": share * apply, "latency": 6 * s.servers * alpha,
+            "push": b["push"] / beta, "pull": b["pull"] / beta,
+            "push_shard": b["push_shard"] / beta, "pull_shard": b["pull_shard"] / beta, "alpha": alpha}
+
+
+def ps_sync_step(c: PlanCodec, s: Setting, prof: Profile) -> Prediction:
+    """Synchronous parameter-server step: every worker pushes, each shard
+    server aggregates the N pushes (ingress ``N push_shard / beta``), applies
+    one step and answers the N pulls (egress ``N pull_shard / beta``)."""
+    n = s.nodes
+    parts = _ps_parts(c, s, prof)
+    slowest, mean = _compute_times(s)
+    push = max(parts["push"], n * parts["push_shard"])
+    pull = max(parts["pull"], n * parts["pull_shard"])
+    comm = parts["latency"] + push + pull + n * parts["per_push"]  # the server's work on the N pushes
+    kernels = parts["compress"] + parts["decompress"]
+    step = slowest + comm + parts["apply"] + kernels
+    wait = slowest - mean
+    b = parts["bytes"]
+    return Prediction("sync", c.name, "ps", n, step, mean, kernels, comm, comm, wait, parts["apply"],
+                      wait / step, (comm + kernels) / step, n / step, b["sent"], b["received"])
+
+
+def mva_response(groups: list[tuple[int, float]], demand: float) -> list[float]:
+    """Response times at a single queueing server of a closed network (exact mean value analysis).
+
+    ``groups`` are ``(count, think)``: ``count`` workers that each spend
+    ``think`` seconds per cycle away from the server, then one service of
+    ``demand`` seconds there (one or two groups: the workers, and a
+    straggler). Exact MVA for a product-form network (Reiser and Lavenberg
+    1980, "Mean-value analysis of closed multichain queuing networks"; Lazowska
+    et al. 1984, "Quantitative System Performance", ch. 7), over the
+    populations ``(a, b)`` up to the groups' counts: a group's response time
+    at population ``P`` is ``D (1 + Q(P - one of its workers))``, its
+    throughput ``count / (think + R)``, and ``Q`` the sum of throughput times
+    response. ``R - D`` is the time a worker queues behind the others'
+    pushes; the throughput tends to ``1 / D`` as the server saturates.
+
+    Returns:
+        The response time ``R`` (seconds) of each group at its full population.
+
+    Raises:
+        ValueError: not one or two groups, or a count < 1.
+    """
+    if not 1 <= len(groups) <= 2 or any(c < 1 for c, _ in groups):
+        raise ValueError(f"groups must be one or two (count >= 1, think) pairs, got {groups!r}")
+    (na, za), (nb, zb) = groups[0], (groups[1] if len(groups) == 2 else (0, 0.0))
+    q = [[0.0] * (nb + 1) for _ in range(na + 1)]  # q[a][b]: mean number at the server
+    ra = rb = demand
+    for i in range(na + 1):
+        for j in range(nb + 1):
+            if i == j == 0:
+                continue
+            ra = demand * (1.0 + q[i - 1][j]) if i else demand
+            rb = demand * (1.0 + q[i][j - 1]) if j else demand
+            q[i][j] = (i * ra / (za + ra) if i else 0.0) + (j * rb / (zb + rb) if j else 0.0)
+    return [ra, rb][:len(groups)]
+
+
+def async_throughput(c: PlanCodec, s: Setting, prof: Profile) -> Prediction:
+    """Asynchronous parameter server: pushes applied on arrival (see the module docstring).
+
+    ``step_s`` is a worker's mean time per push (``N / X``), ``throughput`` the
+    pushes applied per second ``X``, ``wait_s`` the time a worker queues for
+    a saturated server, ``staleness_mean`` the mean number of other workers'
+    updates applied between a worker's pull and its push.
+
+    On a shared host (:attr:`Setting.host`) a straggler's emulated delay is
+    a sleep: for that share of its cycle it is not runnable and the others'
+    kernels and the server run faster. The runnable count
+    ``ranks_per_host + background_load - sleep / straggler_cycle`` and the cycles are solved
+    together by fixed-point iteration.
+    """
+    n = s.nodes
+    workers = [s.compute_s] * n
+    if s.straggler_factor > 1:
+        workers[-1] = s.compute_s * s.straggler_factor  # lognormal jitter averages out: mean 1
+    sleep = workers[-1] - s.compute_s
+    runnable = s.runnable
+    for _ in range(50):
+        parts = _ps_parts(c, s, prof, runnable)
+        busy = parts["per_push"] + parts["apply"]  # a server's time per push
+        demand_s = max(parts["push_shard"], parts["pull_shard"], busy)  # the server's time per push
+        fixed = parts["compress"] + parts["latency"] + parts["push"] + parts["pull"] + busy + parts["decompress"]
+        think = [w + fixed - demand_s for w in workers]
+        groups = [(n - 1, think[0]), (1, think[-1])] if n > 1 and s.straggler_factor > 1 else [(n, think[0])]
+        per_group = mva_response(groups, demand_s)
+        resp = [per_group[0]] * (n - 1) + [per_group[-1]]
+        cycles = [z + r for z, r in zip(think, resp)]
+        nxt = s.runnable - sleep / cycles[-1]
+        if abs(nxt - runnable) < 1e-9:
+            break
+        runnable = nxt
+    x = sum(1.0 / t for t in cycles)
+    mean_cycle = sum(cycles) / n
+    # queued behind the server's work (its busy share of the service): the
+    # time study's wait; queueing for the server's link stays communication
+    wait = sum(r - demand_s for r in resp) / n * min(1.0, busy / demand_s)
+    pull_part = parts["pull"] + parts["decompress"] + 3 * s.servers * parts["alpha"]
+    stale = sum((x - 1.0 / t) * (t - pull_part) for t in cycles) / n
+    comm = parts["latency"] + parts["push"] + parts["pull"]
+    b = parts["bytes"]
+    mean_compute = sum(workers) / n
+    notes = ["server-bound"] if x * demand_s > 0.9 else []
+    return Prediction("async", c.name, "ps", n, mean_cycle, mean_compute, parts["compress"] + parts["decompress"],
+                      comm, comm, wait, parts["apply"], wait / mean_cycle,
+                      (comm + wait + parts["compress"] + parts["decompress"]) / mean_cycle, x,
+                      b["sent"], b["received"], stale, notes)
+
+
+def predict(mode: str, compressor: str, algorithm: str, s: Setting, prof: Profile) -> Prediction:
+    """The step of ``mode`` (``sync``/``async``) with ``compressor`` (a :data:`CODECS`
+    name or a :class:`PlanCodec`) and ``algorithm`` (``ring``, ``two_phase``,
+    ``allgather`` or ``ps``; async is always ``ps``).
+
+    Raises:
+        ValueError: an unknown mode, compressor or algorithm, or a combination
+            the library rejects (a sparse codec on a dense algorithm, ...).
+    """
+    c = compressor if isinstance(compressor, PlanCodec) else plan_codec(compressor)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if algorithm not in c.algorithms:
+        raise ValueError(f"algorithm for {c.name} must be one of {c.algorithms}, got {algorithm!r}")
+    if mode == "async":
+        if algorithm != "ps":
+            raise ValueError(f"async mode runs on the parameter server: algorithm must be 'ps', got {algorithm!r}")
+        return async_throughput(c, s, prof)
+    if algorithm == "ps":
+        return ps_sync_step(c, s, prof)
+    return sync_step(c, algorithm, s, prof)
+
+
+# ---- pipeline ----------------------------------------------------------------------
+
+#: share of a step's compute that is forward (backward: the rest, about twice the forward)
+FORWARD_SHARE = 1.0 / 3.0
+
+
+def pipeline_step(compute_s: float, stages: int, microbatches: int, schedule: str = "gpipe",
+                  boundary_s: float = 0.0) -> dict:
+    """One pipeline-parallel step of a replica whose un-split compute takes ``compute_s``.
+
+    Each stage does ``compute_s / p`` of work, in ``m`` micro-batches:
+    forwards of ``f = FORWARD_SHARE * compute_s / (p m)`` and backwards of
+    ``g = (1 - FORWARD_SHARE) * compute_s / (p m)``. Each of the ``p - 1``
+    boundaries carries a micro-batch's activations forward and its gradients
+    backward in ``boundary_s`` together (``boundary_s / 2`` each way; links are
+    full duplex). The forward pass and the backward pass are each a flow shop
+    of ``m`` identical jobs through ``p`` stages and ``p - 1`` links, which
+    takes the sum of one job's service times plus ``m - 1`` times the slowest::
+
+        T_f = p f + (p - 1) b/2 + (m - 1) max(f, b/2)
+        T_b = p g + (p - 1) b/2 + (m - 1) max(g, b/2)      step = T_f + T_b
+
+    With ``boundary_s = 0`` this is GPipe's ``(m + p - 1)`` slots of
+    ``compute_s / (p m)`` (Huang et al. 2019); when the link is slower than a
+    stage's compute the link's ``m`` transfers set the pace instead. 1F1B
+    (Narayanan et al. 2019) is given the same step (it reorders, it does not
+    remove work); it keeps fewer micro-batches' activations alive.
+
+    Returns:
+        ``{"step_s", "bubble", "efficiency", "peak_microbatches"}``: ``bubble`` is
+        the share of the step a stage is not computing, ``1 - (compute_s / p) /
+        step_s`` (``(p - 1) / (m + p - 1)`` without boundary time);
+        ``efficiency = 1 - bubble``; activations alive per stage, ``m`` for
+        GPipe, ``min(p, m)`` for 1F1B.
+
+    Raises:
+        ValueError: unknown schedule or bad counts.
+    """
+    if schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {schedule!r}")
+    bubble_fraction(stages, microbatches)  # validates the counts
+    p, m = stages, microbatches
+    f = FORWARD_SHARE * compute_s / (p * m)
+    g = (1.0 - FORWARD_SHARE) * compute_s / (p * m)
+    half = boundary_s / 2.0 if p > 1 else 0.0
+    step = sum(p * t + (p - 1) * half + (m - 1) * max(t, half) for t in (f, g))
+    bubble = 1.0 - (compute_s / p) / step if step > 0 else 0.0
+    return {"step_s": step, "bubble": bubble, "efficiency": 1.0 - bubble,
+            "peak_microbatches": m if schedule == "gpipe" else min(p, m)}

@@ -1,0 +1,348 @@
+"""Validation: the model's step time and idle share against a time study's measurements.
+
+Reads the ``results.json`` that ``gradcomp train`` (the time study) writes
+and, for every run of mode ``sync`` or ``async``, predicts its step from the
+run's own setting with :func:`gradcomp.lab.plan.model.predict`. Keys read per run
+(under ``"runs"``): ``mode``, ``compressor``, ``algorithm``, ``world_size``,
+``params``, ``link`` (``name``, ``configured_bps``, ``achieved_bps``: bits per
+second), ``straggler`` (``{"rank", "factor"}`` or null),
+``compute_jitter_cv``, ``step_time_median_s``, ``phases_median_s``
+(``compute``, ``apply`` used as inputs), ``idle_share``,
+``bytes_per_worker_step`` and, for async, ``staleness_mean``; the top level
+may hold ``"profile"`` (a profile object as ``gradcomp plan calibrate``
+writes it, or the path of one).
+
+What is an input and what a prediction: the measured compute and apply
+times are inputs (the model predicts communication and waiting, not the
+speed of the model's arithmetic); the compute time is taken as the mean over
+workers, so with a straggler of factor ``f`` the others' compute is
+``compute * N / (N - 1 + f)``. The link's bandwidth is its achieved rate
+(else the configured one, else the profile's measured loopback ``beta``);
+alpha and the kernel rates come from the profile. Predicted bytes are sent
+bytes for sync and sent + received (push + pull) for async, as the study counts them.
+A threshold compressor keeps a data-dependent number of elements: its density
+is an input too, read back from the run's bytes (sync allgather: ``N - 1``
+payloads of ``96 + 8 k`` bytes plus 8-byte sizes per step).
+
+Also read when present: ``workers`` (async: the world holds the server
+too, so the model gets ``workers`` nodes and ``world_size`` processes on
+the host), ``seed`` and ``scenario.name`` (grouping, fitting subsets),
+``phases_mean_s`` (the per-term breakdown), ``param_tensors`` (else the
+results' ``"model": {"param_tensors"}`` or a weight and a bias per layer of
+its ``"layers"``: the parameter server's per-tensor codec calls and
+bundles), ``"host": {"cores"}`` of the run or the results (else the
+profile's host) and the run's ``"host": {"background_load"}`` (runnable
+processes of other jobs, e.g. the load average before the run; else 0). The sparse index layout is read from the bytes too: a run
+recorded before compact indices sent int32 indices, and the layout whose
+model bytes are nearer the recorded ones is priced. Async runs apply no
+optimizer step on the workers (the server's is priced from the profile).
+
+Shared host: every run of the study puts its ranks on one host, so each
+run's setting carries the profile's :class:`~gradcomp.lab.plan.host.Host`
+(``ranks_per_host`` = the run's world size). Its scheduling constants
+``slice_s`` and ``sched_cv`` are fitted by :func:`fit_host` on a subset of
+seeds and judged on the other seeds (``gradcomp plan validate --fit-seeds 0``).
+
+The summary is the median absolute percentage error of the step time over
+the runs, and the median absolute error of the idle share in points, also
+per scenario; :func:`breakdown` sets the measured phases against the
+model's terms per scenario, mode and compressor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+
+from gradcomp.lab.plan.host import Host
+from gradcomp.lab.plan.model import CODECS, MODES, PlanCodec, Setting, allreduce_bytes, predict, ps_bytes
+from gradcomp.lab.plan.profile import Profile
+
+__all__ = ["load_results", "validate_runs", "breakdown", "fit_host", "run_host", "summary", "REQUIRED_KEYS", "TERMS"]
+
+#: keys a run must have to be validated
+REQUIRED_KEYS = ("mode", "compressor", "algorithm", "world_size", "params", "link", "straggler",
+                 "compute_jitter_cv", "step_time_median_s", "phases_median_s", "idle_share")
+
+
+def load_results(path: str) -> dict:
+    """The parsed ``results.json`` in directory ``path`` (or the file ``path`` itself).
+
+    Raises:
+        OSError: no such file. ValueError: not JSON, or no ``"runs"`` list.
+    """
+    file = os.path.join(path, "results.json") if os.path.isdir(path) else path
+    with open(file) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        raise ValueError(f"{file} has no \"runs\" list: not a gradcomp train results file")
+    return data
+
+
+def results_profile(data: dict, base_dir: str) -> Profile | None:
+    """The profile named at the results' top level, if any."""
+    prof = data.get("profile")
+    if prof is None:
+        return None
+    if isinstance(prof, str):
+        return Profile.load(prof if os.path.isabs(prof) else os.path.join(base_dir, prof))
+    return Profile.from_dict(prof)
+
+
+def run_host(run: dict, data: dict, prof: Profile) -> Host | None:
+    """The host a run shared: the profile's constants, with the core count the
+    run (or its results file) recorded under ``"host": {"cores"}`` when present."""
+    recorded = run.get("host") or data.get("host") or {}
+    base = prof.host
+    if "cores" in recorded:
+        base = Host(int(recorded["cores"]), base.slice_s if base else 0.0, base.sched_cv if base else 0.0)
+    return base
+
+
+def _tensors(run: dict, data: dict) -> int:
+    """Parameter tensors of the run's model: ``param_tensors`` of the run or of the
+    results' ``"model"``, else a weight and a bias per layer of an MLP's
+    ``"model": {"layers": [...]}`` (the digits MLP), else 1."""
+    model = data.get("model") or {}
+    if run.get("param_tensors") or model.get("param_tensors"):
+        return int(run.get("param_tensors") or model["param_tensors"])
+    layers = model.get("layers")
+    return 2 * (len(layers) - 1) if isinstance(layers, list) and len(layers) > 1 else 1
+
+
+def _setting(run: dict, prof: Profile, host: Host | None = None, tensors: int = 1) -> Setting:
+    world = int(run["world_size"])
+    # async: the world holds the parameter server too; it shares the workers' host
+    n = int(run.get("workers") or world) if run["mode"] == "async" else world
+    link = run.get("link") or {}
+    bps = link.get("achieved_bps") or link.get("configured_bps")
+    if bps:
+        beta = float(bps) / 8
+    elif prof.beta_bytes_per_s is not None:
+        beta = prof.beta_bytes_per_s
+    else:
+        raise ValueError(f"run has no link rate and the profile no measured bandwidth: {link!r}")
+    strag = run.get("straggler") or None
+    factor = float(strag["factor"]) if strag else 1.0
+    phases = run["phases_median_s"]
+    compute = float(phases["compute"])
+    if factor > 1 and n > 1:
+        compute = compute * n / (n - 1 + factor)
+    # async workers apply no optimizer step (the server does, priced from the profile)
+    apply = None if run["mode"] == "async" else float(phases.get("apply") or 0.0)
+    recorded = run.get("host") or {}
+    background = float(recorded.get("background_load") or 0.0)
+    return Setting(nodes=n, link_bytes_per_s=beta, params=int(run["params"]), compute_s=compute,
+                   straggler_cv=float(run.get("compute_jitter_cv") or 0.0), straggler_factor=factor,
+                   apply_s=apply, tensors=tensors, host=host,
+                   ranks_per_host=world, background_load=background)
+
+
+def _measured_bytes(run: dict, c: PlanCodec, s: Setting, algorithm: str) -> int:
+    """The model's bytes for ``run`` as the study counts them (sync: sent;
+    async: sent + received)."""
+    if run["mode"] == "async":
+        b = ps_bytes(c, s.params, s.servers, s.tensors, s.compress_pull)
+        return b["sent"] + b["received"]
+    return allreduce_bytes(c, algorithm, s.params, s.nodes)[0]
+
+
+def _codec(run: dict, s: Setting, algorithm: str) -> PlanCodec:
+    """The run's codec, with the sparse index layout and (threshold) the density
+    its recorded bytes imply: the model prices the payloads the run really sent."""
+    c = CODECS[run["compressor"]]
+    sent = run.get("bytes_per_worker_step")
+    n, world = int(run["params"]), int(run["world_size"])
+    if c.kind == "threshold" and run["mode"] == "sync" and sent and world > 1:
+        # the kept count k whose allgather bytes match the measured ones (the
+        # payload's size grows with k; its index section's coding depends on n and k)
+        lo, hi = 1, n
+        while lo < hi:
+            k = (lo + hi) // 2
+            if allreduce_bytes(c.with_density(k / n), "allgather", n, world)[0] < sent:
+                lo = k + 1
+            else:
+                hi = k
+        return c.with_density(lo / n)
+    if c.sparse and sent:
+        # payloads written before compact indices carry int32 ones: the layout
+        # whose bytes are nearer the recorded ones is the one the run used
+        return min((c, c.with_compact_indices(False)),
+                   key=lambda cc: abs(_measured_bytes(run, cc, s, algorithm) - float(sent)))
+    return c
+
+
+#: the terms a step is broken down into (seconds each, per worker)
+TERMS = ("compute", "wait", "codec", "comm", "apply")
+
+
+def _measured_terms(run: dict) -> dict | None:
+    """The run's mean phases as :data:`TERMS`: ``codec`` = compress + decompress,
+    ``comm`` = communicate (blocked on transfers, the transport's own work, in
+    async the server's handling), ``apply`` = apply + other."""
+    ph = run.get("phases_mean_s")
+    if not isinstance(ph, dict):
+        return None
+    g = lambda k: float(ph.get(k) or 0.0)  # noqa: E731
+    return {"compute": g("compute"), "wait": g("wait"), "codec": g("compress") + g("decompress"),
+            "comm": g("communicate"), "apply": g("apply") + g("other")}
+
+
+def _predicted_terms(p) -> dict:
+    """A prediction as :data:`TERMS`; ``comm`` is the rest of the step (transfers,
+    per-message costs, scheduling delays; async: the server's work on the push)."""
+    apply = p.apply_s if p.mode == "sync" else 0.0  # async: the server applies, inside the round trip
+    comm = p.step_s - p.compute_s - p.wait_s - p.compress_s - apply
+    return {"compute": p.compute_s, "wait": p.wait_s, "codec": p.compress_s, "comm": comm, "apply": apply}
+
+
+def breakdown(out: dict) -> list[dict]:
+    """Per (scenario, mode, compressor) group of :func:`validate_runs`' rows, the
+    mean over its runs of the measured and predicted step and :data:`TERMS`.
+
+    Returns:
+        ``[{"group": (scenario, mode, compressor), "runs", "step_s":
+        {"measured", "predicted"}, "step_error_pct" (mean), "terms":
+        {"measured": {...}, "predicted": {...}}}]`` in first-seen order.
+    """
+    groups: dict[tuple, list[dict]] = {}
+    for r in out["rows"]:
+        groups.setdefault(tuple(r["group"]), []).append(r)
+    result = []
+    for key, rows in groups.items():
+        meas = [r["terms"]["measured"] for r in rows if r["terms"]["measured"] is not None]
+        mean = statistics.fmean
+        result.append({
+            "group": key, "runs": len(rows),
+            "step_s": {k: mean(r["step_s"][k] for r in rows) for k in ("measured", "predicted")},
+            "step_error_pct": mean(r["step_error_pct"] for r in rows),
+            "terms": {"measured": {t: mean(m[t] for m in meas) for t in TERMS} if meas else None,
+                      "predicted": {t: mean(r["terms"]["predicted"][t] for r in rows) for t in TERMS}},
+        })
+    return result
+
+
+def summary(rows: list[dict]) -> tuple[float | None, float | None]:
+    """Median absolute step-time error (percent) and idle-share error (points) of ``rows``."""
+    step = [abs(r["step_error_pct"]) for r in rows]
+    idle = [100 * abs(r["idle_share"]["predicted"] - r["idle_share"]["measured"]) for r in rows]
+    return (statistics.median(step) if step else None), (statistics.median(idle) if idle else None)
+
+
+def fit_host(data: dict, prof: Profile, seeds, cores: int | None = None,
+             slices=None, cvs=None) -> tuple[Host, dict]:
+    """Fit the host's scheduling constants on the runs of ``seeds`` only.
+
+    Searches ``slice_s`` over ``slices`` (default 0 to 8 ms by 0.2 ms) and
+    ``sched_cv`` over ``cvs`` (default 0 to 1.5 by 0.05), alternating one
+    coordinate at a time from ``(0, 0)`` until neither moves, for the least
+    median absolute step-time error (percent) plus median absolute idle-share
+    error (points) over those runs. Validate on the other seeds to judge it.
+
+    Args:
+        seeds: the seeds (``run["seed"]``) of the fitting subset.
+        cores: the host's cores (default: the profile's host, else the results'
+            ``"host"``; one of them must say).
+
+    Returns:
+        ``(host, info)``; ``info`` has ``seeds``, ``runs`` fitted and the
+        subset's ``step_mdape_pct`` and ``idle_mdae_pts``.
+
+    Raises:
+        ValueError: no run has one of ``seeds``, or the core count is unknown.
+    """
+    seeds = {int(x) for x in seeds}
+    subset = {**data, "runs": [r for r in data["runs"] if r.get("seed") in seeds]}
+    if not subset["runs"]:
+        raise ValueError(f"no run has a seed in {sorted(seeds)}")
+    if cores is None:
+        recorded = data.get("host") or {}
+        cores = recorded.get("cores") or (prof.host.cores if prof.host is not None else None)
+    if not cores:
+        raise ValueError("the host's core count is unknown: give a profile with a \"host\" section")
+    slices = [round(i * 2e-4, 6) for i in range(41)] if slices is None else list(slices)
+    cvs = [round(i * 0.05, 2) for i in range(31)] if cvs is None else list(cvs)
+
+    def loss(sl: float, cv: float) -> float:
+        trial = Profile.from_dict({**prof.to_dict(), "host": {"cores": int(cores), "slice_s": sl, "sched_cv": cv}})
+        step, idle = summary(validate_runs(subset, trial)["rows"])
+        return math.inf if step is None else step + idle
+
+    sl, cv = slices[0], cvs[0]
+    best = loss(sl, cv)
+    for _ in range(10):
+        moved = False
+        for axis in ("slice", "cv"):
+            cands = slices if axis == "slice" else cvs
+            scores = [(loss(c, cv) if axis == "slice" else loss(sl, c), c) for c in cands]
+            score, value = min(scores)
+            if score < best - 1e-12:
+                best, moved = score, True
+                sl, cv = (value, cv) if axis == "slice" else (sl, value)
+        if not moved:
+            break
+    host = Host(int(cores), sl, cv)
+    step, idle = summary(validate_runs(subset, Profile.from_dict({**prof.to_dict(), "host": host.to_dict()}))["rows"])
+    return host, {"seeds": sorted(seeds), "runs": len(subset["runs"]), "step_mdape_pct": step, "idle_mdae_pts": idle}
+
+
+def validate_runs(data: dict, prof: Profile) -> dict:
+    """Predicted vs measured per run.
+
+    Returns:
+        ``{"rows": [...], "skipped": [(label, reason)], "step_mdape_pct", "idle_mdae_pts"}``;
+        each row has ``label``, measured and predicted ``step_s``, ``idle_share``,
+        ``exposed_comm_s``, ``bytes``, ``staleness`` and ``step_error_pct``.
+    """
+    rows, skipped = [], []
+    for i, run in enumerate(data["runs"]):
+        label = " ".join(str(run.get(k, "?")) for k in ("mode", "compressor", "algorithm"))
+        link = (run.get("link") or {}).get("name", "?")
+        strag = run.get("straggler")
+        label += f" {link} N={run.get('world_size', '?')}" + (
+            f" straggler {strag['rank']}:{strag['factor']:g}" if strag else "")
+        missing = [k for k in REQUIRED_KEYS if k not in run]
+        if missing:
+            skipped.append((label, f"missing keys {missing}"))
+            continue
+        if run["mode"] not in MODES:
+            skipped.append((label, f"mode {run['mode']!r} is not modelled by validate"))
+            continue
+        if run["compressor"] not in CODECS:
+            skipped.append((label, f"unknown compressor {run['compressor']!r}"))
+            continue
+        algorithm = "ps" if run["mode"] == "async" else run["algorithm"]
+        try:
+            s = _setting(run, prof, run_host(run, data, prof), _tensors(run, data))
+            p = predict(run["mode"], _codec(run, s, algorithm), algorithm, s, prof)
+        except (ValueError, KeyError, TypeError) as e:
+            skipped.append((label, str(e)))
+            continue
+        measured = float(run["step_time_median_s"])
+        bytes_pred = p.bytes_sent if run["mode"] == "sync" else p.bytes_sent + p.bytes_received
+        rows.append({
+            "label": label, "run": i,
+            "step_s": {"measured": measured, "predicted": p.step_s},
+            "step_error_pct": 100.0 * (p.step_s - measured) / measured,
+            "idle_share": {"measured": float(run["idle_share"]), "predicted": p.idle_share},
+            "exposed_comm_s": {"measured": run["phases_median_s"].get("exposed_comm"),
+                               "predicted": p.exposed_comm_s},
+            "bytes": {"measured": run.get("bytes_per_worker_step"), "predicted": bytes_pred},
+            "staleness": {"measured": run.get("staleness_mean"), "predicted": p.staleness_mean},
+            "group": (str((run.get("scenario") or {}).get("name", link)), run["mode"], run["compressor"]),
+            "seed": run.get("seed"),
+            "terms": {"measured": _measured_terms(run), "predicted": _predicted_terms(p)},
+        })
+    step, idle = summary(rows)
+    by_scenario = {}
+    for name in dict.fromkeys(r["group"][0] for r in rows):
+        sub = [r for r in rows if r["group"][0] == name]
+        st, idl = summary(sub)
+        by_scenario[name] = {"runs": len(sub), "step_mdape_pct": st, "idle_mdae_pts": idl}
+    return {"rows": rows, "skipped": skipped, "step_mdape_pct": step, "idle_mdae_pts": idle,
+            "by_scenario": by_scenario}

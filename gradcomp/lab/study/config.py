@@ -1,0 +1,240 @@
+"""Settings of a training study and the compressors it can compare.
+
+Importing this module imports no torch (``gradcomp train --help`` builds its
+parser from it): the codecs load in :meth:`CompressorChoice.build`, the local
+mode's schedule check when a :class:`TrainConfig` is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from gradcomp import catalog
+from gradcomp.lab.study.menu import DEFAULT_HIDDEN, DEFAULT_WORKLOAD, WORKLOADS
+
+if TYPE_CHECKING:
+    from gradcomp.adaptive import Adaptive
+    from gradcomp.compressors import Compressor
+
+__all__ = ["TrainConfig", "CompressorChoice", "COMPRESSORS", "DEFAULT_COMPRESSORS", "MODES",
+           "ALGORITHMS", "parse_compressors", "ALL_MODES"]
+
+MODES = ("sync", "async")
+#: Every mode ``--mode`` accepts: MODES (``both``) plus local SGD / DiLoCo
+#: (:mod:`gradcomp.lab.study.local`).
+ALL_MODES = (*MODES, "local")
+#: Dense algorithms of the sync mode; sparse compressors always use ``allgather``.
+ALGORITHMS = ("ring", "two_phase")
+#: Largest ``timeout`` of a run, in seconds.
+MAX_TIMEOUT = 1e7
+#: Largest ``dgc_warmup_epochs`` (a warm-up in steps then stays an exact int64
+#: for any data set: a larger one overflows the step count)
+MAX_WARMUP_EPOCHS = 1e6
+
+
+@dataclass(frozen=True)
+class CompressorChoice:
+    """One entry of the study's compressor menu: a name of :mod:`gradcomp.catalog` (whose
+    entry says what it builds) or one of the study's own rows, ``auto`` and ``native``.
+
+    Attributes:
+        name: command-line name (``--compressors``).
+        label: name shown in reports.
+        error_feedback: wrap the codec in error feedback (residual memory per tensor).
+        dgc: Deep Gradient Compression around the top-k (:mod:`gradcomp.lab.study.dgc`).
+        modes: the modes it can run in (``auto``, adaptive compression, needs
+            the DDP hook: sync only).
+        native: uncompressed, on the backend's own ``dist.all_reduce`` (what
+            DDP does without a hook) instead of gradcomp's ring: the
+            baseline a user would call (``none`` runs gradcomp's transport,
+            so that its bytes are those of the compressed rows' transport).
+    """
+
+    name: str
+    label: str
+    error_feedback: bool
+    dgc: bool = False
+    modes: tuple[str, ...] = ALL_MODES
+    native: bool = False
+
+    def build(self, threshold: float | None = None, link: tuple[float, float] | None = None
+              ) -> "Compressor | Adaptive":
+        """A fresh codec (without error feedback: the transport's state adds it);
+        for ``auto`` a fresh :class:`gradcomp.Adaptive` policy.
+
+        Args:
+            threshold: magnitude threshold for ``threshold-ef`` (required there,
+                ignored by the other rows).
+            link: ``auto``'s link prior (``gc.Adaptive(link=)``), or None.
+
+        Raises:
+            ValueError: ``threshold-ef`` without a threshold.
+        """
+        if self.name == "auto":
+            from gradcomp.adaptive import Adaptive
+
+            return Adaptive(link=link)
+        entry = catalog.entry("none" if self.native else self.name)
+        if entry.kind == "threshold" and threshold is None:
+            raise ValueError(f"{self.name} needs a threshold")
+        return entry.build(threshold=threshold if entry.kind == "threshold" else None)
+
+    @property
+    def sparse(self) -> bool:
+        return self.name in catalog.ENTRIES and catalog.ENTRIES[self.name].sparse
+
+
+def _catalog_row(name: str) -> CompressorChoice:
+    e = catalog.entry(name)
+    return CompressorChoice(name, e.label, e.error_feedback, dgc=e.dgc)
+
+
+COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
+    *(_catalog_row(n) for n in ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-ef",
+                                "threshold-ef", "dgc", "dgc-int8")),
+    # the study's own rows: a policy over catalog codecs, and the backend's uncompressed collective
+    CompressorChoice("auto", "auto", True, modes=("sync",)),
+    CompressorChoice("native", "all_reduce f32", False, modes=("sync",), native=True),
+)}
+
+#: The default study's menu, baseline first.
+DEFAULT_COMPRESSORS = ("none", "fp16", "int8", "int8-ef", "topk-ef", "topk-int8-ef", "threshold-ef",
+                       "dgc", "dgc-int8")
+
+
+def parse_compressors(text: str) -> tuple[str, ...]:
+    """Parse a comma-separated list of compressor names (duplicates dropped, order kept).
+
+    Raises:
+        ValueError: an empty list or an unknown name (the message lists the allowed ones).
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"no compressor given; allowed: {','.join(COMPRESSORS)}")
+    unknown = [n for n in names if n not in COMPRESSORS]
+    if unknown:
+        raise ValueError(f"unknown compressor name(s): {', '.join(unknown)}; "
+                         f"allowed: {','.join(COMPRESSORS)}")
+    return tuple(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything a run depends on; every run of a study shares it, so results
+    differ by compressor (and mode) alone.
+
+    Attributes:
+        workers: data-parallel workers (in async mode a parameter server comes on top).
+        steps: optimizer steps per run; every worker computes one batch per step.
+        batch_size: samples per worker per step (global batch = workers x batch_size).
+        lr: SGD learning rate of a sync step (async: each push is applied with
+            ``lr / workers``, see :mod:`gradcomp.lab.study.async_`); momentum: SGD momentum.
+        dgc_warmup_epochs: the DGC rows' warm-up, in epochs of the training data
+            (0: none, at most :data:`MAX_WARMUP_EPOCHS`; see :mod:`gradcomp.lab.study.dgc`).
+        async_momentum: the server's SGD momentum in async mode (None: ``momentum``).
+            Asynchrony itself acts like momentum (Mitliagkas et al. 2016,
+            "Asynchrony begets momentum": about ``1 - 1/workers`` with stale
+            gradients), so a stable async run often needs less explicit momentum.
+        auto_link: the ``auto`` rows' link prior ``(latency_s, bytes_per_s)``
+            (:class:`gradcomp.Adaptive`'s ``link``), or None.
+        seed: model initialisation, data split and data order.
+        hidden: hidden-layer widths of the MLP.
+        test_fraction: share of the digits held out for testing.
+        algorithm: sync allreduce for dense codecs (``ring`` or ``two_phase``).
+        eval_every: steps between test-set evaluations (and the last step).
+        threshold: threshold of ``threshold-ef`` (None: calibrated, see :mod:`gradcomp.lab.study.study`).
+        timeout: seconds allowed for one run before its processes are stopped.
+        straggler: ``(worker, factor)``: that worker's compute takes ``factor``
+            times as long (see :mod:`gradcomp.lab.study.timing`); None: no straggler.
+        compute_jitter: coefficient of variation of every worker's per-step
+            compute stretch (lognormal, seeded; 0: none).
+        sync_every, outer, fragments, overlap: the local mode's schedule
+            (:class:`gradcomp.LocalSGD`: ``H``, ``"avg"`` or ``"nesterov"``,
+            ``F``, ``tau``).
+        workload: a name of :data:`gradcomp.lab.study.workloads.WORKLOADS`
+            (``hidden`` applies to ``digits-mlp`` only).
+        data_dir: CIFAR-10's folder (``cifar10-resnet18``); data_file: the
+            text file (``text-gpt``).
+    """
+
+    workers: int = 4
+    steps: int = 350
+    batch_size: int = 64
+    lr: float = 0.1
+    momentum: float = 0.9
+    async_momentum: float | None = None
+    dgc_warmup_epochs: float = 0.0
+    auto_link: tuple[float, float] | None = None
+    seed: int = 0
+    hidden: tuple[int, ...] = field(default=DEFAULT_HIDDEN)
+    test_fraction: float = 0.25
+    algorithm: str = "ring"
+    eval_every: int = 10
+    threshold: float | None = None
+    timeout: float = 600.0
+    straggler: tuple[int, float] | None = None
+    compute_jitter: float = 0.0
+    sync_every: int = 32
+    outer: str = "avg"
+    fragments: int = 1
+    overlap: int = 0
+    workload: str = DEFAULT_WORKLOAD
+    data_dir: str | None = None
+    data_file: str | None = None
+
+    def momentum_for(self, mode: str) -> float:
+        """The SGD momentum of ``mode``'s runs: ``async_momentum`` (when set) for async, else ``momentum``."""
+        if mode == "async" and self.async_momentum is not None:
+            return self.async_momentum
+        return self.momentum
+
+    def __post_init__(self):
+        from gradcomp.localsgd import OUTER_OPTIMIZERS, check_schedule
+
+        for name in ("workers", "steps", "batch_size", "eval_every"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr!r}")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {self.momentum!r}")
+        if (isinstance(self.dgc_warmup_epochs, bool) or not isinstance(self.dgc_warmup_epochs, (int, float))
+                or not 0 <= self.dgc_warmup_epochs <= MAX_WARMUP_EPOCHS):
+            raise ValueError(f"dgc_warmup_epochs must be a number of epochs in [0, {MAX_WARMUP_EPOCHS:g}], "
+                             f"got {self.dgc_warmup_epochs!r}")
+        if self.async_momentum is not None and not 0 <= self.async_momentum < 1:
+            raise ValueError(f"async_momentum must be None or in [0, 1), got {self.async_momentum!r}")
+        if self.auto_link is not None:
+            from gradcomp.adaptive import Adaptive
+
+            Adaptive(link=self.auto_link)  # raises for a bad prior, naming it
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.threshold is not None and not self.threshold >= 0:
+            raise ValueError(f"threshold must be >= 0, got {self.threshold!r}")
+        if not 0 < self.timeout <= MAX_TIMEOUT:
+            # the launcher allows timeout x compressors (<= 8) seconds, at most 1e9
+            raise ValueError(f"timeout must be > 0 and <= {MAX_TIMEOUT:g} seconds (finite), "
+                             f"got {self.timeout!r}")
+
+        if self.straggler is not None:
+            rank, factor = self.straggler
+            if not (isinstance(rank, int) and 0 <= rank < self.workers):
+                raise ValueError(f"straggler rank must be a worker in 0..{self.workers - 1}, got {rank!r}")
+            if not 1 <= factor < 1e3:
+                raise ValueError(f"straggler factor must be >= 1 (and < 1000), got {factor!r}")
+        if not 0 <= self.compute_jitter <= 10:
+            raise ValueError(f"compute_jitter must be a CV in [0, 10], got {self.compute_jitter!r}")
+        check_schedule(self.sync_every, self.fragments, self.overlap)
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+        if self.outer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"outer must be one of {OUTER_OPTIMIZERS}, got {self.outer!r}")
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["hidden"] = list(self.hidden)
+        d["straggler"] = list(self.straggler) if self.straggler is not None else None
+        return d
