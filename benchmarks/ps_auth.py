@@ -4,9 +4,9 @@ Three variants of the PS demo's run (``python -m gradcomp.ps``: async, int8
 pushes, 1 server + 2 workers, the least-squares problem), interleaved
 ``--repeats`` times in fresh processes:
 
-* ``baseline``: the library as it was before connections authenticated (the
-  parent of the commit that added ``gradcomp/ps/gatekeeper.py``, exported with
-  ``git archive``; the built ``gradcomp/_C`` kernels copied over);
+* ``baseline``: the library before connections authenticated (``--baseline``,
+  default the parent of the commit that added ``gradcomp/ps/gatekeeper.py``),
+  exported with ``git archive``, the built ``gradcomp/_C`` kernels copied over;
 * ``plain``: this tree, the default (PLAIN: a handshake per connection);
 * ``curve``: this tree with ``PSConfig(encrypt=True)`` (CURVE: every message encrypted).
 
@@ -21,7 +21,7 @@ loopback (one context each), NULL against CURVE; CPU seconds of the process
 decryption per byte, and so the bytes per second one core can encrypt and decrypt.
 
     python benchmarks/ps_auth.py [--repeats 5] [--steps 300] [--dims 64,262144]
-                                 [--link none|1gbit] [--json out.json]
+                                 [--link none|1gbit] [--baseline REV] [--json out.json]
 """
 
 from __future__ import annotations
@@ -176,12 +176,17 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", "-C", ROOT, *args], check=True, capture_output=True, text=True).stdout.strip()
 
 
-def baseline_tree(dest: str) -> str:
-    """The library before authentication, exported to ``dest``; returns its commit."""
-    added = _git("log", "--diff-filter=A", "--format=%H", "--", "gradcomp/ps/gatekeeper.py").split()
-    if not added:
-        raise SystemExit("gradcomp/ps/gatekeeper.py is in no commit: nothing to compare against")
-    rev = _git("rev-parse", added[-1] + "^")
+def baseline_tree(dest: str, rev: str | None) -> str:
+    """The library at ``rev`` (None: the parent of the commit that added
+    ``gradcomp/ps/gatekeeper.py``) exported to ``dest``; returns the commit."""
+    if rev is None:
+        added = _git("log", "--diff-filter=A", "--format=%H", "--", "gradcomp/ps/gatekeeper.py").split()
+        if not added:
+            raise SystemExit("gradcomp/ps/gatekeeper.py is in no commit: give --baseline")
+        rev = added[-1] + "^"
+    rev = _git("rev-parse", rev)
+    if _git("ls-tree", rev, "gradcomp/ps/gatekeeper.py"):
+        raise SystemExit(f"--baseline {rev[:10]} already authenticates: give a commit before it")
     archive = os.path.join(dest, "baseline.tar")
     subprocess.run(["git", "-C", ROOT, "archive", "-o", archive, rev, "gradcomp"], check=True)
     with tarfile.open(archive) as tar:
@@ -210,6 +215,9 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=16, help="rows of A per worker")
     p.add_argument("--link", default="none", help="none (loopback) or a rate for the emulated cluster, e.g. 1gbit")
     p.add_argument("--throughput-mib", type=int, default=256)
+    p.add_argument("--baseline", default=None,
+                   help="the commit without authentication to compare against (default: the parent of "
+                        "the commit that added gradcomp/ps/gatekeeper.py)")
     p.add_argument("--json", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -218,7 +226,7 @@ def main(argv=None) -> int:
         return 0
     tmp = tempfile.mkdtemp(prefix="ps-auth-bench-")
     try:
-        rev = baseline_tree(tmp)
+        rev = baseline_tree(tmp, args.baseline)
         trees = {"baseline": tmp, "plain": ROOT, "curve": ROOT}
         runs = {}
         for dim in (int(d) for d in args.dims.split(",")):
