@@ -79,6 +79,8 @@ def _rank(rank: int, world_size: int, spec: dict):
 
 
 def _child(spec: dict) -> None:
+    import torch  # noqa: F401  first: gradcomp's import hook on torch must not start inside gradcomp._validate
+
     import gradcomp
 
     where = os.path.dirname(os.path.dirname(os.path.abspath(gradcomp.__file__)))
