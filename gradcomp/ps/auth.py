@@ -9,7 +9,7 @@ pair of server ``s``. Whoever holds the credential can act as any worker rank
 of the job (the trust boundary is the job); a process without it cannot
 complete a handshake. PLAIN sends a rank's password in clear and nothing is
 encrypted; CURVE (``encrypt=True``) authenticates both ends and encrypts every
-message (CurveZMQ). See ``docs/parameter-server.md``, "Who may connect".
+message (CurveZMQ). See ``docs/parameter-server.md#who-may-connect``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ message's ``User-Id`` property) and counts what it refused, with the
 handshake failures the sockets' monitors report (a peer without credentials,
 of another mechanism, or not speaking ZMTP at all).
 :func:`open_guarded_sockets` opens a server's sockets behind it. See
-``docs/parameter-server.md``, "Who may connect".
+``docs/parameter-server.md#who-may-connect``.
 """
 
 from __future__ import annotations

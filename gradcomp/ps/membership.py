@@ -15,7 +15,7 @@ connection closed) or when it names a higher incarnation than the holder's:
 a restart passes ``incarnation=`` (the holder's + 1) to displace a holder
 that still looks alive; a duplicate (the same or a lower incarnation) is
 refused and the holder keeps training. A displaced process is told why at
-its next request or heartbeat.
+its next request or heartbeat (``docs/parameter-server.md#who-holds-a-rank``).
 """
 
 from __future__ import annotations

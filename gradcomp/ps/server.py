@@ -262,7 +262,7 @@ class ParameterServer:
         """Counters of this server (JSON-ready except for int dictionary keys):
         versions, pushes and their fates, rejections and refused connections
         by reason, per-worker counters and bytes, traffic, busy intervals.
-        Every key is described in ``docs/parameter-server.md``, "Statistics"."""
+        Every key is described in ``docs/parameter-server.md#statistics``."""
         workers = {}
         for r, p in self.peers.items():
             ph = p.meter.as_dict()["phases"]
