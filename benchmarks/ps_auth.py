@@ -11,9 +11,11 @@ pushes, 1 server + 2 workers, the least-squares problem), interleaved
 * ``curve``: this tree with ``PSConfig(encrypt=True)`` (CURVE: every message encrypted).
 
 Per run: the median step time over both workers (pull + compute + push,
-the first ``--warmup`` steps left out) and the join time (from the ranks'
-barrier to each worker's first step, roles built and handshakes done).
-Printed: the median over the repeats of each, and its ratio to the baseline.
+the first ``--warmup`` steps left out), the join time (from the ranks'
+barrier to the last worker's first step: roles built, handshakes done), each
+worker's CPU seconds per step and the server's per push handled (the whole
+run: CPU time moves less than wall time on a shared host). Printed: the
+median over the repeats of each, and its ratio to the baseline's.
 Then the one per-request cost of PLAIN (a server reads each message's
 ``User-Id``), and CURVE's throughput: 1 MiB messages from a PUSH to a PULL socket over
 loopback (one context each), NULL against CURVE; CPU seconds of the process
@@ -67,15 +69,17 @@ def _rank(rank: int, world_size: int, spec: dict):
     config = PSConfig(mode="async", steps=spec["steps"], compressor=Int8Quantizer(),
                       optimizer=functools.partial(torch.optim.SGD, lr=demo.default_lr(spec["dim"], spec["rows"]),
                                                   momentum=0.5), **extra)
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []  # (wall, this process's CPU seconds) after each step
     dist.barrier()
-    t0 = time.perf_counter()
-    run(rank, world_size, problem.model, problem.loss, config,
-        on_step=lambda *_: stamps.append(time.perf_counter()))
-    if rank == 0:
-        return None
-    steps = [b - a for a, b in zip(stamps, stamps[1:])][spec["warmup"]:]
-    return {"steps": steps, "join_s": stamps[0] - t0 if stamps else None}
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    out = run(rank, world_size, problem.model, problem.loss, config,
+              on_step=lambda *_: stamps.append((time.perf_counter(), time.process_time())))
+    if rank == 0:  # the server's CPU per push handled, the whole run (roles, handshakes, teardown) included
+        return {"cpu_per_push_s": (time.process_time() - cpu0) / out["stats"]["pushes"]}
+    w = spec["warmup"]
+    steps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])][w:]
+    cpu = (stamps[-1][1] - stamps[w][1]) / (len(stamps) - 1 - w)
+    return {"steps": steps, "cpu_per_step_s": cpu, "join_s": stamps[0][0] - t0}
 
 
 def _child(spec: dict) -> None:
@@ -90,6 +94,8 @@ def _child(spec: dict) -> None:
     results, link = launch_on(spec["link"], _rank, 3, (spec,), timeout=600)
     steps = [s for r in results[1:] for s in r["steps"]]
     print(json.dumps({"step_s": statistics.median(steps), "join_s": max(r["join_s"] for r in results[1:]),
+                      "worker_cpu_s": statistics.mean(r["cpu_per_step_s"] for r in results[1:]),
+                      "server_cpu_s": results[0]["cpu_per_push_s"],
                       "link": {k: link.get(k) for k in ("name", "configured_bps", "achieved_bps")}}))
 
 
@@ -253,11 +259,12 @@ def _report(runs: dict, rev: str, args) -> dict:
     rows = []
     for (dim, variant), rs in runs.items():
         base = runs[(dim, "baseline")]
-        step, join = (statistics.median(r[k] for r in rs) for k in ("step_s", "join_s"))
-        base_step, base_join = (statistics.median(r[k] for r in base) for k in ("step_s", "join_s"))
-        rows.append({"dim": dim, "variant": variant, "step_ms": 1e3 * step, "join_ms": 1e3 * join,
-                     "step_ratio": step / base_step, "join_ratio": join / base_join,
-                     "step_ms_runs": [1e3 * r["step_s"] for r in rs], "link": rs[0]["link"]})
+        row = {"dim": dim, "variant": variant, "link": rs[0]["link"],
+               "step_ms_runs": [1e3 * r["step_s"] for r in rs]}
+        for key in ("step_s", "join_s", "worker_cpu_s", "server_cpu_s"):
+            mine, theirs = statistics.median(r[key] for r in rs), statistics.median(r[key] for r in base)
+            row[key.replace("_s", "_ms")], row[key.replace("_s", "_ratio")] = 1e3 * mine, mine / theirs
+        rows.append(row)
     return {"baseline_commit": rev, "commit": _git("rev-parse", "HEAD"), "repeats": args.repeats,
             "steps": args.steps, "warmup": args.warmup, "rows_per_worker": args.rows, "link": args.link,
             "results": rows}
@@ -266,10 +273,13 @@ def _report(runs: dict, rev: str, args) -> dict:
 def _print(report: dict) -> None:
     print(f"baseline {report['baseline_commit'][:10]}, this tree {report['commit'][:10]}; link {report['link']}; "
           f"medians of {report['repeats']} runs of {report['steps']} steps (first {report['warmup']} left out)")
-    print(f"{'dim':>8} {'variant':>9} {'step ms':>9} {'x base':>7} {'join ms':>9} {'x base':>7}")
+    cols = (("step", "step_ms", "step_ratio", 9, 3), ("join", "join_ms", "join_ratio", 8, 1),
+            ("worker CPU/step", "worker_cpu_ms", "worker_cpu_ratio", 15, 3),
+            ("server CPU/push", "server_cpu_ms", "server_cpu_ratio", 15, 3))
+    print(f"{'dim':>8} {'variant':>9}" + "".join(f" {name + ' ms':>{w}} {'x base':>7}" for name, _, _, w, _ in cols))
     for r in report["results"]:
-        print(f"{r['dim']:>8} {r['variant']:>9} {r['step_ms']:>9.3f} {r['step_ratio']:>7.3f} "
-              f"{r['join_ms']:>9.1f} {r['join_ratio']:>7.3f}")
+        print(f"{r['dim']:>8} {r['variant']:>9}"
+              + "".join(f" {r[k]:>{w}.{d}f} {r[q]:>7.3f}" for _, k, q, w, d in cols))
     t = report["throughput"]
     print(f"loopback, 1 MiB messages, {t['nbytes'] >> 20} MiB: NULL {t['null']['bytes_per_s'] / 1e6:.0f} MB/s "
           f"({t['null']['cpu_s']:.2f} CPU s), CURVE {t['curve']['bytes_per_s'] / 1e6:.0f} MB/s "
