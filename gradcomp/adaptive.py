@@ -48,14 +48,8 @@ CANDIDATES: dict[str, Callable[[], Compressor]] = {
     name: catalog.entry(name).build for name in ("none", "fp16", "bf16", "int8", "topk", "topk-int8")}
 #: the default ladder: none, fp16, int8, top-k 1% with int8 values
 DEFAULT_CANDIDATES = ("none", "fp16", "int8", "topk-int8")
-#: steps to a target accuracy relative to uncompressed training, per named candidate
-#: (the default ``convergence``). Measured by the time study, ``gradcomp train --mode sync
-#: --compressors none,fp16,int8-ef,topk-int8-ef --seeds 3 --steps 200 --eval-every 5
-#: --target-acc 0.956`` and the same with ``--compressors none,bf16,topk-ef`` (digits, MLP
-#: 64-384-256-10, 4 workers x batch 64, SGD lr 0.1 momentum 0.9, loopback; DDP runs are
-#: deterministic, so the steps to the target do not depend on the link): none needs 55 / 65 / 50
-#: steps to 95.6% (seeds 0 / 1 / 2); fp16, bf16 and int8 + error feedback the same steps; top-k 1%
-#: + error feedback and top-k 1% + int8 + error feedback 75 / 95 / 80, i.e. 250 / 170 = 1.47 in all
+#: steps to a target accuracy relative to uncompressed training, per named candidate (the
+#: default ``convergence``); how they were measured: docs/results/adaptive.md#the-convergence-factors
 CONVERGENCE: dict[str, float] = {"none": 1.0, "fp16": 1.0, "bf16": 1.0, "int8": 1.0, "topk": 1.47,
                                  "topk-int8": 1.47}
 #: largest convergence factor accepted (and the inverse of the smallest): a step time

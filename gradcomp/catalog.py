@@ -24,7 +24,6 @@ __all__ = ["CatalogEntry", "ENTRIES", "NAMES", "TOPK_DENSITY", "DGC_DENSITY", "e
 TOPK_DENSITY = 0.01
 #: final density of the ``dgc*`` entries, Deep Gradient Compression's 0.1% (Lin et al. 2018)
 DGC_DENSITY = 0.001
-_DENSE_KINDS = ("raw", "fp16", "bf16", "int8")
 
 
 @dataclass(frozen=True)
@@ -90,9 +89,9 @@ class CatalogEntry:
             raise ValueError(f"threshold applies to threshold entries only, not {self.name!r}")
         if density is not None and self.kind != "topk":
             raise ValueError(f"density applies to top-k entries only, not {self.name!r}")
-        if self.kind in _DENSE_KINDS:
-            return {"raw": C.NoCompression, "fp16": C.FP16, "bf16": C.BF16,
-                    "int8": C.Int8Quantizer}[self.kind]()
+        if not self.sparse:  # the dense compressor class that writes this wire codec
+            return next(cls for cls in (C.NoCompression, C.FP16, C.BF16, C.Int8Quantizer)
+                        if cls.codec == self.kind)()
         values = C.Int8Quantizer() if self.values == "int8" else None
         if self.kind == "threshold":
             if threshold is None:

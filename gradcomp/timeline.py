@@ -20,8 +20,8 @@ transfer time (see :func:`sync_step_phases`). A step's phases are
 attributed so that they add up to its wall time exactly (``other`` takes
 what no phase claims).
 
-Cost: a span is two clock reads and one list append under a lock (about a
-microsecond); a step of the default study has fewer than 20.
+Cost: a span is two clock reads and one list append under a lock; what the
+study's steps pay for it: docs/results/time-study.md.
 """
 
 from __future__ import annotations

@@ -166,9 +166,15 @@ def test_every_results_page_says_where_its_figures_come_from():
         assert "| host |" in text, f"{page.name}: no host row"
 
 
+def _anchors(page: pathlib.Path) -> set[str]:
+    """The ids MkDocs gives a page's headings (the toc extension's default slugify)."""
+    headings = re.findall(r"^#+\s+(.+?)\s*$", _FENCE.sub("", page.read_text()), re.M)
+    return {re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", h).strip().lower()) for h in headings}
+
+
 def test_every_doc_page_the_code_points_to_exists():
     # module docstrings link to their doc page ("docs/adaptive.md"): a renamed page breaks them
-    pointer = re.compile(r"\bdocs/[\w./-]+?\.(?:md|png)\b")
+    pointer = re.compile(r"\bdocs/[\w./-]+?\.(?:md|png)\b(?:#[\w-]+)?")
     sources = [*ROOT.glob("gradcomp/**/*.py"), *ROOT.glob("benchmarks/*"), *ROOT.glob("examples/*.py"),
                *ROOT.glob("tests/*.py"), ROOT / ".ci" / "run", ROOT / "mkdocs.yml"]
     seen, missing = set(), []
@@ -176,8 +182,9 @@ def test_every_doc_page_the_code_points_to_exists():
         if not path.is_file():
             continue
         for ref in pointer.findall(path.read_text(errors="replace")):
-            seen.add(ref)
-            if not (ROOT / ref).is_file():
+            page, _, anchor = ref.partition("#")
+            seen.add(page)
+            if not (ROOT / page).is_file() or (anchor and anchor not in _anchors(ROOT / page)):
                 missing.append(f"{path.relative_to(ROOT)}: {ref}")
     assert "docs/settings.md" in seen  # the scan finds what it should
     assert not missing, f"doc pages the code names that do not exist: {missing}"

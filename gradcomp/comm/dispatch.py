@@ -129,8 +129,8 @@ def allreduce(
             also the accumulation workspace, so no n-element buffer is allocated.
         check: exchange a 40-byte descriptor with every other rank first
             when it differs from the last one the group agreed on (see above
-            and :mod:`gradcomp.comm.agreement`): one small round trip, about
-            1-3 ms on gloo over loopback on a busy 2-core host, paid once by a
+            and :mod:`gradcomp.comm.agreement`): one small round trip
+            (docs/results/transport-choices.md), paid once by a
             loop that reduces the same tensor every step (but on every call
             by one alternating between different calls on one group: give
             each its own group). Like the other

@@ -4,9 +4,8 @@ Every gradcomp collective is built from :meth:`Comm.exchange`: a set of
 messages (1-D ``torch.uint8`` tensors) sent to and received from peers of the
 group at the same time, each cut into up to :data:`PIECES` contiguous pieces
 that travel as concurrent ``isend`` / ``irecv`` pairs (one tag per piece).
-One large send/recv pair leaves a bandwidth-limited link half idle on gloo
-(measured on a 0.125 GB/s link: one 4 MiB pair reached 0.06 GB/s, four
-concurrent 1 MiB pairs 0.11 GB/s); several pieces in flight keep it busy.
+One large send/recv pair leaves a bandwidth-limited link half idle on gloo;
+several pieces in flight keep it busy (docs/results/transport-choices.md).
 
 Receivers must know each message's size in advance (wire sizes are
 deterministic for dense compressors; sparse payload sizes are exchanged

@@ -53,9 +53,7 @@ __all__ = ["MIN_SEGMENT_NUMEL", "MAX_SEGMENTS", "TAG_BASE", "applies", "segment_
 MIN_SEGMENT_NUMEL = 2**17
 #: most segments per chunk. The compute left exposed is one segment per step,
 #: but each segment costs two messages per step and, with more ranks than
-#: cores, wake-ups: on 2 cores at 2**24 elements and 1 Gbit/s (medians of 5,
-#: same run) 2 / 3 / 4 segments took 165 / 149 / 153 ms at world 2 and
-#: 227 / 237 / 226 ms at world 4, against 217 and 293 ms unsegmented
+#: cores, wake-ups; how 2, 3 and 4 compared: docs/results/transport-choices.md
 MAX_SEGMENTS = 4
 #: tag of the first segment exchange (below it: the ring's pieces, the
 #: agreement and size exchanges); each exchange takes :data:`PIECES` tags

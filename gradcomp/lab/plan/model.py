@@ -93,8 +93,8 @@ elements), where DDP's hook compresses one flat bucket.
 
 **Shared host** (:class:`~gradcomp.lab.plan.host.Host`, ``Setting.host`` with
 ``ranks_per_host`` processes on ``cores`` cores, and ``background_load``
-runnable processes of other jobs; the time study runs 4 workers, and in
-async the server, on 2 cores shared with other work). Processor sharing: codec
+runnable processes of other jobs, as when the time study's workers, and in
+async the server, share a few cores with other work). Processor sharing: codec
 kernels and the server's work take ``share = max(1, runnable / cores)``
 times their one-core time. A collective's exchange step waits for a
 descheduled peer, ``skew = slice_s (share - 1)``, which overlaps the
@@ -119,8 +119,8 @@ Not modelled (stated so that a disagreement with a measurement can be
 traced): contention between the hook's compression and the same rank's
 backward (one bucket per step in the time study: nothing to overlap), the
 ring's progress before a late straggler arrives, the parameter-server
-worker's own per-tensor bookkeeping beyond its codec calls (top-k + int8 in
-async: 21 ms measured against 6 ms priced), network congestion beyond
+worker's own per-tensor bookkeeping beyond its codec calls (what it costs:
+docs/results/plan-validation.md), network congestion beyond
 one link per node (a non-blocking fabric is assumed), the agreement message
 of the first call, and zeroing / dividing the allgather's output.
 """
@@ -164,7 +164,7 @@ MIN_COMPRESS_NUMEL = 16384
 #: the compressors the planner prices, names of :mod:`gradcomp.catalog`
 PLAN_NAMES = ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-ef", "threshold-ef")
 #: accuracy gap in points ``recommend`` assumes per compressor (the default study's sync gap on
-#: digits, docs/results/decision-table.md; 0 where none was measurable)
+#: digits, docs/results/default-study.md; 0 where none was measurable)
 GAP_PTS = {"topk-ef": 0.22, "topk-int8-ef": 0.22}
 
 ALGORITHMS = ("ring", "two_phase", "allgather", "ps")

@@ -12,12 +12,10 @@ Settings: final density :data:`gradcomp.catalog.DGC_DENSITY` (0.1%, the paper's,
 parameter); local clipping off (the study's baseline does not clip either);
 momentum factor masking on; warm-up over ``cfg.dgc_warmup_epochs`` epochs
 (``gradcomp train --dgc-warmup``) from :data:`WARMUP_START` in four stages:
-none by default (:data:`WARMUP_EPOCHS`). The paper warms up for
-4 epochs from 25%; on the study's 350-step runs that costs 4x the bytes of
-the rest of the run and measured no better accuracy (README). At 0.1% a
-worker sends each coordinate about once in 1,000 steps: a row comes within
-0.5 points of ``none`` only on runs of about 3x the workloads' default steps
-(``gradcomp train --steps``; one of the two rows on each workload, README).
+none by default (:data:`WARMUP_EPOCHS`; the paper warms up for 4 epochs from
+25%). At 0.1% a worker sends each coordinate about once in 1,000 steps, so a
+row needs longer runs than the workloads' defaults (``gradcomp train --steps``)
+to come near ``none``; what the rows measured: docs/results/dgc.md.
 """
 
 from __future__ import annotations
