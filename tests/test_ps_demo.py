@@ -44,4 +44,6 @@ def test_summary_and_json(tmp_path):
                        capture_output=True, text=True, timeout=300)
     doc = json.loads(r.stdout)
     assert doc["updates"] == 10 and doc["link"]["name"] == "none"
-    assert doc["security"] == "curve" and doc["refused_connections"] == 0
+    # no connection of the job was refused (a worker that closes a connection mid-handshake, as one
+    # that finishes 5 steps before its heartbeat socket's CURVE handshake completes, counts apart)
+    assert doc["security"] == "curve" and set(doc["refused_reasons"]) <= {"handshake not completed"}
