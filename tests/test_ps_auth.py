@@ -264,4 +264,5 @@ def test_curve_encrypts_every_message_and_plain_does_not(encrypt):
     # PLAIN: the observer reads the headers, the gradients and rank 2's password; CURVE: none of them
     seen = (tapped["magic"], tapped["gradient"], tapped["password"])
     assert seen == ((False, False, False) if encrypt else (True, True, True))
-    assert server["done_workers"] == [1, 2] and server["refused_connections"] == 0
+    assert server["done_workers"] == [1, 2]
+    assert set(server["refused_reasons"]) <= {"handshake not completed"}  # none of the job's refused
