@@ -60,8 +60,8 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import _validate as v
-from gradcomp.adaptive import Adaptive
-from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce, native
+from gradcomp.adaptive import POLICY_ALGORITHMS, Adaptive
+from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, INPUT_DTYPES, allreduce, check_algorithm, native
 from gradcomp.compressors import DGC, Compressor, Int8Quantizer, TopK, unwrapped
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import StepTimeline, span
@@ -128,8 +128,10 @@ class GradCompState:
 
     Args:
         process_group: the group DDP reduces over (default: the world).
-        compressor: a dense (``algorithm`` ``"ring"`` / ``"two_phase"``) or
-            sparse (``"allgather"``) gradcomp compressor, not wrapped in
+        compressor: a dense (``algorithm`` ``"ring"`` / ``"two_phase"`` /
+            ``"halving_doubling"``) or sparse (``"allgather"``; an exact
+            ``TopK(ratio=...)`` for ``"sparse_reduce_scatter"``) gradcomp
+            compressor, not wrapped in
             ErrorFeedback (the state keeps the residuals itself); or
             ``"auto"`` / a :class:`gradcomp.Adaptive`: adaptive compression,
             per bucket the least compression that keeps communication hidden
@@ -138,8 +140,11 @@ class GradCompState:
             every switch).
         error_feedback: keep per-parameter residuals (ignored for lossless
             compressors such as NoCompression).
-        algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"`` (see
-            :func:`gradcomp.allreduce`).
+        algorithm: ``"ring"``, ``"two_phase"``, ``"allgather"``,
+            ``"halving_doubling"`` or ``"sparse_reduce_scatter"`` (see
+            :func:`gradcomp.allreduce`; the sparse reduce-scatter keeps what
+            a region owner's re-selection drops in that rank's per-parameter
+            residuals).
         min_compress_numel: buckets with fewer elements use a plain allreduce.
         start_iter: steps before this one use a plain allreduce (DDP rebuilds
             its buckets after the first step; residuals are per parameter, so
@@ -213,20 +218,15 @@ class GradCompState:
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
         if isinstance(compressor, Adaptive):
-            v.choice("algorithm", algorithm, DENSE_ALGORITHMS)  # of the dense candidates
+            v.choice("algorithm", algorithm, POLICY_ALGORITHMS)  # of the dense candidates
         else:
             compressor = unwrapped(compressor, "compressor", "with error_feedback=True the state keeps "
                                    "residuals per parameter", " or 'auto'")
             v.choice("algorithm", algorithm, ALGORITHMS)
-            if algorithm in DENSE_ALGORITHMS and compressor.sparse:
-                raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "
-                                 "use algorithm='allgather'")
-            if algorithm == "allgather" and not compressor.sparse:
-                raise ValueError(f"algorithm 'allgather' needs a sparse compressor (TopK, Threshold), "
-                                 f"got {compressor!r}")
-            if algorithm in DENSE_ALGORITHMS and compressor.wire_nbytes((1,)) is None:
-                raise ValueError(f"algorithm {algorithm!r} needs a compressor with a fixed wire size, "
-                                 f"got {compressor!r}")
+            check_algorithm(algorithm, compressor)
+            if dgc is not None and algorithm != "allgather":
+                raise ValueError(f"DGC selects per parameter over the whole bucket: it needs algorithm="
+                                 f"'allgather', got {algorithm!r}")
         min_compress_numel = v.integer("min_compress_numel", min_compress_numel, 0)
         start_iter = v.integer("start_iter", start_iter, 0)
         if meter is not None and not isinstance(meter, TrafficMeter):

@@ -84,7 +84,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomp import _validate as v
-from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce
+from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, INPUT_DTYPES, allreduce, check_algorithm
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import StepTimeline
@@ -209,8 +209,10 @@ class LocalSGD:
         meter: optional :class:`~gradcomp.TrafficMeter`.
         error_feedback: keep residuals of the pseudo-gradients (ignored for
             lossless compressors).
-        algorithm: ``"ring"`` or ``"two_phase"`` for dense compressors,
-            ``"allgather"`` for sparse ones; None picks ``"ring"`` or ``"allgather"``.
+        algorithm: ``"ring"``, ``"two_phase"`` or ``"halving_doubling"`` for
+            dense compressors, ``"allgather"`` or ``"sparse_reduce_scatter"``
+            for sparse ones (:func:`gradcomp.allreduce`); None picks
+            ``"ring"`` or ``"allgather"``.
         fragments: ``F``, fragments synced in turn; must divide ``sync_every``.
         overlap: ``tau``, inner steps between the start of a fragment's
             exchange and the application of its update (0: at once, no thread);
@@ -257,9 +259,7 @@ class LocalSGD:
         if algorithm is None:
             algorithm = "allgather" if compressor.sparse else "ring"
         v.choice("algorithm", algorithm, ALGORITHMS)
-        if (algorithm in DENSE_ALGORITHMS) == compressor.sparse:
-            raise ValueError(f"algorithm {algorithm!r} does not fit {compressor!r}: dense compressors use "
-                             f"{DENSE_ALGORITHMS}, sparse ones 'allgather'")
+        check_algorithm(algorithm, compressor)
         if not (outer_optimizer is None or callable(outer_optimizer) or outer_optimizer in OUTER_OPTIMIZERS):
             raise ValueError(f"outer_optimizer must be None, one of {OUTER_OPTIMIZERS} or a callable "
                              f"params -> torch.optim.Optimizer, got {outer_optimizer!r}")

@@ -23,7 +23,7 @@ ALLOWED_PRIVATE_IMPORTS: set[str] = set()
 # module docstrings longer than MAX_MODULE_DOC_LINES: path -> today's length (may only shrink)
 MAX_MODULE_DOC_LINES = 20
 ALLOWED_LONG_MODULE_DOCS = {
-    "gradcomp/lab/plan/model.py": 125, "gradcomp/ps/__init__.py": 96,
+    "gradcomp/lab/plan/model.py": 93, "gradcomp/ps/__init__.py": 96,
     "gradcomp/localsgd.py": 72, "gradcomp/lab/bench/kernels/__init__.py": 65,
     "gradcomp/lab/bench/allreduce.py": 63, "gradcomp/comm/agreement.py": 59,
     "gradcomp/lab/cluster.py": 54, "gradcomp/wire.py": 52, "gradcomp/kernels/reference.py": 50,
@@ -42,7 +42,7 @@ ALLOWED_LONG_MODULE_DOCS = {
 # files longer than MAX_FILE_LINES (rule 1's soft ceiling): path -> today's length (may only shrink)
 MAX_FILE_LINES = 600
 ALLOWED_LONG_FILES = {
-    "gradcomp/adaptive.py": 948, "gradcomp/lab/plan/model.py": 818, "gradcomp/lab/study/pipeline.py": 655,
+    "gradcomp/adaptive.py": 948, "gradcomp/lab/plan/model.py": 664, "gradcomp/lab/study/pipeline.py": 655,
 }
 # package __init__.py files that hold more than re-exports (rule 5)
 ALLOWED_INIT_CODE = {"gradcomp/kernels/__init__.py", "gradcomp/kernels/triton/__init__.py",

@@ -83,6 +83,20 @@ def test_compressor_menu():
         COMPRESSORS["threshold-ef"].build(None)
 
 
+def test_each_row_runs_on_the_algorithm_that_takes_it():
+    cfg = TrainConfig(algorithm="halving_doubling", sparse_algorithm="sparse_reduce_scatter")
+    assert cfg.algorithm_for(COMPRESSORS["int8"]) == "halving_doubling"
+    assert cfg.algorithm_for(COMPRESSORS["topk-int8-ef"]) == "sparse_reduce_scatter"
+    assert cfg.algorithm_for(COMPRESSORS["topk-ef"]) == "sparse_reduce_scatter"
+    # threshold's sizes vary, DGC selects per parameter: both stay on the allgather
+    assert cfg.algorithm_for(COMPRESSORS["threshold-ef"]) == "allgather"
+    assert cfg.algorithm_for(COMPRESSORS["dgc"]) == "allgather"
+    assert cfg.algorithm_for(COMPRESSORS["auto"]) == "ring"  # not among the policy's algorithms
+    assert TrainConfig().algorithm_for(COMPRESSORS["topk-ef"]) == "allgather"
+    with pytest.raises(ValueError, match="sparse_algorithm must be one of"):
+        TrainConfig(sparse_algorithm="ring")
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="workers"):
         TrainConfig(workers=0)

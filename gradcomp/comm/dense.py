@@ -34,14 +34,16 @@ class Plan:
     Args:
         numel: elements of the flattened input.
         world_size: ranks in the group.
-        compressor: the dense compressor for sums (not an ErrorFeedback:
+        compressor: the compressor for sums (dense, or an exact top-k for the
+            sparse reduce-scatter; not an ErrorFeedback:
             ErrorFeedback payloads have the wrapped compressor's size anyway).
 
     Attributes:
         bounds: ``[(lo, hi)]`` per chunk (see :mod:`gradcomp.comm.chunks`).
         wire_nbytes: wire size in bytes of chunk ``j``'s payload.
         raw_nbytes: ``4 * len_j``: the bytes chunk ``j`` takes in a float32 ring.
-        reuse: wires are compressed into pooled buffers (:meth:`wire_buffer`).
+        reuse: wires are compressed into pooled buffers (:meth:`wire_buffer`;
+            dense compressors only).
     """
 
     def __init__(self, numel: int, world_size: int, compressor: Compressor):
@@ -49,7 +51,7 @@ class Plan:
         self.bounds = chunk_bounds(numel, world_size)
         self.wire_nbytes = [compressor.wire_nbytes((hi - lo,), torch.float32) for lo, hi in self.bounds]
         self.raw_nbytes = [FLOAT32_BYTES * (hi - lo) for lo, hi in self.bounds]
-        self.reuse = compressor._takes_out()
+        self.reuse = compressor._takes_out() and not compressor.sparse  # sparse: no out= (sizes vary)
 
     def wire_buffer(self, comm: Comm, j: int, device) -> torch.Tensor | None:
         """A pooled buffer for a wire of chunk ``j`` to compress into (valid

@@ -14,8 +14,10 @@ import torch.distributed as dist
 from gradcomp import _validate as v
 from gradcomp import wire as W
 from gradcomp.comm import allgather as _allgather
+from gradcomp.comm import halving_doubling as _halving_doubling
 from gradcomp.comm import pipelined as _pipelined
 from gradcomp.comm import ring as _ring
+from gradcomp.comm import sparse_reduce_scatter as _sparse_reduce_scatter
 from gradcomp.comm import two_phase as _two_phase
 from gradcomp.comm._args import (ALGORITHMS, DEFAULT_TIMEOUT, NAMES, OPS, check_args,
                                  member_group)
@@ -74,6 +76,15 @@ def allreduce(
     * ``"allgather"`` (sparse compressors: TopK, Threshold): payload sizes are
       exchanged, payloads gathered over the ring unchanged, and every rank sums
       the union in float32 in rank order.
+    * ``"halving_doubling"`` (dense compressors): recursive halving
+      reduce-scatter, the owner's compressed chunk sum, recursive doubling
+      allgather of the owners' bytes; ``2 log2 N`` messages per rank (ranks
+      beyond a power of two folded in: 2 more), for small buckets; at most
+      ``log2 N + 2`` quantizations of any partial sum's contribution.
+    * ``"sparse_reduce_scatter"`` (exact ``TopK`` with a ``ratio``): each rank
+      sends the top-k of every region to its owner, which sums, re-selects
+      the top-k and shares its bytes as in the ring's allgather; what the
+      re-selection drops stays in the owner's error-feedback residual.
 
     Every rank ends bit-identical because each chunk's final value is the
     decompression of one set of bytes that every rank (its owner included)
@@ -87,33 +98,47 @@ def allreduce(
 
     * ``compressor`` an :class:`~gradcomp.ErrorFeedback`: residual key
       ``(key, j)`` for chunk ``j`` that this rank compresses alone (the ring:
-      chunk ``rank - 1 mod N``; two-phase: every chunk but ``rank``);
-      ``key`` itself for the allgather algorithm (the whole tensor).
+      chunk ``rank - 1 mod N``; two-phase and the sparse reduce-scatter: every
+      chunk but ``rank``); ``key`` itself for the allgather algorithm (the
+      whole tensor); ``(key, ("halving_doubling", lo, hi))`` for the element
+      range ``[lo, hi)`` halving-doubling compresses alone (the first half it
+      sends, or a folded rank's whole tensor); the sparse reduce-scatter's
+      owner keeps what its re-selection drops under ``(key, rank)``.
     * ``residual``: a flat float32 memory for the whole tensor, updated in
       place: compressed ranges keep their compression error, ranges added
-      exactly are delivered with their residual, which resets to zero.
+      exactly are delivered with their residual, which resets to zero (the
+      sparse reduce-scatter's owner then keeps what its re-selection drops
+      in its region).
 
     Traffic: ``meter`` records the bytes this rank really sent and received
     per phase (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``,
-    ``"sizes"``) and, as
+    ``"sizes"``, and ``"fold"`` for halving-doubling's extra ranks) and, as
     raw bytes, what a float32 ring allreduce over the same chunks would have
     moved: ``4 (2 n - len_rank - len_{rank+1})`` bytes sent per rank, i.e.
     ``2 (N - 1) / N * 4 n`` when ``N`` divides ``n``
-    (:func:`gradcomp.comm.chunks.ring_raw_bytes`).
+    (:func:`gradcomp.comm.chunks.ring_raw_bytes`); halving-doubling and the
+    sparse reduce-scatter count, per message, the float32 bytes of the
+    elements it carries (halving-doubling: ``2 (p - 1) / p * 4 n`` for a
+    rank of the power-of-two group ``p``, ``4 n`` plus ``4 n`` more per
+    folded partner).
 
     Args:
         tensor: float32/float16/bfloat16 tensor of any shape (any number of
             elements, 0 included) on the group's device (CPU for gloo, the
             current CUDA device for NCCL). Not modified.
         compressor: a gradcomp compressor: dense (NoCompression, FP16, BF16,
-            Int8Quantizer) for ``"ring"`` / ``"two_phase"``, sparse (TopK,
-            Threshold) for ``"allgather"``; optionally wrapped in ErrorFeedback.
+            Int8Quantizer) for ``"ring"`` / ``"two_phase"`` /
+            ``"halving_doubling"``, sparse (TopK, Threshold) for
+            ``"allgather"``, exact ``TopK(ratio=...)`` for
+            ``"sparse_reduce_scatter"``; optionally wrapped in ErrorFeedback.
             Or a :class:`~gradcomp.comm.policy.CodecPolicy` such as
             :class:`gradcomp.Adaptive`, which picks the compressor of each
             call (``algorithm`` is then the algorithm of its dense choices;
             see :meth:`gradcomp.Adaptive.allreduce`).
         op: ``"avg"`` (divide the sum by the group size) or ``"sum"``.
-        algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"``.
+        algorithm: one of :data:`~gradcomp.comm.ALGORITHMS`: ``"ring"``,
+            ``"two_phase"``, ``"allgather"``, ``"halving_doubling"`` or
+            ``"sparse_reduce_scatter"``.
         group: a torch.distributed process group (default: the world).
         meter: optional :class:`~gradcomp.TrafficMeter`.
         timeout: seconds each exchange may take (> 0, finite, at most 1e9).
@@ -148,7 +173,9 @@ def allreduce(
         TypeError: ``tensor`` is not a float32/float16/bfloat16 tensor, or
             ``compressor`` is not a gradcomp compressor.
         ValueError: unknown ``op`` / ``algorithm``; a sparse compressor with a
-            dense algorithm or a dense one with ``"allgather"``; a dense
+            dense algorithm or a dense one with a sparse algorithm; a
+            compressor other than an exact ``TopK`` with a ratio for
+            ``"sparse_reduce_scatter"``; a dense
             compressor without a fixed wire size; a bad ``residual`` or
             ``timeout``; this process is not in ``group``; the ranks of the
             group passed different numels, ops, algorithms or compressors
@@ -206,13 +233,20 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
             fixed = local.inner.wire_nbytes((n,), torch.float32)  # None for data-dependent sizes
             descriptor["wire_nbytes"] = -1 if fixed is None else fixed
         else:
-            plan = Plan(n, comm.world_size, local.inner)
+            chunks = comm.world_size
+            if algorithm == "halving_doubling":  # one chunk per rank of the power-of-two group
+                chunks = _halving_doubling.layout(comm.world_size, comm.rank)[0]
+            plan = Plan(n, chunks, local.inner)
             descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
         if check:
             check_call(comm, descriptor, x.device)  # before anything changes
         try:
             if algorithm == "allgather":
                 _allgather.allreduce(comm, local, work, op)
+            elif algorithm == "halving_doubling":
+                _halving_doubling.allreduce(comm, local, plan, work, op)
+            elif algorithm == "sparse_reduce_scatter":
+                _sparse_reduce_scatter.allreduce(comm, local, plan, work, op)
             elif algorithm == "ring" and _pipelined.applies(local, plan):
                 _pipelined.allreduce(comm, local, plan, work, op)
             else:

@@ -17,9 +17,9 @@ elements), every rank holds
 ``randn(n)`` (seed = rank) and each method averages it across ranks:
 
 * ``torch all_reduce f32``: ``dist.all_reduce`` of the float32 tensor (the baseline);
-* gradcomp :func:`gradcomp.allreduce`: ``none ring`` (float32 on the wire),
-  ``fp16 ring``, ``int8 ring``, ``int8 two_phase``, ``topk1% allgather`` and
-  ``topk1%+int8 allgather`` (top-k values int8-quantized);
+* gradcomp :func:`gradcomp.allreduce`: ``none ring`` (float32 on the wire), ``fp16 ring``,
+  ``int8 ring``, ``int8 two_phase``, ``int8 halving_doubling``, ``topk1% allgather``,
+  ``topk1%+int8 allgather`` (values int8) and ``topk1%+int8 sparse_reduce_scatter``;
 * PyTorch's own DDP communication hooks, called directly on a GradBucket-like
   object over the same data (the hooks only use ``buffer()``,
   ``gradients()``, ``index()`` and ``is_last()``): ``fp16_compress_hook``,
@@ -233,9 +233,12 @@ def _methods():
         Method("fp16 ring", "gradcomp", _gradcomp(gc.FP16, "ring")),
         Method("int8 ring", "gradcomp", _gradcomp(gc.Int8Quantizer, "ring")),
         Method("int8 two_phase", "gradcomp", _gradcomp(gc.Int8Quantizer, "two_phase")),
+        Method("int8 halving_doubling", "gradcomp", _gradcomp(gc.Int8Quantizer, "halving_doubling")),
         Method("topk1% allgather", "gradcomp", _gradcomp(lambda: gc.TopK(ratio=0.01), "allgather")),
         Method("topk1%+int8 allgather", "gradcomp",
                _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "allgather")),
+        Method("topk1%+int8 sparse_reduce_scatter", "gradcomp",
+               _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "sparse_reduce_scatter")),
         Method("torch fp16_compress_hook", "torch hook", _hook("fp16")),
         Method("torch quantization_pertensor_hook", "torch hook", _hook("quant")),
         Method(f"torch powerSGD_hook rank {_POWERSGD_RANK}", "torch hook", _hook("powersgd"), warmup=2),
@@ -415,7 +418,8 @@ def main(argv=None) -> int:
     p.add_argument("--worlds", type=_ints, default=[2, 4], help="comma-separated rank counts (default 2,4)")
     p.add_argument("--repeat", type=int, default=5, help="timed calls per method (default 5)")
     p.add_argument("--methods", default=None,
-                   help="comma-separated method names to run (default: all); see the table for names")
+                   help="comma-separated method names to run (default: all; the float32 baseline "
+                        "always runs); see the table for names")
     p.add_argument("--link", type=_links, default=["none"], metavar="LIST",
                    help="comma-separated links: none (loopback, default) or rates such as "
                         "100mbit,1gbit,10gbit (an emulated cluster, needs root and iproute2)")
@@ -451,6 +455,7 @@ def main(argv=None) -> int:
         unknown = sorted(set(names) - set(method_names()))
         if unknown:
             p.error(f"unknown --methods {unknown}; choose from {method_names()}")
+        names = [BASELINE] + [n for n in names if n != BASELINE]  # every ratio is against it
 
     import gradcomp as gc
 

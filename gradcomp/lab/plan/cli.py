@@ -229,7 +229,8 @@ def _table(title: str, columns, rows, text: int = 2):
     return t
 
 
-_SHORT = {"ring": "R", "two_phase": "2P", "allgather": "AG", "ps": "PS"}
+_SHORT = {"ring": "R", "two_phase": "2P", "allgather": "AG", "halving_doubling": "HD",
+          "sparse_reduce_scatter": "SRS", "ps": "PS"}
 
 
 def _short(key: str) -> str:
@@ -280,7 +281,8 @@ def _project(args) -> int:
     # an assumption); plan.json has every one
     keys = [k for k in (rows[0]["speedup"] if rows else []) if not k.startswith(("bf16/", "threshold"))]
     con.print(_table("speed-up of each sync compressor/algorithm over none/ring "
-                     "(R ring, 2P two-phase, AG allgather, PS parameter server)",
+                     "(R ring, 2P two-phase, HD halving-doubling, AG allgather, SRS sparse "
+                     "reduce-scatter, PS parameter server)",
                      ["params", "link", "N"] + [_short(k) for k in keys],
                      [[format_count(r["params"]), r["link"], str(r["nodes"])]
                       + [f"{r['speedup'][k]:.2f}" for k in keys] for r in rows]))

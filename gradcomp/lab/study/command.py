@@ -25,7 +25,7 @@ import time
 
 from gradcomp.lab.cluster import jitter_type, link_type
 from gradcomp.lab.study.config import (ALGORITHMS, ALL_MODES, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
-                                   TrainConfig, parse_compressors)
+                                       SPARSE_ALGORITHMS, TrainConfig, parse_compressors)
 from gradcomp.lab.study.menu import WORKLOADS
 from gradcomp.lab.study.output import DEFAULT_OUT, prepare_out
 from gradcomp.lab.study.scenarios import scenario_list
@@ -210,7 +210,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=d.seed,
                    help="seed of the model, the data split and the data order (default 0)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default=d.algorithm,
-                   help="sync allreduce for dense codecs (default ring); sparse codecs use allgather")
+                   help="allreduce of the dense codecs in sync and local modes (default ring)")
+    p.add_argument("--sparse-algorithm", choices=SPARSE_ALGORITHMS, default=d.sparse_algorithm,
+                   help="allreduce of topk-ef and topk-int8-ef (default allgather); threshold and DGC "
+                        "rows use allgather")
     p.add_argument("--threshold", type=_nonnegative_float, default=None,
                    help="threshold of threshold-ef (default: calibrated to the top 1%% of the "
                         "first gradient's magnitudes)")
@@ -342,7 +345,8 @@ def _config(args: argparse.Namespace) -> TrainConfig:
                        async_momentum=args.async_momentum, seed=args.seed,
                        **({} if args.dgc_warmup is None else {"dgc_warmup_epochs": args.dgc_warmup}),
                        workload=w.name, data_dir=args.data_dir, data_file=args.data_file,
-                       algorithm=args.algorithm, eval_every=args.eval_every,
+                       algorithm=args.algorithm, sparse_algorithm=args.sparse_algorithm,
+                       eval_every=args.eval_every,
                        threshold=args.threshold, timeout=args.timeout,
                        straggler=args.straggler, compute_jitter=args.compute_jitter, **local)
 
