@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import gradcomp as gc
 from gradcomp.comm import agreement, chunk_bounds
-from gradcomp.comm.halving_doubling import ALIGN, gathered_offsets, layout
+from gradcomp.comm.halving_doubling import ALIGN, fold_layout, gathered_offsets
 from gradcomp.launch import launch
 
 TIMEOUT = 240
@@ -117,7 +117,7 @@ def _traffic(group, rank, w):
 
 def _error_feedback(group, rank, w):
     n = 1000
-    p, me, partner = layout(w, rank)
+    p, me, partner = fold_layout(w, rank)
     ef = gc.ErrorFeedback(gc.Int8Quantizer())
     gc.allreduce(_inputs(rank, n, 5), ef, algorithm="halving_doubling", group=group, key="w", timeout=30)
     if w == 1 or (me >= 0 and partner >= 0):
@@ -182,7 +182,7 @@ def _disagreement(group, rank, w):
 @pytest.mark.parametrize("world", range(1, 17))
 def test_layout_folds_the_extra_ranks_into_a_power_of_two(world):
     p = 1 << (world.bit_length() - 1)
-    rows = [layout(world, r) for r in range(world)]
+    rows = [fold_layout(world, r) for r in range(world)]
     assert all(row[0] == p for row in rows)
     assert sorted(me for _, me, _ in rows if me >= 0) == list(range(p))  # a bijection onto [0, p)
     extras = [r for r, (_, me, _) in enumerate(rows) if me < 0]
@@ -203,7 +203,7 @@ def test_byte_formula_matches_the_step_by_step_sum():
         p = 1 << (w.bit_length() - 1)
         n = 256 * p * 3
         for r in range(w):
-            _, me, partner = layout(w, r)
+            _, me, partner = fold_layout(w, r)
             if me < 0:
                 continue
             halving = sum(_wire("int8", n // 2**s) for s in range(1, p.bit_length()))

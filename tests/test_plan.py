@@ -206,6 +206,26 @@ def test_calibrate_on_loopback_writes_a_profile(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_calibrate_two_tier_measures_both_tiers(tmp_path, capsys):
+    from gradcomp.lab.cluster import requirements_missing
+
+    if requirements_missing() is not None:
+        pytest.skip(f"emulated cluster unavailable: {requirements_missing()}")
+    out = tmp_path / "profile.json"
+    assert main(["plan", "calibrate", "--link", "1gbit", "--topology", "2x2", "--intra-link", "400mbit",
+                 "--out", str(out), "--repeats", "1", "--kernel-numel", "65536"]) == 0
+    prof = Profile.load(str(out))
+    assert prof.topology == "2x2" and prof.link == "1gbit" and prof.intra["link"] == "400mbit"
+    # each tier's fitted bandwidth near its rate (TCP payload of a tbf-shaped layer-2 rate)
+    assert 0.7 < prof.beta_bytes_per_s / 125e6 < 1.1, prof.beta_bytes_per_s
+    assert 0.7 < prof.intra["beta_bytes_per_s"] / 50e6 < 1.1, prof.intra
+    cluster = prof.source["cluster"]
+    assert cluster["configured_bps"] == 10**9 and cluster["intra"]["configured_bps"] == 4 * 10**8
+    assert cluster["achieved_bps"] > 0 and cluster["intra"]["achieved_bps"] > 0
+    assert "intra-host (2x2)" in capsys.readouterr().out
+
+
 def test_kernel_rates_from_kernels_json(tmp_path):
     def row(op, name, n, median, kind="backend", **kw):
         return {"device": "cpu", "threads": "all", "op": op, "n": n, "dtype": "float32", "density": None,
@@ -404,6 +424,9 @@ def test_projection_and_recommend_commands(tmp_path, capsys):
     (["plan", "recommend", "--nodes", "8", "--link", "1gbit", "--params", "1B", "--compute-ms", "1",
       "--max-gap", "x"], "--max-gap"),
     (["plan", "calibrate", "--link", "fast"], "--link"),
+    (["plan", "calibrate", "--topology", "2"], "--topology"),
+    (["plan", "calibrate", "--topology", "1x4", "--link", "1gbit"], "--topology"),
+    (["plan", "calibrate", "--topology", "2x2"], "--topology"),
     (["plan", "validate", "/nonexistent/dir"], "No such file"),
     (["plan", "--profile", "/nonexistent.json"], "No such file"),
 ])
@@ -557,3 +580,39 @@ def test_projection_prices_the_new_algorithms():
     assert {"int8/halving_doubling", "topk-int8-ef/sparse_reduce_scatter"} <= set(sync)
     assert sync["int8/halving_doubling"]["step_s"] < sync["int8/ring"]["step_s"]
     assert sync["topk-int8-ef/sparse_reduce_scatter"]["bytes_sent"] < sync["topk-int8-ef/allgather"]["bytes_sent"] / 100
+
+
+def test_two_tier_model_bytes_and_time():
+    from gradcomp.comm.chunks import chunk_bounds
+    from gradcomp.lab.plan.model import CODECS
+    from gradcomp.lab.plan.tiers import hierarchical_bytes, hierarchical_seconds
+
+    # NoCompression, one segment: the hand formula of tests/test_hierarchical.py (48-byte headers)
+    n, hosts, per = 3 * 4096 + 7, 2, 2
+    got = hierarchical_bytes(CODECS["none"], n, hosts, per, segments=1)
+    inter = 0
+    for local in range(per):
+        lo, hi = chunk_bounds(n, per)[local]
+        lens = [b - a for a, b in chunk_bounds(hi - lo, hosts)]
+        inter += sum(48 + 4 * k for j, k in enumerate(lens) if j != 0) + sum(
+            48 + 4 * k for j, k in enumerate(lens) if j != 1)
+    s0 = chunk_bounds(n, per)[0][1]
+    assert got == {"inter_host_per_host": inter,
+                   "intra_host_per_rank": 4 * (n - s0) + (per - 1) * (hosts * 48 + 4 * s0)}
+    # int8, 2 x 4, 2**24: per host 2 (H - 1) / H of the compressed bucket, within 0.1%
+    int8 = CODECS["int8"]
+    bucket = int8.compressor(2**24).wire_nbytes((2**24,))
+    per_host = hierarchical_bytes(int8, 2**24, 2, 4)["inter_host_per_host"]
+    assert abs(per_host / bucket - 1.0) < 1e-3
+    # time: the inter-host leg shares the host's link; pipelining hides the shorter stage
+    prof = Profile(alpha_s=1e-4, beta_bytes_per_s=12.5e6, kernels={op: 1e9 for op in OPS},
+                   intra={"alpha_s": 5e-5, "beta_bytes_per_s": 5e8})
+    one = hierarchical_seconds(int8, 2**24, 2, 4, prof, segments=1)
+    four = hierarchical_seconds(int8, 2**24, 2, 4, prof, segments=4)
+    assert one["total"] == pytest.approx(one["intra"] + one["inter"])
+    assert max(four["inter"], four["intra"]) < four["total"] < one["total"]
+    # the link's bytes over its rate bound the inter-host leg from below
+    assert one["inter"] > per_host / prof.beta_bytes_per_s
+    fast = hierarchical_seconds(int8, 2**24, 2, 4, Profile(alpha_s=1e-4, beta_bytes_per_s=125e6,
+                                                             kernels=prof.kernels, intra=prof.intra))
+    assert fast["inter"] < one["inter"] / 5

@@ -11,15 +11,18 @@ import torch.distributed as dist
 
 from gradcomp import _validate as v
 from gradcomp import wire as W
+from gradcomp.comm.topology import INTER_ALGORITHMS
 from gradcomp.compressors import Compressor, TopK, split
 from gradcomp.meter import TrafficMeter
 
 #: every algorithm name
-ALGORITHMS = ("ring", "two_phase", "allgather", "halving_doubling", "sparse_reduce_scatter")
+ALGORITHMS = ("ring", "two_phase", "allgather", "hierarchical", "halving_doubling", "sparse_reduce_scatter")
 #: algorithms for dense compressors (fixed wire sizes)
-DENSE_ALGORITHMS = ("ring", "two_phase", "halving_doubling")
+DENSE_ALGORITHMS = ("ring", "two_phase", "hierarchical", "halving_doubling")
 #: algorithms for sparse compressors (TopK, Threshold)
 SPARSE_ALGORITHMS = ("allgather", "sparse_reduce_scatter")
+#: dense algorithms over one flat group (the adaptive policy's, the hierarchical inter-host leg's)
+FLAT_DENSE_ALGORITHMS = INTER_ALGORITHMS
 #: reduction ops
 OPS = ("avg", "sum")
 #: accepted input dtypes (everything is accumulated in float32)
@@ -27,12 +30,20 @@ INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: default seconds one exchange may take before TimeoutError
 DEFAULT_TIMEOUT = 300.0
 
+#: the agreement's code of each flat algorithm (codes are part of the 40-byte descriptor: fixed)
+ALGORITHM_CODES = {"ring": 0, "two_phase": 1, "allgather": 2, "halving_doubling": 4,
+                   "sparse_reduce_scatter": 5}
 #: the agreement's algorithm code of the backend's own allreduce (:mod:`gradcomp.comm.native`)
-NATIVE = len(ALGORITHMS)
+NATIVE = 3
+#: the agreement's algorithm code of a hierarchical call: this plus the index of
+#: its inter-host algorithm in :data:`~gradcomp.comm.topology.INTER_ALGORITHMS`
+HIERARCHICAL = 8
 
 # how a disagreement names the codes of the agreement's fields
-NAMES = {"op": dict(enumerate(OPS)), "algorithm": {**dict(enumerate(ALGORITHMS)), NATIVE: "native"},
-          "codec": {c.id: c.name for c in W.CODECS.values()}}
+NAMES = {"op": dict(enumerate(OPS)),
+         "algorithm": {**{c: a for a, c in ALGORITHM_CODES.items()}, NATIVE: "native",
+                       **{HIERARCHICAL + i: f"hierarchical ({a} across hosts)" for i, a in enumerate(INTER_ALGORITHMS)}},
+         "codec": {c.id: c.name for c in W.CODECS.values()}}
 
 
 def member_group(group, what: str):

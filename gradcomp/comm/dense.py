@@ -88,7 +88,7 @@ class Plan:
         return payload.wire
 
 
-def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str, pending: torch.Tensor) -> None:
+def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str, pending: torch.Tensor) -> list[torch.Tensor]:
     """Finish a dense allreduce from this rank's chunk, in place.
 
     Args:
@@ -106,6 +106,9 @@ def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str, pending: to
     int8); the bytes then travel the ring and every other rank decompresses
     them into its copy. On return ``work`` holds every chunk decompressed from
     its owner's bytes (bit-identical on every rank).
+
+    Returns:
+        Every chunk's owner bytes, indexed by chunk (valid until ``comm.release()``).
     """
     r = comm.rank
     lo, hi = plan.bounds[r]
@@ -120,4 +123,4 @@ def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str, pending: to
             with _timeline.span("decompress"):
                 plan.compressor.decompress(plan.received(blob), out=work[lo:hi])
 
-    comm.ring_allgather(mine, plan.wire_nbytes, plan.raw_nbytes, phase="allgather", consume=decompress)
+    return comm.ring_allgather(mine, plan.wire_nbytes, plan.raw_nbytes, phase="allgather", consume=decompress)

@@ -1,7 +1,8 @@
 """The compressed allreduce: argument checks, the agreement, then one algorithm's module.
 
 See :func:`allreduce`; the algorithms live one per module (:mod:`gradcomp.comm.ring`,
-:mod:`gradcomp.comm.two_phase`, :mod:`gradcomp.comm.pipelined`, :mod:`gradcomp.comm.allgather`).
+:mod:`gradcomp.comm.two_phase`, :mod:`gradcomp.comm.pipelined`, :mod:`gradcomp.comm.allgather`,
+:mod:`gradcomp.comm.hierarchical`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from gradcomp import _validate as v
 from gradcomp import wire as W
 from gradcomp.comm import allgather as _allgather
 from gradcomp.comm import halving_doubling as _halving_doubling
+from gradcomp.comm import hierarchical as _hierarchical
 from gradcomp.comm import pipelined as _pipelined
 from gradcomp.comm import ring as _ring
 from gradcomp.comm import sparse_reduce_scatter as _sparse_reduce_scatter
 from gradcomp.comm import two_phase as _two_phase
-from gradcomp.comm._args import (ALGORITHMS, DEFAULT_TIMEOUT, NAMES, OPS, check_args,
+from gradcomp.comm._args import (ALGORITHM_CODES, DEFAULT_TIMEOUT, NAMES, OPS, check_args,
                                  member_group)
 from gradcomp.comm.agreement import (Disagreement, agree, forget, needs_check, pattern, remember_pattern,
                                      replay)
@@ -28,11 +30,13 @@ from gradcomp.comm.guard import exclusive
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
 from gradcomp.comm.policy import CodecPolicy
-from gradcomp.compressors import Compressor, ErrorFeedback
+from gradcomp.comm.topology import Topology, layout
+from gradcomp.compressors import Compressor, ErrorFeedback, split
 
 __all__ = ["allreduce", "check_call"]
 
 _REDUCE_SCATTER = {"ring": _ring.reduce_scatter, "two_phase": _two_phase.reduce_scatter}
+
 
 def allreduce(
     tensor: torch.Tensor,
@@ -47,6 +51,7 @@ def allreduce(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check: bool = True,
+    topology: Topology | None = None,
 ) -> torch.Tensor:
     """Compressed allreduce: every rank returns the same (bit-identical) tensor.
 
@@ -85,6 +90,17 @@ def allreduce(
       sends the top-k of every region to its owner, which sums, re-selects
       the top-k and shares its bytes as in the ring's allgather; what the
       re-selection drops stays in the owner's error-feedback residual.
+    * ``"hierarchical"`` (dense compressors; :mod:`gradcomp.comm.hierarchical`):
+      hosts of ``R`` ranks each (``topology``); an exact float32
+      reduce-scatter inside each host, the compressed allreduce (the
+      topology's ``inter_algorithm``, ring or two-phase) of each local rank's
+      shard across hosts, an allgather of the owners' bytes inside the host,
+      pipelined in segments. Only the links between hosts carry the
+      compressed bucket: ``2 (H - 1) / H`` times it per host. The first call
+      on a group with a topology resolves it (collective; cached); with
+      ``check=True`` the ranks agree on every call (a rank that skipped it
+      would exchange on the intra-host and inter-host groups, which the
+      agreement's disagreement envelopes do not reach).
 
     Every rank ends bit-identical because each chunk's final value is the
     decompression of one set of bytes that every rank (its owner included)
@@ -103,7 +119,9 @@ def allreduce(
       whole tensor); ``(key, ("halving_doubling", lo, hi))`` for the element
       range ``[lo, hi)`` halving-doubling compresses alone (the first half it
       sends, or a folded rank's whole tensor); the sparse reduce-scatter's
-      owner keeps what its re-selection drops under ``(key, rank)``.
+      owner keeps what its re-selection drops under ``(key, rank)``;
+      ``(("hierarchical", key, k), j)`` for chunk ``j`` of this rank's shard
+      of segment ``k`` on the inter-host leg (the only leg that compresses).
     * ``residual``: a flat float32 memory for the whole tensor, updated in
       place: compressed ranges keep their compression error, ranges added
       exactly are delivered with their residual, which resets to zero (the
@@ -137,8 +155,8 @@ def allreduce(
             see :meth:`gradcomp.Adaptive.allreduce`).
         op: ``"avg"`` (divide the sum by the group size) or ``"sum"``.
         algorithm: one of :data:`~gradcomp.comm.ALGORITHMS`: ``"ring"``,
-            ``"two_phase"``, ``"allgather"``, ``"halving_doubling"`` or
-            ``"sparse_reduce_scatter"``.
+            ``"two_phase"``, ``"allgather"``, ``"hierarchical"``,
+            ``"halving_doubling"`` or ``"sparse_reduce_scatter"``.
         group: a torch.distributed process group (default: the world).
         meter: optional :class:`~gradcomp.TrafficMeter`.
         timeout: seconds each exchange may take (> 0, finite, at most 1e9).
@@ -165,6 +183,10 @@ def allreduce(
             the process (gloo) or returns different values on different
             ranks. (``"allgather"`` also exchanges payload sizes, 8 bytes per
             peer, on every call.)
+        topology: a :class:`gradcomp.Topology` for ``"hierarchical"`` (None:
+            the hosts come from the environment, ``GRADCOMP_HOST_ID`` or
+            torchrun's ``GROUP_RANK`` / ``LOCAL_WORLD_SIZE``); must be None
+            with the other algorithms.
 
     Returns:
         ``out`` if given, else a new tensor with ``tensor``'s shape, dtype and device.
@@ -179,7 +201,10 @@ def allreduce(
             compressor without a fixed wire size; a bad ``residual`` or
             ``timeout``; this process is not in ``group``; the ranks of the
             group passed different numels, ops, algorithms or compressors
-            (raised on every rank).
+            (raised on every rank); a bad topology for ``"hierarchical"``
+            (ranks per host that differ, a rank without a host id, ranks
+            given different topologies: raised on every rank, before any
+            payload moves).
         RuntimeError: another thread of this process is in a gradcomp
             collective on ``group`` (raised at once, nothing sent: give each
             thread its own group); the transport failed (see below).
@@ -193,10 +218,17 @@ def allreduce(
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
     if isinstance(compressor, CodecPolicy):
+        if topology is not None:
+            raise ValueError("topology is used by algorithm='hierarchical' only, which an adaptive policy "
+                             "does not run (its dense choices take 'ring' or 'two_phase')")
         return compressor.allreduce(tensor, op=op, algorithm=algorithm, group=group, meter=meter,
                                     timeout=timeout, key=key, residual=residual, out=out, check=check)
     check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
     v.flag("check", check)
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
+    if topology is not None and algorithm != "hierarchical":
+        raise ValueError(f"topology is used by algorithm='hierarchical' only, got algorithm={algorithm!r}")
     group = member_group(group, "gradcomp.allreduce")
     x = tensor.detach()
     if dist.get_world_size(group) == 1:
@@ -204,7 +236,42 @@ def allreduce(
             return x.clone(memory_format=torch.contiguous_format)
         return out.copy_(x) if out.data_ptr() != x.data_ptr() else out
     with exclusive(group):
+        if algorithm == "hierarchical":
+            call = _hierarchical.Call(compressor, op, meter, timeout, ("numel", x.numel()) if key is None else key,
+                                      residual)
+            return _allreduce_hierarchical(tensor, x, call, group, topology, out, check)
         return _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check)
+
+
+def _allreduce_hierarchical(tensor, x, call, group, topology, out, check):
+    """:func:`allreduce` with ``algorithm="hierarchical"`` (arguments checked)."""
+    lay = layout(group, topology, call.timeout, x.device)  # the same ValueError on every rank if bad
+    comm = Comm(group, call.timeout, call.meter)
+    n = x.numel()
+    inner, _ = split(call.compressor)
+    descriptor = {"numel": n, "op": OPS.index(call.op), "algorithm": _hierarchical.agreement_code(lay),
+                  "codec": W.codec(inner.codec).id, "wire_nbytes": inner.wire_nbytes((n,), torch.float32)}
+    try:
+        if check:  # on every call (see the docstring)
+            check_call(comm, descriptor, x.device, always=True)
+            remember_pattern(group, descriptor, comm.trace)  # no payload message on this group to replay
+        flat = x.reshape(-1) if x.dtype == torch.float32 else x.reshape(-1).to(torch.float32)
+        if out is not None and out.dtype == torch.float32:
+            work = out.detach().view(-1)
+        else:
+            work = torch.empty(n, dtype=torch.float32, device=x.device)
+        if n:
+            _hierarchical.allreduce(flat, lay, call, work)
+    except BaseException:
+        forget(group)
+        raise
+    finally:
+        comm.release()
+    if out is None:
+        return work.to(tensor.dtype).view(tensor.shape)
+    if work.data_ptr() != out.data_ptr():
+        out.view(-1).copy_(work)
+    return out
 
 
 def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check):
@@ -226,7 +293,7 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
     # the default key (used by an ErrorFeedback only): one reused for tensors of
     # several sizes keeps a residual per size
     local = Local(flat, compressor, ("numel", n) if key is None else key, residual)
-    descriptor = {"numel": n, "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
+    descriptor = {"numel": n, "op": OPS.index(op), "algorithm": ALGORITHM_CODES[algorithm],
                   "codec": W.codec(local.inner.codec).id}
     try:
         if algorithm == "allgather":
@@ -235,7 +302,7 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
         else:
             chunks = comm.world_size
             if algorithm == "halving_doubling":  # one chunk per rank of the power-of-two group
-                chunks = _halving_doubling.layout(comm.world_size, comm.rank)[0]
+                chunks = _halving_doubling.fold_layout(comm.world_size, comm.rank)[0]
             plan = Plan(n, chunks, local.inner)
             descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
         if check:

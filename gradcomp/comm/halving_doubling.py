@@ -30,7 +30,7 @@ from gradcomp.comm.dense import Plan
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm, Message
 
-__all__ = ["allreduce", "layout", "gathered_offsets", "FOLD_PHASE", "ALIGN"]
+__all__ = ["allreduce", "fold_layout", "gathered_offsets", "FOLD_PHASE", "ALIGN"]
 
 #: the owners' payloads start at multiples of this many bytes in the doubling messages
 ALIGN = 8
@@ -38,7 +38,7 @@ ALIGN = 8
 FOLD_PHASE = "fold"
 
 
-def layout(world: int, rank: int) -> tuple[int, int, int]:
+def fold_layout(world: int, rank: int) -> tuple[int, int, int]:
     """Where ``rank`` sits in the halving-doubling schedule of ``world`` ranks.
 
     Returns:
@@ -73,7 +73,7 @@ def allreduce(comm: Comm, local: Local, plan: Plan, work: torch.Tensor, op: str)
         op: ``"sum"`` or ``"avg"``.
     """
     world = comm.world_size
-    p, me, partner = layout(world, comm.rank)
+    p, me, partner = fold_layout(world, comm.rank)
     dev = work.device
     offsets = gathered_offsets(plan.wire_nbytes)
     gathered = comm.buffer(offsets[-1], dev)  # every owner's bytes, in chunk order

@@ -22,7 +22,7 @@ import torch
 
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.halving_doubling import gathered_offsets
-from gradcomp.comm.halving_doubling import layout as hd_layout
+from gradcomp.comm.halving_doubling import fold_layout as hd_layout
 from gradcomp.lab.plan.profile import Profile
 
 
