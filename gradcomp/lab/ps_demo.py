@@ -86,7 +86,7 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         optimizer=functools.partial(torch.optim.SGD, lr=args.lr, momentum=args.momentum),
         max_staleness=args.max_staleness, staleness_lr=args.staleness_lr,
         worker_timeout=args.worker_timeout, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume)
+        checkpoint_every=args.checkpoint_every, resume=args.resume, encrypt=args.encrypt)
     out = run(rank, world_size, problem.model, problem.loss, config)
     if out["role"] == "server":
         return {**out["stats"], "shard_distance_to_optimum": problem.distance(out["params"])}
@@ -131,7 +131,8 @@ def summary(out: dict, args: argparse.Namespace, link: dict) -> str:
     where = "loopback" if not link.get("configured_bps") else (
         f"link {link['name']} (achieved {link['achieved_bps'] / 1e6:.1f} Mbit/s)")
     lines = [f"{args.mode} parameter server, {args.num_servers} server(s), "
-             f"{args.world_size - args.num_servers} workers, {args.steps} steps, {where}",
+             f"{args.world_size - args.num_servers} workers, {args.steps} steps, {where}"
+             + (", encrypted (CURVE)" if out.get("security") == "curve" else ""),
              f"updates applied {out['updates']}, accepted {out['accepted']}, dropped {out['dropped']} "
              f"(staler than --max-staleness), rejected {out['rejected']}; mean staleness "
              + (f"{sum(k * v for k, v in out['staleness_histogram'].items()) / max(1, out['accepted']):.2f}"
@@ -199,6 +200,9 @@ def main(argv=None) -> int:
     p.add_argument("--resume", nargs="?", const=True, default=False, type=_resume, metavar="if-exists",
                    help="continue from the checkpoints in --checkpoint-dir (none there is an error); "
                         "--resume if-exists starts afresh when there is none")
+    p.add_argument("--encrypt", action="store_true",
+                   help="CURVE on every connection: authenticated and encrypted (default: PLAIN, "
+                        "authenticated, not encrypted)")
     p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--link", type=link_type, default="none",
                    help="none (loopback) or a rate such as 100mbit: every rank in its own network "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -14,6 +14,7 @@ import torch
 from gradcomp import _validate as v
 from gradcomp.compressors import DGC, Compressor, ErrorFeedback, Int8Quantizer, check_optimizer, split
 from gradcomp.ps.checkpoint import resume_mode
+from gradcomp.ps.auth import Credential
 from gradcomp.ps.protocol import FAILURE_POLICIES, MODES
 from gradcomp.ps.transport import normalize_address
 
@@ -54,6 +55,12 @@ class PSConfig:
         timeout: workers' per-reply timeout in seconds.
         heartbeat_interval: seconds between a worker's heartbeats.
         device: workers' compute device (None: where ``model_fn`` puts the model).
+        encrypt: CURVE instead of PLAIN on every connection: authenticated
+            and encrypted (see :mod:`gradcomp.ps.auth`); the default
+            authenticates each connection but does not encrypt.
+        credential: the job's credential (:func:`gradcomp.ps.new_credential`,
+            its mechanism matching ``encrypt``; a secret, not shown by
+            ``repr``); None: the servers create one when the roles are built.
     """
 
     mode: str = "sync"
@@ -77,6 +84,8 @@ class PSConfig:
     checkpoint_every: int = 0
     resume: bool | str = False
     device: str | None = None
+    encrypt: bool = False
+    credential: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         v.choice("mode", self.mode, MODES)
@@ -99,6 +108,12 @@ class PSConfig:
             normalize_address(self.address)
         if resume_mode(self.resume) and self.checkpoint_dir is None:
             raise ValueError(f"resume={self.resume!r} needs a checkpoint_dir")
+        if not isinstance(self.encrypt, bool):
+            raise TypeError(f"encrypt must be a bool, got {type(self.encrypt).__name__}")
+        if self.credential is not None and Credential(self.credential).encrypt != self.encrypt:
+            raise ValueError(f"credential is for {Credential(self.credential).mechanism.upper()}, which "
+                             f"contradicts encrypt={self.encrypt}: make it with "
+                             f"new_credential(encrypt={self.encrypt})")
         if isinstance(self.compressor, DGC):
             if self.optimizer is None:
                 raise ValueError("a DGC compressor needs an explicit plain-SGD optimizer (the default has "
@@ -201,7 +216,8 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
             worker_timeout=config.worker_timeout, heartbeat_timeout=config.heartbeat_timeout,
             address=config.address,
             checkpoint_dir=None if config.checkpoint_dir is None else os.fspath(config.checkpoint_dir),
-            checkpoint_every=config.checkpoint_every, resume=config.resume, group=group)
+            checkpoint_every=config.checkpoint_every, resume=config.resume, group=group,
+            credential=config.credential, encrypt=config.encrypt)
         stats = server.serve()
         return {"role": "server", "rank": rank, "stats": stats,
                 "params": {n: t.cpu().clone() for n, t in server.parameters().items()}}
