@@ -29,7 +29,6 @@ from gradcomp.ps import transport as T
 from gradcomp.ps.apply import Rejected, ShardUpdater, check_clip_norm, check_pull_compressor
 from gradcomp.ps.errors import ProtocolError, WorkerFailedError
 from gradcomp.ps.membership import HeartbeatResponder, Peer, expired, peer_table
-from gradcomp.ps.protocol import check_backup_workers
 from gradcomp.ps.sharding import layout_checksum, named_tensors, param_specs, shard_parameters
 
 __all__ = ["ParameterServer", "MODES", "FAILURE_POLICIES"]
@@ -142,11 +141,8 @@ class ParameterServer:
         meter: a :class:`~gradcomp.TrafficMeter` for phases ``"push"`` and
             ``"pull"`` (default: a new one, :attr:`meter`).
         device: device of the shard and of the update arithmetic.
-        backup_workers: sync: apply a step once the first ``live - b`` pushes
-            of it have arrived (``live``: the workers not done or dead; Chen
-            et al. 2016, "Revisiting Distributed Synchronous SGD"); a push
-            of a step already applied is dropped and counted (its worker's
-            residual is left as before it). In ``[0, workers)``; 0 in async mode.
+        backup_workers: sync: apply a step with the first ``live - b`` pushes
+            (Chen et al. 2016); later ones are dropped. In ``[0, workers)``; 0 in async.
 
     Construction is collective: every rank of ``group`` builds its role
     (a server or a :class:`~gradcomp.ps.Worker`) so the servers' addresses
@@ -179,10 +175,10 @@ class ParameterServer:
                              "build a gradcomp.ps.Worker there")
         self.global_rank = _global(group, self.rank)
         self.max_staleness = None if max_staleness is None else v.integer("max_staleness", max_staleness, 0)
-        self.backup_workers = check_backup_workers(backup_workers, self.mode, world - self.num_servers)
-        self.staleness_lr = _flag("staleness_lr", staleness_lr)
+        self.backup_workers = P.check_backup_workers(backup_workers, self.mode, world - self.num_servers)
+        self.staleness_lr = v.flag("staleness_lr", staleness_lr)
         self.clip_grad_norm = check_clip_norm(clip_grad_norm)
-        self.compress_pull = _flag("compress_pull", compress_pull)
+        self.compress_pull = v.flag("compress_pull", compress_pull)
         self.pull_compressor = check_pull_compressor(pull_compressor, self.compress_pull)
         self.worker_timeout = v.timeout("worker_timeout", worker_timeout)
         self.heartbeat_timeout = v.timeout("heartbeat_timeout", heartbeat_timeout)
@@ -295,8 +291,7 @@ class ParameterServer:
         """Counters of this server (JSON-ready except for int dictionary keys).
 
         Keys: ``rank``, ``mode``, ``version``, ``updates`` (applied this run),
-        ``backup_workers``, ``resumed_from``, ``pushes``, ``accepted``,
-        ``dropped`` (too stale; sync: late, with backup workers),
+        ``backup_workers``, ``resumed_from``, ``pushes``, ``accepted``, ``dropped`` (too stale, or late),
         ``rejected`` (malformed messages, all peers), ``rejected_reasons``
         (reason -> count: ``payload``, ``shape``, ``nonfinite``, ``layout``,
         ``version``, ``duplicate``, ``protocol``, ``session`` (from an earlier
@@ -328,8 +323,7 @@ class ParameterServer:
                 "pull_raw_bytes": ph.get("pull", {}).get("raw_bytes_sent", 0),
             }
         return {
-            "rank": self.global_rank, "mode": self.mode, "version": self.version,
-            "backup_workers": self.backup_workers,
+            "rank": self.global_rank, "mode": self.mode, "version": self.version, "backup_workers": self.backup_workers,
             "updates": self.updates, "resumed_from": self.resumed_from,
             "pushes": sum(p.pushes for p in self.peers.values()),
             "accepted": sum(p.accepted for p in self.peers.values()),
@@ -487,13 +481,11 @@ class ParameterServer:
             self.save_checkpoint()
 
     def _maybe_complete_step(self) -> None:
-        """Sync: apply the averaged step once every live worker has pushed, or
-        with backup workers once ``live - backup_workers`` have."""
+        """Sync: apply the averaged step once every live worker (but ``backup_workers``) has pushed."""
         if self.mode != "sync":
             return
-        live = {r for r, p in self.peers.items() if p.status == "active"}
-        enough = self.backup_workers and len(self._updater.contributors) >= max(1, len(live) - self.backup_workers)
-        if not (enough or self._updater.round_complete(live)):
+        if not self._updater.round_complete({r for r, p in self.peers.items() if p.status == "active"},
+                                            self.backup_workers):
             return
         self._apply(self._updater.take_round_average(), 0)
         for p in self.peers.values():  # every deferred pull was waiting for this step
@@ -609,8 +601,3 @@ class ParameterServer:
 def _global(group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
-
-def _flag(name: str, x) -> bool:
-    if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
-    return x

@@ -17,10 +17,7 @@ A worker counts every byte it moved: pushes and pull requests sent, replies
 and pulled parameters received (the meter's phases ``"push"`` and ``"pull"``).
 Worker 0 (rank 1) evaluates its replica at the marks; the final accuracy is
 that of the server's parameters after the last update.
-
-Sync mode with backup workers (``TrainConfig.backup_workers``, ``ps_mode="sync"``)
-runs here too: the server applies a step, at the sync learning rate, once the
-first ``workers - backup_workers`` pushes of it have arrived and drops the late ones.
+Sync with backup workers (``ps_mode="sync"``) runs here too: see :func:`train_async_rank`.
 """
 
 from __future__ import annotations
