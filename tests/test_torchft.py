@@ -111,3 +111,76 @@ def test_kill_and_heal_three_replica_groups(tmp_path):
             want = [sum(ring_raw_bytes(n, r["n"], r["rank"])[i] for n in numels) for i in (0, 1)]
             assert [r["bytes"]["reduce_scatter"][1], r["bytes"]["allgather"][1]] == want, r
     assert killed_at > 0
+
+
+def _replica_steps(index: int, lighthouse: str, grads: list[torch.Tensor], fail_step: int | None, out: dict):
+    """One replica group in a thread: two steps of a top-k allgather on the quorum."""
+    import datetime
+
+    from torch.distributed import TCPStore
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    import gradcomp as gc
+    from gradcomp.integrations.torchft import ManagedAllreduce
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=datetime.timedelta(seconds=10))
+    manager = Manager(pg=pg, load_state_dict=lambda sd: None, state_dict=lambda: {}, min_replica_size=2,
+                      use_async_quorum=False, replica_id=f"t{index}", lighthouse_addr=lighthouse,
+                      store_addr="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+                      timeout=datetime.timedelta(seconds=10), init_sync=False)
+    ar = ManagedAllreduce(manager, pg, gc.TopK(0.25), algorithm="allgather", timeout=10.0)
+    try:
+        for step, g in enumerate(grads):
+            manager.start_quorum()
+            before = {k: r.clone() for k, r in ar.residuals.items()}
+            result = ar.allreduce(g, key="g")
+            if step == fail_step:
+                manager.report_error(RuntimeError("a peer of this replica group failed"))
+            out[(index, step)] = (result, ar.commit(), before, ar.residuals["g"].clone(),
+                                  manager.num_participants())
+    finally:
+        manager.shutdown(wait=False)
+
+
+@pytest.mark.timeout(120)
+def test_residuals_flat_kept_on_commit_rolled_back_otherwise():
+    import threading
+
+    from torchft.coordination import LighthouseServer
+
+    import gradcomp as gc
+    from gradcomp.compressors import decompress
+
+    gen = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(64, generator=gen) for _ in range(2)] for _ in range(2)]
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=2000)
+    out: dict = {}
+    try:
+        threads = [threading.Thread(target=_replica_steps, args=(i, lighthouse.address(), grads[i],
+                                                                  1 if i == 1 else None, out)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=90)
+        assert not any(t.is_alive() for t in threads) and len(out) == 4, sorted(out)
+    finally:
+        lighthouse.shutdown()
+
+    def sent(x):  # what top-k puts on the wire for x, decoded
+        return decompress(gc.TopK(0.25).compress(x)).reshape(-1)
+
+    d = [sent(grads[i][0]) for i in range(2)]
+    for i in range(2):
+        result, ok, before, residual, n = out[(i, 0)]
+        assert ok and n == 2 and before == {}
+        assert torch.equal(result, (d[0] + d[1]) / 2)  # the mean over the quorum
+        assert torch.equal(residual, grads[i][0] - d[i])  # this group's own compression error
+    # step 1: group 1's step does not commit, so its residual goes back; group 0 keeps its new one
+    _, ok0, before0, residual0, _ = out[(0, 1)]
+    _, ok1, before1, residual1, _ = out[(1, 1)]
+    assert ok0 and not ok1
+    assert torch.equal(residual1, before1["g"]) and torch.equal(residual1, grads[1][0] - d[1])
+    x0 = grads[0][1] + before0["g"]
+    assert torch.equal(residual0, x0 - sent(x0))
