@@ -15,7 +15,7 @@ Three processes train the study's digits MLP (64-384-256-10, random batches of
 Prints the median step time of ``own`` and ``ft`` (steps after ``--warmup``)
 and their ratio, then the failure's figures. Run from the repository root::
 
-    python benchmarks/ft_overhead.py [--steps 60] [--kill-at 10]
+    python benchmarks/ft_overhead.py [--steps 60] [--kill-at 10] [--quorum-tick-ms 100]
 """
 
 from __future__ import annotations
@@ -55,11 +55,13 @@ def own_rank(rank: int, world: int, steps: int) -> list[float]:
 
     model, codec, times = _model(), gc.Int8Quantizer(), []
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    # flat residuals, as ManagedAllreduce keeps them
+    residuals = {name: torch.zeros(p.numel()) for name, p in model.named_parameters()}
     for step in range(steps):
         t0 = time.perf_counter()
         _grads(model, step, rank)
         for name, p in model.named_parameters():
-            p.grad.copy_(gc.allreduce(p.grad, codec, key=name))
+            p.grad.copy_(gc.allreduce(p.grad, codec, residual=residuals[name]))
         opt.step()
         times.append(time.perf_counter() - t0)
     return times
@@ -90,22 +92,28 @@ def replica(index: int, lighthouse: str, out: str, steps: int) -> None:
         while manager.current_step() < steps:
             t0 = time.perf_counter()
             manager.start_quorum()
+            t1 = time.perf_counter()
             _grads(model, manager.current_step(), index)
+            t2 = time.perf_counter()
             for name, p in model.named_parameters():
                 p.grad.copy_(ar.allreduce(p.grad, key=name))
+            t3 = time.perf_counter()
             ok = ar.commit()
+            t4 = time.perf_counter()
             if ok:
                 opt.step()
             log.write(json.dumps({"step": manager.current_step(), "ok": ok, "n": manager.num_participants(),
-                                  "dt": time.perf_counter() - t0, "t": time.time()}) + "\n")
+                                  "dt": time.perf_counter() - t0, "t": time.time(), "quorum": t1 - t0,
+                                  "compute": t2 - t1, "comm": t3 - t2, "commit": t4 - t3}) + "\n")
     manager.shutdown(wait=False)
 
 
-def _run_ft(steps: int, kill_at: int | None) -> dict:
+def _run_ft(steps: int, kill_at: int | None, tick_ms: int) -> dict:
     from torchft.coordination import LighthouseServer
 
     out = tempfile.mkdtemp(prefix="ft-overhead-")
-    lh = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=1500)
+    lh = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=1500,
+                          quorum_tick_ms=tick_ms)
     spawn = lambda i: subprocess.Popen([sys.executable, __file__, "replica", str(i), lh.address(), out, str(steps)],  # noqa: E731
                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     procs, killed_at, restarted_at = [spawn(i) for i in range(WORLD)], None, None
@@ -151,15 +159,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--kill-at", type=int, default=10)
+    ap.add_argument("--quorum-tick-ms", type=int, default=100, help="the lighthouse's quorum tick")
     args = ap.parse_args()
     from gradcomp.launch import launch
 
     own = launch(own_rank, WORLD, args=(args.steps,), timeout=300)
     own_s = statistics.median(t for times in own for t in times[args.warmup:])
-    ft = _run_ft(args.steps, None)
-    ft_s = statistics.median(r["dt"] for recs in ft["logs"].values() for r in recs[args.warmup:])
-    print(json.dumps({"own_step_median_s": own_s, "ft_step_median_s": ft_s, "ft_over_own": ft_s / own_s}))
-    print(json.dumps(_failure(_run_ft(args.steps + 20, args.kill_at))))
+    ft = _run_ft(args.steps, None, args.quorum_tick_ms)
+    steps = [r for recs in ft["logs"].values() for r in recs[args.warmup:]]
+    ft_s = statistics.median(r["dt"] for r in steps)
+    parts = {f"ft_{k}_median_s": statistics.median(r[k] for r in steps) for k in ("quorum", "compute", "comm", "commit")}
+    print(json.dumps({"own_step_median_s": own_s, "ft_step_median_s": ft_s, "ft_over_own": ft_s / own_s, **parts}))
+    print(json.dumps(_failure(_run_ft(args.steps + 20, args.kill_at, args.quorum_tick_ms))))
 
 
 if __name__ == "__main__":
