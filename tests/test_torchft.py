@@ -184,3 +184,151 @@ def test_residuals_flat_kept_on_commit_rolled_back_otherwise():
     assert torch.equal(residual1, before1["g"]) and torch.equal(residual1, grads[1][0] - d[1])
     x0 = grads[0][1] + before0["g"]
     assert torch.equal(residual0, x0 - sent(x0))
+
+
+LR, SYNC_EVERY, SYNCS = 0.1, 2, 2
+
+
+def _inner_grad(index: int, step: int) -> torch.Tensor:
+    return torch.randn(8 * 4 + 4, generator=torch.Generator().manual_seed(100 * index + step))
+
+
+def _linear() -> torch.nn.Linear:
+    """The same Linear(8, 4) in every thread (the global RNG is shared between threads)."""
+    model, g = torch.nn.Linear(8, 4), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    return model
+
+
+def _diloco_replica(index: int, lighthouse: str, out: dict):
+    """One replica group in a thread: DiLoCo with SYNCS synchronisations of SYNC_EVERY inner steps."""
+    import datetime
+
+    from torch.distributed import TCPStore
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    import gradcomp as gc
+    from gradcomp.integrations import ManagedLocalSGD
+
+    model = _linear()
+    inner = torch.optim.SGD(model.parameters(), lr=LR)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=datetime.timedelta(seconds=10))
+    manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=2, use_async_quorum=False,
+                      replica_id=f"d{index}", lighthouse_addr=lighthouse, store_addr="127.0.0.1",
+                      store_port=store.port, rank=0, world_size=1, timeout=datetime.timedelta(seconds=10),
+                      init_sync=False)
+    ls = ManagedLocalSGD(manager, pg, model, sync_every=SYNC_EVERY, compressor=gc.NoCompression(),
+                         outer_optimizer="nesterov", timeout=10.0)
+    manager.register_state_dict_fn("localsgd", ls.load_state_dict, ls.state_dict)
+    try:
+        for step in range(SYNC_EVERY * SYNCS):
+            g = _inner_grad(index, step)
+            model.weight.grad, model.bias.grad = g[:32].view(4, 8).clone(), g[32:].clone()
+            inner.step()
+            ls.step()
+        out[index] = (torch.cat([p.detach().reshape(-1) for p in model.parameters()]), ls.syncs,
+                      ls.allreduce.meter.as_dict()["bytes_sent"])
+    finally:
+        manager.shutdown(wait=False)
+
+
+@pytest.mark.timeout(120)
+def test_diloco_on_the_quorum_matches_the_outer_step_computed_here():
+    import threading
+
+    from torchft.coordination import LighthouseServer
+
+    from gradcomp.localsgd import OUTER_LR, OUTER_MOMENTUM
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=2000)
+    out: dict = {}
+    try:
+        threads = [threading.Thread(target=_diloco_replica, args=(i, lighthouse.address(), out)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=90)
+        assert not any(t.is_alive() for t in threads) and len(out) == 2
+    finally:
+        lighthouse.shutdown()
+    # the same arithmetic here: inner SGD from the anchor, mean pseudo-gradient, outer Nesterov SGD
+    ref = _linear()
+    anchor = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in ref.parameters()]).clone())
+    outer = torch.optim.SGD([anchor], lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+    for s in range(SYNCS):
+        deltas = []
+        for i in range(2):
+            p = anchor.detach().clone()
+            for step in range(s * SYNC_EVERY, (s + 1) * SYNC_EVERY):
+                p.add_(_inner_grad(i, step), alpha=-LR)
+            deltas.append(anchor.detach() - p)
+        anchor.grad = (deltas[0] + deltas[1]) / 2
+        outer.step()
+    for i in range(2):
+        params, syncs, sent = out[i]
+        assert syncs == SYNCS and sent > 0
+        assert torch.equal(params, anchor.detach())
+
+
+def _ddp_replica(index: int, lighthouse: str, out: dict):
+    """One replica group in a thread: one DDP step whose buckets go through comm_hook."""
+    import datetime
+
+    from torch.distributed import TCPStore
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupDummy, ProcessGroupGloo
+
+    import gradcomp as gc
+    from gradcomp.integrations import ManagedAllreduce, comm_hook
+
+    model = _linear()
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    pg = ProcessGroupGloo(timeout=datetime.timedelta(seconds=10))
+    manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=2, use_async_quorum=False,
+                      replica_id=f"h{index}", lighthouse_addr=lighthouse, store_addr="127.0.0.1",
+                      store_port=store.port, rank=0, world_size=1, timeout=datetime.timedelta(seconds=10),
+                      init_sync=False)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=ProcessGroupDummy(0, 1),
+                                                    find_unused_parameters=True)
+    state = ManagedAllreduce(manager, pg, gc.NoCompression(), timeout=10.0)
+    ddp.register_comm_hook(state, comm_hook)
+    try:
+        manager.start_quorum()
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(index))
+        ddp(x).square().sum().backward()
+        out[index] = ([p.grad.clone() for p in model.parameters()], state.commit(), x)
+    finally:
+        manager.shutdown(wait=False)
+
+
+@pytest.mark.timeout(120)
+def test_ddp_comm_hook_averages_the_buckets_over_the_quorum():
+    import threading
+
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=2000)
+    out: dict = {}
+    try:
+        threads = [threading.Thread(target=_ddp_replica, args=(i, lighthouse.address(), out)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=90)
+        assert not any(t.is_alive() for t in threads) and len(out) == 2
+    finally:
+        lighthouse.shutdown()
+    local = []
+    for i in range(2):  # each replica's own gradient, computed here
+        m = _linear()
+        m(out[i][2]).square().sum().backward()
+        local.append([p.grad for p in m.parameters()])
+    for i in range(2):
+        grads, ok, _ = out[i]
+        assert ok
+        for g, a, b in zip(grads, local[0], local[1]):
+            assert torch.allclose(g, (a + b) / 2, atol=1e-6)

@@ -12,8 +12,7 @@ never transferred to a healing replica (it starts from zero). See
 docs/fault-tolerance.md.
 """
 
-from __future__ import annotations
-
+# no `from __future__ import annotations`: DDP reads comm_hook's return annotation as an object
 from collections.abc import Hashable
 
 import torch
@@ -139,7 +138,7 @@ class ManagedAllreduce:
             self.residuals[key].copy_(before)
 
 
-def comm_hook(state: ManagedAllreduce, bucket) -> torch.futures.Future:
+def comm_hook(state: ManagedAllreduce, bucket) -> torch.futures.Future[torch.Tensor]:
     """A DDP communication hook: each bucket averaged by ``state`` over the quorum.
 
     Register it on a DDP model whose own process group carries no traffic, as
@@ -151,6 +150,6 @@ def comm_hook(state: ManagedAllreduce, bucket) -> torch.futures.Future:
         A completed future holding the averaged bucket (float32 CPU tensor).
     """
     out = state.allreduce(bucket.buffer(), key=("bucket", bucket.index()))
-    fut: torch.futures.Future = torch.futures.Future()
+    fut = torch.futures.Future()
     fut.set_result(bucket.buffer().copy_(out))
     return fut
