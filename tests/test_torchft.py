@@ -332,3 +332,21 @@ def test_ddp_comm_hook_averages_the_buckets_over_the_quorum():
         assert ok
         for g, a, b in zip(grads, local[0], local[1]):
             assert torch.allclose(g, (a + b) / 2, atol=1e-6)
+
+
+def test_managed_allreduce_bad_arguments_name_them():
+    import gradcomp as gc
+    from gradcomp.integrations import ManagedAllreduce
+
+    with pytest.raises(ValueError, match="algorithm"):
+        ManagedAllreduce(None, None, gc.TopK(0.1), algorithm="ring")
+    with pytest.raises(ValueError, match="algorithm"):
+        ManagedAllreduce(None, None, gc.Int8Quantizer(), algorithm="allgather")
+    with pytest.raises(ValueError, match="algorithm"):
+        ManagedAllreduce(None, None, gc.Int8Quantizer(), algorithm="tree")
+    with pytest.raises(ValueError, match="timeout"):
+        ManagedAllreduce(None, None, gc.Int8Quantizer(), timeout=0)
+    with pytest.raises(TypeError, match="meter"):
+        ManagedAllreduce(None, None, gc.Int8Quantizer(), meter=3)
+    with pytest.raises(TypeError, match="compressor"):
+        ManagedAllreduce(None, None, "int8")

@@ -20,6 +20,7 @@ import torch
 from gradcomp import _validate as v
 from gradcomp.comm import ALGORITHMS, allreduce
 from gradcomp.compressors import Compressor, ErrorFeedback, split
+from gradcomp.errors import PayloadError
 from gradcomp.meter import TrafficMeter
 
 __all__ = ["ManagedAllreduce", "comm_hook"]
@@ -58,7 +59,8 @@ class ManagedAllreduce:
         timeout: seconds one exchange may take (> 0); a dead peer is detected by it.
 
     Raises:
-        TypeError / ValueError: a bad argument (the message names it).
+        TypeError / ValueError: a bad argument (the message names it), e.g. a
+            sparse compressor with ``"ring"``.
     """
 
     def __init__(self, manager, pg, compressor: Compressor | ErrorFeedback, *, algorithm: str = "ring",
@@ -67,6 +69,9 @@ class ManagedAllreduce:
         self.codec, ef = split(compressor)
         self.error_feedback = ef is not None or self.codec.lossy
         self.algorithm = v.choice("algorithm", algorithm, ALGORITHMS)
+        if self.codec.sparse != (self.algorithm == "allgather"):
+            raise ValueError(f"algorithm={algorithm!r} does not fit compressor {self.codec!r}: sparse "
+                             "compressors take 'allgather', dense ones 'ring' or 'two_phase'")
         if meter is not None and not isinstance(meter, TrafficMeter):
             raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
         self.meter = meter if meter is not None else TrafficMeter()
@@ -100,7 +105,7 @@ class ManagedAllreduce:
         try:
             out = allreduce(x, self.codec, op="sum", algorithm=self.algorithm, group=self.pg.parent,
                             meter=self.meter, timeout=self.timeout, residual=residual)
-        except Exception as e:  # a peer died or the quorum changed under us: torchft skips the step
+        except (RuntimeError, TimeoutError, PayloadError) as e:  # a peer died or lied: torchft skips the step
             self.manager.report_error(e)
             self._restore(key)
             return tensor
