@@ -1,27 +1,6 @@
 """PipeDream: asynchronous 1F1B with weight stashing (Narayanan et al., SOSP 2019).
 
-The engine's schedules flush the pipeline every step. PipeDream does not:
-every stage runs one forward and one backward in turn (1F1B) on a continuous
-stream of minibatches and updates its weights after every backward, so no
-stage waits for the pipeline to drain. Stage ``s`` of ``p`` keeps ``p - s``
-minibatches in flight; between a minibatch's forward and its backward, stage
-``s`` applies ``p - 1 - s`` other updates (in steady state).
-
-**Weight stashing.** Each forward runs on the weight version current at that
-moment (``version`` = updates applied so far) and keeps it (a snapshot) until
-the backward of the same minibatch, so the gradient is the exact gradient of
-the function that was evaluated; the update it produces lands on the newer
-version. **Staleness** of an update = version it lands on - version of its
-forward's weights. **Vertical sync** (optional) makes every stage run a
-minibatch on the version the input stage used (its version stamp travels
-with the activations), so one minibatch sees one consistent model across
-stages, at a staleness of ``p - 1`` everywhere.
-
-Messages travel on gradcomp's point-to-point layer
-(:class:`gradcomp.comm.p2p.Comm`, a deadline on every wait) as one byte blob
-each: a 16-byte stamp (minibatch index, version; int64 little-endian) and the
-tensor's wire bytes from a :class:`~gradcomp.pipeline.boundary.BoundaryCodec`
-(compressed when it has a compressor), tags ``TAG_FWD`` / ``TAG_BWD``.
+Details: docs/pipeline.md#pipedream-and-weight-stashing.
 """
 
 from __future__ import annotations

@@ -1,40 +1,6 @@
 """``gradcomp train --mode pipeline``: pipeline-parallel training with measured bubbles.
 
-The study's MLP is split into ``--stages P`` stages
-(:func:`gradcomp.pipeline.split_sequential`), one process per stage on gloo,
-``--workers W`` processes in all: ``W / P`` pipeline replicas, each training
-on its own slice of every global batch (as the sync mode's workers do), their
-gradients averaged per stage across replicas after each step (gradcomp's
-ring allreduce, float32, metered apart from the boundaries). Each step splits
-a replica's batch of ``--batch-size`` samples into ``--microbatches M``
-micro-batches and runs one of the engine's schedules
-(:mod:`gradcomp.pipeline.engine`: ``gpipe``, ``1f1b``, ``interleaved``,
-``zb``), or ``pipedream`` (:mod:`gradcomp.pipeline.pipedream`: asynchronous
-1F1B with weight stashing, one update per minibatch of ``--batch-size``
-samples, as many updates as the engine's steps: the same step budget; one
-replica).
-
-Every (schedule, M, compressor) is one run from the same initial weights and
-data order; ``--compressors`` (dense ones) compress the stage boundaries
-(``none``: the engine's plain sends). Reported per run: bytes per step across
-all boundaries (from the boundary meters), test accuracy and its gap to the
-``none`` run of the same schedule and M, the measured bubble (overall and per
-stage; :func:`gradcomp.pipeline.analyze`, first step left out as warm-up)
-next to the theory, peak activation memory per stage; for PipeDream the
-staleness and update rate per stage.
-
-Time (the study's ``--link`` / ``--scenarios``, ``--target-acc``,
-``--eval-every``): a scenario with a link runs the ranks in a
-:class:`gradcomp.lab.cluster.LocalCluster` (rank r in host r's namespace, every
-link shaped to the rate both ways; the configured and achieved rate go into
-each run's ``link``); ``+straggler`` stretches pipeline rank 1's forwards and
-backwards 3x, ``+jitter`` every stage's by a seeded lognormal factor (engine
-schedules). Each run also reports its median step time (slowest rank of
-replica 0, after a warm-up step), the step-time model's step for the same
-measured compute and boundary bytes at the achieved rate
-(:func:`gradcomp.lab.plan.model.pipeline_step`), and its time and steps to the
-target accuracy: the weights are copied every ``eval_every`` steps (the copy
-off the training clock) and evaluated after the run.
+Details: docs/pipeline.md#the-studys-pipeline-mode.
 """
 
 from __future__ import annotations
