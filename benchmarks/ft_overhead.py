@@ -77,6 +77,7 @@ def replica(index: int, lighthouse: str, out: str, steps: int) -> None:
     from gradcomp.integrations.torchft import ManagedAllreduce
 
     start = time.time()
+    torch.set_num_threads(1)  # as gradcomp.launch sets each rank of the own path
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
