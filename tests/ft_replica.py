@@ -40,6 +40,7 @@ def main(index: int, lighthouse: str, out_dir: str, target: int, replicas: int) 
     from gradcomp.integrations.torchft import ManagedAllreduce
 
     start = time.time()
+    torch.set_num_threads(1)  # three processes share the host's cores
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
