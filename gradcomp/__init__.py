@@ -43,6 +43,7 @@ _EXPORTS = {
     "DGC": "gradcomp.compressors",
     "TrafficMeter": "gradcomp.meter",
     "allreduce": "gradcomp.comm",
+    "Topology": "gradcomp.comm",
     "Adaptive": "gradcomp.adaptive",
     "ddp": "gradcomp.ddp",
     "LocalSGD": "gradcomp.localsgd",

@@ -33,14 +33,15 @@ import torch.distributed as dist
 
 from gradcomp import _validate as v
 from gradcomp import catalog
-from gradcomp.comm import DEFAULT_TIMEOUT, DENSE_ALGORITHMS, allreduce, chunk_bounds, native
+from gradcomp.comm import DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, allreduce, chunk_bounds, native
 from gradcomp.comm.guard import exclusive
 from gradcomp.comm.policy import CodecPolicy
 from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES", "choose",
-           "fit_link", "start"]
+__all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES",
+           "choose", "fit_link", "start"]
+
 
 #: candidate names (names of :mod:`gradcomp.catalog`) and the codec each one builds; the
 #: policy keeps the residuals itself (``error_feedback``), whatever codec runs
@@ -514,7 +515,7 @@ class Adaptive(CodecPolicy):
             ValueError: ``algorithm`` is not a dense algorithm; anything
                 :func:`gradcomp.allreduce` raises.
         """
-        v.choice("algorithm", algorithm, DENSE_ALGORITHMS)
+        v.choice("algorithm", algorithm, FLAT_DENSE_ALGORITHMS)
         v.key(key)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}")

@@ -23,10 +23,10 @@ ALLOWED_PRIVATE_IMPORTS: set[str] = set()
 # module docstrings longer than MAX_MODULE_DOC_LINES: path -> today's length (may only shrink)
 MAX_MODULE_DOC_LINES = 20
 ALLOWED_LONG_MODULE_DOCS = {
-    "gradcomp/lab/plan/model.py": 125, "gradcomp/ps/__init__.py": 96,
+    "gradcomp/lab/plan/model.py": 93, "gradcomp/ps/__init__.py": 96,
     "gradcomp/localsgd.py": 72, "gradcomp/lab/bench/kernels/__init__.py": 65,
     "gradcomp/lab/bench/allreduce.py": 63, "gradcomp/comm/agreement.py": 59,
-    "gradcomp/lab/cluster.py": 54, "gradcomp/wire.py": 52, "gradcomp/kernels/reference.py": 50,
+    "gradcomp/wire.py": 52, "gradcomp/kernels/reference.py": 50,
     "gradcomp/ps/protocol.py": 49, "gradcomp/ddp.py": 48,
     "gradcomp/fsdp.py": 45,
     "gradcomp/lab/study/study.py": 33,
@@ -42,7 +42,7 @@ ALLOWED_LONG_MODULE_DOCS = {
 # files longer than MAX_FILE_LINES (rule 1's soft ceiling): path -> today's length (may only shrink)
 MAX_FILE_LINES = 600
 ALLOWED_LONG_FILES = {
-    "gradcomp/adaptive.py": 948, "gradcomp/lab/plan/model.py": 818, "gradcomp/lab/study/pipeline.py": 655,
+    "gradcomp/adaptive.py": 948, "gradcomp/lab/plan/model.py": 664, "gradcomp/lab/study/pipeline.py": 655,
     "gradcomp/ps/server.py": 603,
 }
 # package __init__.py files that hold more than re-exports (rule 5)

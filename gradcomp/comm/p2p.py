@@ -81,10 +81,13 @@ class Comm:
         group: the torch.distributed process group (gloo, NCCL, ...).
         timeout: seconds any single :meth:`exchange` may take.
         meter: optional :class:`~gradcomp.TrafficMeter` to record into.
+        tier: the network tier every message of this group crosses
+            (:data:`gradcomp.meter.TIERS`), recorded with its bytes; None: none.
     """
 
-    def __init__(self, group, timeout: float, meter=None):
+    def __init__(self, group, timeout: float, meter=None, tier: str | None = None):
         self.group = group
+        self.tier = tier
         self.rank, self.world_size, backend = group_place(group)
         self.timeout = float(timeout)
         self.meter = meter
@@ -246,12 +249,13 @@ class Transfer:
             self._wait_all(deadline)
         meter = comm.meter
         if meter is not None:
+            tier = comm.tier
             for m in self.sends:
-                meter.record_send(m.buf.numel(), m.raw_nbytes, phase=self.phase, messages=m.count)
+                meter.record_send(m.buf.numel(), m.raw_nbytes, phase=self.phase, messages=m.count, tier=tier)
             for m in self.recvs:
-                meter.record_recv(m.buf.numel(), m.raw_nbytes, phase=self.phase, messages=m.count)
+                meter.record_recv(m.buf.numel(), m.raw_nbytes, phase=self.phase, messages=m.count, tier=tier)
             if self.timed:
-                meter.record_time(time.perf_counter() - self.t0, phase=self.phase)
+                meter.record_time(time.perf_counter() - self.t0, phase=self.phase, tier=tier)
         self.done = True
 
     def _wait_all(self, deadline: float) -> None:

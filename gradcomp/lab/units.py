@@ -6,7 +6,8 @@
   (bits per second with SI prefixes, as ``tc`` writes them: 1 mbit = 1e6 bit/s),
   always in **bits** per second at the edges (``rate_bps``); a caller that
   prices bytes divides by 8 itself;
-* comma-separated lists of either.
+* topologies: ``2x4`` (hosts x ranks per host);
+* comma-separated lists of counts or rates.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["parse_count", "parse_rate", "parse_list", "format_count", "format_rate"]
+__all__ = ["parse_count", "parse_rate", "parse_list", "parse_topology", "format_count", "format_rate"]
 
 _COUNT = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _RATE = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -90,3 +91,15 @@ def format_rate(rate_bps: float) -> str:
         if rate_bps >= scale:
             return f"{rate_bps / scale:.4g}{unit}"
     return f"{rate_bps:.4g}bit"
+
+
+def parse_topology(text: str, name: str = "topology") -> tuple[int, int]:
+    """``"2x4"`` -> ``(2, 4)``: hosts x ranks per host, each at least 1.
+
+    Raises:
+        ValueError: not ``HxR`` with positive integers ``H`` and ``R``.
+    """
+    m = re.fullmatch(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*", str(text))
+    if m is None or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"{name} must be HOSTSxRANKS_PER_HOST with positive integers, such as 2x4, got {text!r}")
+    return int(m.group(1)), int(m.group(2))

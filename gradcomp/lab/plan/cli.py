@@ -178,6 +178,12 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
     elif sub == "calibrate":
         p.description = "Measure alpha, beta and the kernel rates here; write a JSON profile."
         p.add_argument("--link", default="none", help="none (loopback) or a shaped rate such as 1gbit")
+        p.add_argument("--topology", type=_arg(_topology, "topology"), default=None, metavar="HxR",
+                       help="a two-tier emulated cluster of H hosts of R ranks (H >= 2, a shaped --link): "
+                            "the link is measured between two hosts, the intra-host tier between two "
+                            "ranks of one host (R >= 2), each with its configured and achieved rate")
+        p.add_argument("--intra-link", default="none",
+                       help="with --topology: the intra-host rate (default none: unshaped)")
         p.add_argument("--out", default="gradcomp-profile.json", help="profile file to write")
         p.add_argument("--repeats", type=_arg(_int_pos, "repeats"), default=9,
                        help="timed rounds per message size and kernel (medians; default 9)")
@@ -229,7 +235,8 @@ def _table(title: str, columns, rows, text: int = 2):
     return t
 
 
-_SHORT = {"ring": "R", "two_phase": "2P", "allgather": "AG", "ps": "PS"}
+_SHORT = {"ring": "R", "two_phase": "2P", "allgather": "AG", "halving_doubling": "HD",
+          "sparse_reduce_scatter": "SRS", "ps": "PS"}
 
 
 def _short(key: str) -> str:
@@ -280,7 +287,8 @@ def _project(args) -> int:
     # an assumption); plan.json has every one
     keys = [k for k in (rows[0]["speedup"] if rows else []) if not k.startswith(("bf16/", "threshold"))]
     con.print(_table("speed-up of each sync compressor/algorithm over none/ring "
-                     "(R ring, 2P two-phase, AG allgather, PS parameter server)",
+                     "(R ring, 2P two-phase, HD halving-doubling, AG allgather, SRS sparse "
+                     "reduce-scatter, PS parameter server)",
                      ["params", "link", "N"] + [_short(k) for k in keys],
                      [[format_count(r["params"]), r["link"], str(r["nodes"])]
                       + [f"{r['speedup'][k]:.2f}" for k in keys] for r in rows]))
@@ -344,17 +352,27 @@ def _recommend(args) -> int:
     return 0
 
 
+def _topology(text: str) -> tuple[int, int]:
+    from gradcomp.lab.units import parse_topology
+
+    hosts, per = parse_topology(text)
+    if hosts < 2:
+        raise ValueError(f"topology needs at least 2 hosts to measure a link between them, got {text!r}")
+    return hosts, per
+
+
 def _calibrate(args) -> int:
     from gradcomp.lab.plan import calibrate as C
-    from gradcomp.lab.plan.host import Host
-    from gradcomp.lab.plan.profile import Profile
     from gradcomp.lab.units import parse_rate
 
     link = args.link.strip().lower()
     sizes = C.sizes_for(None)
+    intra, cluster = None, None
     if link != "none":
         try:
             sizes = C.sizes_for(parse_rate(link, "--link") / 8)
+            intra_rate = None if args.intra_link.strip().lower() == "none" else parse_rate(args.intra_link,
+                                                                                            "--intra-link") / 8
         except ValueError as e:
             print(f"gradcomp plan calibrate: error: {e}", file=sys.stderr)
             return 2
@@ -365,24 +383,51 @@ def _calibrate(args) -> int:
                   "which is not available in this installation; use --link none for loopback",
                   file=sys.stderr)
             return 2
-        with LocalCluster(world_size=2, rate=link) as c:
-            results = c.run(C.measure, sizes, args.repeats, args.timeout, args.kernel_numel)
+        hosts, per = args.topology or (2, 1)
+        shape = dict(hosts=hosts, ranks_per_host=per) if args.topology else dict(world_size=2)
+        if per > 1 and intra_rate is not None:
+            shape["intra_rate"] = args.intra_link.strip().lower()
+        with LocalCluster(**shape, rate=link) as c:
+            # a pair on two hosts: the link, then (its first rank) the kernels
+            results = c.run_on(C.measure, [0, per], sizes, args.repeats, args.timeout, args.kernel_numel,
+                               timeout=args.timeout * 2 + 600)
+            if per > 1:  # a pair on one host: the intra-host tier
+                tier = c.run_on(C.measure_link, [0, 1], C.sizes_for(intra_rate),
+                                args.repeats, args.timeout, timeout=args.timeout * 2 + 60)
+                name = args.intra_link.strip().lower()
+                intra = {**C.link_profile(tier, name), "link": name}
+            cluster = c.describe()
+    elif args.topology is not None or args.intra_link.strip().lower() != "none":
+        print("gradcomp plan calibrate: error: --topology and --intra-link need a shaped --link "
+              "(e.g. --link 100mbit)", file=sys.stderr)
+        return 2
     else:
         from gradcomp.launch import launch
 
         results = launch(C.measure, 2, (sizes, args.repeats, args.timeout, args.kernel_numel),
                          timeout=args.timeout * 2 + 600)
-    fitted = C.link_profile(results, link)
-    kern = results[0]["kernels"]
+    _write_profile(args, C.link_profile(results, link), results[0]["kernels"], link, intra, cluster)
+    return 0
+
+
+def _write_profile(args, fitted: dict, kern: dict, link: str, intra: dict | None, cluster: dict | None) -> None:
+    from gradcomp.lab.plan.host import Host
+    from gradcomp.lab.plan.profile import Profile
+
+    source = {**kern["source"], "link": f"ping-pong over gradcomp p2p, link {link}"}
+    if cluster is not None:
+        source["cluster"] = cluster  # configured and achieved rates of both tiers
     prof = Profile(alpha_s=fitted["alpha_s"], beta_bytes_per_s=fitted["beta_bytes_per_s"], link=link,
                    kernels=kern["kernels"], call_s=kern["call_s"], fit=fitted["fit"],
-                   host=Host(os.cpu_count() or 1),
-                   source={**kern["source"], "link": f"ping-pong over gradcomp p2p, link {link}"})
+                   host=Host(os.cpu_count() or 1), source=source, intra=intra,
+                   topology=cluster["topology"] if cluster is not None and intra is not None else None)
     prof.save(args.out)
     print(f"alpha {prof.alpha_s * 1e6:.1f} us, beta {prof.beta_bytes_per_s / 1e9:.3f} GB/s "
           f"({8 * prof.beta_bytes_per_s / 1e9:.2f} Gbit/s), r2 {fitted['fit']['r2']:.4f}; "
           f"int8 compress {prof.kernels['int8.compress'] / 1e6:.0f} M elements/s; wrote {args.out}")
-    return 0
+    if intra is not None:
+        print(f"intra-host ({prof.topology}): alpha {intra['alpha_s'] * 1e6:.1f} us, beta "
+              f"{intra['beta_bytes_per_s'] / 1e9:.3f} GB/s ({8 * intra['beta_bytes_per_s'] / 1e9:.2f} Gbit/s)")
 
 
 def _validate(args) -> int:

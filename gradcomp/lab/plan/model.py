@@ -7,42 +7,10 @@ and Yuan 2009; bucketed overlap as in PyTorch DDP (Li et al. 2020); the
 parameter server of Li et al. 2014; the pipeline bubble of GPipe (Huang et
 al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021).
 
-**Messages.** A point-to-point message of ``m`` bytes takes ``alpha + m / beta``
-seconds (``alpha``: per-message latency and software cost; ``beta``: link
-bytes per second, full duplex: a rank sends and receives at ``beta`` at
-once). A rank sending to several peers at once shares its one link (the
-one-port model), so ``k`` concurrent messages cost ``k alpha + sum(m) / beta``.
-
-**Wire sizes** are exact: every payload's size comes from the compressors'
-``wire_nbytes`` (:mod:`gradcomp.wire`: a 48-byte header for a 1-D tensor,
-then the codec's sections; top-k adds padded int32 indices and a nested
-values payload), over the exact chunks of :func:`gradcomp.comm.chunks.chunk_bounds`.
-
-**Kernel time** of each codec operation is elements / rate, rates from a
-:class:`~gradcomp.lab.plan.profile.Profile`.
-
-**One allreduce of a bucket of n elements over N ranks** (chunks of
-``L = ceil(n / N)`` elements, ``w`` = wire bytes of a chunk, ``hop = alpha + w / beta``;
-``c``, ``rc``, ``d``, ``da`` = compress, decompress-add-recompress,
-decompress, decompress-add of one chunk), following what
-:mod:`gradcomp.comm` does step by step:
-
-* ``ring`` (:mod:`gradcomp.comm.ring`): ``c + (N - 1) hop + (N - 1) rc``
-  (compress one chunk; ``N - 1`` hops, after each the received partial sum is
-  decompressed, added and requantized, the owner's final one included), then
-  the allgather ``hop + (N - 2) max(hop, d) + d`` (each received chunk is
-  decompressed while the next one travels). Bytes sent per rank: the
-  ``N - 1`` chunks of each phase; each element is quantized ``N`` times.
-* ``two_phase`` (:mod:`gradcomp.comm.two_phase`): ``(N - 1) c`` (every
-  foreign chunk compressed once, before sending) ``+ (N - 1) alpha + (N - 1) w / beta``
-  (direct exchange, one port) ``+ (N - 2) da + rc``, then the same allgather.
-  Same bytes as the ring, two quantizations.
-* ``allgather`` (sparse, :mod:`gradcomp.comm.allgather`): ``[ef] + select(n) +
-  values(k)``, the size exchange ``(N - 1) (alpha + 8 / beta)``, the payloads
-  forwarded around the ring ``(N - 1) (alpha + P / beta)`` (``P``: the whole
-  tensor's sparse payload), then ``N`` decompress-adds of ``k`` elements:
-  each rank receives ``(N - 1) P`` bytes, growing with ``N`` where the dense
-  ring's ``2 (N - 1) / N`` stays flat.
+**One allreduce** of a bucket (wire bytes, messages, quantizations, seconds per
+algorithm: ring, two-phase, halving-doubling, sparse allgather, sparse
+reduce-scatter) is priced by :mod:`gradcomp.lab.plan.costs`: alpha-beta
+messages on one port, exact wire sizes, kernel time from measured rates.
 
 **Overlap with backward.** The gradient is cut into DDP's buckets (the first
 1 MiB, then 25 MiB of float32 by default; buckets under the hook's
@@ -129,13 +97,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from functools import lru_cache
-
-import torch
 
 from gradcomp import catalog
 from gradcomp import wire as W
-from gradcomp.comm.chunks import chunk_bounds
+from gradcomp.lab.plan.costs import (ALLREDUCE_ALGORITHMS, SIZE_NBYTES, allreduce_bytes, allreduce_messages,
+                                     allreduce_seconds, compress_s, decompress_add_s, quantizations,
+                                     wire_nbytes)
 from gradcomp.lab.plan.host import Host
 from gradcomp.lab.plan.lognormal import expected_max
 from gradcomp.lab.plan.profile import Profile
@@ -144,7 +111,8 @@ from gradcomp.ps import protocol as _ps_protocol
 
 __all__ = [
     "PlanCodec", "CODECS", "CODEC_NAMES", "PLAN_NAMES", "GAP_PTS", "ALGORITHMS", "MODES", "Setting", "Prediction",
-    "plan_codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "ps_bytes", "predict",
+    "plan_codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "allreduce_messages",
+    "quantizations", "ps_bytes", "predict",
     "sync_step", "ps_sync_step", "async_throughput", "mva_response", "bubble_fraction", "FORWARD_SHARE",
     "pipeline_step",
     "PS_HEADER_NBYTES", "SIZE_NBYTES", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES",
@@ -154,8 +122,6 @@ __all__ = [
 #: a parameter-server message without data on the wire: the 80-byte header frame
 #: plus its ZMTP frame header (:func:`gradcomp.ps.protocol.message_nbytes`)
 PS_HEADER_NBYTES = _ps_protocol.message_nbytes()
-#: one payload size in the sparse allgather's size exchange (int64)
-SIZE_NBYTES = 8
 #: DDP's bucket_cap_mb default (25 MiB) and its first bucket (1 MiB)
 DDP_BUCKET_BYTES = 25 * 2**20
 DDP_FIRST_BUCKET_BYTES = 2**20
@@ -167,7 +133,7 @@ PLAN_NAMES = ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-e
 #: digits, docs/results/default-study.md; 0 where none was measurable)
 GAP_PTS = {"topk-ef": 0.22, "topk-int8-ef": 0.22}
 
-ALGORITHMS = ("ring", "two_phase", "allgather", "ps")
+ALGORITHMS = (*ALLREDUCE_ALGORITHMS, "ps")
 MODES = ("sync", "async")
 
 
@@ -214,7 +180,9 @@ class PlanCodec:
     @property
     def algorithms(self) -> tuple[str, ...]:
         """Allreduce algorithms that accept this codec (plus the parameter server)."""
-        return ("allgather", "ps") if self.sparse else ("ring", "two_phase", "ps")
+        if self.sparse:  # the sparse reduce-scatter takes exact top-k (fixed payload sizes)
+            return ("allgather", "sparse_reduce_scatter", "ps") if self.kind == "topk" else ("allgather", "ps")
+        return ("ring", "two_phase", "halving_doubling", "ps")
 
     def compressor(self, numel: int):
         """A compressor object with this codec's exact wire layout for ``numel``-element tensors."""
@@ -253,48 +221,7 @@ def plan_codec(name: str) -> PlanCodec:
     return CODECS[name]
 
 
-# ---- wire bytes --------------------------------------------------------------------
-
-@lru_cache(maxsize=4096)
-def _wire(c: PlanCodec, numel: int) -> int:
-    """Exact wire bytes of ``c``'s payload of a 1-D float32 tensor of ``numel`` elements."""
-    return c.compressor(numel).wire_nbytes((numel,), torch.float32)
-
-
-def _chunk_lens(numel: int, world: int) -> list[int]:
-    return [hi - lo for lo, hi in chunk_bounds(numel, world)]
-
-
-@lru_cache(maxsize=4096)
-def allreduce_bytes(c: PlanCodec, algorithm: str, numel: int, world: int, rank: int = 0) -> tuple[int, int]:
-    """``(sent, received)`` wire bytes at ``rank`` for one allreduce of ``numel`` elements.
-
-    Dense (``ring``, ``two_phase``: the same bytes sent): the reduce-scatter
-    sends every chunk but ``rank``'s and receives ``N - 1`` payloads of chunk
-    ``rank`` (two-phase) or every chunk but ``rank - 1``'s (ring: in step ``s``
-    chunk ``rank - s - 2``); the allgather sends every chunk but ``rank + 1``'s
-    and receives every chunk but ``rank``'s. Sparse ``allgather``: ``N - 1``
-    whole-tensor payloads forwarded each way plus ``8 (N - 1)`` bytes of sizes.
-
-    Raises:
-        ValueError: an algorithm that does not take this codec.
-    """
-    if algorithm not in c.algorithms or algorithm == "ps":
-        raise ValueError(f"algorithm for {c.name} must be one of {c.algorithms[:-1]}, got {algorithm!r}")
-    if world == 1:
-        return 0, 0
-    if algorithm == "allgather":
-        p = _wire(c, numel)
-        return (world - 1) * (p + SIZE_NBYTES), (world - 1) * (p + SIZE_NBYTES)
-    lens = _chunk_lens(numel, world)
-    w = [_wire(c, n) for n in lens]
-    total = sum(w)
-    sent = (total - w[rank]) + (total - w[(rank + 1) % world])
-    ag_received = total - w[rank]  # every chunk but this rank's own
-    if algorithm == "two_phase":
-        return sent, (world - 1) * w[rank] + ag_received  # N - 1 payloads of chunk rank
-    return sent, (total - w[(rank - 1) % world]) + ag_received  # ring: chunks rank-2, ..., rank
-
+# ---- bytes per step -------------------------------------------------------------
 
 def ps_bytes(c: PlanCodec, numel: int, servers: int, tensors: int = 1, compress_pull: bool = True) -> dict:
     """Bytes one worker moves per step with the parameter server.
@@ -316,8 +243,8 @@ def ps_bytes(c: PlanCodec, numel: int, servers: int, tensors: int = 1, compress_
     per = -(-numel // tensors)
     counts = [tensors // servers + (1 if s < tensors % servers else 0) for s in range(servers)]
     raw = CODECS["none"]
-    push = [_ps_protocol.message_nbytes(8 + 8 * k + k * _wire(c, per)) for k in counts]
-    pull = [_ps_protocol.message_nbytes(8 + 8 * k + k * _wire(c if compress_pull else raw, per))
+    push = [_ps_protocol.message_nbytes(8 + 8 * k + k * wire_nbytes(c, per)) for k in counts]
+    pull = [_ps_protocol.message_nbytes(8 + 8 * k + k * wire_nbytes(c if compress_pull else raw, per))
             for k in counts]
     sent = sum(push) + servers * PS_HEADER_NBYTES  # + pull requests
     received = sum(pull) + servers * PS_HEADER_NBYTES  # + push replies
@@ -338,76 +265,6 @@ def bucket_sizes(params: int, bucket_bytes: int = DDP_BUCKET_BYTES,
         out.append(min(size, left))
         left -= out[-1]
     return out
-
-
-# ---- kernel and transfer times -------------------------------------------------------
-
-def _compress_s(c: PlanCodec, prof: Profile, n: int, ef: bool) -> float:
-    """Compress ``n`` elements (dense) or a whole ``n``-element tensor (sparse)."""
-    if c.sparse:
-        k = max(1, math.ceil(c.density * n))
-        t = prof.seconds(f"{c.kind}.select", n)
-        t += prof.seconds("int8.compress", k) if c.values == "int8" else 0.0
-        return t + (prof.seconds("ef.update", n) if ef else 0.0)
-    if c.kind == "int8" and ef:
-        return prof.seconds("int8.compress_ef", n)
-    return prof.seconds(f"{c.kind}.compress", n)
-
-
-def _decompress_add_s(c: PlanCodec, prof: Profile, n: int) -> float:
-    if c.sparse:
-        k = max(1, math.ceil(c.density * n))
-        return prof.seconds("sparse.decompress_add", k) + (
-            prof.seconds("int8.decompress", k) if c.values == "int8" else 0.0)
-    return prof.seconds(f"{c.kind}.decompress_add", n)
-
-
-def allreduce_seconds(c: PlanCodec, algorithm: str, numel: int, world: int, alpha: float, beta: float,
-                      prof: Profile, share: float = 1.0, skew: float = 0.0) -> dict:
-    """Time of one compressed allreduce of ``numel`` float32 elements (see the module docstring).
-
-    Args:
-        alpha: seconds per message; beta: link bytes per second.
-        share: slowdown of the codec kernels by processor sharing
-            (:meth:`gradcomp.lab.plan.host.Host.share`, 1 with a core per rank).
-        skew: seconds each exchange step waits for a descheduled peer,
-            hidden behind a longer transfer (:meth:`gradcomp.lab.plan.host.Host.skew_s`).
-
-    Returns:
-        ``{"total": s, "kernel": s, "transfer": s}`` (``transfer`` counts the
-        alphas and bytes on the critical path, ``kernel`` the codec work
-        that is not hidden behind a transfer).
-    """
-    if world == 1 or numel == 0:
-        return {"total": 0.0, "kernel": 0.0, "transfer": 0.0}
-    ef = c.error_feedback
-
-    def step(nbytes: float, messages: int = 1) -> float:  # one exchange step
-        return messages * alpha + max(skew, nbytes / beta)
-
-    if algorithm == "allgather":
-        p = _wire(c, numel)
-        transfer = (world - 1) * step(SIZE_NBYTES) + (world - 1) * step(p)
-        kernel = share * (_compress_s(c, prof, numel, ef) + world * _decompress_add_s(c, prof, numel))
-        return {"total": transfer + kernel, "kernel": kernel, "transfer": transfer}
-    if algorithm not in ("ring", "two_phase"):
-        raise ValueError(f"algorithm must be one of {ALGORITHMS[:3]}, got {algorithm!r}")
-    L = -(-numel // world)
-    w = _wire(c, L)
-    hop = step(w)
-    rc = share * prof.seconds(f"{c.kind}.reduce_compress", L)
-    d = share * prof.seconds(f"{c.kind}.decompress", L)
-    if algorithm == "ring":
-        rs_transfer = (world - 1) * hop
-        rs_kernel = share * _compress_s(c, prof, L, ef) + (world - 1) * rc
-    else:
-        rs_transfer = step((world - 1) * w, world - 1)
-        rs_kernel = share * ((world - 1) * _compress_s(c, prof, L, ef)
-                             + (world - 2) * _decompress_add_s(c, prof, L)) + rc
-    ag = hop + (world - 2) * max(hop, d) + d
-    ag_transfer = (world - 1) * hop
-    total = rs_transfer + rs_kernel + ag
-    return {"total": total, "kernel": total - rs_transfer - ag_transfer, "transfer": rs_transfer + ag_transfer}
 
 
 # ---- the step -----------------------------------------------------------------------
@@ -562,9 +419,9 @@ def _apply_s(s: Setting, prof: Profile, elements: int) -> float:
 
 
 def sync_step(c: PlanCodec, algorithm: str, s: Setting, prof: Profile) -> Prediction:
-    """Synchronous data-parallel step with gradcomp's DDP hook (``ring``,
-    ``two_phase`` or ``allgather``): buckets reduced in FIFO order as backward
-    produces them, behind the slowest worker."""
+    """Synchronous data-parallel step with gradcomp's DDP hook (any allreduce
+    algorithm of :data:`ALGORITHMS` but ``ps``): buckets reduced in FIFO order
+    as backward produces them, behind the slowest worker."""
     if algorithm not in c.algorithms or algorithm == "ps":
         raise ValueError(f"algorithm for {c.name} must be one of {c.algorithms[:-1]}, got {algorithm!r}")
     alpha, beta, n = s.alpha(prof), s.link_bytes_per_s, s.nodes
@@ -613,13 +470,13 @@ def _ps_parts(c: PlanCodec, s: Setting, prof: Profile, runnable: float | None = 
     tensors = max(s.tensors, s.servers)
     per = -(-s.params // tensors)
     per_shard = -(-tensors // s.servers)
-    compress = tensors * _compress_s(c, prof, per, c.error_feedback)
+    compress = tensors * compress_s(c, prof, per, c.error_feedback)
     pull_codec = c if s.compress_pull else CODECS["none"]
-    decompress = tensors * _decompress_add_s(pull_codec, prof, per)
+    decompress = tensors * decompress_add_s(pull_codec, prof, per)
     # per push a server decompress-adds the shard and (compress_pull) compresses the
     # pusher's delta with its residual; it applies the optimizer once per update
-    per_push = per_shard * (_decompress_add_s(c, prof, per)
-                            + (_compress_s(c, prof, per, True) if s.compress_pull else 0.0))
+    per_push = per_shard * (decompress_add_s(c, prof, per)
+                            + (compress_s(c, prof, per, True) if s.compress_pull else 0.0))
     apply = _apply_s(s, prof, shard)
     return {"bytes": b, "compress": share * compress, "decompress": share * decompress,
             "per_push": share * per_push, "apply": share * apply, "latency": 6 * s.servers * alpha,
@@ -734,8 +591,9 @@ def async_throughput(c: PlanCodec, s: Setting, prof: Profile) -> Prediction:
 
 def predict(mode: str, compressor: str, algorithm: str, s: Setting, prof: Profile) -> Prediction:
     """The step of ``mode`` (``sync``/``async``) with ``compressor`` (a :data:`CODECS`
-    name or a :class:`PlanCodec`) and ``algorithm`` (``ring``, ``two_phase``,
-    ``allgather`` or ``ps``; async is always ``ps``).
+    name or a :class:`PlanCodec`) and ``algorithm`` (one of :data:`ALGORITHMS`:
+    ``ring``, ``two_phase``, ``allgather``, ``halving_doubling``,
+    ``sparse_reduce_scatter`` or ``ps``; async is always ``ps``).
 
     Raises:
         ValueError: an unknown mode, compressor or algorithm, or a combination

@@ -23,9 +23,9 @@ import sys
 import threading
 import time
 
-from gradcomp.lab.cluster import jitter_type, link_type
+from gradcomp.lab.cluster import jitter_type, link_type, topology_type
 from gradcomp.lab.study.config import (ALGORITHMS, ALL_MODES, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
-                                   TrainConfig, parse_compressors)
+                                       SPARSE_ALGORITHMS, TrainConfig, parse_compressors)
 from gradcomp.lab.study.menu import WORKLOADS
 from gradcomp.lab.study.output import DEFAULT_OUT, prepare_out
 from gradcomp.lab.study.scenarios import scenario_list
@@ -210,7 +210,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=d.seed,
                    help="seed of the model, the data split and the data order (default 0)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default=d.algorithm,
-                   help="sync allreduce for dense codecs (default ring); sparse codecs use allgather")
+                   help="allreduce of the dense codecs in sync and local modes (default ring; "
+                        "hierarchical: exact inside a host, compressed across hosts, see --topology)")
+    p.add_argument("--sparse-algorithm", choices=SPARSE_ALGORITHMS, default=d.sparse_algorithm,
+                   help="allreduce of topk-ef and topk-int8-ef (default allgather); threshold and DGC "
+                        "rows use allgather")
     p.add_argument("--threshold", type=_nonnegative_float, default=None,
                    help="threshold of threshold-ef (default: calibrated to the top 1%% of the "
                         "first gradient's magnitudes)")
@@ -224,6 +228,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="none (the unshaped loopback, default) or a link rate: 100mbit, 1gbit, "
                            "10gbit, ... (every rank in its own network namespace, links shaped with "
                            "tc tbf; needs root and iproute2)")
+    time.add_argument("--topology", type=topology_type, default=None, metavar="HxR",
+                      help="H hosts of R workers each (sync and local modes): the workers of a host "
+                           "share its namespace, the --link joins the hosts (default: one worker per "
+                           "host); --workers is then H*R")
     time.add_argument("--link-jitter", type=jitter_type, default=0.0, metavar="F",
                       help="redraw each link's rate every second from rate x U(1-F, 1+F) (default 0)")
     time.add_argument("--straggler", type=_straggler, default=None, metavar="RANK:FACTOR",
@@ -292,6 +300,16 @@ def _workers(args: argparse.Namespace) -> int:
     """
     from gradcomp.lab.study.study import in_torchrun
 
+    topology = getattr(args, "topology", None)
+    if topology is not None:
+        if in_torchrun():
+            raise ValueError("--topology starts local workers; under torchrun the hosts are torchrun's nodes")
+        if set(args.mode) - {"sync", "local"}:
+            raise ValueError(f"--topology applies to --mode sync and local, got --mode {','.join(args.mode)}")
+        if args.workers is not None and args.workers != topology[0] * topology[1]:
+            raise ValueError(f"--workers {args.workers} does not fit --topology "
+                             f"{topology[0]}x{topology[1]} ({topology[0] * topology[1]} workers)")
+        return topology[0] * topology[1]
     if not in_torchrun():
         return args.workers if args.workers is not None else TrainConfig().workers
     world = int(os.environ["WORLD_SIZE"])
@@ -323,6 +341,9 @@ def _check_row_options(args: argparse.Namespace) -> None:
                          f"got --compressors {','.join(args.compressors)} --mode {','.join(args.mode)}")
     if args.backup_workers is not None and "sync" not in args.mode:
         raise ValueError(f"--backup-workers only applies to --mode sync, got --mode {','.join(args.mode)}")
+    if args.algorithm == "hierarchical" and "auto" in args.compressors:
+        raise ValueError("--algorithm hierarchical does not apply to the auto row (adaptive compression "
+                         "chooses among the flat ring and two-phase): drop auto from --compressors")
     if args.async_momentum is not None and "async" not in args.mode:
         raise ValueError(f"--async-momentum only applies to --mode async, got --mode {','.join(args.mode)}")
     if args.dgc_warmup is not None and args.mode == ("pipeline",):
@@ -349,7 +370,9 @@ def _config(args: argparse.Namespace) -> TrainConfig:
                        async_momentum=args.async_momentum, seed=args.seed,
                        **({} if args.dgc_warmup is None else {"dgc_warmup_epochs": args.dgc_warmup}),
                        workload=w.name, data_dir=args.data_dir, data_file=args.data_file,
-                       algorithm=args.algorithm, eval_every=args.eval_every,
+                       algorithm=args.algorithm, sparse_algorithm=args.sparse_algorithm,
+                       eval_every=args.eval_every,
+                       ranks_per_host=args.topology[1] if getattr(args, "topology", None) else 1,
                        threshold=args.threshold, timeout=args.timeout,
                        straggler=args.straggler, compute_jitter=args.compute_jitter,
                        backup_workers=args.backup_workers, **local)

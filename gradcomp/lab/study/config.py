@@ -18,14 +18,22 @@ if TYPE_CHECKING:
     from gradcomp.compressors import Compressor
 
 __all__ = ["TrainConfig", "CompressorChoice", "COMPRESSORS", "DEFAULT_COMPRESSORS", "MODES",
-           "ALGORITHMS", "parse_compressors", "ALL_MODES"]
+           "ALGORITHMS", "SPARSE_ALGORITHMS", "parse_compressors", "ALL_MODES"]
 
 MODES = ("sync", "async")
 #: Every mode ``--mode`` accepts: MODES (``both``) plus local SGD / DiLoCo
 #: (:mod:`gradcomp.lab.study.local`).
 ALL_MODES = (*MODES, "local")
-#: Dense algorithms of the sync mode; sparse compressors always use ``allgather``.
-ALGORITHMS = ("ring", "two_phase")
+#: Dense algorithms of the sync and local modes (``--algorithm``).
+ALGORITHMS = ("ring", "two_phase", "hierarchical", "halving_doubling")
+#: Algorithms of the exact top-k rows (``--sparse-algorithm``); threshold and
+#: DGC rows always use ``allgather`` (data-dependent sizes; DGC selects per parameter).
+SPARSE_ALGORITHMS = ("allgather", "sparse_reduce_scatter")
+#: the menu entries ``--sparse-algorithm`` applies to
+_TOPK_ROWS = ("topk-ef", "topk-int8-ef")
+#: the dense algorithms ``auto``'s policy runs (gradcomp.comm.FLAT_DENSE_ALGORITHMS; plain data
+#: here: ``gradcomp train --help`` imports no torch)
+_POLICY_ALGORITHMS = ("ring", "two_phase")
 #: Largest ``timeout`` of a run, in seconds.
 MAX_TIMEOUT = 1e7
 #: Largest ``dgc_warmup_epochs`` (a warm-up in steps then stays an exact int64
@@ -141,7 +149,14 @@ class TrainConfig:
         seed: model initialisation, data split and data order.
         hidden: hidden-layer widths of the MLP.
         test_fraction: share of the digits held out for testing.
-        algorithm: sync allreduce for dense codecs (``ring`` or ``two_phase``).
+        algorithm: allreduce of the dense codecs (:data:`ALGORITHMS`;
+            ``hierarchical``: exact inside a host, compressed across hosts);
+            ``auto`` rows use ``ring`` when it is not among the adaptive
+            policy's algorithms.
+        sparse_algorithm: allreduce of the exact top-k rows
+            (:data:`SPARSE_ALGORITHMS`); the other sparse rows use ``allgather``.
+        ranks_per_host: workers sharing a host (``--topology HxR``: ``workers
+            = H x R``); 1: one per host.
         eval_every: steps between test-set evaluations (and the last step).
         threshold: threshold of ``threshold-ef`` (None: calibrated, see :mod:`gradcomp.lab.study.study`).
         timeout: seconds allowed for one run before its processes are stopped.
@@ -174,6 +189,8 @@ class TrainConfig:
     hidden: tuple[int, ...] = field(default=DEFAULT_HIDDEN)
     test_fraction: float = 0.25
     algorithm: str = "ring"
+    sparse_algorithm: str = "allgather"
+    ranks_per_host: int = 1
     eval_every: int = 10
     threshold: float | None = None
     timeout: float = 600.0
@@ -187,6 +204,14 @@ class TrainConfig:
     workload: str = DEFAULT_WORKLOAD
     data_dir: str | None = None
     data_file: str | None = None
+
+    def algorithm_for(self, choice: CompressorChoice) -> str:
+        """The allreduce algorithm of ``choice``'s sync and local runs (see the attributes)."""
+        if choice.sparse:
+            return self.sparse_algorithm if choice.name in _TOPK_ROWS else "allgather"
+        if choice.name == "auto" and self.algorithm not in _POLICY_ALGORITHMS:
+            return "ring"
+        return self.algorithm
 
     def momentum_for(self, mode: str) -> float:
         """The SGD momentum of ``mode``'s runs: ``async_momentum`` (when set) for async, else ``momentum``."""
@@ -217,6 +242,12 @@ class TrainConfig:
             Adaptive(link=self.auto_link)  # raises for a bad prior, naming it
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.sparse_algorithm not in SPARSE_ALGORITHMS:
+            raise ValueError(f"sparse_algorithm must be one of {SPARSE_ALGORITHMS}, got {self.sparse_algorithm!r}")
+        if (isinstance(self.ranks_per_host, bool) or not isinstance(self.ranks_per_host, int)
+                or self.ranks_per_host < 1 or self.workers % self.ranks_per_host):
+            raise ValueError(f"ranks_per_host must be an int >= 1 dividing workers ({self.workers}), "
+                             f"got {self.ranks_per_host!r}")
         if self.threshold is not None and not self.threshold >= 0:
             raise ValueError(f"threshold must be >= 0, got {self.threshold!r}")
         if not 0 < self.timeout <= MAX_TIMEOUT:

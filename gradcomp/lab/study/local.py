@@ -73,7 +73,7 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     timeline = StepTimeline()
     ls = LocalSGD(model, sync_every=cfg.sync_every, compressor=choice.build(cfg.threshold),
                   outer_optimizer=cfg.outer, meter=meter, error_feedback=choice.error_feedback,
-                  algorithm="allgather" if choice.sparse else cfg.algorithm,
+                  algorithm=cfg.algorithm_for(choice),
                   fragments=cfg.fragments, overlap=cfg.overlap, timeout=cfg.timeout, timeline=timeline)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     log = RankLog(rank)

@@ -81,7 +81,8 @@ def title(study: StudyResult) -> str:
     per_push = f" (async: {c.lr / c.workers:.3g} per push)" if "async" in modes else ""
     async_m = (f" (async: {c.async_momentum:g})"
                if "async" in modes and c.async_momentum is not None else "")
-    algorithm = f", sync dense algorithm: {c.algorithm}" if modes & {"sync", "local"} else ""
+    algorithm = (f", sync dense algorithm: {c.algorithm}, top-k: {c.sparse_algorithm}"
+                 if modes & {"sync", "local"} else "")
     if "local" in modes:
         streaming = f", {c.fragments} fragments, overlap {c.overlap}" if c.fragments > 1 or c.overlap else ""
         algorithm += f", local: sync every {c.sync_every} steps, outer {c.outer}{streaming}"
@@ -188,7 +189,7 @@ def run_record(r: RunResult, study: StudyResult) -> dict:
 
         d["test_perplexity"] = perplexity(r.test_loss)
     d.update({
-        "algorithm": "allgather" if COMPRESSORS[r.compressor].sparse else c.algorithm,
+        "algorithm": c.algorithm_for(COMPRESSORS[r.compressor]),
         "world_size": r.workers + (1 if r.mode == "async" else 0),
         "params": study.num_parameters, "batch_size": c.batch_size,
         "straggler": r.scenario.get("straggler"),

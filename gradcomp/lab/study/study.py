@@ -238,11 +238,13 @@ def _launch_local(mode: str, jobs: list[Job], datas: list[Digits],
     timeout = max(c.timeout for c, _, _ in jobs) * len(jobs)
     env = {"GRADCOMP_WORKER_THREADS": "1"}
     args = (mode, jobs, datas, progress)
+    per = cfg.ranks_per_host if mode != "async" else 1  # the topology is of the sync and local workers
     with contextlib.ExitStack() as stack:
         if scenario is not None and scenario.link is not None:
             from gradcomp.lab.cluster import LocalCluster
 
-            cluster = stack.enter_context(LocalCluster(world, rate=scenario.link,
+            shape = dict(hosts=world // per, ranks_per_host=per) if per > 1 else dict(world_size=world)
+            cluster = stack.enter_context(LocalCluster(**shape, rate=scenario.link,
                                                        rate_jitter=scenario.link_jitter,
                                                        seed=cfg.seed))
             link = cluster.describe()
@@ -251,10 +253,13 @@ def _launch_local(mode: str, jobs: list[Job], datas: list[Digits],
                 return cluster.run(mode_rank, *args, timeout=timeout, env=env)
         else:
             link = {"name": "none", "configured_bps": None, "achieved_bps": None,
-                    "emulation": "loopback"}
+                    "emulation": "loopback", "world_size": world, "hosts": world // per,
+                    "ranks_per_host": per, "topology": f"{world // per}x{per}"}
+            # hosts for the hierarchical algorithm: workers r // per share one
+            hosts = [{"GRADCOMP_HOST_ID": str(r // per)} for r in range(world)]
 
             def start():
-                return launch(mode_rank, world, args, timeout=timeout, env=env)
+                return launch(mode_rank, world, args, timeout=timeout, env=env, rank_env=hosts)
         return _watch(start, progress, on_step), link
 
 
