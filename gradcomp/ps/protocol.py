@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gradcomp import _validate as v
 from gradcomp import wire as W
 from gradcomp.errors import PayloadError
 from gradcomp.ps.errors import ProtocolError
@@ -72,11 +73,29 @@ __all__ = [
     "process_description", "read_process_description",
     "REQUESTS", "REPLIES", "Header", "frame_overhead", "message_nbytes", "pack_bundle",
     "unpack_bundle", "raw_bundle_nbytes", "join_layout", "MODES", "FAILURE_POLICIES",
+    "check_backup_workers",
 ]
 
 #: server modes and worker-failure policies (validated by every role)
 MODES = ("sync", "async")
 FAILURE_POLICIES = ("continue", "fail")
+
+
+def check_backup_workers(backup_workers, mode: str, workers: int | None = None) -> int:
+    """``backup_workers`` validated for ``mode`` and (when known) ``workers`` workers.
+
+    Raises:
+        TypeError: not an int. ValueError: < 0, > 0 in async mode (every push
+            is applied on arrival there), or >= ``workers`` (a step needs one push).
+    """
+    b = v.integer("backup_workers", backup_workers, 0)
+    if b and mode != "sync":
+        raise ValueError(f"backup_workers={b} applies to mode='sync' only (async applies every push "
+                         f"on arrival), got mode={mode!r}")
+    if workers is not None and b >= workers:
+        raise ValueError(f"backup_workers must be < the number of workers ({workers}): a step needs at "
+                         f"least one push, got {b}")
+    return b
 
 MAGIC = 0x53504347
 HEADER_NUMEL = 10

@@ -13,9 +13,9 @@ import torch
 
 from gradcomp import _validate as v
 from gradcomp.compressors import DGC, Compressor, ErrorFeedback, Int8Quantizer, check_optimizer, split
-from gradcomp.ps.checkpoint import resume_mode
 from gradcomp.ps.auth import Credential
-from gradcomp.ps.protocol import FAILURE_POLICIES, MODES
+from gradcomp.ps.checkpoint import resume_mode
+from gradcomp.ps.protocol import FAILURE_POLICIES, MODES, check_backup_workers
 from gradcomp.ps.transport import normalize_address
 
 __all__ = ["PSConfig", "run", "role"]
@@ -61,6 +61,10 @@ class PSConfig:
         credential: the job's credential (:func:`gradcomp.ps.new_credential`,
             its mechanism matching ``encrypt``; a secret, not shown by
             ``repr``); None: the servers create one when the roles are built.
+        backup_workers: sync: a step is applied with the first ``workers -
+            backup_workers`` pushes; later pushes of that step are dropped
+            (Chen et al. 2016; see :class:`ParameterServer`). 0 in async
+            mode; checked against the worker count by :func:`run`.
     """
 
     mode: str = "sync"
@@ -86,12 +90,14 @@ class PSConfig:
     device: str | None = None
     encrypt: bool = False
     credential: str | None = field(default=None, repr=False)
+    backup_workers: int = 0
 
     def __post_init__(self):
         v.choice("mode", self.mode, MODES)
         v.choice("on_worker_failure", self.on_worker_failure, FAILURE_POLICIES)
         v.integer("steps", self.steps, 0)
         v.integer("num_servers", self.num_servers, 1)
+        check_backup_workers(self.backup_workers, self.mode)
         for name in ("compressor", "pull_compressor"):
             c = getattr(self, name)
             if c is not None:
@@ -195,7 +201,8 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         process exits.
 
     Raises:
-        ValueError: ``world_size <= config.num_servers``.
+        ValueError: ``world_size <= config.num_servers``, or
+            ``config.backup_workers`` >= the number of workers.
         WorkerFailedError (server) / PSAbortedError (worker): a worker died
             with ``on_worker_failure="fail"``.
     """
@@ -207,6 +214,7 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
     if world_size <= config.num_servers:
         raise ValueError(f"world_size must be > num_servers={config.num_servers} (at least one worker), "
                          f"got {world_size}")
+    check_backup_workers(config.backup_workers, config.mode, world_size - config.num_servers)
     if role(rank, config.num_servers) == "server":
         server = ParameterServer(
             model_fn(), mode=config.mode, num_servers=config.num_servers, optimizer=config.optimizer,
@@ -217,7 +225,8 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
             address=config.address,
             checkpoint_dir=None if config.checkpoint_dir is None else os.fspath(config.checkpoint_dir),
             checkpoint_every=config.checkpoint_every, resume=config.resume, group=group,
-            credential=config.credential, encrypt=config.encrypt)
+            credential=config.credential, encrypt=config.encrypt,
+            backup_workers=config.backup_workers)
         stats = server.serve()
         return {"role": "server", "rank": rank, "stats": stats,
                 "params": {n: t.cpu().clone() for n, t in server.parameters().items()}}

@@ -114,6 +114,8 @@ class ParameterServer:
             a worker restarted outside the group).
         encrypt: CURVE instead of PLAIN: every message authenticated and
             encrypted (the same on every server).
+        backup_workers: sync: apply a step with the first ``live - b`` pushes
+            (Chen et al. 2016); later ones are dropped. In ``[0, workers)``; 0 in async.
 
     Construction is collective: every rank of ``group`` builds its role
     (a server or a :class:`~gradcomp.ps.Worker`) so the servers' addresses
@@ -137,7 +139,7 @@ class ParameterServer:
                  address: str | None = None, send_hwm: int = 4, checkpoint_dir: str | None = None,
                  checkpoint_every: int = 0, resume: bool = False, group=None,
                  meter: TrafficMeter | None = None, device: str | torch.device = "cpu",
-                 credential: str | None = None, encrypt: bool = False):
+                 credential: str | None = None, encrypt: bool = False, backup_workers: int = 0):
         self.mode = v.choice("mode", mode, MODES)
         self.on_worker_failure = v.choice("on_worker_failure", on_worker_failure, FAILURE_POLICIES)
         self.group = group
@@ -147,9 +149,10 @@ class ParameterServer:
                              "build a gradcomp.ps.Worker there")
         self.global_rank = _global(group, self.rank)
         self.max_staleness = None if max_staleness is None else v.integer("max_staleness", max_staleness, 0)
-        self.staleness_lr = _flag("staleness_lr", staleness_lr)
+        self.backup_workers = P.check_backup_workers(backup_workers, self.mode, world - self.num_servers)
+        self.staleness_lr = v.flag("staleness_lr", staleness_lr)
         self.clip_grad_norm = check_clip_norm(clip_grad_norm)
-        self.compress_pull = _flag("compress_pull", compress_pull)
+        self.compress_pull = v.flag("compress_pull", compress_pull)
         self.pull_compressor = check_pull_compressor(pull_compressor, self.compress_pull)
         self.worker_timeout = v.timeout("worker_timeout", worker_timeout)
         self.heartbeat_timeout = v.timeout("heartbeat_timeout", heartbeat_timeout)
@@ -277,7 +280,7 @@ class ParameterServer:
                 "pull_raw_bytes": ph.get("pull", {}).get("raw_bytes_sent", 0),
             }
         return {
-            "rank": self.global_rank, "mode": self.mode, "version": self.version,
+            "rank": self.global_rank, "mode": self.mode, "version": self.version, "backup_workers": self.backup_workers,
             "updates": self.updates, "resumed_from": self.resumed_from,
             "pushes": sum(p.pushes for p in self.peers.values()),
             "accepted": sum(p.accepted for p in self.peers.values()),
@@ -468,10 +471,11 @@ class ParameterServer:
             self.save_checkpoint()
 
     def _maybe_complete_step(self) -> None:
-        """Sync: apply the averaged step once every live worker has pushed."""
+        """Sync: apply the averaged step once every live worker (but ``backup_workers``) has pushed."""
         if self.mode != "sync":
             return
-        if not self._updater.round_complete({r for r, p in self.peers.items() if p.status == "active"}):
+        if not self._updater.round_complete({r for r, p in self.peers.items() if p.status == "active"},
+                                            self.backup_workers):
             return
         self._apply(self._updater.take_round_average(), 0)
         for p in self.peers.values():  # every deferred pull was waiting for this step
@@ -590,8 +594,3 @@ class ParameterServer:
 def _global(group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
-
-def _flag(name: str, x) -> bool:
-    if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
-    return x

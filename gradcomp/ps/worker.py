@@ -315,8 +315,12 @@ class Worker:
                 None: the ``.grad`` of the module given at construction.
 
         Returns:
-            A :class:`PushResult`. A ``dropped`` push was too stale: the next
-            :meth:`pull` returns fresh parameters.
+            A :class:`PushResult`. A ``dropped`` push was too stale (async:
+            past ``max_staleness``; sync: late, its step already applied, as
+            with backup workers): the next :meth:`pull` returns fresh
+            parameters. A push a server dropped or rejected leaves the
+            error-feedback residuals of that server's parameters as they were
+            before it (a :class:`~gradcomp.DGC`'s momentum is not rolled back).
 
         Raises:
             RuntimeError: no :meth:`pull` yet (a gradient needs a version).
@@ -340,6 +344,7 @@ class Worker:
     def _push(self, grads: dict[str, torch.Tensor]) -> PushResult:
         stamped = list(self.versions)
         requests = []
+        saved = [self._residuals(s) for s in range(self.num_servers)]
         for s in range(self.num_servers):
             with _timeline.span("compress"):
                 wires = [self._compress(grads[spec.name], spec.name).wire for spec in self.shards[s]]
@@ -360,6 +365,8 @@ class Worker:
             staleness.append(h.aux if h.status != P.REJECTED else -1)
             versions.append(h.version)
             self._min_version[s] = stamped[s] + 1 if status == "accepted" else 0
+            if status != "accepted":
+                self._restore_residuals(saved[s])
         self.pushes += 1
         result = PushResult(tuple(statuses), tuple(staleness), tuple(versions))
         self.accepted += result.accepted
@@ -446,6 +453,29 @@ class Worker:
                 raise ValueError(f"gradients[{name!r}] must have shape {tuple(ref.shape)}, got {tuple(g.shape)}")
             out[name] = g.detach()
         return out
+
+    def _residuals(self, s: int) -> dict[str, torch.Tensor | None] | None:
+        """Copies of the error-feedback residuals of server ``s``'s parameters
+        (None without error feedback), restored if that server does not apply the push."""
+        if self._ef is None:
+            return None
+        out = {}
+        for spec in self.shards[s]:
+            r = self._ef.residual(spec.name)
+            out[spec.name] = None if r is None else r.clone()  # the codec may update it in place
+        return out
+
+    def _restore_residuals(self, saved: dict[str, torch.Tensor | None] | None) -> None:
+        """A push a server dropped or rejected leaves no trace: its parameters'
+        residuals go back to their values before it (the gradient is discarded whole,
+        the mass of earlier steps kept; see docs/parameter-server.md, backup workers)."""
+        if saved is None:
+            return
+        for name, r in saved.items():
+            if r is None:
+                self._ef.reset(name)
+            else:
+                self._ef.keep(name, r)
 
     def _compress(self, g: torch.Tensor, name: str):
         if self._ef is not None:

@@ -237,6 +237,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="redraw each link's rate every second from rate x U(1-F, 1+F) (default 0)")
     time.add_argument("--straggler", type=_straggler, default=None, metavar="RANK:FACTOR",
                       help="worker RANK's compute takes FACTOR (>= 1) times as long")
+    time.add_argument("--backup-workers", type=_nonnegative_int, default=None, metavar="B",
+                      help="sync mode through the parameter server: apply a step with the first "
+                           "WORKERS - B pushes, drop the late ones (0: every push; default: sync "
+                           "runs gradcomp's allreduce)")
     time.add_argument("--compute-jitter", type=_cv, default=0.0, metavar="CV",
                       help="stretch every worker's compute each step by a lognormal factor with "
                            "mean 1 and this coefficient of variation (seeded; default 0)")
@@ -314,9 +318,10 @@ def _workers(args: argparse.Namespace) -> int:
         raise ValueError("under torchrun run one mode per job: --mode sync or local (WORLD_SIZE "
                          "workers) or --mode async (1 server + WORLD_SIZE - 1 workers)")
     mode = args.mode[0]
-    expected = world - 1 if mode == "async" else world
+    server = mode == "async" or (mode == "sync" and args.backup_workers is not None)
+    expected = world - 1 if server else world
     if expected < 1:
-        raise ValueError(f"async mode needs at least 2 ranks (1 server + workers), the job has {world}")
+        raise ValueError(f"{mode} mode through the parameter server needs at least 2 ranks (1 server + workers), the job has {world}")
     if args.workers is not None and args.workers != expected:
         raise ValueError(f"--workers {args.workers} does not fit this torchrun job of {world} ranks: "
                          f"{mode} mode with {world} ranks has {expected} workers")
@@ -335,6 +340,8 @@ def _check_row_options(args: argparse.Namespace) -> None:
     if args.auto_profile is not None and ("auto" not in args.compressors or "sync" not in args.mode):
         raise ValueError(f"--auto-profile only applies to the auto row (--compressors auto, --mode sync), "
                          f"got --compressors {','.join(args.compressors)} --mode {','.join(args.mode)}")
+    if args.backup_workers is not None and "sync" not in args.mode:
+        raise ValueError(f"--backup-workers only applies to --mode sync, got --mode {','.join(args.mode)}")
     if args.algorithm == "hierarchical" and "auto" in args.compressors:
         raise ValueError("--algorithm hierarchical does not apply to the auto row (adaptive compression "
                          "chooses among the flat ring and two-phase): drop auto from --compressors")
@@ -368,7 +375,8 @@ def _config(args: argparse.Namespace) -> TrainConfig:
                        eval_every=args.eval_every,
                        ranks_per_host=args.topology[1] if getattr(args, "topology", None) else 1,
                        threshold=args.threshold, timeout=args.timeout,
-                       straggler=args.straggler, compute_jitter=args.compute_jitter, **local)
+                       straggler=args.straggler, compute_jitter=args.compute_jitter,
+                       backup_workers=args.backup_workers, **local)
 
 
 def _hidden(args: argparse.Namespace, workload: str) -> tuple[int, ...]:
