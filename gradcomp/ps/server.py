@@ -168,7 +168,7 @@ class ParameterServer:
         self.checkpoint_dir = None if checkpoint_dir is None else ckpt.usable_dir(os.fspath(checkpoint_dir))
         self.device = torch.device(device)
         self.meter = meter if meter is not None else TrafficMeter()
-        own, encrypt = None if credential is None else Credential(credential), _flag("encrypt", encrypt)
+        own, encrypt = None if credential is None else Credential(credential), v.flag("encrypt", encrypt)
 
         tensors = named_tensors(params)
         self.shard = shard_parameters(param_specs(tensors), self.num_servers)[self.rank]
