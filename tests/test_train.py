@@ -177,7 +177,10 @@ def _int8_ps_bytes_per_worker(shapes, steps: int) -> float:
     int8_bundle = 8 * (1 + len(shapes)) + sum(dense_nbytes("int8", s) for s in shapes)
     push = steps * (msg(int8_bundle) + h)
     pulls = (steps + 1) * h + msg(P.raw_bundle_nbytes(shapes)) + steps * msg(int8_bundle)
-    return (push + pulls + h + 2 * h) / steps
+    # DONE and WELCOME are headers; HELLO carries the process's host and pid (a worker's pid
+    # has as many digits as this process's, but for a rare rollover: within approx's tolerance)
+    hello = msg(len(P.process_description()))
+    return (push + pulls + h + hello + h) / steps
 
 
 @pytest.mark.slow

@@ -46,13 +46,39 @@ NAMES = {"op": dict(enumerate(OPS)),
          "codec": {c.id: c.name for c in W.CODECS.values()}}
 
 
+def group_place(group) -> tuple[int, int, str]:
+    """``(rank, size, backend name)`` of this process in ``group``.
+
+    ``group`` is a group torch.distributed created (the world, ``new_group``)
+    or a c10d ``ProcessGroup`` built outside its registry, such as the one a
+    reconfigurable group builds for each membership (torchft's, see
+    :mod:`gradcomp.integrations.torchft`): then its own ``rank()``, ``size()``, ``name()``.
+    """
+    if isinstance(group, dist.ProcessGroup) and not _registered(group):
+        return group.rank(), group.size(), group.name()
+    return dist.get_rank(group), dist.get_world_size(group), dist.get_backend(group)
+
+
+def _registered(group) -> bool:
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_backend(group)
+    except ValueError:  # "not initialized in the world group map"
+        return False
+    return True
+
+
 def member_group(group, what: str):
-    """``group`` (None: the world) once torch.distributed is up and this process is in it.
+    """``group`` (None: the world) once torch.distributed is up and this process is in it
+    (or an unregistered c10d ``ProcessGroup``: see :func:`group_place`).
 
     Raises:
         RuntimeError: torch.distributed is not initialised (``what`` names the caller).
         ValueError: this process is not a member of ``group``.
     """
+    if isinstance(group, dist.ProcessGroup) and not _registered(group):
+        return group
     if not dist.is_initialized():
         raise RuntimeError(f"{what} needs torch.distributed initialised "
                            "(dist.init_process_group or gradcomp.launch)")

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import timeline as _timeline
+from gradcomp.comm._args import group_place
 from gradcomp.comm.buffers import POOL
 
 __all__ = ["PIECES", "MIN_PIECE_BYTES", "Message", "Comm", "Transfer", "pieces", "cuts"]
@@ -93,12 +94,11 @@ class Comm:
     def __init__(self, group, timeout: float, meter=None, tier: str | None = None):
         self.group = group
         self.tier = tier
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank, self.world_size, backend = group_place(group)
         self.timeout = float(timeout)
         self.meter = meter
         self._taken: list[torch.Tensor] = []
-        self.gloo = dist.get_backend(group) == "gloo"
+        self.gloo = backend == "gloo"
         #: every :meth:`start` of this call: ``(sends, recvs, phase, tag, split)``
         #: with sends and recvs as ``((peer, nbytes), ...)`` (see gradcomp.comm.replay)
         self.trace: list[tuple] = []

@@ -147,8 +147,12 @@ class ShardUpdater:
                 self._sum[name] = g
         self.contributors.add(rank)
 
-    def round_complete(self, live: set[int]) -> bool:
-        """Whether every rank of ``live`` (and at least one) has pushed in this round."""
+    def round_complete(self, live: set[int], backup_workers: int = 0) -> bool:
+        """Whether every rank of ``live`` (and at least one) has pushed in this round or,
+        with backup workers, ``len(live) - backup_workers`` of them (Chen et al. 2016,
+        "Revisiting Distributed Synchronous SGD"; a gradient of a rank that died since counts)."""
+        if backup_workers and len(self.contributors) >= max(1, len(live) - backup_workers):
+            return True
         return bool(self.contributors) and live <= self.contributors
 
     def take_round_average(self) -> dict[str, torch.Tensor]:

@@ -6,14 +6,16 @@ from __future__ import annotations
 import contextlib
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from gradcomp import _validate as v
 from gradcomp.compressors import DGC, Compressor, ErrorFeedback, Int8Quantizer, check_optimizer, split
-from gradcomp.ps.protocol import FAILURE_POLICIES, MODES
+from gradcomp.ps.auth import Credential
+from gradcomp.ps.checkpoint import resume_mode
+from gradcomp.ps.protocol import FAILURE_POLICIES, MODES, check_backup_workers
 from gradcomp.ps.transport import normalize_address
 
 __all__ = ["PSConfig", "run", "role"]
@@ -40,8 +42,11 @@ class PSConfig:
             compressor the workers apply the momentum: it must be given, and
             be plain SGD (:func:`~gradcomp.compressors.check_optimizer`).
         max_staleness, staleness_lr, clip_grad_norm, on_worker_failure,
-        worker_timeout, heartbeat_timeout, checkpoint_dir, checkpoint_every,
-        resume: server settings.
+        worker_timeout, heartbeat_timeout, checkpoint_dir, checkpoint_every:
+            server settings.
+        resume: True: every server loads its checkpoint from ``checkpoint_dir``
+            (a server without one raises CheckpointError instead of starting
+            afresh); ``"if-exists"``: those that have one load it; False: none.
         address: where servers bind (``"host"``, ``"host:port"``,
             ``"tcp://host:port"``; with several servers on one host give no
             fixed port); None: ``$GRADCOMP_PS_HOST``, else the interface that
@@ -50,6 +55,16 @@ class PSConfig:
         timeout: workers' per-reply timeout in seconds.
         heartbeat_interval: seconds between a worker's heartbeats.
         device: workers' compute device (None: where ``model_fn`` puts the model).
+        encrypt: CURVE instead of PLAIN on every connection: authenticated
+            and encrypted (see :mod:`gradcomp.ps.auth`); the default
+            authenticates each connection but does not encrypt.
+        credential: the job's credential (:func:`gradcomp.ps.new_credential`,
+            its mechanism matching ``encrypt``; a secret, not shown by
+            ``repr``); None: the servers create one when the roles are built.
+        backup_workers: sync: a step is applied with the first ``workers -
+            backup_workers`` pushes; later pushes of that step are dropped
+            (Chen et al. 2016; see :class:`ParameterServer`). 0 in async
+            mode; checked against the worker count by :func:`run`.
     """
 
     mode: str = "sync"
@@ -71,14 +86,18 @@ class PSConfig:
     heartbeat_interval: float = 1.0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
-    resume: bool = False
+    resume: bool | str = False
     device: str | None = None
+    encrypt: bool = False
+    credential: str | None = field(default=None, repr=False)
+    backup_workers: int = 0
 
     def __post_init__(self):
         v.choice("mode", self.mode, MODES)
         v.choice("on_worker_failure", self.on_worker_failure, FAILURE_POLICIES)
         v.integer("steps", self.steps, 0)
         v.integer("num_servers", self.num_servers, 1)
+        check_backup_workers(self.backup_workers, self.mode)
         for name in ("compressor", "pull_compressor"):
             c = getattr(self, name)
             if c is not None:
@@ -93,6 +112,14 @@ class PSConfig:
                              f"heartbeat_timeout ({self.heartbeat_timeout:g} s)")
         if self.address is not None:
             normalize_address(self.address)
+        if resume_mode(self.resume) and self.checkpoint_dir is None:
+            raise ValueError(f"resume={self.resume!r} needs a checkpoint_dir")
+        if not isinstance(self.encrypt, bool):
+            raise TypeError(f"encrypt must be a bool, got {type(self.encrypt).__name__}")
+        if self.credential is not None and Credential(self.credential).encrypt != self.encrypt:
+            raise ValueError(f"credential is for {Credential(self.credential).mechanism.upper()}, which "
+                             f"contradicts encrypt={self.encrypt}: make it with "
+                             f"new_credential(encrypt={self.encrypt})")
         if isinstance(self.compressor, DGC):
             if self.optimizer is None:
                 raise ValueError("a DGC compressor needs an explicit plain-SGD optimizer (the default has "
@@ -174,7 +201,8 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         process exits.
 
     Raises:
-        ValueError: ``world_size <= config.num_servers``.
+        ValueError: ``world_size <= config.num_servers``, or
+            ``config.backup_workers`` >= the number of workers.
         WorkerFailedError (server) / PSAbortedError (worker): a worker died
             with ``on_worker_failure="fail"``.
     """
@@ -186,6 +214,7 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
     if world_size <= config.num_servers:
         raise ValueError(f"world_size must be > num_servers={config.num_servers} (at least one worker), "
                          f"got {world_size}")
+    check_backup_workers(config.backup_workers, config.mode, world_size - config.num_servers)
     if role(rank, config.num_servers) == "server":
         server = ParameterServer(
             model_fn(), mode=config.mode, num_servers=config.num_servers, optimizer=config.optimizer,
@@ -195,7 +224,9 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
             worker_timeout=config.worker_timeout, heartbeat_timeout=config.heartbeat_timeout,
             address=config.address,
             checkpoint_dir=None if config.checkpoint_dir is None else os.fspath(config.checkpoint_dir),
-            checkpoint_every=config.checkpoint_every, resume=config.resume, group=group)
+            checkpoint_every=config.checkpoint_every, resume=config.resume, group=group,
+            credential=config.credential, encrypt=config.encrypt,
+            backup_workers=config.backup_workers)
         stats = server.serve()
         return {"role": "server", "rank": rank, "stats": stats,
                 "params": {n: t.cpu().clone() for n, t in server.parameters().items()}}

@@ -69,6 +69,7 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -76,10 +77,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from gradcomp.lab.args import OneLineParser
+from gradcomp.lab.bench.allreduce_table import LEGEND, WIDTH, table_lines
 from gradcomp.lab.bench.hosts import HIERARCHICAL_METHODS, gc0_tx_bytes, host_figures, host_table
 from gradcomp.lab.cluster import jitter_type, link_type, topology_type
 
-__all__ = ["main", "run", "method_names"]
+__all__ = ["main", "run", "method_names", "table_lines", "LEGEND", "WIDTH"]
 
 _MATRIX = 1024  # PowerSGD sees the data as _MATRIX x _MATRIX matrices
 _POWERSGD_RANK = 4
@@ -429,19 +432,7 @@ def plot(rows, path: str) -> str:
     return path
 
 
-def _table(rows) -> str:
-    head = (f"{'link':>8} {'world':>5} {'numel':>9} {'method':<38} {'ms':>9} {'x f32':>6} "
-            f"{'MiB/rank':>9} {'ratio':>7} {'rel_err':>9} {'link%':>6}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        ratio = f"{r['compression_ratio']:.2f}" if r["compression_ratio"] else "-"
-        share = f"{100 * r['link_share']:.1f}" if r.get("link_share") is not None else "-"
-        lines.append(f"{r['link']['name']:>8} {r['world']:>5} {r['numel']:>9} {r['method']:<38} "
-                     f"{r['median_ms']:>9.1f} {_ratio(r['speedup_vs_f32']):>6} "
-                     f"{r['bytes_per_rank'] / 2**20:>9.3f} {ratio:>7} {r['rel_err']:>9.2e} {share:>6}")
-    return "\n".join(lines)
-
-
+#: the width the table fits (a terminal's default)
 def _ratio(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -451,7 +442,6 @@ def _links(text: str) -> list[str]:
     if not out:
         raise argparse.ArgumentTypeError("expected link names, e.g. none,1gbit,100mbit")
     return list(dict.fromkeys(out))
-
 
 
 def _int(text: str) -> int:
@@ -471,7 +461,7 @@ def _ints(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     """Command line entry point (``gradcomp bench allreduce``); returns the exit status."""
-    p = argparse.ArgumentParser(prog="gradcomp bench allreduce", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="gradcomp bench allreduce", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=_ints, help="one size in float32 elements (overrides --sizes)")
     p.add_argument("--sizes", type=_ints, default=[2**20, 2**22, 2**24],
                    help="comma-separated sizes in float32 elements (default 2**20,2**22,2**24)")
@@ -545,9 +535,9 @@ def main(argv=None) -> int:
         "kernel_backends": {k: ("usable" if v is None else v) for k, v in backends.items()},
         "native_cpu_kernels": backends.get("cpu") is None,
     }
-    print(f"gradcomp allreduce benchmark: worlds {worlds}, sizes {sizes}, {repeat} repeats; "
-          f"CPU kernels: {'native (gradcomp._C)' if config['native_cpu_kernels'] else 'reference (torch)'}",
-          flush=True)
+    print(textwrap.fill(f"gradcomp allreduce benchmark: worlds {worlds}, sizes {sizes}, {repeat} repeats; CPU "
+                        f"kernels: {'native (gradcomp._C)' if config['native_cpu_kernels'] else 'reference (torch)'}",
+                        width=WIDTH), flush=True)
     links = []
 
     def on_link(info):
@@ -569,7 +559,8 @@ def main(argv=None) -> int:
                intra_link=None if args.intra_link == "none" else args.intra_link)
     config["link_calibrations"] = links
     config["load_average_end"] = os.getloadavg()
-    print(_table(rows))
+    print("\n".join(table_lines(rows)))
+    print(textwrap.fill(LEGEND, width=WIDTH))
     if args.topology is not None:
         print(host_table(rows))
     if args.out:

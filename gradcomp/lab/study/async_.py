@@ -17,6 +17,7 @@ A worker counts every byte it moved: pushes and pull requests sent, replies
 and pulled parameters received (the meter's phases ``"push"`` and ``"pull"``).
 Worker 0 (rank 1) evaluates its replica at the marks; the final accuracy is
 that of the server's parameters after the last update.
+Sync with backup workers (``ps_mode="sync"``) runs here too: see :func:`train_async_rank`.
 """
 
 from __future__ import annotations
@@ -49,13 +50,16 @@ def async_world_size(cfg: TrainConfig) -> int:
 
 
 def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str, data: Digits,
-                     progress=None) -> RankLog:
+                     progress=None, ps_mode: str = "async") -> RankLog:
     """Train one async run as ``rank`` of an initialised group of ``cfg.workers + 1`` ranks.
 
     Args:
         compressor: a name of :data:`gradcomp.lab.study.config.COMPRESSORS`.
         data: the study's split.
         progress: optional object with ``put(step)``; worker 0 calls it now and then.
+        ps_mode: the server's mode: ``"async"``, or ``"sync"`` with
+            ``cfg.backup_workers`` backup workers (learning rate ``cfg.lr``: the
+            server averages a step's pushes).
 
     Returns:
         This rank's :class:`RankLog` (``role`` ``"server"`` on rank 0, whose
@@ -73,14 +77,15 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     compressed = compressor != "none"
     codec = choice.build(cfg.threshold) if compressed else NoCompression()
     if choice.dgc:
-        codec = dgc_compressor(codec, cfg, len(data.y_train), "async")
+        codec = dgc_compressor(codec, cfg, len(data.y_train), ps_mode)
+    sync = ps_mode == "sync"
     config = ps.PSConfig(
-        mode="async", steps=cfg.steps, num_servers=1,
+        mode=ps_mode, steps=cfg.steps, num_servers=1, backup_workers=(cfg.backup_workers or 0) if sync else 0,
         compressor=codec,
         error_feedback=choice.error_feedback,
         compress_pull=compressed,
-        optimizer=functools.partial(torch.optim.SGD, lr=cfg.lr / cfg.workers,
-                                    momentum=optimizer_momentum(choice.dgc, cfg, "async")),
+        optimizer=functools.partial(torch.optim.SGD, lr=cfg.lr if sync else cfg.lr / cfg.workers,
+                                    momentum=optimizer_momentum(choice.dgc, cfg, ps_mode)),
         on_worker_failure="fail", worker_timeout=WORKER_TIMEOUT_S, timeout=cfg.timeout)
 
     models: list[nn.Module] = []
@@ -119,7 +124,7 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
                 p.copy_(out["params"][name])
         log.final = evaluate(model, data.x_test, data.y_test)
         stats = out["stats"]
-        log.extra = {k: stats[k] for k in ("updates", "accepted", "dropped", "rejected",
+        log.extra = {k: stats[k] for k in ("updates", "accepted", "dropped", "rejected", "backup_workers",
                                            "staleness_histogram", "busy_s", "busy_intervals")}
     return log.finish(meter_dict, models[0] if rank != 0 and index == 0 else None, data,
                       timeline if rank != 0 else None)

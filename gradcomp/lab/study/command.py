@@ -23,133 +23,17 @@ import sys
 import threading
 import time
 
+from gradcomp.lab.args import OneLineParser
 from gradcomp.lab.cluster import jitter_type, link_type, topology_type
-from gradcomp.lab.study.config import (ALGORITHMS, ALL_MODES, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
-                                       SPARSE_ALGORITHMS, TrainConfig, parse_compressors)
+from gradcomp.lab.study.config import (ALGORITHMS, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
+                                       SPARSE_ALGORITHMS, TrainConfig)
+from gradcomp.lab.study import argtypes as A
 from gradcomp.lab.study.menu import WORKLOADS
 from gradcomp.lab.study.output import DEFAULT_OUT, prepare_out
 from gradcomp.lab.study.scenarios import scenario_list
 
 __all__ = ["add_arguments", "build_parser", "run", "main"]
 
-
-
-def _positive_int(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {val}")
-    return val
-
-
-def _positive_float(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not val > 0 or val == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return val
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not 0 <= val < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return abs(val)  # "-0" is 0.0
-
-
-def _nonnegative_int(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if val < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {val}")
-    return val
-
-
-def _modes(text: str) -> tuple[str, ...]:
-    """``--mode``: ``both`` (sync and async) or a comma-separated list of ALL_MODES."""
-    if text == "both":
-        return MODES
-    if text == "pipeline":
-        return ("pipeline",)  # runs alone (gradcomp.lab.study.pipeline)
-    names = [m.strip() for m in text.split(",")]
-    if "pipeline" in names:
-        raise argparse.ArgumentTypeError("pipeline runs alone: --mode pipeline")
-    bad = [m for m in names if m not in ALL_MODES]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"invalid choice: {(bad or [text])[0]!r} (choose from "
-                                         f"{', '.join(ALL_MODES)}, both, pipeline or a comma-separated list)")
-    return tuple(dict.fromkeys(names))
-
-
-def _seed(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32 - 1], got {text!r}") from None
-    if not 0 <= val < 2**32:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32 - 1], got {val}")
-    return val
-
-
-def _compressor_list(text: str) -> tuple[str, ...]:
-    try:
-        return parse_compressors(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _files(text: str) -> list[str]:
-    paths = [t.strip() for t in text.split(",")]
-    if not all(paths):
-        raise argparse.ArgumentTypeError(f"expected comma-separated file paths, got {text!r}")
-    return paths
-
-
-def _cv(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        val = -1.0
-    if not 0 <= val <= 10:
-        raise argparse.ArgumentTypeError(f"expected a coefficient of variation in [0, 10], got {text!r}")
-    return val
-
-
-def _straggler(text: str) -> tuple[int, float]:
-    from gradcomp.lab.study.timing import parse_straggler
-
-    try:
-        return parse_straggler(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).replace("--straggler ", "")) from None
-
-
-def _accuracy(text: str) -> float:
-    try:
-        val = float(text)
-    except ValueError:
-        val = -1.0
-    if not 0 < val <= 1:
-        raise argparse.ArgumentTypeError(f"expected an accuracy in (0, 1], got {text!r}")
-    return val
-
-
-def _scenarios(text: str):
-    from gradcomp.lab.study.scenarios import parse_scenarios
-
-    try:
-        return parse_scenarios(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _defaults() -> argparse.Namespace:
@@ -161,16 +45,16 @@ def _defaults() -> argparse.Namespace:
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the study's options to ``p``."""
     d = _defaults()
-    p.add_argument("--workers", type=_positive_int, default=None,
+    p.add_argument("--workers", type=A.positive_int_type, default=None,
                    help=f"data-parallel workers (default {d.workers}; async adds a server process; "
                         "under torchrun: WORLD_SIZE for sync, WORLD_SIZE - 1 for async)")
-    p.add_argument("--mode", type=_modes, default=MODES, metavar="MODE[,MODE]",
+    p.add_argument("--mode", type=A.modes_type, default=MODES, metavar="MODE[,MODE]",
                    help="sync (DDP + compressed allreduce hook), async (parameter server), "
                         "local (local SGD / DiLoCo: compressed pseudo-gradients every "
                         "--sync-every steps), a comma-separated list of them (e.g. sync,local), "
                         "or both (sync and async, the default); pipeline (alone): pipeline "
                         "parallelism, see the pipeline options")
-    p.add_argument("--compressors", type=_compressor_list, default=DEFAULT_COMPRESSORS,
+    p.add_argument("--compressors", type=A.compressor_list_type, default=DEFAULT_COMPRESSORS,
                    metavar="LIST",
                    help=f"comma-separated names among {','.join(COMPRESSORS)} (default: "
                         f"{','.join(DEFAULT_COMPRESSORS)}); none always runs as the baseline; "
@@ -186,28 +70,28 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "extracted CIFAR-10 python version; never downloaded)")
     p.add_argument("--data-file", default=None, metavar="FILE",
                    help="text-gpt: a UTF-8 text file to model")
-    p.add_argument("--steps", type=_positive_int, default=None,
+    p.add_argument("--steps", type=A.positive_int_type, default=None,
                    help=f"optimizer steps per run (default: the workload's, {d.steps} for {d.workload})")
-    p.add_argument("--batch-size", type=_positive_int, default=None,
+    p.add_argument("--batch-size", type=A.positive_int_type, default=None,
                    help=f"samples per worker per step (default: the workload's, {d.batch_size} "
                         f"for {d.workload})")
-    p.add_argument("--lr", type=_positive_float, default=None,
+    p.add_argument("--lr", type=A.positive_float_type, default=None,
                    help=f"SGD learning rate (default: the workload's, {d.lr} for {d.workload})")
     p.add_argument("--momentum", type=float, default=d.momentum,
                    help=f"SGD momentum in [0, 1) (default {d.momentum})")
-    p.add_argument("--dgc-warmup", type=_nonnegative_float, default=None, metavar="EPOCHS",
+    p.add_argument("--dgc-warmup", type=A.nonnegative_float_type, default=None, metavar="EPOCHS",
                    help="warm-up of the dgc rows in epochs: density rising from 1%% to 0.1%% in four "
                         "exponential stages (Lin et al. 2018; default 0: none)")
     p.add_argument("--async-momentum", type=float, default=None, metavar="M",
                    help="the parameter server's SGD momentum in async mode, in [0, 1) (default: "
                         "--momentum); asynchrony adds momentum of its own (Mitliagkas et al. 2016), "
                         "so stale gradients often need less")
-    p.add_argument("--auto-profile", type=_files, default=None, metavar="FILES",
+    p.add_argument("--auto-profile", type=A.files_type, default=None, metavar="FILES",
                    help="comma-separated link profiles from `gradcomp plan calibrate --link RATE`: the "
                         "auto rows on a scenario of that link start on the codec the profile predicts "
                         "fastest (gc.Adaptive(link=)); every scenario needs one (default: none, auto "
                         "starts on the lightest codec)")
-    p.add_argument("--seed", type=_seed, default=d.seed,
+    p.add_argument("--seed", type=A.seed_type, default=d.seed,
                    help="seed of the model, the data split and the data order (default 0)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default=d.algorithm,
                    help="allreduce of the dense codecs in sync and local modes (default ring; "
@@ -215,12 +99,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--sparse-algorithm", choices=SPARSE_ALGORITHMS, default=d.sparse_algorithm,
                    help="allreduce of topk-ef and topk-int8-ef (default allgather); threshold and DGC "
                         "rows use allgather")
-    p.add_argument("--threshold", type=_nonnegative_float, default=None,
+    p.add_argument("--threshold", type=A.nonnegative_float_type, default=None,
                    help="threshold of threshold-ef (default: calibrated to the top 1%% of the "
                         "first gradient's magnitudes)")
-    p.add_argument("--eval-every", type=_positive_int, default=d.eval_every,
+    p.add_argument("--eval-every", type=A.positive_int_type, default=d.eval_every,
                    help=f"steps between test evaluations for the curves (default {d.eval_every})")
-    p.add_argument("--timeout", type=_positive_float, default=d.timeout,
+    p.add_argument("--timeout", type=A.positive_float_type, default=d.timeout,
                    help=f"seconds allowed per run before its processes are stopped "
                         f"(default {d.timeout:g})")
     time = p.add_argument_group("time (shaped links, stragglers, time to accuracy)")
@@ -234,33 +118,37 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                            "host); --workers is then H*R")
     time.add_argument("--link-jitter", type=jitter_type, default=0.0, metavar="F",
                       help="redraw each link's rate every second from rate x U(1-F, 1+F) (default 0)")
-    time.add_argument("--straggler", type=_straggler, default=None, metavar="RANK:FACTOR",
+    time.add_argument("--straggler", type=A.straggler_type, default=None, metavar="RANK:FACTOR",
                       help="worker RANK's compute takes FACTOR (>= 1) times as long")
-    time.add_argument("--compute-jitter", type=_cv, default=0.0, metavar="CV",
+    time.add_argument("--backup-workers", type=A.nonnegative_int_type, default=None, metavar="B",
+                      help="sync mode through the parameter server: apply a step with the first "
+                           "WORKERS - B pushes, drop the late ones (0: every push; default: sync "
+                           "runs gradcomp's allreduce)")
+    time.add_argument("--compute-jitter", type=A.cv_type, default=0.0, metavar="CV",
                       help="stretch every worker's compute each step by a lognormal factor with "
                            "mean 1 and this coefficient of variation (seeded; default 0)")
-    time.add_argument("--target-acc", type=_accuracy, default=None, metavar="A",
+    time.add_argument("--target-acc", type=A.accuracy_type, default=None, metavar="A",
                       help="target test accuracy in (0, 1] for the time to target (default "
                            "0.98 x the first mode's none baseline's final accuracy)")
-    time.add_argument("--seeds", type=_positive_int, default=1, metavar="N",
+    time.add_argument("--seeds", type=A.positive_int_type, default=1, metavar="N",
                       help="repeat every run with N seeds (seed, seed+1, ...): means and 95%% "
                            "intervals (default 1)")
-    time.add_argument("--scenarios", type=_scenarios, default=None, metavar="LIST",
+    time.add_argument("--scenarios", type=A.scenarios_type, default=None, metavar="LIST",
                       help="run the grid in each scenario and write decision.md/json: "
                            "loopback, a rate (10gbit, 1gbit, 100mbit, ...) with optional +straggler "
                            "(worker 1 x3) and +jitter (link and compute jitter 0.2), e.g. "
                            "loopback,1gbit,100mbit,100mbit+straggler")
-    time.add_argument("--max-gap", type=_nonnegative_float, default=None, metavar="PTS",
+    time.add_argument("--max-gap", type=A.nonnegative_float_type, default=None, metavar="PTS",
                       help="accuracy bound of the decision table in points (default 0.5)")
     local = p.add_argument_group("local mode (local SGD / DiLoCo, gradcomp.LocalSGD)")
-    local.add_argument("--sync-every", type=_positive_int, default=None, metavar="H",
+    local.add_argument("--sync-every", type=A.positive_int_type, default=None, metavar="H",
                        help=f"steps between synchronisations (default {d.sync_every})")
     local.add_argument("--outer", choices=("avg", "nesterov"), default=None,
                        help="average the replicas (avg, the default) or take DiLoCo's outer "
                             "Nesterov step (nesterov: lr 0.7, momentum 0.9)")
-    local.add_argument("--fragments", type=_positive_int, default=None, metavar="F",
+    local.add_argument("--fragments", type=A.positive_int_type, default=None, metavar="F",
                        help="fragments synchronised in turn, one every H/F steps (default 1)")
-    local.add_argument("--overlap", type=_nonnegative_int, default=None, metavar="TAU",
+    local.add_argument("--overlap", type=A.nonnegative_int_type, default=None, metavar="TAU",
                        help="steps a fragment's exchange overlaps training before its update "
                             "is applied, 0 <= TAU < H/F (default 0)")
     p.add_argument("--out", default=None,
@@ -285,7 +173,7 @@ EPILOG = ("Under torchrun (RANK and WORLD_SIZE set) each process runs as one ran
 
 def build_parser(prog: str = "gradcomp train") -> argparse.ArgumentParser:
     """The parser of ``gradcomp train`` / ``python -m gradcomp.lab.study``."""
-    return add_arguments(argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG))
+    return add_arguments(OneLineParser(prog=prog, description=DESCRIPTION, epilog=EPILOG))
 
 
 def _workers(args: argparse.Namespace) -> int:
@@ -313,9 +201,10 @@ def _workers(args: argparse.Namespace) -> int:
         raise ValueError("under torchrun run one mode per job: --mode sync or local (WORLD_SIZE "
                          "workers) or --mode async (1 server + WORLD_SIZE - 1 workers)")
     mode = args.mode[0]
-    expected = world - 1 if mode == "async" else world
+    server = mode == "async" or (mode == "sync" and args.backup_workers is not None)
+    expected = world - 1 if server else world
     if expected < 1:
-        raise ValueError(f"async mode needs at least 2 ranks (1 server + workers), the job has {world}")
+        raise ValueError(f"{mode} mode through the parameter server needs at least 2 ranks (1 server + workers), the job has {world}")
     if args.workers is not None and args.workers != expected:
         raise ValueError(f"--workers {args.workers} does not fit this torchrun job of {world} ranks: "
                          f"{mode} mode with {world} ranks has {expected} workers")
@@ -334,6 +223,8 @@ def _check_row_options(args: argparse.Namespace) -> None:
     if args.auto_profile is not None and ("auto" not in args.compressors or "sync" not in args.mode):
         raise ValueError(f"--auto-profile only applies to the auto row (--compressors auto, --mode sync), "
                          f"got --compressors {','.join(args.compressors)} --mode {','.join(args.mode)}")
+    if args.backup_workers is not None and "sync" not in args.mode:
+        raise ValueError(f"--backup-workers only applies to --mode sync, got --mode {','.join(args.mode)}")
     if args.algorithm == "hierarchical" and "auto" in args.compressors:
         raise ValueError("--algorithm hierarchical does not apply to the auto row (adaptive compression "
                          "chooses among the flat ring and two-phase): drop auto from --compressors")
@@ -367,7 +258,8 @@ def _config(args: argparse.Namespace) -> TrainConfig:
                        eval_every=args.eval_every,
                        ranks_per_host=args.topology[1] if getattr(args, "topology", None) else 1,
                        threshold=args.threshold, timeout=args.timeout,
-                       straggler=args.straggler, compute_jitter=args.compute_jitter, **local)
+                       straggler=args.straggler, compute_jitter=args.compute_jitter,
+                       backup_workers=args.backup_workers, **local)
 
 
 def _hidden(args: argparse.Namespace, workload: str) -> tuple[int, ...]:
@@ -403,13 +295,15 @@ class _Bars:
         self.overall = self.progress.add_task("all runs (time left: estimate)", total=grand_total)
 
     def __enter__(self):
-        self.progress.start()
-        return self
+        return self  # the bars start at the first step: an error before it prints no empty bar
 
     def __exit__(self, *exc):
-        self.progress.stop()
+        if self.progress.live.is_started:
+            self.progress.stop()
 
     def __call__(self, mode: str, compressor: str, step: int, seed: int = 0) -> None:
+        if not self.progress.live.is_started:
+            self.progress.start()
         key = (self.prefix, mode, compressor, seed)
         if key not in self.tasks:
             label = f"{self.prefix}{mode} {COMPRESSORS[compressor].label}"
@@ -472,9 +366,8 @@ def run(args: argparse.Namespace) -> int:
             made = None if existed else args.out
         except ValueError as e:
             return fail(str(e), 2)
-    console = Console(quiet=not lead)
-    if not console.is_terminal:
-        console = Console(quiet=not lead, width=max(console.width, 132))
+    # sentences wrap at a terminal's width and stay one line in a pipe; tables fit 80 columns either way
+    console = Console(quiet=not lead, soft_wrap=not sys.stdout.isatty())
     status = _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail)
     if status != 0 and made is not None:
         try:
@@ -557,12 +450,7 @@ def _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail) ->
     except (TimeoutError, ImportError, RuntimeError) as e:
         return fail(f"{type(e).__name__}: {e}", 1)
     if lead:
-        console.print(report.title(study), highlight=False)
-        for s in studies:
-            console.print(report.link_line(s), highlight=False)
-            console.print(report.table(s))
-        if "threshold-ef" in {r.compressor for r in study.runs}:
-            console.print(f"threshold+ef: threshold {study.threshold:.3g}", highlight=False)
+        _print_tables(console, study, studies, args.max_gap)
         console.print(f"total wall time {time.perf_counter() - t0:.1f} s", highlight=False)
         try:
             paths = report.write_all(study, args.out, studies, args.max_gap)
@@ -571,6 +459,28 @@ def _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail) ->
         console.print(f"results in {args.out}: " + ", ".join(os.path.basename(p) for p in paths.values()),
                       highlight=False)
     return 0
+
+
+def _print_tables(console, study, studies, max_gap: float | None) -> None:
+    """The title, per scenario its link and two tables, the legend and the conclusion."""
+    from gradcomp.lab.study import report, terminal
+    from gradcomp.lab.study.conclusion import conclusion
+    from gradcomp.lab.study.decision import DEFAULT_MAX_GAP_PP, aggregate
+
+    console.print(report.title(study), highlight=False)
+    for s in studies:
+        console.print(report.link_line(s), highlight=False)
+        console.print(terminal.traffic_table(s), soft_wrap=False)
+        console.print(terminal.time_table(s), soft_wrap=False)
+    console.print(terminal.legend(study), highlight=False, style="dim")
+    if "threshold-ef" in {r.compressor for r in study.runs}:
+        console.print(f"threshold+ef: threshold {study.threshold:.3g}", highlight=False)
+    bound = DEFAULT_MAX_GAP_PP if max_gap is None else max_gap
+    words = conclusion(aggregate([r for s in studies for r in s.runs]), study.test_samples, bound)
+    if words:
+        from rich.markup import escape
+
+        console.print("[bold]Conclusion:[/bold] " + escape(" ".join(words)), highlight=False)
 
 
 def main(argv: list[str] | None = None, prog: str = "gradcomp train") -> int:

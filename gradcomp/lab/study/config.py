@@ -162,6 +162,10 @@ class TrainConfig:
         timeout: seconds allowed for one run before its processes are stopped.
         straggler: ``(worker, factor)``: that worker's compute takes ``factor``
             times as long (see :mod:`gradcomp.lab.study.timing`); None: no straggler.
+        backup_workers: None: sync mode runs gradcomp's allreduce; an int
+            ``b``: sync mode runs through the parameter server, a step applied
+            with the first ``workers - b`` pushes (0: every push; Chen et al.
+            2016, "Revisiting Distributed Synchronous SGD"), in ``[0, workers)``.
         compute_jitter: coefficient of variation of every worker's per-step
             compute stretch (lognormal, seeded; 0: none).
         sync_every, outer, fragments, overlap: the local mode's schedule
@@ -192,6 +196,7 @@ class TrainConfig:
     timeout: float = 600.0
     straggler: tuple[int, float] | None = None
     compute_jitter: float = 0.0
+    backup_workers: int | None = None
     sync_every: int = 32
     outer: str = "avg"
     fragments: int = 1
@@ -256,6 +261,10 @@ class TrainConfig:
                 raise ValueError(f"straggler rank must be a worker in 0..{self.workers - 1}, got {rank!r}")
             if not 1 <= factor < 1e3:
                 raise ValueError(f"straggler factor must be >= 1 (and < 1000), got {factor!r}")
+        if self.backup_workers is not None and (isinstance(self.backup_workers, bool) or not isinstance(
+                self.backup_workers, int) or not 0 <= self.backup_workers < self.workers):
+            raise ValueError(f"backup_workers must be None or an int in [0, workers={self.workers}), "
+                             f"got {self.backup_workers!r}")
         if not 0 <= self.compute_jitter <= 10:
             raise ValueError(f"compute_jitter must be a CV in [0, 10], got {self.compute_jitter!r}")
         check_schedule(self.sync_every, self.fragments, self.overlap)

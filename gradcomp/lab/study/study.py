@@ -36,6 +36,7 @@ the training loop alone (the slowest rank's), start-up excluded.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import multiprocessing as mp
 import os
@@ -168,12 +169,19 @@ def calibrate_threshold(cfg: TrainConfig, data: Digits | None = None) -> float:
     return float(g.kthvalue(g.numel() - k + 1).values)
 
 
-def _rank_fn(mode: str):
-    return {"sync": train_sync_rank, "local": train_local_rank}.get(mode, train_async_rank)
+def _through_ps(mode: str, cfg: TrainConfig) -> bool:
+    """Whether ``mode``'s runs go through the parameter server (async, or sync with backup workers)."""
+    return mode == "async" or (mode == "sync" and cfg.backup_workers is not None)
+
+
+def _rank_fn(mode: str, cfg: TrainConfig):
+    if _through_ps(mode, cfg):
+        return functools.partial(train_async_rank, ps_mode=mode)
+    return {"sync": train_sync_rank, "local": train_local_rank}[mode]
 
 
 def _world_size(mode: str, cfg: TrainConfig) -> int:
-    return async_world_size(cfg) if mode == "async" else cfg.workers
+    return async_world_size(cfg) if _through_ps(mode, cfg) else cfg.workers
 
 
 #: One run of a launch: ``(cfg, compressor name, index into the data list)``.
@@ -209,7 +217,7 @@ def mode_rank(rank: int, world_size: int, mode: str, jobs: list[Job], datas: lis
     Returns:
         This rank's :class:`RankLog` per job, in order.
     """
-    fn = _rank_fn(mode)
+    fn = _rank_fn(mode, jobs[0][0])
     logs = []
     for cfg, name, d in jobs:
         logs.append(fn(rank, world_size, cfg, name, datas[d],
@@ -325,8 +333,10 @@ def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog])
     evaluator = next(log for log in logs if log.evals)
     test_loss, test_acc = next(log.final for log in logs if log.final is not None)
     n, steps = cfg.workers, cfg.steps
-    counted = sum(counted_bytes(mode, log.meter) for log in workers)
-    raw = sum(counted_bytes(mode, log.meter, raw=True) for log in workers)
+    # a parameter-server run counts pushes and pulls, whatever its mode
+    counting = "async" if _through_ps(mode, cfg) else mode
+    counted = sum(counted_bytes(counting, log.meter) for log in workers)
+    raw = sum(counted_bytes(counting, log.meter, raw=True) for log in workers)
     total = TrafficMeter()
     for log in workers:
         total.merge(log.meter)
@@ -353,7 +363,7 @@ def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog])
         extra=extra,
         seed=cfg.seed,
         clock_at_marks=list(evaluator.clock),
-        time=summarize_time(mode, cfg, workers, {"busy_intervals": busy_intervals}),
+        time=summarize_time(counting, cfg, workers, {"busy_intervals": busy_intervals}),
     )
 
 
