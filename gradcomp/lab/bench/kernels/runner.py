@@ -129,7 +129,7 @@ def _meta(args, sizes, repeat, backends) -> dict:
         from gradcomp.kernels import cpu
 
         if cpu.unavailable_reason() is None:
-            info = dict(cpu._native().build_info())
+            info = dict(cpu.native().build_info())
     except ImportError:
         pass
     bnb_version = None
