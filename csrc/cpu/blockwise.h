@@ -10,6 +10,7 @@
 
 namespace gradcomp {
 namespace blockwise {
+namespace {  // internal linkage: one copy per kernel variant
 
 constexpr size_t TILE = 256;
 constexpr uint32_t NAN_BITS = 0x7FC00000u;
@@ -81,5 +82,6 @@ inline void sum_tile(const float* a, const int8_t* c, float s, float d, float* p
     }
 }
 
+}  // namespace
 }  // namespace blockwise
 }  // namespace gradcomp

@@ -9,6 +9,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include "isa_kernels.h"
 #include "kernels.h"
 #include "pyargs.h"
 
@@ -260,8 +261,16 @@ py::dict build_info() {
 #ifdef __VERSION__
     d["compiler"] = __VERSION__;
 #endif
+    d["isa_supported"] = isa_supported();
+    try {
+        d["isa"] = isa_kernels().name;
+    } catch (const std::invalid_argument& e) {
+        d["isa"] = std::string("unavailable: ") + e.what();
+    }
     return d;
 }
+
+std::string py_cpu_isa() { return isa_kernels().name; }
 
 }  // namespace
 
@@ -321,5 +330,10 @@ PYBIND11_MODULE(_C, m) {
           "Threads for every kernel of this module (0 = omp_get_max_threads(), the OpenMP default).");
     m.def("get_num_threads", &max_threads, "Threads the kernels of this module use now.");
     bind_lowbit(m);
+    m.def("cpu_isa", &py_cpu_isa,
+          "The kernel variant (instruction set) this process runs: baseline, avx2 or avx512, chosen once\n"
+          "from GRADCOMP_CPU_ISA or the CPU's features; ValueError with the reason when GRADCOMP_CPU_ISA\n"
+          "names one that cannot run here.");
+    m.def("cpu_isas", &isa_supported, "The kernel variants this CPU and build can run, comma-separated.");
     m.def("build_info", &build_info, "Compile-time features of this build (OpenMP, F16C, AVX2, ...).");
 }

@@ -45,6 +45,9 @@ __all__ = [
     "devices",
     "set_num_threads",
     "get_num_threads",
+    "isa",
+    "isas",
+    "ISA_ENV",
     "quantize_int8",
     "dequantize_int8",
     "dequantize_int8_add_",
@@ -101,6 +104,25 @@ def unavailable_reason() -> str | None:
 def devices() -> frozenset[str]:
     """Device types served: CPU tensors only."""
     return frozenset({"cpu"})
+
+
+#: the environment variable that forces a kernel variant (read once, when gradcomp._C loads)
+ISA_ENV = "GRADCOMP_CPU_ISA"
+
+
+def isa() -> str:
+    """The instruction set the native kernels run: ``"baseline"``, ``"avx2"`` or ``"avx512"``,
+    chosen once per process from :data:`ISA_ENV` or, unset, the best this CPU supports.
+
+    Raises:
+        ValueError: :data:`ISA_ENV` names no variant or one this CPU cannot run (the reason).
+    """
+    return str(native().cpu_isa())
+
+
+def isas() -> tuple[str, ...]:
+    """The kernel variants this CPU and build can run, best last."""
+    return tuple(native().cpu_isas().split(", "))
 
 
 def set_num_threads(n: int) -> None:

@@ -1,3 +1,6 @@
+// Body of the int8 kernels, compiled once per instruction set into namespace
+// GC_ISA_NS (isa_baseline.cpp, isa_avx2.cpp, isa_avx512.cpp; isa.cpp picks one).
+//
 // Blockwise absmax int8 quantization, dequantization and the fused
 // error-feedback variant (Dettmers et al. 2022, "8-bit Optimizers via
 // Block-wise Quantization"; error feedback: Seide et al. 2014). Numerics are
@@ -17,12 +20,12 @@
 #include <type_traits>
 
 #include <cstring>
-#if defined(__SSE4_1__)
-#include <immintrin.h>
+#if defined(GC_HAS_SSE41)
 #define GRADCOMP_STREAM_STORES 1
 #endif
 
 namespace gradcomp {
+namespace GC_ISA_NS {
 
 namespace {
 
@@ -165,7 +168,7 @@ void quantize_dispatch(const void* x, float* res, size_t n, size_t block, bool s
 // built with AVX2 or SSE4.1 (sign-extending int8 loads); otherwise plain.
 inline void scale_stream(const int8_t* c, float s, float* o, size_t len) {
     size_t i = 0;
-#if defined(__AVX2__)
+#if defined(GC_HAS_AVX2)
     for (; i < len && (reinterpret_cast<uintptr_t>(o + i) & 31u) != 0; ++i)
         o[i] = static_cast<float>(c[i]) * s;
     const __m256 vs = _mm256_set1_ps(s);
@@ -174,7 +177,7 @@ inline void scale_stream(const int8_t* c, float s, float* o, size_t len) {
         const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8));
         _mm256_stream_ps(o + i, _mm256_mul_ps(v, vs));
     }
-#elif defined(__SSE4_1__)
+#elif defined(GC_HAS_SSE41)
     for (; i < len && (reinterpret_cast<uintptr_t>(o + i) & 15u) != 0; ++i)
         o[i] = static_cast<float>(c[i]) * s;
     const __m128 vs = _mm_set1_ps(s);
@@ -305,32 +308,6 @@ bool reduce_quantize_int8(float* acc, const int8_t* q_in, const float* scales_in
     }
 }
 
-DType parse_dtype(const std::string& s, const char* arg) {
-    if (s == "float32") return DType::F32;
-    if (s == "float16") return DType::F16;
-    if (s == "bfloat16") return DType::BF16;
-    if (s == "float64") return DType::F64;
-    throw std::invalid_argument(std::string(arg) +
-                                " must be one of float32, float16, bfloat16, float64, got " + s);
-}
-
-size_t dtype_size(DType d) {
-    switch (d) {
-        case DType::F32: return 4;
-        case DType::F64: return 8;
-        default: return 2;
-    }
-}
-
-const char* dtype_name(DType d) {
-    switch (d) {
-        case DType::F32: return F32::name;
-        case DType::F16: return F16::name;
-        case DType::BF16: return BF16::name;
-        default: return F64::name;
-    }
-}
-
 void quantize_int8(DType dt, const void* x, float* residual, size_t n, size_t block,
                    bool stochastic, uint32_t key, int8_t* q, float* scales) {
     if (block == 0) throw std::invalid_argument("block_size must be positive");
@@ -377,4 +354,5 @@ bool dequantize_int8_add(float* acc, const int8_t* q, const float* scales, size_
     return check.ok();
 }
 
+}  // namespace GC_ISA_NS
 }  // namespace gradcomp

@@ -1,3 +1,6 @@
+// Body of the sub-byte and fp8 block codecs' kernels, compiled once per
+// instruction set into namespace GC_ISA_NS (see quantize_body.h).
+//
 // The sub-byte and fp8 block codecs: packed int4/int2 codes (symmetric absmax,
 // as int8), scaled sign (EF-SignSGD, Karimireddy et al. 2019) and blockwise-
 // scaled fp8 (e4m3fn, e5m2). Numerics are gradcomp/kernels/reference_lowbit.py's,
@@ -16,6 +19,7 @@
 #include <cmath>
 
 namespace gradcomp {
+namespace GC_ISA_NS {
 
 namespace {
 
@@ -23,31 +27,67 @@ using namespace blockwise;
 
 // ------------------------------------------------------------------ packing
 
-// c: `len` codes in [-8, 7] (bits 4) or [-2, 1] (bits 2); out: ceil(len * BITS / 8) bytes
+// c: `len` codes in [-8, 7] (bits 4) or [-2, 1] (bits 2); out: ceil(len * BITS / 8)
+// bytes. Whole bytes by straight-line shifts (loops compilers vectorise), then
+// the last, partial byte with zeros in its unused bits.
 template <int BITS>
 inline void pack_tile(const int8_t* c, size_t len, uint8_t* out) {
     constexpr size_t PER = 8 / BITS;
-    constexpr uint32_t MASK = (1u << BITS) - 1u;
     const size_t whole = len / PER;
-    for (size_t j = 0; j < whole; ++j) {
-        uint32_t b = 0;
-        for (size_t k = 0; k < PER; ++k) b |= (uint32_t(uint8_t(c[j * PER + k])) & MASK) << (k * BITS);
-        out[j] = uint8_t(b);
+    const uint8_t* u = reinterpret_cast<const uint8_t*>(c);
+    if constexpr (BITS == 4) {
+        for (size_t j = 0; j < whole; ++j) out[j] = uint8_t((u[2 * j] & 15u) | (u[2 * j + 1] << 4));
+    } else {
+        for (size_t j = 0; j < whole; ++j)
+            out[j] = uint8_t((u[4 * j] & 3u) | ((u[4 * j + 1] & 3u) << 2) | ((u[4 * j + 2] & 3u) << 4) |
+                             (u[4 * j + 3] << 6));
     }
     if (whole * PER < len) {
         uint32_t b = 0;
-        for (size_t k = 0; whole * PER + k < len; ++k) b |= (uint32_t(uint8_t(c[whole * PER + k])) & MASK) << (k * BITS);
+        for (size_t k = 0; whole * PER + k < len; ++k) b |= (uint32_t(u[whole * PER + k]) & ((1u << BITS) - 1u)) << (k * BITS);
         out[whole] = uint8_t(b);
     }
 }
 
-// the first `len` signed codes of `in` (two's complement fields of BITS bits)
+// the first `len` signed codes of `in` (two's complement fields of BITS bits):
+// each field shifted to the top of a byte, then arithmetically back (sign extension)
 template <int BITS>
 inline void unpack_tile(const uint8_t* in, size_t len, int8_t* c) {
     constexpr size_t PER = 8 / BITS;
-    for (size_t i = 0; i < len; ++i) {
-        const int8_t byte = int8_t(in[i / PER] << (8 - BITS - (i % PER) * BITS));
-        c[i] = int8_t(byte >> (8 - BITS));  // arithmetic shift: sign extension
+    const size_t whole = len / PER;
+    if constexpr (BITS == 4) {
+        for (size_t j = 0; j < whole; ++j) {
+            c[2 * j] = int8_t(int8_t(in[j] << 4) >> 4);
+            c[2 * j + 1] = int8_t(int8_t(in[j]) >> 4);
+        }
+    } else {
+        for (size_t j = 0; j < whole; ++j) {
+            c[4 * j] = int8_t(int8_t(in[j] << 6) >> 6);
+            c[4 * j + 1] = int8_t(int8_t(in[j] << 4) >> 6);
+            c[4 * j + 2] = int8_t(int8_t(in[j] << 2) >> 6);
+            c[4 * j + 3] = int8_t(int8_t(in[j]) >> 6);
+        }
+    }
+    for (size_t i = whole * PER; i < len; ++i)
+        c[i] = int8_t(int8_t(in[i / PER] << (8 - BITS - (i % PER) * BITS)) >> (8 - BITS));
+}
+
+// sign bits of `len` floats (1 where p < 0; -0.0 is not), 8 to a byte, bit k
+// for element 8j + k; the last byte's unused bits are 0
+inline void sign_bits(const float* p, size_t len, uint8_t* out) {
+    size_t j = 0;
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
+    const __m128 zero = _mm_setzero_ps();  // SSE: every x86-64 has it
+    for (; 8 * j + 8 <= len; ++j) {
+        const int lo = _mm_movemask_ps(_mm_cmplt_ps(_mm_loadu_ps(p + 8 * j), zero));
+        const int hi = _mm_movemask_ps(_mm_cmplt_ps(_mm_loadu_ps(p + 8 * j + 4), zero));
+        out[j] = uint8_t(lo | (hi << 4));
+    }
+#endif
+    for (; 8 * j < len; ++j) {
+        uint32_t b = 0;
+        for (size_t k = 0; k < 8 && 8 * j + k < len; ++k) b |= uint32_t(p[8 * j + k] < 0.0f) << k;
+        out[j] = uint8_t(b);
     }
 }
 
@@ -70,7 +110,9 @@ struct Fp8Traits<Fp8::E5M2> {
 
 // float32 -> fp8 bits, round half to even, for |f| <= the format's largest finite
 // value (PyTorch's c10 conversion on that range: below the smallest normal the
-// addition of a power of two rounds the mantissa, above it an integer bias does)
+// addition of a power of two rounds the mantissa, above it an integer bias does).
+// Branch-free (both results, then a select on a mask) so that loops vectorise;
+// |f| < 2**31 as bits, so the comparison may be signed (AVX2 has no unsigned one).
 template <Fp8 F>
 inline uint8_t to_fp8(float f) {
     using T = Fp8Traits<F>;
@@ -79,33 +121,27 @@ inline uint8_t to_fp8(float f) {
     b ^= sign;
     const uint32_t sub = f32_bits(bits_f32(b) + bits_f32(T::DENORM)) - T::DENORM;
     const uint32_t nrm = (b + T::BIAS + ((1u << (T::SHIFT - 1)) - 1u) + ((b >> T::SHIFT) & 1u)) >> T::SHIFT;
-    return uint8_t((b < T::NORMAL_MIN ? sub : nrm) | (sign >> 24));
+    const uint32_t small = 0u - uint32_t(int32_t(b) < int32_t(T::NORMAL_MIN));  // all ones below the normals
+    return uint8_t(((sub & small) | (nrm & ~small)) | (sign >> 24));
 }
 
-// fp8 bits -> float32, exactly (NaN / Inf patterns as the format defines them)
+// fp8 bits -> float32, exactly, branch-free: a normal code's exponent rebiased
+// and mantissa moved up, a subnormal's mantissa times its power of two; the
+// format's NaN / Inf codes (which the wire parser never lets through) give NaN / Inf
 template <Fp8 F>
-float fp8_value(uint32_t c) {
-    const bool e4 = F == Fp8::E4M3;
-    const int mbits = e4 ? 3 : 2, bias = e4 ? 7 : 15;
-    const uint32_t e = (c & 0x7Fu) >> mbits, m = c & ((1u << mbits) - 1u), emax = e4 ? 15u : 31u;
-    float v;
-    if (e4 && e == emax && m == (1u << mbits) - 1u) v = NAN;
-    else if (!e4 && e == emax) v = m ? NAN : INFINITY;
-    else if (e == 0) v = std::ldexp(float(m), 1 - bias - mbits);
-    else v = std::ldexp(float(m + (1u << mbits)), int(e) - bias - mbits);
-    return (c & 0x80u) ? -v : v;
-}
-
-template <Fp8 F>
-const float* fp8_table() {
-    static const auto table = [] {
-        struct T {
-            float v[256];
-        } t;
-        for (uint32_t c = 0; c < 256; ++c) t.v[c] = fp8_value<F>(c);
-        return t;
-    }();
-    return table.v;
+inline float fp8_value(uint32_t c) {
+    constexpr bool E4 = F == Fp8::E4M3;
+    constexpr uint32_t MB = E4 ? 3u : 2u, REBIAS = E4 ? 120u : 112u;
+    constexpr float SUB = E4 ? 0x1p-9f : 0x1p-16f;
+    const uint32_t e = (c & 0x7Fu) >> MB, m = c & ((1u << MB) - 1u);
+    const uint32_t normal = ((e + REBIAS) << 23) | (m << (23 - MB));
+    const uint32_t sub = f32_bits(static_cast<float>(static_cast<int32_t>(m)) * SUB);
+    const uint32_t zero_e = 0u - uint32_t(e == 0);
+    uint32_t v = (sub & zero_e) | (normal & ~zero_e);
+    const uint32_t special = E4 ? 0u - uint32_t((c & 0x7Fu) == 0x7Fu) : 0u - uint32_t(e == 31u);
+    const uint32_t nan_inf = (E4 || m) ? 0x7FC00000u : 0x7F800000u;
+    v = (nan_inf & special) | (v & ~special);
+    return bits_f32(v | ((c & 0x80u) << 24));
 }
 
 // ------------------------------------------------------------------ codecs
@@ -123,11 +159,12 @@ struct PackedCodec {
     static void codes(const float* p, size_t len, float m, float s, size_t first, uint32_t key, uint8_t* out,
                       float* res) {
         alignas(64) int8_t c[TILE];
-        for (size_t i = 0; i < len; ++i) {
+        const uint32_t first32 = uint32_t(first);  // the element index mod 2**32, as the reference
+        for (uint32_t i = 0; i < uint32_t(len); ++i) {
             const float y = (p[i] / m) * float(Q);
             int32_t ci;
             if constexpr (STOCH) {
-                const uint32_t r = mix32(uint32_t(first + i) ^ key);
+                const uint32_t r = mix32((first32 + i) ^ key);
                 const float v = y + static_cast<float>(static_cast<int32_t>(r >> 8)) * 0x1p-24f;
                 const float rv = rint_small(v);
                 ci = static_cast<int32_t>(rv) - (int32_t(f32_bits(rv - v)) > 0);  // floor(v)
@@ -150,12 +187,7 @@ struct SignCodec {
     template <bool EF>
     static void codes(const float* p, size_t len, float, float s, size_t first, uint32_t, uint8_t* out,
                       float* res) {
-        uint8_t* o = out + first / 8;
-        for (size_t j = 0; j * 8 < len; ++j) {
-            uint32_t b = 0;
-            for (size_t k = 0; k < 8 && j * 8 + k < len; ++k) b |= uint32_t(p[j * 8 + k] < 0.0f) << k;
-            o[j] = uint8_t(b);
-        }
+        sign_bits(p, len, out + first / 8);
         if constexpr (EF)
             for (size_t i = 0; i < len; ++i) res[i] = p[i] - (p[i] < 0.0f ? -s : s);
     }
@@ -172,20 +204,28 @@ struct Fp8Codec {
                       float* res) {
         uint8_t* o = out + first;
         for (size_t i = 0; i < len; ++i) o[i] = to_fp8<F>((p[i] / m) * Fp8Traits<F>::MAX);
-        if constexpr (EF) {
-            const float* lut = fp8_table<F>();
-            for (size_t i = 0; i < len; ++i) res[i] = p[i] - lut[o[i]] * s;
-        }
+        if constexpr (EF)
+            for (size_t i = 0; i < len; ++i) res[i] = p[i] - fp8_value<F>(o[i]) * s;
     }
 };
 
 // Sum of |p| over one tile of `width` elements (len of them given, the rest
-// zero) by halving, as reference_lowbit.block_abs_sum
+// zero) by halving, as reference_lowbit.block_abs_sum: the first halving reads
+// p directly, the others work in place on half a tile
 inline float fold_abs(const float* p, size_t len, size_t width) {
-    alignas(64) float a[TILE];
-    for (size_t i = 0; i < len; ++i) a[i] = bits_f32(f32_bits(p[i]) & 0x7FFFFFFFu);
-    for (size_t i = len; i < width; ++i) a[i] = 0.0f;
-    for (size_t h = width / 2; h > 0; h /= 2)
+    alignas(64) float a[TILE / 2];
+    size_t h = width / 2;
+    if (width == 1) return bits_f32(f32_bits(p[0]) & 0x7FFFFFFFu);
+    if (len == width) {
+        for (size_t i = 0; i < h; ++i)
+            a[i] = bits_f32(f32_bits(p[i]) & 0x7FFFFFFFu) + bits_f32(f32_bits(p[i + h]) & 0x7FFFFFFFu);
+    } else {
+        for (size_t i = 0; i < h; ++i) {
+            const float lo = i < len ? bits_f32(f32_bits(p[i]) & 0x7FFFFFFFu) : 0.0f;
+            a[i] = lo + (i + h < len ? bits_f32(f32_bits(p[i + h]) & 0x7FFFFFFFu) : 0.0f);
+        }
+    }
+    for (h /= 2; h > 0; h /= 2)
         for (size_t i = 0; i < h; ++i) a[i] = a[i] + a[i + h];
     return a[0];
 }
@@ -276,11 +316,11 @@ void decode_blocks(const uint8_t* codes, const float* scales, size_t n, size_t b
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
             float* o = out + lo + t;
-            Values::decode(codes, lo + t, tl, s, v);
             if (add) {
+                Values::decode(codes, lo + t, tl, s, v);
                 for (size_t i = 0; i < tl; ++i) o[i] = add_like_torch(o[i], v[i]);
             } else {
-                std::memcpy(o, v, tl * sizeof(float));
+                Values::decode(codes, lo + t, tl, s, o);
             }
         }
     }
@@ -289,25 +329,42 @@ void decode_blocks(const uint8_t* codes, const float* scales, size_t n, size_t b
 template <int BITS>
 struct PackedValues {
     static void decode(const uint8_t* codes, size_t first, size_t len, float s, float* v) {
+        // 32 bits of codes at a time: field k shifted to the top of the word, then
+        // arithmetically back (sign extension); the same shifts for every word vectorise
+        constexpr uint32_t PER_WORD = 32 / BITS;
+        const uint8_t* in = codes + first * BITS / 8;
+        const size_t words = len / PER_WORD;
+        for (size_t j = 0; j < words; ++j) {
+            uint32_t w;
+            std::memcpy(&w, in + 4 * j, 4);
+            for (uint32_t k = 0; k < PER_WORD; ++k)
+                v[PER_WORD * j + k] = static_cast<float>(int32_t(w << (32 - BITS - BITS * k)) >> (32 - BITS)) * s;
+        }
         alignas(64) int8_t c[TILE];
-        unpack_tile<BITS>(codes + first * BITS / 8, len, c);
-        for (size_t i = 0; i < len; ++i) v[i] = static_cast<float>(c[i]) * s;
+        const size_t done = words * PER_WORD;
+        unpack_tile<BITS>(in + done * BITS / 8, len - done, c);
+        for (size_t i = done; i < len; ++i) v[i] = static_cast<float>(c[i - done]) * s;
     }
 };
 
 struct SignValues {
     static void decode(const uint8_t* codes, size_t first, size_t len, float s, float* v) {
+        // -s is s with its sign bit flipped: XOR each element's bit into bit 31
         const uint8_t* c = codes + first / 8;
-        const float neg = -s;
-        for (size_t i = 0; i < len; ++i) v[i] = ((c[i / 8] >> (i % 8)) & 1u) ? neg : s;
+        const uint32_t sb = f32_bits(s);
+        const size_t whole = len / 8;
+        for (size_t j = 0; j < whole; ++j) {
+            const uint32_t b = c[j];
+            for (uint32_t k = 0; k < 8; ++k) v[8 * j + k] = bits_f32(sb ^ (((b >> k) & 1u) << 31));
+        }
+        for (size_t i = 8 * whole; i < len; ++i) v[i] = bits_f32(sb ^ (((uint32_t(c[i / 8]) >> (i % 8)) & 1u) << 31));
     }
 };
 
 template <Fp8 F>
 struct Fp8Values {
     static void decode(const uint8_t* codes, size_t first, size_t len, float s, float* v) {
-        const float* lut = fp8_table<F>();
-        for (size_t i = 0; i < len; ++i) v[i] = lut[codes[first + i]] * s;
+        for (size_t i = 0; i < len; ++i) v[i] = fp8_value<F>(codes[first + i]) * s;
     }
 };
 
@@ -429,4 +486,5 @@ void dequantize_fp8(const uint8_t* codes, const float* scales, size_t n, size_t 
     decode_blocks<Fp8Values<Fp8::E5M2>>(codes, scales, n, block, out, add);
 }
 
+}  // namespace GC_ISA_NS
 }  // namespace gradcomp
