@@ -12,14 +12,19 @@
 #define GC_ISA_F16C 1
 #define GC_ISA_SSE41 1
 #define GC_ISA_NS isa_avx512
-#if defined(__clang__)
+// (a build for the machine's own CPU that already targets this set keeps its flags:
+// the pragma would narrow them, and intrinsics compiled for more cannot inline)
+#if !defined(__AVX512F__)
+#define GC_ISA_PRAGMA 1
+#endif
+#if defined(GC_ISA_PRAGMA) && defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512cd,avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt,sse4.1,sse4.2"))), apply_to = function)
-#else
+#elif defined(GC_ISA_PRAGMA)
 #pragma GCC target("arch=x86-64-v4")
 #endif
 #include "lowbit_body.h"
 #include "quantize_body.h"
-#if defined(__clang__)
+#if defined(GC_ISA_PRAGMA) && defined(__clang__)
 #pragma clang attribute pop
 #endif
 #endif
