@@ -20,7 +20,7 @@ from gradcomp.kernels.registry import select
 __all__ = ["quantize_packed", "quantize_packed_ef", "dequantize_packed", "dequantize_packed_add_",
            "reduce_quantize_packed", "quantize_sign", "quantize_sign_ef", "dequantize_sign",
            "dequantize_sign_add_", "quantize_fp8", "quantize_fp8_ef", "dequantize_fp8", "dequantize_fp8_add_",
-           "check_bits", "check_fp8_format", "codes_nbytes"]
+           "check_bits", "check_fp8_format"]
 
 
 def check_bits(bits) -> int:
@@ -33,15 +33,6 @@ def check_bits(bits) -> int:
 def check_fp8_format(fmt) -> str:
     """``fmt`` when it is an fp8 format name (:data:`FP8_FORMATS`), else ValueError naming them."""
     return v.choice("format", fmt, FP8_FORMATS)
-
-
-def codes_nbytes(codec: str, n: int) -> int:
-    """Bytes of the code section of ``n`` elements: ``"int4"``, ``"int2"``, ``"sign"``, ``"fp8"``."""
-    if codec == "sign":
-        return sign_nbytes(n)
-    if codec == "fp8":
-        return n
-    return packed_nbytes(n, int(codec[3:]))
 
 
 def _outputs(x, ncodes, block_size, out_codes, out_scales):
