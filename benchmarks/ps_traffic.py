@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 import gradcomp as gc
 from gradcomp import ps
-from gradcomp.lab.cluster import format_rate, jitter_type, launch_on, link_type, requirements_missing
+from gradcomp.lab.cluster import jitter_type, launch_on, link_type, requirements_missing
+from gradcomp.lab.units import format_rate
 
 SHAPES = {"w1": (300, 256), "b1": (300,), "w2": (100, 300), "b2": (100,)}
 KEYS = ("bytes_sent", "bytes_received", "raw_bytes_sent", "raw_bytes_received")

@@ -6,7 +6,7 @@ Usage::
 
 Each rank trains the study's model (digits MLP, DDP + gradcomp's int8 hook)
 in blocks of ``--block`` steps that alternate between the timeline on (a
-:class:`gradcomp.timeline.Timeline` in the hook, the collectives' spans, the
+:class:`gradcomp.timeline.StepTimeline` in the hook, the collectives' spans, the
 loop's marks: exactly what ``gradcomp train`` records) and off (no timeline
 anywhere), so a change in the host's load hits both alike. Printed: the
 median step time of each (the slowest rank's), their ratio, and the overhead
@@ -29,7 +29,7 @@ def _rank(rank: int, world: int, steps: int, block: int) -> dict:
 
     import gradcomp as gc
     from gradcomp.ddp import GradCompState, compressed_allreduce_hook
-    from gradcomp.timeline import Timeline
+    from gradcomp.timeline import StepTimeline
     from gradcomp.lab.study.data import load_digits_split, worker_batches
     from gradcomp.lab.study.model import make_model
 
@@ -39,7 +39,7 @@ def _rank(rank: int, world: int, steps: int, block: int) -> dict:
     for kind in ("on", "off"):
         model = make_model(0)
         ddp = DistributedDataParallel(model)
-        tl = Timeline() if kind == "on" else None
+        tl = StepTimeline() if kind == "on" else None
         state = GradCompState(compressor=gc.Int8Quantizer(), min_compress_numel=0, start_iter=0,
                               timeline=tl)
         ddp.register_comm_hook(state, compressed_allreduce_hook)
@@ -88,7 +88,8 @@ def main(argv=None) -> int:
         res = launch(_rank, args.workers, (args.steps, args.block), timeout=1200)
         link = "loopback"
     else:
-        from gradcomp.lab.cluster import LocalCluster, format_rate
+        from gradcomp.lab.cluster import LocalCluster
+        from gradcomp.lab.units import format_rate
 
         with LocalCluster(args.workers, rate=args.link) as c:
             res = c.run(_rank, args.steps, args.block, timeout=1200)

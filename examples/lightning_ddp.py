@@ -1,10 +1,8 @@
 """PyTorch Lightning DDP with gradcomp's int8 allreduce hook, on 2 CPU processes (gloo).
 
-Pass gradcomp's state and hook to ``DDPStrategy(ddp_comm_state=...,
-ddp_comm_hook=...)``. Lightning registers them on CUDA only (its
-``_register_ddp_hooks`` skips other devices, a limit from PyTorch 1.8 that
-gloo no longer has), so on CPU this example's ``CPUHookDDPStrategy`` registers
-them on every device; on GPUs the plain ``DDPStrategy`` does.
+``gradcomp.integrations.lightning.GradCompDDPStrategy(state)`` registers gradcomp's
+hook on any device: Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` registers
+hooks on CUDA only, so on CPU it would train uncompressed (the meter reading 0).
 
 Run: python examples/lightning_ddp.py [--steps N]   (needs: pip install "gradcomp[integrations]")
 """
@@ -14,18 +12,9 @@ import argparse
 import lightning as L
 import torch
 import torch.nn as nn
-from lightning.pytorch.strategies import DDPStrategy
-from torch.nn.parallel import DistributedDataParallel
 
 import gradcomp as gc
-
-
-class CPUHookDDPStrategy(DDPStrategy):
-    """DDPStrategy that registers ``ddp_comm_hook`` on CPU (gloo) too."""
-
-    def _register_ddp_hooks(self) -> None:
-        assert isinstance(self.model, DistributedDataParallel)
-        self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+from gradcomp.integrations.lightning import GradCompDDPStrategy
 
 
 class Classifier(L.LightningModule):
@@ -52,8 +41,7 @@ def main():
     # compress from the first step and every bucket (the defaults warm up with 2 plain steps)
     state = gc.ddp.GradCompState(compressor=gc.Int8Quantizer(), error_feedback=True, algorithm="ring",
                                  meter=meter, start_iter=0, min_compress_numel=0)
-    strategy = CPUHookDDPStrategy(process_group_backend="gloo", ddp_comm_state=state,
-                                  ddp_comm_hook=gc.ddp.compressed_allreduce_hook)
+    strategy = GradCompDDPStrategy(state, process_group_backend="gloo")
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)

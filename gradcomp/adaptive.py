@@ -1,196 +1,22 @@
 """Adaptive compression: each bucket moves to the codec predicted to train fastest.
 
-``gc.ddp.GradCompState(compressor="auto")`` (or ``compressor=gc.Adaptive(...)``)
-and ``gc.allreduce(tensor, gc.Adaptive(...), key=...)`` pick, per bucket (per
-``key`` for the collective), the codec with the least predicted time per unit
-of training progress: its step time (compute plus the communication the
-compute does not hide, from a prediction with a per-byte and a
-byte-independent part) times its cost in steps to a target accuracy; they
-move to heavier compression when the link slows, back when it recovers.
+``gc.ddp.GradCompState(compressor="auto")`` (or ``compressor=gc.Adaptive(...)``) and
+``gc.allreduce(tensor, gc.Adaptive(...), key=...)`` pick, per bucket (per ``key`` for the
+collective), the candidate with the least predicted time per unit of training progress: its
+predicted step time (the compute, the wait for the last rank, and the communication the
+compute does not hide: the codec's kernel cost plus a per-collective and a per-byte cost
+fitted to measured collectives) times its convergence factor (:data:`CONVERGENCE`: steps to a
+target accuracy relative to ``none``). It moves to heavier compression when the link slows,
+back when it recovers; a link prior (``link=``) chooses the start.
 
-What is measured (seconds, from ``clock``, on every rank):
+Invariant: every rank decides from the same agreed numbers (one tiny allreduce per decision),
+so every rank switches at the same step and the results stay bit-identical across ranks.
+Residuals (error feedback; Seide et al. 2014, Karimireddy et al. 2019) are kept per parameter
+or key whatever codec made them. Every switch is logged with the predictions it compared
+(:attr:`Adaptive.switches`, :attr:`gradcomp.TrafficMeter.switches`).
 
-* ``comm_s``: the bucket's collective on the communication thread (the
-  compression kernels included);
-* ``compute_s``: the compute the bucket's communication can hide behind. In
-  the DDP hook: the training thread's time between the previous bucket's
-  handover and this one's (the backward compute of this bucket's gradients);
-  for the first bucket of a step, the time since DDP's wait for the previous
-  step returned (forward, optimizer step and the first backward segment). In
-  the collective: the caller's time since its previous call with that key
-  returned. With one bucket per step, ``comm_s <= compute_s`` is the condition
-  under which overlapping a step's communication with the next compute hides it.
-* ``exposed_s`` (DDP, reported): the part of the bucket's communication that
-  runs past the end of backward and past the previous bucket's, i.e. what
-  it adds to the step (``max(0, e_b - max(h_last, e_{b-1}))`` with ``e`` the
-  ends of the collectives and ``h_last`` the last handover; the buckets'
-  exposed times add up to the step's exposed communication). Collective: equal
-  to ``comm_s`` (the call blocks).
-
-A ``timing`` hook sees every measurement (:class:`Timing`) before the policy
-does and may replace it (tests inject the timings of a slowing link; a link
-emulator may sleep there: it runs on the communication thread, so the sleep
-delays the bucket like a slower link would).
-
-Decision (once a bucket holds ``interval`` measurements, one a step, or
-``probe`` after the start and after a switch, so that a new codec is judged
-soon; the first step, without a compute time, gives none, so the first
-window's median is not one of two samples, one of them the warm-up; the same
-on every rank): each rank takes the median of its window's ``comm_s``,
-``compute_s`` and ``exposed_s`` per bucket; one tiny allreduce (float64,
-``MAX``, on the collective's group) agrees on the smallest and the largest
-communication time, the smallest compute time and the largest exposed time
-over the ranks (and, in a second one, at the first decision that needs them,
-on the largest kernel cost of each candidate, below). The smallest
-communication time is the one the rule uses: a collective ends at about the
-same moment on every rank, so a rank that arrives early measures its wait
-for the last one as well (a straggler's whole delay), while the last rank to
-arrive measures the collective alone, the time a codec can change (a slow
-link slows every rank's collective alike). The difference, the wait for the
-last rank, is logged as ``wait_s`` and counted in every candidate's step
-(below). From these agreed numbers alone, each
-rank applies the same rule, so every rank picks the same codec and the results
-stay bit-identical across ranks.
-
-The rule: the candidate with the least predicted *time per unit of progress*
-(``cost``), i.e. predicted step time x convergence factor:
-
-* the bucket's candidates form a ladder, lightest (most wire bytes) first: the
-  wire bytes ``B`` a rank sends for this bucket (dense: ring/two-phase
-  ``2 (N - 1) / N`` of the chunks' payloads; sparse: the allgather forwards
-  ``N - 1`` payloads; ``none``: ``2 (N - 1) / N`` of the float32 bytes, since
-  an uncompressed float32 bucket runs on the backend's own allreduce,
-  ``dist.all_reduce``, as a plain DDP bucket does: :mod:`gradcomp.comm.native`).
-  Every bucket starts on the lightest, or under a link prior on the codec the
-  prior predicts (below);
-* predicted communication time of candidate ``j``: ``T_j = k_j + alpha +
-  B_j x beta``. ``k_j`` is its byte-independent kernel cost: one compress +
-  decompress of a bucket-sized float32 tensor (0 for ``none``, whose backend
-  allreduce runs no codec kernel), timed on every rank once, at the bucket's
-  first decision that could move it (until then the decision is taken with
-  every ``k`` as 0: on ``none``, with nothing lighter, a stay with those costs
-  is a stay whatever they are, since a codec's predicted cost only grows
-  with its ``k``; a bucket whose link stays fast never times them; the least
-  of 3 after a warm-up: preemption
-  only adds; on the communication thread in DDP; a bucket of more than
-  :data:`KERNEL_NUMEL` elements is timed on that many and the cost scaled by
-  size, since the kernels are memory-bound passes), agreed with ``MAX``; a
-  bucket within 2x the size of one already timed (DDP's rebuilt buckets)
-  reuses that cost, scaled by size (:data:`KERNEL_REUSE`). ``alpha`` (seconds per
-  collective: latency, scheduling) and ``beta`` (seconds per wire byte) are
-  the link's, fitted (:func:`fit_link`, least squares, both >= 0) to
-  ``comm_s - k`` of the codecs measured on this bucket: the current one and
-  those measured within the last ``memory`` decisions, unless the current
-  codec's ``comm_s`` moved by more than 2x since its previous measurement
-  (:data:`CHANGE`: a changed link makes older measurements mislead; they are
-  forgotten). The fit is per kind of collective: a dense codec is predicted
-  from the measured dense codecs (gradcomp's ring / two-phase), a sparse one
-  from the measured sparse ones (allgather), ``none`` from its own
-  measurements (the backend's allreduce), since their per-collective costs
-  differ (a kernel-bound top-k measured beside int8 would otherwise read as
-  "bytes cost nothing"; gradcomp's ring pays more per message than the
-  backend's allreduce). With none of its kind measured, a codec is predicted
-  from all measured codecs, except ``none``: under a link prior (below) it is
-  then predicted from the prior alone (``m x latency_s + B / bytes_per_s``),
-  since gradcomp's collectives, measured, say little of the backend's. Its
-  measurement expires after ``memory`` decisions like any other, so where the
-  prior says it may pay, it is measured again once per ``memory`` decisions.
-  With one codec (one byte count) of a kind measured, its time is split as
-  the link prior (below) splits it, ``m x latency_s`` per collective and
-  ``B / bytes_per_s`` per byte, scaled to the measurement; without a prior,
-  ``alpha = 0`` (everything per byte). A measured codec is predicted by its
-  measurement;
-  an unmeasured lighter codec gets its ``B_j x beta`` multiplied by ``upper /
-  lower`` (2 by default): moves to less compression are cautious (except, at
-  the first decision after a start under a link prior, a move to ``none`` on
-  the backend's allreduce:
-  the caution keeps heavier moves that measurements made, and the start's
-  was the prior's alone, so ``none`` is then predicted from the prior as it
-  is);
-* predicted step time (the bucket's share): ``step_j = compute_s + wait_s +
-  max(0, T_j - upper x compute_s)``, the compute, the agreed wait for the
-  last rank to arrive (the same for every codec, but a codec that needs more
-  steps waits more often) and the part of the communication that the compute
-  does not hide (communication up to ``upper`` x the compute counts as
-  hidden);
-* ``cost_j = step_j x convergence_j``, where ``convergence_j`` is the steps to
-  a target accuracy relative to uncompressed training (:data:`CONVERGENCE`:
-  more steps cost as much as a longer step);
-* the choice is the lightest candidate whose ``cost`` is within 10%
-  (:data:`NEAR`) of the least one (less compression for a small loss of
-  speed; a heavier move thus needs a gain of more than 10%);
-* a move off ``none`` (the backend's allreduce) to a kind of collective
-  nothing of which is measured (gradcomp's ring, the allgather) is predicted
-  from the backend's allreduce or the prior, which describe neither
-  gradcomp's hops nor their kernels: such a candidate counts only if its
-  predicted cost is at most ``lower / upper`` (half) of ``none``'s;
-* measure before trusting a slower-converging codec: a heavier move on
-  predictions alone (the chosen codec not measured) to a codec with a larger
-  convergence factor stops at the first unmeasured codec on the way that
-  converges faster and whose predicted cost is within ``upper / lower`` (the
-  predictions' caution factor, 2 by default) of the best; the next decision
-  has its measurement (top-k, whose speed-up the byte count overstates where
-  kernels dominate, is taken only after int8 measured slower);
-* a measured lighter codec is a candidate only if its cost is no more than
-  the current codec's: two measured codecs within the noise of each other
-  (within 10%) do not trade places at every decision;
-* hysteresis: after a move to heavier compression, lighter candidates that
-  are not measured (predictions only) are left out of the choice for
-  ``patience`` decisions, and a lighter move undone by the next decision
-  doubles that wait (up to 64), so a borderline link does not make the codec
-  flap. A measured lighter codec stays in the choice: a heavier move that its
-  own measurement refutes is undone at once, and leaves no wait (a probe of
-  top-k that measured slow does not keep ``none`` out for ``patience``
-  decisions).
-
-The start under a link prior (``link=(latency_s, bytes_per_s)``, e.g. from
-``gradcomp plan calibrate``): starting on the lightest codec costs its slow
-steps until the first decision (``probe`` steps), the most where compression
-pays the most. With a prior, each bucket's first call times its kernels (as
-above, agreed with ``MAX``) and predicts ``T_j = k_j + m_j x latency_s + B_j /
-bytes_per_s`` (``m_j``: messages in sequence, ``2 (N - 1)`` for the ring and
-two-phase, ``N - 1`` for the allgather); with the compute not yet measured, it
-starts on the lightest of the fastest-converging candidates whose ``T`` is
-within 10% of their least, or, for ``none`` (the backend's allreduce, which
-the prior, a ping-pong of gradcomp's messages, does not describe), within
-``upper / lower`` of it (:func:`start`). Where ``none`` is the start with
-every kernel cost taken as 0, it is the start whatever they cost, and the
-kernels are not timed then. The first decision, with the
-compute and the start codec measured, applies the rule above.
-
-With every convergence factor 1 and zero kernel costs this is the ladder of
-"the least compression that hides the communication": a heavier codec is taken
-when the current one's communication is exposed, a lighter one when it is
-predicted to fit in ``lower`` x the compute.
-
-Limits of the model: ``compute_s`` is the compute the policy counts as able to
-hide the bucket's communication (above); with a single bucket per step, DDP
-starts the collective when backward ends, so the real step is closer to
-``compute_s + T`` than to ``max(compute_s, T)``: the model counts as free
-communication that is not, and so leans to lighter codecs. A codec whose
-time its kernels dominate (top-k) hardly sees the link: when the link
-recovers while it runs, its ``comm_s`` may move less than :data:`CHANGE`, and
-the slow measurements of lighter codecs then hold it for up to ``memory``
-decisions. ``wait_s`` is the spread of the ranks' medians, never negative: without
-a straggler it is the ranks' ordinary skew, which grows with their number, and
-in a step of several buckets a rank that lags the whole step makes the others
-wait in bucket after bucket while their own compute is counted too; both make
-slower-converging codecs look a little costlier than they are. The factors of
-:data:`CONVERGENCE` were measured on one small model; other models may need
-other ones (``convergence=``). Every switch records the predictions it was
-made with (``latency_s`` and ``s_per_byte``: the fitted link; ``predicted``:
-per candidate ``wire_bytes``, ``kernel_s``, ``comm_s``, ``step_s``, ``cost_s``,
-``convergence``), so a user can see why it moved.
-
-Residuals: error feedback (Seide et al. 2014; Karimireddy et al. 2019) keeps
-one float32 residual per parameter (DDP) or per key (collective), whatever
-codec produced it: a switch keeps the residuals, and the next codec applies
-them (adds them to the gradient it compresses; a lossless codec delivers them
-in full and they reset to zero).
-
-Every switch is appended to :attr:`Adaptive.switches` and, with a meter, to
-:attr:`gradcomp.TrafficMeter.switches` (so to ``as_dict()`` and the study's
-results).
+The rule in full (what is measured, the agreement, the prediction and its cautions, the start
+under a link prior, the model's limits): docs/adaptive.md.
 """
 
 from __future__ import annotations
@@ -206,37 +32,25 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import _validate as v
-from gradcomp.comm import DEFAULT_TIMEOUT, DENSE_ALGORITHMS, allreduce, chunk_bounds, native
+from gradcomp import catalog
+from gradcomp.comm import DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, allreduce, chunk_bounds, native
 from gradcomp.comm.guard import exclusive
 from gradcomp.comm.policy import CodecPolicy
-from gradcomp.compressors import (BF16, FP16, Compressor, ErrorFeedback, Int8Quantizer,
-                                  NoCompression, TopK)
+from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES", "TOPK_RATIO", "choose",
-           "fit_link", "start"]
+__all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATES",
+           "choose", "fit_link", "start"]
 
-#: density of the top-k candidates (k = 1% of each bucket's elements)
-TOPK_RATIO = 0.01
-#: candidate names and the codec each one builds
+
+#: candidate names (names of :mod:`gradcomp.catalog`) and the codec each one builds; the
+#: policy keeps the residuals itself (``error_feedback``), whatever codec runs
 CANDIDATES: dict[str, Callable[[], Compressor]] = {
-    "none": NoCompression,
-    "fp16": FP16,
-    "bf16": BF16,
-    "int8": Int8Quantizer,
-    "topk": lambda: TopK(ratio=TOPK_RATIO),
-    "topk-int8": lambda: TopK(ratio=TOPK_RATIO, values=Int8Quantizer()),
-}
+    name: catalog.entry(name).build for name in ("none", "fp16", "bf16", "int8", "topk", "topk-int8")}
 #: the default ladder: none, fp16, int8, top-k 1% with int8 values
 DEFAULT_CANDIDATES = ("none", "fp16", "int8", "topk-int8")
-#: steps to a target accuracy relative to uncompressed training, per named candidate
-#: (the default ``convergence``). Measured by the time study, ``gradcomp train --mode sync
-#: --compressors none,fp16,int8-ef,topk-int8-ef --seeds 3 --steps 200 --eval-every 5
-#: --target-acc 0.956`` and the same with ``--compressors none,bf16,topk-ef`` (digits, MLP
-#: 64-384-256-10, 4 workers x batch 64, SGD lr 0.1 momentum 0.9, loopback; DDP runs are
-#: deterministic, so the steps to the target do not depend on the link): none needs 55 / 65 / 50
-#: steps to 95.6% (seeds 0 / 1 / 2); fp16, bf16 and int8 + error feedback the same steps; top-k 1%
-#: + error feedback and top-k 1% + int8 + error feedback 75 / 95 / 80, i.e. 250 / 170 = 1.47 in all
+#: steps to a target accuracy relative to uncompressed training, per named candidate (the
+#: default ``convergence``); how they were measured: docs/results/adaptive.md#the-convergence-factors
 CONVERGENCE: dict[str, float] = {"none": 1.0, "fp16": 1.0, "bf16": 1.0, "int8": 1.0, "topk": 1.47,
                                  "topk-int8": 1.47}
 #: largest convergence factor accepted (and the inverse of the smallest): a step time
@@ -701,7 +515,7 @@ class Adaptive(CodecPolicy):
             ValueError: ``algorithm`` is not a dense algorithm; anything
                 :func:`gradcomp.allreduce` raises.
         """
-        v.choice("algorithm", algorithm, DENSE_ALGORITHMS)
+        v.choice("algorithm", algorithm, FLAT_DENSE_ALGORITHMS)
         v.key(key)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a dense torch.Tensor, got {type(tensor).__name__}")

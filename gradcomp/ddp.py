@@ -61,10 +61,12 @@ import torch.distributed as dist
 
 from gradcomp import _validate as v
 from gradcomp.adaptive import Adaptive
-from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce, native
+from gradcomp.comm import (ALGORITHMS, DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, INPUT_DTYPES, Topology, allreduce,
+                           check_algorithm, native)
+from gradcomp.comm.topology import layout
 from gradcomp.compressors import DGC, Compressor, Int8Quantizer, TopK, unwrapped
 from gradcomp.meter import TrafficMeter
-from gradcomp.timeline import Timeline, span
+from gradcomp.timeline import StepTimeline, span
 
 __all__ = ["GradCompState", "compressed_allreduce_hook", "DEFAULT_MIN_COMPRESS_NUMEL"]
 
@@ -128,8 +130,10 @@ class GradCompState:
 
     Args:
         process_group: the group DDP reduces over (default: the world).
-        compressor: a dense (``algorithm`` ``"ring"`` / ``"two_phase"``) or
-            sparse (``"allgather"``) gradcomp compressor, not wrapped in
+        compressor: a dense (``algorithm`` ``"ring"`` / ``"two_phase"`` /
+            ``"halving_doubling"``) or sparse (``"allgather"``; an exact
+            ``TopK(ratio=...)`` for ``"sparse_reduce_scatter"``) gradcomp
+            compressor, not wrapped in
             ErrorFeedback (the state keeps the residuals itself); or
             ``"auto"`` / a :class:`gradcomp.Adaptive`: adaptive compression,
             per bucket the least compression that keeps communication hidden
@@ -138,8 +142,12 @@ class GradCompState:
             every switch).
         error_feedback: keep per-parameter residuals (ignored for lossless
             compressors such as NoCompression).
-        algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"`` (see
-            :func:`gradcomp.allreduce`).
+        algorithm: ``"ring"``, ``"two_phase"``, ``"allgather"``,
+            ``"hierarchical"``, ``"halving_doubling"`` or
+            ``"sparse_reduce_scatter"`` (see :func:`gradcomp.allreduce`; the
+            sparse reduce-scatter keeps what a region owner's re-selection
+            drops in that rank's per-parameter residuals; hierarchical:
+            residuals only for the shard this rank sends across hosts).
         min_compress_numel: buckets with fewer elements use a plain allreduce.
         start_iter: steps before this one use a plain allreduce (DDP rebuilds
             its buckets after the first step; residuals are per parameter, so
@@ -149,7 +157,7 @@ class GradCompState:
             nominal ring volume ``2 (N - 1) / N * itemsize * n``, since gloo /
             NCCL choose their own algorithm).
         timeout: seconds any exchange may take before the step fails.
-        timeline: optional :class:`gradcomp.timeline.Timeline`: the hook marks
+        timeline: optional :class:`gradcomp.timeline.StepTimeline`: the hook marks
             ``"handoff"`` when DDP hands over the last bucket of a step (the
             gradients are computed) and records each bucket's reduction as a
             ``"collective"`` span, with the transfers' ``"communicate"`` and
@@ -167,6 +175,9 @@ class GradCompState:
             plain SGD (:func:`gradcomp.compressors.check_optimizer` checks
             one). Plain-allreduce buckets (small, or before ``start_iter``)
             get exact momentum SGD: ``u = m u + g`` is sent whole.
+        topology: a :class:`gradcomp.Topology` for ``algorithm="hierarchical"``
+            (None: hosts from the environment); resolved with the state's
+            group (collective, on every rank at once).
 
     Attributes:
         iter: completed steps (advanced when the last bucket is handed over).
@@ -180,7 +191,7 @@ class GradCompState:
     """
 
     _PICKLED = ("compressor", "error_feedback", "algorithm", "min_compress_numel", "start_iter",
-                "timeout", "iter", "residuals", "momenta", "dgc", "adaptive")
+                "timeout", "iter", "residuals", "momenta", "dgc", "adaptive", "topology")
 
     def __init__(
         self,
@@ -194,6 +205,7 @@ class GradCompState:
         timeout: float = DEFAULT_TIMEOUT,
         timeline=None,
         dgc: bool = False,
+        topology: Topology | None = None,
     ):
         compressor = Int8Quantizer() if compressor is None else compressor
         if isinstance(compressor, str) and compressor == "auto":
@@ -213,27 +225,27 @@ class GradCompState:
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
         if isinstance(compressor, Adaptive):
-            v.choice("algorithm", algorithm, DENSE_ALGORITHMS)  # of the dense candidates
+            v.choice("algorithm", algorithm, FLAT_DENSE_ALGORITHMS)  # of the dense candidates
         else:
             compressor = unwrapped(compressor, "compressor", "with error_feedback=True the state keeps "
                                    "residuals per parameter", " or 'auto'")
             v.choice("algorithm", algorithm, ALGORITHMS)
-            if algorithm in DENSE_ALGORITHMS and compressor.sparse:
-                raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "
-                                 "use algorithm='allgather'")
-            if algorithm == "allgather" and not compressor.sparse:
-                raise ValueError(f"algorithm 'allgather' needs a sparse compressor (TopK, Threshold), "
-                                 f"got {compressor!r}")
-            if algorithm in DENSE_ALGORITHMS and compressor.wire_nbytes((1,)) is None:
-                raise ValueError(f"algorithm {algorithm!r} needs a compressor with a fixed wire size, "
-                                 f"got {compressor!r}")
+            check_algorithm(algorithm, compressor)
+            if dgc is not None and algorithm != "allgather":
+                raise ValueError(f"DGC selects per parameter over the whole bucket: it needs algorithm="
+                                 f"'allgather', got {algorithm!r}")
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
+        if topology is not None and algorithm != "hierarchical":
+            raise ValueError(f"topology is used by algorithm='hierarchical' only, got algorithm={algorithm!r}")
+        self.topology = topology
         min_compress_numel = v.integer("min_compress_numel", min_compress_numel, 0)
         start_iter = v.integer("start_iter", start_iter, 0)
         if meter is not None and not isinstance(meter, TrafficMeter):
             raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
         timeout = v.timeout("timeout", timeout)
-        if timeline is not None and not isinstance(timeline, Timeline):
-            raise TypeError(f"timeline must be a gradcomp.timeline.Timeline or None, "
+        if timeline is not None and not isinstance(timeline, StepTimeline):
+            raise TypeError(f"timeline must be a gradcomp.timeline.StepTimeline or None, "
                             f"got {type(timeline).__name__}")
         if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
             raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, "
@@ -280,6 +292,8 @@ class GradCompState:
             dgc = getattr(self, "dgc", None)
             if dgc is not None and dgc.world_size is None:
                 dgc.world_size = dist.get_world_size(self._group)
+            if self.algorithm == "hierarchical":  # collective: here, on every rank at once
+                layout(self._group, self.topology, self.timeout)
         return self._group
 
     @property
@@ -401,7 +415,7 @@ class GradCompState:
         # settings; later buckets rely on DDP's identical bucket layout
         allreduce(buf, compressor, op="avg", algorithm=self.algorithm, group=self._group,
                   meter=self.meter, timeout=self.timeout, residual=residual, out=buf,
-                  check=not self._checked)
+                  check=not self._checked, topology=self.topology)
         self._checked = True
 
     def _bucket_state(self, store: dict, segments, buf: torch.Tensor) -> torch.Tensor:
@@ -448,6 +462,7 @@ class GradCompState:
         bucket."""
         meter = state.pop("meter", None)
         self.momenta, self.dgc = {}, None  # absent from states pickled before DGC
+        self.topology = None  # absent from states pickled before the hierarchical algorithm
         for name, value in state.items():
             setattr(self, name, value)
         self.process_group = None

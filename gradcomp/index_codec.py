@@ -1,25 +1,6 @@
 """Compact sparse indices: Elias-Fano coding of a strictly ascending index set.
 
-A sparse payload's ``k`` indices, strictly ascending in ``[0, n)``, are split
-into ``L = floor(log2(n / k))`` low bits and the remaining high bits (Elias
-1974, Fano 1971; Vigna 2013, "Quasi-succinct indices"):
-
-* low bits: ``k`` fields of ``L`` bits, packed least significant bit first;
-* high bits: the gaps between successive high parts in unary, as a bit vector
-  of ``k + ((n - 1) >> L)`` bits with bit ``(idx[i] >> L) + i`` set for every
-  ``i`` (so the i-th set bit, minus i, is the i-th high part).
-
-The size depends on ``n`` and ``k`` alone, never on where the indices are:
-``ceil(k L / 8) + ceil((k + ((n - 1) >> L)) / 8)`` bytes, at most about
-``k (2 + log2(n / k)) / 8`` bytes: 1.49 bytes per index at density 0.1% of
-2**24 elements, 1.07 at 1% (int32 indices take 4). CPU tensors go through
-the native module (one sequential pass each way, when the registry picks the
-``cpu`` backend); elsewhere every step is a vectorised torch op
-(O(k + n / 2**L) work) on the tensor's device.
-
-Decoding validates the bit counts, the zero padding bits, and that the
-decoded indices are in range and strictly ascending, raising
-:class:`gradcomp.PayloadError` otherwise.
+Details: docs/wire-format.md#the-index-codec.
 """
 
 from __future__ import annotations

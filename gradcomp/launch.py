@@ -59,9 +59,11 @@ def _worker(fn, rank, world_size, args, init_file, backend, timeout, env, result
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
             return
+    # one host unless the caller's environment says otherwise (the emulated
+    # cluster sets torchrun's LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK per host)
+    os.environ.update({"LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
     os.environ.update(env)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size)})
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size)})
     import torch
     import torch.distributed as dist
 
@@ -139,6 +141,9 @@ def launch(
         start_method: multiprocessing start method (default: :func:`start_method`,
             ``$GRADCOMP_START_METHOD`` or ``forkserver``).
         rank_env: per-rank environment variables on top of ``env`` (one dict per rank).
+            ``RANK`` and ``WORLD_SIZE`` are always set by the launcher;
+            ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` default to the rank and
+            the world size (one host) unless ``env`` or ``rank_env`` set them.
         netns: per-rank network namespace names (``ip netns`` names, one per
             rank): each rank enters its namespace before it opens a socket
             (used by :class:`gradcomp.lab.cluster.LocalCluster`; needs root).

@@ -84,10 +84,11 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomp import _validate as v
-from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, INPUT_DTYPES, allreduce
+from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, INPUT_DTYPES, Topology, allreduce, check_algorithm
+from gradcomp.comm.topology import layout
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
 from gradcomp.meter import TrafficMeter
-from gradcomp.timeline import Timeline
+from gradcomp.timeline import StepTimeline
 
 __all__ = ["LocalSGD", "OUTER_LR", "OUTER_MOMENTUM", "OUTER_OPTIMIZERS", "check_schedule"]
 
@@ -209,17 +210,21 @@ class LocalSGD:
         meter: optional :class:`~gradcomp.TrafficMeter`.
         error_feedback: keep residuals of the pseudo-gradients (ignored for
             lossless compressors).
-        algorithm: ``"ring"`` or ``"two_phase"`` for dense compressors,
-            ``"allgather"`` for sparse ones; None picks ``"ring"`` or ``"allgather"``.
+        algorithm: ``"ring"``, ``"two_phase"``, ``"hierarchical"`` or
+            ``"halving_doubling"`` for dense compressors, ``"allgather"`` or
+            ``"sparse_reduce_scatter"`` for sparse ones (:func:`gradcomp.allreduce`);
+            None picks ``"ring"`` or ``"allgather"``.
         fragments: ``F``, fragments synced in turn; must divide ``sync_every``.
         overlap: ``tau``, inner steps between the start of a fragment's
             exchange and the application of its update (0: at once, no thread);
             ``0 <= tau < sync_every / fragments``.
         timeout: seconds one exchange may take.
-        timeline: optional :class:`gradcomp.timeline.Timeline`: each exchange
+        timeline: optional :class:`gradcomp.timeline.StepTimeline`: each exchange
             is recorded as a ``"collective"`` span (with the transport's
             ``"compress"``, ``"communicate"`` and ``"decompress"`` spans inside),
             on whichever thread runs it.
+        topology: a :class:`gradcomp.Topology` for ``algorithm="hierarchical"``
+            (None: hosts from the environment), resolved here (collective).
 
     Attributes:
         steps: calls of :meth:`step` so far.
@@ -245,7 +250,8 @@ class LocalSGD:
         fragments: int = 1,
         overlap: int = 0,
         timeout: float = DEFAULT_TIMEOUT,
-        timeline: Timeline | None = None,
+        timeline: StepTimeline | None = None,
+        topology: Topology | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -257,9 +263,12 @@ class LocalSGD:
         if algorithm is None:
             algorithm = "allgather" if compressor.sparse else "ring"
         v.choice("algorithm", algorithm, ALGORITHMS)
-        if (algorithm in DENSE_ALGORITHMS) == compressor.sparse:
-            raise ValueError(f"algorithm {algorithm!r} does not fit {compressor!r}: dense compressors use "
-                             f"{DENSE_ALGORITHMS}, sparse ones 'allgather'")
+        check_algorithm(algorithm, compressor)
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
+        if topology is not None and algorithm != "hierarchical":
+            raise ValueError(f"topology is used by algorithm='hierarchical' only, got algorithm={algorithm!r}")
+        self.topology = topology
         if not (outer_optimizer is None or callable(outer_optimizer) or outer_optimizer in OUTER_OPTIMIZERS):
             raise ValueError(f"outer_optimizer must be None, one of {OUTER_OPTIMIZERS} or a callable "
                              f"params -> torch.optim.Optimizer, got {outer_optimizer!r}")
@@ -268,8 +277,8 @@ class LocalSGD:
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
         self.timeout = v.timeout("timeout", timeout)
-        if timeline is not None and not isinstance(timeline, Timeline):
-            raise TypeError(f"timeline must be a gradcomp.timeline.Timeline or None, "
+        if timeline is not None and not isinstance(timeline, StepTimeline):
+            raise TypeError(f"timeline must be a gradcomp.timeline.StepTimeline or None, "
                             f"got {type(timeline).__name__}")
         self.timeline = timeline
         params = [p for p in model.parameters() if p.requires_grad]
@@ -297,6 +306,8 @@ class LocalSGD:
         self._group = dist.new_group(dist.get_process_group_ranks(pg), backend=dist.get_backend(pg),
                                      timeout=datetime.timedelta(seconds=self.timeout),
                                      use_local_synchronization=True)
+        if algorithm == "hierarchical":  # collective: here, not on the exchange thread
+            layout(self._group, topology, self.timeout, params[0].device)
         with torch.no_grad():
             src = dist.get_global_rank(self._group, 0)
             for p in params:
@@ -407,7 +418,7 @@ class LocalSGD:
                 stack.enter_context(self.timeline.span("collective"))
             allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
                       meter=self.meter, timeout=self.timeout, residual=frag.residual, out=delta,
-                      check=not frag.checked)
+                      check=not frag.checked, topology=self.topology)
         frag.checked = True
         if ready is not None:
             torch.cuda.current_stream(delta.device).synchronize()

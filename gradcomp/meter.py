@@ -1,4 +1,10 @@
-"""Traffic accounting: the bytes a rank really moved, and what uncompressed would have."""
+"""Traffic accounting: the bytes a rank really moved, and what uncompressed would have.
+
+Counters are kept per phase (``"reduce_scatter"``, ``"allgather"``, ...) and,
+for collectives that know where their peers are (the hierarchical allreduce),
+also per tier of the network: ``"intra_host"`` (ranks of one host) and
+``"inter_host"`` (what the links between hosts carried).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,10 @@ import json
 import threading
 from dataclasses import asdict, dataclass, fields
 
-__all__ = ["TrafficMeter", "PhaseCounters"]
+__all__ = ["TrafficMeter", "PhaseCounters", "TIERS"]
+
+#: the network tiers a collective may record its bytes under
+TIERS = ("intra_host", "inter_host")
 
 
 @dataclass
@@ -37,6 +46,11 @@ class TrafficMeter:
     ranks: ``2 (N - 1) / N * 4 n`` per rank). ``compression_ratio`` =
     ``raw_bytes_sent / bytes_sent``.
 
+    ``tiers`` holds the same counters per network tier (:data:`TIERS`) for the
+    bytes a collective recorded with ``tier=`` (the hierarchical allreduce
+    records every byte under one tier); a byte recorded with a tier counts in
+    its phase too, so the totals are unchanged.
+
     ``switches`` logs every codec switch an adaptive policy
     (:class:`gradcomp.Adaptive`) made, one JSON-ready dict per switch (step,
     bucket, from, to and the agreed timings that decided it); every rank logs
@@ -46,6 +60,7 @@ class TrafficMeter:
     def __init__(self):
         self._lock = threading.Lock()
         self.phases: dict[str, PhaseCounters] = {}
+        self.tiers: dict[str, PhaseCounters] = {}
         self.steps = 0
         self.switches: list[dict] = []
 
@@ -55,24 +70,34 @@ class TrafficMeter:
             c = self.phases[phase] = PhaseCounters()
         return c
 
+    def _counters(self, phase: str, tier: str | None) -> list[PhaseCounters]:
+        if tier is None:
+            return [self._phase(phase)]
+        if tier not in TIERS:
+            raise ValueError(f"tier must be None or one of {TIERS}, got {tier!r}")
+        c = self.tiers.get(tier)
+        if c is None:
+            c = self.tiers[tier] = PhaseCounters()
+        return [self._phase(phase), c]
+
     def record_send(self, nbytes: int, raw_nbytes: int | None = None, phase: str = "default",
-                    messages: int = 1) -> None:
+                    messages: int = 1, tier: str | None = None) -> None:
         """Count ``nbytes`` sent (and their uncompressed equivalent ``raw_nbytes``,
-        default ``nbytes``)."""
+        default ``nbytes``) in ``phase`` and, if given, in ``tier`` (one of :data:`TIERS`)."""
         with self._lock:
-            c = self._phase(phase)
-            c.bytes_sent += int(nbytes)
-            c.raw_bytes_sent += int(nbytes if raw_nbytes is None else raw_nbytes)
-            c.messages_sent += messages
+            for c in self._counters(phase, tier):
+                c.bytes_sent += int(nbytes)
+                c.raw_bytes_sent += int(nbytes if raw_nbytes is None else raw_nbytes)
+                c.messages_sent += messages
 
     def record_recv(self, nbytes: int, raw_nbytes: int | None = None, phase: str = "default",
-                    messages: int = 1) -> None:
+                    messages: int = 1, tier: str | None = None) -> None:
         """Count ``nbytes`` received (and their uncompressed equivalent)."""
         with self._lock:
-            c = self._phase(phase)
-            c.bytes_received += int(nbytes)
-            c.raw_bytes_received += int(nbytes if raw_nbytes is None else raw_nbytes)
-            c.messages_received += messages
+            for c in self._counters(phase, tier):
+                c.bytes_received += int(nbytes)
+                c.raw_bytes_received += int(nbytes if raw_nbytes is None else raw_nbytes)
+                c.messages_received += messages
 
     def record_raw(self, sent: int = 0, received: int = 0, phase: str = "default") -> None:
         """Add to the uncompressed-equivalent counters only (when the formula for
@@ -82,10 +107,11 @@ class TrafficMeter:
             c.raw_bytes_sent += int(sent)
             c.raw_bytes_received += int(received)
 
-    def record_time(self, seconds: float, phase: str = "default") -> None:
-        """Add wall time (seconds) spent in a phase."""
+    def record_time(self, seconds: float, phase: str = "default", tier: str | None = None) -> None:
+        """Add wall time (seconds) spent in a phase (and in ``tier``, if given)."""
         with self._lock:
-            self._phase(phase).seconds += float(seconds)
+            for c in self._counters(phase, tier):
+                c.seconds += float(seconds)
 
     def record_switch(self, entry: dict) -> None:
         """Log one codec switch (a JSON-ready dict, see :attr:`switches`)."""
@@ -126,6 +152,7 @@ class TrafficMeter:
     def reset(self) -> None:
         with self._lock:
             self.phases.clear()
+            self.tiers.clear()
             self.steps = 0
             self.switches.clear()
 
@@ -134,12 +161,18 @@ class TrafficMeter:
         if isinstance(other, TrafficMeter):  # counter by counter: no JSON copy on the hot path
             with other._lock:
                 phases = {name: {f: getattr(c, f) for f in _FIELDS} for name, c in other.phases.items()}
+                tiers = {name: {f: getattr(c, f) for f in _FIELDS} for name, c in other.tiers.items()}
                 steps, switches = other.steps, list(other.switches)
         else:
             phases, steps, switches = other.get("phases", {}), int(other.get("steps", 0)), other.get("switches", ())
+            tiers = other.get("tiers", {})
         with self._lock:
             for name, vals in phases.items():
                 c = self._phase(name)
+                for f, val in vals.items():
+                    setattr(c, f, getattr(c, f) + val)
+            for name, vals in tiers.items():
+                c = self.tiers.setdefault(name, PhaseCounters())
                 for f, val in vals.items():
                     setattr(c, f, getattr(c, f) + val)
             self.steps = max(self.steps, steps)
@@ -148,9 +181,12 @@ class TrafficMeter:
                     self.switches.append(dict(entry))
 
     def as_dict(self) -> dict:
-        """JSON-ready totals and per-phase counters."""
+        """JSON-ready totals, per-phase counters and per-tier counters (``"tiers"``:
+        ``{"intra_host": {...}, "inter_host": {...}}``, empty when no collective
+        recorded a tier)."""
         with self._lock:
             phases = {k: asdict(c) for k, c in self.phases.items()}
+            tiers = {k: asdict(c) for k, c in self.tiers.items()}
             steps = self.steps
             switches = [dict(e) for e in self.switches]
         tot = {f: sum(p[f] for p in phases.values()) for f in asdict(PhaseCounters())}
@@ -163,6 +199,7 @@ class TrafficMeter:
             "compression_ratio": (tot["raw_bytes_sent"] / sent) if sent else 1.0,
             "steps": steps,
             "phases": phases,
+            "tiers": tiers,
             "switches": switches,
         }
 

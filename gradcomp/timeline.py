@@ -1,9 +1,9 @@
 """Step timeline: where each training step's seconds went, on one rank.
 
-A :class:`Timeline` records, per step, timestamped *spans* (an interval in
+A :class:`StepTimeline` records, per step, timestamped *spans* (an interval in
 one phase, from any thread) and *marks* (instants). The training loop opens
 and closes steps and marks its boundaries; the transports report what they
-do while a timeline is *active* on their thread (:meth:`Timeline.active`),
+do while a timeline is *active* on their thread (:meth:`StepTimeline.active`),
 so the library records nothing and costs nothing when no timeline is set:
 
 * ``"communicate"``: a transport blocked waiting for its transfers
@@ -20,8 +20,8 @@ transfer time (see :func:`sync_step_phases`). A step's phases are
 attributed so that they add up to its wall time exactly (``other`` takes
 what no phase claims).
 
-Cost: a span is two clock reads and one list append under a lock (about a
-microsecond); a step of the default study has fewer than 20.
+Cost: a span is two clock reads and one list append under a lock; what the
+study's steps pay for it: docs/results/time-study.md.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-__all__ = ["Timeline", "StepRecord", "PHASES", "active", "span", "now", "sync_step_phases",
+__all__ = ["StepTimeline", "StepRecord", "PHASES", "active", "span", "now", "sync_step_phases",
            "async_step_phases", "interval_overlap"]
 
 #: The phases a step's wall time is split into (seconds each), in report order.
@@ -67,7 +67,7 @@ class StepRecord:
         return self.end - self.start
 
 
-class Timeline:
+class StepTimeline:
     """Per-step spans and marks of one rank; thread-safe.
 
     Spans recorded while no step is open (between steps) go to the step that
@@ -97,7 +97,7 @@ class Timeline:
         with self._lock:
             rec = self._open
             if rec is None:
-                raise RuntimeError("Timeline.end_step without begin_step")
+                raise RuntimeError("StepTimeline.end_step without begin_step")
             rec.end = now() if t is None else t
             self.steps.append(rec)
             self._open = None
@@ -148,7 +148,7 @@ class Timeline:
         return out
 
 
-def active() -> Timeline | None:
+def active() -> StepTimeline | None:
     """The timeline active on this thread, or None."""
     return getattr(_local, "timeline", None)
 

@@ -6,7 +6,7 @@ codec parameter such as the block size, numel, nnz, shape, CRC-32) is followed b
 codec's sections. :data:`CODECS` is the one table of codecs: each row names its id and
 kind, the parser that validates its sections, and its decoder. The layout of every
 codec (packed int4 / int2 / sign bits, fp8 bit patterns, Elias-Fano sparse indices) is
-documented in ``docs/wire.md``.
+documented in ``docs/wire-format.md``.
 
 Decoding validates the header and every section against the byte length, and the data
 where a bad value could cause harm or lies outside the format; any inconsistency raises
@@ -140,7 +140,7 @@ def _parse_blocks(p: "Payload", wire: torch.Tensor, h: int, flags: int, param: i
     if spare and int(p.codes[-1]) >> (8 - spare):
         _fail(f"{name} padding bits after the last code are not zero")
     if n and bad_codes is not None and bad_codes(p.codes):
-        _fail(f"{name} codes hold a value outside the format (see docs/wire.md)")
+        _fail(f"{name} codes hold a value outside the format (see docs/wire-format.md)")
 
 
 def _blocks_codec(name: str, cid: int, bits: int, stochastic: bool, bad_codes: Callable | None) -> "Codec":
@@ -298,7 +298,7 @@ class Payload:
         nnz: kept elements (sparse codecs).
         data: raw/fp16/bf16 values (views into ``wire``).
         scales, codes: blockwise sections: float32 ``[ceil(n/B)]`` scales; codes int8 ``[n]``
-            (int8), else uint8 (packed int4 / int2 / sign bits, fp8 bit patterns; docs/wire.md).
+            (int8), else uint8 (packed int4 / int2 / sign bits, fp8 bit patterns; docs/wire-format.md).
         indices: sparse indices (int32/int64 ``[nnz]``); values: nested dense Payload.
         int8_checked: int8 codes and scales were checked to be in range
             (False after ``decode(..., check_int8=False)``: the kernel that

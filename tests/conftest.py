@@ -24,3 +24,12 @@ def _no_forced_backend(monkeypatch):
     """Tests choose backends explicitly; a GRADCOMP_BACKEND in the caller's
     environment must not leak into them."""
     monkeypatch.delenv("GRADCOMP_BACKEND", raising=False)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_profile_cache(tmp_path_factory):
+    """``gradcomp plan`` caches this machine's measured profile in the user's cache directory;
+    tests keep theirs in a directory of their own (one measurement per session at most)."""
+    os.environ["GRADCOMP_CACHE_DIR"] = str(tmp_path_factory.mktemp("gradcomp-cache"))
+    yield
+    os.environ.pop("GRADCOMP_CACHE_DIR", None)

@@ -15,7 +15,7 @@ def engine_steps(rank, world_size, runs, hidden, x, y, m, steps, lr):
     from gradcomp.pipeline.engine import build_schedule, rank_stages, stages_per_rank
     from gradcomp.pipeline.split import split_sequential
     from gradcomp.pipeline.stage import GradcompStage
-    from gradcomp.pipeline.timeline import Timeline
+    from gradcomp.pipeline.bubble import StageTimeline
     from gradcomp.lab.study.model import make_model
     from gradcomp.lab.study.pipeline import _shapes
 
@@ -26,7 +26,7 @@ def engine_steps(rank, world_size, runs, hidden, x, y, m, steps, lr):
         ex = _shapes(parts, x.shape[0] // m, x.shape[1])
         codec = BoundaryCodec("int8" if int8 else None)
         ids = rank_stages(schedule, rank, world_size)
-        stages = [GradcompStage(parts[s], s, n, torch.device("cpu"), codec=codec, timeline=Timeline(rank),
+        stages = [GradcompStage(parts[s], s, n, torch.device("cpu"), codec=codec, timeline=StageTimeline(rank),
                                 input_args=ex[s], output_args=ex[s + 1]) for s in ids]
         opt = torch.optim.SGD([q for s in ids for q in parts[s].parameters()], lr=lr)
         sched = build_schedule(schedule, stages, m, nn.functional.cross_entropy)

@@ -203,7 +203,7 @@ def test_chunk_bounds_and_raw_formula():
     ("two_phase", gc.Threshold(1.0), "algorithm 'two_phase' needs a dense compressor.*Threshold"),
     ("allgather", gc.Int8Quantizer(), "algorithm 'allgather' is for sparse.*Int8Quantizer"),
     ("ring", gc.ErrorFeedback(gc.TopK(k=3)), "needs a dense compressor"),
-    ("tree", gc.Int8Quantizer(), r"algorithm must be one of \('ring', 'two_phase', 'allgather'\)"),
+    ("tree", gc.Int8Quantizer(), r"algorithm must be one of \('ring', 'two_phase', 'allgather', 'hierarchical', 'halving_doubling'"),
 ])
 def test_algorithm_compressor_mismatch(algorithm, comp, match):
     with pytest.raises(ValueError, match=match):

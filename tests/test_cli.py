@@ -51,6 +51,9 @@ def test_no_subcommand_is_an_error(capsys):
     (["train", "--workers", "two"], "--workers: expected an integer >= 1, got 'two'"),
     (["train", "--mode", "fast"], "--mode: invalid choice: 'fast'"),
     (["train", "--algorithm", "tree"], "--algorithm: invalid choice: 'tree'"),
+    (["train", "--topology", "2x"], "--topology"),
+    (["bench", "allreduce", "--methods", "int8 hierarchical"], "need hosts: give --topology"),
+    (["bench", "allreduce", "--topology", "1x1"], "--topology must hold at least 2 ranks"),
     (["train", "--lr", "-1"], "--lr: expected a finite number > 0"),
     (["train", "--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["bench", "gpu"], "invalid choice: 'gpu'"),
@@ -66,6 +69,18 @@ def test_unknown_compressor_lists_allowed_names(capsys):
     assert code == 2
     assert "unknown compressor name(s): zip9" in err
     assert ",".join(COMPRESSORS) in err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--topology", "2x2", "--mode", "async"], "--topology applies to --mode sync and local"),
+    (["train", "--topology", "2x2", "--workers", "3", "--mode", "sync"], "--workers 3 does not fit --topology 2x2"),
+    (["train", "--algorithm", "hierarchical", "--compressors", "auto", "--mode", "sync"],
+     "--algorithm hierarchical does not apply to the auto row"),
+])
+def test_topology_conflicts_exit_2(capsys, argv, words):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("\n") == 1
 
 
 def test_impossible_batch_exits_2(capsys):

@@ -11,8 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomp.lab.cluster import (PREFIX, ClusterError, LocalCluster, format_rate, leftovers,
-                              parse_rate, requirements_missing)
+from gradcomp.lab.cluster import (PREFIX, ClusterError, LocalCluster, leftovers, link_rate_bps, requirements_missing,
+                                  topology_type)
+from gradcomp.lab.units import format_rate, parse_rate, parse_topology
 from gradcomp.launch import WorkerError
 
 REASON = requirements_missing()
@@ -42,9 +43,29 @@ def test_parse_rate():
             parse_rate(bad)
 
 
+def test_link_rate_bps_is_a_rate_tc_can_shape():
+    assert link_rate_bps("100mbit") == 100_000_000 and link_rate_bps(2.5e9) == 2_500_000_000
+    assert link_rate_bps("150kbit") == 150_000 and isinstance(link_rate_bps("150kbit"), int)
+    for bad in ("50kbit", "1tbit", 5e11, "fast"):
+        with pytest.raises(ValueError, match="rate"):
+            link_rate_bps(bad)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="world_size"):
         LocalCluster(0)
+    with pytest.raises(ValueError, match="world_size .* or hosts"):
+        LocalCluster(2, hosts=2)
+    with pytest.raises(ValueError, match="world_size .* or hosts"):
+        LocalCluster()
+    with pytest.raises(ValueError, match="ranks_per_host"):
+        LocalCluster(hosts=2, ranks_per_host=65)
+    with pytest.raises(ValueError, match="use hosts="):
+        LocalCluster(2, ranks_per_host=2)
+    with pytest.raises(ValueError, match="intra_rate .* ranks_per_host >= 2"):
+        LocalCluster(hosts=2, intra_rate="1gbit")
+    with pytest.raises(ValueError, match="rate"):
+        LocalCluster(hosts=2, ranks_per_host=2, intra_rate="fast")
     with pytest.raises(TypeError, match="world_size"):
         LocalCluster("4")
     with pytest.raises(ValueError, match="rate_jitter"):
@@ -57,6 +78,28 @@ def test_bad_arguments():
         LocalCluster(2, rate="quick")
     with pytest.raises(ClusterError, match="not up"):
         LocalCluster(2).run(print)
+
+
+def test_two_tier_shape_and_placement():
+    c = LocalCluster(hosts=3, ranks_per_host=2, rate="100mbit", intra_rate="1gbit")
+    assert (c.world_size, c.topology, c.intra_rate_bps) == (6, "3x2", 10**9)
+    assert [c.host_of(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert len(set(c.namespace_of(r) for r in range(6))) == 3
+    env = c.rank_env(3)
+    assert (env["GROUP_RANK"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("1", "1", "2")
+    assert env["GRADCOMP_CLUSTER_ADDR"] == c.addresses[1] and env["MASTER_ADDR"] == c.addresses[0]
+    flat = LocalCluster(4)
+    assert (flat.hosts, flat.ranks_per_host, flat.topology) == (4, 1, "4x1")
+    assert parse_topology(" 2x4 ") == (2, 4) and parse_topology("3X1") == (3, 1)
+    for bad in ("2", "2x", "0x4", "axb", "2x4x1"):
+        with pytest.raises(ValueError, match="topology"):
+            parse_topology(bad)
+    import argparse
+
+    assert topology_type("2x4") == (2, 4)
+    for bad, what in (("2x65", "ranks_per_host"), ("251x1", "hosts"), ("2x", "topology")):
+        with pytest.raises(argparse.ArgumentTypeError, match=what):
+            topology_type(bad)
 
 
 def test_jitter_schedule_is_seeded():
@@ -108,6 +151,59 @@ def test_up_down_allreduce_exact_and_nothing_left():
     assert _host_links() == before  # nothing was added to (or left in) the host's namespace
 
 
+def _gc0_tx_bytes() -> int:
+    """Bytes sent on this namespace's gc0 (/proc/net/dev is per network namespace)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == "gc0":
+                return int(rest.split()[8])
+    raise AssertionError("no gc0 in this namespace")
+
+
+def _two_tier_run(rank, world_size, n):
+    """Where the rank runs, an exact hierarchical sum, and what its host's link carried."""
+    import gradcomp as gc
+
+    place = (os.environ["GROUP_RANK"], os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"])
+    x = torch.arange(n, dtype=torch.float32) % 11 + rank
+    exact = sum(torch.arange(n, dtype=torch.float32) % 11 + r for r in range(world_size))
+    y = gc.allreduce(x, gc.NoCompression(), op="sum", algorithm="hierarchical")  # topology from the env
+    meter = gc.TrafficMeter()
+    dist.barrier()
+    before = _gc0_tx_bytes()
+    dist.barrier()
+    gc.allreduce(x, gc.Int8Quantizer(), algorithm="hierarchical", meter=meter, check=False)
+    dist.barrier()
+    carried = _gc0_tx_bytes() - before
+    return place, torch.equal(y, exact), meter.as_dict()["tiers"]["inter_host"]["bytes_sent"], carried
+
+
+@pytest.mark.slow
+@needs_netns
+def test_two_tier_cluster_runs_hierarchical_and_leaves_nothing():
+    """Hosts of two ranks: torchrun's variables per host, intra-host traffic off
+    the shaped links (gc0 carries the meter's inter-host bytes plus TCP/IP
+    headers and the barriers), the intra tier shaped to its own rate."""
+    before = _host_links()
+    with LocalCluster(hosts=2, ranks_per_host=2, rate="1gbit", intra_rate="200mbit") as c:
+        assert len(_ours(os.getpid())) == 3  # 2 hosts + the switch
+        assert abs(c.achieved_bps - 1e9) / 1e9 < 0.2
+        assert abs(c.intra_achieved_bps - 200e6) / 200e6 < 0.15, c.intra_achieved_bps
+        assert c.link_rate(1, "lo") == 200_000_000
+        d = c.describe()
+        assert (d["topology"], d["world_size"], d["intra"]["configured_bps"]) == ("2x2", 4, 200_000_000)
+        out = c.run(_two_tier_run, 2**18, timeout=120)
+    assert [o[0] for o in out] == [("0", "0", "2"), ("0", "1", "2"), ("1", "0", "2"), ("1", "1", "2")]
+    assert all(o[1] for o in out)
+    for host in range(2):
+        meter_bytes = out[2 * host][2] + out[2 * host + 1][2]
+        carried = out[2 * host][3]  # both ranks of the host read the same interface
+        assert meter_bytes <= carried < 1.03 * meter_bytes + 20_000, (meter_bytes, carried)
+    assert _ours(os.getpid()) == []
+    assert _host_links() == before
+
+
 @pytest.mark.slow
 @needs_netns
 def test_rate_100mbit_within_15_percent():
@@ -118,9 +214,10 @@ def test_rate_100mbit_within_15_percent():
 
 @pytest.mark.slow
 @needs_netns
-def test_rank_sigkilled_cleans_up():
+@pytest.mark.parametrize("shape", [dict(world_size=2), dict(hosts=2, ranks_per_host=2)])
+def test_rank_sigkilled_cleans_up(shape):
     with pytest.raises(WorkerError):
-        with LocalCluster(2, rate="1gbit", calibrate=False) as c:
+        with LocalCluster(**shape, rate="1gbit", calibrate=False) as c:
             c.run(_die, timeout=60)
     assert _ours(os.getpid()) == []
 
@@ -133,10 +230,11 @@ def _script(body: str) -> str:
 
 @pytest.mark.slow
 @needs_netns
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_to_parent_cleans_up(sig):
-    body = """
-        with LocalCluster(2, rate="1gbit", calibrate=False) as c:
+@pytest.mark.parametrize("sig,shape", [(signal.SIGINT, "2"), (signal.SIGTERM, "2"),
+                                       (signal.SIGINT, "hosts=2, ranks_per_host=2")])
+def test_signal_to_parent_cleans_up(sig, shape):
+    body = f"""
+        with LocalCluster({shape}, rate="1gbit", calibrate=False) as c:
             print("up", flush=True)
             c.run(t._sleep, timeout=120)
     """

@@ -16,7 +16,7 @@ from gradcomp import wire as W
 from gradcomp.comm.local import Local
 from gradcomp.compressors import decoder, split, unwrapped
 
-# the wire format as documented (docs/wire.md), written out by hand
+# the wire format as documented (docs/wire-format.md), written out by hand
 SPEC = {"raw": (1, False, False), "fp16": (2, False, True), "bf16": (3, False, True),
         "int8": (4, False, True), "topk": (5, True, True), "threshold": (6, True, True),
         "int4": (7, False, True), "int2": (8, False, True), "sign": (9, False, True),

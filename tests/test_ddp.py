@@ -248,6 +248,90 @@ class _Exploding(gc.Int8Quantizer):
         return super().compress(t)
 
 
+def _halving_doubling(rank):
+    """Plain DDP and the hook on halving-doubling (int8, 3 ranks: one folded in)."""
+    ref, hooked, ddp_kw, _, _ = _pair(rank, "rebuild")
+    ref, hooked = DDP(ref, **ddp_kw), DDP(hooked, **ddp_kw)
+    meter = gc.TrafficMeter()
+    state = GradCompState(compressor=gc.Int8Quantizer(), algorithm="halving_doubling", min_compress_numel=64,
+                          start_iter=0, meter=meter, timeout=30)
+    hooked.register_comm_hook(state, compressed_allreduce_hook)
+    losses = _train(rank, [ref, hooked], STEPS, accumulate=True)
+    a, b = _flat(ref).double(), _flat(hooked).double()
+    state.close()
+    return {"param_err": float((a - b).norm() / a.norm()), "loss_ref": losses[0][-1], "loss_hook": losses[1][-1],
+            "phases": sorted(meter.as_dict()["phases"])}
+
+
+def _sparse_reduce_scatter(rank, world):
+    """The hook on the sparse reduce-scatter across a bucket rebuild: what every
+    parameter gave equals what was applied plus the residuals (per parameter)."""
+    torch.manual_seed(0)
+    model = DDP(_Net(), bucket_cap_mb=0.002)
+    state = GradCompState(compressor=gc.TopK(ratio=0.1), algorithm="sparse_reduce_scatter",
+                          min_compress_numel=0, start_iter=0, timeout=30)
+    given, applied = {}, {}
+
+    def hook(st, bucket):
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            given[id(p)] = given.get(id(p), 0) + g.detach().double().reshape(-1)
+        _layouts.append((st.iter, bucket.index(), tuple(p.numel() for p in bucket.parameters())))
+
+        def record(fut):
+            for p, g in zip(bucket.parameters(), bucket.gradients()):  # views of the reduced buffer
+                applied[id(p)] = applied.get(id(p), 0) + g.detach().double().reshape(-1) * world
+            return fut.value()
+        return compressed_allreduce_hook(st, bucket).then(record)
+
+    model.register_comm_hook(state, hook)
+    _layouts.clear()
+    losses = _train(rank, [model], STEPS)[0]
+    state.close()
+    errs = []
+    for p in model.parameters():
+        held = state.residuals[state._param_keys[id(p)][1]].double().clone()
+        gave = given[id(p)].clone()
+        dist.all_reduce(held)
+        dist.all_reduce(gave)
+        errs.append(float((applied[id(p)] + held - gave).norm() / gave.norm()))
+    first = [lay[2] for lay in _layouts if lay[0] == 0]
+    later = [lay[2] for lay in _layouts if lay[0] == STEPS - 1]
+    return {"err": max(errs), "residual_numel": sum(r.numel() for r in state.residuals.values()),
+            "n_params": sum(p.numel() for p in model.parameters()), "rebuilt": first != later,
+            "loss_first": losses[0], "loss_last": losses[-1]}
+
+
+def _new_algorithms(rank, world):
+    return {"halving_doubling": _halving_doubling(rank), "sparse_reduce_scatter": _sparse_reduce_scatter(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def new_algorithms():
+    return launch(_new_algorithms, 3, timeout=TIMEOUT)
+
+
+@pytest.mark.slow
+def test_hook_on_halving_doubling_trains_like_plain_ddp(new_algorithms):
+    res = [r["halving_doubling"] for r in new_algorithms]
+    for r in res:
+        assert r["param_err"] < PARAM_TOL, r
+        assert abs(r["loss_hook"] - r["loss_ref"]) <= LOSS_TOL * r["loss_ref"], r
+    # world 3: rank 0 is folded into rank 1, ranks 1 and 2 halve and double
+    assert res[0]["phases"] == ["agreement", "fold"], res[0]
+    assert res[1]["phases"] == ["agreement", "allgather", "fold", "reduce_scatter"], res[1]
+    assert res[2]["phases"] == ["agreement", "allgather", "reduce_scatter"], res[2]
+
+
+@pytest.mark.slow
+def test_hook_on_the_sparse_reduce_scatter_loses_nothing_across_a_rebuild(new_algorithms):
+    for r in (res["sparse_reduce_scatter"] for res in new_algorithms):
+        assert r["rebuilt"], "DDP did not rebuild its buckets: the scenario tests nothing"
+        # float32 sums in the collective: equal up to their rounding
+        assert r["err"] < 1e-5, r
+        assert r["residual_numel"] == r["n_params"], r
+        assert r["loss_last"] < r["loss_first"], r
+
+
 def _error_in_training(rank, state, steps):
     """(exception type, message) of training a DDP model with ``state``'s hook, or "no error"."""
     torch.manual_seed(3)
@@ -311,7 +395,13 @@ def test_state_validation():
         (dict(compressor=gc.ErrorFeedback(gc.Int8Quantizer())), ValueError, "must not be an ErrorFeedback"),
         (dict(algorithm="tree"), ValueError, "algorithm must be one of"),
         (dict(compressor=gc.TopK(ratio=0.1)), ValueError, "needs a dense compressor"),
-        (dict(algorithm="allgather"), ValueError, "needs a sparse compressor"),
+        (dict(algorithm="allgather"), ValueError, "is for sparse compressors"),
+        (dict(algorithm="sparse_reduce_scatter"), ValueError, "is for sparse compressors"),
+        (dict(compressor=gc.TopK(ratio=0.1), algorithm="halving_doubling"), ValueError, "needs a dense compressor"),
+        (dict(compressor=gc.TopK(k=5), algorithm="sparse_reduce_scatter"), ValueError, "exact TopK with a ratio"),
+        (dict(compressor=gc.TopK(ratio=0.1), algorithm="sparse_reduce_scatter", dgc=True), ValueError,
+         "DGC .* needs algorithm='allgather'"),
+        (dict(compressor="auto", algorithm="halving_doubling"), ValueError, "algorithm must be one of"),
         (dict(min_compress_numel=-1), ValueError, "min_compress_numel must be >= 0"),
         (dict(start_iter=1.5), TypeError, "start_iter must be an int"),
         (dict(error_feedback="yes"), TypeError, "error_feedback must be a bool"),

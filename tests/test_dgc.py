@@ -4,7 +4,6 @@ clipping, the optimizer contract, state, the kernel, and the DDP hook / PS paths
 import functools
 import math
 import pickle
-import warnings
 
 import pytest
 import torch

@@ -45,3 +45,11 @@ def test_every_exported_name_resolves():
         assert "no_such_name" in str(e)
     else:
         raise AssertionError("gc.no_such_name resolved")
+
+
+def test_dir_of_the_kernels_lists_the_public_api_only():
+    import gradcomp as gc
+
+    assert dir(gc.kernels) == sorted(gc.kernels.__all__)
+    for name in gc.kernels.__all__:
+        assert callable(getattr(gc.kernels, name)), name

@@ -48,3 +48,17 @@ def test_lightning_ddp_strategy_with_gradcomp_hook():
                     reason="Accelerate not installed: pip install 'gradcomp[integrations]'")
 def test_accelerate_prepared_model_with_gradcomp_hook():
     _check(_run_example("accelerate_ddp.py"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lightning") is None,
+                    reason="Lightning not installed: pip install 'gradcomp[integrations]'")
+def test_lightning_strategy_takes_a_gradcomp_state_only():
+    import gradcomp as gc
+    from gradcomp.integrations.lightning import GradCompDDPStrategy
+
+    s = GradCompDDPStrategy(gc.ddp.GradCompState(compressor=gc.Int8Quantizer()))
+    assert s._ddp_comm_hook is gc.ddp.compressed_allreduce_hook
+    with pytest.raises(TypeError, match="state must be a gradcomp.ddp.GradCompState"):
+        GradCompDDPStrategy(object())
+    with pytest.raises(TypeError, match="sets ddp_comm_hook itself"):
+        GradCompDDPStrategy(gc.ddp.GradCompState(), ddp_comm_hook=print)

@@ -17,33 +17,32 @@ LAB = "gradcomp.lab"
 # emulated cluster's old import path is an alias of its module (``from gradcomp.cluster import ...``)
 LAB_ENTRY_POINTS = {"gradcomp.__main__", "gradcomp.ps.__main__", "gradcomp.cluster"}
 # import cycles (strongly connected sets of modules) still to break
-ALLOWED_CYCLES: list[set[str]] = [{"gradcomp.lab.study.config", "gradcomp.lab.study.dgc"}]
+ALLOWED_CYCLES: list[set[str]] = []
 # `from x import _y` across modules still to remove: "importer -> module._name"
 ALLOWED_PRIVATE_IMPORTS: set[str] = set()
 # module docstrings longer than MAX_MODULE_DOC_LINES: path -> today's length (may only shrink)
 MAX_MODULE_DOC_LINES = 20
 ALLOWED_LONG_MODULE_DOCS = {
-    "gradcomp/adaptive.py": 193, "gradcomp/lab/plan/model.py": 125, "gradcomp/ps/__init__.py": 96,
+    "gradcomp/lab/plan/model.py": 93, "gradcomp/ps/__init__.py": 96,
     "gradcomp/localsgd.py": 72, "gradcomp/lab/bench/kernels/__init__.py": 65,
     "gradcomp/lab/bench/allreduce.py": 63, "gradcomp/comm/agreement.py": 59,
-    "gradcomp/lab/cluster.py": 54, "gradcomp/kernels/reference.py": 50,
-    "gradcomp/ps/protocol.py": 49, "gradcomp/lab/plan/validate.py": 49, "gradcomp/ddp.py": 48,
-    "gradcomp/fsdp.py": 45, "gradcomp/lab/plan/host.py": 38, "gradcomp/lab/study/pipeline.py": 37,
-    "gradcomp/lab/study/__init__.py": 37, "gradcomp/lab/study/study.py": 33,
+    "gradcomp/kernels/reference.py": 50,
+    "gradcomp/ps/protocol.py": 49, "gradcomp/ddp.py": 48,
+    "gradcomp/fsdp.py": 45,
+    "gradcomp/lab/study/study.py": 33,
     "gradcomp/comm/pipelined.py": 33, "gradcomp/lab/study/local.py": 31,
-    "gradcomp/lab/bench/kernels/peers.py": 31, "gradcomp/kernels/cuda.py": 30,
-    "gradcomp/compressors/dgc.py": 29, "gradcomp/lab/plan/__init__.py": 26,
+    "gradcomp/kernels/cuda.py": 30,
+    "gradcomp/lab/plan/__init__.py": 26,
     "gradcomp/kernels/triton/select.py": 26, "gradcomp/kernels/cpu.py": 25, "gradcomp/comm/local.py": 25,
-    "gradcomp/timeline.py": 24, "gradcomp/pipeline/pipedream.py": 24, "gradcomp/lab/study/workloads.py": 24,
-    "gradcomp/pipeline/timeline.py": 22, "gradcomp/kernels/ops.py": 22, "gradcomp/index_codec.py": 22,
-    "gradcomp/comm/ring.py": 22, "gradcomp/lab/plan/profile.py": 21, "gradcomp/lab/plan/calibrate.py": 21,
+    "gradcomp/timeline.py": 24, "gradcomp/lab/study/workloads.py": 24,
+    "gradcomp/kernels/ops.py": 22,
+    "gradcomp/lab/plan/profile.py": 21, "gradcomp/lab/plan/calibrate.py": 21,
     "gradcomp/kernels/registry.py": 21, "gradcomp/comm/allgather.py": 21,
 }
 # files longer than MAX_FILE_LINES (rule 1's soft ceiling): path -> today's length (may only shrink)
 MAX_FILE_LINES = 600
 ALLOWED_LONG_FILES = {
-    "gradcomp/adaptive.py": 1129, "gradcomp/lab/plan/model.py": 818, "gradcomp/lab/study/pipeline.py": 655,
-    "gradcomp/ps/server.py": 603,
+    "gradcomp/adaptive.py": 948, "gradcomp/lab/plan/model.py": 664, "gradcomp/lab/study/pipeline.py": 655,
 }
 # package __init__.py files that hold more than re-exports (rule 5)
 ALLOWED_INIT_CODE = {"gradcomp/kernels/__init__.py", "gradcomp/kernels/triton/__init__.py",
@@ -62,7 +61,7 @@ INTERFACE_NAMES = {
 }
 # public names defined by two modules with different meanings, still to rename
 ALLOWED_DUPLICATE_NAMES = {
-    "Codec", "codec", "Timeline", "format_rate", "parse_rate", "measure", "measure_link", "plot",
+    "measure", "measure_link", "plot",
     "print_report", "run", "run_study", "summary", "write_all", "write_plot", "check_schedule", "decode",
 }
 

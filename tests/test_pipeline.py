@@ -25,6 +25,23 @@ def test_split_balances_parameters_and_rejects_too_many_stages():
         split_sequential(model, 4)
 
 
+def test_one_bubble_formula_for_the_library_the_planner_and_the_study():
+    from gradcomp.lab.plan import model as plan_model
+    from gradcomp.lab.study.pipeline import theory_bubble
+    from gradcomp.pipeline import bubble_fraction
+
+    # p stages, m micro-batches, v chunks: the step takes v m + p - 1 slots of which p - 1 idle
+    assert bubble_fraction(4, 8) == 3 / 11 and bubble_fraction(1, 5) == 0.0
+    assert bubble_fraction(4, 8, chunks=2) == 3 / 19
+    assert plan_model.bubble_fraction is bubble_fraction
+    assert theory_bubble("gpipe", 4, 8) == theory_bubble("1f1b", 4, 8) == 3 / 11
+    assert theory_bubble("interleaved", 4, 8) == 3 / 19 and theory_bubble("zb", 4, 8) is None
+    for bad in ({"stages": 0}, {"microbatches": 2.0}, {"chunks": True}):
+        args = {"stages": 4, "microbatches": 8, **bad}
+        with pytest.raises(ValueError, match=f"{next(iter(bad))} must be an integer >= 1"):
+            bubble_fraction(**args)
+
+
 def test_int8_boundary_decodes_within_the_bound():
     torch.manual_seed(1)
     x = torch.randn(16, 384) * torch.linspace(0.01, 10, 384)

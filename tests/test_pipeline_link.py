@@ -100,7 +100,7 @@ def test_bad_pipeline_time_settings_exit_2_with_one_line(argv, needle, capsys, t
 
 def test_straggler_slowdown_sleeps_factor_minus_one_times_the_compute(monkeypatch):
     import gradcomp.pipeline.stage as stage_mod
-    from gradcomp.pipeline.timeline import Span
+    from gradcomp.pipeline.bubble import Span
 
     slept = []
     monkeypatch.setattr(stage_mod.time, "perf_counter", lambda: 10.0)

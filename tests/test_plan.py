@@ -104,7 +104,9 @@ def _metered_allreduces(rank, world_size):
               "topk-int8-ef": gc.TopK(ratio=0.01, values=gc.Int8Quantizer())}
     got = {}
     for name, alg, n in (("none", "ring", 1001), ("fp16", "two_phase", 777), ("int8", "ring", 5000),
-                         ("int8", "two_phase", 5000), ("topk-int8-ef", "allgather", 3000)):
+                         ("int8", "two_phase", 5000), ("topk-int8-ef", "allgather", 3000),
+                         ("int8", "halving_doubling", 5000), ("none", "halving_doubling", 1001),
+                         ("topk-int8-ef", "sparse_reduce_scatter", 3000)):
         meter = gc.TrafficMeter()
         gc.allreduce(torch.randn(n), codecs[name], algorithm=alg, meter=meter, check=False)
         got[(name, alg, n)] = (meter.bytes_sent, meter.bytes_received)
@@ -202,6 +204,26 @@ def test_calibrate_on_loopback_writes_a_profile(tmp_path, capsys):
     assert prof.alpha_s > 0 and prof.beta_bytes_per_s > 0 and prof.link == "none"
     assert set(prof.kernels) == set(OPS) and len(prof.fit["sizes"]) == len(C.DEFAULT_SIZES)
     assert "wrote" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_calibrate_two_tier_measures_both_tiers(tmp_path, capsys):
+    from gradcomp.lab.cluster import requirements_missing
+
+    if requirements_missing() is not None:
+        pytest.skip(f"emulated cluster unavailable: {requirements_missing()}")
+    out = tmp_path / "profile.json"
+    assert main(["plan", "calibrate", "--link", "1gbit", "--topology", "2x2", "--intra-link", "400mbit",
+                 "--out", str(out), "--repeats", "1", "--kernel-numel", "65536"]) == 0
+    prof = Profile.load(str(out))
+    assert prof.topology == "2x2" and prof.link == "1gbit" and prof.intra["link"] == "400mbit"
+    # each tier's fitted bandwidth near its rate (TCP payload of a tbf-shaped layer-2 rate)
+    assert 0.7 < prof.beta_bytes_per_s / 125e6 < 1.1, prof.beta_bytes_per_s
+    assert 0.7 < prof.intra["beta_bytes_per_s"] / 50e6 < 1.1, prof.intra
+    cluster = prof.source["cluster"]
+    assert cluster["configured_bps"] == 10**9 and cluster["intra"]["configured_bps"] == 4 * 10**8
+    assert cluster["achieved_bps"] > 0 and cluster["intra"]["achieved_bps"] > 0
+    assert "intra-host (2x2)" in capsys.readouterr().out
 
 
 def test_kernel_rates_from_kernels_json(tmp_path):
@@ -307,7 +329,7 @@ def test_bad_settings_raise():
 
 def test_units():
     assert parse_count("25M") == 25_000_000 and parse_count("7B") == 7 * 10**9
-    assert parse_rate("10gbit") == 1.25e9 and parse_rate("100mbit") == 12.5e6
+    assert parse_rate("10gbit") == 1e10 and parse_rate("100mbit") == 1e8  # bits per second
     for bad in ("10gbps", "-1gbit", "fast"):
         with pytest.raises(ValueError, match="link"):
             parse_rate(bad)
@@ -402,6 +424,9 @@ def test_projection_and_recommend_commands(tmp_path, capsys):
     (["plan", "recommend", "--nodes", "8", "--link", "1gbit", "--params", "1B", "--compute-ms", "1",
       "--max-gap", "x"], "--max-gap"),
     (["plan", "calibrate", "--link", "fast"], "--link"),
+    (["plan", "calibrate", "--topology", "2"], "--topology"),
+    (["plan", "calibrate", "--topology", "1x4", "--link", "1gbit"], "--topology"),
+    (["plan", "calibrate", "--topology", "2x2"], "--topology"),
     (["plan", "validate", "/nonexistent/dir"], "No such file"),
     (["plan", "--profile", "/nonexistent.json"], "No such file"),
 ])
@@ -429,3 +454,165 @@ def test_plan_does_not_import_train_or_cluster():
             "print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+# ---- halving-doubling and the sparse reduce-scatter ---------------------------------------
+
+def _int8_wire(m):
+    return 48 + 4 * -(-m // 256) + m  # header, one float32 scale per 256, a code per element
+
+
+def test_halving_doubling_bytes_by_hand():
+    # p = N = 8, n = 8 * 256 * 4: every half and chunk a whole number of blocks, and of 8 bytes.
+    # Halving sends W(n/2) + W(n/4) + W(n/8), doubling W(n/8) + 2 W(n/8) + 4 W(n/8)
+    n = 8 * 1024
+    c = CODECS["int8"]
+    sent = _int8_wire(n // 2) + _int8_wire(n // 4) + _int8_wire(n // 8) + 7 * _int8_wire(n // 8)
+    for rank in range(8):
+        assert allreduce_bytes(c, "halving_doubling", n, 8, rank) == (sent, sent)
+    # the ring's data bytes (14 chunks of n / 8) in 10 payloads instead of 14: 4 headers fewer
+    assert sent == allreduce_bytes(c, "ring", n, 8, 0)[0] - 4 * 48
+    # N = 3: p = 2, rank 0 folded into rank 1; rank 2 and rank 1 halve and double once
+    w_half = _int8_wire(n // 2)
+    assert allreduce_bytes(c, "halving_doubling", n, 3, 0) == (_int8_wire(n), 2 * w_half)
+    assert allreduce_bytes(c, "halving_doubling", n, 3, 1) == (2 * w_half + 2 * w_half, 2 * w_half + _int8_wire(n))
+    assert allreduce_bytes(c, "halving_doubling", n, 3, 2) == (2 * w_half, 2 * w_half)
+
+
+def test_halving_doubling_pads_each_owners_payload_to_8_bytes():
+    # n = 4 * 1001 elements over p = 4: chunks of 1001, wire 48 + 16 + 1001 = 1065 -> 1072 in the doubling
+    c = CODECS["int8"]
+    n = 4 * 1001
+    halving = _int8_wire(2002) + _int8_wire(1001)
+    assert allreduce_bytes(c, "halving_doubling", n, 4, 0)[0] == halving + 1072 + 2 * 1072
+
+
+def _topk_int8_wire(m, density=0.01):
+    k = math.ceil(density * m)
+    b = (m // k).bit_length() - 1
+    index = min(-(-4 * k // 8) * 8, -(-(-(-k * b // 8) + -(-(k + ((m - 1) >> b)) // 8)) // 8) * 8)
+    return 48 + index + 48 + 4 * -(-k // 256) + k
+
+
+def test_sparse_reduce_scatter_bytes_by_hand():
+    # N - 1 region payloads in each phase; regions of n / N elements
+    c = CODECS["topk-int8-ef"]
+    for world in (2, 4, 8):
+        n = 2**20
+        w = _topk_int8_wire(n // world)
+        assert allreduce_bytes(c, "sparse_reduce_scatter", n, world, 0) == (2 * (world - 1) * w,) * 2
+        whole = _topk_int8_wire(n)
+        assert allreduce_bytes(c, "allgather", n, world, 0)[0] == (world - 1) * (whole + 8)
+        # bytes per rank stay under twice one payload, within 10% of 2 (N - 1) / N of it
+        assert 2 * (world - 1) * w < 2 * whole
+        assert 2 * (world - 1) * w == pytest.approx(2 * (world - 1) / world * whole, rel=0.10)
+    with pytest.raises(ValueError, match="algorithm for threshold-ef"):
+        allreduce_bytes(CODECS["threshold-ef"], "sparse_reduce_scatter", 1000, 4)
+
+
+def test_messages_and_quantizations():
+    from gradcomp.lab.plan.model import allreduce_messages, quantizations
+
+    assert [allreduce_messages("ring", n) for n in (1, 2, 8, 1024)] == [0, 2, 14, 2046]
+    assert [allreduce_messages("halving_doubling", n) for n in (2, 4, 8, 1024)] == [2, 4, 6, 20]
+    # N = 6: p = 4, ranks 0 and 2 folded into 1 and 3
+    assert [allreduce_messages("halving_doubling", 6, r) for r in range(6)] == [1, 5, 1, 5, 4, 4]
+    assert allreduce_messages("sparse_reduce_scatter", 8) == allreduce_messages("allgather", 8) == 14
+    assert [quantizations("ring", n) for n in (2, 8)] == [2, 8]
+    assert [quantizations("halving_doubling", n) for n in (2, 3, 8, 1024)] == [2, 3, 4, 11]
+    assert quantizations("sparse_reduce_scatter", 8) == 2 and quantizations("two_phase", 8) == 2
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        quantizations("ps", 4)
+
+
+def test_halving_doubling_seconds_by_hand(profile):
+    # N = 4, n = 40,000, int8: L = 10,000 per chunk; two halving steps, the owner's
+    # reduce-compress, two doubling steps (the first block decoded during the second)
+    from gradcomp.lab.plan.model import allreduce_seconds
+
+    alpha, beta = 1e-4, 1e7
+    c, da, rc, d = 1 / 1e8, 1 / 1e8, 1 / 5e7, 1 / 2e8  # seconds per element
+    hop = lambda m: alpha + m / beta  # noqa: E731
+    w = _int8_wire
+    halving = (20_000 * c + hop(w(20_000)) + 20_000 * da) + (10_000 * c + hop(w(10_000))) + 10_000 * rc
+    doubling = hop(w(10_000)) + max(hop(2 * w(10_000)), 10_000 * d) + 2 * 10_000 * d
+    t = allreduce_seconds(CODECS["int8"], "halving_doubling", 40_000, 4, alpha, beta, profile)
+    assert t["total"] == pytest.approx(halving + doubling)
+    assert t["transfer"] == pytest.approx(hop(w(20_000)) + hop(w(10_000)) + hop(w(10_000)) + hop(2 * w(10_000)))
+    # the latency term: 2 log2 N messages on the path, against the ring's 2 (N - 1)
+    for world in (2, 8, 64, 1024):
+        hd = allreduce_seconds(CODECS["none"], "halving_doubling", 0 + 4096, world, 1.0, 1e30, Profile())
+        ring = allreduce_seconds(CODECS["none"], "ring", 4096, world, 1.0, 1e30, Profile())
+        assert hd["total"] == pytest.approx(2 * math.log2(world))
+        assert ring["total"] == pytest.approx(2 * (world - 1))
+    # N = 3: the fold in and out add one message each on the path
+    assert allreduce_seconds(CODECS["none"], "halving_doubling", 4096, 3, 1.0, 1e30, Profile())["total"] == \
+        pytest.approx(4.0)
+
+
+def test_sparse_reduce_scatter_seconds_by_hand(tmp_path):
+    from gradcomp.lab.plan.model import allreduce_seconds
+
+    prof = Profile(alpha_s=1e-4, kernels={"topk.select": 1e8, "int8.compress": 1e8, "ef.update": 1e9,
+                                          "sparse.decompress_add": 1e7, "int8.decompress": 1e8})
+    alpha, beta, world, n = 1e-4, 1e7, 4, 400_000
+    L, k = 100_000, 1000
+    comp = L / 1e8 + k / 1e8 + L / 1e9  # select, int8 values, error feedback
+    da = k / 1e7 + k / 1e8  # scatter-add of the kept values, their int8 decode
+    w = _topk_int8_wire(L)
+    hop = alpha + w / beta
+    rs = 3 * comp + 3 * alpha + 3 * w / beta + 3 * da + comp
+    ag = hop + 2 * max(hop, da) + da
+    t = allreduce_seconds(CODECS["topk-int8-ef"], "sparse_reduce_scatter", n, world, alpha, beta, prof)
+    assert t["total"] == pytest.approx(rs + ag)
+    assert t["transfer"] == pytest.approx(3 * alpha + 3 * w / beta + 3 * hop)
+
+
+def test_projection_prices_the_new_algorithms():
+    # the projection's candidates include both; at 1024 nodes with a per-message cost,
+    # halving-doubling's 20 messages beat the ring's 2046
+    from gradcomp.lab.plan.project import project
+
+    prof = Profile(alpha_s=50e-6, kernels={op: 1e10 for op in ("int8.compress", "int8.reduce_compress",
+                                                              "int8.decompress", "int8.decompress_add")})
+    rows = project([1024], [("10gbit", 1.25e9)], [10**8], prof, compute_s=0.1)
+    sync = rows[0]["sync"]
+    assert {"int8/halving_doubling", "topk-int8-ef/sparse_reduce_scatter"} <= set(sync)
+    assert sync["int8/halving_doubling"]["step_s"] < sync["int8/ring"]["step_s"]
+    assert sync["topk-int8-ef/sparse_reduce_scatter"]["bytes_sent"] < sync["topk-int8-ef/allgather"]["bytes_sent"] / 100
+
+
+def test_two_tier_model_bytes_and_time():
+    from gradcomp.comm.chunks import chunk_bounds
+    from gradcomp.lab.plan.model import CODECS
+    from gradcomp.lab.plan.tiers import hierarchical_bytes, hierarchical_seconds
+
+    # NoCompression, one segment: the hand formula of tests/test_hierarchical.py (48-byte headers)
+    n, hosts, per = 3 * 4096 + 7, 2, 2
+    got = hierarchical_bytes(CODECS["none"], n, hosts, per, segments=1)
+    inter = 0
+    for local in range(per):
+        lo, hi = chunk_bounds(n, per)[local]
+        lens = [b - a for a, b in chunk_bounds(hi - lo, hosts)]
+        inter += sum(48 + 4 * k for j, k in enumerate(lens) if j != 0) + sum(
+            48 + 4 * k for j, k in enumerate(lens) if j != 1)
+    s0 = chunk_bounds(n, per)[0][1]
+    assert got == {"inter_host_per_host": inter,
+                   "intra_host_per_rank": 4 * (n - s0) + (per - 1) * (hosts * 48 + 4 * s0)}
+    # int8, 2 x 4, 2**24: per host 2 (H - 1) / H of the compressed bucket, within 0.1%
+    int8 = CODECS["int8"]
+    bucket = int8.compressor(2**24).wire_nbytes((2**24,))
+    per_host = hierarchical_bytes(int8, 2**24, 2, 4)["inter_host_per_host"]
+    assert abs(per_host / bucket - 1.0) < 1e-3
+    # time: the inter-host leg shares the host's link; pipelining hides the shorter stage
+    prof = Profile(alpha_s=1e-4, beta_bytes_per_s=12.5e6, kernels={op: 1e9 for op in OPS},
+                   intra={"alpha_s": 5e-5, "beta_bytes_per_s": 5e8})
+    one = hierarchical_seconds(int8, 2**24, 2, 4, prof, segments=1)
+    four = hierarchical_seconds(int8, 2**24, 2, 4, prof, segments=4)
+    assert one["total"] == pytest.approx(one["intra"] + one["inter"])
+    assert max(four["inter"], four["intra"]) < four["total"] < one["total"]
+    # the link's bytes over its rate bound the inter-host leg from below
+    assert one["inter"] > per_host / prof.beta_bytes_per_s
+    fast = hierarchical_seconds(int8, 2**24, 2, 4, Profile(alpha_s=1e-4, beta_bytes_per_s=125e6,
+                                                             kernels=prof.kernels, intra=prof.intra))
+    assert fast["inter"] < one["inter"] / 5

@@ -131,7 +131,7 @@ def test_addresses_normalized_and_default_host(monkeypatch):
     assert T.default_host() == "192.0.2.7"
 
 
-def test_config_and_constructor_errors_name_the_argument():
+def test_config_and_constructor_errors_name_the_argument(monkeypatch):
     with pytest.raises(ValueError, match="mode must be one of"):
         ps.PSConfig(mode="semi")
     with pytest.raises(ValueError, match="on_worker_failure must be one of"):
@@ -152,6 +152,14 @@ def test_config_and_constructor_errors_name_the_argument():
         ps.PSConfig(heartbeat_interval=10.0, heartbeat_timeout=5.0)
     with pytest.raises(ValueError, match="address"):
         ps.PSConfig(address="udp://10.0.0.1:5555")
+    with pytest.raises(TypeError, match="encrypt must be a bool"):
+        ps.PSConfig(encrypt="yes")
+    with pytest.raises(ValueError, match="credential is for PLAIN, which contradicts encrypt=True"):
+        ps.PSConfig(encrypt=True, credential=ps.new_credential())
+    with pytest.raises(ValueError, match="credential must be 'gcps-plain-<64 hex digits>'"):
+        ps.PSConfig(credential="hunter2")
+    secret = ps.new_credential(encrypt=True)
+    assert secret not in repr(ps.PSConfig(encrypt=True, credential=secret))
     x = {"x": torch.zeros(4)}
     with pytest.raises(ValueError, match="num_servers=2 endpoints, got 1"):
         ps.Worker(x, num_servers=2, rank=3, server_addresses=["tcp://127.0.0.1:1"])
@@ -161,6 +169,16 @@ def test_config_and_constructor_errors_name_the_argument():
         ps.Worker(x, rank=0, server_addresses=["tcp://127.0.0.1:1"])
     with pytest.raises(ValueError, match="rank is given with server_addresses only"):
         ps.Worker(x, rank=3)
+    with pytest.raises(ValueError, match="credential is given with server_addresses only"):
+        ps.Worker(x, credential=ps.new_credential())
+    monkeypatch.delenv("GRADCOMP_PS_CREDENTIAL", raising=False)
+    with pytest.raises(ValueError, match="needs the job's credential: pass credential="):
+        ps.Worker(x, rank=3, server_addresses=["127.0.0.1:1"])
+    monkeypatch.setenv("GRADCOMP_PS_CREDENTIAL", "not-a-credential")
+    with pytest.raises(ValueError, match=r"\$GRADCOMP_PS_CREDENTIAL must be 'gcps-plain-"):
+        ps.Worker(x, rank=3, server_addresses=["127.0.0.1:1"])
+    with pytest.raises(ValueError, match="incarnation must be"):
+        ps.Worker(x, rank=3, server_addresses=["127.0.0.1:1"], incarnation=-1)
     with pytest.raises(ValueError, match="heartbeat_interval"):
         ps.Worker(x, rank=3, server_addresses=["127.0.0.1:1"], heartbeat_interval=0)
     # an error feedback given with error_feedback=False was used without a word
@@ -498,7 +516,8 @@ def _garbage_rank(rank, world_size):
                                     worker_timeout=20.0)
         return server.serve()
     if rank == 2:  # breaks the protocol itself: a header with a bad magic number
-        peer = PP.RawPeer(PP.server_addresses()[0], rank, layout)
+        addresses, credential = PP.server_addresses()
+        peer = PP.RawPeer(addresses[0], rank, layout, credential=credential)
         peer.hello()
         bad = bytearray(peer.header(P.PUSH).pack())
         bad[0] = 42

@@ -37,9 +37,13 @@ def test_summary_and_json(tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert len(lines) <= 5 and "async parameter server, 1 server(s), 2 workers, 20 steps" in lines[0]
+    assert "encrypted" not in lines[0]  # PLAIN by default
     dist = float(lines[3].rsplit(":", 1)[1])
     assert dist == dist and dist < 1e6  # finite: the default lr does not diverge
-    r = subprocess.run([sys.executable, "-m", "gradcomp.ps", "--steps", "5", "--json"],
+    r = subprocess.run([sys.executable, "-m", "gradcomp.ps", "--steps", "5", "--json", "--encrypt"],
                        capture_output=True, text=True, timeout=300)
     doc = json.loads(r.stdout)
     assert doc["updates"] == 10 and doc["link"]["name"] == "none"
+    # no connection of the job was refused (a worker that closes a connection mid-handshake, as one
+    # that finishes 5 steps before its heartbeat socket's CURVE handshake completes, counts apart)
+    assert doc["security"] == "curve" and set(doc["refused_reasons"]) <= {"handshake not completed"}

@@ -108,8 +108,9 @@ def _hostile_rank(rank, world_size, tmp):
         worker.done()
         open(flag, "w").close()  # the last hostile rank to finish
         return out
-    address = PP.server_addresses()[0]
-    peer = PP.RawPeer(address, rank, layout, rcvhwm=1 if rank == 5 else 1000,
+    addresses, credential = PP.server_addresses()
+    address = addresses[0]
+    peer = PP.RawPeer(address, rank, layout, credential=credential, rcvhwm=1 if rank == 5 else 1000,
                       rcvbuf=65536 if rank == 5 else -1)
     try:
         peer.hello()
@@ -132,15 +133,15 @@ def _hostile_rank(rank, world_size, tmp):
                     break
             time.sleep(4.0)
             return sent
-        if rank == 7:  # garbage frames, then garbage from a routing id the server does not know
+        if rank == 7:  # garbage frames, then garbage from a connection without the credential
             peer.send(b"\1\2\3", b"x", b"y", b"z")
             peer.send(os.urandom(P.HEADER_NBYTES))
-            intruder = PP.RawPeer(address, rank, layout, ident=b"intruder")
+            intruder = PP.RawPeer(address, rank, layout, credential=None, ident=b"w1")
             intruder.send(os.urandom(100))
-            time.sleep(0.5)
+            refused = intruder.handshake()
             intruder.close()
             reply = peer.recv()
-            return P.KIND_NAMES[reply[0].kind]
+            return P.KIND_NAMES[reply[0].kind], refused
     finally:
         peer.close()
 
@@ -159,9 +160,15 @@ def test_hostile_workers_cannot_stop_the_server_or_honest_workers(tmp_path):
     assert "not reading its replies" in dead[5] and out[5] > 10
     assert "silent for more than worker_timeout=3 s" in dead[6]
     assert "declared dead" in out[6] and "worker_timeout" in out[6]
-    assert "protocol error" in dead[7] and out[7] == "EVICTED"
+    assert "protocol error" in dead[7] and out[7][0] == "EVICTED"
+    assert out[7][1] in ("HANDSHAKE_FAILED_PROTOCOL", "HANDSHAKE_FAILED_NO_DETAIL")  # the intruder's view
     reasons = server["rejected_reasons"]
-    assert reasons["protocol"] == 3 and reasons["unknown_peer"] == 1 and reasons["duplicate"] == 1
+    assert reasons["protocol"] == 3 and reasons["duplicate"] == 1 and "unknown_peer" not in reasons
+    # the intruder (no credential, routing id "w1") never got past the handshake: refused there,
+    # counted, no byte of it reached the protocol, and worker 1 went on
+    assert server["refused_connections"] >= 1
+    refused = server["refused_reasons"]  # the mechanism mismatch, or the intruder hung up first
+    assert refused.get("no credential or another mechanism", 0) + refused.get("handshake not completed", 0) >= 1
     assert out[2]["replayed"] == ["accepted", "rejected"]
     # no update lost or applied twice: -x[r] counts the applied pushes of rank r
     for r in (1, 2):
@@ -207,7 +214,8 @@ def _kill_rank(rank, world_size, tmp, pushes_after):
                     PP.process_gone(int(open(pid_file).read())):
                 tests = os.path.dirname(os.path.abspath(PP.__file__))
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                    [tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
+                    [tests, os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]),
+                    GRADCOMP_PS_CREDENTIAL=worker.credential)  # the job's credential, learned over the group
                 code = (f"import ps_peers; ps_peers.restarted_worker_main({worker.server_addresses[0]!r}, "
                         f"3, {world_size}, {1 << 20}, {pushes_after}, {result!r})")
                 proc = subprocess.Popen([sys.executable, "-c", code], env=env)

@@ -1,5 +1,6 @@
 """The parameter server's parts on their own, in one process: the update rule
-(gradcomp.ps.apply), failure detection (gradcomp.ps.membership) and shard
+(gradcomp.ps.apply), failure detection and the holder of a rank
+(gradcomp.ps.membership), credentials (gradcomp.ps.auth) and shard
 checkpoints (gradcomp.ps.checkpoint). Expected values are worked out by hand."""
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import gradcomp as gc
 from gradcomp.ps import checkpoint as ckpt
 from gradcomp.ps import protocol as P
 from gradcomp.ps.apply import Rejected, ShardUpdater, check_pull_compressor
-from gradcomp.ps.membership import Peer, expired, peer_table
+from gradcomp.ps.auth import Credential, new_credential
+from gradcomp.ps.membership import JOIN, REFUSE, TAKE_OVER, Peer, claim, expired, peer_table
 from gradcomp.ps.sharding import param_specs
 
 CPU = torch.device("cpu")
@@ -118,8 +120,8 @@ def test_pull_compressor_default_and_unwrapping():
 
 
 def test_expired_names_each_deadline_and_reads_status_as_it_goes():
-    peers, by_ident = peer_table([3, 4, 5, 6])
-    assert by_ident[b"w4"] is peers[4]
+    peers, by_user = peer_table([3, 4, 5, 6])
+    assert by_user["w4"] is peers[4] and peers[4].user == "w4"
     for p in peers.values():
         p.heard = p.clock = 100.0
     peers[3].session = 1                       # connected, no heartbeat for 11 s
@@ -143,6 +145,57 @@ def test_join_revives_a_dead_worker_unless_the_run_failed():
     assert p.status == "dead" and (p.session, p.sessions, p.heard, p.clock) == (42, 1, 5.0, 5.0)
     p.join(P.Header(P.HELLO, 7, seq=1, session=43), now=6.0, run_failed=False)
     assert (p.status, p.reason, p.sessions) == ("active", "", 2)
+
+
+def test_claim_lets_a_newer_incarnation_or_a_successor_of_a_gone_holder_in():
+    p = Peer(2)
+    assert claim(p, 0, holder_connected=False) == JOIN  # nobody holds the rank yet
+    p.join(P.Header(P.HELLO, 2, seq=1, session=42, aux=1), now=1.0, run_failed=False, route=b"r1",
+           origin="incarnation 1, pid 7")
+    assert (p.incarnation, p.route, p.origin) == (1, b"r1", "incarnation 1, pid 7")
+    assert claim(p, 0, holder_connected=True) == REFUSE   # a duplicate, or an older process
+    assert claim(p, 1, holder_connected=True) == REFUSE   # the same incarnation is a duplicate
+    assert claim(p, 2, holder_connected=True) == TAKE_OVER
+    assert claim(p, 0, holder_connected=False) == JOIN  # the holder's connection closed: it exited
+    for status in ("dead", "done", "aborted"):
+        p.status = status
+        assert claim(p, 0, holder_connected=True) == JOIN
+    p.status = "active"
+    for session in range(43, 43 + 10):  # the last 8 displaced sessions are remembered
+        p.displace(P.TAKEN_OVER, f"taken over from {p.session}")
+        p.join(P.Header(P.HELLO, 2, seq=1, session=session), now=2.0, run_failed=False)
+    assert list(p.displaced) == list(range(44, 52)) and p.displaced[51] == (P.TAKEN_OVER, "taken over from 51")
+
+
+def test_credentials_prove_one_rank_and_nothing_else():
+    plain, curve = Credential(new_credential()), Credential(new_credential(encrypt=True))
+    assert (plain.mechanism, plain.encrypt, curve.mechanism, curve.encrypt) == ("plain", False, "curve", True)
+    assert plain.text not in repr(plain)
+    v = plain.verifier([2, 3])
+    assert v.check(b"PLAIN", [b"w2", plain.plain_password(2)]) == (b"w2", "")
+    assert v.check(b"PLAIN", [b"w2", plain.plain_password(3)]) == (None, "wrong password")  # another rank's
+    assert v.check(b"PLAIN", [b"w4", plain.plain_password(4)])[0] is None  # not a worker rank of the job
+    other = Credential(new_credential())
+    assert v.check(b"PLAIN", [b"w2", other.plain_password(2)]) == (None, "wrong password")
+    assert v.check(b"CURVE", [b"\0" * 32])[1].startswith("mechanism CURVE")
+    import zmq
+    from zmq.utils import z85
+
+    key = z85.decode(curve.curve_keys("w3")[0])
+    cv = curve.verifier([2, 3])
+    assert cv.check(b"CURVE", [key]) == (b"w3", "")
+    foreign = Credential(new_credential(encrypt=True)).curve_keys("w3")[0]  # rank 3 of another job
+    assert cv.check(b"CURVE", [z85.decode(foreign)]) == (None, "unknown CURVE key")
+    assert cv.check(b"PLAIN", [b"w3", b"x"])[0] is None
+    public, secret = curve.curve_keys("server0")
+    assert zmq.curve_public(secret) == public and len(public) == 40
+    assert curve.server_options(0)[zmq.CURVE_SERVER] == 1
+    assert plain.client_options(5, 0) == {zmq.PLAIN_USERNAME: b"w5", zmq.PLAIN_PASSWORD: plain.plain_password(5)}
+    for bad in ("gcps-plain-xyz", "gcps-rsa-" + "0" * 64, "plain-" + "0" * 64, "gcps-plain-" + "A" * 64):
+        with pytest.raises(ValueError, match="credential must be 'gcps-plain-<64 hex digits>'"):
+            Credential(bad)
+    with pytest.raises(TypeError, match="credential must be a string"):
+        Credential(b"gcps")
 
 
 def test_shard_checkpoint_round_trip(tmp_path):

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from gradcomp.timeline import (PHASES, StepRecord, Timeline, async_step_phases, interval_overlap,
+from gradcomp.timeline import (PHASES, StepRecord, StepTimeline, async_step_phases, interval_overlap,
                                sync_step_phases)
 from gradcomp.lab.study.common import RankLog
 from gradcomp.lab.study.config import TrainConfig
@@ -69,7 +69,7 @@ def test_async_step_phases_are_the_spans():
 def test_timeline_spans_from_other_threads_and_between_steps():
     import threading
 
-    tl = Timeline()
+    tl = StepTimeline()
     tl.add_span("communicate", 0.0, 1.0)  # before the first step: goes to it
     tl.begin_step(2.0)
     t = threading.Thread(target=lambda: tl.add_span("compress", 2.1, 2.2))

@@ -83,6 +83,20 @@ def test_compressor_menu():
         COMPRESSORS["threshold-ef"].build(None)
 
 
+def test_each_row_runs_on_the_algorithm_that_takes_it():
+    cfg = TrainConfig(algorithm="halving_doubling", sparse_algorithm="sparse_reduce_scatter")
+    assert cfg.algorithm_for(COMPRESSORS["int8"]) == "halving_doubling"
+    assert cfg.algorithm_for(COMPRESSORS["topk-int8-ef"]) == "sparse_reduce_scatter"
+    assert cfg.algorithm_for(COMPRESSORS["topk-ef"]) == "sparse_reduce_scatter"
+    # threshold's sizes vary, DGC selects per parameter: both stay on the allgather
+    assert cfg.algorithm_for(COMPRESSORS["threshold-ef"]) == "allgather"
+    assert cfg.algorithm_for(COMPRESSORS["dgc"]) == "allgather"
+    assert cfg.algorithm_for(COMPRESSORS["auto"]) == "ring"  # not among the policy's algorithms
+    assert TrainConfig().algorithm_for(COMPRESSORS["topk-ef"]) == "allgather"
+    with pytest.raises(ValueError, match="sparse_algorithm must be one of"):
+        TrainConfig(sparse_algorithm="ring")
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="workers"):
         TrainConfig(workers=0)
@@ -163,6 +177,28 @@ def _int8_ps_bytes_per_worker(shapes, steps: int) -> float:
     push = steps * (msg(int8_bundle) + h)
     pulls = (steps + 1) * h + msg(P.raw_bundle_nbytes(shapes)) + steps * msg(int8_bundle)
     return (push + pulls + h + 2 * h) / steps
+
+
+@pytest.mark.slow
+def test_topology_runs_hosts_of_workers_with_the_hierarchical_algorithm(tmp_path):
+    """--topology 2x2 on loopback: 4 workers on 2 hosts (GRADCOMP_HOST_ID), sync and local
+    modes on the hierarchical allreduce; every worker ends with the same parameters."""
+    out = tmp_path / "t"
+    argv = ["--mode", "sync,local", "--compressors", "int8", "--steps", "4", "--eval-every", "2",
+            "--sync-every", "2", "--topology", "2x2", "--algorithm", "hierarchical", "--out", str(out),
+            "--no-progress"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert command.main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert {(r["mode"], r["compressor"]) for r in doc["runs"]} == {
+        ("sync", "none"), ("sync", "int8"), ("local", "none"), ("local", "int8")}
+    for r in doc["runs"]:
+        assert (r["link"]["topology"], r["link"]["world_size"]) == ("2x2", 4)
+        if r["mode"] == "sync":
+            digests = r["extra"]["param_sha256_per_worker"]
+            assert len(digests) == 4 and len(set(digests)) == 1, digests
+    by = {(r["mode"], r["compressor"]): r["bytes_per_worker_per_step"] for r in doc["runs"]}
+    assert by[("sync", "int8")] < by[("sync", "none")]
 
 
 @pytest.fixture(scope="module")

@@ -11,13 +11,18 @@ import torch.distributed as dist
 
 from gradcomp import _validate as v
 from gradcomp import wire as W
-from gradcomp.compressors import split
+from gradcomp.comm.topology import INTER_ALGORITHMS
+from gradcomp.compressors import Compressor, TopK, split
 from gradcomp.meter import TrafficMeter
 
 #: every algorithm name
-ALGORITHMS = ("ring", "two_phase", "allgather")
+ALGORITHMS = ("ring", "two_phase", "allgather", "hierarchical", "halving_doubling", "sparse_reduce_scatter")
 #: algorithms for dense compressors (fixed wire sizes)
-DENSE_ALGORITHMS = ("ring", "two_phase")
+DENSE_ALGORITHMS = ("ring", "two_phase", "hierarchical", "halving_doubling")
+#: algorithms for sparse compressors (TopK, Threshold)
+SPARSE_ALGORITHMS = ("allgather", "sparse_reduce_scatter")
+#: dense algorithms over one flat group (the adaptive policy's, the hierarchical inter-host leg's)
+FLAT_DENSE_ALGORITHMS = INTER_ALGORITHMS
 #: reduction ops
 OPS = ("avg", "sum")
 #: accepted input dtypes (everything is accumulated in float32)
@@ -25,12 +30,20 @@ INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: default seconds one exchange may take before TimeoutError
 DEFAULT_TIMEOUT = 300.0
 
+#: the agreement's code of each flat algorithm (codes are part of the 40-byte descriptor: fixed)
+ALGORITHM_CODES = {"ring": 0, "two_phase": 1, "allgather": 2, "halving_doubling": 4,
+                   "sparse_reduce_scatter": 5}
 #: the agreement's algorithm code of the backend's own allreduce (:mod:`gradcomp.comm.native`)
-NATIVE = len(ALGORITHMS)
+NATIVE = 3
+#: the agreement's algorithm code of a hierarchical call: this plus the index of
+#: its inter-host algorithm in :data:`~gradcomp.comm.topology.INTER_ALGORITHMS`
+HIERARCHICAL = 8
 
 # how a disagreement names the codes of the agreement's fields
-NAMES = {"op": dict(enumerate(OPS)), "algorithm": {**dict(enumerate(ALGORITHMS)), NATIVE: "native"},
-          "codec": {c.id: c.name for c in W.CODECS.values()}}
+NAMES = {"op": dict(enumerate(OPS)),
+         "algorithm": {**{c: a for a, c in ALGORITHM_CODES.items()}, NATIVE: "native",
+                       **{HIERARCHICAL + i: f"hierarchical ({a} across hosts)" for i, a in enumerate(INTER_ALGORITHMS)}},
+         "codec": {c.id: c.name for c in W.CODECS.values()}}
 
 
 def member_group(group, what: str):
@@ -66,17 +79,7 @@ def check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter=
     compressor, ef = split(compressor, "compressor", " or ErrorFeedback")
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if algorithm in DENSE_ALGORITHMS and compressor.sparse:
-        raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "
-                         "use algorithm='allgather' for TopK / Threshold")
-    if algorithm == "allgather" and not compressor.sparse:
-        raise ValueError(f"algorithm 'allgather' is for sparse compressors (TopK, Threshold), got dense "
-                         f"{compressor!r}: use algorithm='ring' or 'two_phase'")
-    if algorithm in DENSE_ALGORITHMS and compressor.wire_nbytes((1,), torch.float32) is None:
-        raise ValueError(f"algorithm {algorithm!r} needs a compressor with a fixed wire size "
-                         f"(wire_nbytes not None), got {compressor!r}")
+    check_algorithm(algorithm, compressor)
     v.timeout("timeout", timeout)
     if meter is not None and not isinstance(meter, TrafficMeter):
         raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
@@ -97,3 +100,32 @@ def check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter=
                if isinstance(out, torch.Tensor) else type(out).__name__)
         raise ValueError(f"out must be a contiguous {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
                          f"on {tensor.device}, got {got}")
+
+
+def check_algorithm(algorithm: str, compressor: Compressor) -> None:
+    """Check that ``algorithm`` takes ``compressor`` (not an ErrorFeedback).
+
+    Raises:
+        ValueError: ``algorithm`` is not in :data:`ALGORITHMS`; a sparse
+            compressor with a dense algorithm or a dense one with a sparse
+            algorithm; a dense compressor without a fixed wire size;
+            ``"sparse_reduce_scatter"`` with anything but an exact ``TopK``
+            with a ``ratio`` (its regions need fixed payload sizes and the
+            density applies per region).
+    """
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if algorithm in DENSE_ALGORITHMS and compressor.sparse:
+        raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "
+                         f"use one of {SPARSE_ALGORITHMS} for TopK / Threshold")
+    if algorithm in SPARSE_ALGORITHMS and not compressor.sparse:
+        raise ValueError(f"algorithm {algorithm!r} is for sparse compressors (TopK, Threshold), got dense "
+                         f"{compressor!r}: use one of {DENSE_ALGORITHMS}")
+    if algorithm in DENSE_ALGORITHMS and compressor.wire_nbytes((1,), torch.float32) is None:
+        raise ValueError(f"algorithm {algorithm!r} needs a compressor with a fixed wire size "
+                         f"(wire_nbytes not None), got {compressor!r}")
+    if algorithm == "sparse_reduce_scatter" and (
+            not isinstance(compressor, TopK) or compressor.ratio is None or not compressor.exact):
+        raise ValueError("algorithm 'sparse_reduce_scatter' needs an exact TopK with a ratio "
+                         f"(e.g. gc.TopK(ratio=0.01)): the density applies per region and payload sizes "
+                         f"must be fixed; got {compressor!r}")

@@ -38,7 +38,7 @@ under tag ``TAG + 1``.
 One rank alone changing its call after the group agreed (it checks, the
 others skip) must not leave the others waiting for payloads that never come.
 So a group also remembers the message pattern of the reduce-scatter phase
-(the ``"reduce_scatter"`` and ``"sizes"`` exchanges) of its last agreed call
+(the exchanges of :data:`PATTERN_PHASES`) of its last agreed call
 (:func:`remember_pattern`): deterministic given the descriptor, the same on
 every rank. A rank whose call differs first *replays* that pattern
 (:func:`replay`), every message replaced by a *disagreement envelope* of the
@@ -46,8 +46,8 @@ same size (it starts with :data:`ENVELOPE`), then agrees. A rank that
 skipped the check finds an envelope where it expected a payload (its decode
 fails on the magic, :func:`raise_if_envelope`; or an 8-byte size reads
 :data:`ENVELOPE`), replays the rest of the pattern in the same way, and
-agrees too. The pattern reaches every rank (the ring's reduce-scatter has
-``N - 1`` hops; two-phase and the size exchange are direct), so every rank
+agrees too. The pattern reaches every rank (the ring in ``N - 1`` hops, halving
+in ``log2 p`` and its fold messages; the others direct), so every rank
 ends in the same agreement and raises the same ``ValueError`` naming the
 field, every message posted is matched, and the group stays usable. A rank
 that skipped the check has by then compressed its first chunks (their error
@@ -68,8 +68,9 @@ import torch
 
 from gradcomp.comm.p2p import PIECES, Comm, Message
 
-__all__ = ["FIELDS", "AGREEMENT_NBYTES", "TAG", "ENVELOPE", "agree", "needs_check", "forget",
-           "Disagreement", "remember_pattern", "pattern", "replay", "raise_if_envelope", "is_envelope"]
+__all__ = ["FIELDS", "AGREEMENT_NBYTES", "TAG", "ENVELOPE", "PATTERN_PHASES", "agree", "needs_check",
+           "forget", "Disagreement", "remember_pattern", "pattern", "replay", "raise_if_envelope",
+           "is_envelope"]
 
 #: descriptor fields, in wire order
 FIELDS = ("numel", "op", "algorithm", "codec", "wire_nbytes")
@@ -86,6 +87,11 @@ _WHAT = {
     "codec": "compressor types",
     "wire_nbytes": "compressor settings (payload sizes)",
 }
+
+#: meter phases of the messages a remembered pattern keeps: those that carry a
+#: disagreement envelope to every rank (halving-doubling's ``"fold"`` messages
+#: included: a folded rank receives nothing else)
+PATTERN_PHASES = ("reduce_scatter", "sizes", "fold")
 
 #: first 8 bytes of a disagreement envelope (not a payload's b"GCMP" magic)
 ENVELOPE = b"GCDISAGR"
@@ -132,7 +138,7 @@ def remember_pattern(group, values: dict[str, int], trace) -> None:
         try:
             if _AGREED.get(group) != row or (_PATTERNS.get(group) or (None,))[0] == row:
                 return
-            _PATTERNS[group] = (row, [t for t in trace if t[2] in ("reduce_scatter", "sizes")])
+            _PATTERNS[group] = (row, [t for t in trace if t[2] in PATTERN_PHASES])
         except TypeError:
             pass
 

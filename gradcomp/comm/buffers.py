@@ -1,8 +1,8 @@
 """Reusable receive buffers for the collectives (CPU only).
 
 A freshly allocated buffer costs a page fault per page on first write, which
-for multi-megabyte messages takes longer than the transfer itself on some
-hosts (measured here: about 1.7 ms per MiB for 32 MiB buffers). Training
+for multi-megabyte messages can take longer than the transfer itself
+(docs/results/transport-choices.md). Training
 reduces the same bucket sizes every step, so the collectives take their
 receive buffers from this pool and give them back when the call is done.
 CUDA tensors come from PyTorch's caching allocator, which already does this.

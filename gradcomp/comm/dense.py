@@ -34,14 +34,16 @@ class Plan:
     Args:
         numel: elements of the flattened input.
         world_size: ranks in the group.
-        compressor: the dense compressor for sums (not an ErrorFeedback:
+        compressor: the compressor for sums (dense, or an exact top-k for the
+            sparse reduce-scatter; not an ErrorFeedback:
             ErrorFeedback payloads have the wrapped compressor's size anyway).
 
     Attributes:
         bounds: ``[(lo, hi)]`` per chunk (see :mod:`gradcomp.comm.chunks`).
         wire_nbytes: wire size in bytes of chunk ``j``'s payload.
         raw_nbytes: ``4 * len_j``: the bytes chunk ``j`` takes in a float32 ring.
-        reuse: wires are compressed into pooled buffers (:meth:`wire_buffer`).
+        reuse: wires are compressed into pooled buffers (:meth:`wire_buffer`;
+            dense compressors only).
     """
 
     def __init__(self, numel: int, world_size: int, compressor: Compressor):
@@ -49,7 +51,7 @@ class Plan:
         self.bounds = chunk_bounds(numel, world_size)
         self.wire_nbytes = [compressor.wire_nbytes((hi - lo,), torch.float32) for lo, hi in self.bounds]
         self.raw_nbytes = [FLOAT32_BYTES * (hi - lo) for lo, hi in self.bounds]
-        self.reuse = compressor._takes_out()
+        self.reuse = compressor._takes_out() and not compressor.sparse  # sparse: no out= (sizes vary)
 
     def wire_buffer(self, comm: Comm, j: int, device) -> torch.Tensor | None:
         """A pooled buffer for a wire of chunk ``j`` to compress into (valid
@@ -86,7 +88,7 @@ class Plan:
         return payload.wire
 
 
-def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str, pending: torch.Tensor) -> None:
+def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str, pending: torch.Tensor) -> list[torch.Tensor]:
     """Finish a dense allreduce from this rank's chunk, in place.
 
     Args:
@@ -104,6 +106,9 @@ def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str, pending: to
     int8); the bytes then travel the ring and every other rank decompresses
     them into its copy. On return ``work`` holds every chunk decompressed from
     its owner's bytes (bit-identical on every rank).
+
+    Returns:
+        Every chunk's owner bytes, indexed by chunk (valid until ``comm.release()``).
     """
     r = comm.rank
     lo, hi = plan.bounds[r]
@@ -118,4 +123,4 @@ def share_owned(comm: Comm, plan: Plan, work: torch.Tensor, op: str, pending: to
             with _timeline.span("decompress"):
                 plan.compressor.decompress(plan.received(blob), out=work[lo:hi])
 
-    comm.ring_allgather(mine, plan.wire_nbytes, plan.raw_nbytes, phase="allgather", consume=decompress)
+    return comm.ring_allgather(mine, plan.wire_nbytes, plan.raw_nbytes, phase="allgather", consume=decompress)

@@ -1,7 +1,8 @@
 """The compressed allreduce: argument checks, the agreement, then one algorithm's module.
 
 See :func:`allreduce`; the algorithms live one per module (:mod:`gradcomp.comm.ring`,
-:mod:`gradcomp.comm.two_phase`, :mod:`gradcomp.comm.pipelined`, :mod:`gradcomp.comm.allgather`).
+:mod:`gradcomp.comm.two_phase`, :mod:`gradcomp.comm.pipelined`, :mod:`gradcomp.comm.allgather`,
+:mod:`gradcomp.comm.hierarchical`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import torch.distributed as dist
 from gradcomp import _validate as v
 from gradcomp import wire as W
 from gradcomp.comm import allgather as _allgather
+from gradcomp.comm import halving_doubling as _halving_doubling
+from gradcomp.comm import hierarchical as _hierarchical
 from gradcomp.comm import pipelined as _pipelined
 from gradcomp.comm import ring as _ring
+from gradcomp.comm import sparse_reduce_scatter as _sparse_reduce_scatter
 from gradcomp.comm import two_phase as _two_phase
-from gradcomp.comm._args import (ALGORITHMS, DEFAULT_TIMEOUT, NAMES, OPS, check_args,
+from gradcomp.comm._args import (ALGORITHM_CODES, DEFAULT_TIMEOUT, NAMES, OPS, check_args,
                                  member_group)
 from gradcomp.comm.agreement import (Disagreement, agree, forget, needs_check, pattern, remember_pattern,
                                      replay)
@@ -26,11 +30,13 @@ from gradcomp.comm.guard import exclusive
 from gradcomp.comm.local import Local
 from gradcomp.comm.p2p import Comm
 from gradcomp.comm.policy import CodecPolicy
-from gradcomp.compressors import Compressor, ErrorFeedback
+from gradcomp.comm.topology import Topology, layout
+from gradcomp.compressors import Compressor, ErrorFeedback, split
 
 __all__ = ["allreduce", "check_call"]
 
 _REDUCE_SCATTER = {"ring": _ring.reduce_scatter, "two_phase": _two_phase.reduce_scatter}
+
 
 def allreduce(
     tensor: torch.Tensor,
@@ -45,6 +51,7 @@ def allreduce(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check: bool = True,
+    topology: Topology | None = None,
 ) -> torch.Tensor:
     """Compressed allreduce: every rank returns the same (bit-identical) tensor.
 
@@ -74,6 +81,26 @@ def allreduce(
     * ``"allgather"`` (sparse compressors: TopK, Threshold): payload sizes are
       exchanged, payloads gathered over the ring unchanged, and every rank sums
       the union in float32 in rank order.
+    * ``"halving_doubling"`` (dense compressors): recursive halving
+      reduce-scatter, the owner's compressed chunk sum, recursive doubling
+      allgather of the owners' bytes; ``2 log2 N`` messages per rank (ranks
+      beyond a power of two folded in: 2 more), for small buckets; at most
+      ``log2 N + 2`` quantizations of any partial sum's contribution.
+    * ``"sparse_reduce_scatter"`` (exact ``TopK`` with a ``ratio``): each rank
+      sends the top-k of every region to its owner, which sums, re-selects
+      the top-k and shares its bytes as in the ring's allgather; what the
+      re-selection drops stays in the owner's error-feedback residual.
+    * ``"hierarchical"`` (dense compressors; :mod:`gradcomp.comm.hierarchical`):
+      hosts of ``R`` ranks each (``topology``); an exact float32
+      reduce-scatter inside each host, the compressed allreduce (the
+      topology's ``inter_algorithm``, ring or two-phase) of each local rank's
+      shard across hosts, an allgather of the owners' bytes inside the host,
+      pipelined in segments. Only the links between hosts carry the
+      compressed bucket: ``2 (H - 1) / H`` times it per host. The first call
+      on a group with a topology resolves it (collective; cached); with
+      ``check=True`` the ranks agree on every call (a rank that skipped it
+      would exchange on the intra-host and inter-host groups, which the
+      agreement's disagreement envelopes do not reach).
 
     Every rank ends bit-identical because each chunk's final value is the
     decompression of one set of bytes that every rank (its owner included)
@@ -87,33 +114,49 @@ def allreduce(
 
     * ``compressor`` an :class:`~gradcomp.ErrorFeedback`: residual key
       ``(key, j)`` for chunk ``j`` that this rank compresses alone (the ring:
-      chunk ``rank - 1 mod N``; two-phase: every chunk but ``rank``);
-      ``key`` itself for the allgather algorithm (the whole tensor).
+      chunk ``rank - 1 mod N``; two-phase and the sparse reduce-scatter: every
+      chunk but ``rank``); ``key`` itself for the allgather algorithm (the
+      whole tensor); ``(key, ("halving_doubling", lo, hi))`` for the element
+      range ``[lo, hi)`` halving-doubling compresses alone (the first half it
+      sends, or a folded rank's whole tensor); the sparse reduce-scatter's
+      owner keeps what its re-selection drops under ``(key, rank)``;
+      ``(("hierarchical", key, k), j)`` for chunk ``j`` of this rank's shard
+      of segment ``k`` on the inter-host leg (the only leg that compresses).
     * ``residual``: a flat float32 memory for the whole tensor, updated in
       place: compressed ranges keep their compression error, ranges added
-      exactly are delivered with their residual, which resets to zero.
+      exactly are delivered with their residual, which resets to zero (the
+      sparse reduce-scatter's owner then keeps what its re-selection drops
+      in its region).
 
     Traffic: ``meter`` records the bytes this rank really sent and received
     per phase (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``,
-    ``"sizes"``) and, as
+    ``"sizes"``, and ``"fold"`` for halving-doubling's extra ranks) and, as
     raw bytes, what a float32 ring allreduce over the same chunks would have
     moved: ``4 (2 n - len_rank - len_{rank+1})`` bytes sent per rank, i.e.
     ``2 (N - 1) / N * 4 n`` when ``N`` divides ``n``
-    (:func:`gradcomp.comm.chunks.ring_raw_bytes`).
+    (:func:`gradcomp.comm.chunks.ring_raw_bytes`); halving-doubling and the
+    sparse reduce-scatter count, per message, the float32 bytes of the
+    elements it carries (halving-doubling: ``2 (p - 1) / p * 4 n`` for a
+    rank of the power-of-two group ``p``, ``4 n`` plus ``4 n`` more per
+    folded partner).
 
     Args:
         tensor: float32/float16/bfloat16 tensor of any shape (any number of
             elements, 0 included) on the group's device (CPU for gloo, the
             current CUDA device for NCCL). Not modified.
         compressor: a gradcomp compressor: dense (NoCompression, FP16, BF16,
-            Int8Quantizer) for ``"ring"`` / ``"two_phase"``, sparse (TopK,
-            Threshold) for ``"allgather"``; optionally wrapped in ErrorFeedback.
+            Int8Quantizer) for ``"ring"`` / ``"two_phase"`` /
+            ``"halving_doubling"``, sparse (TopK, Threshold) for
+            ``"allgather"``, exact ``TopK(ratio=...)`` for
+            ``"sparse_reduce_scatter"``; optionally wrapped in ErrorFeedback.
             Or a :class:`~gradcomp.comm.policy.CodecPolicy` such as
             :class:`gradcomp.Adaptive`, which picks the compressor of each
             call (``algorithm`` is then the algorithm of its dense choices;
             see :meth:`gradcomp.Adaptive.allreduce`).
         op: ``"avg"`` (divide the sum by the group size) or ``"sum"``.
-        algorithm: ``"ring"``, ``"two_phase"`` or ``"allgather"``.
+        algorithm: one of :data:`~gradcomp.comm.ALGORITHMS`: ``"ring"``,
+            ``"two_phase"``, ``"allgather"``, ``"hierarchical"``,
+            ``"halving_doubling"`` or ``"sparse_reduce_scatter"``.
         group: a torch.distributed process group (default: the world).
         meter: optional :class:`~gradcomp.TrafficMeter`.
         timeout: seconds each exchange may take (> 0, finite, at most 1e9).
@@ -129,8 +172,8 @@ def allreduce(
             also the accumulation workspace, so no n-element buffer is allocated.
         check: exchange a 40-byte descriptor with every other rank first
             when it differs from the last one the group agreed on (see above
-            and :mod:`gradcomp.comm.agreement`): one small round trip, about
-            1-3 ms on gloo over loopback on a busy 2-core host, paid once by a
+            and :mod:`gradcomp.comm.agreement`): one small round trip
+            (docs/results/transport-choices.md), paid once by a
             loop that reduces the same tensor every step (but on every call
             by one alternating between different calls on one group: give
             each its own group). Like the other
@@ -140,6 +183,10 @@ def allreduce(
             the process (gloo) or returns different values on different
             ranks. (``"allgather"`` also exchanges payload sizes, 8 bytes per
             peer, on every call.)
+        topology: a :class:`gradcomp.Topology` for ``"hierarchical"`` (None:
+            the hosts come from the environment, ``GRADCOMP_HOST_ID`` or
+            torchrun's ``GROUP_RANK`` / ``LOCAL_WORLD_SIZE``); must be None
+            with the other algorithms.
 
     Returns:
         ``out`` if given, else a new tensor with ``tensor``'s shape, dtype and device.
@@ -148,11 +195,16 @@ def allreduce(
         TypeError: ``tensor`` is not a float32/float16/bfloat16 tensor, or
             ``compressor`` is not a gradcomp compressor.
         ValueError: unknown ``op`` / ``algorithm``; a sparse compressor with a
-            dense algorithm or a dense one with ``"allgather"``; a dense
+            dense algorithm or a dense one with a sparse algorithm; a
+            compressor other than an exact ``TopK`` with a ratio for
+            ``"sparse_reduce_scatter"``; a dense
             compressor without a fixed wire size; a bad ``residual`` or
             ``timeout``; this process is not in ``group``; the ranks of the
             group passed different numels, ops, algorithms or compressors
-            (raised on every rank).
+            (raised on every rank); a bad topology for ``"hierarchical"``
+            (ranks per host that differ, a rank without a host id, ranks
+            given different topologies: raised on every rank, before any
+            payload moves).
         RuntimeError: another thread of this process is in a gradcomp
             collective on ``group`` (raised at once, nothing sent: give each
             thread its own group); the transport failed (see below).
@@ -166,10 +218,17 @@ def allreduce(
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
     if isinstance(compressor, CodecPolicy):
+        if topology is not None:
+            raise ValueError("topology is used by algorithm='hierarchical' only, which an adaptive policy "
+                             "does not run (its dense choices take 'ring' or 'two_phase')")
         return compressor.allreduce(tensor, op=op, algorithm=algorithm, group=group, meter=meter,
                                     timeout=timeout, key=key, residual=residual, out=out, check=check)
     check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter)
     v.flag("check", check)
+    if topology is not None and not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
+    if topology is not None and algorithm != "hierarchical":
+        raise ValueError(f"topology is used by algorithm='hierarchical' only, got algorithm={algorithm!r}")
     group = member_group(group, "gradcomp.allreduce")
     x = tensor.detach()
     if dist.get_world_size(group) == 1:
@@ -177,7 +236,42 @@ def allreduce(
             return x.clone(memory_format=torch.contiguous_format)
         return out.copy_(x) if out.data_ptr() != x.data_ptr() else out
     with exclusive(group):
+        if algorithm == "hierarchical":
+            call = _hierarchical.Call(compressor, op, meter, timeout, ("numel", x.numel()) if key is None else key,
+                                      residual)
+            return _allreduce_hierarchical(tensor, x, call, group, topology, out, check)
         return _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check)
+
+
+def _allreduce_hierarchical(tensor, x, call, group, topology, out, check):
+    """:func:`allreduce` with ``algorithm="hierarchical"`` (arguments checked)."""
+    lay = layout(group, topology, call.timeout, x.device)  # the same ValueError on every rank if bad
+    comm = Comm(group, call.timeout, call.meter)
+    n = x.numel()
+    inner, _ = split(call.compressor)
+    descriptor = {"numel": n, "op": OPS.index(call.op), "algorithm": _hierarchical.agreement_code(lay),
+                  "codec": W.codec(inner.codec).id, "wire_nbytes": inner.wire_nbytes((n,), torch.float32)}
+    try:
+        if check:  # on every call (see the docstring)
+            check_call(comm, descriptor, x.device, always=True)
+            remember_pattern(group, descriptor, comm.trace)  # no payload message on this group to replay
+        flat = x.reshape(-1) if x.dtype == torch.float32 else x.reshape(-1).to(torch.float32)
+        if out is not None and out.dtype == torch.float32:
+            work = out.detach().view(-1)
+        else:
+            work = torch.empty(n, dtype=torch.float32, device=x.device)
+        if n:
+            _hierarchical.allreduce(flat, lay, call, work)
+    except BaseException:
+        forget(group)
+        raise
+    finally:
+        comm.release()
+    if out is None:
+        return work.to(tensor.dtype).view(tensor.shape)
+    if work.data_ptr() != out.data_ptr():
+        out.view(-1).copy_(work)
+    return out
 
 
 def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check):
@@ -199,20 +293,27 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
     # the default key (used by an ErrorFeedback only): one reused for tensors of
     # several sizes keeps a residual per size
     local = Local(flat, compressor, ("numel", n) if key is None else key, residual)
-    descriptor = {"numel": n, "op": OPS.index(op), "algorithm": ALGORITHMS.index(algorithm),
+    descriptor = {"numel": n, "op": OPS.index(op), "algorithm": ALGORITHM_CODES[algorithm],
                   "codec": W.codec(local.inner.codec).id}
     try:
         if algorithm == "allgather":
             fixed = local.inner.wire_nbytes((n,), torch.float32)  # None for data-dependent sizes
             descriptor["wire_nbytes"] = -1 if fixed is None else fixed
         else:
-            plan = Plan(n, comm.world_size, local.inner)
+            chunks = comm.world_size
+            if algorithm == "halving_doubling":  # one chunk per rank of the power-of-two group
+                chunks = _halving_doubling.fold_layout(comm.world_size, comm.rank)[0]
+            plan = Plan(n, chunks, local.inner)
             descriptor["wire_nbytes"] = sum(plan.wire_nbytes)
         if check:
             check_call(comm, descriptor, x.device)  # before anything changes
         try:
             if algorithm == "allgather":
                 _allgather.allreduce(comm, local, work, op)
+            elif algorithm == "halving_doubling":
+                _halving_doubling.allreduce(comm, local, plan, work, op)
+            elif algorithm == "sparse_reduce_scatter":
+                _sparse_reduce_scatter.allreduce(comm, local, plan, work, op)
             elif algorithm == "ring" and _pipelined.applies(local, plan):
                 _pipelined.allreduce(comm, local, plan, work, op)
             else:

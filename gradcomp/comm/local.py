@@ -72,6 +72,15 @@ class Local:
             self.mode = "none"
         self._out_ok = takes_out(self._ef if self._ef is not None else self.inner)
 
+    def over(self, x: torch.Tensor) -> "Local":
+        """The same compressor, key and residual memory over another flat float32
+        tensor ``x`` of the same number of elements (e.g. a region's sum that its
+        owner compresses with error feedback)."""
+        other = Local.__new__(Local)
+        other.__dict__.update(self.__dict__)
+        other.x = x
+        return other
+
     def exact_into(self, lo: int, hi: int, dst: torch.Tensor) -> torch.Tensor:
         """Write elements ``[lo, hi)`` of this rank's contribution into ``dst``
         (float32, ``hi - lo`` elements; it may be the same memory as the input),

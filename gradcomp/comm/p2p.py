@@ -4,9 +4,8 @@ Every gradcomp collective is built from :meth:`Comm.exchange`: a set of
 messages (1-D ``torch.uint8`` tensors) sent to and received from peers of the
 group at the same time, each cut into up to :data:`PIECES` contiguous pieces
 that travel as concurrent ``isend`` / ``irecv`` pairs (one tag per piece).
-One large send/recv pair leaves a bandwidth-limited link half idle on gloo
-(measured on a 0.125 GB/s link: one 4 MiB pair reached 0.06 GB/s, four
-concurrent 1 MiB pairs 0.11 GB/s); several pieces in flight keep it busy.
+One large send/recv pair leaves a bandwidth-limited link half idle on gloo;
+several pieces in flight keep it busy (docs/results/transport-choices.md).
 
 Receivers must know each message's size in advance (wire sizes are
 deterministic for dense compressors; sparse payload sizes are exchanged
@@ -81,10 +80,13 @@ class Comm:
         group: the torch.distributed process group (gloo, NCCL, ...).
         timeout: seconds any single :meth:`exchange` may take.
         meter: optional :class:`~gradcomp.TrafficMeter` to record into.
+        tier: the network tier every message of this group crosses
+            (:data:`gradcomp.meter.TIERS`), recorded with its bytes; None: none.
     """
 
-    def __init__(self, group, timeout: float, meter=None):
+    def __init__(self, group, timeout: float, meter=None, tier: str | None = None):
         self.group = group
+        self.tier = tier
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.timeout = float(timeout)
@@ -247,12 +249,13 @@ class Transfer:
             self._wait_all(deadline)
         meter = comm.meter
         if meter is not None:
+            tier = comm.tier
             for m in self.sends:
-                meter.record_send(m.buf.numel(), m.raw_nbytes, phase=self.phase, messages=m.count)
+                meter.record_send(m.buf.numel(), m.raw_nbytes, phase=self.phase, messages=m.count, tier=tier)
             for m in self.recvs:
-                meter.record_recv(m.buf.numel(), m.raw_nbytes, phase=self.phase, messages=m.count)
+                meter.record_recv(m.buf.numel(), m.raw_nbytes, phase=self.phase, messages=m.count, tier=tier)
             if self.timed:
-                meter.record_time(time.perf_counter() - self.t0, phase=self.phase)
+                meter.record_time(time.perf_counter() - self.t0, phase=self.phase, tier=tier)
         self.done = True
 
     def _wait_all(self, deadline: float) -> None:

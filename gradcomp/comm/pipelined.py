@@ -53,9 +53,7 @@ __all__ = ["MIN_SEGMENT_NUMEL", "MAX_SEGMENTS", "TAG_BASE", "applies", "segment_
 MIN_SEGMENT_NUMEL = 2**17
 #: most segments per chunk. The compute left exposed is one segment per step,
 #: but each segment costs two messages per step and, with more ranks than
-#: cores, wake-ups: on 2 cores at 2**24 elements and 1 Gbit/s (medians of 5,
-#: same run) 2 / 3 / 4 segments took 165 / 149 / 153 ms at world 2 and
-#: 227 / 237 / 226 ms at world 4, against 217 and 293 ms unsegmented
+#: cores, wake-ups; how 2, 3 and 4 compared: docs/results/transport-choices.md
 MAX_SEGMENTS = 4
 #: tag of the first segment exchange (below it: the ring's pieces, the
 #: agreement and size exchanges); each exchange takes :data:`PIECES` tags
@@ -82,7 +80,7 @@ def segments(length: int, count: int, align: int) -> list[tuple[int, int]]:
     return [(min(length, k * size), min(length, (k + 1) * size)) for k in range(count)]
 
 
-def allreduce(comm: Comm, local: Local, plan: Plan, work: torch.Tensor, op: str) -> None:
+def allreduce(comm: Comm, local: Local, plan: Plan, work: torch.Tensor, op: str) -> list[torch.Tensor]:
     """Segment-pipelined compressed ring allreduce of ``local``'s data into ``work``.
 
     Receives are posted ahead (the reduce-scatter's all at the start, the
@@ -97,6 +95,9 @@ def allreduce(comm: Comm, local: Local, plan: Plan, work: torch.Tensor, op: str)
         work: float32 ``[numel]``: on return every chunk decoded from its
             owner's bytes (bit-identical on every rank, and to the unsegmented ring's).
         op: ``"sum"`` or ``"avg"``.
+
+    Returns:
+        Every chunk's owner bytes, indexed by chunk (valid until ``comm.release()``).
 
     Raises:
         TimeoutError / RuntimeError / gradcomp.PayloadError: as :func:`gradcomp.allreduce`
@@ -181,8 +182,10 @@ def allreduce(comm: Comm, local: Local, plan: Plan, work: torch.Tensor, op: str)
             if t == 0:
                 for _ in own:  # the residual is kept at the generator's end
                     pass
+            if t == n - 1:
+                final = q.wire  # this rank's chunk, as every rank decodes it
             if t == n - 1 and comm.meter is not None:  # the reduce-scatter's payloads all arrived
-                comm.meter.record_time(time.perf_counter() - t0, phase="reduce_scatter")
+                comm.meter.record_time(time.perf_counter() - t0, phase="reduce_scatter", tier=comm.tier)
                 t0 = time.perf_counter()
         last_j = chunks(steps - 1)[1]
         llo = plan.bounds[last_j][0]
@@ -200,7 +203,12 @@ def allreduce(comm: Comm, local: Local, plan: Plan, work: torch.Tensor, op: str)
         _drain(recvs, sends)
         raise
     if comm.meter is not None:
-        comm.meter.record_time(time.perf_counter() - t0, phase="allgather")
+        comm.meter.record_time(time.perf_counter() - t0, phase="allgather", tier=comm.tier)
+    wires = [None] * n
+    for t in range(n - 1, steps):  # the allgather's receives: the owners' bytes
+        wires[chunks(t)[1]] = inboxes[t]
+    wires[r] = final
+    return wires
 
 
 def _drain(recvs, sends) -> None:

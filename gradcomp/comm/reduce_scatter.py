@@ -34,9 +34,10 @@ from gradcomp.compressors import Compressor, ErrorFeedback, split
 __all__ = ["reduce_scatter", "agree_settings", "AGREEMENT_CODE"]
 
 #: the ``algorithm`` code this collective agrees under (the allreduce
-#: algorithms use 0, 1, 2), so a rank calling it while another calls
+#: algorithms use their index in ``ALGORITHMS``, the backend's allreduce the
+#: next one), so a rank calling it while another calls
 #: :func:`gradcomp.allreduce` gets a ValueError, not a mismatched transfer
-AGREEMENT_CODE = 3
+AGREEMENT_CODE = 64
 
 
 def reduce_scatter(

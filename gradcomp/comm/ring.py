@@ -11,15 +11,7 @@ local chunk in float32 and recompresses, so a chunk is quantized once per hop
 rank ``r`` holds the float32 sum of chunk ``r``; the allgather phase is
 :func:`gradcomp.comm.dense.share_owned`.
 
-Error feedback applies to the only chunk a rank compresses alone, chunk
-``(r - 1) mod N`` at step 0 (see :mod:`gradcomp.comm.local`).
-
-Error: the errors of the ``N`` quantizations add up. With int8 (nearest
-rounding) each errs by at most half a step, ``0.5 * m / 127`` (plus float32
-rounding) where ``m`` is the block's absolute maximum of the value quantized
-at that hop, a partial sum bounded by ``A_b``, the sum over ranks of each
-rank's own block maximum: ``|error| <= N * 0.52 * A_b / 127`` per element of
-the sum (``tests/test_allreduce.py`` checks it).
+Details: docs/collectives.md#the-rings-error-bound.
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
 """Deep Gradient Compression (Lin et al. 2018): top-k sparsification that keeps
 accuracy at 0.1% density.
 
-Plain error feedback accumulates the *gradient* it did not send; with
-momentum SGD that loses the momentum of the delayed coordinates. DGC moves
-the momentum in front of the compression and adds four fixes (Algorithm 1 and
-Section 3.2-3.3 of the paper), all applied here, per tensor (key):
-
-1. momentum correction: the velocity ``u = m u + g`` is accumulated in the
-   residual, ``v = v + u``, and the top-k of ``v`` is sent;
-2. local gradient clipping: before accumulating, ``g`` is scaled so that its
-   L2 norm is at most ``clip_norm / sqrt(world_size)`` (each of N workers'
-   share of a global threshold, when their gradients are alike);
-3. momentum factor masking: where a value was sent, ``u`` and ``v`` are zeroed
-   (the sent part of ``v`` is delivered; the velocity there would be stale);
-4. warm-up: the density starts at ``warmup_start`` and falls exponentially in
-   ``warmup_stages`` equal stages over the first ``warmup_steps`` steps to the
-   top-k's own density (25%, 6.3%, 1.6%, 0.4%, then 0.1% with the defaults).
-
-The optimizer contract: DGC owns the momentum, so the update the receiver
-applies is ``w -= lr * mean(sent)``: the optimizer must be plain SGD
-(``momentum=0``; weight decay is fine). :func:`check_optimizer` raises for an
-SGD with momentum (a second momentum would square it) and warns for adaptive
-optimizers, whose own moment estimates DGC was not designed for.
-
-With density 1 and no clipping, the sent value is ``u`` each step: with
-``momentum_masking=False`` that is exactly momentum SGD (PyTorch's form,
-``buf = m buf + g; w -= lr buf``); with masking, every coordinate is sent and
-masked every step, which leaves plain SGD.
+Details: docs/dgc.md#the-four-fixes-of-dgc.
 """
 
 from __future__ import annotations

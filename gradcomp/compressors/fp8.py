@@ -30,7 +30,7 @@ class FP8(Compressor):
     GradScaler sees a non-finite gradient and skips the step, as with the other codecs.
 
     Wire size: ``header + 4 ceil(n / block_size) + n`` bytes (3.94x against float32 at
-    block 256, header aside); layout in docs/wire.md.
+    block 256, header aside); layout in docs/wire-format.md.
 
     Args:
         format: ``"e4m3"`` or ``"e5m2"``.

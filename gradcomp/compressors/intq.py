@@ -39,7 +39,7 @@ class IntQuantizer(Compressor):
     residual in one pass. A block holding NaN or Inf decodes to NaN.
 
     Wire size: ``header + 4 ceil(n / block_size) + ceil(n bits / 8)`` bytes (layout:
-    docs/wire.md); compression ratio against float32 at block 256: 3.94x (8 bits), 7.76x
+    docs/wire-format.md); compression ratio against float32 at block 256: 3.94x (8 bits), 7.76x
     (4 bits), 15.06x (2 bits), header aside.
 
     Args:

@@ -34,7 +34,7 @@ class SignQuantizer(Compressor):
 
     A block holding NaN or Inf decodes to NaN. Wire size: ``header + 4 ceil(n / block_size)
     + ceil(n / 8)`` bytes, ``1 + 32 / block_size`` bits per element (1.03 at 1024, a 31x
-    compression ratio against float32, header aside); layout in docs/wire.md.
+    compression ratio against float32, header aside); layout in docs/wire-format.md.
 
     Args:
         block_size: a power of two from 32 to 65536 (elements).

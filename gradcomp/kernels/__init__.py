@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from gradcomp import _validate as v
-from gradcomp._validate import real as v_real
+from gradcomp import _validate as checks  # the DGC ops' state tensor is called v
 from gradcomp.kernels._args import check_out as _check_out
 from gradcomp.kernels._args import flat_contiguous as _flat
 from gradcomp.kernels._args import nblocks as _nblocks
@@ -398,7 +398,7 @@ def dgc_accumulate_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum:
         TypeError / ValueError: wrong dtypes, sizes or devices.
     """
     uf, vf = _check_dgc(g, u, v)
-    momentum, scale = v_real("momentum", momentum), v_real("scale", scale)
+    momentum, scale = checks.real("momentum", momentum), checks.real("scale", scale)
     select("dgc_accumulate_", g.device.type, backend)(_flat(g), uf, vf, momentum, scale)
 
 
@@ -412,5 +412,10 @@ def dgc_topk_(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float
         ``(indices, values)`` of the k largest ``|v|`` as :func:`topk`.
     """
     uf, vf = _check_dgc(g, u, v)
-    momentum, scale = v_real("momentum", momentum), v_real("scale", scale)
+    momentum, scale = checks.real("momentum", momentum), checks.real("scale", scale)
     return select("dgc_topk_", g.device.type, backend)(_flat(g), uf, vf, momentum, scale, _check_k(v, k))
+
+
+def __dir__():
+    # the public API only: not the helpers and modules this package imports to implement it
+    return sorted(__all__)

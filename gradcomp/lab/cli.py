@@ -20,6 +20,8 @@ import argparse
 import importlib
 import sys
 
+from gradcomp.lab.args import OneLineParser
+
 __all__ = ["build_parser", "main"]
 
 BENCH_TARGETS = ("kernels", "allreduce")
@@ -33,7 +35,7 @@ def build_parser(prog: str = "gradcomp") -> argparse.ArgumentParser:
     """
     from gradcomp._version import __version__
 
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog=prog,
         description="Gradient compression for distributed PyTorch training: measure what "
                     "compression saves on the wire and what it costs in accuracy and time.")

@@ -1,64 +1,26 @@
-"""An emulated cluster on one machine: one network namespace per rank, shaped links.
+"""An emulated cluster on one machine: one network namespace per host, shaped links.
 
-:class:`LocalCluster` gives every rank its own Linux network namespace (its
-"host") with one interface, ``gc0``, plugged into a bridge that lives in a
-namespace of its own (the "switch"). Nothing is created in the host's own
-namespace: its interfaces, loopback and qdiscs are never touched, and every
-packet stays between the namespaces the cluster made.
+:class:`LocalCluster` gives every host a Linux network namespace whose interface ``gc0`` is
+plugged into a bridge in a "switch" namespace. A host runs ``ranks_per_host`` ranks (default
+1): they share its namespace and reach each other over its loopback (unshaped, or a tbf at
+``intra_rate``: the fast tier); hosts reach each other over links shaped by a tbf in both
+directions (on ``gc0`` and on the switch port) to ``rate`` (the slow tier), optionally
+redrawn every ``jitter_period_s`` (``rate_jitter``). Nothing is created in the machine's own
+namespace: its interfaces, loopback and qdiscs are never touched.
 
-Topology and shaping (a star of full-duplex links, like hosts on one switch)::
-
-    rank r netns                      switch netns
-    [gc0 198.18.0.(r+1)/24] <-veth-> [sw<r>] --- br0 --- [sw<q>] <-veth-> [gc0] rank q netns
-     egress tbf: upload                egress tbf: download
-
-* Each link is shaped in both directions by a token-bucket filter (``tbf``,
-  ``tc-tbf(8)``): on ``gc0`` (what rank r sends) and on the switch port
-  ``sw<r>`` (what rank r receives), so a rank neither sends nor receives
-  faster than ``rate``, and a server that many workers push to is bounded by
-  its own link, as on a real network.
-* ``burst`` (the bucket) = ``max(96 KiB, rate x 1 ms)``: large enough for one
-  64 KiB GSO segment, small enough that a transfer of a few MiB still runs at
-  ``rate``; the queue holds ``burst + rate x 50 ms`` bytes (TCP fills it, then
-  backs off; no packet loss at steady state).
-* Rates are layer-2 rates, as ``tc`` counts them (Ethernet + IP + TCP
-  headers included): at the default MTU 9000 TCP payload can reach 99.3% of
-  ``rate`` (98.6% at MTU 4500, 95.6% at 1500). Units follow ``tc``: ``mbit``
-  = 10^6 bit/s, ``gbit`` = 10^9 bit/s.
-* ``rate_jitter=f`` redraws every link's rate every ``jitter_period_s``
-  seconds from ``rate x U(1 - f, 1 + f)`` (uniform), deterministic from
-  ``(seed, rank, period index)``: :meth:`LocalCluster.scheduled_rate` says
-  what a link runs at in a given period; both directions of a link change together.
-* ``latency`` (one-way, per link, added to what a rank sends) needs the
-  kernel's ``sch_netem`` qdisc; it is detected at run time and, where the
-  kernel lacks it, a ``latency`` request raises :class:`ClusterError` with
-  that reason instead of being ignored.
-
-Ranks run through :func:`gradcomp.launch.launch` (deadlines, a failing rank's
-traceback), each process entering its rank's namespace before it opens a
-socket, with ``GLOO_SOCKET_IFNAME=gc0`` (gloo binds to the shaped interface)
-and ``MASTER_ADDR`` = rank 0's address. :meth:`LocalCluster.popen` runs any
-command in a rank's namespace (``ip netns exec``), e.g. ``torchrun`` with
-each namespace acting as one host.
-
-Clean-up on every exit path: leaving the ``with`` block (normally or by an
-exception, SIGINT or SIGTERM, which the cluster turns into
-``KeyboardInterrupt`` / ``SystemExit`` while it is up) kills the processes
-left in its namespaces and deletes the namespaces (their veths go with
-them). Names start with :data:`PREFIX` and carry the creating process's PID;
-a cluster whose own process was killed (SIGKILL) leaves namespaces behind,
-which the next :class:`LocalCluster` finds by that prefix and removes once the
-PID is gone.
-
-Needs Linux, root (``CAP_NET_ADMIN``) and iproute2 (``ip``, ``tc``); without
-them :class:`LocalCluster` raises :class:`ClusterError` saying which is missing.
+Ranks run through :func:`gradcomp.launch.launch` in their host's namespace, with gloo bound to
+``gc0`` and torchrun's ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` set per host.
+Leaving the ``with`` block on any path (an exception, SIGINT, SIGTERM) kills what runs in its
+namespaces and deletes them; a cluster whose process was SIGKILLed leaves namespaces named
+:data:`PREFIX` plus its PID, which the next cluster removes once that PID is gone. Needs Linux,
+root and iproute2, else :class:`ClusterError` says which is missing. Shapes, rates, burst
+sizes and what cannot be emulated (per-message latency without ``sch_netem``): docs/cluster.md.
 """
 
 from __future__ import annotations
 
 import atexit
 import itertools
-import math
 import os
 import re
 import shutil
@@ -69,23 +31,33 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-__all__ = ["LocalCluster", "ClusterError", "parse_rate", "format_rate", "requirements_missing",
+from gradcomp.lab.linkrate import measure_link
+from gradcomp.lab.units import format_rate, parse_rate, parse_topology
+
+__all__ = ["LocalCluster", "ClusterError", "link_rate_bps", "requirements_missing",
            "leftovers", "remove_leftovers", "measure_link", "launch_on", "link_argument", "link_type", "jitter_type",
-           "LINKS",
+           "topology_type", "LINKS", "MAX_WORLD", "MAX_RANKS_PER_HOST",
            "PREFIX", "IFNAME"]
 
-#: Every namespace a cluster makes is named ``PREFIX<pid>-<n>-<role>``.
-PREFIX = "gcc-"
+#: Every namespace a cluster makes is named ``PREFIX<pid>-<n>-<role>``; ``$GRADCOMP_NETNS_PREFIX``
+#: (read at import) gives users who share a machine prefixes of their own.
+PREFIX = os.environ.get("GRADCOMP_NETNS_PREFIX", "gcc-")
+if not re.fullmatch(r"[a-z][a-z0-9]{0,7}-", PREFIX):
+    raise ValueError(f"GRADCOMP_NETNS_PREFIX must be 1 to 8 lowercase letters or digits (a letter first) "
+                     f"and a '-', got {PREFIX!r}")
 #: The rank-side interface, the same name in every rank's namespace.
 IFNAME = "gc0"
 #: Named links of the command line (``none`` = the unshaped loopback).
 LINKS = ("none", "100mbit", "1gbit", "10gbit")
 #: Addresses: 198.18.0.0/15 is reserved for network benchmarks (RFC 2544).
 SUBNET = "198.18.0"
+#: most hosts (one address each in SUBNET)
 MAX_WORLD = 250
+#: most ranks on one host
+MAX_RANKS_PER_HOST = 64
 
-_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-_RATE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*(bit|kbit|mbit|gbit|tbit)\s*$", re.IGNORECASE)
+#: The link rates a cluster shapes, in bit/s (100 kbit/s to 400 gbit/s).
+MIN_RATE_BPS, MAX_RATE_BPS = 1e5, 4e11
 _counter = itertools.count()
 
 
@@ -93,34 +65,17 @@ class ClusterError(RuntimeError):
     """The emulated cluster cannot be built or used here (the message says why)."""
 
 
-def parse_rate(text: str | int | float) -> int:
-    """A link rate in bit/s from ``"100mbit"``, ``"1gbit"``, ``"2.5gbit"``... or a number of bit/s.
+def link_rate_bps(rate: str | int | float) -> int:
+    """A link rate a cluster can shape, in bit/s: :func:`gradcomp.lab.units.parse_rate`'s syntax
+    (``"100mbit"``, ``"2.5gbit"``, or a number of bit/s), from 100 kbit/s to 400 gbit/s.
 
     Raises:
-        ValueError: not a positive rate in the units bit, kbit, mbit, gbit, tbit
-            (``tc``'s decimal units), or below 100 kbit/s or above 400 gbit/s.
+        ValueError: not a rate, or outside that range.
     """
-    if isinstance(text, bool):
-        raise ValueError(f"rate must be like '100mbit', '1gbit' or a number of bit/s, got {text!r}")
-    if isinstance(text, (int, float)):
-        bps = float(text)
-    else:
-        m = _RATE_RE.match(str(text))
-        if m is None:
-            raise ValueError(f"rate must be like '100mbit', '1gbit', '10gbit' (units bit, kbit, "
-                             f"mbit, gbit, tbit), got {text!r}")
-        bps = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not (1e5 <= bps <= 4e11):
-        raise ValueError(f"rate must be between 100kbit and 400gbit, got {text!r}")
-    return int(round(bps))
-
-
-def format_rate(bps: float) -> str:
-    """``100000000`` -> ``"100mbit"``; ``1.5e9`` -> ``"1.5gbit"``."""
-    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:.4g}{unit}"
-    return f"{bps:.4g}bit"
+    rate_bps = parse_rate(rate, "rate")
+    if not MIN_RATE_BPS <= rate_bps <= MAX_RATE_BPS:
+        raise ValueError(f"rate must be between 100kbit and 400gbit, got {rate!r}")
+    return int(round(rate_bps))
 
 
 def link_argument(text: str) -> str:
@@ -133,7 +88,7 @@ def link_argument(text: str) -> str:
     if text in ("none", "loopback"):
         return "none"
     try:
-        return format_rate(parse_rate(text))
+        return format_rate(link_rate_bps(text))
     except ValueError as e:
         raise ValueError(f"{e}; or none (the unshaped loopback)") from None
 
@@ -245,6 +200,39 @@ def remove_leftovers() -> list[str]:
     return old
 
 
+def _burst(bps: int) -> int:
+    """A token bucket's size in bytes: ``max(96 KiB, rate x 1 ms)``."""
+    return max(96 * 1024, bps // 8 // 1000)
+
+
+def _shape(world_size, hosts, ranks_per_host) -> tuple[int, int]:
+    """``(hosts, ranks_per_host)`` from ``world_size`` (one rank per host) or ``hosts``."""
+    from gradcomp import _validate
+
+    if (world_size is None) == (hosts is None):
+        raise ValueError("give world_size (one rank per host) or hosts (with ranks_per_host), not both "
+                         f"and not neither; got world_size={world_size!r}, hosts={hosts!r}")
+    per = _validate.integer("ranks_per_host", ranks_per_host, 1, MAX_RANKS_PER_HOST)
+    if world_size is not None:
+        if per != 1:
+            raise ValueError("world_size means one rank per host: use hosts= with ranks_per_host=")
+        return _validate.integer("world_size", world_size, 1, MAX_WORLD), 1
+    return _validate.integer("hosts", hosts, 1, MAX_WORLD), per
+
+
+def topology_type(text: str) -> tuple[int, int]:
+    """A ``--topology HxR`` value (:func:`gradcomp.lab.units.parse_topology`) a cluster can
+    build, as an ``argparse`` type."""
+    import argparse
+
+    try:
+        hosts, per = parse_topology(text, "topology")
+        _shape(None, hosts, per)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return hosts, per
+
+
 @dataclass(frozen=True)
 class _Link:
     ns: str        # the namespace the shaped interface is in
@@ -253,24 +241,32 @@ class _Link:
 
 
 class LocalCluster:
-    """An emulated cluster of ``world_size`` hosts with shaped links (see the module docstring).
+    """An emulated cluster of hosts with shaped links (see the module docstring).
 
     Args:
-        world_size: ranks (hosts), 1 to 250.
-        rate: every link's rate in each direction (``"100mbit"``, ``"1gbit"``,
-            ``"10gbit"``, any ``tc`` rate, or bit/s).
+        world_size: ranks, one per host (the same as ``hosts=world_size``);
+            give this or ``hosts``.
+        rate: every inter-host link's rate in each direction (``"100mbit"``,
+            ``"1gbit"``, ``"10gbit"``, any ``tc`` rate, or bit/s).
         rate_jitter: fraction ``f`` in [0, 1): every ``jitter_period_s`` each
-            link's rate is redrawn from ``rate x U(1 - f, 1 + f)``.
+            inter-host link's rate is redrawn from ``rate x U(1 - f, 1 + f)``.
         jitter_period_s: seconds between redraws (>= 0.05).
         seed: seed of the redraws.
         latency: one-way delay per link in seconds (needs ``sch_netem``); None: none added.
         mtu: interface MTU in bytes (576 to 65535, default 9000, jumbo frames).
+        calibrate: measure the achieved rate of each tier on entry.
+        hosts: hosts, 1 to 250 (with ``ranks_per_host``: the two-tier cluster).
+        ranks_per_host: ranks sharing each host's namespace, 1 to 64; rank
+            ``g`` runs on host ``g // ranks_per_host`` (torchrun's placement).
+        intra_rate: the rate of each host's intra-host bus (its loopback,
+            shared by all of its ranks' traffic to each other); None: unshaped.
 
     Use::
 
-        with LocalCluster(world_size=4, rate="100mbit") as c:
-            out = c.run(fn, arg)      # fn(rank, world_size, arg) in each rank's namespace
-            c.achieved_bps            # measured by a calibration transfer on entry
+        with LocalCluster(hosts=2, ranks_per_host=4, rate="100mbit") as c:
+            out = c.run(fn, arg)      # fn(rank, world_size, arg) in each rank's host namespace
+            c.achieved_bps            # inter-host, measured by a calibration transfer on entry
+            c.intra_achieved_bps      # intra-host (ranks_per_host >= 2)
 
     Raises:
         ValueError / TypeError: a bad argument (named in the message).
@@ -278,13 +274,19 @@ class LocalCluster:
             ``ip`` / ``tc`` command failed (the command and its message are given).
     """
 
-    def __init__(self, world_size: int, rate: str | int | float = "1gbit", rate_jitter: float = 0.0,
-                 jitter_period_s: float = 1.0, seed: int = 0, latency: float | None = None,
-                 mtu: int = 9000, calibrate: bool = True):
+    def __init__(self, world_size: int | None = None, rate: str | int | float = "1gbit",
+                 rate_jitter: float = 0.0, jitter_period_s: float = 1.0, seed: int = 0,
+                 latency: float | None = None, mtu: int = 9000, calibrate: bool = True, *,
+                 hosts: int | None = None, ranks_per_host: int = 1,
+                 intra_rate: str | int | float | None = None):
         from gradcomp import _validate
 
-        self.world_size = _validate.integer("world_size", world_size, 1, MAX_WORLD)
-        self.rate_bps = parse_rate(rate)
+        self.hosts, self.ranks_per_host = _shape(world_size, hosts, ranks_per_host)
+        self.world_size = self.hosts * self.ranks_per_host
+        self.rate_bps = link_rate_bps(rate)
+        self.intra_rate_bps = None if intra_rate is None else link_rate_bps(intra_rate)
+        if self.intra_rate_bps is not None and self.ranks_per_host < 2:
+            raise ValueError("intra_rate shapes traffic between ranks of one host: it needs ranks_per_host >= 2")
         self.rate_jitter = _validate.real("rate_jitter", rate_jitter)
         if not 0 <= self.rate_jitter < 1:
             raise ValueError(f"rate_jitter must be in [0, 1), got {rate_jitter!r}")
@@ -300,10 +302,11 @@ class LocalCluster:
         self.mtu = _validate.integer("mtu", mtu, 576, 65535)
         self.calibrate_on_enter = _validate.flag("calibrate", calibrate)
         self.name = f"{PREFIX}{os.getpid()}-{next(_counter)}"
-        self.namespaces = [f"{self.name}-r{r}" for r in range(self.world_size)]
+        self.namespaces = [f"{self.name}-h{h}" for h in range(self.hosts)]
         self.switch = f"{self.name}-sw"
-        self.addresses = [f"{SUBNET}.{r + 1}" for r in range(self.world_size)]
+        self.addresses = [f"{SUBNET}.{h + 1}" for h in range(self.hosts)]
         self.achieved_bps: float | None = None
+        self.intra_achieved_bps: float | None = None
         self._links: list[tuple[_Link, _Link]] = []
         self._up = False
         self._t0 = 0.0
@@ -311,30 +314,41 @@ class LocalCluster:
         self._jitter_thread: threading.Thread | None = None
         self._old_handlers: dict[int, Any] = {}
 
+    @property
+    def topology(self) -> str:
+        """``"HxR"``: hosts x ranks per host."""
+        return f"{self.hosts}x{self.ranks_per_host}"
+
+    def host_of(self, rank: int) -> int:
+        """The host index of ``rank`` (``rank // ranks_per_host``)."""
+        return rank // self.ranks_per_host
+
+    def namespace_of(self, rank: int) -> str:
+        """The network namespace ``rank`` runs in (its host's)."""
+        return self.namespaces[self.host_of(rank)]
+
     # ------------------------------------------------------------------ shaping
 
     @property
     def burst_bytes(self) -> int:
-        """The token bucket's size: ``max(96 KiB, rate x 1 ms)``."""
-        return max(96 * 1024, self.rate_bps // 8 // 1000)
+        """The inter-host token bucket's size: ``max(96 KiB, rate x 1 ms)``."""
+        return _burst(self.rate_bps)
 
-    def _limit_bytes(self, bps: int) -> int:
-        return self.burst_bytes + bps // 8 // 20  # 50 ms of queue
-
-    def _tbf(self, verb: str, link: _Link, bps: int) -> None:
+    def _tbf(self, verb: str, link: _Link, bps: int, configured: int | None = None) -> None:
+        burst = _burst(self.rate_bps if configured is None else configured)
         _sh("tc", "-n", link.ns, "qdisc", verb, "dev", link.dev,
             *(("root",) if link.parent == "root" else ("parent", link.parent)), "handle", "10:",
-            "tbf", "rate", f"{bps}bit", "burst", str(self.burst_bytes),
-            "limit", str(self._limit_bytes(bps)))
+            "tbf", "rate", f"{bps}bit", "burst", str(burst),
+            "limit", str(burst + bps // 8 // 20))  # 50 ms of queue
 
-    def scheduled_rate(self, rank: int, period: int) -> int:
-        """The rate in bit/s of rank ``rank``'s link during jitter period ``period``
+    def scheduled_rate(self, host: int, period: int) -> int:
+        """The rate in bit/s of host ``host``'s link during jitter period ``period``
         (period 0 starts when the cluster comes up); ``rate`` without jitter."""
         if self.rate_jitter == 0 or period == 0:
             return self.rate_bps
         import numpy as np
 
-        u = np.random.default_rng([self.seed, rank, period]).uniform(-1.0, 1.0)
+        u = np.random.default_rng([self.seed, host, period]).uniform(-1.0, 1.0)
         return int(round(self.rate_bps * (1.0 + self.rate_jitter * u)))
 
     def current_period(self) -> int:
@@ -343,12 +357,13 @@ class LocalCluster:
             return 0
         return int((time.monotonic() - self._t0) // self.jitter_period_s)
 
-    def link_rate(self, rank: int) -> int:
-        """The rate in bit/s that ``tc`` reports now for rank ``rank``'s upload qdisc."""
-        out = _sh("tc", "-n", self.namespaces[rank], "qdisc", "show", "dev", IFNAME).stdout
+    def link_rate(self, host: int, dev: str = IFNAME) -> int:
+        """The rate in bit/s that ``tc`` reports now for host ``host``'s upload
+        qdisc (``dev="lo"``: its intra-host bus, when shaped)."""
+        out = _sh("tc", "-n", self.namespaces[host], "qdisc", "show", "dev", dev).stdout
         m = re.search(r"tbf 10: .*?rate ([0-9.]+)([KMG]?)bit", out)
         if m is None:
-            raise ClusterError(f"no tbf qdisc on rank {rank}'s link: {out.strip()}")
+            raise ClusterError(f"no tbf qdisc on host {host}'s {dev}: {out.strip()}")
         return int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)])
 
     def _jitter_loop(self) -> None:
@@ -358,8 +373,8 @@ class LocalCluster:
             wake = self._t0 + period * self.jitter_period_s
             if self._stop.wait(max(0.0, wake - time.monotonic())):
                 return
-            for rank, pair in enumerate(self._links):
-                bps = self.scheduled_rate(rank, period)
+            for host, pair in enumerate(self._links):
+                bps = self.scheduled_rate(host, period)
                 for link in pair:
                     try:
                         self._tbf("change", link, bps)
@@ -382,7 +397,7 @@ class LocalCluster:
         _sh("ip", "netns", "add", self.switch)
         _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
         _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
-        for r, ns in enumerate(self.namespaces):
+        for r, ns in enumerate(self.namespaces):  # r: the host
             _sh("ip", "netns", "add", ns)
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             if r == 0 and self.latency is not None:
@@ -406,6 +421,8 @@ class LocalCluster:
             for link in (up, down):
                 self._tbf("add", link, self.rate_bps)
             self._links.append((up, down))
+            if self.intra_rate_bps is not None:  # the host's own loopback: its intra-host bus
+                self._tbf("add", _Link(ns, "lo", "root"), self.intra_rate_bps, self.intra_rate_bps)
 
     def __enter__(self) -> "LocalCluster":
         reason = requirements_missing()
@@ -422,8 +439,10 @@ class LocalCluster:
                 self._jitter_thread = threading.Thread(target=self._jitter_loop, daemon=True,
                                                        name=f"{self.name}-jitter")
                 self._jitter_thread.start()
-            if self.calibrate_on_enter and self.world_size >= 2:
+            if self.calibrate_on_enter and self.hosts >= 2:
                 self.achieved_bps = self.measure_rate()
+            if self.calibrate_on_enter and self.ranks_per_host >= 2:
+                self.intra_achieved_bps = self.measure_rate(tier="intra")
         except BaseException:
             self._teardown()
             raise
@@ -463,9 +482,13 @@ class LocalCluster:
     # -------------------------------------------------------------------- running
 
     def rank_env(self, rank: int) -> dict[str, str]:
-        """Environment of a rank's processes: gloo on ``gc0``, rank 0 as master."""
+        """Environment of a rank's processes: gloo on ``gc0``, host 0 as master,
+        and torchrun's variables for its host (``GROUP_RANK``, ``LOCAL_RANK``,
+        ``LOCAL_WORLD_SIZE``)."""
+        host = self.host_of(rank)
         return {"GLOO_SOCKET_IFNAME": IFNAME, "MASTER_ADDR": self.addresses[0],
-                "GRADCOMP_CLUSTER_ADDR": self.addresses[rank]}
+                "GRADCOMP_CLUSTER_ADDR": self.addresses[host], "GROUP_RANK": str(host),
+                "LOCAL_RANK": str(rank % self.ranks_per_host), "LOCAL_WORLD_SIZE": str(self.ranks_per_host)}
 
     def _check_up(self) -> None:
         if not self._up:
@@ -473,7 +496,7 @@ class LocalCluster:
 
     def run(self, fn: Callable[..., Any], *args, timeout: float = 300.0,
             env: dict[str, str] | None = None, world_size: int | None = None) -> list[Any]:
-        """Run ``fn(rank, world_size, *args)`` on every rank, each in its own
+        """Run ``fn(rank, world_size, *args)`` on every rank, each in its host's
         namespace, joined in a gloo group over the shaped links.
 
         Args:
@@ -488,82 +511,71 @@ class LocalCluster:
         Raises:
             gradcomp.launch.WorkerError / TimeoutError: as :func:`gradcomp.launch.launch`.
         """
-        from gradcomp.launch import launch
-
         self._check_up()
         n = self.world_size if world_size is None else world_size
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= self.world_size:
             raise ValueError(f"world_size must be an int in [1, {self.world_size}], got {world_size!r}")
-        return launch(fn, n, args, timeout=timeout, env=env,
-                      rank_env=[self.rank_env(r) for r in range(n)], netns=self.namespaces[:n])
+        return self.run_on(fn, list(range(n)), *args, timeout=timeout, env=env)
+
+    def run_on(self, fn: Callable[..., Any], ranks: Sequence[int], *args, timeout: float = 300.0,
+               env: dict[str, str] | None = None) -> list[Any]:
+        """Run ``fn(i, len(ranks), *args)`` on processes placed as cluster ranks
+        ``ranks`` (each in that rank's host namespace, with its :meth:`rank_env`),
+        joined in a group of their own: e.g. ``[0, ranks_per_host]`` for a pair
+        on two hosts, ``[0, 1]`` for a pair on one.
+
+        Returns / Raises: as :meth:`run`.
+        """
+        from gradcomp.launch import launch
+
+        self._check_up()
+        ranks = list(ranks)
+        if not ranks or any(isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.world_size
+                            for r in ranks) or len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks must be distinct ranks in [0, {self.world_size - 1}], got {ranks!r}")
+        return launch(fn, len(ranks), args, timeout=timeout, env=env,
+                      rank_env=[self.rank_env(r) for r in ranks], netns=[self.namespace_of(r) for r in ranks])
 
     def popen(self, rank: int, argv: Sequence[str], env: dict[str, str] | None = None,
               **kwargs) -> subprocess.Popen:
-        """Start ``argv`` in rank ``rank``'s namespace (``ip netns exec``), with
+        """Start ``argv`` in rank ``rank``'s host namespace (``ip netns exec``), with
         :meth:`rank_env` on top of this process's environment and ``env``.
         The caller waits for it (with a timeout); whatever is left runs until the cluster exits."""
         self._check_up()
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size - 1}], got {rank!r}")
         full_env = {**os.environ, **(env or {}), **self.rank_env(rank)}
-        return subprocess.Popen(["ip", "netns", "exec", self.namespaces[rank], *argv],
+        return subprocess.Popen(["ip", "netns", "exec", self.namespace_of(rank), *argv],
                                 env=full_env, **kwargs)
 
-    def measure_rate(self, nbytes: int | None = None, timeout: float = 120.0) -> float:
-        """Achieved rate in bit/s of one point-to-point transfer from rank 0 to
-        rank 1 (TCP payload bytes over the receiver's time, after a handshake);
-        ``nbytes`` default: about half a second at the configured rate (1 to 128 MiB)."""
+    def measure_rate(self, nbytes: int | None = None, timeout: float = 120.0, tier: str = "inter") -> float:
+        """Achieved rate in bit/s of one transfer (:func:`gradcomp.lab.linkrate.measure_link`):
+        ``tier="inter"`` from host 0 to host 1, ``"intra"`` between ranks 0 and 1 of host 0.
+        ``nbytes`` default: half a second at the rate (1 to 128 MiB; 32 MiB unshaped)."""
         self._check_up()
-        if self.world_size < 2:
-            raise ClusterError("measuring a link needs at least 2 ranks")
+        if tier not in ("inter", "intra"):
+            raise ValueError(f"tier must be 'inter' or 'intra', got {tier!r}")
+        pair = [0, self.ranks_per_host] if tier == "inter" else [0, 1]
+        if pair[1] >= self.world_size:
+            raise ClusterError(f"measuring the {tier}-host tier needs at least 2 "
+                               f"{'hosts' if tier == 'inter' else 'ranks per host'}")
+        bps = self.rate_bps if tier == "inter" else self.intra_rate_bps
         if nbytes is None:
-            nbytes = int(min(128 << 20, max(1 << 20, self.rate_bps / 8 * 0.5)))
-        out = self.run(measure_link, nbytes, timeout=timeout, world_size=2)
-        return out[1]
+            nbytes = 32 << 20 if bps is None else int(min(128 << 20, max(1 << 20, bps / 8 * 0.5)))
+        return self.run_on(measure_link, pair, nbytes, timeout=timeout)[1]
 
     def describe(self) -> dict:
-        """What the runs ran on (for results JSON)."""
+        """What the runs ran on (for results JSON): the inter-host link's
+        configured and achieved rates at the top level, the intra-host tier's under ``"intra"``."""
+        intra = {"name": format_rate(self.intra_rate_bps) if self.intra_rate_bps else "none",
+                 "configured_bps": self.intra_rate_bps, "achieved_bps": self.intra_achieved_bps,
+                 "emulation": "netns loopback" + ("+tbf" if self.intra_rate_bps else "")}
         return {"name": format_rate(self.rate_bps), "configured_bps": self.rate_bps,
                 "achieved_bps": self.achieved_bps, "rate_jitter": self.rate_jitter,
                 "jitter_period_s": self.jitter_period_s, "seed": self.seed,
                 "latency_s": self.latency, "mtu": self.mtu, "world_size": self.world_size,
-                "emulation": "netns+tbf"}
-
-
-def measure_link(rank: int, world_size: int, nbytes: int, src: int = 0, dst: int = 1,
-                 group=None) -> float | None:
-    """Run on every rank of an initialised group: rank ``src`` sends ``nbytes``
-    to rank ``dst``, which returns the achieved rate in bit/s (others return None).
-
-    The receiver's clock starts when a 1-byte handshake from the sender
-    arrives (the big message follows at once) and stops when the last byte is
-    in, so connection set-up and the sender's enqueue time are excluded.
-    """
-    import torch
-    import torch.distributed as dist
-
-    if rank not in (src, dst):
-        return None
-    peer = dst if rank == src else src
-    tiny = torch.zeros(1, dtype=torch.uint8)
-    big = torch.empty(nbytes, dtype=torch.uint8)
-    # warm the connection (gloo opens pairs lazily, TCP ramps up)
-    for _ in range(2):
-        if rank == src:
-            dist.send(tiny, peer, group=group)
-        else:
-            dist.recv(tiny, peer, group=group)
-    if rank == src:
-        dist.send(tiny, peer, group=group)
-        dist.send(big, peer, group=group)
-        dist.recv(tiny, peer, group=group)
-        return None
-    dist.recv(tiny, peer, group=group)
-    t0 = time.perf_counter()
-    dist.recv(big, peer, group=group)
-    dt = time.perf_counter() - t0
-    dist.send(tiny, peer, group=group)
-    return 8.0 * nbytes / dt if dt > 0 else math.inf
+                "hosts": self.hosts, "ranks_per_host": self.ranks_per_host, "topology": self.topology,
+                "intra": intra, "emulation": "netns+tbf"}
 
 
 def launch_on(link: str | None, fn: Callable[..., Any], world_size: int, args: tuple = (), *,

@@ -22,16 +22,27 @@ import sys
 
 import torch
 
+from gradcomp import catalog
+from gradcomp.lab.args import OneLineParser
 from gradcomp.lab.cluster import jitter_type, link_type
-from gradcomp.compressors import FP16, Int8Quantizer, TopK
 from gradcomp.ps.run import PSConfig, run
 
-COMPRESSORS = {
-    "none": lambda: None,
-    "fp16": FP16,
-    "int8": Int8Quantizer,
-    "topk": lambda: TopK(ratio=0.01, values=Int8Quantizer()),
-}
+#: ``--compressor`` choices, names of :mod:`gradcomp.catalog`; the workers keep a residual for
+#: a lossy one (``PSConfig.error_feedback``)
+PS_COMPRESSORS = ("none", "fp16", "int8", "topk-int8")
+
+
+def demo_compressor(name: str):
+    """The compressor of ``--compressor name``: ``gradcomp.catalog.build(name)``, or None for
+    ``none`` (the parameter server's default: uncompressed pushes, int8 pull deltas with
+    ``--compress-pull``).
+
+    Raises:
+        ValueError: a name not in :data:`PS_COMPRESSORS`.
+    """
+    if name not in PS_COMPRESSORS:
+        raise ValueError(f"compressor must be one of {', '.join(PS_COMPRESSORS)}, got {name!r}")
+    return None if name == "none" else catalog.build(name)
 
 
 class LeastSquares:
@@ -71,11 +82,11 @@ def _rank_main(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     problem = LeastSquares(args.dim, args.rows, world_size - args.num_servers, args.seed)
     config = PSConfig(
         mode=args.mode, steps=args.steps, num_servers=args.num_servers,
-        compressor=COMPRESSORS[args.compressor](), compress_pull=args.compress_pull,
+        compressor=demo_compressor(args.compressor), compress_pull=args.compress_pull,
         optimizer=functools.partial(torch.optim.SGD, lr=args.lr, momentum=args.momentum),
         max_staleness=args.max_staleness, staleness_lr=args.staleness_lr,
         worker_timeout=args.worker_timeout, checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every, resume=args.resume)
+        checkpoint_every=args.checkpoint_every, resume=args.resume, encrypt=args.encrypt)
     out = run(rank, world_size, problem.model, problem.loss, config)
     if out["role"] == "server":
         return {**out["stats"], "shard_distance_to_optimum": problem.distance(out["params"])}
@@ -120,14 +131,17 @@ def summary(out: dict, args: argparse.Namespace, link: dict) -> str:
     where = "loopback" if not link.get("configured_bps") else (
         f"link {link['name']} (achieved {link['achieved_bps'] / 1e6:.1f} Mbit/s)")
     lines = [f"{args.mode} parameter server, {args.num_servers} server(s), "
-             f"{args.world_size - args.num_servers} workers, {args.steps} steps, {where}",
-             f"updates applied {out['updates']}, accepted {out['accepted']}, dropped {out['dropped']}, "
-             f"rejected {out['rejected']}; mean staleness "
+             f"{args.world_size - args.num_servers} workers, {args.steps} steps, {where}"
+             + (", encrypted (CURVE)" if out.get("security") == "curve" else ""),
+             f"updates applied {out['updates']}, accepted {out['accepted']}, dropped {out['dropped']} "
+             f"(staler than --max-staleness), rejected {out['rejected']}; mean staleness "
              + (f"{sum(k * v for k, v in out['staleness_histogram'].items()) / max(1, out['accepted']):.2f}"
                 if out["staleness_histogram"] else "-"),
              f"server received {traffic['bytes_received']:,} bytes, pushed gradients "
              f"{pushed:,} bytes ({raw / pushed if pushed else 1:.2f}x smaller than float32)",
              f"distance of server 0's shard to the optimum: {out['shard_distance_to_optimum']:.4g}"]
+    if out.get("resumed_from") is not None:
+        lines.insert(1, f"resumed from version {out['resumed_from']}")
     part = args.dim // 4
     if args.compressor != "none" and part < 4096:
         lines.append(f"(each tensor holds {part} elements: payload headers weigh on the ratio; "
@@ -135,15 +149,42 @@ def summary(out: dict, args: argparse.Namespace, link: dict) -> str:
     return "\n".join(lines)
 
 
+def _resume(text: str) -> str:
+    if text != "if-exists":
+        raise argparse.ArgumentTypeError(f"expected nothing or 'if-exists', got {text!r}")
+    return text
+
+
+def _check_checkpoints(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checkpoint options before anything starts: a directory that can be written, and with
+    ``--resume`` every server's checkpoint in it (``p.error``: one line, exit status 2)."""
+    from gradcomp._validate import writable_dir
+    from gradcomp.ps.checkpoint import checkpoint_path
+
+    if args.checkpoint_dir is None:
+        if args.resume or args.checkpoint_every:
+            p.error(f"--{'resume' if args.resume else 'checkpoint-every'} needs --checkpoint-dir")
+        return
+    missing = [os.path.basename(checkpoint_path(args.checkpoint_dir, i)) for i in range(args.num_servers)
+               if not os.path.exists(checkpoint_path(args.checkpoint_dir, i))]
+    if args.resume is True and missing:
+        p.error(f"--resume: no checkpoint to resume from in {args.checkpoint_dir} (missing {', '.join(missing)}); "
+                "--resume if-exists starts afresh when there is none")
+    try:
+        writable_dir("--checkpoint-dir", args.checkpoint_dir)
+    except ValueError as e:
+        p.error(str(e))
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="python -m gradcomp.ps",
         description="A parameter-server run on a least-squares problem with a known optimum.")
     p.add_argument("--mode", choices=("sync", "async"), default="async")
     p.add_argument("--num-servers", type=_int_at_least(1), default=1)
     p.add_argument("--world-size", type=_int_at_least(2), default=3,
                    help="local processes when not started by torchrun (default 3: 1 server, 2 workers)")
-    p.add_argument("--compressor", choices=tuple(COMPRESSORS), default="int8")
+    p.add_argument("--compressor", choices=PS_COMPRESSORS, default="int8")
     p.add_argument("--compress-pull", action="store_true")
     p.add_argument("--steps", type=_int_at_least(1), default=200)
     p.add_argument("--dim", type=_int_at_least(4), default=64)
@@ -154,9 +195,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-staleness", type=_int_at_least(0), default=None)
     p.add_argument("--staleness-lr", action="store_true")
     p.add_argument("--worker-timeout", type=_positive, default=60.0)
-    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-dir", default=None, help="directory of the servers' checkpoints")
     p.add_argument("--checkpoint-every", type=_int_at_least(0), default=0)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--resume", nargs="?", const=True, default=False, type=_resume, metavar="if-exists",
+                   help="continue from the checkpoints in --checkpoint-dir (none there is an error); "
+                        "--resume if-exists starts afresh when there is none")
+    p.add_argument("--encrypt", action="store_true",
+                   help="CURVE on every connection: authenticated and encrypted (default: PLAIN, "
+                        "authenticated, not encrypted)")
     p.add_argument("--seed", type=_int_at_least(0), default=0)
     p.add_argument("--link", type=link_type, default="none",
                    help="none (loopback) or a rate such as 100mbit: every rank in its own network "
@@ -168,6 +214,7 @@ def main(argv=None) -> int:
         p.error(f"--momentum must be in [0, 1), got {args.momentum}")
     if args.lr is None:
         args.lr = default_lr(args.dim, args.rows)
+    _check_checkpoints(p, args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from gradcomp.launch import init_from_env
 

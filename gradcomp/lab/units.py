@@ -1,11 +1,13 @@
-"""Parsing of the quantities the planner takes on its command line.
+"""The lab's one parser and formatter of element counts and link rates.
 
 * counts: ``25M``, ``1B``, ``7B``, ``1.5k``, ``125000`` (SI: k = 1e3, M = 1e6,
   B/G = 1e9, T = 1e12);
 * link rates: ``10gbit``, ``100mbit``, ``1.5gbit``, ``800kbit``, ``400bit``
   (bits per second with SI prefixes, as ``tc`` writes them: 1 mbit = 1e6 bit/s),
-  returned in **bytes** per second;
-* comma-separated lists of either.
+  always in **bits** per second at the edges (``rate_bps``); a caller that
+  prices bytes divides by 8 itself;
+* topologies: ``2x4`` (hosts x ranks per host);
+* comma-separated lists of counts or rates.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["parse_count", "parse_rate", "parse_list", "format_count", "format_rate"]
+__all__ = ["parse_count", "parse_rate", "parse_list", "parse_topology", "format_count", "format_rate"]
 
 _COUNT = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 _RATE = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
@@ -36,20 +38,30 @@ def parse_count(text: str, name: str = "count") -> int:
     return int(round(value))
 
 
-def parse_rate(text: str, name: str = "link") -> float:
-    """A link rate such as ``10gbit`` in bytes per second (``10gbit`` -> 1.25e9).
+def parse_rate(text: str | int | float, name: str = "link rate") -> float:
+    """A link rate in bits per second: ``"10gbit"`` -> ``1e10``; a number is taken as bit/s.
+
+    Args:
+        text: a number followed by bit, kbit, mbit, gbit or tbit (any case,
+            ``tc``'s decimal units), or an int / float of bit/s.
+        name: what the value is, for the error message (``"--link"``).
 
     Raises:
-        ValueError: not a positive number followed by bit, kbit, mbit, gbit or tbit.
+        ValueError: not such a rate, or not a finite rate > 0.
     """
-    m = re.fullmatch(rf"\s*({_NUMBER})\s*([kmgt]?bit)\s*", str(text).lower())
-    if not m:
-        raise ValueError(f"{name} must be a rate such as 100mbit, 10gbit or 1.5gbit "
-                         f"(bits per second; units bit, kbit, mbit, gbit, tbit), got {text!r}")
-    value = float(m.group(1)) * _RATE[m.group(3)] / 8
-    if not (math.isfinite(value) and value > 0):
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise ValueError(f"{name} must be like 100mbit, 1gbit or 2.5gbit, or a number of bit/s, got {text!r}")
+    if isinstance(text, str):
+        m = re.fullmatch(rf"\s*({_NUMBER})\s*([kmgt]?bit)\s*", text.lower())
+        if not m:
+            raise ValueError(f"{name} must be like 100mbit, 1gbit or 2.5gbit (bits per second; units "
+                             f"bit, kbit, mbit, gbit, tbit), got {text!r}")
+        rate_bps = float(m.group(1)) * _RATE[m.group(3)]
+    else:
+        rate_bps = float(text)
+    if not (math.isfinite(rate_bps) and rate_bps > 0):
         raise ValueError(f"{name} must be a positive rate, got {text!r}")
-    return value
+    return rate_bps
 
 
 def parse_list(text: str, parse, name: str) -> list:
@@ -72,10 +84,22 @@ def format_count(n: float) -> str:
     return f"{n:g}"
 
 
-def format_rate(bytes_per_s: float) -> str:
-    """Bytes per second -> ``10gbit`` style text."""
-    bits = 8 * bytes_per_s
-    for suffix, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
-        if bits >= scale:
-            return f"{bits / scale:g}{suffix}"
-    return f"{bits:g}bit"
+def format_rate(rate_bps: float) -> str:
+    """Bits per second as ``tc`` writes them, four significant digits:
+    ``1e8`` -> ``"100mbit"``, ``1.5e9`` -> ``"1.5gbit"``, ``94123456`` -> ``"94.12mbit"``."""
+    for unit, scale in (("tbit", 1e12), ("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if rate_bps >= scale:
+            return f"{rate_bps / scale:.4g}{unit}"
+    return f"{rate_bps:.4g}bit"
+
+
+def parse_topology(text: str, name: str = "topology") -> tuple[int, int]:
+    """``"2x4"`` -> ``(2, 4)``: hosts x ranks per host, each at least 1.
+
+    Raises:
+        ValueError: not ``HxR`` with positive integers ``H`` and ``R``.
+    """
+    m = re.fullmatch(r"\s*([0-9]+)\s*[xX]\s*([0-9]+)\s*", str(text))
+    if m is None or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"{name} must be HOSTSxRANKS_PER_HOST with positive integers, such as 2x4, got {text!r}")
+    return int(m.group(1)), int(m.group(2))

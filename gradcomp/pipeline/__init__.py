@@ -7,8 +7,8 @@
   (:mod:`~gradcomp.pipeline.engine`: GPipe, 1F1B, interleaved 1F1B, zero bubble);
 - :mod:`~gradcomp.pipeline.pipedream`: PipeDream's asynchronous 1F1B with
   weight stashing (the engine has no asynchronous schedule);
-- :mod:`~gradcomp.pipeline.timeline`, :mod:`~gradcomp.pipeline.memory`: the
-  bubble and the activation memory, measured.
+- :mod:`~gradcomp.pipeline.bubble`, :mod:`~gradcomp.pipeline.memory`: the
+  bubble (its formula and its measurement) and the activation memory.
 
 Importing this package does not import ``torch.distributed.pipelining``;
 the submodules that need it do.
@@ -16,7 +16,7 @@ the submodules that need it do.
 
 from gradcomp.pipeline.boundary import BoundaryCodec, boundary_phase
 from gradcomp.pipeline.split import layer_blocks, split_sequential
-from gradcomp.pipeline.timeline import Timeline, analyze, gpipe_bubble
+from gradcomp.pipeline.bubble import StageTimeline, analyze, bubble_fraction
 
-__all__ = ["BoundaryCodec", "boundary_phase", "layer_blocks", "split_sequential", "Timeline",
-           "analyze", "gpipe_bubble"]
+__all__ = ["BoundaryCodec", "boundary_phase", "layer_blocks", "split_sequential", "StageTimeline",
+           "analyze", "bubble_fraction"]

@@ -1,27 +1,6 @@
 """PipeDream: asynchronous 1F1B with weight stashing (Narayanan et al., SOSP 2019).
 
-The engine's schedules flush the pipeline every step. PipeDream does not:
-every stage runs one forward and one backward in turn (1F1B) on a continuous
-stream of minibatches and updates its weights after every backward, so no
-stage waits for the pipeline to drain. Stage ``s`` of ``p`` keeps ``p - s``
-minibatches in flight; between a minibatch's forward and its backward, stage
-``s`` applies ``p - 1 - s`` other updates (in steady state).
-
-**Weight stashing.** Each forward runs on the weight version current at that
-moment (``version`` = updates applied so far) and keeps it (a snapshot) until
-the backward of the same minibatch, so the gradient is the exact gradient of
-the function that was evaluated; the update it produces lands on the newer
-version. **Staleness** of an update = version it lands on - version of its
-forward's weights. **Vertical sync** (optional) makes every stage run a
-minibatch on the version the input stage used (its version stamp travels
-with the activations), so one minibatch sees one consistent model across
-stages, at a staleness of ``p - 1`` everywhere.
-
-Messages travel on gradcomp's point-to-point layer
-(:class:`gradcomp.comm.p2p.Comm`, a deadline on every wait) as one byte blob
-each: a 16-byte stamp (minibatch index, version; int64 little-endian) and the
-tensor's wire bytes from a :class:`~gradcomp.pipeline.boundary.BoundaryCodec`
-(compressed when it has a compressor), tags ``TAG_FWD`` / ``TAG_BWD``.
+Details: docs/pipeline.md#pipedream-and-weight-stashing.
 """
 
 from __future__ import annotations
@@ -38,7 +17,7 @@ from torch.func import functional_call
 from gradcomp.comm.p2p import Comm, Message
 from gradcomp.pipeline.boundary import BoundaryCodec, boundary_phase
 from gradcomp.pipeline.memory import ActivationMeter
-from gradcomp.pipeline.timeline import Span, Timeline
+from gradcomp.pipeline.bubble import Span, StageTimeline
 
 __all__ = ["PipeDreamStage", "PipeDreamStats", "one_f_one_b_order", "TAG_FWD", "TAG_BWD"]
 
@@ -121,7 +100,7 @@ class PipeDreamStage:
     def __init__(self, module: nn.Module, stage: int, comm: Comm, codec: BoundaryCodec,
                  optimizer: torch.optim.Optimizer, *, act_shape=None, in_shape=None,
                  loss_fn: Callable | None = None, vertical_sync: bool = False,
-                 timeline: Timeline | None = None, memory: ActivationMeter | None = None,
+                 timeline: StageTimeline | None = None, memory: ActivationMeter | None = None,
                  record: bool = False):
         self.module, self.stage, self.comm, self.codec, self.opt = module, stage, comm, codec, optimizer
         self.stages = comm.world_size
@@ -135,7 +114,7 @@ class PipeDreamStage:
             raise ValueError("the last stage needs loss_fn")
         self.act_shape, self.in_shape, self.loss_fn = act_shape, in_shape, loss_fn
         self.vertical_sync = vertical_sync
-        self.timeline = timeline if timeline is not None else Timeline(stage)
+        self.timeline = timeline if timeline is not None else StageTimeline(stage)
         self.memory, self.record = memory, record
         self.names = [n for n, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]

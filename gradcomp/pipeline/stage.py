@@ -10,7 +10,7 @@ each receive operation receives those bytes into a wire buffer, decoded into the
 engine's own receive buffer just before the forward or backward that reads it.
 Everything else (ordering, batching of send/receive pairs, deadlock avoidance)
 stays the engine's. The stage also records its timeline
-(:class:`~gradcomp.pipeline.timeline.Timeline`) and, optionally, its
+(:class:`~gradcomp.pipeline.bubble.StageTimeline`) and, optionally, its
 activation memory (:class:`~gradcomp.pipeline.memory.ActivationMeter`).
 
 Boundaries carry one tensor each way (a sequential model's hidden state).
@@ -26,7 +26,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from gradcomp.pipeline.boundary import BoundaryCodec, boundary_phase
 from gradcomp.pipeline.memory import ActivationMeter
-from gradcomp.pipeline.timeline import Span, Timeline
+from gradcomp.pipeline.bubble import Span, StageTimeline
 
 __all__ = ["GradcompStage"]
 
@@ -47,7 +47,7 @@ class GradcompStage(PipelineStage):
     """
 
     def __init__(self, submodule, stage_index: int, num_stages: int, device, *,
-                 codec: BoundaryCodec, timeline: Timeline, memory: ActivationMeter | None = None,
+                 codec: BoundaryCodec, timeline: StageTimeline, memory: ActivationMeter | None = None,
                  input_args=None, output_args=None, group=None, slowdown=None):
         super().__init__(submodule, stage_index, num_stages, device, input_args=input_args,
                          output_args=output_args, group=group)

@@ -54,8 +54,8 @@ def run_fixed_time(rank: int, world_size: int, schedule: str, microbatches: int,
     """Run ``steps`` steps of an engine ``schedule`` over fixed-time stages as
     ``rank`` of an initialised group (one pipeline rank per process; each
     step starts after a barrier) and return this rank's
-    :class:`~gradcomp.pipeline.timeline.Timeline` (for
-    :func:`~gradcomp.pipeline.timeline.analyze`).
+    :class:`~gradcomp.pipeline.bubble.StageTimeline` (for
+    :func:`~gradcomp.pipeline.bubble.analyze`).
 
     Micro-batches are 2 x 8 float32 tensors; the loss is a mean square.
     """
@@ -64,10 +64,10 @@ def run_fixed_time(rank: int, world_size: int, schedule: str, microbatches: int,
     from gradcomp.pipeline.boundary import BoundaryCodec
     from gradcomp.pipeline.engine import build_schedule, rank_stages, stages_per_rank
     from gradcomp.pipeline.stage import GradcompStage
-    from gradcomp.pipeline.timeline import Timeline
+    from gradcomp.pipeline.bubble import StageTimeline
 
     n = world_size * stages_per_rank(schedule)
-    tl = Timeline(rank)
+    tl = StageTimeline(rank)
     codec = BoundaryCodec(None)
     stages = [GradcompStage(FixedTimeStage(fwd_s, bwd_s), s, n, torch.device("cpu"), codec=codec,
                             timeline=tl, input_args=torch.zeros(2, 8, requires_grad=s > 0),

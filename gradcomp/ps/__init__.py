@@ -22,10 +22,10 @@ Transport: ZeroMQ (pyzmq), as in ps-lite and BytePS: one ROUTER socket per
 server, a DEALER per worker and server (:mod:`gradcomp.ps.transport`). The
 library frames every message (a receiver never sizes a buffer from a peer's
 header) and keeps a queue per peer with a high-water mark; the server never
-blocks on one worker. torch.distributed is used only to learn the servers'
-addresses when the roles are built (servers bind the interface that routes to
-``$MASTER_ADDR``, or ``$GRADCOMP_PS_HOST``, or the ``address`` given); a
-restarted worker process joins with ``server_addresses`` and its old rank.
+blocks on one worker. torch.distributed only carries the servers' addresses
+and the job's credential when the roles are built (servers bind the interface
+that routes to ``$MASTER_ADDR``, or ``$GRADCOMP_PS_HOST``, or ``address``);
+every connection proves a worker rank with it at the ZeroMQ handshake.
 
 Failures: a worker whose heartbeats stop (``heartbeat_timeout``), that makes
 no request for ``worker_timeout`` seconds, does not read its replies or breaks
@@ -33,18 +33,17 @@ the protocol is declared dead, alone; the run goes on without it
 (``on_worker_failure="continue"``) or the server raises
 :class:`WorkerFailedError` naming its rank and the other workers get
 :class:`PSAbortedError` (``"fail"``). Malformed pushes are rejected and
-counted. A worker restarted with the same rank takes its place again (a new
-session). Servers checkpoint atomically (``checkpoint_dir``,
+counted. A worker restarted with its rank, ``server_addresses`` and the
+``credential`` takes its place once the old process is gone, or as a newer
+``incarnation``. Servers checkpoint atomically (``checkpoint_dir``,
 ``checkpoint_every``) and resume with ``resume=True``; a checkpoint that
 cannot be resumed raises :class:`CheckpointError`.
 
-Accounting: every rank's :class:`~gradcomp.TrafficMeter` counts the bytes it
-moved in phases ``"connect"`` (HELLO / WELCOME), ``"push"`` and ``"pull"``
-(DONE included): the bytes ZeroMQ puts on the connection for each message
-(our 80-byte header, the payload bundle and the ZMTP frame headers), with
-their uncompressed float32 equivalents; heartbeats are counted apart
-(``heartbeat_meter``). :meth:`ParameterServer.stats` adds per-worker bytes,
-the staleness histogram, dropped and rejected counts.
+Accounting: every rank's :class:`~gradcomp.TrafficMeter` counts what ZeroMQ
+puts on the connection for each message (80-byte header, payload bundle, ZMTP
+frame headers) in phases ``"connect"``, ``"push"`` and ``"pull"`` (DONE
+included), with uncompressed float32 equivalents; heartbeats apart
+(``heartbeat_meter``). :meth:`ParameterServer.stats` adds per-worker counts.
 
 High-level API (one call per rank)::
 
@@ -86,7 +85,8 @@ Roles by hand::
 Modules: :mod:`~gradcomp.ps.run` (``PSConfig``, ``run``, ``role``),
 :mod:`~gradcomp.ps.worker`, :mod:`~gradcomp.ps.server` (the server's message
 loop), :mod:`~gradcomp.ps.apply` (its update rule), :mod:`~gradcomp.ps.membership`
-(workers' records, failure detection, heartbeats), :mod:`~gradcomp.ps.checkpoint`,
+(who holds a rank, failure detection), :mod:`~gradcomp.ps.auth`,
+:mod:`~gradcomp.ps.gatekeeper`, :mod:`~gradcomp.ps.checkpoint`,
 :mod:`~gradcomp.ps.protocol` (messages), :mod:`~gradcomp.ps.transport`
 (ZeroMQ sockets), :mod:`~gradcomp.ps.sharding` (placement).
 
@@ -99,8 +99,9 @@ With torchrun (a least-squares demo; prints the server's stats as JSON)::
 from __future__ import annotations
 
 from gradcomp._lazy import lazy_attributes
+from gradcomp.ps.auth import new_credential
 from gradcomp.ps.errors import (CheckpointError, PeerError, ProtocolError, PSAbortedError, PSError,
-                                WorkerFailedError)
+                                RankConflictError, WorkerFailedError)
 from gradcomp.ps.run import PSConfig, role, run
 from gradcomp.ps.sharding import ParamSpec, shard_parameters
 
@@ -116,10 +117,12 @@ __all__ = [
     "PSConfig",
     "run",
     "role",
+    "new_credential",
     "shard_parameters",
     "ParamSpec",
     "PSError",
     "PeerError",
+    "RankConflictError",
     "ProtocolError",
     "PSAbortedError",
     "WorkerFailedError",

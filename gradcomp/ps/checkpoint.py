@@ -17,9 +17,34 @@ from gradcomp.ps.errors import CheckpointError
 if TYPE_CHECKING:
     from gradcomp.ps.apply import ShardUpdater
 
-__all__ = ["FORMAT", "checkpoint_path", "save_atomic", "load", "save_shard", "resume_shard"]
+__all__ = ["FORMAT", "RESUME_MODES", "checkpoint_path", "resume_mode", "usable_dir", "save_atomic", "load",
+           "save_shard", "resume_shard"]
 
 FORMAT = "gradcomp.ps/1"
+#: ``resume``: False (start afresh), True (load the checkpoint; none there is an error),
+#: ``"if-exists"`` (load it when there is one, else start afresh)
+RESUME_MODES = (False, True, "if-exists")
+
+
+def resume_mode(resume) -> bool | str:
+    """``resume`` checked against :data:`RESUME_MODES` (ValueError naming the allowed values)."""
+    if not any(resume is m or (isinstance(m, str) and resume == m) for m in RESUME_MODES):
+        raise ValueError(f"resume must be False, True or 'if-exists', got {resume!r}")
+    return resume
+
+
+def usable_dir(directory: str) -> str:
+    """``directory`` created if needed and checked writable (a probe file, removed again);
+    ValueError naming ``checkpoint_dir`` and the reason otherwise, before any training."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        probe = os.path.join(directory, f".gradcomp-probe-{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"checkpoint_dir {directory} cannot be created or written: {e.strerror or e}") from None
+    return directory
 
 
 def checkpoint_path(directory: str, server_index: int) -> str:
@@ -66,7 +91,7 @@ def load(path: str, layout: list | None = None, num_servers: int | None = None) 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, random bytes, foreign pickle, I/O error
-        raise CheckpointError(path, f"unreadable ({type(e).__name__}: {_first_line(e)})") from None
+        raise CheckpointError(path, _unreadable(e)) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(path, f"not a gradcomp parameter-server checkpoint (format {FORMAT!r})")
     for key, kind in (("server_index", int), ("num_servers", int), ("mode", str), ("layout", list),
@@ -113,20 +138,26 @@ def save_shard(directory: str, server_index: int, num_servers: int, mode: str, u
     return path
 
 
-def resume_shard(directory: str, server_index: int, num_servers: int, updater: ShardUpdater) -> int | None:
+def resume_shard(directory: str, server_index: int, num_servers: int, updater: ShardUpdater,
+                 missing_ok: bool = True) -> int | None:
     """Load this server's checkpoint into ``updater`` (parameters and
     optimizer state), validated whole before anything changes.
 
     Returns:
-        The checkpoint's version; None when there is no checkpoint file (nothing changes).
+        The checkpoint's version; None when there is no checkpoint file and
+        ``missing_ok`` (nothing changes).
 
     Raises:
-        CheckpointError: see :func:`load`; or the optimizer state does not fit
-            ``updater``'s optimizer (which is left as it was).
+        CheckpointError: no checkpoint file and not ``missing_ok``; see
+            :func:`load`; or the optimizer state does not fit ``updater``'s
+            optimizer (which is left as it was).
     """
     path = checkpoint_path(directory, server_index)
     if not os.path.exists(path):
-        return None
+        if missing_ok:
+            return None
+        raise CheckpointError(path, f"no checkpoint to resume from in {directory} (resume='if-exists' "
+                                    "starts afresh when there is none)")
     state = load(path, _layout(updater.shard), num_servers)
     before = updater.optimizer.state_dict()
     try:
@@ -141,6 +172,18 @@ def resume_shard(directory: str, server_index: int, num_servers: int, updater: S
     return state["version"]
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:200] if text else "no message"
+def _unreadable(e: BaseException) -> str:
+    """What is wrong with a file ``torch.load(weights_only=True)`` refused, in the file's terms
+    (torch's own text suggests turning ``weights_only`` off: unsafe for a damaged or foreign file)."""
+    text = str(e)
+    if isinstance(e, EOFError) or "PytorchStreamReader" in text:
+        what = "truncated or damaged: its archive is incomplete"
+    elif isinstance(e, OSError):
+        what = e.strerror or type(e).__name__
+    elif "Unsupported global" in text:
+        name = text.split("GLOBAL", 1)[1].split()[0] if "GLOBAL" in text else "code"
+        what = (f"it refers to {name}, where a checkpoint holds only tensors and plain containers: "
+                "a foreign or altered file")
+    else:
+        what = "not a torch checkpoint: random or damaged bytes"
+    return f"unreadable ({what}); nothing was loaded"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["PSError", "ProtocolError", "PeerError", "WorkerFailedError", "PSAbortedError", "CheckpointError"]
+__all__ = ["PSError", "ProtocolError", "PeerError", "RankConflictError", "WorkerFailedError", "PSAbortedError",
+           "CheckpointError"]
 
 
 class PSError(RuntimeError):
@@ -28,6 +29,20 @@ class PeerError(PSError):
         super().__init__(f"{what} rank {rank}: {reason}")
         self.rank = rank
         self.reason = reason
+
+
+class RankConflictError(PeerError):
+    """Two live processes claimed one worker rank and this one lost: a newer
+    incarnation of the rank took it over (raised on the older process at its
+    next call, or while it waits for a reply), or this process asked to join
+    while a live process of the same or a newer incarnation holds the rank
+    (raised by the ``Worker`` constructor).
+
+    Attributes:
+        rank: the global rank of the server that said so.
+        reason: the server's words: which rank, and the other process
+            (incarnation, pid, host and address).
+    """
 
 
 class WorkerFailedError(PSError):

@@ -16,11 +16,12 @@ header):
                    the length ZeroMQ delivered, or the message is rejected
        5 status    push reply: ACCEPTED / DROPPED / REJECTED; pull request:
                    WANT_FULL flag; pull reply: FULL / DELTA; WELCOME: the
-                   server's heartbeat port
+                   server's heartbeat port; EVICTED: why (DECLARED_DEAD, ...)
        6 layout    CRC-32 of the shard's names and shapes (requests)
        7 aux       pull request: minimum version wanted; push reply: staleness;
                    ABORT: the failed worker's rank; WELCOME: pushes of this
-                   worker rank the server accepted before (earlier processes)
+                   worker rank the server accepted before (earlier processes);
+                   HELLO: the process's incarnation of its rank (>= 0)
        8 seq       request number within the worker's session (1, 2, ...);
                    a reply carries the number of the request it answers
        9 session   random 63-bit id of the worker process's connection
@@ -30,14 +31,13 @@ header):
 
        int64 count, int64 size[count], payload bytes[size[0]], ..., payload bytes[size[count-1]]
 
-   (an EVICTED reply carries the reason as UTF-8 text instead).
+   (EVICTED: the reason as UTF-8 text; HELLO: the process's host and pid as JSON).
 
-A worker holds one DEALER per server for requests (routing id ``w<rank>``)
-and, on a background thread, one per server for heartbeats (``h<rank>``)
-to the server's heartbeat port, where a thread of the server answers them
-even while a step computes; so the server tells a dead process (no
-heartbeat) from a live one that makes no progress (no request), and a worker
-tells a dead server from a slow step.
+A worker holds one DEALER per server for requests and, on a background
+thread, one per server for heartbeats to the server's heartbeat port, where
+a thread of the server answers them even while a step computes. The server
+knows a message's sender by the worker rank its connection authenticated as
+(:mod:`gradcomp.ps.auth`), never by a routing id the peer chose.
 
 Version semantics: a push carries the server version of the parameters its
 gradient was computed from; a push reply and a pull reply carry the server's
@@ -51,6 +51,9 @@ routing-id frame a ROUTER sees is local: it never travels.
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import struct
 from dataclasses import dataclass
 
@@ -65,6 +68,8 @@ __all__ = [
     "HEADER_NUMEL", "HEADER_NBYTES", "MAGIC",
     "PUSH", "PULL", "DONE", "HELLO", "HEARTBEAT", "PUSH_REPLY", "PULL_REPLY", "ABORT", "WELCOME",
     "EVICTED", "ACCEPTED", "DROPPED", "REJECTED", "WANT_FULL", "FULL", "DELTA",
+    "DECLARED_DEAD", "TAKEN_OVER", "RANK_IN_USE", "UNKNOWN_SESSION", "MAX_HELLO_NBYTES",
+    "process_description", "read_process_description",
     "REQUESTS", "REPLIES", "Header", "frame_overhead", "message_nbytes", "pack_bundle",
     "unpack_bundle", "raw_bundle_nbytes", "join_layout", "MODES", "FAILURE_POLICIES",
 ]
@@ -91,6 +96,10 @@ ACCEPTED, DROPPED, REJECTED = 0, 1, 2  # push replies
 WANT_FULL = 1  # pull request flag: the worker holds no replica yet
 FULL, DELTA = 1, 2  # pull replies: full float32 parameters or a compressed delta
 STATUS_NAMES = {ACCEPTED: "accepted", DROPPED: "dropped", REJECTED: "rejected"}
+# EVICTED replies: why the server no longer serves that session
+DECLARED_DEAD, TAKEN_OVER, RANK_IN_USE, UNKNOWN_SESSION = 0, 1, 2, 3
+#: largest HELLO data frame (the process description)
+MAX_HELLO_NBYTES = 512
 
 
 @dataclass
@@ -174,6 +183,26 @@ def join_layout(group, num_servers) -> tuple[int, int, int]:
         raise ValueError(f"num_servers must be < the world size {world} (at least one worker), "
                          f"got {num_servers}")
     return rank, world, num_servers
+
+
+def process_description() -> bytes:
+    """This process's host name and pid, the data of its HELLO (JSON, UTF-8)."""
+    text = json.dumps({"host": socket.gethostname()[:100], "pid": os.getpid()})
+    return text.encode()[:MAX_HELLO_NBYTES]
+
+
+def read_process_description(data, peer_address: str | None) -> str:
+    """``"pid P on host 'H', from ADDRESS"`` from a HELLO's data (peer-supplied:
+    parsed defensively, printable characters only) and the connection's
+    address as the server sees it."""
+    host, pid = "?", "?"
+    try:
+        doc = json.loads(bytes(data)) if data is not None else {}
+        host = "".join(c for c in str(doc.get("host", "?"))[:100] if c.isprintable())
+        pid = int(doc.get("pid"))
+    except (ValueError, TypeError, AttributeError):
+        pass
+    return f"pid {pid} on host {host!r}, from {peer_address or '?'}"
 
 
 # ---- bundles --------------------------------------------------------------------

@@ -6,13 +6,15 @@ from __future__ import annotations
 import contextlib
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from gradcomp import _validate as v
 from gradcomp.compressors import DGC, Compressor, ErrorFeedback, Int8Quantizer, check_optimizer, split
+from gradcomp.ps.checkpoint import resume_mode
+from gradcomp.ps.auth import Credential
 from gradcomp.ps.protocol import FAILURE_POLICIES, MODES
 from gradcomp.ps.transport import normalize_address
 
@@ -40,8 +42,11 @@ class PSConfig:
             compressor the workers apply the momentum: it must be given, and
             be plain SGD (:func:`~gradcomp.compressors.check_optimizer`).
         max_staleness, staleness_lr, clip_grad_norm, on_worker_failure,
-        worker_timeout, heartbeat_timeout, checkpoint_dir, checkpoint_every,
-        resume: server settings.
+        worker_timeout, heartbeat_timeout, checkpoint_dir, checkpoint_every:
+            server settings.
+        resume: True: every server loads its checkpoint from ``checkpoint_dir``
+            (a server without one raises CheckpointError instead of starting
+            afresh); ``"if-exists"``: those that have one load it; False: none.
         address: where servers bind (``"host"``, ``"host:port"``,
             ``"tcp://host:port"``; with several servers on one host give no
             fixed port); None: ``$GRADCOMP_PS_HOST``, else the interface that
@@ -50,6 +55,12 @@ class PSConfig:
         timeout: workers' per-reply timeout in seconds.
         heartbeat_interval: seconds between a worker's heartbeats.
         device: workers' compute device (None: where ``model_fn`` puts the model).
+        encrypt: CURVE instead of PLAIN on every connection: authenticated
+            and encrypted (see :mod:`gradcomp.ps.auth`); the default
+            authenticates each connection but does not encrypt.
+        credential: the job's credential (:func:`gradcomp.ps.new_credential`,
+            its mechanism matching ``encrypt``; a secret, not shown by
+            ``repr``); None: the servers create one when the roles are built.
     """
 
     mode: str = "sync"
@@ -71,8 +82,10 @@ class PSConfig:
     heartbeat_interval: float = 1.0
     checkpoint_dir: str | None = None
     checkpoint_every: int = 0
-    resume: bool = False
+    resume: bool | str = False
     device: str | None = None
+    encrypt: bool = False
+    credential: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         v.choice("mode", self.mode, MODES)
@@ -93,6 +106,14 @@ class PSConfig:
                              f"heartbeat_timeout ({self.heartbeat_timeout:g} s)")
         if self.address is not None:
             normalize_address(self.address)
+        if resume_mode(self.resume) and self.checkpoint_dir is None:
+            raise ValueError(f"resume={self.resume!r} needs a checkpoint_dir")
+        if not isinstance(self.encrypt, bool):
+            raise TypeError(f"encrypt must be a bool, got {type(self.encrypt).__name__}")
+        if self.credential is not None and Credential(self.credential).encrypt != self.encrypt:
+            raise ValueError(f"credential is for {Credential(self.credential).mechanism.upper()}, which "
+                             f"contradicts encrypt={self.encrypt}: make it with "
+                             f"new_credential(encrypt={self.encrypt})")
         if isinstance(self.compressor, DGC):
             if self.optimizer is None:
                 raise ValueError("a DGC compressor needs an explicit plain-SGD optimizer (the default has "
@@ -116,7 +137,7 @@ def role(rank: int, num_servers: int) -> str:
 
 
 class _NoTimeline:
-    """Stands in for a :class:`gradcomp.timeline.Timeline` when none is given."""
+    """Stands in for a :class:`gradcomp.timeline.StepTimeline` when none is given."""
 
     def begin_step(self):
         pass
@@ -159,7 +180,7 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
         on_step: optional ``(step, loss, worker, push_result)`` callback after
             each push (workers only), e.g. for logging or evaluation.
         group: the process group (default: the world).
-        timeline: optional :class:`gradcomp.timeline.Timeline` (workers): one
+        timeline: optional :class:`gradcomp.timeline.StepTimeline` (workers): one
             step per pull + compute + push, with the spans ``compute``,
             ``compress``, ``communicate`` and ``decompress`` (see
             :func:`gradcomp.timeline.async_step_phases`).
@@ -195,7 +216,8 @@ def run(rank: int, world_size: int, model_fn: Callable[[], torch.nn.Module],
             worker_timeout=config.worker_timeout, heartbeat_timeout=config.heartbeat_timeout,
             address=config.address,
             checkpoint_dir=None if config.checkpoint_dir is None else os.fspath(config.checkpoint_dir),
-            checkpoint_every=config.checkpoint_every, resume=config.resume, group=group)
+            checkpoint_every=config.checkpoint_every, resume=config.resume, group=group,
+            credential=config.credential, encrypt=config.encrypt)
         stats = server.serve()
         return {"role": "server", "rank": rank, "stats": stats,
                 "params": {n: t.cpu().clone() for n, t in server.parameters().items()}}

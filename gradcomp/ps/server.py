@@ -27,8 +27,10 @@ from gradcomp.ps import checkpoint as ckpt
 from gradcomp.ps import protocol as P
 from gradcomp.ps import transport as T
 from gradcomp.ps.apply import Rejected, ShardUpdater, check_clip_norm, check_pull_compressor
+from gradcomp.ps.auth import Credential, agree_credential
 from gradcomp.ps.errors import ProtocolError, WorkerFailedError
-from gradcomp.ps.membership import HeartbeatResponder, Peer, expired, peer_table
+from gradcomp.ps.gatekeeper import open_guarded_sockets
+from gradcomp.ps.membership import HeartbeatResponder, Peer, admit, expired, peer_table
 from gradcomp.ps.sharding import layout_checksum, named_tensors, param_specs, shard_parameters
 
 __all__ = ["ParameterServer", "MODES", "FAILURE_POLICIES"]
@@ -48,61 +50,25 @@ class ParameterServer:
     workers. Parameters are placed whole on servers, balanced by bytes
     (:func:`~gradcomp.ps.sharding.shard_parameters`); this server holds its
     shard as float32 ``nn.Parameter`` tensors on ``device`` and updates them
-    with a real ``torch.optim`` optimizer.
+    with a real ``torch.optim`` optimizer: ``"sync"``, one averaged step per
+    round of pushes from every live worker; ``"async"``, each push applied on
+    arrival (Dean et al. 2012), ``max_staleness`` dropping older ones (Ho et
+    al. 2013), ``staleness_lr`` scaling the learning rate by ``1 / (1 +
+    staleness)`` (Zhang et al. 2016). With ``compress_pull`` a pull returns
+    ``pull_compressor(params - mirror)``, the mirror being the server's copy
+    of that worker's replica (the pull direction's error-feedback residual).
 
-    Modes:
-        ``"sync"``: for step ``t`` the server waits for one gradient from every
-            live worker (stamped with version ``t``), averages them, applies one
-            optimizer step and answers the pulls waiting for version ``t + 1``:
-            data-parallel SGD with a central optimizer.
-        ``"async"``: each gradient is applied on arrival (asynchronous SGD
-            as in Downpour SGD, Dean et al. 2012). Staleness = server version -
-            the version stamped on the push. With ``max_staleness`` a push older
-            than that is dropped and counted (bounded staleness, after the
-            stale synchronous parallel model of Ho et al. 2013, NeurIPS); with
-            ``staleness_lr`` the learning rate of that step is
-            ``lr / (1 + staleness)`` (Zhang et al. 2016, IJCAI,
-            "Staleness-aware Async-SGD").
-
-    Pulls return full float32 parameters. With ``compress_pull`` a worker that
-    already holds a replica gets ``pull_compressor(params - mirror)`` instead,
-    where ``mirror`` is the server's copy of that worker's replica, advanced by
-    exactly the decompressed delta. ``params - mirror`` is the error-feedback
-    residual of the pull direction (one per worker), so every compression
-    error is resent with the next pull and the replica never drifts: after
-    any pull it differs from the server's parameters by that pull's
-    compression error only. The mirrors cost one float32 copy of the shard
-    per worker.
-
-    Transport: one ZeroMQ ROUTER socket (see :mod:`gradcomp.ps.transport`),
-    served by one thread that polls it: every message arrives whole, framed
-    by the library; each worker has its own queues, bounded by ``send_hwm``
-    messages towards it, and a reply is sent without blocking, so no worker
-    can stall the server or another worker.
-
-    Failures: a worker is declared dead, alone, when its process or link is
-    gone (no heartbeat for ``heartbeat_timeout`` seconds), when it makes no
-    request for ``worker_timeout`` seconds after the last reply (alive but
-    silent; a worker waiting for a reply the server holds back is not on
-    that clock), when it does not read its replies (its queue of
-    ``send_hwm`` messages is full) or when it breaks the protocol (a
-    malformed header or frames: counted as a ``"protocol"`` rejection). The
-    run then continues without it (``on_worker_failure="continue"``), and a
-    request it sends later is answered ``EVICTED`` (the worker raises
-    :class:`~gradcomp.ps.PeerError` with the reason); or every live worker
-    is told to abort and :meth:`serve` raises
-    :class:`~gradcomp.ps.WorkerFailedError` naming the rank (``"fail"``). A
-    worker process that restarts with the same rank (a new session, its
-    first message a HELLO) takes its place again, learning how many of its
-    pushes were accepted before. A push whose bundle is malformed
-    (:class:`gradcomp.PayloadError`), whose shapes, placement or version do
-    not match, which repeats a request number, or which decodes to
-    non-finite values is rejected, counted and answered with ``REJECTED``;
-    the server keeps serving.
-
-    Checkpoints (parameters, optimizer state, version) are written atomically
-    every ``checkpoint_every`` versions and when :meth:`serve` returns; a
-    server built with ``resume=True`` continues from its checkpoint.
+    One thread serves one ZeroMQ ROUTER socket (:mod:`gradcomp.ps.transport`)
+    and never blocks on a worker. Every connection proves one worker rank of
+    the job at the handshake (:attr:`credential`; PLAIN, or CURVE with
+    ``encrypt=True``), the others are refused there and counted; a process
+    displaces the live one holding its rank only as a newer incarnation
+    (:mod:`gradcomp.ps.membership`). A worker is declared dead alone (no
+    heartbeat, silent, not reading, or breaking the protocol); the run goes
+    on without it (``on_worker_failure="continue"``) or :meth:`serve` raises
+    :class:`~gradcomp.ps.WorkerFailedError` (``"fail"``). Malformed pushes
+    are rejected and counted; checkpoints are written atomically. The whole
+    story: ``docs/parameter-server.md``.
 
     Args:
         params: the initial parameters: an ``nn.Module`` (its
@@ -136,11 +102,18 @@ class ParameterServer:
             reading (>= 1).
         checkpoint_dir: directory of the checkpoint files (None: no checkpoints).
         checkpoint_every: also checkpoint every this many versions (0: only at the end).
-        resume: load ``checkpoint_dir``'s checkpoint of this server if it exists.
+        resume: True: load ``checkpoint_dir``'s checkpoint of this server (none there:
+            CheckpointError); ``"if-exists"``: load it when there is one; False: start afresh.
         group: the process group (default: the world); ranks are group ranks.
         meter: a :class:`~gradcomp.TrafficMeter` for phases ``"push"`` and
             ``"pull"`` (default: a new one, :attr:`meter`).
         device: device of the shard and of the update arithmetic.
+        credential: the job's credential (:func:`gradcomp.ps.new_credential`),
+            the same on every server; None: server 0 creates one and it
+            reaches every rank over ``group`` (:attr:`credential` gives it to
+            a worker restarted outside the group).
+        encrypt: CURVE instead of PLAIN: every message authenticated and
+            encrypted (the same on every server).
 
     Construction is collective: every rank of ``group`` builds its role
     (a server or a :class:`~gradcomp.ps.Worker`) so the servers' addresses
@@ -148,8 +121,9 @@ class ParameterServer:
 
     Raises:
         ValueError / TypeError: an invalid argument (the message names it);
-            this rank is not a server rank; ``address`` cannot be bound.
-        CheckpointError: ``resume=True`` and the checkpoint is truncated,
+            this rank is not a server rank; ``address`` cannot be bound; the
+            servers were given different credentials or ``encrypt`` settings.
+        CheckpointError: ``resume=True`` and no checkpoint, or one truncated,
             random or foreign bytes, or of another placement (nothing is
             loaded then).
         RuntimeError: torch.distributed is not initialised.
@@ -162,7 +136,8 @@ class ParameterServer:
                  worker_timeout: float = 60.0, heartbeat_timeout: float = 10.0,
                  address: str | None = None, send_hwm: int = 4, checkpoint_dir: str | None = None,
                  checkpoint_every: int = 0, resume: bool = False, group=None,
-                 meter: TrafficMeter | None = None, device: str | torch.device = "cpu"):
+                 meter: TrafficMeter | None = None, device: str | torch.device = "cpu",
+                 credential: str | None = None, encrypt: bool = False):
         self.mode = v.choice("mode", mode, MODES)
         self.on_worker_failure = v.choice("on_worker_failure", on_worker_failure, FAILURE_POLICIES)
         self.group = group
@@ -185,11 +160,12 @@ class ParameterServer:
         self.checkpoint_every = v.integer("checkpoint_every", checkpoint_every, 0)
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise TypeError(f"checkpoint_dir must be a path or None, got {type(checkpoint_dir).__name__}")
-        if (self.checkpoint_every or resume) and checkpoint_dir is None:
+        if (self.checkpoint_every or ckpt.resume_mode(resume)) and checkpoint_dir is None:
             raise ValueError("checkpoint_every > 0 and resume=True need a checkpoint_dir")
-        self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
+        self.checkpoint_dir = None if checkpoint_dir is None else ckpt.usable_dir(os.fspath(checkpoint_dir))
         self.device = torch.device(device)
         self.meter = meter if meter is not None else TrafficMeter()
+        own, encrypt = None if credential is None else Credential(credential), _flag("encrypt", encrypt)
 
         tensors = named_tensors(params)
         self.shard = shard_parameters(param_specs(tensors), self.num_servers)[self.rank]
@@ -212,30 +188,29 @@ class ParameterServer:
         self._busy: collections.deque = collections.deque(maxlen=1 << 17)
         self.dropped_staleness_histogram: Counter = Counter()
         self.rejected_reasons: Counter = Counter()
-        self.peers, self._by_ident = peer_table(_global(group, i) for i in range(self.num_servers, world))
+        self.peers, self._by_user = peer_table(_global(group, i) for i in range(self.num_servers, world))
         self._failure: tuple[int, str] | None = None
         self._served = False
         #: heartbeats received and answered (kept apart from :attr:`meter`, which counts the data exchange)
         self.heartbeat_meter = TrafficMeter()
         if resume:
-            self._resume()
-        self._ctx = zmq.Context()
-        try:
-            self._sock, self.address = T.bind_router(
-                self._ctx, bind_address, max_message=self._max_message, send_hwm=self.send_hwm,
-                recv_hwm=max(16, 4 * self.send_hwm))
-            # heartbeats on a socket and thread of their own: answered while a step computes
-            host = bind_address.rsplit(":", 1)[0]
-            hb_sock, hb_endpoint = T.bind_router(self._ctx, f"{host}:0", max_message=1024, send_hwm=4,
-                                                 recv_hwm=16)
-        except BaseException:
-            if hasattr(self, "_sock"):
-                self._sock.close(0)
-            self._ctx.term()
-            raise
-        self._heartbeats = HeartbeatResponder(self, hb_sock)
-        self.heartbeat_port = int(hb_endpoint.rsplit(":", 1)[1])
+            self._resume(missing_ok=resume == "if-exists")
+        # a collective before binding: the sockets' keys derive from the job's credential
+        self._credential = agree_credential(group, self.num_servers, own, encrypt)
+        guarded = open_guarded_sockets(self._credential, self.rank, self.peers, bind_address,
+                                       max_message=self._max_message, send_hwm=self.send_hwm,
+                                       name=f"gradcomp-ps-gatekeeper-{self.global_rank}")
+        self._ctx, self._gatekeeper, self._sock = guarded.ctx, guarded.gatekeeper, guarded.requests
+        self.address, self.heartbeat_port = guarded.address, guarded.heartbeat_port
+        # heartbeats on a socket and thread of their own: answered while a step computes
+        self._heartbeats = HeartbeatResponder(self, guarded.heartbeats)
         T.exchange_addresses(group, self.address, self.num_servers)
+
+    @property
+    def credential(self) -> str:
+        """The job's credential (a secret): what a worker restarted outside
+        the process group is given (``Worker(credential=...)`` or ``$GRADCOMP_PS_CREDENTIAL``)."""
+        return self._credential.text
 
     # ---- public ---------------------------------------------------------------------
     def serve(self) -> dict:
@@ -272,6 +247,7 @@ class ParameterServer:
         finally:
             self._heartbeats.stop()
             self._sock.close(linger=2000)
+            self._gatekeeper.stop()
             self._ctx.term()
             if self.checkpoint_dir is not None:
                 self.save_checkpoint()
@@ -284,35 +260,17 @@ class ParameterServer:
         return {n: p.detach() for n, p in self.params.items()}
 
     def stats(self) -> dict:
-        """Counters of this server (JSON-ready except for int dictionary keys).
-
-        Keys: ``rank``, ``mode``, ``version``, ``updates`` (applied this run),
-        ``resumed_from``, ``pushes``, ``accepted``, ``dropped`` (too stale),
-        ``rejected`` (malformed messages, all peers), ``rejected_reasons``
-        (reason -> count: ``payload``, ``shape``, ``nonfinite``, ``layout``,
-        ``version``, ``duplicate``, ``protocol``, ``session`` (from an earlier
-        process of the rank), ``unknown_peer``),
-        ``staleness_histogram`` (staleness -> accepted pushes),
-        ``dropped_staleness_histogram``, ``pulls``, ``clipped`` (steps whose
-        gradient norm was clipped), ``checkpoints`` (written), ``workers``
-        (rank -> per-worker counters, status, reason, ``sessions`` (1 +
-        restarts) and push/pull bytes with their uncompressed float32
-        equivalents), ``dead_workers`` (rank -> reason), ``done_workers``,
-        ``traffic`` (:meth:`TrafficMeter.as_dict` of :attr:`meter`: phases
-        ``"connect"``, ``"push"``, ``"pull"``), ``heartbeat_traffic`` (the
-        heartbeats, counted apart), ``address`` (the bound endpoint),
-        ``busy_s`` (seconds spent handling requests) and ``busy_intervals``
-        (``(worker rank, start, end)`` per request handled, on the
-        :mod:`gradcomp.timeline` clock: with the workers' timelines they tell
-        how long each request queued behind other workers').
-        """
+        """Counters of this server (JSON-ready except for int dictionary keys):
+        versions, pushes and their fates, rejections and refused connections
+        by reason, per-worker counters and bytes, traffic, busy intervals.
+        Every key is described in ``docs/parameter-server.md#statistics``."""
         workers = {}
         for r, p in self.peers.items():
             ph = p.meter.as_dict()["phases"]
             workers[r] = {
                 "status": p.status, "reason": p.reason, "pushes": p.pushes, "accepted": p.accepted,
                 "dropped": p.dropped, "rejected": p.rejected, "pulls": p.pulls,
-                "sessions": p.sessions,
+                "sessions": p.sessions, "incarnation": p.incarnation, "taken_over": p.taken_over,
                 "push_bytes": ph.get("push", {}).get("bytes_received", 0),
                 "push_raw_bytes": ph.get("push", {}).get("raw_bytes_received", 0),
                 "pull_bytes": ph.get("pull", {}).get("bytes_sent", 0),
@@ -336,6 +294,9 @@ class ParameterServer:
             "traffic": self.meter.as_dict(),
             "heartbeat_traffic": self.heartbeat_meter.as_dict(),
             "malformed_heartbeats": self._heartbeats.malformed,
+            "refused_connections": self._gatekeeper.refused_connections,
+            "refused_reasons": dict(self._gatekeeper.refused),
+            "security": self._credential.mechanism,
             "address": self.address,
             "busy_s": sum(t1 - t0 for _, t0, t1 in self._busy),
             "busy_intervals": list(self._busy),
@@ -356,16 +317,16 @@ class ParameterServer:
 
     # ---- messages ---------------------------------------------------------------------
     def _on_message(self, frames) -> int | None:
-        """Handle one request; returns the sender's rank (None: unknown peer)."""
-        ident = frames[0].bytes
-        entry = self._by_ident.get(ident)
-        if entry is None:
+        """Handle one request; returns the sender's rank (None: not a worker's user)."""
+        # the sender is the user its connection authenticated as, never a routing id it chose
+        peer = self._by_user.get(frames[-1].get("User-Id"))
+        if peer is None:  # the gatekeeper admits worker ranks only: not reached past the handshake
             self.rejected_reasons["unknown_peer"] += 1
             return None
-        self._handle(entry, frames)
-        return entry.rank
+        self._handle(peer, frames[0].bytes, frames)
+        return peer.rank
 
-    def _handle(self, peer: Peer, frames) -> None:
+    def _handle(self, peer: Peer, route: bytes, frames) -> None:
         data = frames[2] if len(frames) == 3 else None
         try:
             if len(frames) not in (2, 3):
@@ -376,13 +337,15 @@ class ParameterServer:
             if h.kind == P.HEARTBEAT:
                 raise ProtocolError("HEARTBEAT on the request connection (heartbeats have their own port)")
         except ProtocolError as e:
-            return self._on_protocol_error(peer, str(e))
+            return self._on_protocol_error(peer, route, str(e))
         now = time.monotonic()
         if h.kind == P.HELLO:
-            return self._on_hello(peer, h, now)
-        if h.session != peer.session:
-            self._count_reject(peer, "session")  # a message of an earlier process of this rank
-            return
+            return self._on_hello(peer, route, h, data, frames[1].get("Peer-Address"), now)
+        if peer.session is None or h.session != peer.session:  # displaced, or never joined: told why
+            self._count_reject(peer, "session")
+            status, text = peer.refusal(h.session)
+            return self._evict(peer, h, text, route=route, status=status)
+        peer.route = route  # the session's own connection, or its DEALER reconnected (a new routing id)
         if peer.status == "dead":
             return self._evict(peer, h, peer.reason)
         if peer.status != "active":
@@ -405,28 +368,56 @@ class ParameterServer:
         else:
             self._on_done(peer)
 
-    def _on_hello(self, peer: Peer, h: P.Header, now: float) -> None:
-        """A worker process connects (first time, or restarted with a new session)."""
-        self._record_recv(peer, P.message_nbytes(), P.message_nbytes(), "connect")
+    def _on_hello(self, peer: Peer, route: bytes, h: P.Header, data, address: str | None, now: float) -> None:
+        """A worker process asks for its rank (first time, restarted, or a second process)."""
+        self._record_recv(peer, P.message_nbytes(h.nbytes), P.message_nbytes(h.nbytes), "connect")
         if h.layout != self.layout:
             self._count_reject(peer, "layout")
-            return self._evict(peer, h, "its parameters' names and shapes differ from the server's")
+            return self._evict(peer, h, "its parameters' names and shapes differ from the server's", route=route)
         if h.session == peer.session:
+            peer.route = route
             return  # a repeated HELLO of the current session
-        if peer.session is not None and peer.status == "active":
-            log.warning("parameter server rank %d: worker rank %d restarted", self.global_rank, peer.rank)
+        if h.aux < 0 or h.nbytes > P.MAX_HELLO_NBYTES:
+            return self._on_protocol_error(peer, route, f"HELLO with incarnation {h.aux} and {h.nbytes} data "
+                                                        f"bytes (at most {P.MAX_HELLO_NBYTES})")
+        origin = f"incarnation {h.aux}, {P.read_process_description(data, address)}"
+        refusal = admit(peer, h.aux, origin, self._holder_connected(peer))
+        if refusal is not None:  # a second live process of the rank
+            self._count_reject(peer, "rank_in_use")
+            log.warning("parameter server rank %d: refused %s as worker rank %d", self.global_rank, origin,
+                        peer.rank)
+            return self._evict(peer, h, refusal, route=route, status=P.RANK_IN_USE)
         # an accepted gradient of the current sync step stays in the sum
-        peer.join(h, now, run_failed=self._failure is not None)
+        peer.join(h, now, run_failed=self._failure is not None, route=route, origin=origin)
         if self._failure is not None:
             return self._abort(peer, h, "connect")
         self._reply(peer, self._header(P.WELCOME, h, aux=peer.accepted, status=self.heartbeat_port),
                     None, "connect")
 
-    def _on_protocol_error(self, peer: Peer, reason: str) -> None:
-        """A malformed message: counted; the peer is cut off (it does not speak the protocol)."""
+    def _holder_connected(self, peer: Peer) -> bool:
+        """Whether the request connection of the process holding ``peer``'s rank
+        is open: a probe it ignores (a reply to request number 0) is sent to it."""
+        if peer.route is None or peer.status != "active":
+            return False
+        probe = P.Header(P.HEARTBEAT, self.global_rank, self.version, session=peer.session or 0)
+        try:
+            self._sock.send_multipart([peer.route, probe.pack()], zmq.NOBLOCK)
+        except zmq.Again:
+            return True  # connected; its queue is full
+        except zmq.ZMQError:
+            return False  # EHOSTUNREACH: the connection closed (the process exited)
+        self._record(self.meter, peer.meter, P.message_nbytes(), "connect")
+        return True
+
+    def _on_protocol_error(self, peer: Peer, route: bytes, reason: str) -> None:
+        """A malformed message: counted; the sending connection is cut off (it
+        does not speak the protocol), the rank with it only when it is the
+        connection of the rank's current process."""
         self._count_reject(peer, "protocol")
         log.warning("parameter server rank %d: protocol error from worker rank %d: %s",
                     self.global_rank, peer.rank, reason)
+        if route != peer.route:
+            return self._evict(peer, P.Header(P.HELLO, peer.rank), f"protocol error: {reason}", route=route)
         if peer.status == "active":
             self._on_failure(peer, f"protocol error: {reason}")
         if peer.status == "dead":
@@ -534,10 +525,13 @@ class ParameterServer:
         if peer.status == "active":
             peer.status, peer.reason = "aborted", f"told to abort after worker rank {rank} failed"
 
-    def _evict(self, peer: Peer, h: P.Header, reason: str) -> None:
-        """Answer a request of a worker the server no longer serves, with the reason."""
+    def _evict(self, peer: Peer, h: P.Header, reason: str, route: bytes | None = None,
+               status: int = P.DECLARED_DEAD) -> None:
+        """Answer a request of a process the server does not serve (on connection
+        ``route``; None: the rank's current one), with the reason."""
         text = reason.encode()
-        self._reply(peer, self._header(P.EVICTED, h, nbytes=len(text)), text, "pull", declare=False)
+        self._reply(peer, self._header(P.EVICTED, h, nbytes=len(text), status=status), text, "pull",
+                    declare=False, route=route)
 
     def _reject(self, peer: Peer, h: P.Header, reason: str) -> None:
         self._count_reject(peer, reason)
@@ -554,10 +548,11 @@ class ParameterServer:
         return P.Header(kind, self.global_rank, self.version, seq=request.seq, session=request.session, **fields)
 
     def _reply(self, peer: Peer, h: P.Header, data, phase: str, raw_nbytes: int | None = None,
-               declare: bool = True) -> None:
-        """Queue a reply without blocking; a worker whose queue is full (it does
-        not read) or whose connection is gone is declared dead (``declare``)."""
-        frames = [peer.ident, h.pack()]
+               declare: bool = True, route: bytes | None = None) -> None:
+        """Queue a reply to ``peer`` on connection ``route`` (None: its current
+        one) without blocking; a worker whose queue is full (it does not read)
+        or whose connection is gone is declared dead (``declare``)."""
+        frames = [peer.route if route is None else route, h.pack()]
         if data is not None:
             frames.append(memoryview(data.numpy()) if isinstance(data, torch.Tensor) else data)
         try:
@@ -585,10 +580,9 @@ class ParameterServer:
     def _record_recv(self, peer: Peer, n: int, raw: int, phase: str) -> None:
         self._record(self.meter, peer.meter, n, phase, raw=raw, recv=True)
 
-    def _resume(self) -> None:
-        """Load this server's checkpoint, if any: validated whole before
-        anything changes (:class:`~gradcomp.ps.CheckpointError` otherwise)."""
-        version = ckpt.resume_shard(self.checkpoint_dir, self.rank, self.num_servers, self._updater)
+    def _resume(self, missing_ok: bool) -> None:
+        """Load this server's checkpoint, validated whole before anything changes (or CheckpointError)."""
+        version = ckpt.resume_shard(self.checkpoint_dir, self.rank, self.num_servers, self._updater, missing_ok)
         if version is not None:
             self.version = self.resumed_from = version
 

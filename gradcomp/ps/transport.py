@@ -1,7 +1,7 @@
 """ZeroMQ sockets and addresses of the parameter server (pyzmq).
 
 A server binds one ROUTER socket; each worker connects a DEALER to every
-server (and a second one for heartbeats). ZeroMQ frames every message
+server (and one for heartbeats), authenticated (:mod:`gradcomp.ps.auth`). ZeroMQ frames every message
 (a receiver never sizes a buffer from a peer's header), keeps a queue per
 peer connection bounded by a high-water mark (``SNDHWM`` / ``RCVHWM``, in
 messages), drops a connection whose peer sends a frame over ``MAXMSGSIZE``,
@@ -97,9 +97,12 @@ def _is_v6(address: str) -> bool:
     return address.startswith("tcp://[")
 
 
-def bind_router(ctx: "zmq.Context", address: str, *, max_message: int, send_hwm: int,
+def bind_router(ctx: "zmq.Context", address: str, *, security: dict, max_message: int, send_hwm: int,
                 recv_hwm: int) -> tuple["zmq.Socket", str]:
-    """A ROUTER socket bound to ``address`` (normalized; port 0: any free port).
+    """A ROUTER socket bound to ``address`` (normalized; port 0: any free port),
+    with the ``security`` options (:meth:`gradcomp.ps.auth.Credential.server_options`)
+    set before it binds. Each connection gets a routing id of its own: the
+    socket never hands a routing id over to a newer connection.
 
     Returns:
         ``(socket, endpoint)``, the endpoint a worker connects to (a wildcard
@@ -112,7 +115,10 @@ def bind_router(ctx: "zmq.Context", address: str, *, max_message: int, send_hwm:
 
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or unknown peer fails the send, never blocks
-    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker takes its routing id over
+    # a peer-chosen routing id already in use never detaches the connection holding it
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+    for option, value in security.items():
+        sock.setsockopt(option, value)
     sock.setsockopt(zmq.SNDHWM, send_hwm)
     sock.setsockopt(zmq.RCVHWM, recv_hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message)
@@ -136,14 +142,17 @@ def bind_router(ctx: "zmq.Context", address: str, *, max_message: int, send_hwm:
     return sock, endpoint
 
 
-def connect_dealer(ctx: "zmq.Context", address: str, identity: bytes, *, max_message: int,
+def connect_dealer(ctx: "zmq.Context", address: str, *, security: dict, max_message: int,
                    hwm: int) -> "zmq.Socket":
-    """A DEALER with routing id ``identity`` connecting to ``address`` (ZeroMQ
-    retries the connection until the server is up)."""
+    """A DEALER connecting to ``address`` with the ``security`` options
+    (:meth:`gradcomp.ps.auth.Credential.client_options`); ZeroMQ retries the
+    connection until the server is up. It sets no routing id: the server
+    names each connection itself and knows the worker by its authenticated user."""
     import zmq
 
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, identity)
+    for option, value in security.items():
+        sock.setsockopt(option, value)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message)

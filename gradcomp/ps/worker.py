@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -21,7 +20,10 @@ from gradcomp.errors import PayloadError
 from gradcomp.meter import TrafficMeter
 from gradcomp.ps import protocol as P
 from gradcomp.ps import transport as T
-from gradcomp.ps.errors import PeerError, ProtocolError, PSAbortedError
+from gradcomp.ps.auth import (agree_credential, credential_from, describe_handshake_failure,
+                              handshake_failures)
+from gradcomp.ps.errors import PeerError, ProtocolError, PSAbortedError, RankConflictError
+from gradcomp.ps.heartbeat import Heartbeat
 from gradcomp.ps.sharding import layout_checksum, named_tensors, param_specs, shard_parameters
 from gradcomp.wire import decode
 
@@ -77,6 +79,11 @@ class Worker:
     construction the worker says HELLO to every server (a restarted process
     of the same rank takes over from the dead one; :attr:`accepted_before`
     tells how many of that rank's pushes the servers had already accepted).
+    Every connection authenticates as this rank with the job's credential
+    (:mod:`gradcomp.ps.auth`). A process whose rank is held by a live one
+    joins only as a newer ``incarnation``; the one it displaces raises
+    :class:`~gradcomp.ps.RankConflictError` at its next call (see
+    :mod:`gradcomp.ps.membership`).
     A reply is awaited at most ``timeout`` seconds, and no longer than
     ``heartbeat_timeout`` seconds once a server stops answering heartbeats;
     in sync mode a pull waits for the slowest worker's push, so ``timeout``
@@ -105,23 +112,37 @@ class Worker:
             restarted process; no collective then. Needs ``rank``.
         rank: this worker's global rank (with ``server_addresses``; default:
             its rank in the initialised group).
+        credential: the job's credential (a server's ``.credential``), with
+            ``server_addresses`` only; None: ``$GRADCOMP_PS_CREDENTIAL``. In
+            the group the job's credential arrives over ``group``.
+        incarnation: this process's incarnation of its rank (>= 0): a
+            restart that must displace a process that still looks alive
+            passes a higher one than it (e.g. the number of restarts).
 
     Raises:
         ValueError / TypeError: an invalid argument (the message names it), a
             non-float32 or non-contiguous parameter, or this rank is a server rank.
         RuntimeError: torch.distributed is not initialised and no
             ``server_addresses`` were given.
-        PeerError: a server did not answer the HELLO within ``timeout``.
+        PeerError: a server did not answer the HELLO within ``timeout``, or
+            refused this process's credential at the handshake (named).
+        RankConflictError: a live process of the same or a newer incarnation
+            holds this rank.
     """
 
     def __init__(self, params, *, num_servers: int = 1, compressor: Compressor | ErrorFeedback | None = None,
                  error_feedback: bool = True, timeout: float = 120.0, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float = 10.0, group=None, meter: TrafficMeter | None = None,
-                 server_addresses=None, rank: int | None = None):
+                 server_addresses=None, rank: int | None = None, credential: str | None = None,
+                 incarnation: int = 0):
         self.group = group
+        self.incarnation = v.integer("incarnation", incarnation, 0, 1 << 62)
         if server_addresses is None:
             if rank is not None:
                 raise ValueError("rank is given with server_addresses only (in a group the rank is the group's)")
+            if credential is not None:
+                raise ValueError("credential is given with server_addresses only (in a group the job's "
+                                 "credential arrives over it)")
             self.rank, world, self.num_servers = P.join_layout(group, num_servers)
             self.global_rank = self.rank if group is None else dist.get_global_rank(group, self.rank)
         else:
@@ -182,28 +203,43 @@ class Worker:
         self._seq = 0
 
         if server_addresses is None:
+            self._credential = agree_credential(group, self.num_servers, None, None)
             server_addresses = T.exchange_addresses(group, None, self.num_servers)
+        else:
+            self._credential = credential_from(credential)
         #: the servers' endpoints, in server order
         self.server_addresses = list(server_addresses)
         self._ctx = zmq.Context()
-        self._socks = []
+        self._socks, self._monitors = [], []
         for s, address in enumerate(self.server_addresses):
-            sock = T.connect_dealer(self._ctx, address, b"w%d" % self.global_rank,
+            security = self._credential.client_options(self.global_rank, s)
+            sock = T.connect_dealer(self._ctx, address, security=security,
                                     max_message=2 * self._raw_bundle[s] + (1 << 16), hwm=4)
             sock.setsockopt(zmq.SNDTIMEO, int(1000 * min(self.timeout, 1e6)))
             self._socks.append(sock)
-        self._heartbeat = _Heartbeat(self._ctx, self.global_rank, self.session, self.heartbeat_interval,
-                                     self.heartbeat_meter)
-        self._finalizer = weakref.finalize(self, _close_transport, self._ctx, self._socks, self._heartbeat, 0)
+            # watched until the HELLO is answered, so that a refused handshake is named, not timed out
+            self._monitors.append(sock.get_monitor_socket(handshake_failures()))
+        self._heartbeat = Heartbeat(self._ctx, self.global_rank, self.session, self.heartbeat_interval,
+                                     self.heartbeat_meter,
+                                     [self._credential.client_options(self.global_rank, s)
+                                      for s in range(self.num_servers)])
+        self._finalizer = weakref.finalize(self, _close_transport, self._ctx, self._socks, self._heartbeat, 0,
+                                           self._monitors)
         try:
             self.accepted_before, ports = self._hello()
         except BaseException:
             self._broken = True
             self._finalizer()
             raise
+        self._stop_monitors()
         self._heartbeat.start([f"{a.rsplit(':', 1)[0]}:{port}" for a, port in zip(self.server_addresses, ports)])
 
-    # ---- public ----    # ---- public ---------------------------------------------------------------------
+    @property
+    def credential(self) -> str:
+        """The job's credential (a secret): what a worker restarted outside the group is given."""
+        return self._credential.text
+
+    # ---- public ---------------------------------------------------------------------
     @property
     def version(self) -> int:
         """The oldest server version in the replica (-1 before the first pull)."""
@@ -345,7 +381,7 @@ class Worker:
                 except PeerError:
                     pass
         self._finalizer.detach()
-        _close_transport(self._ctx, self._socks, self._heartbeat, 0 if self._broken else 2000)
+        _close_transport(self._ctx, self._socks, self._heartbeat, 0 if self._broken else 2000, self._monitors)
 
     close = done
 
@@ -372,6 +408,20 @@ class Worker:
             raise RuntimeError("this Worker has sent DONE; build a new one to rejoin")
         if self._broken:
             raise RuntimeError("an earlier exchange of this Worker failed; its servers no longer expect it")
+        for s in range(self.num_servers):  # a server told the heartbeat thread this process lost its rank
+            self._raise_if_evicted(s)
+
+    def _raise_if_evicted(self, s: int) -> None:
+        note = self._heartbeat.evicted(s)
+        if note is not None:
+            self._broken = True
+            _raise_evicted(self.servers[s], *note)
+
+    def _stop_monitors(self) -> None:
+        for sock, monitor in zip(self._socks, self._monitors):
+            sock.disable_monitor()
+            monitor.close(linger=0)
+        self._monitors.clear()
 
     def _gradients(self, gradients) -> dict[str, torch.Tensor]:
         if gradients is None:
@@ -408,12 +458,12 @@ class Worker:
                         session=self.session, **fields)
 
     def _hello(self) -> tuple[tuple[int, ...], list[int]]:
-        """HELLO to every server; returns each one's count of this rank's accepted
-        pushes and its heartbeat port."""
-        requests = []
+        """HELLO to every server (this process's incarnation, host and pid);
+        returns each one's count of this rank's accepted pushes and its heartbeat port."""
+        requests, about = [], P.process_description()
         for s in range(self.num_servers):
-            requests.append(self._request(P.HELLO, s, 0))
-            self._send(requests[-1], None, s, "connect")
+            requests.append(self._request(P.HELLO, s, 0, aux=self.incarnation, nbytes=len(about)))
+            self._send(requests[-1], about, s, "connect")
         out, ports = [], []
         for s, src in enumerate(self.servers):
             h, _ = self._recv(s, requests[s], "connect")
@@ -424,7 +474,9 @@ class Worker:
         return tuple(out), ports
 
     def _send(self, h: P.Header, data, s: int, phase: str, raw: int | None = None) -> None:
-        frames = [h.pack()] if data is None else [h.pack(), memoryview(data.numpy())]
+        if isinstance(data, torch.Tensor):
+            data = memoryview(data.numpy())
+        frames = [h.pack()] if data is None else [h.pack(), data]
         try:
             self._socks[s].send_multipart(frames, copy=False)
         except zmq.Again:
@@ -444,6 +496,8 @@ class Worker:
             if remaining <= 0:
                 raise PeerError(src, "receive from server", f"no reply within timeout={self.timeout:g} s")
             if not sock.poll(int(1000 * min(remaining, 0.1)) + 1):
+                self._raise_if_evicted(s)
+                self._raise_if_refused(s)
                 silent = self._heartbeat.silent_for(s)
                 if silent > self.heartbeat_timeout:
                     raise PeerError(src, "receive from server",
@@ -465,77 +519,34 @@ class Worker:
                 raise PSAbortedError(src, h.aux)
             if h.kind == P.EVICTED:
                 reason = bytes(data.buffer).decode(errors="replace") if data is not None else "no reason given"
-                raise PeerError(src, "request to server", f"this worker was declared dead: {reason}")
+                _raise_evicted(src, h.status, reason)
             return h, None if data is None else torch.frombuffer(data.buffer, dtype=torch.uint8)
 
+    def _raise_if_refused(self, s: int) -> None:
+        """Raise PeerError naming the cause when server ``s`` refused the handshake."""
+        if not self._monitors:
+            return
+        from zmq.utils.monitor import recv_monitor_message  # only while the HELLO waits
 
-class _Heartbeat:
-    """Background thread sending a heartbeat to every server's heartbeat port
-    each ``interval`` seconds on its own sockets (routing id ``h<rank>``) and
-    noting the replies."""
-
-    def __init__(self, ctx, rank: int, session: int, interval: float, meter: TrafficMeter):
-        self._ctx, self._addresses, self._rank, self._session = ctx, [], rank, session
-        self._interval, self._meter = interval, meter
-        self._last: list[float] | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name=f"gradcomp-ps-heartbeat-{rank}")
-
-    def start(self, addresses) -> None:
-        self._addresses = list(addresses)
-        self._last = [time.monotonic()] * len(self._addresses)
-        self._thread.start()
-
-    def silent_for(self, s: int) -> float:
-        """Seconds since server ``s`` last answered (0 before the thread starts)."""
-        return 0.0 if self._last is None else time.monotonic() - self._last[s]
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2.0)
-
-    def _run(self) -> None:
-        socks = [T.connect_dealer(self._ctx, a, b"h%d" % self._rank, max_message=1024, hwm=4)
-                 for a in self._addresses]
-        poller = zmq.Poller()
-        for sock in socks:
-            poller.register(sock, zmq.POLLIN)
-        index = {sock: i for i, sock in enumerate(socks)}
-        n, seq, next_beat = P.message_nbytes(), 0, 0.0
-        try:
-            while not self._stop.is_set():
-                now = time.monotonic()
-                if now >= next_beat:
-                    seq += 1
-                    beat = P.Header(P.HEARTBEAT, self._rank, seq=seq, session=self._session).pack()
-                    for sock in socks:
-                        try:
-                            sock.send(beat, zmq.NOBLOCK)
-                            self._meter.record_send(n, n, "heartbeat")
-                        except zmq.Again:
-                            pass  # the server is not reading: its silence is noticed below
-                    next_beat = now + self._interval
-                for sock, _ in poller.poll(int(1000 * min(max(next_beat - now, 0.0), 0.1)) + 1):
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        try:
-                            h = P.Header.unpack(frames[0], (P.HEARTBEAT,), None) if len(frames) == 1 else None
-                        except ProtocolError:
-                            h = None
-                        if h is not None and h.session == self._session:
-                            self._last[index[sock]] = time.monotonic()
-                            self._meter.record_recv(n, n, "heartbeat")
-        finally:
-            for sock in socks:
-                sock.close(linger=0)
+        monitor = self._monitors[s]
+        while monitor.poll(0):
+            why = describe_handshake_failure(recv_monitor_message(monitor), self._credential)
+            if why is not None:
+                raise PeerError(self.servers[s], "connect to server", why)
 
 
-def _close_transport(ctx, socks, heartbeat: _Heartbeat, linger_ms: int) -> None:
+def _raise_evicted(server: int, status: int, reason: str) -> None:
+    """The error of an EVICTED reply: RankConflictError when another process
+    holds the rank, else PeerError (declared dead, or never joined)."""
+    if status in (P.TAKEN_OVER, P.RANK_IN_USE):
+        raise RankConflictError(server, "request to server", reason)
+    if status == P.UNKNOWN_SESSION:
+        raise PeerError(server, "request to server", reason)
+    raise PeerError(server, "request to server", f"this worker was declared dead: {reason}")
+
+
+def _close_transport(ctx, socks, heartbeat: Heartbeat, linger_ms: int, monitors=()) -> None:
     heartbeat.stop()
-    for sock in socks:
+    for sock in (*monitors, *socks):
         sock.close(linger=linger_ms)
     ctx.term()

@@ -4,22 +4,22 @@ Usage::
 
     gradcomp bench allreduce [--sizes 1048576,4194304,16777216] [--worlds 2,4]
                              [--link none,1gbit,100mbit] [--link-jitter F]
+                             [--topology HxR [--intra-link RATE]]
                              [--repeat 5] [--out DIR] [--quick]
     python benchmarks/allreduce.py ...
 
-For each link (``--link``: ``none`` is gloo over the unshaped loopback of
-this host; a rate such as ``1gbit`` runs every rank in its own network
-namespace of a :class:`gradcomp.lab.cluster.LocalCluster`, each link shaped to
-that rate in both directions, whose achieved rate is measured by a
-calibration transfer before anything is timed), each world size (ranks
-started with :func:`gradcomp.launch`) and each size ``n`` (float32
-elements), every rank holds
-``randn(n)`` (seed = rank) and each method averages it across ranks:
+For each link (``--link``: ``none`` is gloo over this host's loopback; a rate
+such as ``1gbit`` runs every rank in a :class:`gradcomp.lab.cluster.LocalCluster`
+whose links are shaped to it, their achieved rate measured first), each world
+size (or ``--topology HxR``: ``H`` hosts of ``R`` ranks, :mod:`.hosts`) and each
+size ``n`` (float32), every rank holds ``randn(n)`` (seed = rank) and each
+method averages it across ranks:
 
 * ``torch all_reduce f32``: ``dist.all_reduce`` of the float32 tensor (the baseline);
-* gradcomp :func:`gradcomp.allreduce`: ``none ring`` (float32 on the wire),
-  ``fp16 ring``, ``int8 ring``, ``int8 two_phase``, ``topk1% allgather`` and
-  ``topk1%+int8 allgather`` (top-k values int8-quantized);
+* gradcomp :func:`gradcomp.allreduce`: ``none ring`` (float32 on the wire), ``fp16 ring``,
+  ``int8 ring``, ``int8 two_phase``, ``int8 halving_doubling``, ``topk1% allgather``,
+  ``topk1%+int8 allgather`` (values int8) and ``topk1%+int8 sparse_reduce_scatter``; with
+  ``--topology`` also the hierarchical methods (:mod:`.hosts`);
 * PyTorch's own DDP communication hooks, called directly on a GradBucket-like
   object over the same data (the hooks only use ``buffer()``,
   ``gradients()``, ``index()`` and ``is_last()``): ``fp16_compress_hook``,
@@ -69,6 +69,7 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -76,9 +77,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from gradcomp.lab.cluster import jitter_type, link_type
+from gradcomp.lab.args import OneLineParser
+from gradcomp.lab.bench.allreduce_table import LEGEND, WIDTH, table_lines
+from gradcomp.lab.bench.hosts import HIERARCHICAL_METHODS, gc0_tx_bytes, host_figures, host_table
+from gradcomp.lab.cluster import jitter_type, link_type, topology_type
 
-__all__ = ["main", "run", "method_names"]
+__all__ = ["main", "run", "method_names", "table_lines", "LEGEND", "WIDTH"]
 
 _MATRIX = 1024  # PowerSGD sees the data as _MATRIX x _MATRIX matrices
 _POWERSGD_RANK = 4
@@ -146,6 +150,7 @@ class Method:
     family: str
     setup: Callable
     warmup: int = 1
+    hierarchical: bool = False  # needs hosts (--topology)
 
 
 def _torch_allreduce(buf, world):
@@ -156,7 +161,7 @@ def _torch_allreduce(buf, world):
     return call
 
 
-def _gradcomp(make, algorithm):
+def _gradcomp(make, algorithm, inter="ring", segments=None):
     def setup(buf, world):
         import gradcomp as gc
 
@@ -165,11 +170,20 @@ def _gradcomp(make, algorithm):
         # its own group, as in training (a DDP hook has its own): calls on one
         # group that alternate between settings would agree on every call
         group = dist.new_group(list(range(world)))
+        kw = {}
+        if algorithm == "hierarchical":
+            kw["topology"] = gc.Topology(inter_algorithm=inter, segments=segments)  # hosts from the environment
+        calls = [0]
 
         def call():
             meter.reset()
-            gc.allreduce(buf, comp, algorithm=algorithm, group=group, meter=meter, out=buf)
+            # a checked hierarchical call agrees every time: after the warm-up, as the DDP hook, unchecked
+            check = algorithm != "hierarchical" or calls[0] == 0
+            gc.allreduce(buf, comp, algorithm=algorithm, group=group, meter=meter, out=buf, check=check, **kw)
+            calls[0] += 1
             return meter.bytes_sent
+        call.meter = meter
+        call.bucket_wire_bytes = comp.wire_nbytes((buf.numel(),), torch.float32)
         return call
     return setup
 
@@ -233,9 +247,14 @@ def _methods():
         Method("fp16 ring", "gradcomp", _gradcomp(gc.FP16, "ring")),
         Method("int8 ring", "gradcomp", _gradcomp(gc.Int8Quantizer, "ring")),
         Method("int8 two_phase", "gradcomp", _gradcomp(gc.Int8Quantizer, "two_phase")),
+        Method("int8 halving_doubling", "gradcomp", _gradcomp(gc.Int8Quantizer, "halving_doubling")),
+        *(Method(name, "gradcomp", _gradcomp(gc.Int8Quantizer, "hierarchical", inter, segments), hierarchical=True)
+          for name, inter, segments in HIERARCHICAL_METHODS),
         Method("topk1% allgather", "gradcomp", _gradcomp(lambda: gc.TopK(ratio=0.01), "allgather")),
         Method("topk1%+int8 allgather", "gradcomp",
                _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "allgather")),
+        Method("topk1%+int8 sparse_reduce_scatter", "gradcomp",
+               _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "sparse_reduce_scatter")),
         Method("torch fp16_compress_hook", "torch hook", _hook("fp16")),
         Method("torch quantization_pertensor_hook", "torch hook", _hook("quant")),
         Method(f"torch powerSGD_hook rank {_POWERSGD_RANK}", "torch hook", _hook("powersgd"), warmup=2),
@@ -247,7 +266,26 @@ def method_names() -> list[str]:
     return [m.name for m in _methods()]
 
 
-def _bench_worker(rank, world, sizes, repeat, names):
+def _chosen(names, hosts: bool) -> list[Method]:
+    return [m for m in _methods() if (not names or m.name in names) and (hosts or not m.hierarchical)]
+
+
+def _timed_round(chosen, calls, x, buf, record) -> None:
+    """One call of every method, in table order; ``record(method, seconds, bytes, link bytes, call)``."""
+    for m, call in zip(chosen, calls):
+        buf.copy_(x)
+        tx = gc0_tx_bytes()
+        dist.barrier()
+        t0 = time.perf_counter()
+        nbytes = call()
+        dt = time.perf_counter() - t0
+        if tx is not None:  # the link's bytes of the call (and of two barriers)
+            dist.barrier()
+            tx = gc0_tx_bytes() - tx
+        record(m, dt, nbytes, tx, call)
+
+
+def _bench_worker(rank, world, sizes, repeat, names, per_host=None):
     rows = []
     for n in sizes:
         x = torch.randn(n, generator=torch.Generator().manual_seed(rank))
@@ -256,7 +294,7 @@ def _bench_worker(rank, world, sizes, repeat, names):
         exact /= world
         norm = float(exact.norm())
         buf = torch.empty_like(x)
-        chosen = [m for m in _methods() if not names or m.name in names]
+        chosen = _chosen(names, per_host is not None)
         calls = []
         for m in chosen:
             call = m.setup(buf, world)
@@ -265,72 +303,96 @@ def _bench_worker(rank, world, sizes, repeat, names):
                 call()
             calls.append(call)
         times = {m.name: [] for m in chosen}
-        sent, err = {}, {}
-        for i in range(repeat):  # interleaved rounds: load changes hit every method alike
-            for m, call in zip(chosen, calls):
-                buf.copy_(x)
-                dist.barrier()
-                t0 = time.perf_counter()
-                nbytes = call()
-                times[m.name].append(time.perf_counter() - t0)
-                if i == 0:
-                    sent[m.name] = nbytes
-                    err[m.name] = float((buf.double() - exact).norm()) / norm
-        all_times = [None] * world
-        dist.all_gather_object(all_times, times)
+        link = {m.name: [] for m in chosen}
+        share = {m.name: [] for m in chosen}
+        sent, err, inter = {}, {}, {}
+
+        def record(m, dt, nbytes, tx, call):
+            times[m.name].append(dt)
+            link[m.name].append(tx)
+            meter = getattr(call, "meter", None)
+            tiers = meter.as_dict()["tiers"] if meter is not None else {}
+            if "intra_host" in tiers:
+                share[m.name].append(tiers["intra_host"]["seconds"] / dt)
+            if m.name not in sent:
+                sent[m.name] = nbytes
+                err[m.name] = float((buf.double() - exact).norm()) / norm
+                inter[m.name] = tiers.get("inter_host", {}).get("bytes_sent")
+
+        for _ in range(repeat):  # interleaved rounds: load changes hit every method alike
+            _timed_round(chosen, calls, x, buf, record)
+        everything = [None] * world
+        dist.all_gather_object(everything, (times, link, share, inter))
         raw = _ring_nbytes(4 * n, world)
-        for m in chosen:
-            slowest = [max(ts[m.name][i] for ts in all_times) for i in range(repeat)]
-            rows.append({"world": world, "numel": n, "method": m.name, "family": m.family,
-                         "median_ms": 1000 * statistics.median(slowest),
-                         "min_ms": 1000 * min(slowest), "bytes_per_rank": sent[m.name],
-                         "raw_bytes_per_rank": raw,
-                         "compression_ratio": raw / sent[m.name] if sent[m.name] else None,
-                         "rel_err": err[m.name]})
+        for m, call in zip(chosen, calls):
+            slowest = [max(e[0][m.name][i] for e in everything) for i in range(repeat)]
+            row = {"world": world, "numel": n, "method": m.name, "family": m.family,
+                   "median_ms": 1000 * statistics.median(slowest),
+                   "min_ms": 1000 * min(slowest), "bytes_per_rank": sent[m.name],
+                   "raw_bytes_per_rank": raw,
+                   "compression_ratio": raw / sent[m.name] if sent[m.name] else None,
+                   "rel_err": err[m.name]}
+            if per_host is not None:
+                row.update(host_figures(everything, m.name, world, per_host, repeat))
+                row["bucket_wire_bytes"] = getattr(call, "bucket_wire_bytes", None)
+            rows.append(row)
     return rows if rank == 0 else None
 
 
 def run(sizes, worlds, repeat=5, names=None, timeout=3600.0, links=("none",),
-        link_jitter=0.0, seed=0, on_link=None) -> list[dict]:
+        link_jitter=0.0, seed=0, on_link=None, topology=None, intra_link=None) -> list[dict]:
     """Run the benchmark; returns one row per (link, world, size, method).
 
     Args:
-        sizes: float32 element counts. worlds: rank counts (>= 2).
+        sizes: float32 element counts. worlds: rank counts (>= 2; ignored with ``topology``).
         repeat: timed calls per method. names: method names to keep (None: all).
         timeout: seconds for each world size's run.
         links: ``"none"`` (loopback) and/or rates for :class:`gradcomp.lab.cluster.LocalCluster`.
         link_jitter, seed: the cluster's ``rate_jitter`` and ``seed``.
         on_link: called with each link's description (configured and achieved rate).
+        topology: ``(hosts, ranks_per_host)``: one world of ``hosts x ranks_per_host``
+            ranks, a two-tier cluster on shaped links.
+        intra_link: the intra-host rate of that cluster (None: unshaped).
     """
-    from gradcomp.launch import launch
-
     rows = []
+    shapes = [(w, 1, False) for w in worlds] if topology is None else [(*topology, True)]
     for link in links:
-        for world in worlds:
-            args = (list(sizes), repeat, names)
-            if link == "none":
-                out = launch(_bench_worker, world, args, timeout=timeout)[0]
-                info = {"name": "none", "configured_bps": None, "achieved_bps": None,
-                        "emulation": "loopback"}
-            else:
-                from gradcomp.lab.cluster import LocalCluster
-
-                with LocalCluster(world, rate=link, rate_jitter=link_jitter, seed=seed) as c:
-                    info = c.describe()
-                    if on_link is not None:
-                        on_link(info)
-                    out = c.run(_bench_worker, *args, timeout=timeout)[0]
+        for hosts, per, tiered in shapes:
+            out, info = _run_one(link, hosts, per, tiered, (list(sizes), repeat, names), timeout,
+                                 link_jitter, seed, intra_link, on_link)
             for r in out:
                 r["link"] = info
+                r["topology"] = f"{hosts}x{per}" if tiered else None
                 rate = info["configured_bps"]
                 r["link_share"] = (8 * r["bytes_per_rank"] / (r["median_ms"] / 1000) / rate
                                    if rate else None)
             rows += out
     for r in rows:
-        base = next(b for b in rows if b["world"] == r["world"] and b["numel"] == r["numel"]
-                    and b["link"]["name"] == r["link"]["name"] and b["method"] == BASELINE)
-        r["speedup_vs_f32"] = base["median_ms"] / r["median_ms"]
+        base = next((b for b in rows if b["world"] == r["world"] and b["numel"] == r["numel"]
+                     and b["link"]["name"] == r["link"]["name"] and b["method"] == BASELINE), None)
+        r["speedup_vs_f32"] = base["median_ms"] / r["median_ms"] if base is not None else None
     return rows
+
+
+def _run_one(link, hosts, per, tiered, args, timeout, link_jitter, seed, intra_link, on_link):
+    """The worker's rows and the link's description of one (link, shape)."""
+    from gradcomp.launch import launch
+
+    world = hosts * per
+    args = (*args, per if tiered else None)
+    if link == "none":
+        env = [{"GRADCOMP_HOST_ID": str(r // per)} for r in range(world)] if tiered else None
+        out = launch(_bench_worker, world, args, timeout=timeout, rank_env=env)[0]
+        return out, {"name": "none", "configured_bps": None, "achieved_bps": None, "emulation": "loopback",
+                     "world_size": world, "hosts": hosts, "ranks_per_host": per}
+    from gradcomp.lab.cluster import LocalCluster
+
+    shape = dict(hosts=hosts, ranks_per_host=per, intra_rate=intra_link) if tiered else dict(world_size=world)
+    with LocalCluster(**shape, rate=link, rate_jitter=link_jitter, seed=seed) as c:
+        info = c.describe()
+        if on_link is not None:
+            on_link(info)
+        return c.run(_bench_worker, *args, timeout=timeout)[0], info
 
 
 def plot(rows, path: str) -> str:
@@ -354,7 +416,7 @@ def plot(rows, path: str) -> str:
         ax.set_xlabel("float32 elements per rank")
         ax.set_ylabel("median time per allreduce (ms, slowest rank)")
         if info["configured_bps"]:
-            from gradcomp.lab.cluster import format_rate
+            from gradcomp.lab.units import format_rate
 
             title = (f"link {format_rate(info['configured_bps'])} (achieved "
                      f"{format_rate(info['achieved_bps'])}), world {world}")
@@ -370,17 +432,9 @@ def plot(rows, path: str) -> str:
     return path
 
 
-def _table(rows) -> str:
-    head = (f"{'link':>8} {'world':>5} {'numel':>9} {'method':<38} {'ms':>9} {'x f32':>6} "
-            f"{'MiB/rank':>9} {'ratio':>7} {'rel_err':>9} {'link%':>6}")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        ratio = f"{r['compression_ratio']:.2f}" if r["compression_ratio"] else "-"
-        share = f"{100 * r['link_share']:.1f}" if r.get("link_share") is not None else "-"
-        lines.append(f"{r['link']['name']:>8} {r['world']:>5} {r['numel']:>9} {r['method']:<38} "
-                     f"{r['median_ms']:>9.1f} {r['speedup_vs_f32']:>6.2f} "
-                     f"{r['bytes_per_rank'] / 2**20:>9.3f} {ratio:>7} {r['rel_err']:>9.2e} {share:>6}")
-    return "\n".join(lines)
+#: the width the table fits (a terminal's default)
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _links(text: str) -> list[str]:
@@ -388,7 +442,6 @@ def _links(text: str) -> list[str]:
     if not out:
         raise argparse.ArgumentTypeError("expected link names, e.g. none,1gbit,100mbit")
     return list(dict.fromkeys(out))
-
 
 
 def _int(text: str) -> int:
@@ -408,20 +461,26 @@ def _ints(text: str) -> list[int]:
 
 def main(argv=None) -> int:
     """Command line entry point (``gradcomp bench allreduce``); returns the exit status."""
-    p = argparse.ArgumentParser(prog="gradcomp bench allreduce", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="gradcomp bench allreduce", description=__doc__.split("\n\n")[0])
     p.add_argument("--size", type=_ints, help="one size in float32 elements (overrides --sizes)")
     p.add_argument("--sizes", type=_ints, default=[2**20, 2**22, 2**24],
                    help="comma-separated sizes in float32 elements (default 2**20,2**22,2**24)")
     p.add_argument("--worlds", type=_ints, default=[2, 4], help="comma-separated rank counts (default 2,4)")
     p.add_argument("--repeat", type=int, default=5, help="timed calls per method (default 5)")
     p.add_argument("--methods", default=None,
-                   help="comma-separated method names to run (default: all); see the table for names")
+                   help="comma-separated method names to run (default: all; the float32 baseline "
+                        "always runs); see the table for names")
     p.add_argument("--link", type=_links, default=["none"], metavar="LIST",
                    help="comma-separated links: none (loopback, default) or rates such as "
                         "100mbit,1gbit,10gbit (an emulated cluster, needs root and iproute2)")
     p.add_argument("--link-jitter", type=jitter_type, default=0.0, metavar="F",
                    help="redraw each shaped link's rate every second from rate x U(1-F, 1+F) (default 0)")
     p.add_argument("--seed", type=int, default=0, help="seed of the link jitter (default 0)")
+    p.add_argument("--topology", type=topology_type, default=None, metavar="HxR",
+                   help="hosts x ranks per host (e.g. 2x4): one world of H*R ranks, ranks of a host sharing "
+                        "its namespace (shaped --link between hosts); adds the hierarchical methods")
+    p.add_argument("--intra-link", type=link_type, default="none", metavar="RATE",
+                   help="with --topology and a shaped --link: the intra-host rate (default none: unshaped)")
     p.add_argument("--out", default=None, help="directory for allreduce.json and allreduce.png")
     p.add_argument("--quick", action="store_true", help="size 2**20, world 2, 3 repeats")
     args = p.parse_args(argv)
@@ -451,12 +510,23 @@ def main(argv=None) -> int:
         unknown = sorted(set(names) - set(method_names()))
         if unknown:
             p.error(f"unknown --methods {unknown}; choose from {method_names()}")
+        names = [BASELINE] + [n for n in names if n != BASELINE]  # every ratio is against it
+        if args.topology is None and any(m.hierarchical for m in _methods() if m.name in names):
+            p.error("the hierarchical methods need hosts: give --topology HxR")
+    if args.topology is not None:
+        worlds = [args.topology[0] * args.topology[1]]
+        if worlds[0] < 2:
+            p.error("--topology must hold at least 2 ranks")
+    if args.intra_link != "none" and (args.topology is None or args.link == ["none"]):
+        p.error("--intra-link needs --topology and a shaped --link")
 
     import gradcomp as gc
 
     backends = gc.kernels.available_backends()
     config = {
         "sizes": sizes, "worlds": worlds, "repeat": repeat, "links": args.link,
+        "topology": None if args.topology is None else "x".join(map(str, args.topology)),
+        "intra_link": args.intra_link,
         "link_jitter": args.link_jitter, "seed": args.seed,
         "transport": "gloo (loopback for link none, veth + tbf in network namespaces otherwise)",
         "torch": torch.__version__, "python": platform.python_version(), "cpus": os.cpu_count(),
@@ -465,23 +535,34 @@ def main(argv=None) -> int:
         "kernel_backends": {k: ("usable" if v is None else v) for k, v in backends.items()},
         "native_cpu_kernels": backends.get("cpu") is None,
     }
-    print(f"gradcomp allreduce benchmark: worlds {worlds}, sizes {sizes}, {repeat} repeats; "
-          f"CPU kernels: {'native (gradcomp._C)' if config['native_cpu_kernels'] else 'reference (torch)'}",
-          flush=True)
+    print(textwrap.fill(f"gradcomp allreduce benchmark: worlds {worlds}, sizes {sizes}, {repeat} repeats; CPU "
+                        f"kernels: {'native (gradcomp._C)' if config['native_cpu_kernels'] else 'reference (torch)'}",
+                        width=WIDTH), flush=True)
     links = []
 
     def on_link(info):
-        from gradcomp.lab.cluster import format_rate
+        from gradcomp.lab.units import format_rate
 
         links.append(info)
         print(f"link {info['name']}, world {info['world_size']}: configured "
               f"{format_rate(info['configured_bps'])}, achieved {format_rate(info['achieved_bps'])} "
-              "(calibration transfer rank 0 -> 1)", flush=True)
+              "(calibration transfer host 0 -> 1)", flush=True)
+        intra = info.get("intra") or {}
+        if intra.get("achieved_bps"):
+            configured = format_rate(intra["configured_bps"]) if intra["configured_bps"] else "unshaped"
+            print(f"intra-host ({info['topology']}): configured {configured}, achieved "
+                  f"{format_rate(intra['achieved_bps'])} (rank 0 -> 1 on host 0)", flush=True)
 
+    config["load_average_start"] = os.getloadavg()  # 1, 5, 15 min: the machine may be shared
     rows = run(sizes, worlds, repeat, names, links=args.link, link_jitter=args.link_jitter,
-               seed=args.seed, on_link=on_link)
+               seed=args.seed, on_link=on_link, topology=args.topology,
+               intra_link=None if args.intra_link == "none" else args.intra_link)
     config["link_calibrations"] = links
-    print(_table(rows))
+    config["load_average_end"] = os.getloadavg()
+    print("\n".join(table_lines(rows)))
+    print(textwrap.fill(LEGEND, width=WIDTH))
+    if args.topology is not None:
+        print(host_table(rows))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "allreduce.json")

@@ -4,10 +4,10 @@
 cannot run here (16 to 1024 nodes) from a few measured numbers, and uses the
 prediction to recommend a mode, compressor and algorithm:
 
-* :mod:`~gradcomp.lab.plan.model`: the latency-bandwidth (alpha-beta) model:
-  exact wire bytes of ring / two-phase / sparse allgather / parameter server,
-  kernel time from measured rates, overlap of buckets with backward,
-  stragglers, async throughput and staleness, the pipeline bubble;
+* :mod:`~gradcomp.lab.plan.costs`: one allreduce per algorithm: exact wire bytes,
+  messages, quantizations, seconds (alpha-beta, kernel time from measured rates);
+* :mod:`~gradcomp.lab.plan.model`: the step: the parameter server's bytes, overlap
+  of buckets with backward, stragglers, async throughput and staleness, the bubble;
 * :mod:`~gradcomp.lab.plan.lognormal`: the expected maximum of lognormal compute times;
 * :mod:`~gradcomp.lab.plan.host`: ranks sharing a host's cores (processor sharing,
   scheduling delay per exchange step, scattered hand-offs);
@@ -34,12 +34,12 @@ _EXPORTS = {
     "Host": "gradcomp.lab.plan.host",
     "Profile": "gradcomp.lab.plan.profile",
     **{name: "gradcomp.lab.plan.model" for name in (
-        "ALGORITHMS", "CODECS", "MODES", "Codec", "Prediction", "Setting", "allreduce_bytes",
+        "ALGORITHMS", "CODECS", "MODES", "PlanCodec", "Prediction", "Setting", "allreduce_bytes",
         "allreduce_seconds", "async_throughput", "bubble_fraction", "pipeline_step", "predict",
         "ps_bytes")},
 }
 __getattr__, __dir__ = lazy_attributes(__name__, globals(), _EXPORTS)
 
-__all__ = ["ALGORITHMS", "CODECS", "MODES", "Codec", "Host", "Prediction", "Profile", "Setting", "allreduce_bytes",
+__all__ = ["ALGORITHMS", "CODECS", "MODES", "PlanCodec", "Host", "Prediction", "Profile", "Setting", "allreduce_bytes",
            "allreduce_seconds", "async_throughput", "bubble_fraction", "expected_max", "pipeline_step",
            "predict", "ps_bytes"]

@@ -23,6 +23,7 @@ fitted on a time study (``gradcomp plan validate --fit-seeds``).
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -170,7 +171,9 @@ def link_profile(results: list, link: str) -> dict:
     return {"alpha_s": alpha, "beta_bytes_per_s": beta, "fit": info}
 
 
-def _median_time(fn, repeats: int) -> float:
+def _median_time(fn, repeats: int, tick=None) -> float:
+    if tick is not None:
+        tick()
     fn()  # warm-up (allocations, first-use loading)
     times = []
     for _ in range(repeats):
@@ -184,11 +187,13 @@ def _median_time(fn, repeats: int) -> float:
 CALL_NUMEL = 256
 
 
-def _op_seconds(numel: int, repeats: int, density: float) -> tuple[dict, int]:
+def _op_seconds(numel: int, repeats: int, density: float, tick=None) -> tuple[dict, int]:
     """Median seconds of every op of :data:`gradcomp.lab.plan.profile.OPS` on ``numel``
-    float32 elements, and the kept count ``k`` of the sparse ops."""
+    float32 elements, and the kept count ``k`` of the sparse ops (``tick()`` before each op)."""
     import gradcomp as gc
     from gradcomp import kernels as K
+
+    timed = functools.partial(_median_time, tick=tick)
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=g)
@@ -200,31 +205,31 @@ def _op_seconds(numel: int, repeats: int, density: float) -> tuple[dict, int]:
         wire = torch.empty(comp.wire_nbytes((numel,)), dtype=torch.uint8)
         wire2 = torch.empty_like(wire)
         p = comp.compress(x, out=wire)
-        times[f"{kind}.compress"] = _median_time(lambda: comp.compress(x, out=wire), repeats)
-        times[f"{kind}.decompress"] = _median_time(lambda: comp.decompress(p, out=y), repeats)
-        times[f"{kind}.decompress_add"] = _median_time(lambda: comp.decompress_add_(p, acc), repeats)
+        times[f"{kind}.compress"] = timed(lambda: comp.compress(x, out=wire), repeats)
+        times[f"{kind}.decompress"] = timed(lambda: comp.decompress(p, out=y), repeats)
+        times[f"{kind}.decompress_add"] = timed(lambda: comp.decompress_add_(p, acc), repeats)
         # acc keeps growing by the payload's values: harmless for a few calls
-        times[f"{kind}.reduce_compress"] = _median_time(lambda: comp.reduce_compress_(p, acc, out=wire2), repeats)
+        times[f"{kind}.reduce_compress"] = timed(lambda: comp.reduce_compress_(p, acc, out=wire2), repeats)
         acc.zero_()
     ef = gc.ErrorFeedback(gc.Int8Quantizer())
-    times["int8.compress_ef"] = _median_time(lambda: ef.compress(x, key="calibrate"), repeats)
+    times["int8.compress_ef"] = timed(lambda: ef.compress(x, key="calibrate"), repeats)
     k = max(1, math.ceil(density * numel))
-    times["topk.select"] = _median_time(lambda: K.topk(x, k), repeats)
+    times["topk.select"] = timed(lambda: K.topk(x, k), repeats)
     tau = float(K.topk(x, k)[1].abs().min())
-    times["threshold.select"] = _median_time(lambda: K.threshold(x, tau), repeats)
+    times["threshold.select"] = timed(lambda: K.threshold(x, tau), repeats)
     idx = torch.randperm(numel, generator=g)[:k].sort().values.to(torch.int32)
     vals = torch.randn(k, generator=g)
-    times["sparse.decompress_add"] = _median_time(lambda: K.scatter_add_(acc, idx, vals), repeats)
+    times["sparse.decompress_add"] = timed(lambda: K.scatter_add_(acc, idx, vals), repeats)
     res = torch.zeros(numel)
-    times["ef.update"] = _median_time(lambda: res.copy_(torch.add(x, res, out=y)), repeats)
+    times["ef.update"] = timed(lambda: res.copy_(torch.add(x, res, out=y)), repeats)
     param = torch.nn.Parameter(torch.zeros(numel))
     param.grad = x.clone()
     opt = torch.optim.SGD([param], lr=0.1, momentum=0.9)
-    times["sgd.apply"] = _median_time(opt.step, repeats)
+    times["sgd.apply"] = timed(opt.step, repeats)
     return times, k
 
 
-def measure_kernels(numel: int = 2**22, repeats: int = 5, density: float = 0.01) -> dict:
+def measure_kernels(numel: int = 2**22, repeats: int = 5, density: float = 0.01, on_progress=None) -> dict:
     """Elements per second of every op of :data:`gradcomp.lab.plan.profile.OPS` here
     (CPU, torch's threads), and each op's fixed cost per call.
 
@@ -234,13 +239,25 @@ def measure_kernels(numel: int = 2**22, repeats: int = 5, density: float = 0.01)
     allocation and Python cost that a tensor of a few thousand elements pays
     in full, e.g. the parameter server's per-tensor codec calls).
 
+    ``on_progress(done, total)`` is called as the ops are timed (None: not).
+
     Returns:
         ``{"kernels": {op: elements/s}, "call_s": {op: seconds}, "source": {...}}``.
     """
     from gradcomp import kernels as K
+    from gradcomp.lab.plan.profile import OPS
 
-    big, k = _op_seconds(numel, repeats, density)
-    small, k_small = _op_seconds(CALL_NUMEL, max(repeats, 9), density)
+    done = [0]
+
+    def tick():
+        if on_progress is not None:
+            on_progress(done[0], 2 * len(OPS))
+        done[0] += 1
+
+    big, k = _op_seconds(numel, repeats, density, tick)
+    small, k_small = _op_seconds(CALL_NUMEL, max(repeats, 9), density, tick)
+    if on_progress is not None:
+        on_progress(done[0], 2 * len(OPS))
     kernels = {op: numel / max(t, 1e-9) for op, t in big.items()}
     kernels["sparse.decompress_add"] = k / max(big["sparse.decompress_add"], 1e-9)
     call = {}
@@ -249,6 +266,6 @@ def measure_kernels(numel: int = 2**22, repeats: int = 5, density: float = 0.01)
         call[op] = max(0.0, t - m / kernels[op])
     backends = {b: r for b, r in K.available_backends().items()}
     return {"kernels": kernels, "call_s": call,
-            "source": {"kernels": f"measured here: float32, numel {numel} (per-call cost: numel {CALL_NUMEL}), "
+            "source": {"kernels": f"measured: float32, numel {numel} (per-call cost: numel {CALL_NUMEL}), "
                                   f"density {density}, median of {repeats}, torch threads {torch.get_num_threads()}",
                        "backends": {b: ("available" if r is None else r) for b, r in backends.items()}}}

@@ -9,11 +9,12 @@
     gradcomp plan calibrate [--link none|RATE] [--out FILE]
     gradcomp plan validate RESULTS_DIR
 
-Every subcommand but ``calibrate`` takes ``--profile FILE`` (default: the
-profile shipped with gradcomp, measured on its development machine),
-``--alpha-us`` (message latency), ``--kernel-gbps`` (every codec op at one
-memory bandwidth, e.g. a GPU's) and ``--kernels-json`` (rates from
-``gradcomp bench kernels``). Bad values exit with status 2 and one line on stderr.
+Every subcommand but ``calibrate`` takes ``--profile FILE`` (default: this
+machine's kernels, measured on first use and cached, see :mod:`.machine`;
+``--recalibrate`` measures again), ``--alpha-us`` (message latency),
+``--kernel-gbps`` (every codec op at one memory bandwidth, e.g. a GPU's) and
+``--kernels-json`` (rates from ``gradcomp bench kernels``). Bad values exit
+with status 2 and one line on stderr, before any work.
 """
 
 from __future__ import annotations
@@ -22,12 +23,17 @@ import argparse
 import json
 import math
 import os
+import socket
 import sys
+import time
+
+from gradcomp.lab.plan.machine import SHIPPED_PROFILE
 
 __all__ = ["main", "DEFAULT_PROFILE"]
 
-#: the profile used without --profile (``gradcomp plan calibrate`` on the development machine)
-DEFAULT_PROFILE = os.path.join(os.path.dirname(__file__), "default_profile.json")
+#: the reference profile shipped with gradcomp (its development machine's; used only when this
+#: machine cannot be measured)
+DEFAULT_PROFILE = SHIPPED_PROFILE
 SUBCOMMANDS = ("recommend", "calibrate", "validate")
 
 
@@ -91,7 +97,7 @@ def _lists():
 
     def links(t):
         names = parse_list(t, lambda s, name: s.lower(), "--link")
-        return [(n, parse_rate(n, "--link")) for n in names]
+        return [(n, parse_rate(n, "--link") / 8) for n in names]  # (name, bytes/s): the model prices bytes
 
     def params(t):
         return parse_list(t, parse_count, "--params")
@@ -100,8 +106,13 @@ def _lists():
 
 def _model_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model inputs")
-    g.add_argument("--profile", help="profile JSON from gradcomp plan calibrate (default: the shipped one)")
-    g.add_argument("--alpha-us", type=_arg(_positive, "alpha"), help="message latency in microseconds")
+    g.add_argument("--profile", help="profile JSON from gradcomp plan calibrate (default: this machine's "
+                                     "kernels, measured on first use and cached)")
+    g.add_argument("--recalibrate", action="store_true",
+                   help="measure this machine's kernel rates again (some seconds) and replace the cached profile")
+    g.add_argument("--alpha-us", type=_arg(_positive, "alpha"),
+                   help="latency of one message between two workers in microseconds (default: the "
+                        "profile's; a measured-here profile assumes 20, TCP within one data centre)")
     g.add_argument("--kernel-gbps", type=_arg(_positive, "gbps"),
                    help="every codec op at this memory bandwidth in GB/s (roofline; e.g. a GPU's)")
     g.add_argument("--kernels-json", help="kernel rates from gradcomp bench kernels' kernels.json")
@@ -123,21 +134,84 @@ def _at_least_one(text: str) -> float:
     return v
 
 
+def _check_inputs(args) -> None:
+    """The files the model options name, read before any work (ValueError naming the option)."""
+    for opt, path in (("--profile", args.profile), ("--kernels-json", args.kernels_json)):
+        if path is not None and not os.path.isfile(path):
+            why = "is a directory" if os.path.isdir(path) else "No such file"
+            raise ValueError(f"{opt} {path}: {why}")
+
+
 def _profile(args):
+    """The profile the model prices with (see :func:`_resolve`)."""
+    return _resolve(args)[0]
+
+
+def _resolve(args):
+    """The profile the model prices with, and a sentence saying where its inputs came from:
+    measured on this machine (date), given, a default, or the shipped reference profile."""
+    from gradcomp.lab.plan.machine import this_machine
     from gradcomp.lab.plan.profile import Profile
 
-    prof = Profile.load(args.profile or DEFAULT_PROFILE)
+    given = args.kernels_json or args.kernel_gbps
+    if args.profile:
+        try:
+            prof = Profile.load(args.profile)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--profile {args.profile}: {getattr(e, 'strerror', None) or e}") from None
+        machine = prof.source.get("machine")
+        on = f" (measured on {machine}, {prof.source.get('measured')})" if machine else ""
+        kernels, latency = f"kernels from --profile {args.profile}{on}", f"from --profile {args.profile}"
+    elif given:
+        prof, kernels, latency = Profile(), "", "a default (TCP within one data centre)"
+    else:
+        prof, origin = this_machine(args.recalibrate, _measuring_bar())
+        if origin.kind == "measured":
+            kernels = (f"kernels measured on this machine ({origin.when}; cached in {origin.path}; "
+                       "--recalibrate measures again)")
+            latency = "a default (TCP within one data centre)"
+        else:
+            kernels = (f"kernels from the shipped reference profile of another machine (gradcomp's "
+                       f"development host), as this one could not be measured ({origin.why}); "
+                       "`gradcomp plan calibrate` measures yours")
+            latency = "from the shipped reference profile"
     # other kernels replace the measured rates and their per-call costs together
     if args.kernels_json:
         k = Profile.from_kernels_json(args.kernels_json, device=args.kernels_device)
         prof.kernels, prof.call_s, prof.source = k.kernels, k.call_s, {**prof.source, **k.source}
+        kernels = f"kernels given (--kernels-json {args.kernels_json})"
     if args.kernel_gbps:
         k = Profile.roofline(args.kernel_gbps)
         prof.kernels, prof.call_s, prof.source = k.kernels, k.call_s, {**prof.source, **k.source}
+        kernels = f"kernels given (--kernel-gbps {args.kernel_gbps:g}, every op at that memory bandwidth)"
     if args.alpha_us:
         prof.alpha_s = args.alpha_us * 1e-6
         prof.source = {**prof.source, "alpha": "--alpha-us"}
-    return prof
+        latency = "given (--alpha-us)"
+    where = (f"inputs: {kernels}; latency {prof.alpha_s * 1e6:,.1f} us per message, {latency}"
+             + ("" if args.alpha_us else "; --alpha-us sets yours") + "; link rates as given.")
+    return prof, where
+
+
+def _measuring_bar():
+    """A progress callback on stderr for the first-use measurement (a line when not a terminal)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    console = Console(stderr=True)
+    state = {}
+
+    def on_progress(done: int, total: int) -> None:
+        if "bar" not in state:
+            console.print("measuring this machine's kernel rates once (cached for later runs)", highlight=False)
+            state["bar"] = Progress(TextColumn("kernels"), BarColumn(), MofNCompleteColumn(), console=console,
+                                    transient=True)
+            state["bar"].start()
+            state["task"] = state["bar"].add_task("", total=total)
+        state["bar"].update(state["task"], completed=done)
+        if done >= total:
+            state["bar"].stop()
+    return on_progress
 
 
 def _build(sub: str | None) -> argparse.ArgumentParser:
@@ -159,16 +233,22 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
                        help="samples (tokens) per worker step for the derived compute time (default 8192)")
         p.add_argument("--flops", type=_arg(_positive, "flops"), default=4e14,
                        help="sustained FLOP/s per worker for the derived compute time (default 4e14)")
-        p.add_argument("--out", default="plan-results", help="directory for plan.json and plan.png")
+        p.add_argument("--out", default="plan-results",
+                       help="directory for plan.json and plan.png (default plan-results)")
         _model_options(p)
         return p
     p = _Parser(prog=f"gradcomp plan {sub}")
     if sub == "recommend":
         p.description = "Name the mode, compressor and algorithm the model expects to train fastest."
-        p.add_argument("--nodes", type=_arg(_int_pos, "nodes"), required=True)
-        p.add_argument("--link", type=_arg(lambda t: links(t)[0], "link"), required=True)
-        p.add_argument("--params", type=_arg(lambda t: _parse_one(params, t), "params"), required=True)
-        p.add_argument("--compute-ms", type=_arg(_positive, "ms"), required=True)
+        p.add_argument("--nodes", type=_arg(_int_pos, "nodes"), required=True, metavar="N",
+                       help="data-parallel workers (GPUs or processes), each computing a gradient per step")
+        p.add_argument("--link", type=_arg(lambda t: links(t)[0], "link"), required=True, metavar="RATE",
+                       help="the network rate between workers: 100mbit, 1gbit, 10gbit, 100gbit, ...")
+        p.add_argument("--params", type=_arg(lambda t: _parse_one(params, t), "params"), required=True,
+                       metavar="P", help="model size in parameters, suffixes k M B (e.g. 25M, 1B)")
+        p.add_argument("--compute-ms", type=_arg(_positive, "ms"), required=True, metavar="MS",
+                       help="one worker's forward + backward per step in milliseconds (its step time "
+                            "when it trains alone)")
         p.add_argument("--max-gap", type=_arg(_nonneg, "gap"), default=0.5,
                        help="largest accuracy gap in points a compressor may cost (default 0.5)")
         p.add_argument("--max-staleness", type=_arg(_nonneg, "staleness"), default=None,
@@ -178,11 +258,20 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
     elif sub == "calibrate":
         p.description = "Measure alpha, beta and the kernel rates here; write a JSON profile."
         p.add_argument("--link", default="none", help="none (loopback) or a shaped rate such as 1gbit")
-        p.add_argument("--out", default="gradcomp-profile.json", help="profile file to write")
+        p.add_argument("--topology", type=_arg(_topology, "topology"), default=None, metavar="HxR",
+                       help="a two-tier emulated cluster of H hosts of R ranks (H >= 2, a shaped --link): "
+                            "the link is measured between two hosts, the intra-host tier between two "
+                            "ranks of one host (R >= 2), each with its configured and achieved rate")
+        p.add_argument("--intra-link", default="none",
+                       help="with --topology: the intra-host rate (default none: unshaped)")
+        p.add_argument("--out", default="gradcomp-profile.json",
+                       help="profile file to write (default gradcomp-profile.json)")
         p.add_argument("--repeats", type=_arg(_int_pos, "repeats"), default=9,
                        help="timed rounds per message size and kernel (medians; default 9)")
-        p.add_argument("--kernel-numel", type=_arg(_int_pos, "numel"), default=2**22)
-        p.add_argument("--timeout", type=_arg(_positive, "timeout"), default=300.0)
+        p.add_argument("--kernel-numel", type=_arg(_int_pos, "numel"), default=2**22,
+                       help="float32 elements each kernel is timed on (default 2**22)")
+        p.add_argument("--timeout", type=_arg(_positive, "timeout"), default=300.0,
+                       help="seconds allowed for the measurement (default 300)")
     else:
         p.description = "Predicted vs measured step time and idle share of a time study's runs."
         p.add_argument("results", help="directory holding results.json (or the file)")
@@ -211,35 +300,11 @@ def _parse_one(parse_many, text):
 
 
 def _console():
+    """Standard output: in a terminal, sentences wrap at its width; in a pipe each stays one line
+    (for grep). Tables are printed with ``soft_wrap=False``: at most 80 columns either way."""
     from rich.console import Console
 
-    return Console(width=max(100, os.get_terminal_size(1).columns) if sys.stdout.isatty() else 220,
-                   soft_wrap=True)
-
-
-def _table(title: str, columns, rows, text: int = 2):
-    """A rich table whose first ``text`` columns are left-aligned, the others right-aligned."""
-    from rich.table import Table
-
-    t = Table(title=title, title_justify="left")
-    for i, c in enumerate(columns):
-        t.add_column(c, justify="left" if i < text else "right")
-    for r in rows:
-        t.add_row(*r)
-    return t
-
-
-_SHORT = {"ring": "R", "two_phase": "2P", "allgather": "AG", "ps": "PS"}
-
-
-def _short(key: str) -> str:
-    """``"int8/two_phase"`` -> ``"int8 2P"``."""
-    name, alg = key.split("/")
-    return f"{name} {_SHORT[alg]}"
-
-
-def _ms(s: float) -> str:
-    return f"{1e3 * s:,.1f}" if s < 100 else f"{s:,.1f} s"
+    return Console(highlight=False, soft_wrap=not sys.stdout.isatty())
 
 
 def _pct(x: float) -> str:
@@ -254,37 +319,23 @@ def _setting_kw(args) -> dict:
 # ---- subcommands ---------------------------------------------------------------------
 
 def _project(args) -> int:
+    from gradcomp._validate import writable_dir
+    from gradcomp.lab.plan import tables
     from gradcomp.lab.plan.project import plot, project
-    from gradcomp.lab.units import format_count
 
-    prof = _profile(args)
+    writable_dir("--out", args.out)
+    prof, where = _resolve(args)
     cv = 0.2 if args.straggler_cv is None else args.straggler_cv
     compute = args.compute_ms / 1e3 if args.compute_ms else None
     rows = project(args.nodes, args.link, args.params, prof, compute_s=compute, samples=args.samples,
                    flops=args.flops, straggler_cv=cv, servers=args.servers,
                    straggler_factor=args.straggler_factor, bucket_bytes=int(args.bucket_mb * 2**20))
     con = _console()
-    table = []
-    for r in rows:
-        b = r["sync"][r["best_sync"]]
-        table.append([format_count(r["params"]), r["link"], str(r["nodes"]), _ms(r["compute_s"]),
-                      _ms(r["baseline"]["step_s"]), _pct(r["comm_share_none"]), _short(r["best_sync"]),
-                      _ms(b["step_s"]), f"{r['speedup'][r['best_sync']]:.2f}x", _pct(r["comm_share_best"]),
-                      _short(r["best_async"]), f"{r['async_over_sync']:.2f}x",
-                      f"{r['staleness_best_async']:.1f}", _pct(r["idle_share"])])
-    con.print(_table(
-        f"gradcomp plan: alpha {prof.alpha_s * 1e6:.1f} us/message, kernels: {prof.source.get('kernels', '?')}",
-        ["params", "link", "N", "compute ms", "none ms", "comm none", "fastest sync", "ms", "speed-up",
-         "comm", "fastest async", "async/sync", "stale", f"idle cv{cv:g}"], table))
-    # the table leaves out bf16 (fp16's bytes and kernels) and threshold (its density is
-    # an assumption); plan.json has every one
-    keys = [k for k in (rows[0]["speedup"] if rows else []) if not k.startswith(("bf16/", "threshold"))]
-    con.print(_table("speed-up of each sync compressor/algorithm over none/ring "
-                     "(R ring, 2P two-phase, AG allgather, PS parameter server)",
-                     ["params", "link", "N"] + [_short(k) for k in keys],
-                     [[format_count(r["params"]), r["link"], str(r["nodes"])]
-                      + [f"{r['speedup'][k]:.2f}" for k in keys] for r in rows]))
-    os.makedirs(args.out, exist_ok=True)
+    con.print(where)
+    for t in tables.projection_tables(rows, cv):
+        con.print(t, soft_wrap=False)
+    con.print(tables.PROJECTION_LEGEND, style="dim")
+    con.print(tables.speedup_table(rows), soft_wrap=False)
     with open(os.path.join(args.out, "plan.json"), "w") as f:
         json.dump({"profile": prof.to_dict(), "rows": rows}, f, indent=1)
     plot(rows, os.path.join(args.out, "plan.png"))
@@ -297,7 +348,7 @@ def _recommend(args) -> int:
     from gradcomp.lab.plan.recommend import recommend
     from gradcomp.lab.units import format_count
 
-    prof = _profile(args)
+    prof, where = _resolve(args)
     name, beta = args.link
     s = Setting(nodes=args.nodes, link_bytes_per_s=beta, params=args.params, compute_s=args.compute_ms / 1e3,
                 servers=args.servers or max(1, args.nodes // 8), **_setting_kw(args))
@@ -307,27 +358,49 @@ def _recommend(args) -> int:
         print(f"gradcomp plan recommend: error: {e}", file=sys.stderr)
         return 2
     con = _console()
-    best, t = rec.best, rec.seconds
+    strag = (f"; compute varies between workers with CV {s.straggler_cv:g}" if s.straggler_cv else "") + (
+        f"; one worker computes {s.straggler_factor:g}x as long" if s.straggler_factor != 1 else "")
+    con.print(f"setting: {args.nodes} workers on {name} links ({beta / 1e6:,.1f} MB/s), a "
+              f"{format_count(args.params)}-parameter model, {args.compute_ms:g} ms of compute per worker "
+              f"step{strag}.")
+    con.print(where)
+    _say(con, rec, prof)
+    return 0
+
+
+def _how_long(p) -> str:
+    """How long the choice takes to apply one gradient from every worker, in words."""
+    from gradcomp.lab.plan.tables import duration
+
+    if p.mode == "sync":
+        return f"{duration(p.step_s)} per step"
+    return (f"{duration(p.nodes / p.throughput)} to apply one gradient from each of the {p.nodes} workers "
+            f"({p.throughput:,.1f} gradients/s)")
+
+
+def _say(con, rec, prof) -> None:
+    """The recommendation as sentences a user acts on, then its runner-up, baseline and uncertainty."""
+    from gradcomp.lab.plan.tables import duration
+
+    best, t = rec.best, rec.seconds  # t(p): seconds to apply one gradient from every worker
 
     def what(p):
         return f"{p.mode} {p.compressor} on {p.algorithm}"
-
-    def numbers(p):
-        extra = f", mean staleness {p.staleness_mean:.1f}" if p.staleness_mean is not None else ""
-        return (f"{1e3 * t(p):,.1f} ms per N gradients (step {1e3 * p.step_s:,.1f} ms, exposed comm "
-                f"{_pct(p.comm_share)}, idle {_pct(p.idle_share)}, {p.bytes_sent / 1e6:,.2f} MB sent/step{extra})")
-    con.print(f"setting: {args.nodes} nodes, {name} ({beta / 1e6:,.1f} MB/s), {format_count(args.params)} params, "
-              f"compute {args.compute_ms:g} ms, straggler CV {s.straggler_cv:g}, factor {s.straggler_factor:g}, "
-              f"alpha {s.alpha(prof) * 1e6:.1f} us, kernels: {prof.source.get('kernels', '?')}")
-    con.print(f"[bold]recommended: {what(best)}[/bold]: {numbers(best)}")
+    stale = f", gradients {best.staleness_mean:.1f} updates stale on average" if best.mode == "async" else ""
+    gain = ("no compression is the fastest here" if (best.compressor, best.algorithm) == ("none", "ring")
+            else f"{t(rec.baseline) / t(best):.2f}x faster than no compression")
+    con.print(f"[bold]recommended: {what(best)}[/bold]: {_how_long(best)}, {gain}; communication not hidden "
+              f"by compute takes "
+              f"{_pct(best.comm_share)} of a step, waiting for slower workers {_pct(best.idle_share)}, and each "
+              f"worker sends {best.bytes_sent / 1e6:,.2f} MB per step{stale}.")
     if rec.runner_up is not None:
         gain = t(rec.runner_up) / t(best) - 1
-        con.print(f"runner-up: {what(rec.runner_up)}: {numbers(rec.runner_up)} ({100 * gain:.1f}% slower)")
-    con.print(f"no compression: {what(rec.baseline)}: {numbers(rec.baseline)} "
+        con.print(f"runner-up: {what(rec.runner_up)}: {_how_long(rec.runner_up)} ({100 * gain:.1f}% slower)")
+    con.print(f"no compression: {what(rec.baseline)}: {_how_long(rec.baseline)} "
               f"({t(rec.baseline) / t(best):.2f}x the recommended time)")
     lo, hi = rec.time_range_s
-    con.print(f"uncertainty: with alpha x0.5..x2, bandwidth x0.8..x1.2, kernel rates x0.5..x2, compute "
-              f"x0.8..x1.2 the recommended choice takes {1e3 * lo:,.1f} to {1e3 * hi:,.1f} ms and stays first in "
+    con.print(f"uncertainty: with latency x0.5..x2, bandwidth x0.8..x1.2, kernel rates x0.5..x2 and compute "
+              f"x0.8..x1.2 the recommended choice takes {duration(lo)} to {duration(hi)} and stays first in "
               f"{rec.stays_best} of {rec.cases} cases")
     val = prof.fit.get("validation_step_mdape_pct")
     if val is not None:
@@ -337,24 +410,33 @@ def _recommend(args) -> int:
         con.print("the profile carries no validation against measured runs "
                   "(gradcomp plan validate DIR --save-profile FILE records one)")
     if best.mode == "async":
-        con.print(f"note: async gradients are {best.staleness_mean:.1f} updates stale on average "
-                  "(accuracy at that staleness is not modelled; bound it with --max-staleness)")
+        con.print("note: accuracy at that staleness is not modelled; bound it with --max-staleness")
     for p, why in rec.excluded:
         con.print(f"excluded: {what(p)}: {why}")
-    return 0
+
+
+def _topology(text: str) -> tuple[int, int]:
+    from gradcomp.lab.units import parse_topology
+
+    hosts, per = parse_topology(text)
+    if hosts < 2:
+        raise ValueError(f"topology needs at least 2 hosts to measure a link between them, got {text!r}")
+    return hosts, per
 
 
 def _calibrate(args) -> int:
     from gradcomp.lab.plan import calibrate as C
-    from gradcomp.lab.plan.host import Host
-    from gradcomp.lab.plan.profile import Profile
     from gradcomp.lab.units import parse_rate
 
+    _writable_file("--out", args.out)
     link = args.link.strip().lower()
     sizes = C.sizes_for(None)
+    intra, cluster = None, None
     if link != "none":
         try:
-            sizes = C.sizes_for(parse_rate(link, "--link"))
+            sizes = C.sizes_for(parse_rate(link, "--link") / 8)
+            intra_rate = None if args.intra_link.strip().lower() == "none" else parse_rate(args.intra_link,
+                                                                                            "--intra-link") / 8
         except ValueError as e:
             print(f"gradcomp plan calibrate: error: {e}", file=sys.stderr)
             return 2
@@ -365,34 +447,94 @@ def _calibrate(args) -> int:
                   "which is not available in this installation; use --link none for loopback",
                   file=sys.stderr)
             return 2
-        with LocalCluster(world_size=2, rate=link) as c:
-            results = c.run(C.measure, sizes, args.repeats, args.timeout, args.kernel_numel)
+        hosts, per = args.topology or (2, 1)
+        shape = dict(hosts=hosts, ranks_per_host=per) if args.topology else dict(world_size=2)
+        if per > 1 and intra_rate is not None:
+            shape["intra_rate"] = args.intra_link.strip().lower()
+        with LocalCluster(**shape, rate=link) as c:
+            # a pair on two hosts: the link, then (its first rank) the kernels
+            results = c.run_on(C.measure, [0, per], sizes, args.repeats, args.timeout, args.kernel_numel,
+                               timeout=args.timeout * 2 + 600)
+            if per > 1:  # a pair on one host: the intra-host tier
+                tier = c.run_on(C.measure_link, [0, 1], C.sizes_for(intra_rate),
+                                args.repeats, args.timeout, timeout=args.timeout * 2 + 60)
+                name = args.intra_link.strip().lower()
+                intra = {**C.link_profile(tier, name), "link": name}
+            cluster = c.describe()
+    elif args.topology is not None or args.intra_link.strip().lower() != "none":
+        print("gradcomp plan calibrate: error: --topology and --intra-link need a shaped --link "
+              "(e.g. --link 100mbit)", file=sys.stderr)
+        return 2
     else:
         from gradcomp.launch import launch
 
         results = launch(C.measure, 2, (sizes, args.repeats, args.timeout, args.kernel_numel),
                          timeout=args.timeout * 2 + 600)
-    fitted = C.link_profile(results, link)
-    kern = results[0]["kernels"]
+    _write_profile(args, C.link_profile(results, link), results[0]["kernels"], link, intra, cluster)
+    return 0
+
+
+def _write_profile(args, fitted: dict, kern: dict, link: str, intra: dict | None, cluster: dict | None) -> None:
+    from gradcomp.lab.plan.host import Host
+    from gradcomp.lab.plan.profile import Profile
+
+    source = {**kern["source"], "link": f"ping-pong over gradcomp p2p, link {link}",
+              "machine": socket.gethostname(), "measured": time.strftime("%Y-%m-%d %H:%M")}
+    if cluster is not None:
+        source["cluster"] = cluster  # configured and achieved rates of both tiers
     prof = Profile(alpha_s=fitted["alpha_s"], beta_bytes_per_s=fitted["beta_bytes_per_s"], link=link,
                    kernels=kern["kernels"], call_s=kern["call_s"], fit=fitted["fit"],
-                   host=Host(os.cpu_count() or 1),
-                   source={**kern["source"], "link": f"ping-pong over gradcomp p2p, link {link}"})
+                   host=Host(os.cpu_count() or 1), source=source, intra=intra,
+                   topology=cluster["topology"] if cluster is not None and intra is not None else None)
     prof.save(args.out)
     print(f"alpha {prof.alpha_s * 1e6:.1f} us, beta {prof.beta_bytes_per_s / 1e9:.3f} GB/s "
           f"({8 * prof.beta_bytes_per_s / 1e9:.2f} Gbit/s), r2 {fitted['fit']['r2']:.4f}; "
           f"int8 compress {prof.kernels['int8.compress'] / 1e6:.0f} M elements/s; wrote {args.out}")
-    return 0
+    if intra is not None:
+        print(f"intra-host ({prof.topology}): alpha {intra['alpha_s'] * 1e6:.1f} us, beta "
+              f"{intra['beta_bytes_per_s'] / 1e9:.3f} GB/s ({8 * intra['beta_bytes_per_s'] / 1e9:.2f} Gbit/s)")
+
+
+def _writable_file(name: str, path: str) -> str:
+    """ValueError naming ``name`` unless a file can be written at ``path`` (its folder is
+    created if needed); checked before any work."""
+    from gradcomp._validate import writable_dir
+
+    if os.path.isdir(path):
+        raise ValueError(f"{name} {path} is a directory; give a file name")
+    writable_dir(name, os.path.dirname(os.path.abspath(path)))
+    return path
+
+
+def _validation_profile(args, data: dict, base: str):
+    """The profile ``plan validate`` prices the runs with: the one given, else the results'
+    own, else the shipped reference profile (said to be another machine's)."""
+    from gradcomp.lab.plan.validate import results_profile
+
+    if args.profile or args.kernels_json or args.kernel_gbps:
+        return _profile(args)
+    if "profile" in data:
+        return results_profile(data, base)
+    # the runs' own latency is a loopback's: a measured-here profile's default would not fit it
+    from gradcomp.lab.plan.profile import Profile
+
+    prof = Profile.load(DEFAULT_PROFILE)
+    if args.alpha_us:
+        prof.alpha_s = args.alpha_us * 1e-6
+    print(f"profile: the shipped reference profile of another machine ({DEFAULT_PROFILE}); "
+          "`gradcomp plan calibrate --out p.json` measures this one, --profile p.json uses it")
+    return prof
 
 
 def _validate(args) -> int:
     from gradcomp.lab.plan.host import Host
-    from gradcomp.lab.plan.validate import (TERMS, summary, breakdown, fit_host, load_results, results_profile,
+    from gradcomp.lab.plan import tables
+    from gradcomp.lab.plan.validate import (TERMS, summary, breakdown, fit_host, load_results,
                                         validate_runs)
 
     data = load_results(args.results)
     base = args.results if os.path.isdir(args.results) else os.path.dirname(args.results)
-    prof = _profile(args) if (args.profile or "profile" not in data) else results_profile(data, base)
+    prof = _validation_profile(args, data, base)
     if args.no_host:
         prof.host = None
     elif args.host_cores:
@@ -408,26 +550,10 @@ def _validate(args) -> int:
                   f"of oversubscription; on those runs: step {fit['step_mdape_pct']:.1f}%, "
                   f"idle {fit['idle_mdae_pts']:.1f} points")
     out = validate_runs(data, prof)
-    rows = []
-    for r in out["rows"]:
-        st, idle, b, ex = r["step_s"], r["idle_share"], r["bytes"], r["exposed_comm_s"]
-        rows.append([r["label"], _ms(st["measured"]), _ms(st["predicted"]), f"{r['step_error_pct']:+.1f}%",
-                     _ms(ex["measured"]) if ex["measured"] is not None else "-", _ms(ex["predicted"]),
-                     _pct(idle["measured"]), _pct(idle["predicted"]),
-                     f"{b['measured']:,.0f}" if b["measured"] is not None else "-", f"{b['predicted']:,.0f}"])
-    con.print(_table(f"predicted vs measured ({args.results})",
-                     ["run", "step ms", "predicted", "error", "exposed comm ms", "predicted", "idle", "predicted",
-                      "bytes/step", "predicted"], rows, text=1))
+    for t in tables.validation_tables(out, args.results):
+        con.print(t, soft_wrap=False)
     if args.breakdown:
-        rows = []
-        for g in breakdown(out):
-            m, p = g["terms"]["measured"], g["terms"]["predicted"]
-            rows.append([" ".join(g["group"]), str(g["runs"]), _ms(g["step_s"]["measured"]),
-                         _ms(g["step_s"]["predicted"]), f"{g['step_error_pct']:+.0f}%"]
-                        + [f"{_ms(m[t]) if m else '-'} / {_ms(p[t])}" for t in TERMS])
-        con.print(_table("per group, mean over runs: measured / predicted ms (codec = compress + decompress; "
-                         "comm = the rest of the exchange; apply = apply + other)",
-                         ["scenario mode compressor", "runs", "step ms", "predicted", "error", *TERMS], rows, text=1))
+        con.print(tables.breakdown_table(breakdown(out), TERMS), soft_wrap=False)
     for label, why in out["skipped"]:
         con.print(f"skipped {label}: {why}")
     if out["step_mdape_pct"] is None:
@@ -463,6 +589,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build(sub).parse_args(argv[1:] if sub else argv)
     run = {None: _project, "recommend": _recommend, "calibrate": _calibrate, "validate": _validate}[sub]
     try:
+        if sub != "calibrate":
+            _check_inputs(args)
         return run(args)
     except (OSError, ValueError) as e:
         print(f"gradcomp plan{' ' + sub if sub else ''}: error: {e}".replace("\n", " "), file=sys.stderr)

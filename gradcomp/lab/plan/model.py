@@ -7,42 +7,10 @@ and Yuan 2009; bucketed overlap as in PyTorch DDP (Li et al. 2020); the
 parameter server of Li et al. 2014; the pipeline bubble of GPipe (Huang et
 al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021).
 
-**Messages.** A point-to-point message of ``m`` bytes takes ``alpha + m / beta``
-seconds (``alpha``: per-message latency and software cost; ``beta``: link
-bytes per second, full duplex: a rank sends and receives at ``beta`` at
-once). A rank sending to several peers at once shares its one link (the
-one-port model), so ``k`` concurrent messages cost ``k alpha + sum(m) / beta``.
-
-**Wire sizes** are exact: every payload's size comes from the compressors'
-``wire_nbytes`` (:mod:`gradcomp.wire`: a 48-byte header for a 1-D tensor,
-then the codec's sections; top-k adds padded int32 indices and a nested
-values payload), over the exact chunks of :func:`gradcomp.comm.chunks.chunk_bounds`.
-
-**Kernel time** of each codec operation is elements / rate, rates from a
-:class:`~gradcomp.lab.plan.profile.Profile`.
-
-**One allreduce of a bucket of n elements over N ranks** (chunks of
-``L = ceil(n / N)`` elements, ``w`` = wire bytes of a chunk, ``hop = alpha + w / beta``;
-``c``, ``rc``, ``d``, ``da`` = compress, decompress-add-recompress,
-decompress, decompress-add of one chunk), following what
-:mod:`gradcomp.comm` does step by step:
-
-* ``ring`` (:mod:`gradcomp.comm.ring`): ``c + (N - 1) hop + (N - 1) rc``
-  (compress one chunk; ``N - 1`` hops, after each the received partial sum is
-  decompressed, added and requantized, the owner's final one included), then
-  the allgather ``hop + (N - 2) max(hop, d) + d`` (each received chunk is
-  decompressed while the next one travels). Bytes sent per rank: the
-  ``N - 1`` chunks of each phase; each element is quantized ``N`` times.
-* ``two_phase`` (:mod:`gradcomp.comm.two_phase`): ``(N - 1) c`` (every
-  foreign chunk compressed once, before sending) ``+ (N - 1) alpha + (N - 1) w / beta``
-  (direct exchange, one port) ``+ (N - 2) da + rc``, then the same allgather.
-  Same bytes as the ring, two quantizations.
-* ``allgather`` (sparse, :mod:`gradcomp.comm.allgather`): ``[ef] + select(n) +
-  values(k)``, the size exchange ``(N - 1) (alpha + 8 / beta)``, the payloads
-  forwarded around the ring ``(N - 1) (alpha + P / beta)`` (``P``: the whole
-  tensor's sparse payload), then ``N`` decompress-adds of ``k`` elements:
-  each rank receives ``(N - 1) P`` bytes, growing with ``N`` where the dense
-  ring's ``2 (N - 1) / N`` stays flat.
+**One allreduce** of a bucket (wire bytes, messages, quantizations, seconds per
+algorithm: ring, two-phase, halving-doubling, sparse allgather, sparse
+reduce-scatter) is priced by :mod:`gradcomp.lab.plan.costs`: alpha-beta
+messages on one port, exact wire sizes, kernel time from measured rates.
 
 **Overlap with backward.** The gradient is cut into DDP's buckets (the first
 1 MiB, then 25 MiB of float32 by default; buckets under the hook's
@@ -93,8 +61,8 @@ elements), where DDP's hook compresses one flat bucket.
 
 **Shared host** (:class:`~gradcomp.lab.plan.host.Host`, ``Setting.host`` with
 ``ranks_per_host`` processes on ``cores`` cores, and ``background_load``
-runnable processes of other jobs; the time study runs 4 workers, and in
-async the server, on 2 cores shared with other work). Processor sharing: codec
+runnable processes of other jobs, as when the time study's workers, and in
+async the server, share a few cores with other work). Processor sharing: codec
 kernels and the server's work take ``share = max(1, runnable / cores)``
 times their one-core time. A collective's exchange step waits for a
 descheduled peer, ``skew = slice_s (share - 1)``, which overlaps the
@@ -119,8 +87,8 @@ Not modelled (stated so that a disagreement with a measurement can be
 traced): contention between the hook's compression and the same rank's
 backward (one bucket per step in the time study: nothing to overlap), the
 ring's progress before a late straggler arrives, the parameter-server
-worker's own per-tensor bookkeeping beyond its codec calls (top-k + int8 in
-async: 21 ms measured against 6 ms priced), network congestion beyond
+worker's own per-tensor bookkeeping beyond its codec calls (what it costs:
+docs/results/plan-validation.md), network congestion beyond
 one link per node (a non-blocking fabric is assumed), the agreement message
 of the first call, and zeroing / dividing the allgather's output.
 """
@@ -129,21 +97,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from functools import lru_cache
 
-import torch
-
+from gradcomp import catalog
 from gradcomp import wire as W
-from gradcomp.comm.chunks import chunk_bounds
-from gradcomp.compressors import BF16, FP16, Int8Quantizer, NoCompression, TopK
+from gradcomp.lab.plan.costs import (ALLREDUCE_ALGORITHMS, SIZE_NBYTES, allreduce_bytes, allreduce_messages,
+                                     allreduce_seconds, compress_s, decompress_add_s, quantizations,
+                                     wire_nbytes)
 from gradcomp.lab.plan.host import Host
 from gradcomp.lab.plan.lognormal import expected_max
 from gradcomp.lab.plan.profile import Profile
+from gradcomp.pipeline.bubble import bubble_fraction
 from gradcomp.ps import protocol as _ps_protocol
 
 __all__ = [
-    "Codec", "CODECS", "CODEC_NAMES", "ALGORITHMS", "MODES", "Setting", "Prediction",
-    "codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "ps_bytes", "predict",
+    "PlanCodec", "CODECS", "CODEC_NAMES", "PLAN_NAMES", "GAP_PTS", "ALGORITHMS", "MODES", "Setting", "Prediction",
+    "plan_codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "allreduce_messages",
+    "quantizations", "ps_bytes", "predict",
     "sync_step", "ps_sync_step", "async_throughput", "mva_response", "bubble_fraction", "FORWARD_SHARE",
     "pipeline_step",
     "PS_HEADER_NBYTES", "SIZE_NBYTES", "DDP_BUCKET_BYTES", "DDP_FIRST_BUCKET_BYTES",
@@ -153,32 +122,33 @@ __all__ = [
 #: a parameter-server message without data on the wire: the 80-byte header frame
 #: plus its ZMTP frame header (:func:`gradcomp.ps.protocol.message_nbytes`)
 PS_HEADER_NBYTES = _ps_protocol.message_nbytes()
-#: one payload size in the sparse allgather's size exchange (int64)
-SIZE_NBYTES = 8
 #: DDP's bucket_cap_mb default (25 MiB) and its first bucket (1 MiB)
 DDP_BUCKET_BYTES = 25 * 2**20
 DDP_FIRST_BUCKET_BYTES = 2**20
 #: gradcomp.ddp.DEFAULT_MIN_COMPRESS_NUMEL: smaller buckets go uncompressed
 MIN_COMPRESS_NUMEL = 16384
-#: top-k density of the study's top-k compressors (gradcomp.lab.study.config.TOPK_RATIO)
-TOPK_DENSITY = 0.01
+#: the compressors the planner prices, names of :mod:`gradcomp.catalog`
+PLAN_NAMES = ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-ef", "threshold-ef")
+#: accuracy gap in points ``recommend`` assumes per compressor (the default study's sync gap on
+#: digits, docs/results/default-study.md; 0 where none was measurable)
+GAP_PTS = {"topk-ef": 0.22, "topk-int8-ef": 0.22}
 
-ALGORITHMS = ("ring", "two_phase", "allgather", "ps")
+ALGORITHMS = (*ALLREDUCE_ALGORITHMS, "ps")
 MODES = ("sync", "async")
 
 
 @dataclass(frozen=True)
-class Codec:
-    """One compressor of the menu, named as ``gradcomp train --compressors`` names it.
+class PlanCodec:
+    """One compressor of the planner's menu: a :mod:`gradcomp.catalog` entry's facts plus
+    what the planner assumes of it.
 
     Attributes:
-        name: command-line name; label: the study's table label.
+        name: the catalog name; label: its table label.
         kind: wire codec (``raw``, ``fp16``, ``bf16``, ``int8``, ``topk``, ``threshold``).
         values: codec of a sparse payload's kept values (``raw`` or ``int8``).
         density: kept fraction k / n of a sparse codec (threshold: an assumption).
         error_feedback: residual memory (adds its update to the kernel time).
-        gap_pts: accuracy gap in points assumed by ``recommend`` (the default
-            study's measured sync gap on digits, README; 0 where none was measurable).
+        gap_pts: accuracy gap in points assumed by ``recommend`` (:data:`GAP_PTS`).
         compact_indices: a sparse payload codes its indices compactly
             (Elias-Fano) where smaller, as the library does by default; False:
             fixed-width int32 indices (payloads written before compact indices).
@@ -193,6 +163,16 @@ class Codec:
     gap_pts: float = 0.0
     compact_indices: bool = True
 
+    @classmethod
+    def of(cls, name: str) -> "PlanCodec":
+        """The catalog entry ``name`` with the planner's assumptions.
+
+        Raises:
+            ValueError: a name the catalog does not know.
+        """
+        e = catalog.entry(name)
+        return cls(e.name, e.label, e.kind, e.values, e.density, e.error_feedback, GAP_PTS.get(name, 0.0))
+
     @property
     def sparse(self) -> bool:
         return W.codec(self.kind).sparse
@@ -200,23 +180,20 @@ class Codec:
     @property
     def algorithms(self) -> tuple[str, ...]:
         """Allreduce algorithms that accept this codec (plus the parameter server)."""
-        return ("allgather", "ps") if self.sparse else ("ring", "two_phase", "ps")
+        if self.sparse:  # the sparse reduce-scatter takes exact top-k (fixed payload sizes)
+            return ("allgather", "sparse_reduce_scatter", "ps") if self.kind == "topk" else ("allgather", "ps")
+        return ("ring", "two_phase", "halving_doubling", "ps")
 
     def compressor(self, numel: int):
         """A compressor object with this codec's exact wire layout for ``numel``-element tensors."""
-        if self.kind == "raw":
-            return NoCompression()
-        if self.kind == "fp16":
-            return FP16()
-        if self.kind == "bf16":
-            return BF16()
-        if self.kind == "int8":
-            return Int8Quantizer()
-        values = Int8Quantizer() if self.values == "int8" else None
-        # threshold: the same layout at its density
-        return TopK(ratio=self.density, values=values, compact_indices=self.compact_indices)
+        compact = self.compact_indices
+        if self.kind == "threshold":  # priced as a top-k payload at its assumed density: the same layout
+            return catalog.build("topk-int8" if self.values == "int8" else "topk", density=self.density,
+                                 compact_indices=compact)
+        density = self.density if self.kind == "topk" else None
+        return catalog.build(self.name, density=density, compact_indices=compact)
 
-    def with_density(self, density: float) -> "Codec":
+    def with_density(self, density: float) -> "PlanCodec":
         """The same sparse codec at another density."""
         if not self.sparse:
             raise ValueError(f"{self.name} is dense: density does not apply")
@@ -224,25 +201,16 @@ class Codec:
             raise ValueError(f"density must be in (0, 1], got {density}")
         return replace(self, density=density)
 
-    def with_compact_indices(self, compact: bool) -> "Codec":
+    def with_compact_indices(self, compact: bool) -> "PlanCodec":
         """The same codec with compact (True) or fixed-width int32 (False) sparse indices."""
         return replace(self, compact_indices=bool(compact)) if self.sparse else self
 
 
-CODECS: dict[str, Codec] = {c.name: c for c in (
-    Codec("none", "none", "raw"),
-    Codec("fp16", "fp16", "fp16"),
-    Codec("bf16", "bf16", "bf16"),
-    Codec("int8", "int8", "int8"),
-    Codec("int8-ef", "int8+ef", "int8", error_feedback=True),
-    Codec("topk-ef", "topk1%+ef", "topk", "raw", TOPK_DENSITY, True, gap_pts=0.22),
-    Codec("topk-int8-ef", "topk1%+int8+ef", "topk", "int8", TOPK_DENSITY, True, gap_pts=0.22),
-    Codec("threshold-ef", "threshold+ef", "threshold", "raw", TOPK_DENSITY, True),
-)}
+CODECS: dict[str, PlanCodec] = {name: PlanCodec.of(name) for name in PLAN_NAMES}
 CODEC_NAMES = tuple(CODECS)
 
 
-def codec(name: str) -> Codec:
+def plan_codec(name: str) -> PlanCodec:
     """The menu entry ``name``.
 
     Raises:
@@ -253,50 +221,9 @@ def codec(name: str) -> Codec:
     return CODECS[name]
 
 
-# ---- wire bytes --------------------------------------------------------------------
+# ---- bytes per step -------------------------------------------------------------
 
-@lru_cache(maxsize=4096)
-def _wire(c: Codec, numel: int) -> int:
-    """Exact wire bytes of ``c``'s payload of a 1-D float32 tensor of ``numel`` elements."""
-    return c.compressor(numel).wire_nbytes((numel,), torch.float32)
-
-
-def _chunk_lens(numel: int, world: int) -> list[int]:
-    return [hi - lo for lo, hi in chunk_bounds(numel, world)]
-
-
-@lru_cache(maxsize=4096)
-def allreduce_bytes(c: Codec, algorithm: str, numel: int, world: int, rank: int = 0) -> tuple[int, int]:
-    """``(sent, received)`` wire bytes at ``rank`` for one allreduce of ``numel`` elements.
-
-    Dense (``ring``, ``two_phase``: the same bytes sent): the reduce-scatter
-    sends every chunk but ``rank``'s and receives ``N - 1`` payloads of chunk
-    ``rank`` (two-phase) or every chunk but ``rank - 1``'s (ring: in step ``s``
-    chunk ``rank - s - 2``); the allgather sends every chunk but ``rank + 1``'s
-    and receives every chunk but ``rank``'s. Sparse ``allgather``: ``N - 1``
-    whole-tensor payloads forwarded each way plus ``8 (N - 1)`` bytes of sizes.
-
-    Raises:
-        ValueError: an algorithm that does not take this codec.
-    """
-    if algorithm not in c.algorithms or algorithm == "ps":
-        raise ValueError(f"algorithm for {c.name} must be one of {c.algorithms[:-1]}, got {algorithm!r}")
-    if world == 1:
-        return 0, 0
-    if algorithm == "allgather":
-        p = _wire(c, numel)
-        return (world - 1) * (p + SIZE_NBYTES), (world - 1) * (p + SIZE_NBYTES)
-    lens = _chunk_lens(numel, world)
-    w = [_wire(c, n) for n in lens]
-    total = sum(w)
-    sent = (total - w[rank]) + (total - w[(rank + 1) % world])
-    ag_received = total - w[rank]  # every chunk but this rank's own
-    if algorithm == "two_phase":
-        return sent, (world - 1) * w[rank] + ag_received  # N - 1 payloads of chunk rank
-    return sent, (total - w[(rank - 1) % world]) + ag_received  # ring: chunks rank-2, ..., rank
-
-
-def ps_bytes(c: Codec, numel: int, servers: int, tensors: int = 1, compress_pull: bool = True) -> dict:
+def ps_bytes(c: PlanCodec, numel: int, servers: int, tensors: int = 1, compress_pull: bool = True) -> dict:
     """Bytes one worker moves per step with the parameter server.
 
     The gradient of ``numel`` elements in ``tensors`` equal parameter tensors
@@ -316,8 +243,8 @@ def ps_bytes(c: Codec, numel: int, servers: int, tensors: int = 1, compress_pull
     per = -(-numel // tensors)
     counts = [tensors // servers + (1 if s < tensors % servers else 0) for s in range(servers)]
     raw = CODECS["none"]
-    push = [_ps_protocol.message_nbytes(8 + 8 * k + k * _wire(c, per)) for k in counts]
-    pull = [_ps_protocol.message_nbytes(8 + 8 * k + k * _wire(c if compress_pull else raw, per))
+    push = [_ps_protocol.message_nbytes(8 + 8 * k + k * wire_nbytes(c, per)) for k in counts]
+    pull = [_ps_protocol.message_nbytes(8 + 8 * k + k * wire_nbytes(c if compress_pull else raw, per))
             for k in counts]
     sent = sum(push) + servers * PS_HEADER_NBYTES  # + pull requests
     received = sum(pull) + servers * PS_HEADER_NBYTES  # + push replies
@@ -338,76 +265,6 @@ def bucket_sizes(params: int, bucket_bytes: int = DDP_BUCKET_BYTES,
         out.append(min(size, left))
         left -= out[-1]
     return out
-
-
-# ---- kernel and transfer times -------------------------------------------------------
-
-def _compress_s(c: Codec, prof: Profile, n: int, ef: bool) -> float:
-    """Compress ``n`` elements (dense) or a whole ``n``-element tensor (sparse)."""
-    if c.sparse:
-        k = max(1, math.ceil(c.density * n))
-        t = prof.seconds(f"{c.kind}.select", n)
-        t += prof.seconds("int8.compress", k) if c.values == "int8" else 0.0
-        return t + (prof.seconds("ef.update", n) if ef else 0.0)
-    if c.kind == "int8" and ef:
-        return prof.seconds("int8.compress_ef", n)
-    return prof.seconds(f"{c.kind}.compress", n)
-
-
-def _decompress_add_s(c: Codec, prof: Profile, n: int) -> float:
-    if c.sparse:
-        k = max(1, math.ceil(c.density * n))
-        return prof.seconds("sparse.decompress_add", k) + (
-            prof.seconds("int8.decompress", k) if c.values == "int8" else 0.0)
-    return prof.seconds(f"{c.kind}.decompress_add", n)
-
-
-def allreduce_seconds(c: Codec, algorithm: str, numel: int, world: int, alpha: float, beta: float,
-                      prof: Profile, share: float = 1.0, skew: float = 0.0) -> dict:
-    """Time of one compressed allreduce of ``numel`` float32 elements (see the module docstring).
-
-    Args:
-        alpha: seconds per message; beta: link bytes per second.
-        share: slowdown of the codec kernels by processor sharing
-            (:meth:`gradcomp.lab.plan.host.Host.share`, 1 with a core per rank).
-        skew: seconds each exchange step waits for a descheduled peer,
-            hidden behind a longer transfer (:meth:`gradcomp.lab.plan.host.Host.skew_s`).
-
-    Returns:
-        ``{"total": s, "kernel": s, "transfer": s}`` (``transfer`` counts the
-        alphas and bytes on the critical path, ``kernel`` the codec work
-        that is not hidden behind a transfer).
-    """
-    if world == 1 or numel == 0:
-        return {"total": 0.0, "kernel": 0.0, "transfer": 0.0}
-    ef = c.error_feedback
-
-    def step(nbytes: float, messages: int = 1) -> float:  # one exchange step
-        return messages * alpha + max(skew, nbytes / beta)
-
-    if algorithm == "allgather":
-        p = _wire(c, numel)
-        transfer = (world - 1) * step(SIZE_NBYTES) + (world - 1) * step(p)
-        kernel = share * (_compress_s(c, prof, numel, ef) + world * _decompress_add_s(c, prof, numel))
-        return {"total": transfer + kernel, "kernel": kernel, "transfer": transfer}
-    if algorithm not in ("ring", "two_phase"):
-        raise ValueError(f"algorithm must be one of {ALGORITHMS[:3]}, got {algorithm!r}")
-    L = -(-numel // world)
-    w = _wire(c, L)
-    hop = step(w)
-    rc = share * prof.seconds(f"{c.kind}.reduce_compress", L)
-    d = share * prof.seconds(f"{c.kind}.decompress", L)
-    if algorithm == "ring":
-        rs_transfer = (world - 1) * hop
-        rs_kernel = share * _compress_s(c, prof, L, ef) + (world - 1) * rc
-    else:
-        rs_transfer = step((world - 1) * w, world - 1)
-        rs_kernel = share * ((world - 1) * _compress_s(c, prof, L, ef)
-                             + (world - 2) * _decompress_add_s(c, prof, L)) + rc
-    ag = hop + (world - 2) * max(hop, d) + d
-    ag_transfer = (world - 1) * hop
-    total = rs_transfer + rs_kernel + ag
-    return {"total": total, "kernel": total - rs_transfer - ag_transfer, "transfer": rs_transfer + ag_transfer}
 
 
 # ---- the step -----------------------------------------------------------------------
@@ -561,10 +418,10 @@ def _apply_s(s: Setting, prof: Profile, elements: int) -> float:
     return prof.seconds("sgd.apply", elements)
 
 
-def sync_step(c: Codec, algorithm: str, s: Setting, prof: Profile) -> Prediction:
-    """Synchronous data-parallel step with gradcomp's DDP hook (``ring``,
-    ``two_phase`` or ``allgather``): buckets reduced in FIFO order as backward
-    produces them, behind the slowest worker."""
+def sync_step(c: PlanCodec, algorithm: str, s: Setting, prof: Profile) -> Prediction:
+    """Synchronous data-parallel step with gradcomp's DDP hook (any allreduce
+    algorithm of :data:`ALGORITHMS` but ``ps``): buckets reduced in FIFO order
+    as backward produces them, behind the slowest worker."""
     if algorithm not in c.algorithms or algorithm == "ps":
         raise ValueError(f"algorithm for {c.name} must be one of {c.algorithms[:-1]}, got {algorithm!r}")
     alpha, beta, n = s.alpha(prof), s.link_bytes_per_s, s.nodes
@@ -597,7 +454,7 @@ def sync_step(c: Codec, algorithm: str, s: Setting, prof: Profile) -> Prediction
                       wait / step, comm_share, n / step, sent, received)
 
 
-def _ps_parts(c: Codec, s: Setting, prof: Profile, runnable: float | None = None) -> dict:
+def _ps_parts(c: PlanCodec, s: Setting, prof: Profile, runnable: float | None = None) -> dict:
     """Per-step parts of a parameter-server worker and shard server, with
     ``runnable`` processes sharing the host (default: all of them): kernel
     times stretched by :meth:`Setting.share`. No scheduling delay
@@ -613,13 +470,13 @@ def _ps_parts(c: Codec, s: Setting, prof: Profile, runnable: float | None = None
     tensors = max(s.tensors, s.servers)
     per = -(-s.params // tensors)
     per_shard = -(-tensors // s.servers)
-    compress = tensors * _compress_s(c, prof, per, c.error_feedback)
+    compress = tensors * compress_s(c, prof, per, c.error_feedback)
     pull_codec = c if s.compress_pull else CODECS["none"]
-    decompress = tensors * _decompress_add_s(pull_codec, prof, per)
+    decompress = tensors * decompress_add_s(pull_codec, prof, per)
     # per push a server decompress-adds the shard and (compress_pull) compresses the
     # pusher's delta with its residual; it applies the optimizer once per update
-    per_push = per_shard * (_decompress_add_s(c, prof, per)
-                            + (_compress_s(c, prof, per, True) if s.compress_pull else 0.0))
+    per_push = per_shard * (decompress_add_s(c, prof, per)
+                            + (compress_s(c, prof, per, True) if s.compress_pull else 0.0))
     apply = _apply_s(s, prof, shard)
     return {"bytes": b, "compress": share * compress, "decompress": share * decompress,
             "per_push": share * per_push, "apply": share * apply, "latency": 6 * s.servers * alpha,
@@ -627,7 +484,7 @@ def _ps_parts(c: Codec, s: Setting, prof: Profile, runnable: float | None = None
             "push_shard": b["push_shard"] / beta, "pull_shard": b["pull_shard"] / beta, "alpha": alpha}
 
 
-def ps_sync_step(c: Codec, s: Setting, prof: Profile) -> Prediction:
+def ps_sync_step(c: PlanCodec, s: Setting, prof: Profile) -> Prediction:
     """Synchronous parameter-server step: every worker pushes, each shard
     server aggregates the N pushes (ingress ``N push_shard / beta``), applies
     one step and answers the N pulls (egress ``N pull_shard / beta``)."""
@@ -681,7 +538,7 @@ def mva_response(groups: list[tuple[int, float]], demand: float) -> list[float]:
     return [ra, rb][:len(groups)]
 
 
-def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
+def async_throughput(c: PlanCodec, s: Setting, prof: Profile) -> Prediction:
     """Asynchronous parameter server: pushes applied on arrival (see the module docstring).
 
     ``step_s`` is a worker's mean time per push (``N / X``), ``throughput`` the
@@ -734,14 +591,15 @@ def async_throughput(c: Codec, s: Setting, prof: Profile) -> Prediction:
 
 def predict(mode: str, compressor: str, algorithm: str, s: Setting, prof: Profile) -> Prediction:
     """The step of ``mode`` (``sync``/``async``) with ``compressor`` (a :data:`CODECS`
-    name or a :class:`Codec`) and ``algorithm`` (``ring``, ``two_phase``,
-    ``allgather`` or ``ps``; async is always ``ps``).
+    name or a :class:`PlanCodec`) and ``algorithm`` (one of :data:`ALGORITHMS`:
+    ``ring``, ``two_phase``, ``allgather``, ``halving_doubling``,
+    ``sparse_reduce_scatter`` or ``ps``; async is always ``ps``).
 
     Raises:
         ValueError: an unknown mode, compressor or algorithm, or a combination
             the library rejects (a sparse codec on a dense algorithm, ...).
     """
-    c = compressor if isinstance(compressor, Codec) else codec(compressor)
+    c = compressor if isinstance(compressor, PlanCodec) else plan_codec(compressor)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if algorithm not in c.algorithms:
@@ -756,18 +614,6 @@ def predict(mode: str, compressor: str, algorithm: str, s: Setting, prof: Profil
 
 
 # ---- pipeline ----------------------------------------------------------------------
-
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """GPipe / 1F1B bubble: ``(p - 1) / (m + p - 1)`` of the step is idle.
-
-    Raises:
-        ValueError: ``stages`` or ``microbatches`` not an integer >= 1.
-    """
-    for name, v in (("stages", stages), ("microbatches", microbatches)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    return (stages - 1) / (microbatches + stages - 1)
-
 
 #: share of a step's compute that is forward (backward: the rest, about twice the forward)
 FORWARD_SHARE = 1.0 / 3.0

@@ -91,6 +91,11 @@ class Profile:
             allocation, Python), on top of ``elements / rate``; an op left out costs none.
         host: the host's cores and scheduling constants
             (:class:`~gradcomp.lab.plan.host.Host`), or None (not measured).
+        intra: the intra-host tier of a two-tier calibration (``gradcomp plan
+            calibrate --topology HxR``): ``{"alpha_s", "beta_bytes_per_s",
+            "link", "fit"}`` between two ranks of one host; None: not measured
+            (``alpha_s`` and ``beta_bytes_per_s`` are always the inter-host link's).
+        topology: ``"HxR"`` the calibration ran on, or None (one rank per host).
 
     Raises:
         ValueError: a non-positive or non-finite number, or an unknown op.
@@ -104,6 +109,8 @@ class Profile:
     source: dict = field(default_factory=dict)
     host: Host | None = None
     call_s: dict = field(default_factory=dict)
+    intra: dict | None = None
+    topology: str | None = None
 
     def __post_init__(self):
         self.alpha_s = _positive("alpha_s", self.alpha_s)
@@ -120,6 +127,12 @@ class Profile:
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not (math.isfinite(t) and t >= 0):
                 raise ValueError(f"call_s[{op!r}] must be a finite number >= 0, got {t!r}")
         self.call_s = {op: float(t) for op, t in self.call_s.items()}
+        if self.intra is not None:
+            if not isinstance(self.intra, dict):
+                raise ValueError(f"intra must be None or an object, got {type(self.intra).__name__}")
+            self.intra = dict(self.intra)
+            self.intra["alpha_s"] = _positive("intra alpha_s", self.intra.get("alpha_s"))
+            self.intra["beta_bytes_per_s"] = _positive("intra beta_bytes_per_s", self.intra.get("beta_bytes_per_s"))
 
     def seconds(self, op: str, elements: float, calls: int = 1) -> float:
         """Time of ``calls`` calls of ``op`` over ``elements`` elements in all:
@@ -213,6 +226,10 @@ class Profile:
             d["call_s"] = dict(self.call_s)
         if self.host is not None:
             d["host"] = self.host.to_dict()
+        if self.intra is not None:
+            d["intra"] = dict(self.intra)
+        if self.topology is not None:
+            d["topology"] = self.topology
         return d
 
     def save(self, path: str) -> None:
@@ -236,7 +253,7 @@ class Profile:
         return cls(alpha_s=d.get("alpha_s", DEFAULT_ALPHA_S), beta_bytes_per_s=d.get("beta_bytes_per_s"),
                    kernels=kernels, link=d.get("link"), fit=d.get("fit") or {}, source=d.get("source") or {},
                    host=Host.from_dict(d["host"]) if d.get("host") is not None else None,
-                   call_s=d.get("call_s") or {})
+                   call_s=d.get("call_s") or {}, intra=d.get("intra"), topology=d.get("topology"))
 
     @classmethod
     def load(cls, path: str) -> "Profile":

@@ -1,52 +1,6 @@
 """Validation: the model's step time and idle share against a time study's measurements.
 
-Reads the ``results.json`` that ``gradcomp train`` (the time study) writes
-and, for every run of mode ``sync`` or ``async``, predicts its step from the
-run's own setting with :func:`gradcomp.lab.plan.model.predict`. Keys read per run
-(under ``"runs"``): ``mode``, ``compressor``, ``algorithm``, ``world_size``,
-``params``, ``link`` (``name``, ``configured_bps``, ``achieved_bps``: bits per
-second), ``straggler`` (``{"rank", "factor"}`` or null),
-``compute_jitter_cv``, ``step_time_median_s``, ``phases_median_s``
-(``compute``, ``apply`` used as inputs), ``idle_share``,
-``bytes_per_worker_step`` and, for async, ``staleness_mean``; the top level
-may hold ``"profile"`` (a profile object as ``gradcomp plan calibrate``
-writes it, or the path of one).
-
-What is an input and what a prediction: the measured compute and apply
-times are inputs (the model predicts communication and waiting, not the
-speed of the model's arithmetic); the compute time is taken as the mean over
-workers, so with a straggler of factor ``f`` the others' compute is
-``compute * N / (N - 1 + f)``. The link's bandwidth is its achieved rate
-(else the configured one, else the profile's measured loopback ``beta``);
-alpha and the kernel rates come from the profile. Predicted bytes are sent
-bytes for sync and sent + received (push + pull) for async, as the study counts them.
-A threshold compressor keeps a data-dependent number of elements: its density
-is an input too, read back from the run's bytes (sync allgather: ``N - 1``
-payloads of ``96 + 8 k`` bytes plus 8-byte sizes per step).
-
-Also read when present: ``workers`` (async: the world holds the server
-too, so the model gets ``workers`` nodes and ``world_size`` processes on
-the host), ``seed`` and ``scenario.name`` (grouping, fitting subsets),
-``phases_mean_s`` (the per-term breakdown), ``param_tensors`` (else the
-results' ``"model": {"param_tensors"}`` or a weight and a bias per layer of
-its ``"layers"``: the parameter server's per-tensor codec calls and
-bundles), ``"host": {"cores"}`` of the run or the results (else the
-profile's host) and the run's ``"host": {"background_load"}`` (runnable
-processes of other jobs, e.g. the load average before the run; else 0). The sparse index layout is read from the bytes too: a run
-recorded before compact indices sent int32 indices, and the layout whose
-model bytes are nearer the recorded ones is priced. Async runs apply no
-optimizer step on the workers (the server's is priced from the profile).
-
-Shared host: every run of the study puts its ranks on one host, so each
-run's setting carries the profile's :class:`~gradcomp.lab.plan.host.Host`
-(``ranks_per_host`` = the run's world size). Its scheduling constants
-``slice_s`` and ``sched_cv`` are fitted by :func:`fit_host` on a subset of
-seeds and judged on the other seeds (``gradcomp plan validate --fit-seeds 0``).
-
-The summary is the median absolute percentage error of the step time over
-the runs, and the median absolute error of the idle share in points, also
-per scenario; :func:`breakdown` sets the measured phases against the
-model's terms per scenario, mode and compressor.
+Details: docs/planning.md#what-validation-reads.
 """
 
 from __future__ import annotations
@@ -57,7 +11,7 @@ import os
 import statistics
 
 from gradcomp.lab.plan.host import Host
-from gradcomp.lab.plan.model import CODECS, MODES, Codec, Setting, allreduce_bytes, predict, ps_bytes
+from gradcomp.lab.plan.model import CODECS, MODES, PlanCodec, Setting, allreduce_bytes, predict, ps_bytes
 from gradcomp.lab.plan.profile import Profile
 
 __all__ = ["load_results", "validate_runs", "breakdown", "fit_host", "run_host", "summary", "REQUIRED_KEYS", "TERMS"]
@@ -143,7 +97,7 @@ def _setting(run: dict, prof: Profile, host: Host | None = None, tensors: int = 
                    ranks_per_host=world, background_load=background)
 
 
-def _measured_bytes(run: dict, c: Codec, s: Setting, algorithm: str) -> int:
+def _measured_bytes(run: dict, c: PlanCodec, s: Setting, algorithm: str) -> int:
     """The model's bytes for ``run`` as the study counts them (sync: sent;
     async: sent + received)."""
     if run["mode"] == "async":
@@ -152,7 +106,7 @@ def _measured_bytes(run: dict, c: Codec, s: Setting, algorithm: str) -> int:
     return allreduce_bytes(c, algorithm, s.params, s.nodes)[0]
 
 
-def _codec(run: dict, s: Setting, algorithm: str) -> Codec:
+def _codec(run: dict, s: Setting, algorithm: str) -> PlanCodec:
     """The run's codec, with the sparse index layout and (threshold) the density
     its recorded bytes imply: the model prices the payloads the run really sent."""
     c = CODECS[run["compressor"]]

@@ -31,7 +31,7 @@ from gradcomp.compressors import NoCompression
 from gradcomp.lab.study.common import RankLog
 from gradcomp.lab.study.config import COMPRESSORS, TrainConfig
 from gradcomp.lab.study.data import Digits, worker_batches
-from gradcomp.timeline import Timeline, now
+from gradcomp.timeline import StepTimeline, now
 from gradcomp.lab.study.dgc import dgc_compressor, optimizer_momentum
 from gradcomp.lab.study.model import evaluate
 from gradcomp.lab.study.timing import ComputeDelay
@@ -84,7 +84,7 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         on_worker_failure="fail", worker_timeout=WORKER_TIMEOUT_S, timeout=cfg.timeout)
 
     models: list[nn.Module] = []
-    timeline = Timeline()
+    timeline = StepTimeline()
     delay = ComputeDelay(rank - 1, cfg.straggler, cfg.compute_jitter, cfg.seed)
 
     def model_fn() -> nn.Module:

@@ -23,9 +23,10 @@ import sys
 import threading
 import time
 
-from gradcomp.lab.cluster import jitter_type, link_type
+from gradcomp.lab.args import OneLineParser
+from gradcomp.lab.cluster import jitter_type, link_type, topology_type
 from gradcomp.lab.study.config import (ALGORITHMS, ALL_MODES, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
-                                   TrainConfig, parse_compressors)
+                                       SPARSE_ALGORITHMS, TrainConfig, parse_compressors)
 from gradcomp.lab.study.menu import WORKLOADS
 from gradcomp.lab.study.output import DEFAULT_OUT, prepare_out
 from gradcomp.lab.study.scenarios import scenario_list
@@ -210,7 +211,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=d.seed,
                    help="seed of the model, the data split and the data order (default 0)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default=d.algorithm,
-                   help="sync allreduce for dense codecs (default ring); sparse codecs use allgather")
+                   help="allreduce of the dense codecs in sync and local modes (default ring; "
+                        "hierarchical: exact inside a host, compressed across hosts, see --topology)")
+    p.add_argument("--sparse-algorithm", choices=SPARSE_ALGORITHMS, default=d.sparse_algorithm,
+                   help="allreduce of topk-ef and topk-int8-ef (default allgather); threshold and DGC "
+                        "rows use allgather")
     p.add_argument("--threshold", type=_nonnegative_float, default=None,
                    help="threshold of threshold-ef (default: calibrated to the top 1%% of the "
                         "first gradient's magnitudes)")
@@ -224,6 +229,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="none (the unshaped loopback, default) or a link rate: 100mbit, 1gbit, "
                            "10gbit, ... (every rank in its own network namespace, links shaped with "
                            "tc tbf; needs root and iproute2)")
+    time.add_argument("--topology", type=topology_type, default=None, metavar="HxR",
+                      help="H hosts of R workers each (sync and local modes): the workers of a host "
+                           "share its namespace, the --link joins the hosts (default: one worker per "
+                           "host); --workers is then H*R")
     time.add_argument("--link-jitter", type=jitter_type, default=0.0, metavar="F",
                       help="redraw each link's rate every second from rate x U(1-F, 1+F) (default 0)")
     time.add_argument("--straggler", type=_straggler, default=None, metavar="RANK:FACTOR",
@@ -277,7 +286,7 @@ EPILOG = ("Under torchrun (RANK and WORLD_SIZE set) each process runs as one ran
 
 def build_parser(prog: str = "gradcomp train") -> argparse.ArgumentParser:
     """The parser of ``gradcomp train`` / ``python -m gradcomp.lab.study``."""
-    return add_arguments(argparse.ArgumentParser(prog=prog, description=DESCRIPTION, epilog=EPILOG))
+    return add_arguments(OneLineParser(prog=prog, description=DESCRIPTION, epilog=EPILOG))
 
 
 def _workers(args: argparse.Namespace) -> int:
@@ -288,6 +297,16 @@ def _workers(args: argparse.Namespace) -> int:
     """
     from gradcomp.lab.study.study import in_torchrun
 
+    topology = getattr(args, "topology", None)
+    if topology is not None:
+        if in_torchrun():
+            raise ValueError("--topology starts local workers; under torchrun the hosts are torchrun's nodes")
+        if set(args.mode) - {"sync", "local"}:
+            raise ValueError(f"--topology applies to --mode sync and local, got --mode {','.join(args.mode)}")
+        if args.workers is not None and args.workers != topology[0] * topology[1]:
+            raise ValueError(f"--workers {args.workers} does not fit --topology "
+                             f"{topology[0]}x{topology[1]} ({topology[0] * topology[1]} workers)")
+        return topology[0] * topology[1]
     if not in_torchrun():
         return args.workers if args.workers is not None else TrainConfig().workers
     world = int(os.environ["WORLD_SIZE"])
@@ -316,6 +335,9 @@ def _check_row_options(args: argparse.Namespace) -> None:
     if args.auto_profile is not None and ("auto" not in args.compressors or "sync" not in args.mode):
         raise ValueError(f"--auto-profile only applies to the auto row (--compressors auto, --mode sync), "
                          f"got --compressors {','.join(args.compressors)} --mode {','.join(args.mode)}")
+    if args.algorithm == "hierarchical" and "auto" in args.compressors:
+        raise ValueError("--algorithm hierarchical does not apply to the auto row (adaptive compression "
+                         "chooses among the flat ring and two-phase): drop auto from --compressors")
     if args.async_momentum is not None and "async" not in args.mode:
         raise ValueError(f"--async-momentum only applies to --mode async, got --mode {','.join(args.mode)}")
     if args.dgc_warmup is not None and args.mode == ("pipeline",):
@@ -342,7 +364,9 @@ def _config(args: argparse.Namespace) -> TrainConfig:
                        async_momentum=args.async_momentum, seed=args.seed,
                        **({} if args.dgc_warmup is None else {"dgc_warmup_epochs": args.dgc_warmup}),
                        workload=w.name, data_dir=args.data_dir, data_file=args.data_file,
-                       algorithm=args.algorithm, eval_every=args.eval_every,
+                       algorithm=args.algorithm, sparse_algorithm=args.sparse_algorithm,
+                       eval_every=args.eval_every,
+                       ranks_per_host=args.topology[1] if getattr(args, "topology", None) else 1,
                        threshold=args.threshold, timeout=args.timeout,
                        straggler=args.straggler, compute_jitter=args.compute_jitter, **local)
 
@@ -380,13 +404,15 @@ class _Bars:
         self.overall = self.progress.add_task("all runs (time left: estimate)", total=grand_total)
 
     def __enter__(self):
-        self.progress.start()
-        return self
+        return self  # the bars start at the first step: an error before it prints no empty bar
 
     def __exit__(self, *exc):
-        self.progress.stop()
+        if self.progress.live.is_started:
+            self.progress.stop()
 
     def __call__(self, mode: str, compressor: str, step: int, seed: int = 0) -> None:
+        if not self.progress.live.is_started:
+            self.progress.start()
         key = (self.prefix, mode, compressor, seed)
         if key not in self.tasks:
             label = f"{self.prefix}{mode} {COMPRESSORS[compressor].label}"
@@ -449,9 +475,8 @@ def run(args: argparse.Namespace) -> int:
             made = None if existed else args.out
         except ValueError as e:
             return fail(str(e), 2)
-    console = Console(quiet=not lead)
-    if not console.is_terminal:
-        console = Console(quiet=not lead, width=max(console.width, 132))
+    # sentences wrap at a terminal's width and stay one line in a pipe; tables fit 80 columns either way
+    console = Console(quiet=not lead, soft_wrap=not sys.stdout.isatty())
     status = _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail)
     if status != 0 and made is not None:
         try:
@@ -534,12 +559,7 @@ def _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail) ->
     except (TimeoutError, ImportError, RuntimeError) as e:
         return fail(f"{type(e).__name__}: {e}", 1)
     if lead:
-        console.print(report.title(study), highlight=False)
-        for s in studies:
-            console.print(report.link_line(s), highlight=False)
-            console.print(report.table(s))
-        if "threshold-ef" in {r.compressor for r in study.runs}:
-            console.print(f"threshold+ef: threshold {study.threshold:.3g}", highlight=False)
+        _print_tables(console, study, studies, args.max_gap)
         console.print(f"total wall time {time.perf_counter() - t0:.1f} s", highlight=False)
         try:
             paths = report.write_all(study, args.out, studies, args.max_gap)
@@ -548,6 +568,28 @@ def _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail) ->
         console.print(f"results in {args.out}: " + ", ".join(os.path.basename(p) for p in paths.values()),
                       highlight=False)
     return 0
+
+
+def _print_tables(console, study, studies, max_gap: float | None) -> None:
+    """The title, per scenario its link and two tables, the legend and the conclusion."""
+    from gradcomp.lab.study import report, terminal
+    from gradcomp.lab.study.conclusion import conclusion
+    from gradcomp.lab.study.decision import DEFAULT_MAX_GAP_PP, aggregate
+
+    console.print(report.title(study), highlight=False)
+    for s in studies:
+        console.print(report.link_line(s), highlight=False)
+        console.print(terminal.traffic_table(s), soft_wrap=False)
+        console.print(terminal.time_table(s), soft_wrap=False)
+    console.print(terminal.legend(study), highlight=False, style="dim")
+    if "threshold-ef" in {r.compressor for r in study.runs}:
+        console.print(f"threshold+ef: threshold {study.threshold:.3g}", highlight=False)
+    bound = DEFAULT_MAX_GAP_PP if max_gap is None else max_gap
+    words = conclusion(aggregate([r for s in studies for r in s.runs]), study.test_samples, bound)
+    if words:
+        from rich.markup import escape
+
+        console.print("[bold]Conclusion:[/bold] " + escape(" ".join(words)), highlight=False)
 
 
 def main(argv: list[str] | None = None, prog: str = "gradcomp train") -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
+from gradcomp import catalog
 from gradcomp.lab.study.menu import DEFAULT_HIDDEN, DEFAULT_WORKLOAD, WORKLOADS
 
 if TYPE_CHECKING:
@@ -17,16 +18,22 @@ if TYPE_CHECKING:
     from gradcomp.compressors import Compressor
 
 __all__ = ["TrainConfig", "CompressorChoice", "COMPRESSORS", "DEFAULT_COMPRESSORS", "MODES",
-           "ALGORITHMS", "TOPK_RATIO", "parse_compressors", "ALL_MODES"]
+           "ALGORITHMS", "SPARSE_ALGORITHMS", "parse_compressors", "ALL_MODES"]
 
 MODES = ("sync", "async")
 #: Every mode ``--mode`` accepts: MODES (``both``) plus local SGD / DiLoCo
 #: (:mod:`gradcomp.lab.study.local`).
 ALL_MODES = (*MODES, "local")
-#: Dense algorithms of the sync mode; sparse compressors always use ``allgather``.
-ALGORITHMS = ("ring", "two_phase")
-#: Density of the top-k compressors (k = 1% of each tensor's elements).
-TOPK_RATIO = 0.01
+#: Dense algorithms of the sync and local modes (``--algorithm``).
+ALGORITHMS = ("ring", "two_phase", "hierarchical", "halving_doubling")
+#: Algorithms of the exact top-k rows (``--sparse-algorithm``); threshold and
+#: DGC rows always use ``allgather`` (data-dependent sizes; DGC selects per parameter).
+SPARSE_ALGORITHMS = ("allgather", "sparse_reduce_scatter")
+#: the menu entries ``--sparse-algorithm`` applies to
+_TOPK_ROWS = ("topk-ef", "topk-int8-ef")
+#: the dense algorithms ``auto``'s policy runs (gradcomp.comm.FLAT_DENSE_ALGORITHMS; plain data
+#: here: ``gradcomp train --help`` imports no torch)
+_POLICY_ALGORITHMS = ("ring", "two_phase")
 #: Largest ``timeout`` of a run, in seconds.
 MAX_TIMEOUT = 1e7
 #: Largest ``dgc_warmup_epochs`` (a warm-up in steps then stays an exact int64
@@ -36,7 +43,8 @@ MAX_WARMUP_EPOCHS = 1e6
 
 @dataclass(frozen=True)
 class CompressorChoice:
-    """One entry of the study's compressor menu.
+    """One entry of the study's compressor menu: a name of :mod:`gradcomp.catalog` (whose
+    entry says what it builds) or one of the study's own rows, ``auto`` and ``native``.
 
     Attributes:
         name: command-line name (``--compressors``).
@@ -64,54 +72,36 @@ class CompressorChoice:
         for ``auto`` a fresh :class:`gradcomp.Adaptive` policy.
 
         Args:
-            threshold: magnitude threshold for ``threshold-ef`` (required there).
+            threshold: magnitude threshold for ``threshold-ef`` (required there,
+                ignored by the other rows).
             link: ``auto``'s link prior (``gc.Adaptive(link=)``), or None.
+
+        Raises:
+            ValueError: ``threshold-ef`` without a threshold.
         """
-        from gradcomp.compressors import (BF16, FP16, Int8Quantizer, NoCompression, Threshold,
-                                          TopK)
-
-        if self.name in ("none", "native"):
-            return NoCompression()
-        if self.name == "fp16":
-            return FP16()
-        if self.name == "bf16":
-            return BF16()
-        if self.name in ("int8", "int8-ef"):
-            return Int8Quantizer()
-        if self.name == "topk-ef":
-            return TopK(ratio=TOPK_RATIO)
-        if self.name == "topk-int8-ef":
-            return TopK(ratio=TOPK_RATIO, values=Int8Quantizer())
-        if self.name in ("dgc", "dgc-int8"):
-            from gradcomp.lab.study.dgc import DGC_RATIO
-
-            return TopK(ratio=DGC_RATIO, values=Int8Quantizer() if self.name == "dgc-int8" else None)
         if self.name == "auto":
             from gradcomp.adaptive import Adaptive
 
             return Adaptive(link=link)
-        if self.name == "threshold-ef":
-            if threshold is None:
-                raise ValueError("threshold-ef needs a threshold")
-            return Threshold(threshold)
-        raise ValueError(f"unknown compressor {self.name!r}")
+        entry = catalog.entry("none" if self.native else self.name)
+        if entry.kind == "threshold" and threshold is None:
+            raise ValueError(f"{self.name} needs a threshold")
+        return entry.build(threshold=threshold if entry.kind == "threshold" else None)
 
     @property
     def sparse(self) -> bool:
-        return self.name in ("topk-ef", "topk-int8-ef", "threshold-ef", "dgc", "dgc-int8")
+        return self.name in catalog.ENTRIES and catalog.ENTRIES[self.name].sparse
+
+
+def _catalog_row(name: str) -> CompressorChoice:
+    e = catalog.entry(name)
+    return CompressorChoice(name, e.label, e.error_feedback, dgc=e.dgc)
 
 
 COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
-    CompressorChoice("none", "none", False),
-    CompressorChoice("fp16", "fp16", False),
-    CompressorChoice("bf16", "bf16", False),
-    CompressorChoice("int8", "int8", False),
-    CompressorChoice("int8-ef", "int8+ef", True),
-    CompressorChoice("topk-ef", "topk1%+ef", True),
-    CompressorChoice("topk-int8-ef", "topk1%+int8+ef", True),
-    CompressorChoice("threshold-ef", "threshold+ef", True),
-    CompressorChoice("dgc", "dgc0.1%", True, dgc=True),
-    CompressorChoice("dgc-int8", "dgc0.1%+int8", True, dgc=True),
+    *(_catalog_row(n) for n in ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-ef",
+                                "threshold-ef", "dgc", "dgc-int8")),
+    # the study's own rows: a policy over catalog codecs, and the backend's uncompressed collective
     CompressorChoice("auto", "auto", True, modes=("sync",)),
     CompressorChoice("native", "all_reduce f32", False, modes=("sync",), native=True),
 )}
@@ -159,7 +149,14 @@ class TrainConfig:
         seed: model initialisation, data split and data order.
         hidden: hidden-layer widths of the MLP.
         test_fraction: share of the digits held out for testing.
-        algorithm: sync allreduce for dense codecs (``ring`` or ``two_phase``).
+        algorithm: allreduce of the dense codecs (:data:`ALGORITHMS`;
+            ``hierarchical``: exact inside a host, compressed across hosts);
+            ``auto`` rows use ``ring`` when it is not among the adaptive
+            policy's algorithms.
+        sparse_algorithm: allreduce of the exact top-k rows
+            (:data:`SPARSE_ALGORITHMS`); the other sparse rows use ``allgather``.
+        ranks_per_host: workers sharing a host (``--topology HxR``: ``workers
+            = H x R``); 1: one per host.
         eval_every: steps between test-set evaluations (and the last step).
         threshold: threshold of ``threshold-ef`` (None: calibrated, see :mod:`gradcomp.lab.study.study`).
         timeout: seconds allowed for one run before its processes are stopped.
@@ -188,6 +185,8 @@ class TrainConfig:
     hidden: tuple[int, ...] = field(default=DEFAULT_HIDDEN)
     test_fraction: float = 0.25
     algorithm: str = "ring"
+    sparse_algorithm: str = "allgather"
+    ranks_per_host: int = 1
     eval_every: int = 10
     threshold: float | None = None
     timeout: float = 600.0
@@ -200,6 +199,14 @@ class TrainConfig:
     workload: str = DEFAULT_WORKLOAD
     data_dir: str | None = None
     data_file: str | None = None
+
+    def algorithm_for(self, choice: CompressorChoice) -> str:
+        """The allreduce algorithm of ``choice``'s sync and local runs (see the attributes)."""
+        if choice.sparse:
+            return self.sparse_algorithm if choice.name in _TOPK_ROWS else "allgather"
+        if choice.name == "auto" and self.algorithm not in _POLICY_ALGORITHMS:
+            return "ring"
+        return self.algorithm
 
     def momentum_for(self, mode: str) -> float:
         """The SGD momentum of ``mode``'s runs: ``async_momentum`` (when set) for async, else ``momentum``."""
@@ -230,6 +237,12 @@ class TrainConfig:
             Adaptive(link=self.auto_link)  # raises for a bad prior, naming it
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.sparse_algorithm not in SPARSE_ALGORITHMS:
+            raise ValueError(f"sparse_algorithm must be one of {SPARSE_ALGORITHMS}, got {self.sparse_algorithm!r}")
+        if (isinstance(self.ranks_per_host, bool) or not isinstance(self.ranks_per_host, int)
+                or self.ranks_per_host < 1 or self.workers % self.ranks_per_host):
+            raise ValueError(f"ranks_per_host must be an int >= 1 dividing workers ({self.workers}), "
+                             f"got {self.ranks_per_host!r}")
         if self.threshold is not None and not self.threshold >= 0:
             raise ValueError(f"threshold must be >= 0, got {self.threshold!r}")
         if not 0 < self.timeout <= MAX_TIMEOUT:

@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 from gradcomp.lab.study.output import json_ready
 from gradcomp.lab.study.timing import mean_ci95
 
-__all__ = ["Aggregate", "aggregate", "decide", "decision_doc", "write_decision", "DEFAULT_MAX_GAP_PP"]
+__all__ = ["Aggregate", "aggregate", "decide", "contenders", "separated", "verdict", "decision_doc", "write_decision",
+           "DEFAULT_MAX_GAP_PP"]
 
 #: Accuracy bound of the decision: a mean gap of at most this many points.
 DEFAULT_MAX_GAP_PP = 0.5
@@ -93,16 +94,43 @@ def aggregate(runs) -> list[Aggregate]:
     return out
 
 
+def _qualifies(a: Aggregate, max_gap_pp: float) -> bool:
+    """Reached the target on every seed with a mean gap within the bound."""
+    return a.reached == a.seeds and a.time_to_target_s is not None and a.gap_pp <= max_gap_pp
+
+
+def separated(a: Aggregate, b: Aggregate) -> bool:
+    """True when ``a`` reaches the target sooner than ``b`` beyond their noise: the
+    difference of the mean times exceeds the 95% half-widths combined
+    (``sqrt(ha**2 + hb**2)``). False when either has no interval (one seed: the
+    run-to-run spread is not measured)."""
+    ha, hb = a.time_to_target_ci, b.time_to_target_ci
+    if any(h is None or (isinstance(h, float) and math.isnan(h)) for h in (ha, hb)):
+        return False
+    return b.time_to_target_s - a.time_to_target_s > math.hypot(ha, hb)
+
+
+def contenders(aggs: list[Aggregate], max_gap_pp: float = DEFAULT_MAX_GAP_PP) -> dict[str, list[Aggregate]]:
+    """Per scenario, the fastest configuration to the target among those that
+    reached it on every seed with a mean gap <= ``max_gap_pp``, followed by every
+    other such configuration that it is not :func:`separated` from (by time);
+    an empty list where none qualifies."""
+    out: dict[str, list[Aggregate]] = {}
+    for a in aggs:
+        out.setdefault(a.scenario, [])
+    for scen in out:
+        ok = sorted((a for a in aggs if a.scenario == scen and _qualifies(a, max_gap_pp)),
+                    key=lambda a: a.time_to_target_s)
+        out[scen] = ok[:1] + [b for b in ok[1:] if not separated(ok[0], b)]
+    return out
+
+
 def decide(aggs: list[Aggregate], max_gap_pp: float = DEFAULT_MAX_GAP_PP) -> dict[str, Aggregate | None]:
     """Per scenario, the aggregate with the least mean time to target among
-    those that reached it on every seed with a mean gap <= ``max_gap_pp``
-    (its ``winner`` flag is set); None where none qualifies."""
-    best: dict[str, Aggregate | None] = {}
-    for a in aggs:
-        best.setdefault(a.scenario, None)
-        ok = a.reached == a.seeds and a.time_to_target_s is not None and a.gap_pp <= max_gap_pp
-        if ok and (best[a.scenario] is None or a.time_to_target_s < best[a.scenario].time_to_target_s):
-            best[a.scenario] = a
+    those that reached it on every seed with a mean gap <= ``max_gap_pp``, when
+    it is :func:`separated` from every other such one (its ``winner`` flag is
+    set); None where none qualifies or the fastest is within the others' noise."""
+    best = {scen: (c[0] if len(c) == 1 else None) for scen, c in contenders(aggs, max_gap_pp).items()}
     for a in aggs:
         a.winner = best.get(a.scenario) is a
     return best
@@ -145,11 +173,16 @@ def _sync_vs_async(aggs: list[Aggregate], scenario: str) -> list[list[str]]:
 def decision_doc(aggs: list[Aggregate], target: float, max_gap_pp: float, meta: dict) -> dict:
     """The JSON-ready decision document."""
     best = decide(aggs, max_gap_pp)
+    close = contenders(aggs, max_gap_pp)
     return {
         "target_accuracy": target, "max_gap_pp": max_gap_pp, **meta,
         "scenarios": {
             scen: {"winner": (None if w is None else {"mode": w.mode, "compressor": w.compressor,
                                                         "time_to_target_s": w.time_to_target_s}),
+                   "contenders": [{"mode": a.mode, "compressor": a.compressor, "label": a.label,
+                                   "time_to_target_s": a.time_to_target_s,
+                                   "time_to_target_ci": a.time_to_target_ci, "seeds": a.seeds}
+                                  for a in close[scen]],
                    "link": next(a.link for a in aggs if a.scenario == scen),
                    "rows": [dict(asdict(a), within_bound=a.gap_pp <= max_gap_pp)
                             for a in aggs if a.scenario == scen],
@@ -158,8 +191,32 @@ def decision_doc(aggs: list[Aggregate], target: float, max_gap_pp: float, meta: 
     }
 
 
+def verdict(scenario: dict) -> str:
+    """The sentence under a scenario's decision table: the winner, or why there is none
+    (``scenario``: one entry of :func:`decision_doc`'s ``"scenarios"``)."""
+    close, w = scenario.get("contenders") or [], scenario["winner"]
+    if not close:
+        return "No configuration reached the target within the bound on every seed."
+
+    def name(c):
+        ci = c.get("time_to_target_ci")
+        spread = "" if ci is None or math.isnan(ci) else f" ± {ci:.2f}"
+        return f"{c['mode']} {c['label']} ({c['time_to_target_s']:.2f}{spread} s)"
+    if w is not None:
+        others = sum(1 for a in scenario["rows"] if a["within_bound"] and a["reached"] == a["seeds"]) - 1
+        why = (f"ahead of the {others} other qualifying configurations beyond the 95% intervals"
+               if others else "the only configuration that qualifies")
+        return f"Fastest within the bound: **{name(close[0])}**, {why}."
+    seeds = close[0].get("seeds", 1)
+    noise = ("with 1 seed the run-to-run spread is not measured" if seeds < 2 else
+             f"their 95% intervals over {seeds} seeds overlap")
+    more = "--seeds 3" if seeds < 3 else f"--seeds {2 * seeds}"
+    return (f"Fastest within the bound: not separable: {', '.join(name(c) for c in close)}; {noise}. "
+            f"More seeds ({more} or more) would separate them if the difference is real.")
+
+
 def _link_text(link: dict) -> str:
-    from gradcomp.lab.cluster import format_rate
+    from gradcomp.lab.units import format_rate
 
     if not link or not link.get("configured_bps"):
         return "loopback (unshaped)"
@@ -190,10 +247,7 @@ def decision_markdown(doc: dict) -> str:
                 f"{_fmt(a['gap_pp'], '+.2f', a['gap_ci'])} | {_fmt(100 * a['idle_share'], '.0f', suffix='%')} | "
                 f"{_fmt(100 * a['exposed_comm_share'], '.0f', suffix='%')} | "
                 f"{_fmt(1e3 * a['step_time_median_s'], '.1f')} |")
-        w = s["winner"]
-        lines += ["", (f"Fastest within the bound: **{w['mode']} {w['compressor']}** "
-                       f"({w['time_to_target_s']:.2f} s)." if w else
-                       "No configuration reached the target within the bound on every seed."), ""]
+        lines += ["", verdict(s), ""]
         lines += ["| mode | network requirement | convergence stability | resource utilisation | "
                   "fastest to target |", "|---|---|---|---|---|"]
         lines += ["| " + " | ".join(row) + " |" for row in s["sync_vs_async"]]

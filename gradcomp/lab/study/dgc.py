@@ -5,19 +5,17 @@ worker before compressing (momentum correction), so a DGC run moves the
 study's momentum from the optimizer into the compressor: the optimizer (the
 DDP ranks' in sync mode, the server's in async mode) is plain SGD with the
 study's learning rate, and ``gc.DGC`` gets ``momentum = cfg.momentum``. Every
-other setting is the study's, so a DGC row differs from ``topk`` rows by the
+other setting is the study's, so a DGC row differs from the ``topk-ef`` rows by the
 DGC fixes and the density alone.
 
-Settings: final density :data:`DGC_RATIO` (0.1%, the paper's, selected per
+Settings: final density :data:`gradcomp.catalog.DGC_DENSITY` (0.1%, the paper's, selected per
 parameter); local clipping off (the study's baseline does not clip either);
 momentum factor masking on; warm-up over ``cfg.dgc_warmup_epochs`` epochs
 (``gradcomp train --dgc-warmup``) from :data:`WARMUP_START` in four stages:
-none by default (:data:`WARMUP_EPOCHS`). The paper warms up for
-4 epochs from 25%; on the study's 350-step runs that costs 4x the bytes of
-the rest of the run and measured no better accuracy (README). At 0.1% a
-worker sends each coordinate about once in 1,000 steps: a row comes within
-0.5 points of ``none`` only on runs of about 3x the workloads' default steps
-(``gradcomp train --steps``; one of the two rows on each workload, README).
+none by default (:data:`WARMUP_EPOCHS`; the paper warms up for 4 epochs from
+25%). At 0.1% a worker sends each coordinate about once in 1,000 steps, so a
+row needs longer runs than the workloads' defaults (``gradcomp train --steps``)
+to come near ``none``; what the rows measured: docs/results/dgc.md.
 """
 
 from __future__ import annotations
@@ -26,10 +24,8 @@ from gradcomp.compressors import DGC, Compressor
 from gradcomp.lab.study.config import TrainConfig
 from gradcomp.lab.study.data import steps_per_epoch
 
-__all__ = ["DGC_RATIO", "WARMUP_EPOCHS", "WARMUP_START", "dgc_compressor", "optimizer_momentum"]
+__all__ = ["WARMUP_EPOCHS", "WARMUP_START", "dgc_compressor", "optimizer_momentum"]
 
-#: final density of the DGC rows
-DGC_RATIO = 0.001
 #: default warm-up length in epochs of the study's data (``TrainConfig.dgc_warmup_epochs``)
 WARMUP_EPOCHS = TrainConfig.dgc_warmup_epochs
 #: density of the first warm-up stage

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from gradcomp.localsgd import LocalSGD
 from gradcomp.meter import TrafficMeter
-from gradcomp.timeline import Timeline, now
+from gradcomp.timeline import StepTimeline, now
 from gradcomp.lab.study.common import RankLog
 from gradcomp.lab.study.config import COMPRESSORS, TrainConfig
 from gradcomp.lab.study.data import Digits, worker_batches
@@ -70,10 +70,10 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     choice = COMPRESSORS[compressor]
     model = build_model(cfg, data)
     meter = TrafficMeter()
-    timeline = Timeline()
+    timeline = StepTimeline()
     ls = LocalSGD(model, sync_every=cfg.sync_every, compressor=choice.build(cfg.threshold),
                   outer_optimizer=cfg.outer, meter=meter, error_feedback=choice.error_feedback,
-                  algorithm="allgather" if choice.sparse else cfg.algorithm,
+                  algorithm=cfg.algorithm_for(choice),
                   fragments=cfg.fragments, overlap=cfg.overlap, timeout=cfg.timeout, timeline=timeline)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     log = RankLog(rank)

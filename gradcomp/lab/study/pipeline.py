@@ -1,40 +1,6 @@
 """``gradcomp train --mode pipeline``: pipeline-parallel training with measured bubbles.
 
-The study's MLP is split into ``--stages P`` stages
-(:func:`gradcomp.pipeline.split_sequential`), one process per stage on gloo,
-``--workers W`` processes in all: ``W / P`` pipeline replicas, each training
-on its own slice of every global batch (as the sync mode's workers do), their
-gradients averaged per stage across replicas after each step (gradcomp's
-ring allreduce, float32, metered apart from the boundaries). Each step splits
-a replica's batch of ``--batch-size`` samples into ``--microbatches M``
-micro-batches and runs one of the engine's schedules
-(:mod:`gradcomp.pipeline.engine`: ``gpipe``, ``1f1b``, ``interleaved``,
-``zb``), or ``pipedream`` (:mod:`gradcomp.pipeline.pipedream`: asynchronous
-1F1B with weight stashing, one update per minibatch of ``--batch-size``
-samples, as many updates as the engine's steps: the same step budget; one
-replica).
-
-Every (schedule, M, compressor) is one run from the same initial weights and
-data order; ``--compressors`` (dense ones) compress the stage boundaries
-(``none``: the engine's plain sends). Reported per run: bytes per step across
-all boundaries (from the boundary meters), test accuracy and its gap to the
-``none`` run of the same schedule and M, the measured bubble (overall and per
-stage; :func:`gradcomp.pipeline.analyze`, first step left out as warm-up)
-next to the theory, peak activation memory per stage; for PipeDream the
-staleness and update rate per stage.
-
-Time (the study's ``--link`` / ``--scenarios``, ``--target-acc``,
-``--eval-every``): a scenario with a link runs the ranks in a
-:class:`gradcomp.lab.cluster.LocalCluster` (rank r in host r's namespace, every
-link shaped to the rate both ways; the configured and achieved rate go into
-each run's ``link``); ``+straggler`` stretches pipeline rank 1's forwards and
-backwards 3x, ``+jitter`` every stage's by a seeded lognormal factor (engine
-schedules). Each run also reports its median step time (slowest rank of
-replica 0, after a warm-up step), the step-time model's step for the same
-measured compute and boundary bytes at the achieved rate
-(:func:`gradcomp.lab.plan.model.pipeline_step`), and its time and steps to the
-target accuracy: the weights are copied every ``eval_every`` steps (the copy
-off the training clock) and evaluated after the run.
+Details: docs/pipeline.md#the-studys-pipeline-mode.
 """
 
 from __future__ import annotations
@@ -55,6 +21,7 @@ from gradcomp.lab.study.model import DEFAULT_HIDDEN, evaluate, make_model
 from gradcomp.lab.study.output import prepare_out
 from gradcomp.lab.study.scenarios import scenario_list
 from gradcomp.lab.study.pipeline_args import PIPELINE_SCHEDULES, add_pipeline_arguments, hidden_widths
+from gradcomp.pipeline.bubble import bubble_fraction
 
 __all__ = ["PipelineConfig", "PIPELINE_SCHEDULES", "add_pipeline_arguments", "pipeline_rank",
            "run_pipeline", "run_pipeline_study", "theory_bubble"]
@@ -149,17 +116,14 @@ class PipelineConfig:
 
 
 def theory_bubble(schedule: str, p: int, m: int) -> float | None:
-    """The textbook bubble fraction: GPipe and 1F1B ``(p-1)/(m+p-1)`` (Huang et al.
-    2019; 1F1B reorders, it does not shorten; the step-time model's
-    :func:`gradcomp.lab.plan.model.bubble_fraction`), interleaved with ``v = 2`` chunks
-    ``(p-1)/(v m + p-1)`` (Narayanan et al. 2021); None where the paper gives no
+    """The textbook bubble fraction of ``schedule``
+    (:func:`gradcomp.pipeline.bubble.bubble_fraction`): GPipe and 1F1B ``(p-1)/(m+p-1)``,
+    interleaved with ``v = 2`` chunks ``(p-1)/(v m + p-1)``; None where the paper gives no
     closed form for unequal F/B/W (zero bubble, PipeDream's steady state is 0)."""
     if schedule in ("gpipe", "1f1b"):
-        from gradcomp.lab.plan.model import bubble_fraction
-
         return bubble_fraction(p, m)
     if schedule == "interleaved":
-        return (p - 1) / (2 * m + p - 1)
+        return bubble_fraction(p, m, chunks=2)
     return None
 
 
@@ -236,7 +200,7 @@ def _engine_run(cfg: PipelineConfig, schedule: str, m: int, compressor: str, dat
     from gradcomp.pipeline.memory import ActivationMeter
     from gradcomp.pipeline.split import split_sequential
     from gradcomp.pipeline.stage import GradcompStage
-    from gradcomp.pipeline.timeline import Timeline
+    from gradcomp.pipeline.bubble import StageTimeline
     from gradcomp.lab.study.timing import ComputeDelay
 
     p = cfg.stages
@@ -248,7 +212,7 @@ def _engine_run(cfg: PipelineConfig, schedule: str, m: int, compressor: str, dat
     ex = _shapes(parts, cfg.batch_size // m, data.num_features)
     meter, dp_meter = TrafficMeter(), TrafficMeter()
     codec = _codec(compressor, meter)
-    timeline = Timeline(pp_rank)
+    timeline = StageTimeline(pp_rank)
     ids = rank_stages(schedule, pp_rank, p)
     memories = {s: ActivationMeter(parts[s].parameters()) for s in ids}
     delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed)
@@ -293,7 +257,7 @@ def _pipedream_run(cfg: PipelineConfig, compressor: str, data: Digits, pp_group)
     from gradcomp.pipeline.memory import ActivationMeter
     from gradcomp.pipeline.pipedream import PipeDreamStage
     from gradcomp.pipeline.split import split_sequential
-    from gradcomp.pipeline.timeline import Timeline
+    from gradcomp.pipeline.bubble import StageTimeline
 
     p, s = cfg.stages, dist.get_rank(pp_group)
     model = make_model(cfg.seed, cfg.hidden, data.num_features, data.num_classes)
@@ -301,7 +265,7 @@ def _pipedream_run(cfg: PipelineConfig, compressor: str, data: Digits, pp_group)
     ex = _shapes(parts, cfg.batch_size, data.num_features)
     meter = TrafficMeter()
     codec = _codec(compressor, meter)
-    timeline = Timeline(s)
+    timeline = StageTimeline(s)
     memory = ActivationMeter(parts[s].parameters())
     opt = torch.optim.SGD(parts[s].parameters(), lr=cfg.lr, momentum=cfg.momentum)
     stage = PipeDreamStage(parts[s], s, Comm(pp_group, cfg.timeout), codec, opt,
@@ -376,7 +340,7 @@ def _summarize(cfg: PipelineConfig, run: tuple[str, int, str], logs: list[dict],
                link: dict | None = None) -> dict:
     import statistics
 
-    from gradcomp.pipeline.timeline import analyze
+    from gradcomp.pipeline.bubble import analyze
 
     schedule, m, compressor = run
     p = cfg.stages

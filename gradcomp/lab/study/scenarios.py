@@ -60,7 +60,8 @@ def parse_scenario(name: str) -> Scenario:
     Raises:
         ValueError: an unknown link or modifier (the message lists the allowed ones).
     """
-    from gradcomp.lab.cluster import format_rate, parse_rate
+    from gradcomp.lab.cluster import link_rate_bps
+    from gradcomp.lab.units import format_rate
 
     parts = [p.strip() for p in str(name).strip().split("+")]
     head, mods = parts[0], parts[1:]
@@ -68,7 +69,7 @@ def parse_scenario(name: str) -> Scenario:
         link = None
     else:
         try:
-            link = format_rate(parse_rate(head))
+            link = format_rate(link_rate_bps(head))
         except ValueError:
             raise ValueError(f"unknown scenario {name!r}: a scenario is loopback or a link rate "
                              "(10gbit, 1gbit, 100mbit, ...) with optional +straggler, +jitter") from None

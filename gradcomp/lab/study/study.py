@@ -48,11 +48,12 @@ from typing import Callable, Iterable
 
 import torch
 
+from gradcomp import catalog
 from gradcomp.launch import launch, start_method
 from gradcomp.meter import TrafficMeter
 from gradcomp.lab.study.async_ import async_world_size, train_async_rank
 from gradcomp.lab.study.common import RankLog, counted_bytes
-from gradcomp.lab.study.config import ALL_MODES, COMPRESSORS, TOPK_RATIO, TrainConfig
+from gradcomp.lab.study.config import ALL_MODES, COMPRESSORS, TrainConfig
 from gradcomp.lab.study.scenarios import Scenario
 from gradcomp.lab.study.timing import server_queue, summarize_time, time_to_target
 from gradcomp.lab.study.data import Digits, steps_per_epoch, worker_batches
@@ -163,7 +164,7 @@ def calibrate_threshold(cfg: TrainConfig, data: Digits | None = None) -> float:
     idx = next(worker_batches(len(data.y_train), cfg.workers, 0, cfg.batch_size, cfg.seed, 1))
     batch_loss(model, data.x_train[idx], data.y_train[idx]).backward()
     g = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).abs()
-    k = max(1, math.ceil(TOPK_RATIO * g.numel()))
+    k = max(1, math.ceil(catalog.entry("threshold-ef").density * g.numel()))
     return float(g.kthvalue(g.numel() - k + 1).values)
 
 
@@ -229,11 +230,13 @@ def _launch_local(mode: str, jobs: list[Job], datas: list[Digits],
     timeout = max(c.timeout for c, _, _ in jobs) * len(jobs)
     env = {"GRADCOMP_WORKER_THREADS": "1"}
     args = (mode, jobs, datas, progress)
+    per = cfg.ranks_per_host if mode != "async" else 1  # the topology is of the sync and local workers
     with contextlib.ExitStack() as stack:
         if scenario is not None and scenario.link is not None:
             from gradcomp.lab.cluster import LocalCluster
 
-            cluster = stack.enter_context(LocalCluster(world, rate=scenario.link,
+            shape = dict(hosts=world // per, ranks_per_host=per) if per > 1 else dict(world_size=world)
+            cluster = stack.enter_context(LocalCluster(**shape, rate=scenario.link,
                                                        rate_jitter=scenario.link_jitter,
                                                        seed=cfg.seed))
             link = cluster.describe()
@@ -242,10 +245,13 @@ def _launch_local(mode: str, jobs: list[Job], datas: list[Digits],
                 return cluster.run(mode_rank, *args, timeout=timeout, env=env)
         else:
             link = {"name": "none", "configured_bps": None, "achieved_bps": None,
-                    "emulation": "loopback"}
+                    "emulation": "loopback", "world_size": world, "hosts": world // per,
+                    "ranks_per_host": per, "topology": f"{world // per}x{per}"}
+            # hosts for the hierarchical algorithm: workers r // per share one
+            hosts = [{"GRADCOMP_HOST_ID": str(r // per)} for r in range(world)]
 
             def start():
-                return launch(mode_rank, world, args, timeout=timeout, env=env)
+                return launch(mode_rank, world, args, timeout=timeout, env=env, rank_env=hosts)
         return _watch(start, progress, on_step), link
 
 

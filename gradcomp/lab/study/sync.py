@@ -2,8 +2,9 @@
 
 Every worker computes the gradient of its own batch; DDP hands the gradient
 buckets to :func:`gradcomp.ddp.compressed_allreduce_hook`, which averages them
-with a compressed collective (``ring`` or ``two_phase`` for dense codecs,
-``allgather`` for sparse ones) and counts the wire bytes in a
+with a compressed collective (``--algorithm`` for dense codecs,
+``--sparse-algorithm`` for top-k, ``allgather`` for the other sparse ones:
+:meth:`gradcomp.lab.study.config.TrainConfig.algorithm_for`) and counts the wire bytes in a
 :class:`~gradcomp.TrafficMeter`. The ``none`` baseline goes through the same
 hook and transport with :class:`~gradcomp.NoCompression`, so its bytes are
 measured the same way; the ``native`` row is the baseline a user would call,
@@ -27,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp.meter import TrafficMeter
-from gradcomp.timeline import Timeline, now
+from gradcomp.timeline import StepTimeline, now
 from gradcomp.lab.study.common import RankLog, param_digest
 from gradcomp.lab.study.config import COMPRESSORS, TrainConfig
 from gradcomp.lab.study.data import Digits, worker_batches
@@ -60,14 +61,14 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
     model = build_model(cfg, data)
     ddp = DistributedDataParallel(model)
     meter = TrafficMeter()
-    timeline = Timeline()
+    timeline = StepTimeline()
     codec = choice.build(cfg.threshold, link=cfg.auto_link)
     if choice.dgc:
         codec = dgc_compressor(codec, cfg, len(data.y_train))
     state = GradCompState(
         compressor=codec,
         error_feedback=choice.error_feedback,
-        algorithm="allgather" if choice.sparse else cfg.algorithm,
+        algorithm=cfg.algorithm_for(choice),
         min_compress_numel=sys.maxsize if choice.native else 0,  # native: every bucket a plain allreduce
         start_iter=0,
         meter=meter,

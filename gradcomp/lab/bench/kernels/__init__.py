@@ -46,9 +46,9 @@ p90 seconds over the rounds, effective bandwidth (bytes read + written by the
 op / median time, GB/s = 1e9 bytes/s), and per backend the ratios against the
 baselines (``x ref`` = reference time / backend time, etc.; ``%copy`` =
 bandwidth / copy bandwidth; for ``quantize_int8_ef``, ``ef/q`` = its time over
-the same backend's plain ``quantize_int8``). The table is printed as plain
-text within 100 columns, one heading line per case, and everything is written to ``DIR/kernels.json`` together with the
-machine, versions, the command line and the targets check.
+the same backend's plain ``quantize_int8``). The table is plain text within 80 columns, one
+heading per case, two lines per backend (timings, then ratios); ``DIR/kernels.json`` gets it
+all with the machine, versions, the command line and the targets check.
 
 Threads: ``1`` runs with ``torch.set_num_threads(1)`` and one native thread
 (``gradcomp.kernels.cpu.set_num_threads``); ``all`` with every core for both.

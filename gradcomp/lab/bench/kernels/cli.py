@@ -11,6 +11,7 @@ import sys
 import numpy as np
 
 from gradcomp.kernels.registry import OPS
+from gradcomp.lab.args import OneLineParser
 
 from .cases import BENCH_OPS, DTYPES
 from .report import print_report
@@ -59,7 +60,7 @@ def _list(text: str, conv=str) -> list:
 
 
 def build_parser(prog: str = "gradcomp bench kernels") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog=prog,
         description="Time the compression kernels of every backend usable here against "
                     "memory copy, the PyTorch reference, a fused int8 quantizer under torch.compile, "
@@ -131,6 +132,53 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         writable_dir("--out", args.out)
     except ValueError as e:
         p.error(str(e).replace("--out ", "--out: ", 1))
+    _check_machine(p, args)
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the kernel may still allocate here (``MemAvailable``), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def case_bytes(n: int, dtype: str) -> int:
+    """An upper bound on the buffers of the widest case of ``n`` elements: the input and an
+    output of ``dtype``, int8 codes, and four float32 states (accumulator, residual, DGC's u, v)."""
+    import torch
+
+    return n * (2 * torch.empty((), dtype=DTYPES[dtype]).element_size() + 1 + 4 * 4)
+
+
+def _check_machine(p: argparse.ArgumentParser, args) -> None:
+    """The options against this machine, before anything runs: ``--devices cuda`` without CUDA
+    (exit 2; with cpu too, cuda is dropped with a note) and sizes beyond the memory."""
+    import torch
+
+    args.skipped = []
+    if args.devices and "cuda" in args.devices and not torch.cuda.is_available():
+        if args.devices == ["cuda"]:
+            p.error("--devices cuda: no CUDA device here (torch.cuda.is_available() is False; "
+                    f"torch {torch.__version__}); use --devices cpu")
+        args.devices = [d for d in args.devices if d != "cuda"]
+        args.skipped.append("cuda skipped: no CUDA device here (torch.cuda.is_available() is False)")
+        print(f"gradcomp bench kernels: {args.skipped[-1]}; running {','.join(args.devices)}", file=sys.stderr)
+    sizes = [args.size] if args.size is not None else (args.sizes or [])
+    free = available_memory_bytes()
+    for n in sizes:
+        need = max(case_bytes(n, dt) for dt in args.dtypes)
+        if free is not None and need > free:
+            opt = "--size" if args.size is not None else "--sizes"
+            p.error(f"{opt}: {n} elements need about {need / 2**30:,.1f} GiB for a case's buffers; "
+                    f"this machine has {free / 2**30:,.1f} GiB available")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     _check_args(p, args)
     args.argv = argv
     result = run(args)
+    result["notes"][:0] = args.skipped
     if sys.stderr.isatty():
-        print(file=sys.stderr)
+        print("\r\033[K", end="", file=sys.stderr, flush=True)  # clear the progress line before the table
     print_report(result)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "kernels.json")

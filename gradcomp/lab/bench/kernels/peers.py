@@ -1,34 +1,6 @@
 """The kernel benchmark's peers: what a user would run instead of gradcomp's kernels.
 
-Each peer is the best a user would write or call, given the same preallocated
-outputs as gradcomp's backends:
-
-* ``copy``: ``numpy.copyto`` of the input (``Tensor.copy_`` on CUDA), the
-  memory-bandwidth ceiling (numpy copies with one thread);
-* ``compiled``: fused quantizers / dequantizers written for ``torch.compile``
-  (:func:`fused_quantize_int8` and its kin below, int4 / int2, sign and fp8 too),
-  compiled with ``fullgraph=True`` and static shapes for each case, at the
-  case's thread count (inductor's C++ kernels fix their thread count when
-  they compile);
-* ``torch.topk``: ``torch.topk(x.abs(), k)`` for ``topk`` and ``approx_topk``;
-* ``topk`` / ``topk+ef`` for ``dgc``: the plain top-k kernel, and the plain
-  error-feedback top-k a user would write (``r += g``, top-k of ``r``,
-  ``r[sent] = 0``);
-* ``bitsandbytes``: ``quantize_blockwise`` / ``dequantize_blockwise`` (its
-  8-bit dynamic blockwise code, same block size) into preallocated ``out`` and
-  ``absmax`` buffers, when bitsandbytes imports and runs here.
-
-The fused functions are plain PyTorch (they run eagerly too); their numerics
-(block size b, absmax scale, nearest rounding half to even):
-``m = max |x|`` per block, ``scale = m / 127``, ``code = round(x * (127 / m))``
-(0 where m = 0), dequantized ``code * scale``. gradcomp's kernels compute the
-code as ``round((x / m) * 127)``: both are correctly rounded float32
-operations, but the two products can differ in the last ulp, so for finite
-inputs (block absmax a normal float32) the codes agree except where
-``x * 127 / m`` lies within an ulp of a half-integer, where they differ by one;
-the scales agree bit for bit. Non-finite blocks are not special-cased by the
-peer (gradcomp writes scale NaN and codes 0). Stochastic rounding uses
-``torch.rand_like`` (the same work, another random stream).
+Details: docs/kernels.md#the-kernel-benchmarks-peers.
 """
 
 from __future__ import annotations

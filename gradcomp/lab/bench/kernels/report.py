@@ -3,7 +3,7 @@
 :func:`add_ratios` adds to each backend row its ratios against the peers of the
 same case, :func:`check_targets` compares them with :data:`TARGETS`, and
 :func:`report_lines` / :func:`print_report` print them as plain text within
-100 columns.
+80 columns.
 """
 
 from __future__ import annotations
@@ -106,20 +106,25 @@ def _size(n: int) -> str:
     return str(n)
 
 
-#: (header, row key, format) of the report's value columns; a case's device, threads, op,
-#: dtype, size and density head its group of rows instead of repeating on each row.
+#: (header, row key, format) of the report's columns: the timing columns on a row's first line,
+#: the ratio columns on its second (backend rows only); a case's device, threads, op, dtype, size
+#: and density head its group of rows instead of repeating on each row.
 COLUMNS = (
     ("median ms", "median_s", "ms"), ("p10", "p10_s", "ms"), ("p90", "p90_s", "ms"),
     ("GB/s", "gbps", ".2f"), ("%copy", "vs_copy_bw", "%"),
+)
+RATIO_COLUMNS = (
     ("x ref", "speedup_vs_reference", ".1f"), ("x comp", "speedup_vs_compiled", ".1f"),
     ("x topk", "speedup_vs_torch_topk", ".1f"), ("x bnb", "speedup_vs_bitsandbytes", ".1f"),
     ("ef/q", "time_vs_quantize", ".2f"), ("/topk", "time_vs_topk", ".2f"),
     ("/topk+ef", "time_vs_topk_ef", ".2f"),
 )
-LEGEND = ("x ref / x comp / x topk / x bnb: time of the reference / fused torch.compile peer / "
-          "torch.topk / bitsandbytes over the backend's; %copy: bandwidth over numpy copy's; "
-          "ef/q: time over the same backend's quantize_int8; /topk, /topk+ef (dgc): time over "
-          "top-k's, and over top-k with error feedback's")
+#: the width every line of the report fits (a terminal's default)
+WIDTH = 80
+LEGEND = ("Each backend's second line: x ref / x comp / x topk / x bnb: time of the reference / fused "
+          "torch.compile peer / torch.topk / bitsandbytes over the backend's; ef/q: time over the same "
+          "backend's quantize_int8; /topk, /topk+ef (dgc): time over top-k's, and over top-k with error "
+          "feedback's. %copy: bandwidth over numpy copy's; p10, p90: percentiles of the rounds.")
 
 
 def _cell(v, spec: str) -> str:
@@ -135,35 +140,42 @@ def _cell(v, spec: str) -> str:
 
 
 def _case_title(r: dict) -> str:
-    dens = "" if r["density"] is None else f"  density {r['density']:g} (k={r['k']})"
-    return f"{r['device']}  threads={r['threads']}  {r['op']}  {r['dtype']}  n={_size(r['n'])}{dens}"
+    dens = "" if r["density"] is None else f" density {r['density']:g} (k={r['k']})"
+    return f"{r['device']} threads={r['threads']} {r['op']} {r['dtype']} n={_size(r['n'])}{dens}"
+
+
+def _aligned(cells: list[str], widths: list[int], indent: int, first_left: bool) -> str:
+    out = [c.ljust(w) if i == 0 and first_left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+    return (" " * indent + "  ".join(out)).rstrip()
 
 
 def report_lines(rows: list[dict]) -> list[str]:
-    """The result table as plain text lines, every number in full (no truncation).
+    """The result table as plain text lines within :data:`WIDTH` columns, every number in full.
 
-    One heading line per case (device, threads, op, dtype, size, density), then one
-    line per backend or baseline; columns empty in every row are left out. With the
-    benchmark's names and figures up to 5 integer digits, lines fit 100 columns.
+    Two header lines (the timing columns; the ratio columns, indented), then one
+    heading line per case (device, threads, op, dtype, size, density) and per
+    backend or baseline a line of timings; a backend with ratios gets a second
+    line of them under the ratio header. Columns empty in every row are left out.
     """
     cols = [c for c in COLUMNS if any(r.get(c[1]) is not None for r in rows)]
-    body, titles, prev = [], [], None
-    for r in rows:
-        title = _case_title(r)
-        titles.append(title if title != prev else None)
-        prev = title
-        body.append([r["name"], *(_cell(r.get(key), spec) for _, key, spec in cols)])
+    ratios = [c for c in RATIO_COLUMNS if any(r.get(c[1]) is not None for r in rows)]
+    first = [[r["name"], *(_cell(r.get(key), spec) for _, key, spec in cols)] for r in rows]
+    second = [[_cell(r.get(key), spec) for _, key, spec in ratios] for r in rows]
     head = ["name", *(h for h, _, _ in cols)]
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-
-    def line(cells):
-        return "  ".join([cells[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(cells[1:], widths[1:]))])
-
-    out = ["gradcomp kernels (median of interleaved rounds)", "  " + line(head)]
-    for title, cells in zip(titles, body):
-        if title is not None:
+    rhead = [h for h, _, _ in ratios]
+    widths = [max([len(h), *(len(b[i]) for b in first)]) for i, h in enumerate(head)]
+    rwidths = [max([len(h), *(len(b[i]) for b in second)]) for i, h in enumerate(rhead)]
+    out = ["gradcomp kernels (median of interleaved rounds)", _aligned(head, widths, 2, True),
+           _aligned(rhead, rwidths, 4, False)]
+    prev = None
+    for r, line, ratio in zip(rows, first, second):
+        title = _case_title(r)
+        if title != prev:
             out.append(title)
-        out.append("  " + line(cells).rstrip())
+            prev = title
+        out.append(_aligned(line, widths, 2, True))
+        if any(ratio):
+            out.append(_aligned(ratio, rwidths, 4, False))
     return out
 
 
@@ -175,24 +187,25 @@ def _target_status(t: dict) -> str:
 
 def print_report(result: dict, file=None) -> None:
     """Print the table (:func:`report_lines`), the legend, the targets check and the notes,
-    all within 100 columns (long notes wrap)."""
+    all within :data:`WIDTH` columns (long notes wrap)."""
     file = file or sys.stdout
     for text in report_lines(result["rows"]):
         print(text, file=file)
     build = result.get("meta", {}).get("native_build") or {}
     if build.get("isa"):
-        print(f"cpu backend's kernels: {build['isa']} (this CPU runs {build.get('isa_supported')}; "
-              "GRADCOMP_CPU_ISA forces one)", file=file)
-    print(textwrap.fill(LEGEND, width=100), file=file)
+        print(textwrap.fill(f"cpu backend's kernels: {build['isa']} (this CPU runs "
+                            f"{build.get('isa_supported')}; GRADCOMP_CPU_ISA forces one)", width=WIDTH), file=file)
+    print(textwrap.fill(LEGEND, width=WIDTH), file=file)
     if result["targets"]:  # one size for all: check_targets measures at one n
         n = result["targets"][0]["n"]
         at = "" if n == TARGET_SIZE else f", measured at n={_size(n)}"
-        print(f"targets (cpu backend, float32, 1 thread; defined at n={_size(TARGET_SIZE)}{at}):", file=file)
+        print(f"targets (cpu, float32, 1 thread; defined at n={_size(TARGET_SIZE)}{at}):", file=file)
     for t in result["targets"]:
         v = "n/a" if t["value"] is None else f"{t['value']:.2f}"
         dens = f" density {t['density']}" if t["density"] is not None else ""
-        print(f"  {t['op']}{dens} {t['metric']} {t['target']}: {v} -> {_target_status(t)}", file=file)
+        print(textwrap.fill(f"  {t['op']}{dens} {t['metric']} {t['target']}: {v} -> {_target_status(t)}",
+                            width=WIDTH, subsequent_indent="      "), file=file)
     for note in result["notes"]:
-        print(textwrap.fill(f"note: {note}", width=100, subsequent_indent="  "), file=file)
+        print(textwrap.fill(f"note: {note}", width=WIDTH, subsequent_indent="  "), file=file)
 
 

@@ -60,21 +60,15 @@ def run(args) -> dict:
         notes.append(f"bitsandbytes baseline skipped: {reason}")
     try:
         for device in devices:
-            sync = sync_for(device)
-            for setting in args.threads:
-                set_threads(setting)
-                for op in args.ops:
-                    op_backends = backends_for(op, device)
-                    for dtype in args.dtypes:
-                        if op in FLOAT32_ONLY and dtype != "float32":
-                            continue  # acc, out or the DGC state are float32 whatever the dtype
-                        for n in sizes:
-                            dens = args.densities if op in SPARSE_OPS else [None]
-                            for density in dens:
-                                case = Case(device, setting, op, n, dtype, density)
-                                rows.extend(_run_case(case, op_backends, compile_ops, args, repeat, sync, notes,
-                                                      compiles))
-                                _progress(rows)
+            done = len(rows)
+            try:
+                _run_device(device, args, sizes, compile_ops, repeat, notes, compiles, rows)
+            except RuntimeError as e:  # a device that fails mid-run: the others' rows are kept
+                if device == "cpu":
+                    raise
+                del rows[done:]
+                notes.append(f"{device} skipped: it failed mid-run ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); its rows are left out")
         if compile_ops:
             torch._dynamo.reset()
     finally:
@@ -90,6 +84,24 @@ def run(args) -> dict:
         "rows": rows,
         "targets": targets,
     }
+
+
+def _run_device(device: str, args, sizes, compile_ops, repeat: int, notes, compiles, rows: list[dict]) -> None:
+    """Every case of ``device``, its rows appended to ``rows``."""
+    sync = sync_for(device)
+    for setting in args.threads:
+        set_threads(setting)
+        for op in args.ops:
+            op_backends = backends_for(op, device)
+            for dtype in args.dtypes:
+                if op in FLOAT32_ONLY and dtype != "float32":
+                    continue  # acc, out or the DGC state are float32 whatever the dtype
+                for n in sizes:
+                    for density in (args.densities if op in SPARSE_OPS else [None]):
+                        case = Case(device, setting, op, n, dtype, density)
+                        rows.extend(_run_case(case, op_backends, compile_ops, args, repeat, sync, notes,
+                                              compiles))
+                        _progress(rows)
 
 
 def _progress(rows: list[dict]) -> None:

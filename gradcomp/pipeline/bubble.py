@@ -1,25 +1,16 @@
-"""Per-stage timelines of a pipeline and the bubble measured from them.
+"""The pipeline bubble: its formula, and the per-stage timelines it is measured from.
 
-Each stage records spans (``forward``, ``backward``, ``weight`` for a split
-backward, ``codec`` for boundary compression) and *send marks*: the moment a
-message's data was ready to leave (after its compression). All stages of one
-host read the same monotonic clock (``time.perf_counter``: CLOCK_MONOTONIC on
-Linux), so their events can be merged.
+:func:`bubble_fraction` is the textbook bubble of GPipe (Huang et al. 2019) and 1F1B
+(PipeDream-Flush, Narayanan et al. 2021), with interleaved 1F1B's chunks, for ``p`` equal,
+communication-free stages; the planner and the study take it from here.
 
-:func:`analyze` splits every stage's time in a window (one flushed step, or a
-whole asynchronous run) into
-
-- ``forward``, ``backward``, ``weight``, ``codec``: the spans' time (a
-  forward's own decompression counts as codec);
-- ``idle``: blocked because the input did not exist yet: the part of a gap
-  before an operation that comes before the peer's send mark of that input,
-  and the time after the stage's last operation (the drain);
-- ``wait``: blocked while the input was in flight or in a send or the
-  schedule's bookkeeping: the rest of the gaps.
-
-The bubble of a stage is ``(idle + wait) / window``; GPipe's theory
-(Huang et al. 2019) is ``(p - 1) / (m + p - 1)`` for ``p`` stages and ``m``
-micro-batches with equal, communication-free stages (:func:`gpipe_bubble`).
+A :class:`StageTimeline` records one pipeline rank's spans (``forward``, ``backward``,
+``weight`` for a split backward, ``codec`` for boundary compression) and *send marks* (when a
+message's data was ready to leave), on the host's monotonic clock (``time.perf_counter``), so
+that the stages' events merge. :func:`analyze` splits each stage's time in a window into the
+spans' categories, ``idle`` (the input did not exist yet, and the drain after the last
+operation) and ``wait`` (the input was in flight, or a send or the schedule's bookkeeping);
+the measured bubble of a stage is ``(idle + wait) / window``.
 """
 
 from __future__ import annotations
@@ -28,15 +19,27 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-__all__ = ["Span", "Timeline", "analyze", "gpipe_bubble", "CATEGORIES"]
+__all__ = ["Span", "StageTimeline", "analyze", "bubble_fraction", "CATEGORIES"]
 
 CATEGORIES = ("forward", "backward", "weight", "codec", "wait", "idle")
 _COMPUTE = ("forward", "backward", "weight")
 
 
-def gpipe_bubble(p: int, m: int) -> float:
-    """GPipe's bubble fraction ``(p - 1) / (m + p - 1)``."""
-    return (p - 1) / (m + p - 1)
+def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
+    """The idle share of a pipeline step: ``(p - 1) / (v m + p - 1)`` for ``p`` stages, ``m``
+    micro-batches and ``v`` model chunks per rank.
+
+    ``v = 1``: GPipe (Huang et al. 2019) and 1F1B, which reorders the work but does not
+    shorten the step; ``v > 1``: interleaved 1F1B (Narayanan et al. 2021). Stages are taken
+    as equal and communication as free.
+
+    Raises:
+        ValueError: ``stages``, ``microbatches`` or ``chunks`` not an integer >= 1.
+    """
+    for name, v in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    return (stages - 1) / (chunks * microbatches + stages - 1)
 
 
 @dataclass
@@ -55,8 +58,8 @@ class Span:
 
 
 @dataclass
-class Timeline:
-    """What one rank records (picklable): spans, send marks, step windows.
+class StageTimeline:
+    """What one pipeline rank records (picklable): spans, send marks, step windows.
 
     Attributes:
         rank: the pipeline rank; spans: operations in time order;
@@ -103,11 +106,11 @@ def _split_gap(gap0: float, gap1: float, ready: float | None) -> tuple[float, fl
     return idle, gap1 - gap0 - idle
 
 
-def analyze(timelines: list[Timeline], skip: int = 0, steps: list[int] | None = None) -> dict:
+def analyze(timelines: list[StageTimeline], skip: int = 0, steps: list[int] | None = None) -> dict:
     """Time per category and bubble per rank, summed over steps.
 
     Step ``i``'s window runs from the earliest rank's start to the latest
-    rank's end of step ``i`` (:meth:`Timeline.step_window`).
+    rank's end of step ``i`` (:meth:`StageTimeline.step_window`).
 
     Args:
         timelines: one per rank (rank order), on a shared clock.

@@ -1,0 +1,1 @@
+"""Integrations with training frameworks, each imported on its own (``gradcomp.integrations.lightning``)."""

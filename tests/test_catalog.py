@@ -1,0 +1,143 @@
+"""gradcomp.catalog: one table of named compressors, and every menu draws its names from it."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gradcomp as gc
+from gradcomp import catalog
+from gradcomp.adaptive import CANDIDATES, CONVERGENCE, DEFAULT_CANDIDATES
+from gradcomp.lab import ps_demo
+from gradcomp.lab.plan import model as plan
+from gradcomp.lab.study import config as study
+
+# the study's rows that are not compressors: a policy over catalog codecs, the backend's collective
+STUDY_OWN_ROWS = {"auto", "native"}
+
+
+def _pad8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _dense_bytes(kind: str, n: int) -> int:
+    # the wire format: a 40-byte header plus 8 bytes per dimension, then the codec's section
+    header = 48
+    return header + {"raw": 4 * n, "fp16": 2 * n, "bf16": 2 * n, "int8": n + 4 * math.ceil(n / 256)}[kind]
+
+
+def _sparse_bytes(values: str, n: int, k: int) -> int:
+    # header, int32 indices padded to 8 bytes, then the kept values as a nested dense payload
+    return 48 + _pad8(4 * k) + _dense_bytes("raw" if values == "raw" else "int8", k)
+
+
+def _same(a, b):
+    """Two compressors that are the same codec: same type and settings, same wire sizes."""
+    assert type(a) is type(b) and repr(a) == repr(b), (a, b)
+    for n in (1, 1000, 70_001):
+        assert a.wire_nbytes((n,)) == b.wire_nbytes((n,)), (a, n)
+
+
+@pytest.mark.parametrize("name", catalog.NAMES)
+def test_each_entry_builds_what_its_facts_say(name):
+    e = catalog.entry(name)
+    assert e.name == name and e.label
+    kwargs = {"threshold": 2.5} if e.kind == "threshold" else {}  # |x| >= 2.5: about 1% of N(0, 1)
+    comp = e.build(compact_indices=False, **kwargs)
+    assert comp.codec == e.kind and comp.sparse == e.sparse
+    assert not isinstance(comp, gc.ErrorFeedback)  # the transport adds the residual
+    x = torch.randn(70_001, generator=torch.Generator().manual_seed(0))
+    payload = comp.compress(x)
+    if e.kind == "threshold":
+        nnz = int((x.abs() >= 2.5).sum())
+        assert payload.wire.numel() == _sparse_bytes(e.values, x.numel(), nnz)
+    elif e.sparse:
+        k = math.ceil(e.density * x.numel())
+        assert comp.wire_nbytes(x.shape) == payload.wire.numel() == _sparse_bytes(e.values, x.numel(), k)
+        # the default codes the indices compactly where that is smaller
+        assert e.build().wire_nbytes(x.shape) <= _sparse_bytes(e.values, x.numel(), k)
+    else:
+        assert comp.wire_nbytes(x.shape) == payload.wire.numel() == _dense_bytes(e.kind, x.numel())
+    assert e.build(**kwargs) is not e.build(**kwargs)  # a fresh compressor each time
+
+
+def test_the_facts_of_the_names():
+    e = catalog.ENTRIES
+    assert (e["topk"].kind, e["topk"].values, e["topk"].density) == ("topk", "raw", 0.01)
+    assert (e["topk-int8"].values, e["topk-int8-ef"].values) == ("int8", "int8")
+    assert [n for n in catalog.NAMES if e[n].error_feedback] == [n for n in catalog.NAMES if n.endswith("-ef")
+                                                                  or e[n].dgc]
+    assert {n for n in catalog.NAMES if e[n].dgc} == {"dgc", "dgc-int8"}
+    assert e["dgc"].density == 0.001 and e["dgc"].error_feedback
+    assert len({x.label for x in e.values()}) == len(e)  # one label per name
+
+
+def test_unknown_names_and_misplaced_arguments():
+    with pytest.raises(ValueError, match=r"unknown compressor 'top-k'; allowed: none, fp16, .*dgc-int8"):
+        catalog.entry("top-k")
+    with pytest.raises(ValueError, match="unknown compressor"):
+        catalog.build(None)
+    with pytest.raises(ValueError, match="threshold-ef needs a threshold"):
+        catalog.build("threshold-ef")
+    with pytest.raises(ValueError, match="threshold applies to threshold entries only"):
+        catalog.build("int8-ef", threshold=0.1)
+    with pytest.raises(ValueError, match="density applies to top-k entries only"):
+        catalog.build("int8", density=0.5)
+    assert catalog.build("topk", density=0.25).k_for(100) == 25
+    assert gc.catalog.build("int8-ef").wire_nbytes((1000,)) == _dense_bytes("int8", 1000)
+
+
+def test_the_study_menu_is_the_catalog():
+    assert set(study.COMPRESSORS) - STUDY_OWN_ROWS <= set(catalog.NAMES)
+    assert not STUDY_OWN_ROWS & set(catalog.NAMES)  # no name of the study means another thing there
+    assert set(study.DEFAULT_COMPRESSORS) <= set(catalog.NAMES)
+    for name, row in study.COMPRESSORS.items():
+        if name in STUDY_OWN_ROWS:
+            continue
+        e = catalog.entry(name)
+        assert (row.label, row.error_feedback, row.dgc, row.sparse) == (e.label, e.error_feedback, e.dgc, e.sparse)
+        threshold = 0.5 if e.kind == "threshold" else None
+        _same(row.build(threshold=threshold), e.build(threshold=threshold))
+    _same(study.COMPRESSORS["native"].build(), catalog.build("none"))
+
+
+def test_the_planner_menu_is_the_catalog():
+    assert set(plan.CODECS) <= set(catalog.NAMES)
+    for name, c in plan.CODECS.items():
+        e = catalog.entry(name)
+        assert (c.label, c.kind, c.values, c.density, c.error_feedback) == (
+            e.label, e.kind, e.values, e.density, e.error_feedback)
+        if e.kind != "threshold":  # a threshold is priced as a top-k payload at its density
+            _same(c.compressor(1000), e.build())
+    assert set(plan.GAP_PTS) <= set(plan.CODECS)
+
+
+def test_the_adaptive_candidates_are_the_catalog():
+    assert set(CANDIDATES) <= set(catalog.NAMES)
+    assert set(DEFAULT_CANDIDATES) <= set(CANDIDATES) and set(CONVERGENCE) <= set(CANDIDATES)
+    for name, make in CANDIDATES.items():
+        _same(make(), catalog.build(name))
+        assert not catalog.entry(name).error_feedback  # the policy keeps the residuals itself
+    assert gc.Adaptive(["topk"]).candidates[0].values is None  # raw top-k, as everywhere
+
+
+def test_the_ps_demo_menu_is_the_catalog():
+    assert set(ps_demo.PS_COMPRESSORS) <= set(catalog.NAMES)
+    for name in ps_demo.PS_COMPRESSORS:
+        if name == "none":
+            assert ps_demo.demo_compressor(name) is None  # the server's default, int8 pull deltas
+        else:
+            _same(ps_demo.demo_compressor(name), catalog.build(name))
+    with pytest.raises(ValueError, match="compressor must be one of none, fp16, int8, topk-int8"):
+        ps_demo.demo_compressor("topk")
+
+
+@pytest.mark.slow
+def test_the_catalog_imports_no_torch():
+    # command-line parsers list the names (gradcomp train --help) before torch would load
+    code = "import sys, gradcomp.catalog as c; assert c.NAMES; print(sorted(m for m in sys.modules if m == 'torch'))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
