@@ -3,10 +3,11 @@
 Environment switches:
     GRADCOMP_NO_NATIVE=1   skip the native module (the pure-PyTorch reference still works)
     GRADCOMP_NO_OPENMP=1   build without OpenMP
-    GRADCOMP_NATIVE_ARCH=1 compile for this machine's CPU (-march=native: AVX2 / AVX-512 where it
-                           has them; faster, but the module may die with SIGILL on another CPU).
-                           The default is the compiler's portable baseline (x86-64: SSE2), safe
-                           for wheels and shared installs.
+    GRADCOMP_NATIVE_ARCH=1 compile for this machine's CPU (-march=native; the module may die with
+                           SIGILL on another CPU). The default is the compiler's portable baseline
+                           (x86-64: SSE2), safe for wheels and shared installs; its hot kernels are
+                           also compiled for AVX2 and AVX-512 (csrc/cpu/isa_*.cpp) and chosen at
+                           load from the CPU's features (csrc/cpu/isa.cpp).
 
 The CUDA sources in csrc/cuda/ are not compiled here: they are copied into the
 package (gradcomp/_cuda_src/) and compiled at first use by CuPy (NVRTC).

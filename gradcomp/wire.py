@@ -1,55 +1,16 @@
 """Wire format: a compressed tensor as one self-describing ``torch.uint8`` tensor.
 
-Only these bytes travel between ranks; a payload decodes from them alone.
-All integers are little-endian. Layout (offsets in bytes)::
+Only these bytes travel between ranks; a payload decodes from them alone. A 40 + 8 ndim
+byte header (magic ``b"GCMP"``, version, codec id, original dtype, ndim, flags, a
+codec parameter such as the block size, numel, nnz, shape, CRC-32) is followed by the
+codec's sections. :data:`CODECS` is the one table of codecs: each row names its id and
+kind, the parser that validates its sections, and its decoder. The layout of every
+codec (packed int4 / int2 / sign bits, fp8 bit patterns, Elias-Fano sparse indices) is
+documented in ``docs/wire-format.md``.
 
-    0   4  magic            b"GCMP"
-    4   1  version          1, or 2 for a sparse payload with compact indices
-    5   1  codec            1 raw, 2 fp16, 3 bf16, 4 int8, 5 topk, 6 threshold
-    6   1  dtype            original dtype: 1 float32, 2 float16, 3 bfloat16, 4 float64
-    7   1  ndim             0 .. 8
-    8   1  flags            bit 0: stochastic rounding (int8); bit 1: int64 indices (sparse);
-                            bit 2: compact (Elias-Fano) indices (sparse, version 2 only)
-    9   3  reserved         zero
-    12  4  param            int8: block size; fp16: power-of-two exponent e (signed int32);
-                            compact sparse: L, the low-bit width (floor(log2(n / nnz)))
-    16  8  numel            n = product of shape
-    24  8  nnz              sparse: kept elements; dense: 0
-    32  8*ndim shape        int64 each, >= 0
-    ..  4  header crc32     zlib CRC-32 of every header byte before it
-    ..  4  zero padding     (the header is a multiple of 8 bytes: 40 + 8 * ndim)
-
-Sections after the header (``H = 40 + 8 * ndim``):
-
-* raw:       n elements of the original dtype                 size H + n * itemsize
-* fp16:      n float16 values; decoded value = v * 2**e       size H + 2 n
-             (e in [-126, 127], [-1022, 1023] for float64: 2**e and 2**-e are normal numbers)
-* bf16:      n bfloat16 values                                size H + 2 n
-* int8:      ceil(n / B) float32 absmax scales, then n int8 codes in [-127, 127]
-                                                              size H + 4 ceil(n / B) + n
-* topk / threshold: nnz indices (int32, or int64 when n >= 2**31 or flag bit 1),
-  strictly ascending in [0, n); zero padding to a multiple of 8; then the kept
-  values as a nested dense payload of shape ``(nnz,)`` and the same dtype
-  (raw unless a values compressor such as int8 was given)
-                                                              size H + pad8(nnz * isz) + nested
-  With flag bit 2 (version 2) the indices are Elias-Fano coded instead
-  (:mod:`gradcomp.index_codec`: ceil(nnz L / 8) bytes of low bits, then
-  ceil((nnz + ((n - 1) >> L)) / 8) bytes of unary-coded high-part gaps);
-  an encoder uses it whenever that section, padded to 8, is smaller than the
-  fixed-width one, which depends on n and nnz alone (about 1.5 bytes per index
-  at density 0.1%).                                     size H + pad8(ef) + nested
-
-Version 1 readers cannot read compact indices; every other payload is still
-written as version 1, and this reader decodes both versions.
-
-Decoding validates the header (magic, version, known codes, reserved bytes,
-CRC, shape against numel, numel against ``max_numel``, parameters) and every section against the byte
-length, and the data where a bad value could cause harm (codes of -128,
-negative or infinite scales, indices out of range or not ascending). Any
-inconsistency raises :class:`gradcomp.PayloadError`; decoding never reads
-out of bounds. Bit flips in the header are caught by the CRC; a flip inside a
-data section that still yields valid values decodes to those values (use the
-transport's own integrity checks for data at rest).
+Decoding validates the header and every section against the byte length, and the data
+where a bad value could cause harm or lies outside the format; any inconsistency raises
+:class:`gradcomp.PayloadError`, and decoding never reads out of bounds.
 """
 
 from __future__ import annotations
@@ -59,6 +20,7 @@ import struct
 import sys
 import zlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -80,6 +42,7 @@ __all__ = [
     "sparse_nbytes",
     "index_section",
     "build_header",
+    "BLOCK_CODE_BITS",
     "DEFAULT_MAX_NUMEL",
 ]
 
@@ -106,6 +69,9 @@ class Codec:
             :class:`gradcomp.compressors.Decoder`), registered by the
             compressor module that writes the codec (:func:`register_decoder`);
             None until that module is imported.
+        parse: ``parse(p, wire, h, flags, param)`` fills payload ``p``'s sections
+            from the bytes after the ``h``-byte header, validating them (PayloadError);
+            None for the codecs :func:`decode` parses itself.
     """
 
     name: str
@@ -113,6 +79,75 @@ class Codec:
     sparse: bool
     lossy: bool
     decoder: object = field(default=None, repr=False)
+    parse: Callable | None = field(default=None, repr=False)
+
+
+def _fail(msg: str):
+    raise PayloadError(msg)
+
+
+def _view(wire: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` elements of ``dtype`` at byte offset ``start`` (copied if misaligned)."""
+    isz = torch.empty(0, dtype=dtype).element_size()
+    seg = wire[start : start + count * isz]
+    if count == 0:
+        return torch.empty(0, dtype=dtype, device=wire.device)
+    if (seg.storage_offset() % isz) != 0:
+        seg = seg.clone()
+    return seg.view(dtype)
+
+
+def _bad_int4(c: torch.Tensor) -> bool:
+    """Whether a nibble of the packed int4 codes is ``0b1000`` (-8, outside [-7, 7])."""
+    low = c & 0x77
+    any_low = low | (low >> 1) | (low >> 2)  # bit 0 / bit 4: any of the nibble's low three bits
+    return bool(((c >> 3) & 0x11 & ~any_low).any())
+
+
+def _bad_int2(c: torch.Tensor) -> bool:
+    """Whether a 2-bit field of the packed int2 codes is ``0b10`` (-2, outside [-1, 1])."""
+    return bool(((c & 0xAA) & ~((c & 0x55) << 1)).any())
+
+
+def _bad_fp8e4m3(c: torch.Tensor) -> bool:
+    """Whether a float8_e4m3fn code is NaN (``0x7F`` / ``0xFF``: an encoder never writes one)."""
+    return bool(((c & 0x7F) == 0x7F).any())
+
+
+def _bad_fp8e5m2(c: torch.Tensor) -> bool:
+    """Whether a float8_e5m2 code is Inf or NaN (an all-ones exponent)."""
+    return bool(((c & 0x7C) == 0x7C).any())
+
+
+def _parse_blocks(p: "Payload", wire: torch.Tensor, h: int, flags: int, param: int, *, bits: int,
+                  stochastic: bool, bad_codes: Callable | None) -> None:
+    """Sections of a blockwise codec (int4, int2, sign, fp8): ``ceil(n / B)`` float32 scales,
+    then the codes, ``bits`` per element (packed, unused bits of the last byte zero)."""
+    name, n, b = p.codec, p.numel, param
+    if b < 32 or b > 65536 or b & (b - 1):
+        _fail(f"{name} block size {b} is not a power of two in [32, 65536]")
+    if flags & ~(FLAG_STOCHASTIC if stochastic else 0):
+        _fail(f"flags {flags:#x} are not valid for codec {name!r}")
+    nb, ncodes = -(-n // b), -(-n * bits // 8)
+    if wire.numel() != h + 4 * nb + ncodes:
+        _fail(f"{name} payload of shape {tuple(p.shape)} must be {h + 4 * nb + ncodes} bytes, got {wire.numel()}")
+    p.block_size, p.stochastic = b, bool(flags & FLAG_STOCHASTIC)
+    p.scales = _view(wire, h, nb, torch.float32)
+    p.codes = wire[h + 4 * nb:]
+    if nb and bool(((p.scales < 0) | torch.isinf(p.scales)).any()):
+        _fail(f"{name} scales must be >= 0 and finite (or NaN for a non-finite block)")
+    spare = ncodes * 8 - n * bits  # unused bits at the top of the last byte
+    if spare and int(p.codes[-1]) >> (8 - spare):
+        _fail(f"{name} padding bits after the last code are not zero")
+    if n and bad_codes is not None and bad_codes(p.codes):
+        _fail(f"{name} codes hold a value outside the format (see docs/wire-format.md)")
+
+
+def _blocks_codec(name: str, cid: int, bits: int, stochastic: bool, bad_codes: Callable | None) -> "Codec":
+    def parse(p, wire, h, flags, param):
+        _parse_blocks(p, wire, h, flags, param, bits=bits, stochastic=stochastic, bad_codes=bad_codes)
+
+    return Codec(name, cid, sparse=False, lossy=True, parse=parse)
 
 
 #: name -> :class:`Codec`, the codecs this gradcomp reads and writes
@@ -123,7 +158,14 @@ CODECS: dict[str, Codec] = {c.name: c for c in (
     Codec("int8", 4, sparse=False, lossy=True),
     Codec("topk", 5, sparse=True, lossy=True),
     Codec("threshold", 6, sparse=True, lossy=True),
+    _blocks_codec("int4", 7, 4, True, _bad_int4),
+    _blocks_codec("int2", 8, 2, True, _bad_int2),
+    _blocks_codec("sign", 9, 1, False, None),
+    _blocks_codec("fp8e4m3", 10, 8, False, _bad_fp8e4m3),
+    _blocks_codec("fp8e5m2", 11, 8, False, _bad_fp8e5m2),
 )}
+#: bits per element of the codes of each blockwise codec (after the float32 scales)
+BLOCK_CODE_BITS = {"int8": 8, "int4": 4, "int2": 2, "sign": 1, "fp8e4m3": 8, "fp8e5m2": 8}
 _BY_ID = {c.id: c for c in CODECS.values()}
 
 
@@ -183,7 +225,7 @@ def _pad8(nbytes: int) -> int:
 
 
 def dense_nbytes(codec: str, shape, dtype: torch.dtype = torch.float32, block_size: int = 256) -> int:
-    """Exact wire size in bytes of a dense payload (raw, fp16, bf16, int8)."""
+    """Exact wire size in bytes of a dense payload (raw, fp16, bf16 or a blockwise codec)."""
     shape = tuple(shape)
     n = math.prod(shape)
     h = header_nbytes(len(shape))
@@ -191,9 +233,9 @@ def dense_nbytes(codec: str, shape, dtype: torch.dtype = torch.float32, block_si
         return h + n * torch.empty(0, dtype=dtype).element_size()
     if codec in ("fp16", "bf16"):
         return h + 2 * n
-    if codec == "int8":
-        return h + 4 * (-(-n // block_size)) + n
-    raise ValueError(f"codec must be one of ('raw', 'fp16', 'bf16', 'int8'), got {codec!r}")
+    if codec in BLOCK_CODE_BITS:
+        return h + 4 * (-(-n // block_size)) + -(-n * BLOCK_CODE_BITS[codec] // 8)
+    raise ValueError(f"codec must be one of {('raw', 'fp16', 'bf16', *BLOCK_CODE_BITS)}, got {codec!r}")
 
 
 def index_section(n: int, nnz: int, compact: bool = True) -> tuple[bool, int]:
@@ -249,13 +291,14 @@ class Payload:
 
     Attributes:
         wire: 1-D ``torch.uint8`` tensor, exactly the bytes that travel.
-        codec: ``"raw" | "fp16" | "bf16" | "int8" | "topk" | "threshold"``.
+        codec: a name of :data:`CODECS` (``"raw"``, ``"int8"``, ``"int4"``, ``"topk"``, ...).
         dtype: the original tensor's dtype; shape: its shape.
-        block_size: int8 block size (elements); exponent: fp16 power-of-two exponent.
-        stochastic: int8 codes were drawn with stochastic rounding.
+        block_size: block size of the blockwise codecs (elements); exponent: fp16 power-of-two exponent.
+        stochastic: int8 / int4 / int2 codes were drawn with stochastic rounding.
         nnz: kept elements (sparse codecs).
         data: raw/fp16/bf16 values (views into ``wire``).
-        scales, codes: int8 sections (float32 ``[ceil(n/B)]``, int8 ``[n]``).
+        scales, codes: blockwise sections: float32 ``[ceil(n/B)]`` scales; codes int8 ``[n]``
+            (int8), else uint8 (packed int4 / int2 / sign bits, fp8 bit patterns; docs/wire-format.md).
         indices: sparse indices (int32/int64 ``[nnz]``); values: nested dense Payload.
         int8_checked: int8 codes and scales were checked to be in range
             (False after ``decode(..., check_int8=False)``: the kernel that
@@ -300,21 +343,6 @@ class Payload:
             f"Payload(codec={self.codec!r}, dtype={self.dtype}, shape={tuple(self.shape)}, "
             f"nbytes={self.nbytes}, nnz={self.nnz}, block_size={self.block_size})"
         )
-
-
-def _view(wire: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """``count`` elements of ``dtype`` at byte offset ``start`` (copied if misaligned)."""
-    isz = torch.empty(0, dtype=dtype).element_size()
-    seg = wire[start : start + count * isz]
-    if count == 0:
-        return torch.empty(0, dtype=dtype, device=wire.device)
-    if (seg.storage_offset() % isz) != 0:
-        seg = seg.clone()
-    return seg.view(dtype)
-
-
-def _fail(msg: str):
-    raise PayloadError(msg)
 
 
 def _parse_header(wire: torch.Tensor):
@@ -399,9 +427,12 @@ def decode(wire: torch.Tensor, _nested: bool = False, *, check_int8: bool = True
               "(pass a larger max_numel to decode it)")
     total = wire.numel()
     p = Payload(wire=wire, codec=codec, dtype=dtype, shape=shape)
-    sparse = CODECS[codec].sparse
-    if not sparse and nnz != 0:
+    if nnz != 0 and not CODECS[codec].sparse:
         _fail(f"dense codec {codec!r} with nonzero nnz {nnz}")
+    if CODECS[codec].parse is not None:
+        CODECS[codec].parse(p, wire, h, flags, param)
+        return p
+    sparse = CODECS[codec].sparse
     if codec != "int8" and flags & FLAG_STOCHASTIC:
         _fail(f"stochastic flag set on codec {codec!r}")
     if not sparse and flags & (FLAG_INDEX64 | FLAG_COMPACT):

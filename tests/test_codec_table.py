@@ -16,9 +16,11 @@ from gradcomp import wire as W
 from gradcomp.comm.local import Local
 from gradcomp.compressors import decoder, split, unwrapped
 
-# the wire format as documented (gradcomp/wire.py's docstring), written out by hand
+# the wire format as documented (docs/wire-format.md), written out by hand
 SPEC = {"raw": (1, False, False), "fp16": (2, False, True), "bf16": (3, False, True),
-        "int8": (4, False, True), "topk": (5, True, True), "threshold": (6, True, True)}
+        "int8": (4, False, True), "topk": (5, True, True), "threshold": (6, True, True),
+        "int4": (7, False, True), "int2": (8, False, True), "sign": (9, False, True),
+        "fp8e4m3": (10, False, True), "fp8e5m2": (11, False, True)}
 PACKAGE = pathlib.Path(gc.__file__).parent
 
 
@@ -30,7 +32,9 @@ def test_table_matches_the_documented_format_and_has_a_decoder_per_codec():
         assert isinstance(dec, gc.compressors.Decoder) and not isinstance(dec, gc.Compressor), name
         assert decoder(name) is dec and decoder(cid) is dec
     # a compressor's kind is its codec's row
-    for c in (gc.NoCompression(), gc.FP16(), gc.BF16(), gc.Int8Quantizer(), gc.TopK(k=1), gc.Threshold(0.1)):
+    for c in (gc.NoCompression(), gc.FP16(), gc.BF16(), gc.Int8Quantizer(), gc.TopK(k=1), gc.Threshold(0.1),
+              gc.IntQuantizer(4), gc.IntQuantizer(2), gc.IntQuantizer(8), gc.SignQuantizer(), gc.FP8(),
+              gc.FP8("e5m2")):
         assert (c.sparse, c.lossy) == SPEC[c.codec][1:], c
 
 
@@ -51,17 +55,29 @@ def _hand_dense(b: bytes) -> np.ndarray:
         return np.frombuffer(b, np.float16, n, h).astype(np.float64) * 2.0 ** param
     if codec_id == 3:
         return (np.frombuffer(b, np.uint16, n, h).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    assert codec_id == 4
+    assert 4 <= codec_id <= 11
     nb = -(-n // param)
-    scales = np.frombuffer(b, np.float32, nb, h)
-    codes = np.frombuffer(b, np.int8, n, h + 4 * nb)
+    scales = np.repeat(np.frombuffer(b, np.float32, nb, h), param)[:n]
+    raw = np.frombuffer(b, np.uint8, len(b) - h - 4 * nb, h + 4 * nb)
+    if codec_id == 9:  # sign: bit k of byte j is element 8j + k, 1 for -scale
+        bit = (raw[:, None] >> np.arange(8)) & 1
+        return np.where(bit.reshape(-1)[:n] == 1, -scales, scales).astype(np.float64)
+    if codec_id in (10, 11):  # fp8 bit patterns, widened by hand
+        mb, bias = (3, 7) if codec_id == 10 else (2, 15)
+        e, m = (raw.astype(np.int64) & 0x7F) >> mb, raw.astype(np.int64) & ((1 << mb) - 1)
+        mag = np.where(e == 0, m * 2.0 ** (1 - bias - mb), (m + 2 ** mb) * 2.0 ** (e - bias - mb))
+        return (np.where(raw >= 128, -mag, mag).astype(np.float32) * scales).astype(np.float64)
+    bits = {4: 8, 7: 4, 8: 2}[codec_id]  # two's complement fields, element j of a byte at bits j * bits
+    fields = (raw[:, None].astype(np.int64) >> np.arange(0, 8, bits)) & ((1 << bits) - 1)
+    codes = fields.reshape(-1)[:n]
+    codes = np.where(codes >= 1 << (bits - 1), codes - (1 << bits), codes)
     # float32 products, rounded once (what every backend computes)
-    return (codes.astype(np.float32) * np.repeat(scales, param)[:n]).astype(np.float64)
+    return (codes.astype(np.float32) * scales).astype(np.float64)
 
 
 def _hand(b: bytes) -> np.ndarray:
     codec_id, ndim, flags = b[5], b[7], b[8]
-    if codec_id <= 4:
+    if codec_id not in (5, 6):
         return _hand_dense(b)
     assert flags & 4 == 0  # fixed-width int32 indices
     (n, nnz) = struct.unpack_from("<qq", b, 16)
@@ -87,10 +103,16 @@ def _samples():
         gc.TopK(k=50, values=gc.Int8Quantizer(block_size=32), compact_indices=False).compress(x),
         gc.Threshold(4.0, values=gc.FP16(), compact_indices=False).compress(x),
         gc.Threshold(100.0, compact_indices=False).compress(x),  # nothing kept
+        gc.IntQuantizer(4, block_size=64).compress(x),
+        gc.IntQuantizer(2, block_size=32, rounding="stochastic", seed=3).compress(x),
+        gc.SignQuantizer(block_size=128).compress(x),
+        gc.FP8("e4m3", block_size=64).compress(x * 1e-3),
+        gc.FP8("e5m2", block_size=32).compress(x),
+        gc.TopK(k=50, values=gc.IntQuantizer(4, block_size=32), compact_indices=False).compress(x),
     ]
 
 
-@pytest.mark.parametrize("i", range(10))
+@pytest.mark.parametrize("i", range(16))
 def test_every_codec_decodes_from_its_bytes_alone(i):
     p = _samples()[i]
     wire = p.wire.clone()
@@ -126,7 +148,7 @@ def _with_codec_id(cid: int) -> torch.Tensor:
     return torch.frombuffer(head + bytes(8), dtype=torch.uint8)
 
 
-@pytest.mark.parametrize("cid", [0, 7, 255])
+@pytest.mark.parametrize("cid", [0, 12, 255])
 def test_unknown_codec_id_is_a_payload_error(cid):
     wire = _with_codec_id(cid)
     for fn in (gc.decode, gc.decompress, lambda w: gc.decompress_add_(w, torch.zeros(2))):

@@ -32,6 +32,11 @@ COMPRESSORS = {
     "none": gc.NoCompression,
     "topk": lambda: gc.TopK(ratio=0.01),
     "threshold": lambda: gc.Threshold(0.5),
+    "int4": lambda: gc.IntQuantizer(bits=4),
+    "int2": lambda: gc.IntQuantizer(bits=2),
+    "sign": gc.SignQuantizer,
+    "fp8": gc.FP8,
+    "fp8-e5m2": lambda: gc.FP8(format="e5m2"),
 }
 
 #: what each kind of change must be named as
@@ -115,6 +120,9 @@ def _cases(world):
         (2**16, "sparse_reduce_scatter", "topk", "numel", 1, 2**10),
         (2**20, "hierarchical", "int8", "numel", last, 64),
         (2**18, "ring", "int8", "algorithm", 1, "hierarchical"),  # its first call resolves the topology
+        (2**20, "ring", "int4", "codec", last, "int2"),
+        (2**18, "two_phase", "fp8", "codec", 0, "fp8-e5m2"),
+        (2**16, "halving_doubling", "sign", "numel", 1, 2**10),
     ]
 
 

@@ -634,7 +634,7 @@ def test_backend_argument_errors():
     assert registry.auto_kernel("quantize_int8", "cpu") is C.quantize_int8
     with pytest.raises(ValueError, match="q must"):  # the same check through the dispatcher
         torch.ops.gradcomp.quantize_int8(x, 32, False, 0, torch.empty(99, dtype=torch.int8), s)
-    native = C._native()
+    native = C.native()
     with pytest.raises(ValueError, match="dtype"):
         native.topk(x.numpy(), "float8", 3)
     with pytest.raises(ValueError, match="x must be a 1-D array"):
@@ -650,7 +650,7 @@ def test_backend_argument_errors():
 def test_registry_and_threads():
     assert K.available_backends()["cpu"] is None
     assert C.unavailable_reason() is None and C.devices() == frozenset({"cpu"})
-    info = C._native().build_info()
+    info = C.native().build_info()
     assert isinstance(info["openmp"], bool)
     with pytest.raises(ValueError):
         C.set_num_threads(-1)

@@ -416,3 +416,46 @@ def test_gpu_large_and_streams():
     C.assert_selection((i, v), R.topk(x, 5000), "topk 4M")
     for k in (4000, 40000):
         C.assert_selection(K.approx_topk(xd, k, backend="cuda"), R.approx_topk(x, k), f"approx k={k}")
+
+
+# ------------------------------------------------ sub-byte and fp8 block codecs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("block_size", [32, 512])
+def test_lowbit_quantize(target, dtype, block_size):
+    device, call = target
+    x = C.data(1200, dtype, seed=block_size)
+    xd = x.to(device)
+    for op, args in (("quantize_packed", (4, block_size, "nearest")),
+                     ("quantize_packed", (2, block_size, "stochastic", 11, 2**33 + 5)),
+                     ("quantize_sign", (block_size,)), ("quantize_fp8", ("e4m3", block_size)),
+                     ("quantize_fp8", ("e5m2", block_size))):
+        got = call(op, xd, *args)
+        want = getattr(K, op)(x, *args, backend="reference")
+        C.assert_bitwise(got[0], want[0], f"{op}{args} codes")
+        C.assert_bitwise(got[1], want[1], f"{op}{args} scales")
+
+
+def test_lowbit_error_feedback_and_decoding(target):
+    device, call = target
+    n = 900
+    x = C.data(n, torch.float32, seed=3)
+    r = torch.randn(n, generator=torch.Generator().manual_seed(4)) * 0.1
+    for ef, dec, add, args, dargs in (
+        ("quantize_packed_ef", "dequantize_packed", "dequantize_packed_add_", (4, 64, "stochastic", 1, 2), (4, 64)),
+        ("quantize_sign_ef", "dequantize_sign", "dequantize_sign_add_", (64,), (64,)),
+        ("quantize_fp8_ef", "dequantize_fp8", "dequantize_fp8_add_", ("e4m3", 64), ("e4m3", 64)),
+    ):
+        r_dev, r_ref = r.clone().to(device), r.clone()
+        got = call(ef, x.to(device), r_dev, *args)
+        want = getattr(K, ef)(x, r_ref, *args, backend="reference")
+        C.assert_bitwise(got[0], want[0], f"{ef} codes")
+        C.assert_bitwise(r_dev, r_ref, f"{ef} residual")
+        size = (n,) if dec != "dequantize_fp8" else ()
+        C.assert_bitwise(call(dec, *got, *size, *dargs), getattr(K, dec)(*want, *size, *dargs, backend="reference"),
+                         f"{dec}")
+        acc = torch.randn(n)
+        acc_dev = acc.clone().to(device)
+        call(add, acc_dev, *got, *dargs)
+        C.assert_bitwise(acc_dev, getattr(K, add)(acc, *want, *dargs, backend="reference"), f"{add}")

@@ -133,8 +133,12 @@ def test_every_backend_declares_the_same_ops():
     assert set(ops.kernels("reference")) == set(ops.SCHEMAS)
     if K.available_backends()["cpu"] is None:
         assert set(ops.kernels("cpu")) == set(ops.SCHEMAS)
-    import gradcomp.kernels.cuda  # noqa: F401  (importable without CuPy or a GPU)
+    import importlib
 
+    import gradcomp.kernels.cuda as cuda  # importable without CuPy or a GPU, with its kernel modules
+
+    for module in cuda.KERNEL_MODULES:
+        importlib.import_module(module)
     assert set(ops.kernels("cuda")) == set(ops.OPS)
 
 

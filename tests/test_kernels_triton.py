@@ -368,3 +368,67 @@ def test_gpu_large(dtype):
     C.assert_selection(K.topk(xd, 5000, backend="triton"), R.topk(x, 5000), "topk")
     C.assert_selection(K.approx_topk(xd, 40000, backend="triton"), R.approx_topk(x, 40000), "approx")
     C.assert_selection(K.threshold(xd, 3.0, backend="triton"), R.threshold(x, 3.0), "threshold")
+
+
+# ------------------------------------------------ sub-byte and fp8 block codecs
+
+
+def _lowbit_cases(x, block_size, n):
+    """``(name, call(backend))`` of every quantizing op of the sub-byte and fp8 codecs."""
+    return [
+        ("int4", lambda b: K.quantize_packed(x, 4, block_size, "nearest", backend=b)),
+        ("int2 stochastic", lambda b: K.quantize_packed(x, 2, block_size, "stochastic", 11, 2**33 + 5, backend=b)),
+        ("sign", lambda b: K.quantize_sign(x, block_size, backend=b)),
+        ("fp8 e4m3", lambda b: K.quantize_fp8(x, "e4m3", block_size, backend=b)),
+        ("fp8 e5m2", lambda b: K.quantize_fp8(x, "e5m2", block_size, backend=b)),
+    ]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,block_size", [(1531, 32), (2100, 1024)])
+def test_lowbit_quantize(dtype, n, block_size):
+    x = C.data(n, dtype, seed=n)
+    xd = x.to(DEVICE)
+    for (name, call), (_, ref) in zip(_lowbit_cases(xd, block_size, n), _lowbit_cases(x, block_size, n)):
+        got = call("triton")
+        want = ref("reference")
+        C.assert_bitwise(got[0], want[0], f"{name} codes")
+        C.assert_bitwise(got[1], want[1], f"{name} scales")
+
+
+@pytest.mark.parametrize("bits,rounding", [(4, "stochastic"), (2, "nearest")])
+def test_lowbit_error_feedback_and_decoding(bits, rounding):
+    n = 1000
+    x = C.data(n, torch.float32, seed=3).to(DEVICE)
+    r = torch.randn(n, generator=torch.Generator().manual_seed(4)) * 0.1
+    for ef, dec, add, args in (
+        (K.quantize_packed_ef, lambda c, s, **k: K.dequantize_packed(c, s, n, bits, 64, **k),
+         lambda a, c, s, **k: K.dequantize_packed_add_(a, c, s, bits, 64, **k), (bits, 64, rounding, 1, 2)),
+        (K.quantize_sign_ef, lambda c, s, **k: K.dequantize_sign(c, s, n, 64, **k),
+         lambda a, c, s, **k: K.dequantize_sign_add_(a, c, s, 64, **k), (64,)),
+        (K.quantize_fp8_ef, lambda c, s, **k: K.dequantize_fp8(c, s, "e5m2", 64, **k),
+         lambda a, c, s, **k: K.dequantize_fp8_add_(a, c, s, "e5m2", 64, **k), ("e5m2", 64)),
+    ):
+        r_dev, r_ref = r.clone().to(DEVICE), r.clone()
+        got = ef(x, r_dev, *args, backend="triton")
+        want = ef(x.cpu(), r_ref, *args, backend="reference")
+        C.assert_bitwise(got[0], want[0], "codes")
+        C.assert_bitwise(r_dev, r_ref, "residual")
+        C.assert_bitwise(dec(*got, backend="triton"), dec(*want, backend="reference"), "decoded")
+        acc = torch.randn(n)
+        acc_dev = acc.clone().to(DEVICE)
+        add(acc_dev, *got, backend="triton")
+        C.assert_bitwise(acc_dev, add(acc, *want, backend="reference"), "accumulated")
+
+
+def test_lowbit_reduce_quantize_composes_the_triton_ops():
+    x = C.data(700, torch.float32, seed=5)
+    codes, scales = K.quantize_packed(x, 4, 32)
+    acc = torch.randn(700)
+    acc_dev = acc.clone().to(DEVICE)
+    got = K.reduce_quantize_packed(acc_dev, codes.to(DEVICE), scales.to(DEVICE), 4, 32, 3, "stochastic", 1, 2,
+                                   decode=True, backend="triton")
+    want = K.reduce_quantize_packed(acc, codes, scales, 4, 32, 3, "stochastic", 1, 2, decode=True,
+                                    backend="reference")
+    C.assert_bitwise(got[0], want[0], "codes")
+    C.assert_bitwise(acc_dev, acc, "acc")

@@ -26,7 +26,7 @@ ALLOWED_LONG_MODULE_DOCS = {
     "gradcomp/lab/plan/model.py": 93, "gradcomp/ps/__init__.py": 96,
     "gradcomp/localsgd.py": 71, "gradcomp/lab/bench/kernels/__init__.py": 65,
     "gradcomp/lab/bench/allreduce.py": 63,
-    "gradcomp/wire.py": 52, "gradcomp/kernels/reference.py": 50,
+    "gradcomp/kernels/reference.py": 50,
     "gradcomp/ps/protocol.py": 49, "gradcomp/ddp.py": 48,
     "gradcomp/fsdp.py": 45,
     "gradcomp/lab/study/study.py": 33,
@@ -52,6 +52,9 @@ ALLOWED_INIT_CODE = {"gradcomp/kernels/__init__.py", "gradcomp/kernels/triton/__
 INTERFACE_NAMES = {
     "quantize_int8", "dequantize_int8", "dequantize_int8_add_", "quantize_int8_ef", "reduce_quantize_int8",
     "topk", "approx_topk", "threshold", "scatter_add_", "dgc_accumulate_", "dgc_topk_",
+    "quantize_packed", "quantize_packed_ef", "dequantize_packed", "dequantize_packed_add_", "reduce_quantize_packed",
+    "quantize_sign", "quantize_sign_ef", "dequantize_sign", "dequantize_sign_add_",
+    "quantize_fp8", "quantize_fp8_ef", "dequantize_fp8", "dequantize_fp8_add_",
     "devices", "unavailable_reason",  # what every kernel backend module answers
     "allreduce", "reduce_scatter",  # every algorithm module's entry points
     "main", "build_parser",  # every command's

@@ -4,6 +4,8 @@
 // counts; csrc/cpu/module.cpp validates numpy buffers and calls them with the
 // GIL released.
 //
+// Every function here has internal linkage (static, or an unnamed namespace),
+// so the kernel variants compiled for several instruction sets never share one.
 // Numerics follow gradcomp/kernels/reference.py bit for bit. Float16 <->
 // float32 conversions follow the x86 F16C instructions (exact widening, round
 // to nearest even when narrowing, NaN payloads kept and quieted), which is
@@ -26,8 +28,23 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__F16C__) || defined(__AVX2__)
-#include <immintrin.h>
+// Instruction sets this translation unit may use: those the compiler targets
+// (-march), or those a kernel variant's file declares before including this
+// header (isa_avx2.cpp, isa_avx512.cpp: GC_ISA_* with a target pragma).
+#if defined(__F16C__) || defined(GC_ISA_F16C)
+#define GC_HAS_F16C 1
+#endif
+#if defined(__SSE4_1__) || defined(GC_ISA_SSE41)
+#define GC_HAS_SSE41 1
+#endif
+#if defined(__AVX2__) || defined(GC_ISA_AVX2)
+#define GC_HAS_AVX2 1
+#endif
+#if defined(__AVX512F__) || defined(GC_ISA_AVX512)
+#define GC_HAS_AVX512 1
+#endif
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
+#include <immintrin.h>  // declarations only: a function uses an instruction set only where allowed
 #endif
 #ifdef _MSC_VER
 #include <intrin.h>
@@ -105,7 +122,10 @@ static inline uint16_t f32_to_bf16(float f) {
 
 // ---------------------------------------------------------------------------
 // element types: storage type, key type (|x| bits, order preserving) and bulk
-// conversions to/from float32.
+// conversions to/from float32. In an unnamed namespace: each translation unit
+// (each kernel variant's instruction set) gets its own copy, never another's.
+
+namespace {
 
 struct F32 {
     using T = float;
@@ -161,7 +181,7 @@ struct F16 {
     static inline float to_float(T v) { return f16_to_f32(v); }
     static inline void to_float(const T* s, float* d, size_t n) {
         size_t i = 0;
-#ifdef __F16C__
+#ifdef GC_HAS_F16C
         for (; i + 8 <= n; i += 8)
             _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
 #endif
@@ -169,7 +189,7 @@ struct F16 {
     }
     static inline void from_float(const float* s, T* d, size_t n) {
         size_t i = 0;
-#ifdef __F16C__
+#ifdef GC_HAS_F16C
         for (; i + 8 <= n; i += 8)
             _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i),
                              _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
@@ -177,6 +197,8 @@ struct F16 {
         for (; i < n; ++i) d[i] = f32_to_f16(s[i]);
     }
 };
+
+}  // namespace
 
 // Selection key of an element: the bits of |x|, with every NaN mapped to the
 // largest key (so NaN ranks above +Inf). Order of keys == order of |x|.

@@ -46,6 +46,30 @@ bool reduce_quantize_int8(float* acc, const int8_t* q_in, const float* scales_in
                           float divisor, bool stochastic, uint32_t key, int8_t* q, float* scales,
                           bool decode, bool check_int8);
 
+// The sub-byte and fp8 block codecs (gradcomp/kernels/reference_lowbit.py; lowbit.cpp).
+// Codes are bytes: `bits`-bit two's complement fields packed 8 / bits to a byte
+// (ceil(n * bits / 8) bytes), sign bits 8 to a byte (ceil(n / 8)), one fp8 bit
+// pattern per element (n). residual != null: fused error feedback, as
+// quantize_int8. The decoders write out[i] = value * scale (float32), or with
+// `add` acc[i] + that product (rounded first). Codes are read as they are: the
+// wire parser validates payloads before any of these run.
+enum class Fp8 { E4M3, E5M2 };
+void quantize_packed(DType dt, const void* x, float* residual, size_t n, size_t block, int bits, bool stochastic,
+                     uint32_t key, uint8_t* codes, float* scales);
+void dequantize_packed(const uint8_t* codes, const float* scales, size_t n, size_t block, int bits, float* out,
+                       bool add);
+// As reduce_quantize_int8, with packed codes in and out (bits 4 or 2).
+void reduce_quantize_packed(float* acc, const uint8_t* codes_in, const float* scales_in, size_t n, size_t block,
+                            int bits, float divisor, bool stochastic, uint32_t key, uint8_t* codes, float* scales,
+                            bool decode);
+void quantize_sign(DType dt, const void* x, float* residual, size_t n, size_t block, uint8_t* codes,
+                   float* scales);
+void dequantize_sign(const uint8_t* codes, const float* scales, size_t n, size_t block, float* out, bool add);
+void quantize_fp8(DType dt, const void* x, float* residual, size_t n, size_t block, Fp8 fmt, uint8_t* codes,
+                  float* scales);
+void dequantize_fp8(const uint8_t* codes, const float* scales, size_t n, size_t block, Fp8 fmt, float* out,
+                    bool add);
+
 // Selections: ascending indices (int64 when n >= 2**31, else int32) and values.
 Selection topk(DType dt, const void* x, size_t n, size_t k);
 Selection threshold(DType dt, const void* x, size_t n, double tau);

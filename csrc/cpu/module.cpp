@@ -9,7 +9,9 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include "isa_kernels.h"
 #include "kernels.h"
+#include "pyargs.h"
 
 namespace py = pybind11;
 
@@ -19,42 +21,7 @@ std::atomic<int> g_num_threads{0};
 
 namespace {
 
-std::string describe(const py::array& a) {
-    return std::string(py::str(a.dtype())) + " array with ndim " + std::to_string(a.ndim());
-}
-
-// Pointer to the data of a contiguous 1-D array of `itemsize`-byte elements of
-// numpy kind in `kinds` (e.g. "f", "iu"); throws ValueError naming `name`.
-void* data_of(py::array a, const char* name, const char* kinds, size_t itemsize, bool writable) {
-    const char kind = a.dtype().kind();
-    if (a.ndim() != 1 || size_t(a.itemsize()) != itemsize || !std::strchr(kinds, kind))
-        throw std::invalid_argument(std::string(name) + " must be a 1-D array of " +
-                                    std::to_string(itemsize) + "-byte elements of kind '" + kinds +
-                                    "', got a " + describe(a));
-    if (a.size() > 1 && a.strides(0) != py::ssize_t(itemsize))
-        throw std::invalid_argument(std::string(name) + " must be contiguous");
-    if (writable) {
-        if (!a.writeable()) throw std::invalid_argument(std::string(name) + " must be writable");
-        return a.size() ? a.mutable_data() : nullptr;
-    }
-    return a.size() ? const_cast<void*>(a.data()) : nullptr;
-}
-
-void* float_data(py::array a, const char* name, DType dt, bool writable = false) {
-    const bool narrow = dt == DType::F16 || dt == DType::BF16;
-    return data_of(a, name, narrow ? "iuf" : "f", dtype_size(dt), writable);
-}
-
-void check_len(const char* name, size_t got, size_t want) {
-    if (got != want)
-        throw std::invalid_argument(std::string(name) + " must have " + std::to_string(want) +
-                                    " elements, got " + std::to_string(got));
-}
-
-size_t checked_block(py::ssize_t block) {
-    if (block <= 0) throw std::invalid_argument("block_size must be positive, got " + std::to_string(block));
-    return size_t(block);
-}
+using namespace pyargs;
 
 py::array owned_array(Buffer<unsigned char>&& buf, size_t count, const py::dtype& dt) {
     if (count == 0) return py::array(dt, std::vector<py::ssize_t>{0});
@@ -294,10 +261,21 @@ py::dict build_info() {
 #ifdef __VERSION__
     d["compiler"] = __VERSION__;
 #endif
+    d["isa_supported"] = isa_supported();
+    try {
+        d["isa"] = isa_kernels().name;
+    } catch (const std::invalid_argument& e) {
+        d["isa"] = std::string("unavailable: ") + e.what();
+    }
     return d;
 }
 
+std::string py_cpu_isa() { return isa_kernels().name; }
+
 }  // namespace
+
+void bind_lowbit(py::module_& m);  // module_lowbit.cpp
+
 }  // namespace gradcomp
 
 PYBIND11_MODULE(_C, m) {
@@ -351,5 +329,11 @@ PYBIND11_MODULE(_C, m) {
     m.def("set_num_threads", &py_set_num_threads, py::arg("n"),
           "Threads for every kernel of this module (0 = omp_get_max_threads(), the OpenMP default).");
     m.def("get_num_threads", &max_threads, "Threads the kernels of this module use now.");
+    bind_lowbit(m);
+    m.def("cpu_isa", &py_cpu_isa,
+          "The kernel variant (instruction set) this process runs: baseline, avx2 or avx512, chosen once\n"
+          "from GRADCOMP_CPU_ISA or the CPU's features; ValueError with the reason when GRADCOMP_CPU_ISA\n"
+          "names one that cannot run here.");
+    m.def("cpu_isas", &isa_supported, "The kernel variants this CPU and build can run, comma-separated.");
     m.def("build_info", &build_info, "Compile-time features of this build (OpenMP, F16C, AVX2, ...).");
 }

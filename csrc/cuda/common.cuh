@@ -90,4 +90,14 @@ __device__ __forceinline__ gc_u64 gc_key(double v, int nan_as_inf) {
   return b;
 }
 
+// ---- counter-based randomness (reference.py: mix32 = lowbias32) -----------
+__device__ __forceinline__ gc_u32 gc_mix32(gc_u32 x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
 #endif  // GRADCOMP_COMMON_CUH

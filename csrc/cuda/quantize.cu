@@ -17,15 +17,6 @@
 
 #define GC_Q_THREADS 256
 
-__device__ __forceinline__ gc_u32 gc_mix32(gc_u32 x) {
-  x ^= x >> 16;
-  x *= 0x7FEB352Du;
-  x ^= x >> 15;
-  x *= 0x846CA68Bu;
-  x ^= x >> 16;
-  return x;
-}
-
 template <typename T, bool EF>
 __device__ __forceinline__ float gc_quant_input(const T* x, const float* residual, gc_i64 i) {
   float p = gc_to_float(x[i]);

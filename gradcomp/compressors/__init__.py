@@ -11,7 +11,10 @@ from gradcomp.compressors.base import Compressor, Decoder, decoder, decompress, 
 from gradcomp.compressors.dense import BF16, FP16, NoCompression
 from gradcomp.compressors.dgc import DGC, check_optimizer
 from gradcomp.compressors.error_feedback import ErrorFeedback, split, unwrapped
+from gradcomp.compressors.fp8 import FP8
 from gradcomp.compressors.int8 import Int8Quantizer
+from gradcomp.compressors.intq import IntQuantizer
+from gradcomp.compressors.sign import SignQuantizer
 from gradcomp.compressors.sparse import Threshold, TopK
 
 __all__ = [
@@ -20,6 +23,9 @@ __all__ = [
     "FP16",
     "BF16",
     "Int8Quantizer",
+    "IntQuantizer",
+    "SignQuantizer",
+    "FP8",
     "TopK",
     "Threshold",
     "ErrorFeedback",

@@ -270,6 +270,13 @@ class Compressor(abc.ABC):
         original dtype recorded in the header: error feedback passes float32)
         into ``out`` when given (checked by the caller: the exact wire size)."""
 
+    def _encode_ef(self, x: torch.Tensor, residual: torch.Tensor, dtype: torch.dtype, shape,
+                   out: torch.Tensor | None = None) -> W.Payload | None:
+        """Fused error feedback: the payload of ``x + residual`` with ``residual`` (flat
+        float32) updated in place to the new error, in one kernel pass; None when the codec
+        has no fused kernel (the caller then encodes the sum and decodes it)."""
+        return None
+
     def _decode_flat(self, p: W.Payload) -> torch.Tensor:
         """Flat decoded values: float32 for lossy codecs, the original dtype for
         raw (the codec's :class:`Decoder`, on this compressor's backend)."""

@@ -17,7 +17,6 @@ from gradcomp import _validate as v
 from gradcomp import wire as W
 from gradcomp.compressors._common import check_wire_out, flat
 from gradcomp.compressors.base import Compressor
-from gradcomp.compressors.int8 import Int8Quantizer
 
 __all__ = ["ErrorFeedback", "checked_residuals", "split", "unwrapped"]
 
@@ -31,8 +30,9 @@ class ErrorFeedback:
         p = x + residual[k];  wire = C(p);  residual[k] = p - D(wire)
 
     so the sum of everything decompressed plus the final residual equals the sum
-    of the inputs (nothing is lost, only delayed). With :class:`Int8Quantizer`
-    the three steps run fused in one kernel pass (``quantize_int8_ef``).
+    of the inputs (nothing is lost, only delayed). With the blockwise codecs
+    (:class:`IntQuantizer`, :class:`SignQuantizer`, :class:`FP8`) the three steps run
+    fused in one kernel pass (``quantize_int8_ef``, ``quantize_packed_ef``, ...).
     Residuals are float32, on the tensor's device, flat (the tensor's numel).
 
     A residual that turns non-finite (NaN/Inf input) is dropped: that key starts
@@ -102,9 +102,8 @@ class ErrorFeedback:
             check_wire_out(self.wraps, out, t)
         x = flat(t)
         r = self.residual_for(key, x.numel(), x.device)
-        if isinstance(self.wraps, Int8Quantizer):
-            p = self.wraps._encode_ef(x, r, t.dtype, t.shape, out=out)
-        else:
+        p = self.wraps._encode_ef(x, r, t.dtype, t.shape, out=out)
+        if p is None:  # no fused kernel: compress the sum, then the residual from the decoded payload
             px = x.to(torch.float32) + r
             p = self.wraps._encode(px, t.dtype, t.shape, out=out)
             r = self.wraps._residual(p, px)

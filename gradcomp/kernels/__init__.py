@@ -18,7 +18,15 @@ import torch
 
 from gradcomp import _validate as v
 from gradcomp import _validate as checks  # the DGC ops' state tensor is called v
-from gradcomp.kernels.reference import quantize_outputs, stream_key
+from gradcomp.kernels._args import check_out as _check_out
+from gradcomp.kernels._args import flat_contiguous as _flat
+from gradcomp.kernels._args import nblocks as _nblocks
+from gradcomp.kernels._args import stream_args as _stream
+from gradcomp.kernels.lowbit import (dequantize_fp8, dequantize_fp8_add_, dequantize_packed,
+                                     dequantize_packed_add_, dequantize_sign, dequantize_sign_add_, quantize_fp8,
+                                     quantize_fp8_ef, quantize_packed, quantize_packed_ef, quantize_sign,
+                                     quantize_sign_ef, reduce_quantize_packed)
+from gradcomp.kernels.reference import quantize_outputs
 from gradcomp.kernels.registry import available_backends, backend_name, select
 
 __all__ = [
@@ -35,30 +43,20 @@ __all__ = [
     "dgc_accumulate_",
     "dgc_topk_",
     "native_cpu",
+    "quantize_packed",
+    "quantize_packed_ef",
+    "dequantize_packed",
+    "dequantize_packed_add_",
+    "reduce_quantize_packed",
+    "quantize_sign",
+    "quantize_sign_ef",
+    "dequantize_sign",
+    "dequantize_sign_add_",
+    "quantize_fp8",
+    "quantize_fp8_ef",
+    "dequantize_fp8",
+    "dequantize_fp8_add_",
 ]
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    """x as a contiguous 1-D tensor (x itself when it is one: no new view per call)."""
-    if x.is_contiguous():
-        return x if x.dim() == 1 else x.view(-1)
-    return x.contiguous().view(-1)
-
-
-def _nblocks(n: int, block_size: int) -> int:
-    return -(-n // block_size)
-
-
-def _check_out(name, out, numel, dtype, device):
-    if out is None:
-        return None
-    v.tensor(name, out, None)
-    if out.dtype != dtype or out.numel() != numel or out.device != device or not out.is_contiguous():
-        raise ValueError(
-            f"{name} must be a contiguous {dtype} tensor of {numel} elements on {device}, "
-            f"got {out.dtype} with {out.numel()} elements on {out.device}"
-        )
-    return out if out.dim() == 1 else out.view(-1)
 
 
 def quantize_int8(
@@ -102,12 +100,6 @@ def quantize_int8(
     q, s = quantize_outputs(x, block_size, out_q, out_scales)
     fn(_flat(x), block_size, *_stream(rounding, seed, counter), q, s)
     return q, s
-
-
-def _stream(rounding: str, seed: int, counter: int) -> tuple[bool, int]:
-    """The ``(stochastic, key)`` arguments of the quantizing ops."""
-    stochastic = rounding == "stochastic"
-    return stochastic, stream_key(seed, counter) if stochastic else 0
 
 
 def _check_codes(q, scales, block_size):

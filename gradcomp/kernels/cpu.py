@@ -36,10 +36,18 @@ from gradcomp.kernels import reference as _ref
 from gradcomp.kernels.ops import kernel
 
 __all__ = [
+    "native",
+    "flat_cpu",
+    "as_numpy",
+    "out_numpy",
+    "dtype_name",
     "unavailable_reason",
     "devices",
     "set_num_threads",
     "get_num_threads",
+    "isa",
+    "isas",
+    "ISA_ENV",
     "quantize_int8",
     "dequantize_int8",
     "dequantize_int8_add_",
@@ -64,11 +72,15 @@ _DTYPE_NAMES = {
 
 _native_module = None
 
+#: the modules declaring more of this backend's kernels (imported once it is usable)
+KERNEL_MODULES = ("gradcomp.kernels.cpu_lowbit",)
+
 #: largest strided sample approx_topk draws to estimate its threshold
 _APPROX_MAX_SAMPLE = 65536
 
 
-def _native():
+def native():
+    """The module ``gradcomp._C``, imported on first use (ImportError when it is not built)."""
     global _native_module
     if _native_module is None:
         import gradcomp._C as mod
@@ -80,7 +92,7 @@ def _native():
 def unavailable_reason() -> str | None:
     """None when ``gradcomp._C`` imports, else why it does not."""
     try:
-        _native()
+        native()
     except ImportError as e:
         return (
             "gradcomp._C is not built (build it with `python setup.py build_ext --inplace`; "
@@ -94,15 +106,34 @@ def devices() -> frozenset[str]:
     return frozenset({"cpu"})
 
 
+#: the environment variable that forces a kernel variant (read once, when gradcomp._C loads)
+ISA_ENV = "GRADCOMP_CPU_ISA"
+
+
+def isa() -> str:
+    """The instruction set the native kernels run: ``"baseline"``, ``"avx2"`` or ``"avx512"``,
+    chosen once per process from :data:`ISA_ENV` or, unset, the best this CPU supports.
+
+    Raises:
+        ValueError: :data:`ISA_ENV` names no variant or one this CPU cannot run (the reason).
+    """
+    return str(native().cpu_isa())
+
+
+def isas() -> tuple[str, ...]:
+    """The kernel variants this CPU and build can run, best last."""
+    return tuple(native().cpu_isas().split(", "))
+
+
 def set_num_threads(n: int) -> None:
     """Threads used by every native kernel; ``0`` restores the default
     (``omp_get_max_threads()`` of the calling thread)."""
-    _native().set_num_threads(int(n))
+    native().set_num_threads(int(n))
 
 
 def get_num_threads() -> int:
     """Threads the native kernels use now."""
-    return int(_native().get_num_threads())
+    return int(native().get_num_threads())
 
 
 # ---------------------------------------------------------------------------
@@ -112,7 +143,7 @@ def get_num_threads() -> int:
 _TWO_BYTE = (torch.float16, torch.bfloat16)
 
 
-def _flat(name: str, t: torch.Tensor) -> torch.Tensor:
+def flat_cpu(name: str, t: torch.Tensor) -> torch.Tensor:
     """``t`` as a flat contiguous CPU tensor without autograd history."""
     if not t.is_cpu:
         raise ValueError(f"the cpu backend needs CPU tensors, got {name} on {t.device}")
@@ -123,7 +154,7 @@ def _flat(name: str, t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 1 else t.reshape(-1)
 
 
-def _dtype_name(name: str, t: torch.Tensor) -> str:
+def dtype_name(name: str, t: torch.Tensor) -> str:
     try:
         return _DTYPE_NAMES[t.dtype]
     except KeyError:
@@ -132,14 +163,14 @@ def _dtype_name(name: str, t: torch.Tensor) -> str:
         ) from None
 
 
-def _np(t: torch.Tensor):
+def as_numpy(t: torch.Tensor):
     """numpy view of a flat contiguous CPU tensor (2-byte floats as int16)."""
     if t.dtype in _TWO_BYTE:
         t = t.view(torch.int16)
     return t.numpy()
 
 
-def _out_np(name: str, t: torch.Tensor, dtype: torch.dtype | None, numel: int):
+def out_numpy(name: str, t: torch.Tensor, dtype: torch.dtype | None, numel: int):
     """numpy view of an output tensor written in place (dtype None: any float dtype)."""
     if (
         (dtype is not None and t.dtype != dtype)
@@ -154,7 +185,7 @@ def _out_np(name: str, t: torch.Tensor, dtype: torch.dtype | None, numel: int):
         )
     if t.requires_grad:
         t = t.detach()
-    return _np(t if t.dim() == 1 else t.view(-1))
+    return as_numpy(t if t.dim() == 1 else t.view(-1))
 
 
 def _selection(idx, val, dtype: torch.dtype):
@@ -186,19 +217,19 @@ def quantize_int8_ef(x, residual, block_size, stochastic, key, q, scales):
     """Fused error-feedback quantization in one pass per block (Seide et al.
     2014): ``p = float(x) + residual; (q, s) = Q(p); residual <- p - q * s``;
     residual: contiguous CPU float32 with ``x.numel()`` elements."""
-    res = _out_np("residual", residual, torch.float32, x.numel())
+    res = out_numpy("residual", residual, torch.float32, x.numel())
     _quantize(x, res, block_size, stochastic, key, q, scales)
 
 
 def _quantize(x, residual, block_size, stochastic, key, q, s):
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    xf = _flat("x", x)
+    xf = flat_cpu("x", x)
     n = xf.numel()
     nb = -(-n // block_size)
-    _native().quantize_int8(
-        _np(xf), _dtype_name("x", xf), block_size, stochastic, key,
-        _out_np("q", q, torch.int8, n), _out_np("scales", s, torch.float32, nb), residual,
+    native().quantize_int8(
+        as_numpy(xf), dtype_name("x", xf), block_size, stochastic, key,
+        out_numpy("q", q, torch.int8, n), out_numpy("scales", s, torch.float32, nb), residual,
     )
 
 
@@ -211,10 +242,10 @@ def dequantize_int8(q, scales, block_size, check_int8, out):
     Raises:
         gradcomp.PayloadError: ``check_int8`` and a code or scale is out of range.
     """
-    qf, sf = _flat("q", q), _flat("scales", scales)
+    qf, sf = flat_cpu("q", q), flat_cpu("scales", scales)
     n = qf.numel()
-    _codes_ok(_native().dequantize_int8(qf.numpy(), sf.numpy(), block_size, _out_np("out", out, None, n),
-                                        _dtype_name("out", out), bool(check_int8)))
+    _codes_ok(native().dequantize_int8(qf.numpy(), sf.numpy(), block_size, out_numpy("out", out, None, n),
+                                        dtype_name("out", out), bool(check_int8)))
 
 
 def _codes_ok(ok: bool) -> None:
@@ -226,9 +257,9 @@ def _codes_ok(ok: bool) -> None:
 def dequantize_int8_add_(acc, q, scales, block_size, check_int8):
     """``acc += code * scale`` in place (float32; the product is rounded first);
     acc: contiguous CPU float32 with ``q.numel()`` elements."""
-    qf, sf = _flat("q", q), _flat("scales", scales)
-    av = _out_np("acc", acc, torch.float32, qf.numel())
-    _codes_ok(_native().dequantize_int8_add(av, qf.numpy(), sf.numpy(), block_size, bool(check_int8)))
+    qf, sf = flat_cpu("q", q), flat_cpu("scales", scales)
+    av = out_numpy("acc", acc, torch.float32, qf.numel())
+    _codes_ok(native().dequantize_int8_add(av, qf.numpy(), sf.numpy(), block_size, bool(check_int8)))
 
 
 @kernel("cpu")
@@ -238,11 +269,11 @@ def reduce_quantize_int8(acc, q, scales, block_size, divisor, stochastic, key, d
     block (acc: contiguous CPU float32, n elements, read and written once)."""
     n = acc.numel()
     nb = -(-n // block_size)
-    av = _out_np("acc", acc, torch.float32, n)
-    qf, sf = _flat("q", q), _flat("scales", scales)
-    _codes_ok(_native().reduce_quantize_int8(
+    av = out_numpy("acc", acc, torch.float32, n)
+    qf, sf = flat_cpu("q", q), flat_cpu("scales", scales)
+    _codes_ok(native().reduce_quantize_int8(
         av, qf.numpy(), sf.numpy(), block_size, float(divisor), stochastic, key,
-        _out_np("out_q", out_q, torch.int8, n), _out_np("out_scales", out_scales, torch.float32, nb),
+        out_numpy("out_q", out_q, torch.int8, n), out_numpy("out_scales", out_scales, torch.float32, nb),
         bool(decode), bool(check_int8),
     ))
 
@@ -256,8 +287,8 @@ def topk(x, k):
         ``(indices, values)``: ascending int32 indices (int64 when n >= 2**31)
         and the values there in x's dtype; ``min(k, n)`` of them.
     """
-    xf = _flat("x", x)
-    idx, val = _native().topk(_np(xf), _dtype_name("x", xf), int(k))
+    xf = flat_cpu("x", x)
+    idx, val = native().topk(as_numpy(xf), dtype_name("x", xf), int(k))
     return _selection(idx, val, xf.dtype)
 
 
@@ -265,8 +296,8 @@ def topk(x, k):
 def threshold(x, tau):
     """Every element with ``|x| >= tau`` or NaN (compared in float32, float64
     for float64 x), by a parallel count / prefix-sum / write compaction."""
-    xf = _flat("x", x)
-    idx, val = _native().threshold(_np(xf), _dtype_name("x", xf), float(tau))
+    xf = flat_cpu("x", x)
+    idx, val = native().threshold(as_numpy(xf), dtype_name("x", xf), float(tau))
     return _selection(idx, val, xf.dtype)
 
 
@@ -282,13 +313,13 @@ def approx_topk(x, k):
     ``[ceil(0.9 k), floor(1.1 k)]``; when the estimate keeps too many the
     exact top k of them is returned, when too few the exact :func:`topk`.
     """
-    xf = _flat("x", x)
+    xf = flat_cpu("x", x)
     n = xf.numel()
     k = max(0, min(int(k), n))
     s = min(_ref.approx_topk_sample_size(n, k), _APPROX_MAX_SAMPLE)
     ks = max(1, min(s, math.ceil(s * k / n))) if n else 0
     lo, hi = math.ceil(0.9 * k), math.floor(1.1 * k)
-    idx, val = _native().approx_topk(_np(xf), _dtype_name("x", xf), k, s, ks, lo, hi)
+    idx, val = native().approx_topk(as_numpy(xf), dtype_name("x", xf), k, s, ks, lo, hi)
     return _selection(idx, val, xf.dtype)
 
 
@@ -300,11 +331,11 @@ def scatter_add_(acc, indices, values):
     Raises:
         ValueError: an index outside ``[0, acc.numel())`` (acc is left unchanged).
     """
-    av = _out_np("acc", acc, torch.float32, acc.numel())
-    ix, vf = _flat("indices", indices), _flat("values", values)
+    av = out_numpy("acc", acc, torch.float32, acc.numel())
+    ix, vf = flat_cpu("indices", indices), flat_cpu("values", values)
     if ix.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"indices must have dtype in (int32, int64), got {ix.dtype}")
-    _native().scatter_add(av, ix.numpy(), _np(vf), _dtype_name("values", vf))
+    native().scatter_add(av, ix.numpy(), as_numpy(vf), dtype_name("values", vf))
 
 
 @kernel("cpu")
@@ -312,8 +343,8 @@ def dgc_accumulate_(g, u, v, momentum, scale):
     """``u = u * momentum + g * scale; v += u`` in one pass (float32 CPU tensors
     of one numel; bit for bit :func:`gradcomp.kernels.reference.dgc_accumulate_`)."""
     n = g.numel()
-    _native().dgc_accumulate(_flat("g", g).numpy(), _out_np("u", u, torch.float32, n),
-                             _out_np("v", v, torch.float32, n), float(momentum), float(scale))
+    native().dgc_accumulate(flat_cpu("g", g).numpy(), out_numpy("u", u, torch.float32, n),
+                             out_numpy("v", v, torch.float32, n), float(momentum), float(scale))
 
 
 @kernel("cpu")
@@ -321,8 +352,8 @@ def dgc_topk_(g, u, v, momentum, scale, k):
     """:func:`dgc_accumulate_` then :func:`topk` of ``v``, fused in one pass
     (bit for bit the two ops). Returns ``(indices, values)`` as :func:`topk`."""
     n = g.numel()
-    idx, val = _native().dgc_topk(_flat("g", g).numpy(), _out_np("u", u, torch.float32, n),
-                                  _out_np("v", v, torch.float32, n), float(momentum), float(scale), int(k))
+    idx, val = native().dgc_topk(flat_cpu("g", g).numpy(), out_numpy("u", u, torch.float32, n),
+                                  out_numpy("v", v, torch.float32, n), float(momentum), float(scale), int(k))
     return _selection(idx, val, torch.float32)
 
 
@@ -336,8 +367,8 @@ def ef_encode(idx: torch.Tensor, L: int, lo_nbytes: int, hi_nbytes: int) -> torc
     (:func:`gradcomp.index_codec.encode`): ``lo_nbytes`` low-bit bytes, then
     ``hi_nbytes`` high-bit bytes."""
     out = torch.zeros(lo_nbytes + hi_nbytes, dtype=torch.uint8)
-    ix = _flat("idx", idx)
-    _native().ef_encode(ix.numpy(), int(L), out[:lo_nbytes].numpy(), out[lo_nbytes:].numpy())
+    ix = flat_cpu("idx", idx)
+    native().ef_encode(ix.numpy(), int(L), out[:lo_nbytes].numpy(), out[lo_nbytes:].numpy())
     return out
 
 
@@ -345,6 +376,6 @@ def ef_decode(lo: torch.Tensor, hi: torch.Tensor, n: int, k: int, L: int, dtype:
     """``(indices, status)``: ``k`` decoded indices of ``dtype`` (int32/int64)
     and 0, or 1 (set-bit count), 2 (index >= n), 3 (not strictly ascending)."""
     out = torch.empty(k, dtype=dtype)
-    status = _native().ef_decode(_flat("lo", lo).numpy(), _flat("hi", hi).numpy(), int(n), int(L), out.numpy())
+    status = native().ef_decode(flat_cpu("lo", lo).numpy(), flat_cpu("hi", hi).numpy(), int(n), int(L), out.numpy())
     return out, int(status)
 

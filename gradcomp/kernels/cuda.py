@@ -44,7 +44,9 @@ from gradcomp.kernels import reference
 from gradcomp.kernels.ops import kernel
 
 #: op family -> source file
-SOURCES = {"quantize": "quantize.cu", "select": "select.cu", "scatter": "scatter.cu"}
+SOURCES = {"quantize": "quantize.cu", "lowbit": "lowbit.cu", "select": "select.cu", "scatter": "scatter.cu"}
+#: the modules declaring more of this backend's kernels (imported once it is usable)
+KERNEL_MODULES = ("gradcomp.kernels.cuda_lowbit",)
 #: NVRTC options: C++17, IEEE division, no FMA contraction, no flush-to-zero
 NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true")
 
@@ -145,6 +147,23 @@ def _launch(family: str, kernel: str, grid: int, block: int, args: tuple, device
     stream = torch.cuda.current_stream(index).cuda_stream
     with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream, index):
         _function(family, kernel)((int(grid),), (int(block),), args)
+
+
+def launch_kernel(family: str, kernel: str, grid: int, block: int, args: tuple, device: torch.device) -> None:
+    """Launch ``kernel`` of source ``family`` (see :data:`SOURCES`) on the current torch stream of
+    ``device`` with ``grid`` x ``block`` threads; ``args`` are numpy scalars of the kernel's
+    parameter types (pointers as :func:`pointer`)."""
+    _launch(family, kernel, grid, block, args, device)  # looked up per call: the CPU emulation replaces it
+
+
+def pointer(t: torch.Tensor | None) -> np.uint64:
+    """A tensor's device address as a kernel argument (0 for None)."""
+    return _ptr(t)
+
+
+def grid_size(work: int, per_block: int) -> int:
+    """CTAs for ``work`` items at ``per_block`` per CTA, capped for grid-stride kernels."""
+    return _grid(work, per_block)
 
 
 def _ptr(t: torch.Tensor | None) -> np.uint64:

@@ -48,11 +48,32 @@ SCHEMAS: dict[str, str] = {
     "dgc_accumulate_": "(Tensor g, Tensor(a!) u, Tensor(b!) v, float momentum, float scale) -> ()",
     "dgc_topk_": ("(Tensor g, Tensor(a!) u, Tensor(b!) v, float momentum, float scale, int k) "
                   "-> (Tensor indices, Tensor values)"),
+    # the sub-byte and fp8 block codecs (reference_lowbit.py): codes are uint8 (packed for
+    # int4/int2/sign); the element count is x's, out's or acc's
+    "quantize_packed": ("(Tensor x, int bits, int block_size, bool stochastic, int key, Tensor(a!) codes, "
+                        "Tensor(b!) scales) -> ()"),
+    "quantize_packed_ef": ("(Tensor x, Tensor(a!) residual, int bits, int block_size, bool stochastic, int key, "
+                           "Tensor(b!) codes, Tensor(c!) scales) -> ()"),
+    "dequantize_packed": "(Tensor codes, Tensor scales, int bits, int block_size, Tensor(a!) out) -> ()",
+    "dequantize_packed_add_": "(Tensor(a!) acc, Tensor codes, Tensor scales, int bits, int block_size) -> ()",
+    "quantize_sign": "(Tensor x, int block_size, Tensor(a!) codes, Tensor(b!) scales) -> ()",
+    "quantize_sign_ef": ("(Tensor x, Tensor(a!) residual, int block_size, Tensor(b!) codes, "
+                         "Tensor(c!) scales) -> ()"),
+    "dequantize_sign": "(Tensor codes, Tensor scales, int block_size, Tensor(a!) out) -> ()",
+    "dequantize_sign_add_": "(Tensor(a!) acc, Tensor codes, Tensor scales, int block_size) -> ()",
+    "quantize_fp8": "(Tensor x, str fmt, int block_size, Tensor(a!) codes, Tensor(b!) scales) -> ()",
+    "quantize_fp8_ef": ("(Tensor x, Tensor(a!) residual, str fmt, int block_size, Tensor(b!) codes, "
+                        "Tensor(c!) scales) -> ()"),
+    "dequantize_fp8": "(Tensor codes, Tensor scales, str fmt, int block_size, Tensor(a!) out) -> ()",
+    "dequantize_fp8_add_": "(Tensor(a!) acc, Tensor codes, Tensor scales, str fmt, int block_size) -> ()",
+    "reduce_quantize_packed": ("(Tensor(a!) acc, Tensor codes, Tensor scales, int bits, int block_size, "
+                               "int divisor, bool stochastic, int key, bool decode, Tensor(b!) out_codes, "
+                               "Tensor(c!) out_scales) -> ()"),
 }
 #: ops a backend may leave out: their default kernel composes the other ops
-#: through the dispatcher (reduce_quantize_int8, dgc_topk_) or is plain torch
+#: through the dispatcher (the reduce_quantize ops, dgc_topk_) or is plain torch
 #: (dgc_accumulate_); the native CPU backend fuses each into one pass
-FUSED = ("reduce_quantize_int8", "dgc_accumulate_", "dgc_topk_")
+FUSED = ("reduce_quantize_int8", "dgc_accumulate_", "dgc_topk_", "reduce_quantize_packed")
 #: the ops every backend implements
 OPS = tuple(name for name in SCHEMAS if name not in FUSED)
 

@@ -3,7 +3,7 @@
 Each function implements one op of :mod:`gradcomp.kernels.ops` with its
 schema's arguments, by the oracle of :mod:`gradcomp.kernels.reference`. They
 run on any device. The fused ops are defined here as the composition of the
-others (:func:`compose_reduce_quantize_int8`, :func:`compose_dgc_topk_`):
+others (``compose_*``):
 their default kernels compose the ops through the dispatcher, so on a device
 whose backend lacks the fused kernel they run that backend's ops.
 """
@@ -15,6 +15,7 @@ from typing import Callable, Mapping
 import torch
 
 from gradcomp.kernels import reference as R
+from gradcomp.kernels import reference_lowbit as L
 from gradcomp.kernels.ops import kernel
 from gradcomp.kernels.ops import op as _dispatcher
 
@@ -90,6 +91,74 @@ def dgc_accumulate_(g, u, v, momentum, scale):
     R.dgc_accumulate_(g, u, v, momentum, scale)
 
 
+# ------------------------------------------------- sub-byte and fp8 block codecs
+
+
+def _write(outs, results) -> None:
+    for out, r in zip(outs, results):
+        out.copy_(r)
+
+
+@kernel("reference")
+def quantize_packed(x, bits, block_size, stochastic, key, codes, scales):
+    _write((codes, scales), L.quantize_packed(x, bits, block_size, stochastic, key))
+
+
+@kernel("reference")
+def quantize_packed_ef(x, residual, bits, block_size, stochastic, key, codes, scales):
+    _write((codes, scales), L.quantize_packed_ef(x, residual, bits, block_size, stochastic, key))
+
+
+@kernel("reference")
+def dequantize_packed(codes, scales, bits, block_size, out):
+    out.view(-1).copy_(L.dequantize_packed(codes, scales, bits, block_size, out.numel()))
+
+
+@kernel("reference")
+def dequantize_packed_add_(acc, codes, scales, bits, block_size):
+    L.dequantize_packed_add_(acc, codes, scales, bits, block_size)
+
+
+@kernel("reference")
+def quantize_sign(x, block_size, codes, scales):
+    _write((codes, scales), L.quantize_sign(x, block_size))
+
+
+@kernel("reference")
+def quantize_sign_ef(x, residual, block_size, codes, scales):
+    _write((codes, scales), L.quantize_sign_ef(x, residual, block_size))
+
+
+@kernel("reference")
+def dequantize_sign(codes, scales, block_size, out):
+    out.view(-1).copy_(L.dequantize_sign(codes, scales, block_size, out.numel()))
+
+
+@kernel("reference")
+def dequantize_sign_add_(acc, codes, scales, block_size):
+    L.dequantize_sign_add_(acc, codes, scales, block_size)
+
+
+@kernel("reference")
+def quantize_fp8(x, fmt, block_size, codes, scales):
+    _write((codes, scales), L.quantize_fp8(x, fmt, block_size))
+
+
+@kernel("reference")
+def quantize_fp8_ef(x, residual, fmt, block_size, codes, scales):
+    _write((codes, scales), L.quantize_fp8_ef(x, residual, fmt, block_size))
+
+
+@kernel("reference")
+def dequantize_fp8(codes, scales, fmt, block_size, out):
+    out.view(-1).copy_(L.dequantize_fp8(codes, scales, fmt, block_size))
+
+
+@kernel("reference")
+def dequantize_fp8_add_(acc, codes, scales, fmt, block_size):
+    L.dequantize_fp8_add_(acc, codes, scales, fmt, block_size)
+
+
 # ----------------------------------------------------------------- fused ops
 
 
@@ -105,6 +174,18 @@ def compose_reduce_quantize_int8(ops: Mapping[str, Callable], acc, q, scales, bl
     ops["quantize_int8"](acc, block_size, stochastic, key, out_q, out_scales)
     if decode:
         ops["dequantize_int8"](out_q, out_scales, block_size, False, acc)
+
+
+def compose_reduce_quantize_packed(ops: Mapping[str, Callable], acc, codes, scales, bits, block_size, divisor,
+                                   stochastic, key, decode, out_codes, out_scales) -> None:
+    """``reduce_quantize_packed`` as the composition of ``ops``, as
+    :func:`compose_reduce_quantize_int8` with the packed ops."""
+    ops["dequantize_packed_add_"](acc, codes, scales, bits, block_size)
+    if divisor != 1:
+        acc.div_(divisor)
+    ops["quantize_packed"](acc, bits, block_size, stochastic, key, out_codes, out_scales)
+    if decode:
+        ops["dequantize_packed"](out_codes, out_scales, bits, block_size, acc)
 
 
 def compose_dgc_topk_(ops: Mapping[str, Callable], g, u, v, momentum, scale, k):
@@ -125,5 +206,13 @@ def dgc_topk_(g, u, v, momentum, scale, k):
     return compose_dgc_topk_(_dispatcher, g, u, v, momentum, scale, k)
 
 
+@kernel("reference")
+def reduce_quantize_packed(acc, codes, scales, bits, block_size, divisor, stochastic, key, decode, out_codes,
+                           out_scales):
+    compose_reduce_quantize_packed(_dispatcher, acc, codes, scales, bits, block_size, divisor, stochastic, key,
+                                   decode, out_codes, out_scales)
+
+
 #: the compositions of the fused ops, for a backend that lacks their kernel
-COMPOSITIONS = {"reduce_quantize_int8": compose_reduce_quantize_int8, "dgc_topk_": compose_dgc_topk_}
+COMPOSITIONS = {"reduce_quantize_int8": compose_reduce_quantize_int8, "dgc_topk_": compose_dgc_topk_,
+                "reduce_quantize_packed": compose_reduce_quantize_packed}

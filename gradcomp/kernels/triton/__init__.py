@@ -25,7 +25,7 @@ import os
 
 
 #: the modules declaring this backend's kernels
-KERNEL_MODULES = tuple(f"gradcomp.kernels.triton.{m}" for m in ("quantize", "select", "scatter"))
+KERNEL_MODULES = tuple(f"gradcomp.kernels.triton.{m}" for m in ("quantize", "lowbit", "select", "scatter"))
 
 
 def _interpret() -> bool:

@@ -1,4 +1,4 @@
-"""Helpers shared by the Triton kernel files: dtype kinds and device guards."""
+"""Helpers shared by the Triton kernel files: dtype kinds, rounding, the counter hash, device guards."""
 
 from __future__ import annotations
 
@@ -32,3 +32,21 @@ def kernel_view(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 def device_guard(t: torch.Tensor):
     """Make t's GPU the current device for a launch (no-op for CPU tensors)."""
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+@triton.jit
+def round_half_even(y):
+    """Round half to even for float32 ``|y| < 2**22``."""
+    return (y + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def counter_uniform(offs, key):
+    """u in [0, 1): ``(mix32((i mod 2**32) ^ key) >> 8) * 2**-24`` (lowbias32)."""
+    r = offs.to(tl.uint32) ^ key.to(tl.uint32)
+    r = r ^ (r >> 16)
+    r = r * 0x7FEB352D
+    r = r ^ (r >> 15)
+    r = r * 0x846CA68B
+    r = r ^ (r >> 16)
+    return (r >> 8).to(tl.float32) * 5.9604644775390625e-08

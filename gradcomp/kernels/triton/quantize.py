@@ -27,30 +27,12 @@ import triton.language as tl
 
 from gradcomp.kernels import reference
 from gradcomp.kernels.ops import kernel
-from gradcomp.kernels.triton._common import device_guard, kernel_view, widen
+from gradcomp.kernels.triton._common import counter_uniform, device_guard, kernel_view, round_half_even, widen
 
 # elements per program: large tiles on the GPU, small ones in the interpreter
 # so that tests exercise many programs and the chunk loop of big blocks
 _TILE_GPU, _TILE_CPU = 4096, 512
 _NAN_BITS = tl.constexpr(0x7FC00000)  # canonical NaN scale of a non-finite block
-
-
-@triton.jit
-def _rint(y):
-    """Round half to even for float32 ``|y| < 2**22``."""
-    return (y + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def _uniform(offs, key):
-    """u in [0, 1): ``(mix32((i mod 2**32) ^ key) >> 8) * 2**-24`` (lowbias32)."""
-    r = offs.to(tl.uint32) ^ key.to(tl.uint32)
-    r = r ^ (r >> 16)
-    r = r * 0x7FEB352D
-    r = r ^ (r >> 15)
-    r = r * 0x846CA68B
-    r = r ^ (r >> 16)
-    return (r >> 8).to(tl.float32) * 5.9604644775390625e-08
 
 
 @triton.jit
@@ -93,11 +75,11 @@ def _quantize_kernel(
         p = _load_p(x_ptr, r_ptr, offs, mask, KIND, EF)
         y = tl.math.div_rn(p, divisor) * 127.0
         if STOCHASTIC:
-            z = y + _uniform(offs, key)
-            r = _rint(z)
+            z = y + counter_uniform(offs, key)
+            r = round_half_even(z)
             c = tl.where(r > z, r - 1.0, r)  # floor(z)
         else:
-            c = _rint(y)
+            c = round_half_even(y)
         c = tl.minimum(tl.maximum(c, -127.0), 127.0)
         code = tl.where(live[:, None], c, 0.0).to(tl.int8)
         tl.store(q_ptr + offs, code, mask=mask)

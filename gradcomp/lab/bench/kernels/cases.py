@@ -15,8 +15,20 @@ import torch
 
 from gradcomp.kernels.registry import OPS
 
-#: ops of this benchmark: the registry's and ``dgc`` (a DGC step, see the package docstring)
-BENCH_OPS = (*OPS, "dgc")
+#: ops of the sub-byte and fp8 codecs: the packed ones run at 4 bits (``quantize_packed_2bit``:
+#: the quantizer at 2 bits), the fp8 ones in e4m3; their outputs are float32 (``FLOAT32_ONLY``)
+LOWBIT_OPS = ("quantize_packed", "quantize_packed_2bit", "quantize_packed_ef", "dequantize_packed",
+              "dequantize_packed_add_", "quantize_sign", "quantize_sign_ef", "dequantize_sign",
+              "dequantize_sign_add_", "quantize_fp8", "quantize_fp8_ef", "dequantize_fp8", "dequantize_fp8_add_")
+#: ops whose accumulator or output is float32 whatever the input dtype: timed in float32 only
+FLOAT32_ONLY = ("dequantize_int8_add_", "dgc", "dequantize_packed", "dequantize_packed_add_", "dequantize_sign",
+                "dequantize_sign_add_", "dequantize_fp8", "dequantize_fp8_add_")
+#: ops of this benchmark: the registry's, the 2-bit quantizer and ``dgc`` (a DGC step, see the
+#: package docstring)
+BENCH_OPS = (*OPS[:OPS.index("quantize_packed") + 1], "quantize_packed_2bit",
+             *OPS[OPS.index("quantize_packed") + 1:], "dgc")
+#: bits of the packed codes per op (4 unless named)
+PACKED_BITS = {"quantize_packed_2bit": 2}
 SPARSE_OPS = ("topk", "approx_topk", "threshold", "scatter_add_", "dgc")
 TOPK_OPS = ("topk", "approx_topk")
 DTYPES = {
@@ -69,8 +81,10 @@ def make_inputs(case: Case, block: int, seed: int) -> dict:
         d["q"], d["s"] = q, s
         d["out"] = torch.empty(n, dtype=dtype, device=dev)
         d["acc"] = torch.zeros(n, dtype=torch.float32, device=dev)
-    if case.op == "quantize_int8_ef":
+    if case.op in ("quantize_int8_ef", "quantize_packed_ef", "quantize_sign_ef", "quantize_fp8_ef"):
         d["res"] = (torch.randn(n, generator=g) * 0.01).to(dev)
+    if case.op in LOWBIT_OPS:
+        d.update(_lowbit_inputs(case.op, x, block))
     if case.op == "threshold":
         a = x.abs().to(torch.float64 if dtype == torch.float64 else torch.float32)
         d["tau"] = float(torch.topk(a, case.k).values[-1])
@@ -86,10 +100,50 @@ def make_inputs(case: Case, block: int, seed: int) -> dict:
     return d
 
 
+def _lowbit_inputs(op: str, x: torch.Tensor, block: int) -> dict:
+    """Codes of ``x`` in the op's codec (``codes``, ``s``; uint8 / float32), the float32 ``out``
+    and ``acc`` of its decoders."""
+    from gradcomp.kernels import reference_lowbit as L
+
+    n, xf = x.numel(), x.float().cpu()
+    if "packed" in op:
+        codes, s = L.quantize_packed(xf, PACKED_BITS.get(op, 4), block, False, 0)
+    elif "sign" in op:
+        codes, s = L.quantize_sign(xf, block)
+    else:
+        codes, s = L.quantize_fp8(xf, "e4m3", block)
+    zeros = torch.zeros(n, dtype=torch.float32, device=x.device)
+    return {"codes": codes.to(x.device), "s": s.to(x.device), "out": torch.empty_like(zeros), "acc": zeros}
+
+
+def _lowbit_call(op: str, f: Callable, d: dict, block: int, rounding: str):
+    """A zero-argument call of a sub-byte / fp8 op through ``f`` (the public function's
+    positional arguments, outputs last)."""
+    x, codes, s, n = d["x"], d["codes"], d["s"], d["x"].numel()
+    bits = PACKED_BITS.get(op, 4)
+    calls = {
+        "quantize_packed": lambda: f(x, bits, block, rounding, 0, 0, codes, s),
+        "quantize_packed_ef": lambda: f(x, d["res"], bits, block, rounding, 0, 0, codes, s),
+        "dequantize_packed": lambda: f(codes, s, n, bits, block, d["out"]),
+        "dequantize_packed_add_": lambda: f(d["acc"], codes, s, bits, block),
+        "quantize_sign": lambda: f(x, block, codes, s),
+        "quantize_sign_ef": lambda: f(x, d["res"], block, codes, s),
+        "dequantize_sign": lambda: f(codes, s, n, block, d["out"]),
+        "dequantize_sign_add_": lambda: f(d["acc"], codes, s, block),
+        "quantize_fp8": lambda: f(x, "e4m3", block, codes, s),
+        "quantize_fp8_ef": lambda: f(x, d["res"], "e4m3", block, codes, s),
+        "dequantize_fp8": lambda: f(codes, s, "e4m3", block, d["out"]),
+        "dequantize_fp8_add_": lambda: f(d["acc"], codes, s, "e4m3", block),
+    }
+    return calls["quantize_packed" if op == "quantize_packed_2bit" else op]
+
+
 def op_call(case: Case, fn_for: Callable[[str], Callable], d: dict, block: int, rounding: str):
     """A zero-argument call of ``case.op`` through ``fn_for(op)`` (reference signature)."""
     op, k = case.op, case.k
     f = fn_for(op)
+    if op in LOWBIT_OPS:
+        return _lowbit_call(op, f, d, block, rounding)
     if op == "quantize_int8":
         return lambda: f(d["x"], block, rounding, 0, 0, d["q"], d["s"])
     if op == "dequantize_int8":
@@ -122,6 +176,8 @@ def op_bytes(case: Case, block: int, result) -> int:
         return n + 4 * nb + 8 * n
     if op == "quantize_int8_ef":
         return n * isz + 8 * n + n + 4 * nb
+    if op in LOWBIT_OPS:
+        return _lowbit_bytes(op, n, isz, nb)
     if op == "dgc":  # g, u, v read, u, v written: a fused step's floor (unfused, v is read again)
         idx, val = result
         return 20 * n + idx.numel() * (idx.element_size() + val.element_size())
@@ -134,6 +190,14 @@ def op_bytes(case: Case, block: int, result) -> int:
     raise ValueError(op)
 
 
+def _lowbit_bytes(op: str, n: int, isz: int, nb: int) -> int:
+    """Bytes a sub-byte / fp8 op reads + writes: input, codes, scales (and residual, out, acc)."""
+    codes = -(-n * PACKED_BITS.get(op, 4) // 8) if "packed" in op else (-(-n // 8) if "sign" in op else n)
+    if op.startswith("quantize"):
+        return n * isz + codes + 4 * nb + (8 * n if op.endswith("_ef") else 0)
+    return codes + 4 * nb + (8 * n if op.endswith("_add_") else 4 * n)
+
+
 def backends_for(op: str, device: str) -> list[str]:
     """The registry backends usable here that run ``op`` on ``device`` (``dgc``: its top-k's)."""
     from gradcomp.errors import BackendUnavailable
@@ -144,7 +208,7 @@ def backends_for(op: str, device: str) -> list[str]:
         if reason is not None:
             continue
         try:
-            registry.resolve("topk" if op == "dgc" else op, device, name)
+            registry.resolve({"dgc": "topk", "quantize_packed_2bit": "quantize_packed"}.get(op, op), device, name)
         except BackendUnavailable:
             continue
         names.append(name)
@@ -183,4 +247,20 @@ def _public(K, op: str, backend: str, *a):
     if op == "dequantize_int8":
         q, s, bs, out = a
         return K.dequantize_int8(q, s, bs, out=out, backend=backend)
+    if op in LOWBIT_OPS:
+        return _public_lowbit(K, op, backend, *a)
     return getattr(K, op)(*a, backend=backend)
+
+
+def _public_lowbit(K, op: str, backend: str, *a):
+    """A sub-byte / fp8 op through its public function: the outputs of :func:`_lowbit_call`'s
+    arguments go by keyword (``out_codes`` / ``out_scales``, ``out``)."""
+    name = "quantize_packed" if op == "quantize_packed_2bit" else op
+    fn = getattr(K, name)
+    if name.startswith("quantize"):
+        *args, codes, s = a
+        return fn(*args, out_codes=codes, out_scales=s, backend=backend)
+    if name in ("dequantize_packed", "dequantize_sign", "dequantize_fp8"):
+        *args, out = a
+        return fn(*args, out=out, backend=backend)
+    return fn(*a, backend=backend)

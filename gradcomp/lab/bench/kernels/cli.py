@@ -18,7 +18,8 @@ from .report import print_report
 from .runner import run
 
 #: ops given a torch.compile peer unless --compile-ops says otherwise
-DEFAULT_COMPILE_OPS = ("quantize_int8", "dequantize_int8")
+DEFAULT_COMPILE_OPS = ("quantize_int8", "dequantize_int8", "quantize_packed", "quantize_packed_2bit", "quantize_sign",
+                       "quantize_fp8")
 
 
 def parse_size(text: str) -> int:
@@ -88,8 +89,8 @@ def build_parser(prog: str = "gradcomp bench kernels") -> argparse.ArgumentParse
     p.add_argument("--rounding", default="nearest", choices=("nearest", "stochastic"),
                    help="rounding of the quantize ops (default: nearest)")
     p.add_argument("--compile-ops", type=_list, default=",".join(DEFAULT_COMPILE_OPS),
-                   help="ops also timed against a fused int8 function under torch.compile (fullgraph, "
-                        "static shapes; int8 ops only), 'all' or 'none' "
+                   help="ops also timed against a fused function under torch.compile (fullgraph, "
+                        "static shapes; the int8 ops and the int4 / int2 / sign / fp8 quantizers), 'all' or 'none' "
                         f"(default: {','.join(DEFAULT_COMPILE_OPS)})")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
     p.add_argument("--devices", type=_list, default=None,
@@ -107,7 +108,7 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
     from gradcomp import _validate as v
 
     for name, vals, allowed in (("--dtypes", args.dtypes, DTYPES), ("--ops", args.ops, BENCH_OPS),
-                                ("--compile-ops", args.compile_ops, (*OPS, "all", "none")),
+                                ("--compile-ops", args.compile_ops, (*BENCH_OPS, "all", "none")),
                                 ("--devices", args.devices or [], ("cpu", "cuda"))):
         bad = [x for x in vals if x not in allowed]
         if bad:

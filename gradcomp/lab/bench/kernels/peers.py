@@ -14,7 +14,8 @@ from .cases import DTYPES, TOPK_OPS, Case, itemsize, op_bytes
 from .timing import Timed
 
 #: ops with a fused torch.compile peer
-COMPILED_OPS = ("quantize_int8", "dequantize_int8", "dequantize_int8_add_", "quantize_int8_ef")
+COMPILED_OPS = ("quantize_int8", "dequantize_int8", "dequantize_int8_add_", "quantize_int8_ef", "quantize_packed",
+                "quantize_packed_2bit", "quantize_sign", "quantize_fp8")
 BNB_OPS = ("quantize_int8", "dequantize_int8")
 
 
@@ -80,6 +81,36 @@ def _quantize_ef_rows(x, res, q, scales, stochastic):
     res.copy_(p - c * s)
 
 
+def fused_quantize_packed(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int,
+                          bits: int) -> None:
+    """Blockwise absmax quantization to ``bits``-bit codes (4 or 2; ``qmax = 2**(bits-1) - 1``,
+    nearest rounding) packed ``8 // bits`` to a uint8 of ``codes``, element ``j`` of a byte in bits
+    ``j * bits``; ``x``'s numel a multiple of ``block`` and of ``8 // bits``."""
+    q = (1 << (bits - 1)) - 1
+    p = x.float().view(-1, block)
+    m = p.abs().amax(dim=1, keepdim=True)
+    c = torch.round(p * torch.where(m > 0, q / m, 0.0)).clamp(-q, q).to(torch.int32) & ((1 << bits) - 1)
+    c = c.view(-1, 8 // bits) << torch.arange(0, 8, bits, dtype=torch.int32, device=x.device)
+    codes.copy_(c.sum(dim=1).to(torch.uint8))
+    scales.copy_((m / q).squeeze(1))
+
+
+def fused_quantize_sign(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    """Scaled sign: bit ``x < 0`` per element, 8 to a byte, and the mean ``|x|`` per block."""
+    p = x.float().view(-1, block)
+    scales.copy_(p.abs().mean(dim=1))
+    bits = (p < 0).view(-1, 8).to(torch.int32) << torch.arange(8, dtype=torch.int32, device=x.device)
+    codes.copy_(bits.sum(dim=1).to(torch.uint8))
+
+
+def fused_quantize_fp8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: int) -> None:
+    """Blockwise-scaled float8_e4m3fn: ``fp8(x * 448 / absmax)`` and ``absmax / 448`` per block."""
+    p = x.float().view(-1, block)
+    m = p.abs().amax(dim=1, keepdim=True)
+    codes.view(-1, block).copy_((p * torch.where(m > 0, 448.0 / m, 0.0)).to(torch.float8_e4m3fn).view(torch.uint8))
+    scales.copy_((m / 448.0).squeeze(1))
+
+
 def _dequantize_rows(q, out, scales):
     out.copy_(q.float() * scales.unsqueeze(1))
 
@@ -100,6 +131,9 @@ def compiled_peer(case: Case, d: dict, block: int, rounding: str):
         return None
     torch._dynamo.reset()
     stoch = rounding == "stochastic"
+    lowbit = _lowbit_peer(case, d, block)
+    if lowbit is not None:
+        return lowbit
     if case.op == "quantize_int8":
         f = torch.compile(fused_quantize_int8, fullgraph=True, dynamic=False)
         return lambda: f(d["x"], d["q"], d["s"], block, stoch)
@@ -111,6 +145,23 @@ def compiled_peer(case: Case, d: dict, block: int, rounding: str):
         return lambda: f(d["q"], d["s"], d["out"], block)
     f = torch.compile(fused_dequantize_int8_add_, fullgraph=True, dynamic=False)
     return lambda: f(d["acc"], d["q"], d["s"], block)
+
+
+def _lowbit_peer(case: Case, d: dict, block: int):
+    """The compiled peer of a sub-byte / fp8 quantizer (nearest rounding; whole blocks and
+    bytes only: the case's size must be a multiple of the block size), else None."""
+    if not case.op.startswith(("quantize_packed", "quantize_sign", "quantize_fp8")) or case.n % block:
+        return None
+    x, codes, s = d["x"], d["codes"], d["s"]
+    if case.op == "quantize_sign":
+        f = torch.compile(fused_quantize_sign, fullgraph=True, dynamic=False)
+        return lambda: f(x, codes, s, block)
+    if case.op == "quantize_fp8":
+        f = torch.compile(fused_quantize_fp8, fullgraph=True, dynamic=False)
+        return lambda: f(x, codes, s, block)
+    bits = 2 if case.op == "quantize_packed_2bit" else 4
+    f = torch.compile(fused_quantize_packed, fullgraph=True, dynamic=False)
+    return lambda: f(x, codes, s, block, bits)
 
 
 # ---------------------------------------------------------------------------

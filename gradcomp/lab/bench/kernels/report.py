@@ -18,7 +18,7 @@ TARGET_SIZE = 2**24
 #: (op, density, metric, comparison, bound): checked on the CPU backend, float32,
 #: one thread, n = 2**24 (or the largest size measured).
 TARGETS = (
-    ("quantize_int8", None, "vs_copy_bw", ">=", 0.60),
+    ("quantize_int8", None, "vs_copy_bw", ">=", 0.80),
     ("quantize_int8", None, "speedup_vs_reference", ">=", 5.0),
     ("quantize_int8", None, "speedup_vs_compiled", ">=", 2.0),
     ("quantize_int8", None, "speedup_vs_bitsandbytes", ">=", 3.0),
@@ -27,6 +27,10 @@ TARGETS = (
     ("dequantize_int8", None, "speedup_vs_compiled", ">=", 2.0),
     ("dequantize_int8", None, "speedup_vs_bitsandbytes", ">=", 3.0),
     ("quantize_int8_ef", None, "time_vs_quantize", "<=", 1.5),
+    ("quantize_packed", None, "vs_copy_bw", ">=", 0.70),
+    ("quantize_packed_2bit", None, "vs_copy_bw", ">=", 0.70),
+    ("quantize_sign", None, "vs_copy_bw", ">=", 0.70),
+    ("quantize_fp8", None, "vs_copy_bw", ">=", 0.70),
     ("topk", 0.01, "speedup_vs_torch_topk", ">=", 10.0),
     ("topk", 0.001, "speedup_vs_torch_topk", ">=", 10.0),
     ("approx_topk", 0.01, "speedup_vs_torch_topk", ">=", 20.0),
@@ -187,6 +191,10 @@ def print_report(result: dict, file=None) -> None:
     file = file or sys.stdout
     for text in report_lines(result["rows"]):
         print(text, file=file)
+    build = result.get("meta", {}).get("native_build") or {}
+    if build.get("isa"):
+        print(textwrap.fill(f"cpu backend's kernels: {build['isa']} (this CPU runs "
+                            f"{build.get('isa_supported')}; GRADCOMP_CPU_ISA forces one)", width=WIDTH), file=file)
     print(textwrap.fill(LEGEND, width=WIDTH), file=file)
     if result["targets"]:  # one size for all: check_targets measures at one n
         n = result["targets"][0]["n"]

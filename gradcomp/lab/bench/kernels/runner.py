@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from .cases import (BENCH_OPS, DEFAULT_SIZES, DTYPES, QUICK_SIZES, SPARSE_OPS, Case, backend_call,
+from .cases import (BENCH_OPS, DEFAULT_SIZES, DTYPES, FLOAT32_ONLY, QUICK_SIZES, SPARSE_OPS, Case, backend_call,
                     backends_for, make_inputs)
 from .peers import COMPILED_OPS, bitsandbytes, peers
 from .report import add_ratios, check_targets
@@ -94,8 +94,8 @@ def _run_device(device: str, args, sizes, compile_ops, repeat: int, notes, compi
         for op in args.ops:
             op_backends = backends_for(op, device)
             for dtype in args.dtypes:
-                if op in ("dequantize_int8_add_", "dgc") and dtype != "float32":
-                    continue  # acc / the DGC state are float32 whatever the dtype
+                if op in FLOAT32_ONLY and dtype != "float32":
+                    continue  # acc, out or the DGC state are float32 whatever the dtype
                 for n in sizes:
                     for density in (args.densities if op in SPARSE_OPS else [None]):
                         case = Case(device, setting, op, n, dtype, density)
@@ -141,7 +141,7 @@ def _meta(args, sizes, repeat, backends) -> dict:
         from gradcomp.kernels import cpu
 
         if cpu.unavailable_reason() is None:
-            info = dict(cpu._native().build_info())
+            info = dict(cpu.native().build_info())
     except ImportError:
         pass
     bnb_version = None

@@ -1,3 +1,6 @@
+// Body of the int8 kernels, compiled once per instruction set into namespace
+// GC_ISA_NS (isa_baseline.cpp, isa_avx2.cpp, isa_avx512.cpp; isa.cpp picks one).
+//
 // Blockwise absmax int8 quantization, dequantization and the fused
 // error-feedback variant (Dettmers et al. 2022, "8-bit Optimizers via
 // Block-wise Quantization"; error feedback: Seide et al. 2014). Numerics are
@@ -10,59 +13,28 @@
 // Each block is read twice (absmax, then codes) in tiles of at most 256
 // elements, so the second read hits L1; blocks are spread over OpenMP threads.
 #include "kernels.h"
+#include "blockwise.h"
 
 #include <atomic>
 #include <cmath>
 #include <type_traits>
 
 #include <cstring>
-#if defined(__SSE4_1__)
-#include <immintrin.h>
+#if defined(GC_HAS_SSE41)
 #define GRADCOMP_STREAM_STORES 1
 #endif
 
 namespace gradcomp {
+namespace GC_ISA_NS {
 
 namespace {
 
-constexpr size_t TILE = 256;
-constexpr uint32_t NAN_BITS = 0x7FC00000u;
-constexpr size_t PAR_MIN = size_t(1) << 16;  // elements below which one thread is faster
+using namespace blockwise;
+
 // float32 outputs of at least this many elements (8 MiB, beyond the caches)
 // are written with non-temporal stores: no read-for-ownership of lines that
 // are only overwritten, about a third less memory traffic for dequantize.
 constexpr size_t STREAM_MIN = size_t(1) << 21;
-
-// The float32 values p of one tile: float(x) (+ residual for error feedback).
-// Returns x itself for float32 input without residual (no copy).
-template <class E, bool EF>
-inline const float* load_tile(const typename E::T* x, const float* res, float* buf, size_t len) {
-    if constexpr (std::is_same_v<E, F32> && !EF) {
-        (void)res;
-        (void)buf;
-        (void)len;
-        return x;
-    } else if constexpr (std::is_same_v<E, F32>) {
-        for (size_t i = 0; i < len; ++i) buf[i] = x[i] + res[i];
-        return buf;
-    } else {
-        E::to_float(x, buf, len);
-        if constexpr (EF)
-            for (size_t i = 0; i < len; ++i) buf[i] = buf[i] + res[i];
-        return buf;
-    }
-}
-
-// max over the tile of the bits of |p|: an integer max (|x| bits are ordered
-// like |x|); >= 0x7F800000 exactly when the tile holds an Inf or NaN.
-inline uint32_t absmax_bits(const float* p, size_t len) {
-    uint32_t m = 0;
-    for (size_t i = 0; i < len; ++i) {
-        const uint32_t b = f32_bits(p[i]) & 0x7FFFFFFFu;
-        m = b > m ? b : m;
-    }
-    return m;
-}
 
 inline int32_t clamp127(int32_t c) { return c < -127 ? -127 : (c > 127 ? 127 : c); }
 
@@ -93,18 +65,6 @@ struct Int8Check {
     }
     bool ok() const { return !bad.load(); }
 };
-
-// std::rint for |y| < 2**22 in the default rounding mode: adding 1.5 * 2**23
-// leaves no fraction bits, so the addition itself rounds y to the nearest
-// integer, ties to even, and the subtraction is exact. Plain float arithmetic
-// vectorises with SSE2; std::rint needs SSE4.1's roundps, which a portable
-// build does not have (it then calls rint once per element). Only the sign of
-// a zero result differs from std::rint (+0 for -0.5 <= y <= -0), which no
-// caller can see: both convert to the integer 0 and v - rint(v) keeps its sign.
-inline float rint_small(float y) {
-    constexpr float k = 12582912.0f;  // 1.5 * 2**23
-    return (y + k) - k;
-}
 
 // |p| <= m, so |p / m| <= 1 and |y| <= 127 after the two correctly rounded
 // operations: no clamp needed (the reference's clamp is a no-op here).
@@ -208,7 +168,7 @@ void quantize_dispatch(const void* x, float* res, size_t n, size_t block, bool s
 // built with AVX2 or SSE4.1 (sign-extending int8 loads); otherwise plain.
 inline void scale_stream(const int8_t* c, float s, float* o, size_t len) {
     size_t i = 0;
-#if defined(__AVX2__)
+#if defined(GC_HAS_AVX2)
     for (; i < len && (reinterpret_cast<uintptr_t>(o + i) & 31u) != 0; ++i)
         o[i] = static_cast<float>(c[i]) * s;
     const __m256 vs = _mm256_set1_ps(s);
@@ -217,7 +177,7 @@ inline void scale_stream(const int8_t* c, float s, float* o, size_t len) {
         const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c8));
         _mm256_stream_ps(o + i, _mm256_mul_ps(v, vs));
     }
-#elif defined(__SSE4_1__)
+#elif defined(GC_HAS_SSE41)
     for (; i < len && (reinterpret_cast<uintptr_t>(o + i) & 15u) != 0; ++i)
         o[i] = static_cast<float>(c[i]) * s;
     const __m128 vs = _mm_set1_ps(s);
@@ -269,29 +229,6 @@ bool dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t bloc
 #endif
     }
     return check.ok();
-}
-
-// p = acc + code * scale over one tile (dequantize_int8_add's addition; a
-// plain addition when the scale is finite, as then no product is NaN), then
-// p / d when DIV (float32 division, as torch's div_ by a scalar; for a power
-// of two d the product by 1 / d, which is exact and rounds the same way).
-template <bool DIV>
-inline void sum_tile(const float* a, const int8_t* c, float s, float d, float* p, size_t len) {
-    const bool pow2 = DIV && (f32_bits(d) & 0x7FFFFFu) == 0;
-    const float inv = 1.0f / d;
-    if ((f32_bits(s) & 0x7F800000u) != 0x7F800000u) {
-        if (!DIV)
-            for (size_t i = 0; i < len; ++i) p[i] = a[i] + static_cast<float>(c[i]) * s;
-        else if (pow2)
-            for (size_t i = 0; i < len; ++i) p[i] = (a[i] + static_cast<float>(c[i]) * s) * inv;
-        else
-            for (size_t i = 0; i < len; ++i) p[i] = (a[i] + static_cast<float>(c[i]) * s) / d;
-        return;
-    }
-    for (size_t i = 0; i < len; ++i) {
-        const float v = add_like_torch(a[i], static_cast<float>(c[i]) * s);
-        p[i] = DIV ? v / d : v;
-    }
 }
 
 // reduce_quantize_int8: each block is summed into a stack tile (or, for blocks
@@ -371,32 +308,6 @@ bool reduce_quantize_int8(float* acc, const int8_t* q_in, const float* scales_in
     }
 }
 
-DType parse_dtype(const std::string& s, const char* arg) {
-    if (s == "float32") return DType::F32;
-    if (s == "float16") return DType::F16;
-    if (s == "bfloat16") return DType::BF16;
-    if (s == "float64") return DType::F64;
-    throw std::invalid_argument(std::string(arg) +
-                                " must be one of float32, float16, bfloat16, float64, got " + s);
-}
-
-size_t dtype_size(DType d) {
-    switch (d) {
-        case DType::F32: return 4;
-        case DType::F64: return 8;
-        default: return 2;
-    }
-}
-
-const char* dtype_name(DType d) {
-    switch (d) {
-        case DType::F32: return F32::name;
-        case DType::F16: return F16::name;
-        case DType::BF16: return BF16::name;
-        default: return F64::name;
-    }
-}
-
 void quantize_int8(DType dt, const void* x, float* residual, size_t n, size_t block,
                    bool stochastic, uint32_t key, int8_t* q, float* scales) {
     if (block == 0) throw std::invalid_argument("block_size must be positive");
@@ -443,4 +354,5 @@ bool dequantize_int8_add(float* acc, const int8_t* q, const float* scales, size_
     return check.ok();
 }
 
+}  // namespace GC_ISA_NS
 }  // namespace gradcomp

@@ -1,0 +1,76 @@
+"""Two builds of the native CPU module side by side, in one process, rounds interleaved.
+
+Loads the installed ``gradcomp._C`` and a second build of it (``--other``: the path of its
+``_C*.so``, e.g. one built with ``GRADCOMP_NATIVE_ARCH=1`` in another checkout) and times the
+same kernel calls on the same buffers alternately, round by round, so that a load change on a
+shared machine hits both alike. Prints per kernel the median time of each and the median of
+the per-round ratios (other / installed: above 1, the installed build is faster). One thread
+each (``set_num_threads(1)``), float32, ``--numel`` elements, block 256 (sign: 1024).
+
+    python benchmarks/isa_compare.py --other /path/to/gradcomp/_C.cpython-311-x86_64-linux-gnu.so
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+
+import numpy as np
+
+import gradcomp._C as installed
+
+
+def load(path: str):
+    spec = importlib.util.spec_from_file_location("other_build._C", path)  # its init symbol is PyInit__C
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def calls(mod, n: int, seed: int) -> dict:
+    """Zero-argument calls of the hot kernels of ``mod`` on fresh buffers of ``n`` elements."""
+    x = np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
+    q, s = np.empty(n, np.int8), np.empty(n // 256, np.float32)
+    c4, c2, c1, c8 = (np.empty(n // 2, np.uint8), np.empty(n // 4, np.uint8), np.empty(n // 8, np.uint8),
+                      np.empty(n, np.uint8))
+    s1k, out = np.empty(n // 1024, np.float32), np.empty(n, np.float32)
+    mod.quantize_int8(x, "float32", 256, False, 0, q, s)
+    return {
+        "quantize_int8": lambda: mod.quantize_int8(x, "float32", 256, False, 0, q, s),
+        "dequantize_int8": lambda: mod.dequantize_int8(q, s, 256, out, "float32", False),
+        "quantize int4": lambda: mod.quantize_packed(x, "float32", 4, 256, False, 0, c4, s),
+        "quantize int2": lambda: mod.quantize_packed(x, "float32", 2, 256, False, 0, c2, s),
+        "quantize sign": lambda: mod.quantize_sign(x, "float32", 1024, c1, s1k),
+        "quantize fp8 e4m3": lambda: mod.quantize_fp8(x, "float32", "e4m3", 256, c8, s),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--other", required=True, help="path of the other build's _C*.so")
+    ap.add_argument("--numel", type=int, default=2**24)
+    ap.add_argument("--rounds", type=int, default=15)
+    args = ap.parse_args(argv)
+    other = load(args.other)
+    for m in (installed, other):
+        m.set_num_threads(1)
+    print(f"installed: {installed.build_info()}\nother:     {other.build_info()}")
+    a, b = calls(installed, args.numel, 0), calls(other, args.numel, 0)
+    print(f"{'kernel':<20}{'installed ms':>14}{'other ms':>10}{'other/installed':>17}")
+    for name in a:
+        ta, tb, ratio = [], [], []
+        for r in range(args.rounds):
+            pair = ((a[name], ta), (b[name], tb))
+            for fn, ts in pair if r % 2 == 0 else pair[::-1]:  # either goes first in turn
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+            ratio.append(tb[-1] / ta[-1])
+        print(f"{name:<20}{1e3 * statistics.median(ta):>14.2f}{1e3 * statistics.median(tb):>10.2f}"
+              f"{statistics.median(ratio):>17.2f}")
+
+
+if __name__ == "__main__":
+    main()

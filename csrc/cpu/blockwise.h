@@ -1,0 +1,87 @@
+// Helpers of the blockwise quantizers (int8 in quantize.cpp, the sub-byte and
+// fp8 codecs in lowbit.cpp): tiles of float32 values, absmax, rounding and the
+// reduce step's sum. Numerics: gradcomp/kernels/reference.py and
+// reference_lowbit.py, bit for bit (built with -ffp-contract=off).
+#pragma once
+
+#include <type_traits>
+
+#include "common.h"
+
+namespace gradcomp {
+namespace blockwise {
+namespace {  // internal linkage: one copy per kernel variant
+
+constexpr size_t TILE = 256;
+constexpr uint32_t NAN_BITS = 0x7FC00000u;
+constexpr size_t PAR_MIN = size_t(1) << 16;  // elements below which one thread is faster
+
+// The float32 values p of one tile: float(x) (+ residual for error feedback).
+// Returns x itself for float32 input without residual (no copy).
+template <class E, bool EF>
+inline const float* load_tile(const typename E::T* x, const float* res, float* buf, size_t len) {
+    if constexpr (std::is_same_v<E, F32> && !EF) {
+        (void)res;
+        (void)buf;
+        (void)len;
+        return x;
+    } else if constexpr (std::is_same_v<E, F32>) {
+        for (size_t i = 0; i < len; ++i) buf[i] = x[i] + res[i];
+        return buf;
+    } else {
+        E::to_float(x, buf, len);
+        if constexpr (EF)
+            for (size_t i = 0; i < len; ++i) buf[i] = buf[i] + res[i];
+        return buf;
+    }
+}
+
+// max over the tile of the bits of |p|: an integer max (|x| bits are ordered
+// like |x|); >= 0x7F800000 exactly when the tile holds an Inf or NaN.
+inline uint32_t absmax_bits(const float* p, size_t len) {
+    uint32_t m = 0;
+    for (size_t i = 0; i < len; ++i) {
+        const uint32_t b = f32_bits(p[i]) & 0x7FFFFFFFu;
+        m = b > m ? b : m;
+    }
+    return m;
+}
+
+// std::rint for |y| < 2**22 in the default rounding mode: adding 1.5 * 2**23
+// leaves no fraction bits, so the addition itself rounds y to the nearest
+// integer, ties to even, and the subtraction is exact. Plain float arithmetic
+// vectorises with SSE2; std::rint needs SSE4.1's roundps, which a portable
+// build does not have (it then calls rint once per element). Only the sign of
+// a zero result differs from std::rint (+0 for -0.5 <= y <= -0), which no
+// caller can see: both convert to the integer 0 and v - rint(v) keeps its sign.
+inline float rint_small(float y) {
+    constexpr float k = 12582912.0f;  // 1.5 * 2**23
+    return (y + k) - k;
+}
+
+// p = acc + code * scale over one tile (dequantize_int8_add's addition; a
+// plain addition when the scale is finite, as then no product is NaN), then
+// p / d when DIV (float32 division, as torch's div_ by a scalar; for a power
+// of two d the product by 1 / d, which is exact and rounds the same way).
+template <bool DIV>
+inline void sum_tile(const float* a, const int8_t* c, float s, float d, float* p, size_t len) {
+    const bool pow2 = DIV && (f32_bits(d) & 0x7FFFFFu) == 0;
+    const float inv = 1.0f / d;
+    if ((f32_bits(s) & 0x7F800000u) != 0x7F800000u) {
+        if (!DIV)
+            for (size_t i = 0; i < len; ++i) p[i] = a[i] + static_cast<float>(c[i]) * s;
+        else if (pow2)
+            for (size_t i = 0; i < len; ++i) p[i] = (a[i] + static_cast<float>(c[i]) * s) * inv;
+        else
+            for (size_t i = 0; i < len; ++i) p[i] = (a[i] + static_cast<float>(c[i]) * s) / d;
+        return;
+    }
+    for (size_t i = 0; i < len; ++i) {
+        const float v = add_like_torch(a[i], static_cast<float>(c[i]) * s);
+        p[i] = DIV ? v / d : v;
+    }
+}
+
+}  // namespace
+}  // namespace blockwise
+}  // namespace gradcomp

@@ -1,0 +1,118 @@
+"""The native CPU kernels' variants (baseline, AVX2, AVX-512), chosen at load: each one this
+machine runs gives the reference's bits, and GRADCOMP_CPU_ISA forces one or says why it cannot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from gradcomp.kernels import available_backends
+
+pytestmark = pytest.mark.skipif(available_backends()["cpu"] is not None, reason="gradcomp._C is not built")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# every variant's kernels against the reference: every dtype, tails, zero / non-finite /
+# subnormal blocks, both roundings, the fused reduce steps (bit patterns compared, NaN included)
+CHECK = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {here!r})
+    import backend_checks as C
+    import gradcomp.kernels as K
+    from gradcomp.kernels import cpu
+
+    def same(a, b, what):
+        assert torch.equal(C.bits(a), C.bits(b)), what
+
+    def both(fn, what):
+        a, b = fn("cpu"), fn("reference")
+        for i, (u, v) in enumerate(zip(a, b)):
+            same(u, v, f"{{what}}[{{i}}]")
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        for n in (1, 77, 3001, 70003):
+            x = C.data(n, dtype, seed=n)
+            if n > 3000:
+                x[200:260] = torch.tensor([1e-41, -3e-39] * 30).to(dtype)  # subnormal block tails
+            for bs in (32, 256, 4096):
+                for r in ("nearest", "stochastic"):
+                    both(lambda b: K.quantize_int8(x, bs, r, 3, 9, backend=b), "int8")
+                    for bits in (4, 2):
+                        both(lambda b: K.quantize_packed(x, bits, bs, r, 3, 9, backend=b), f"int{{bits}}")
+                both(lambda b: K.quantize_sign(x, bs, backend=b), "sign")
+                for f in ("e4m3", "e5m2"):
+                    both(lambda b: K.quantize_fp8(x, f, bs, backend=b), f)
+    x = C.data(70003, torch.float32, seed=1)
+    for bs in (64, 1024):
+        q, s = K.quantize_int8(x, bs)
+        c, t = K.quantize_packed(x, 4, bs)
+        for div, dec in ((1, False), (3, True)):
+            def red8(b):
+                acc = torch.linspace(-2, 2, 70003)
+                return (*K.reduce_quantize_int8(acc, q, s, bs, div, "stochastic", 1, 2, decode=dec, backend=b), acc)
+            def red4(b):
+                acc = torch.linspace(-2, 2, 70003)
+                return (*K.reduce_quantize_packed(acc, c, t, 4, bs, div, "nearest", decode=dec, backend=b), acc)
+            both(red8, "reduce int8")
+            both(red4, "reduce int4")
+        for out_dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+            def deq(b):
+                out = torch.empty(70003, dtype=out_dtype)
+                return (K.dequantize_int8(q, s, bs, out=out, backend=b),)
+            both(deq, "dequantize int8")
+        both(lambda b: (K.dequantize_packed(c, t, 70003, 4, bs, backend=b),), "dequantize int4")
+        sc, ss = K.quantize_sign(x, bs)
+        both(lambda b: (K.dequantize_sign(sc, ss, 70003, bs, backend=b),), "dequantize sign")
+        fc, fs = K.quantize_fp8(x, "e5m2", bs)
+        both(lambda b: (K.dequantize_fp8_add_(torch.ones(70003), fc, fs, "e5m2", bs, backend=b),), "add fp8")
+    print(cpu.isa())
+""").format(here=HERE)
+
+
+def _run(code: str, isa: str | None):
+    env = dict(os.environ)
+    env.pop("GRADCOMP_CPU_ISA", None)
+    if isa is not None:
+        env["GRADCOMP_CPU_ISA"] = isa
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_chosen_variant_is_one_this_cpu_runs():
+    from gradcomp.kernels import cpu
+
+    if os.environ.get("GRADCOMP_CPU_ISA"):
+        pytest.skip("GRADCOMP_CPU_ISA is set for this run")
+    assert cpu.isas()[0] == "baseline"
+    assert cpu.isa() == cpu.isas()[-1]  # the best it runs
+    info = cpu.native().build_info()
+    assert info["isa"] == cpu.isa() and info["isa_supported"] == ", ".join(cpu.isas())
+
+
+@pytest.mark.slow
+def test_every_variant_this_cpu_runs_matches_the_reference():
+    from gradcomp.kernels import cpu
+
+    for isa in cpu.isas():
+        r = _run(CHECK, isa)
+        assert r.returncode == 0, f"{isa}:\n{r.stderr[-3000:]}"
+        assert r.stdout.strip() == isa
+
+
+@pytest.mark.slow
+def test_a_forced_variant_that_cannot_run_raises_with_the_reason():
+    from gradcomp.kernels import cpu
+
+    code = ("import torch, gradcomp.kernels as K\n"
+            "try:\n    K.quantize_int8(torch.randn(100), backend='cpu')\n"
+            "except ValueError as e:\n    print(e)\n")
+    r = _run(code, "sse9")
+    assert r.returncode == 0, r.stderr
+    assert "GRADCOMP_CPU_ISA must be one of baseline, avx2, avx512" in r.stdout and "'sse9'" in r.stdout
+    missing = [v for v in ("avx2", "avx512") if v not in cpu.isas()]
+    for isa in missing:  # on a CPU without them: the reason names what it lacks
+        r = _run(code, isa)
+        assert f"GRADCOMP_CPU_ISA={isa} cannot run here: it needs" in r.stdout, r.stdout + r.stderr
