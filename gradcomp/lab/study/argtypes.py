@@ -4,16 +4,23 @@ raises ``argparse.ArgumentTypeError`` with a one-line reason."""
 from __future__ import annotations
 
 import argparse
+
 from gradcomp.lab.study.config import ALL_MODES, MODES, parse_compressors
 
-def positive_int_type(text: str) -> int:
+
+def _int_in(text: str, lo: int, hi: float, expected: str) -> int:
+    """``text`` as an int in ``[lo, hi)``, else ArgumentTypeError("expected <expected>, got ...")."""
     try:
         val = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if val < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {val}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not lo <= val < hi:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {val}")
     return val
+
+
+def positive_int_type(text: str) -> int:
+    return _int_in(text, 1, float("inf"), "an integer >= 1")
 
 
 def positive_float_type(text: str) -> float:
@@ -37,13 +44,7 @@ def nonnegative_float_type(text: str) -> float:
 
 
 def nonnegative_int_type(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if val < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {val}")
-    return val
+    return _int_in(text, 0, float("inf"), "an integer >= 0")
 
 
 def modes_type(text: str) -> tuple[str, ...]:
@@ -63,13 +64,7 @@ def modes_type(text: str) -> tuple[str, ...]:
 
 
 def seed_type(text: str) -> int:
-    try:
-        val = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32 - 1], got {text!r}") from None
-    if not 0 <= val < 2**32:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**32 - 1], got {val}")
-    return val
+    return _int_in(text, 0, 2**32, "an integer in [0, 2**32 - 1]")
 
 
 def compressor_list_type(text: str) -> tuple[str, ...]:
