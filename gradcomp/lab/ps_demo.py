@@ -27,6 +27,8 @@ from gradcomp.lab.args import OneLineParser
 from gradcomp.lab.cluster import jitter_type, link_type
 from gradcomp.ps.run import PSConfig, run
 
+__all__ = ["PS_COMPRESSORS", "demo_compressor", "LeastSquares", "default_lr", "summary", "main"]
+
 #: ``--compressor`` choices, names of :mod:`gradcomp.catalog`; the workers keep a residual for
 #: a lossy one (``PSConfig.error_feedback``)
 PS_COMPRESSORS = ("none", "fp16", "int8", "topk-int8")

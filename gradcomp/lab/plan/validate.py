@@ -14,7 +14,8 @@ from gradcomp.lab.plan.host import Host
 from gradcomp.lab.plan.model import CODECS, MODES, PlanCodec, Setting, allreduce_bytes, predict, ps_bytes
 from gradcomp.lab.plan.profile import Profile
 
-__all__ = ["load_results", "validate_runs", "breakdown", "fit_host", "run_host", "summary", "REQUIRED_KEYS", "TERMS"]
+__all__ = ["load_results", "validate_runs", "breakdown", "fit_host", "run_host", "summary", "REQUIRED_KEYS", "TERMS",
+           "results_profile"]
 
 #: keys a run must have to be validated
 REQUIRED_KEYS = ("mode", "compressor", "algorithm", "world_size", "params", "link", "straggler",
