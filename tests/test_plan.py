@@ -452,7 +452,8 @@ def test_projection_and_recommend_commands(tmp_path, capsys):
     (["plan", "calibrate", "--topology", "2"], "--topology"),
     (["plan", "calibrate", "--topology", "1x4", "--link", "1gbit"], "--topology"),
     (["plan", "calibrate", "--topology", "2x2"], "--topology"),
-    (["plan", "validate", "/nonexistent/dir"], "No such file"),
+    (["plan", "validate", "/nonexistent/dir"], "results /nonexistent/dir: no such file or directory"),
+    (["plan", "validate", "/"], "results / holds no results.json"),
     (["plan", "--profile", "/nonexistent.json"], "No such file"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, words):

@@ -29,6 +29,10 @@ def load_results(path: str) -> dict:
         OSError: no such file. ValueError: not JSON, or no ``"runs"`` list.
     """
     file = os.path.join(path, "results.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        # the one line names what is missing, not Python's errno
+        where = f"{path} holds no results.json" if os.path.isdir(path) else f"{path}: no such file or directory"
+        raise FileNotFoundError(f"results {where} (give a `gradcomp train --out` directory)")
     with open(file) as f:
         try:
             data = json.load(f)
