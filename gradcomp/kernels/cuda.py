@@ -47,7 +47,7 @@ __all__ = [
     "SOURCES", "KERNEL_MODULES", "NVRTC_OPTIONS", "source_dirs", "source_dir", "source",
     "unavailable_reason", "devices", "launch_kernel", "pointer", "grid_size", "quantize_int8",
     "quantize_int8_ef", "dequantize_int8", "dequantize_int8_add_", "topk", "threshold", "approx_topk",
-    "scatter_add_"
+    "scatter_add_",
 ]
 
 #: op family -> source file

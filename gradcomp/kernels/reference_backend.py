@@ -26,7 +26,7 @@ __all__ = [
     "quantize_sign_ef", "dequantize_sign", "dequantize_sign_add_", "quantize_fp8", "quantize_fp8_ef",
     "dequantize_fp8", "dequantize_fp8_add_", "compose_reduce_quantize_int8",
     "compose_reduce_quantize_packed", "compose_dgc_topk_", "reduce_quantize_int8", "dgc_topk_",
-    "reduce_quantize_packed", "COMPOSITIONS"
+    "reduce_quantize_packed", "COMPOSITIONS",
 ]
 
 

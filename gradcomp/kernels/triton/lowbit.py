@@ -23,7 +23,7 @@ from gradcomp.kernels.triton._common import counter_uniform, device_guard, kerne
 __all__ = [
     "quantize_packed", "quantize_packed_ef", "dequantize_packed", "dequantize_packed_add_", "quantize_sign",
     "quantize_sign_ef", "dequantize_sign", "dequantize_sign_add_", "quantize_fp8", "quantize_fp8_ef",
-    "dequantize_fp8", "dequantize_fp8_add_"
+    "dequantize_fp8", "dequantize_fp8_add_",
 ]
 
 # codec kinds (constexpr)

@@ -19,7 +19,7 @@ from .runner import run
 
 __all__ = [
     "DEFAULT_COMPILE_OPS", "parse_size", "SIZE_FORMS", "build_parser", "available_memory_bytes",
-    "case_bytes", "main"
+    "case_bytes", "main",
 ]
 
 #: ops given a torch.compile peer unless --compile-ops says otherwise

@@ -14,7 +14,7 @@ import textwrap
 
 __all__ = [
     "TARGET_SIZE", "TARGETS", "add_ratios", "check_targets", "COLUMNS", "RATIO_COLUMNS", "WIDTH", "LEGEND",
-    "report_lines", "print_report"
+    "report_lines", "print_report",
 ]
 
 #: the size (elements) at which the targets are defined
