@@ -5,6 +5,7 @@ Run: python examples/parameter_server.py
 """
 
 import functools
+import textwrap
 
 import torch
 import torch.nn as nn
@@ -47,3 +48,8 @@ if __name__ == "__main__":
     s = server["stats"]
     print(f"relative distance to the optimum: {server['error']:.2e}")
     print({k: s[k] for k in s if k in ("version", "dropped", "rejected", "staleness_histogram")})
+    print(textwrap.fill(
+        f"version: updates the server applied; dropped: pushes staler than max_staleness="
+        f"{CONFIG.max_staleness} versions, discarded (the worker pulls afresh and goes on); rejected: "
+        "malformed or foreign pushes; staleness_histogram: accepted pushes by how many versions "
+        "the server had moved on since the worker's pull", width=80))

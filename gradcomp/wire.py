@@ -44,6 +44,7 @@ __all__ = [
     "build_header",
     "BLOCK_CODE_BITS",
     "DEFAULT_MAX_NUMEL",
+    "header_tensor",
 ]
 
 MAGIC = b"GCMP"

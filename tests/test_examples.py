@@ -31,6 +31,9 @@ def test_parameter_server_example_reaches_the_optimum():
     out = run("parameter_server.py")
     err = float(re.search(r"optimum: ([0-9.e+-]+)", out).group(1))
     assert err < 1e-3
+    # every figure printed is explained where it is printed
+    shown = re.findall(r"'(\w+)':", out)
+    assert shown and all(re.search(rf"\b{k}:\s+\w", out) for k in shown), out
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import torch
 import pytest
 
 from gradcomp.lab.cli import main
@@ -194,6 +195,30 @@ def test_fit_rejects_times_that_do_not_grow():
         C.fit_alpha_beta([10, 20, 30], [3.0, 2.0, 1.0])
     with pytest.raises(ValueError, match="two distinct"):
         C.fit_alpha_beta([10, 10], [1.0, 1.0])
+
+
+def test_kernel_timing_interleaves_the_ops_round_by_round(monkeypatch):
+    # each round times every op once, so a burst of load from other jobs hits every op alike
+    calls, clock = [], iter(range(100))
+    monkeypatch.setattr(C.time, "perf_counter", lambda: float(next(clock)))
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("a", "b", "c")}
+    ticks = []
+    medians = C._median_times(fns, 3, tick=lambda: ticks.append(len(calls)))
+    assert calls == ["a", "b", "c"] + ["a", "b", "c"] * 3  # warm-ups, then 3 interleaved rounds
+    assert ticks == [0, 1, 2]  # one tick per op, before its warm-up
+    # the fake clock advances 1 per read: every timing is 1 s
+    assert medians == {"a": 1.0, "b": 1.0, "c": 1.0}
+
+
+def test_kernel_timing_times_each_codec_with_its_own_compressor():
+    import gradcomp as gc
+
+    x, y, acc = torch.randn(512), torch.empty(512), torch.zeros(512)
+    thunks = {**C._codec_thunks("fp16", gc.FP16(), x, y, acc), **C._codec_thunks("int8", gc.Int8Quantizer(), x, y, acc)}
+    thunks["fp16.decompress"]()
+    assert torch.equal(y, x.half().float())  # fp16's thunk decodes fp16, not the last codec built
+    thunks["int8.decompress"]()
+    assert not torch.equal(y, x.half().float()) and (y - x).abs().max() <= x.abs().max() / 127
 
 
 @pytest.mark.slow
@@ -427,7 +452,8 @@ def test_projection_and_recommend_commands(tmp_path, capsys):
     (["plan", "calibrate", "--topology", "2"], "--topology"),
     (["plan", "calibrate", "--topology", "1x4", "--link", "1gbit"], "--topology"),
     (["plan", "calibrate", "--topology", "2x2"], "--topology"),
-    (["plan", "validate", "/nonexistent/dir"], "No such file"),
+    (["plan", "validate", "/nonexistent/dir"], "results /nonexistent/dir: no such file or directory"),
+    (["plan", "validate", "/"], "results / holds no results.json"),
     (["plan", "--profile", "/nonexistent.json"], "No such file"),
 ])
 def test_bad_arguments_exit_2_with_one_line(capsys, argv, words):

@@ -114,3 +114,34 @@ def test_demo_resume_says_from_which_version(tmp_path):
     again = subprocess.run(run + ["--resume"], capture_output=True, text=True, timeout=280)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resumed from version 10" in again.stdout  # 2 workers x 5 pushes, async: 10 versions
+
+
+def _demo_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        ps_demo.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_demo_resume_from_a_damaged_checkpoint_is_one_line_before_any_process(capsys, tmp_path):
+    path = ckpt.checkpoint_path(str(tmp_path), 0)
+    with open(path, "wb") as f:
+        f.write(bytes(range(256)) * 8)  # no torch archive
+    err = _demo_error(capsys, ["--resume", "--checkpoint-dir", str(tmp_path)])
+    assert f"--resume: checkpoint {path}: unreadable" in err and "weights_only" not in err
+    with open(path, "wb") as f:
+        f.write(b"PK\x03\x04" + b"\0" * 60)  # a zip header, then nothing
+    err = _demo_error(capsys, ["--resume", "if-exists", "--checkpoint-dir", str(tmp_path)])
+    assert "unreadable" in err and "weights_only" not in err
+
+
+def test_demo_resume_with_another_number_of_servers_is_one_line(capsys, tmp_path):
+    w = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.5)
+    ckpt.save_atomic({"format": ckpt.FORMAT, "server_index": 0, "num_servers": 1, "mode": "async",
+                      "layout": [["w", [4]]], "version": 3, "params": {"w": w.detach().clone()},
+                      "optimizer": opt.state_dict()}, ckpt.checkpoint_path(str(tmp_path), 0))
+    err = _demo_error(capsys, ["--resume", "if-exists", "--checkpoint-dir", str(tmp_path), "--num-servers", "2",
+                               "--world-size", "4"])
+    assert "was written by 1 server(s); resume with --num-servers 1" in err

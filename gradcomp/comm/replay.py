@@ -26,7 +26,7 @@ import torch
 from gradcomp.comm.p2p import Comm, Transfer, cuts
 
 __all__ = ["ENVELOPE", "PATTERN_PHASES", "Disagreement", "replay", "is_envelope", "raise_if_envelope",
-           "rest_of"]
+           "rest_of", "Replay"]
 
 #: first 8 bytes of a disagreement envelope (a payload starts with b"GCMP")
 ENVELOPE = b"GCDISAGR"

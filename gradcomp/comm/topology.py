@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from gradcomp import _validate as v
 
-__all__ = ["Topology", "Layout", "layout", "INTER_ALGORITHMS", "HOST_ENV", "MAX_SEGMENTS"]
+__all__ = ["Topology", "Layout", "layout", "INTER_ALGORITHMS", "HOST_ENV", "MAX_SEGMENTS", "check"]
 
 #: algorithms of the inter-host leg (dense, fixed wire sizes)
 INTER_ALGORITHMS = ("ring", "two_phase")

@@ -12,7 +12,7 @@ from gradcomp import wire as W
 from gradcomp.compressors._common import check_acc, check_no_grad, check_wire_out, flat
 from gradcomp.errors import PayloadError
 
-__all__ = ["Compressor", "Decoder", "decoder", "decompress", "decompress_add_"]
+__all__ = ["Compressor", "Decoder", "decoder", "decompress", "decompress_add_", "overrides", "takes_out"]
 
 
 class Decoder(abc.ABC):

@@ -43,6 +43,13 @@ import torch
 from gradcomp.kernels import reference
 from gradcomp.kernels.ops import kernel
 
+__all__ = [
+    "SOURCES", "KERNEL_MODULES", "NVRTC_OPTIONS", "source_dirs", "source_dir", "source",
+    "unavailable_reason", "devices", "launch_kernel", "pointer", "grid_size", "quantize_int8",
+    "quantize_int8_ef", "dequantize_int8", "dequantize_int8_add_", "topk", "threshold", "approx_topk",
+    "scatter_add_",
+]
+
 #: op family -> source file
 SOURCES = {"quantize": "quantize.cu", "lowbit": "lowbit.cu", "select": "select.cu", "scatter": "scatter.cu"}
 #: the modules declaring more of this backend's kernels (imported once it is usable)

@@ -76,6 +76,11 @@ __all__ = [
     "int8_values_ok",
     "check_int8_values",
     "check_indices",
+    "uniform_key",
+    "quantize_outputs",
+    "all_or_none",
+    "quantize_key",
+    "dgc_accumulate_",
 ]
 
 #: the error for malformed int8 values: codes are in [-127, 127] (symmetric

@@ -19,6 +19,16 @@ from gradcomp.kernels import reference_lowbit as L
 from gradcomp.kernels.ops import kernel
 from gradcomp.kernels.ops import op as _dispatcher
 
+__all__ = [
+    "unavailable_reason", "devices", "quantize_int8", "dequantize_int8", "dequantize_int8_add_",
+    "quantize_int8_ef", "topk", "threshold", "approx_topk", "scatter_add_", "dgc_accumulate_",
+    "quantize_packed", "quantize_packed_ef", "dequantize_packed", "dequantize_packed_add_", "quantize_sign",
+    "quantize_sign_ef", "dequantize_sign", "dequantize_sign_add_", "quantize_fp8", "quantize_fp8_ef",
+    "dequantize_fp8", "dequantize_fp8_add_", "compose_reduce_quantize_int8",
+    "compose_reduce_quantize_packed", "compose_dgc_topk_", "reduce_quantize_int8", "dgc_topk_",
+    "reduce_quantize_packed", "COMPOSITIONS",
+]
+
 
 def unavailable_reason() -> str | None:
     return None

@@ -6,3 +6,5 @@ benchmarks (:mod:`gradcomp.lab.bench`), the emulated cluster (:mod:`gradcomp.lab
 the parameter-server demo (:mod:`gradcomp.lab.ps_demo`) and the one parser of counts and link
 rates (:mod:`gradcomp.lab.units`). The lab imports the library; the library never imports the lab.
 """
+
+__all__: list[str] = []

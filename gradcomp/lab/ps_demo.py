@@ -27,6 +27,8 @@ from gradcomp.lab.args import OneLineParser
 from gradcomp.lab.cluster import jitter_type, link_type
 from gradcomp.ps.run import PSConfig, run
 
+__all__ = ["PS_COMPRESSORS", "demo_compressor", "LeastSquares", "default_lr", "summary", "main"]
+
 #: ``--compressor`` choices, names of :mod:`gradcomp.catalog`; the workers keep a residual for
 #: a lossy one (``PSConfig.error_feedback``)
 PS_COMPRESSORS = ("none", "fp16", "int8", "topk-int8")
@@ -155,6 +157,26 @@ def _resume(text: str) -> str:
     return text
 
 
+def _check_readable(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every server checkpoint ``--resume`` will load, read and validated here first: a damaged
+    or foreign file, or one of another number of servers, is one line (``p.error``) before any
+    process starts, not a server rank's traceback."""
+    from gradcomp.ps.checkpoint import checkpoint_path, load
+    from gradcomp.ps.errors import CheckpointError
+
+    for i in range(args.num_servers):
+        path = checkpoint_path(args.checkpoint_dir, i)
+        if not os.path.exists(path):
+            continue  # --resume if-exists: that server starts afresh
+        try:
+            state = load(path)
+        except CheckpointError as e:
+            p.error(f"--resume: {e}")
+        if state["num_servers"] != args.num_servers:
+            p.error(f"--resume: checkpoint {path} was written by {state['num_servers']} server(s); "
+                    f"resume with --num-servers {state['num_servers']}")
+
+
 def _check_checkpoints(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """The checkpoint options before anything starts: a directory that can be written, and with
     ``--resume`` every server's checkpoint in it (``p.error``: one line, exit status 2)."""
@@ -170,6 +192,8 @@ def _check_checkpoints(p: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.resume is True and missing:
         p.error(f"--resume: no checkpoint to resume from in {args.checkpoint_dir} (missing {', '.join(missing)}); "
                 "--resume if-exists starts afresh when there is none")
+    if args.resume:
+        _check_readable(p, args)
     try:
         writable_dir("--checkpoint-dir", args.checkpoint_dir)
     except ValueError as e:

@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-__all__ = ["FixedTimeStage"]
+__all__ = ["FixedTimeStage", "run_fixed_time"]
 
 
 class _Sleep(torch.autograd.Function):

@@ -11,7 +11,7 @@ import torch
 
 from gradcomp import _validate as v
 
-__all__ = ["ParamSpec", "param_specs", "shard_parameters", "layout_checksum"]
+__all__ = ["ParamSpec", "param_specs", "shard_parameters", "layout_checksum", "named_tensors"]
 
 
 @dataclass(frozen=True)

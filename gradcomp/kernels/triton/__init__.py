@@ -23,6 +23,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+__all__ = ["KERNEL_MODULES", "unavailable_reason", "devices"]
+
 
 #: the modules declaring this backend's kernels
 KERNEL_MODULES = tuple(f"gradcomp.kernels.triton.{m}" for m in ("quantize", "lowbit", "select", "scatter"))

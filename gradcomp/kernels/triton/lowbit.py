@@ -20,6 +20,12 @@ from gradcomp.kernels.ops import kernel
 from gradcomp.kernels.reference_lowbit import SUM_TILE
 from gradcomp.kernels.triton._common import counter_uniform, device_guard, kernel_view, round_half_even, widen
 
+__all__ = [
+    "quantize_packed", "quantize_packed_ef", "dequantize_packed", "dequantize_packed_add_", "quantize_sign",
+    "quantize_sign_ef", "dequantize_sign", "dequantize_sign_add_", "quantize_fp8", "quantize_fp8_ef",
+    "dequantize_fp8", "dequantize_fp8_add_",
+]
+
 # codec kinds (constexpr)
 _PACKED, _SIGN, _FP8 = 0, 1, 2
 _E4M3, _E5M2 = 0, 1

@@ -29,6 +29,8 @@ from gradcomp.kernels import reference
 from gradcomp.kernels.ops import kernel
 from gradcomp.kernels.triton._common import counter_uniform, device_guard, kernel_view, round_half_even, widen
 
+__all__ = ["quantize_int8", "quantize_int8_ef", "dequantize_int8", "dequantize_int8_add_"]
+
 # elements per program: large tiles on the GPU, small ones in the interpreter
 # so that tests exercise many programs and the chunk loop of big blocks
 _TILE_GPU, _TILE_CPU = 4096, 512

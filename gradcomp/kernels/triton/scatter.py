@@ -17,6 +17,8 @@ from gradcomp.kernels import reference
 from gradcomp.kernels.ops import kernel
 from gradcomp.kernels.triton._common import device_guard, kernel_view, widen
 
+__all__ = ["scatter_add_"]
+
 _TILE_GPU, _TILE_CPU = 1024, 256
 
 

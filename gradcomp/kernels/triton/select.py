@@ -38,6 +38,8 @@ from gradcomp.kernels import reference
 from gradcomp.kernels.ops import kernel
 from gradcomp.kernels.triton._common import F64, device_guard, kernel_view, widen
 
+__all__ = ["topk", "threshold", "approx_topk"]
+
 _TILE_GPU, _TILE_CPU = 2048, 256
 _PROGRAMS_GPU, _PROGRAMS_CPU = 1024, 4  # histogram programs (grid-stride)
 _DIGIT = 8

@@ -7,3 +7,5 @@
 
 Submodules are imported on demand; importing this package loads nothing else.
 """
+
+__all__: list[str] = []

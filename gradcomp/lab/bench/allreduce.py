@@ -82,7 +82,7 @@ from gradcomp.lab.bench.allreduce_table import LEGEND, WIDTH, table_lines
 from gradcomp.lab.bench.hosts import HIERARCHICAL_METHODS, gc0_tx_bytes, host_figures, host_table
 from gradcomp.lab.cluster import jitter_type, link_type, topology_type
 
-__all__ = ["main", "run", "method_names", "table_lines", "LEGEND", "WIDTH"]
+__all__ = ["main", "run", "method_names", "table_lines", "LEGEND", "WIDTH", "Method", "plot"]
 
 _MATRIX = 1024  # PowerSGD sees the data as _MATRIX x _MATRIX matrices
 _POWERSGD_RANK = 4

@@ -23,7 +23,6 @@ fitted on a time study (``gradcomp plan validate --fit-seeds``).
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 import time
@@ -171,20 +170,37 @@ def link_profile(results: list, link: str) -> dict:
     return {"alpha_s": alpha, "beta_bytes_per_s": beta, "fit": info}
 
 
-def _median_time(fn, repeats: int, tick=None) -> float:
-    if tick is not None:
-        tick()
-    fn()  # warm-up (allocations, first-use loading)
-    times = []
+def _median_times(fns: dict, repeats: int, tick=None) -> dict:
+    """Median seconds of each thunk of ``fns`` over ``repeats`` rounds; each round times
+    every thunk once, so that a change of the host's load (other jobs) hits every op alike
+    instead of the few timed while it lasts (``tick()`` once per thunk, as it is warmed)."""
+    for fn in fns.values():
+        if tick is not None:
+            tick()
+        fn()  # warm-up (allocations, first-use loading)
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 #: elements of the small tensor whose timings give each op's per-call overhead
 CALL_NUMEL = 256
+
+
+def _codec_thunks(kind: str, comp, x: torch.Tensor, y: torch.Tensor, acc: torch.Tensor) -> dict:
+    """The four timed calls of codec ``comp`` on ``x`` (``y``: decompress output, ``acc``: the
+    accumulator, which keeps growing by the payload's values: harmless for a few calls)."""
+    wire = torch.empty(comp.wire_nbytes(tuple(x.shape)), dtype=torch.uint8)
+    wire2 = torch.empty_like(wire)
+    p = comp.compress(x, out=wire)
+    return {f"{kind}.compress": lambda: comp.compress(x, out=wire),
+            f"{kind}.decompress": lambda: comp.decompress(p, out=y),
+            f"{kind}.decompress_add": lambda: comp.decompress_add_(p, acc),
+            f"{kind}.reduce_compress": lambda: comp.reduce_compress_(p, acc, out=wire2)}
 
 
 def _op_seconds(numel: int, repeats: int, density: float, tick=None) -> tuple[dict, int]:
@@ -193,40 +209,30 @@ def _op_seconds(numel: int, repeats: int, density: float, tick=None) -> tuple[di
     import gradcomp as gc
     from gradcomp import kernels as K
 
-    timed = functools.partial(_median_time, tick=tick)
-
     g = torch.Generator().manual_seed(0)
     x = torch.randn(numel, generator=g)
     acc = torch.zeros(numel)
     y = torch.empty(numel)
-    times = {}
+    fns = {}
     for kind, comp in (("raw", gc.NoCompression()), ("fp16", gc.FP16()), ("bf16", gc.BF16()),
                        ("int8", gc.Int8Quantizer())):
-        wire = torch.empty(comp.wire_nbytes((numel,)), dtype=torch.uint8)
-        wire2 = torch.empty_like(wire)
-        p = comp.compress(x, out=wire)
-        times[f"{kind}.compress"] = timed(lambda: comp.compress(x, out=wire), repeats)
-        times[f"{kind}.decompress"] = timed(lambda: comp.decompress(p, out=y), repeats)
-        times[f"{kind}.decompress_add"] = timed(lambda: comp.decompress_add_(p, acc), repeats)
-        # acc keeps growing by the payload's values: harmless for a few calls
-        times[f"{kind}.reduce_compress"] = timed(lambda: comp.reduce_compress_(p, acc, out=wire2), repeats)
-        acc.zero_()
+        fns.update(_codec_thunks(kind, comp, x, y, acc))
     ef = gc.ErrorFeedback(gc.Int8Quantizer())
-    times["int8.compress_ef"] = timed(lambda: ef.compress(x, key="calibrate"), repeats)
+    fns["int8.compress_ef"] = lambda: ef.compress(x, key="calibrate")
     k = max(1, math.ceil(density * numel))
-    times["topk.select"] = timed(lambda: K.topk(x, k), repeats)
+    fns["topk.select"] = lambda: K.topk(x, k)
     tau = float(K.topk(x, k)[1].abs().min())
-    times["threshold.select"] = timed(lambda: K.threshold(x, tau), repeats)
+    fns["threshold.select"] = lambda: K.threshold(x, tau)
     idx = torch.randperm(numel, generator=g)[:k].sort().values.to(torch.int32)
     vals = torch.randn(k, generator=g)
-    times["sparse.decompress_add"] = timed(lambda: K.scatter_add_(acc, idx, vals), repeats)
+    fns["sparse.decompress_add"] = lambda: K.scatter_add_(acc, idx, vals)
     res = torch.zeros(numel)
-    times["ef.update"] = timed(lambda: res.copy_(torch.add(x, res, out=y)), repeats)
+    fns["ef.update"] = lambda: res.copy_(torch.add(x, res, out=y))
     param = torch.nn.Parameter(torch.zeros(numel))
     param.grad = x.clone()
     opt = torch.optim.SGD([param], lr=0.1, momentum=0.9)
-    times["sgd.apply"] = timed(opt.step, repeats)
-    return times, k
+    fns["sgd.apply"] = opt.step
+    return _median_times(fns, repeats, tick), k
 
 
 def measure_kernels(numel: int = 2**22, repeats: int = 5, density: float = 0.01, on_progress=None) -> dict:

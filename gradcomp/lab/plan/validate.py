@@ -14,7 +14,8 @@ from gradcomp.lab.plan.host import Host
 from gradcomp.lab.plan.model import CODECS, MODES, PlanCodec, Setting, allreduce_bytes, predict, ps_bytes
 from gradcomp.lab.plan.profile import Profile
 
-__all__ = ["load_results", "validate_runs", "breakdown", "fit_host", "run_host", "summary", "REQUIRED_KEYS", "TERMS"]
+__all__ = ["load_results", "validate_runs", "breakdown", "fit_host", "run_host", "summary", "REQUIRED_KEYS", "TERMS",
+           "results_profile"]
 
 #: keys a run must have to be validated
 REQUIRED_KEYS = ("mode", "compressor", "algorithm", "world_size", "params", "link", "straggler",
@@ -28,6 +29,10 @@ def load_results(path: str) -> dict:
         OSError: no such file. ValueError: not JSON, or no ``"runs"`` list.
     """
     file = os.path.join(path, "results.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        # the one line names what is missing, not Python's errno
+        where = f"{path} holds no results.json" if os.path.isdir(path) else f"{path}: no such file or directory"
+        raise FileNotFoundError(f"results {where} (give a `gradcomp train --out` directory)")
     with open(file) as f:
         try:
             data = json.load(f)

@@ -7,6 +7,12 @@ import argparse
 
 from gradcomp.lab.study.config import ALL_MODES, MODES, parse_compressors
 
+__all__ = [
+    "positive_int_type", "positive_float_type", "nonnegative_float_type", "nonnegative_int_type",
+    "modes_type", "seed_type", "compressor_list_type", "files_type", "cv_type", "straggler_type",
+    "accuracy_type", "scenarios_type",
+]
+
 
 def _int_in(text: str, lo: int, hi: float, expected: str) -> int:
     """``text`` as an int in ``[lo, hi)``, else ArgumentTypeError("expected <expected>, got ...")."""

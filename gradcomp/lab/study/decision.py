@@ -22,7 +22,7 @@ from gradcomp.lab.study.output import json_ready
 from gradcomp.lab.study.timing import mean_ci95
 
 __all__ = ["Aggregate", "aggregate", "decide", "contenders", "separated", "verdict", "decision_doc", "write_decision",
-           "DEFAULT_MAX_GAP_PP"]
+           "DEFAULT_MAX_GAP_PP", "decision_markdown"]
 
 #: Accuracy bound of the decision: a mean gap of at most this many points.
 DEFAULT_MAX_GAP_PP = 0.5

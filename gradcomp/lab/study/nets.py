@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["SmallCNN", "resnet18_cifar", "CharGPT"]
+__all__ = ["SmallCNN", "resnet18_cifar", "CharGPT", "ResNetCIFAR"]
 
 
 class SmallCNN(nn.Sequential):

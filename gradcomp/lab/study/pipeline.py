@@ -24,7 +24,7 @@ from gradcomp.lab.study.pipeline_args import PIPELINE_SCHEDULES, add_pipeline_ar
 from gradcomp.pipeline.bubble import bubble_fraction
 
 __all__ = ["PipelineConfig", "PIPELINE_SCHEDULES", "add_pipeline_arguments", "pipeline_rank",
-           "run_pipeline", "run_pipeline_study", "theory_bubble"]
+           "run_pipeline", "run_pipeline_study", "theory_bubble", "config_from_args"]
 
 DEFAULT_PIPELINE_COMPRESSORS = ("none", "int8")
 

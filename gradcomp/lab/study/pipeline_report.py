@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-__all__ = ["print_report", "write_all", "write_plot"]
+__all__ = ["print_report", "write_all", "write_plot", "medians", "median_lines"]
 
 
 def _kib(n: float) -> str:

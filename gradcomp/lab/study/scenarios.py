@@ -19,7 +19,7 @@ import argparse
 from dataclasses import dataclass
 
 __all__ = ["Scenario", "parse_scenario", "parse_scenarios", "DEFAULT_SCENARIOS",
-           "STRAGGLER", "JITTER"]
+           "STRAGGLER", "JITTER", "scenario_list"]
 
 #: ``+straggler``: (worker, factor).
 STRAGGLER = (1, 3.0)

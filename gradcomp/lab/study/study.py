@@ -64,7 +64,8 @@ from gradcomp.lab.study.local import train_local_rank
 from gradcomp.lab.study.sync import train_sync_rank
 
 __all__ = ["RunResult", "StudyResult", "calibrate_threshold", "run_study", "in_torchrun",
-           "fill_targets", "TARGET_FRACTION"]
+           "fill_targets", "TARGET_FRACTION",
+           "mode_rank", "summarize", "staleness_stats", "compare", "default_target", "host_record"]
 
 #: ``on_progress(mode, compressor, step, seed)``: called in the launching process as a run advances.
 ProgressFn = Callable[[str, str, int, int], None]

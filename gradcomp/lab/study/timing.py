@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 __all__ = ["ComputeDelay", "jitter_factor", "time_to_target", "percentile", "mean_ci95",
-           "parse_straggler"]
+           "parse_straggler", "server_queue", "summarize_time"]
 
 
 def parse_straggler(text: str, workers: int | None = None) -> tuple[int, float]:

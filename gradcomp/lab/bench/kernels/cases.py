@@ -15,6 +15,12 @@ import torch
 
 from gradcomp.kernels.registry import OPS
 
+__all__ = [
+    "LOWBIT_OPS", "FLOAT32_ONLY", "BENCH_OPS", "PACKED_BITS", "SPARSE_OPS", "TOPK_OPS", "DTYPES",
+    "DEFAULT_SIZES", "QUICK_SIZES", "Case", "itemsize", "make_inputs", "op_call", "op_bytes",
+    "backends_for", "backend_call",
+]
+
 #: ops of the sub-byte and fp8 codecs: the packed ones run at 4 bits (``quantize_packed_2bit``:
 #: the quantizer at 2 bits), the fp8 ones in e4m3; their outputs are float32 (``FLOAT32_ONLY``)
 LOWBIT_OPS = ("quantize_packed", "quantize_packed_2bit", "quantize_packed_ef", "dequantize_packed",

@@ -17,6 +17,11 @@ from .cases import BENCH_OPS, DTYPES
 from .report import print_report
 from .runner import run
 
+__all__ = [
+    "DEFAULT_COMPILE_OPS", "parse_size", "SIZE_FORMS", "build_parser", "available_memory_bytes",
+    "case_bytes", "main",
+]
+
 #: ops given a torch.compile peer unless --compile-ops says otherwise
 DEFAULT_COMPILE_OPS = ("quantize_int8", "dequantize_int8", "quantize_packed", "quantize_packed_2bit", "quantize_sign",
                        "quantize_fp8")

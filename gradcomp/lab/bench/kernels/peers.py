@@ -13,6 +13,12 @@ import torch
 from .cases import DTYPES, TOPK_OPS, Case, itemsize, op_bytes
 from .timing import Timed
 
+__all__ = [
+    "COMPILED_OPS", "BNB_OPS", "fused_quantize_int8", "fused_quantize_int8_ef", "fused_dequantize_int8",
+    "fused_dequantize_int8_add_", "fused_quantize_packed", "fused_quantize_sign", "fused_quantize_fp8",
+    "compiled_peer", "bitsandbytes", "bitsandbytes_peer", "peers",
+]
+
 #: ops with a fused torch.compile peer
 COMPILED_OPS = ("quantize_int8", "dequantize_int8", "dequantize_int8_add_", "quantize_int8_ef", "quantize_packed",
                 "quantize_packed_2bit", "quantize_sign", "quantize_fp8")

@@ -12,6 +12,11 @@ import math
 import sys
 import textwrap
 
+__all__ = [
+    "TARGET_SIZE", "TARGETS", "add_ratios", "check_targets", "COLUMNS", "RATIO_COLUMNS", "WIDTH", "LEGEND",
+    "report_lines", "print_report",
+]
+
 #: the size (elements) at which the targets are defined
 TARGET_SIZE = 2**24
 

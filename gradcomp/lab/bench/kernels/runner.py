@@ -21,6 +21,8 @@ from .peers import COMPILED_OPS, bitsandbytes, peers
 from .report import add_ratios, check_targets
 from .timing import Timed, all_threads, measure, restore_threads, set_threads, stats, sync_for, warm
 
+__all__ = ["compile_ops_of", "run"]
+
 
 def compile_ops_of(args) -> list[str]:
     """The ops given a torch.compile peer by ``--compile-ops`` / ``--no-compile``."""

@@ -17,6 +17,8 @@ import torch
 
 from .cases import Case, op_bytes
 
+__all__ = ["Timed", "sync_for", "warm", "measure", "stats", "all_threads", "set_threads", "restore_threads"]
+
 
 @dataclass
 class Timed:
