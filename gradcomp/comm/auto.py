@@ -156,6 +156,20 @@ class AutoAlgorithm:
         return {"link": self.link, "intra_link": self.intra_link, "explore": self.explore,
                 "interval": self.interval, "margin": self.margin, "prune": self.prune}
 
+    def prepare(self, group, topology: Topology | None = None, *, timeout: float = 300.0, device="cpu") -> None:
+        """Resolve, now, whether ``group`` (under ``topology``; None: the
+        environment) has the hosts the hierarchical algorithm needs: a
+        collective every rank of ``group`` must reach, done otherwise at the
+        first call (the DDP hook and ``gc.LocalSGD`` call it when they make
+        their group).
+
+        Raises:
+            ValueError: an explicit ``topology`` that does not fit ``group``
+                (on every rank, see :func:`gradcomp.comm.topology.layout`).
+        """
+        if dist.get_world_size(group) > 1:
+            self._host_shape(group, topology, timeout, device)
+
     def algorithm(self, key: Hashable) -> str | None:
         """The algorithm ``key``'s calls use now (None: still timing the candidates, or unknown)."""
         t = self._tracks.get(key)
