@@ -30,22 +30,22 @@ LINK = cost.Link(1e-3, 1e6)
 def test_cost_ring_and_two_phase_by_hand():
     n, N, c = 4096, 4, gc.NoCompression()
     hop = 1e-3 + _w("none", 1024) / 1e6  # one chunk of 1024 elements
-    assert cost.allreduce_seconds("ring", c, n, N, LINK) == pytest.approx(6 * hop, rel=1e-12)
+    assert cost.transfer_seconds("ring", c, n, N, LINK) == pytest.approx(6 * hop, rel=1e-12)
     # the direct reduce-scatter: 3 messages at once on one port, then the ring allgather
     two = (3e-3 + 3 * _w("none", 1024) / 1e6) + 3 * hop
-    assert cost.allreduce_seconds("two_phase", c, n, N, LINK) == pytest.approx(two, rel=1e-12)
-    assert cost.allreduce_steps("ring", c, n, N) == [("inter", 1, 4144)] * 6
+    assert cost.transfer_seconds("two_phase", c, n, N, LINK) == pytest.approx(two, rel=1e-12)
+    assert cost.transfer_steps("ring", c, n, N) == [("inter", 1, 4144)] * 6
 
 
 def test_cost_halving_doubling_by_hand():
     c = gc.NoCompression()
     # N = 4: halves of 2048 and 1024 elements, then blocks of 1 and 2 owners' payloads
     steps = [_w("none", 2048), _w("none", 1024), _w("none", 1024), 2 * _w("none", 1024)]
-    assert cost.allreduce_seconds("halving_doubling", c, 4096, 4, LINK) == pytest.approx(
+    assert cost.transfer_seconds("halving_doubling", c, 4096, 4, LINK) == pytest.approx(
         4e-3 + sum(steps) / 1e6, rel=1e-12)
     # N = 3 folds into p = 2: the folded tensor, one halving, one doubling, p payloads back
     steps = [_w("none", 4096), _w("none", 2048), _w("none", 2048), 2 * _w("none", 2048)]
-    assert cost.allreduce_seconds("halving_doubling", c, 4096, 3, LINK) == pytest.approx(
+    assert cost.transfer_seconds("halving_doubling", c, 4096, 3, LINK) == pytest.approx(
         4e-3 + sum(steps) / 1e6, rel=1e-12)
 
 
@@ -54,15 +54,15 @@ def test_cost_sparse_by_hand():
     n, N = 10000, 4
     whole = c.wire_nbytes((n,))
     ag = 3 * (1e-3 + 8 / 1e6) + 3 * (1e-3 + whole / 1e6)
-    assert cost.allreduce_seconds("allgather", c, n, N, LINK) == pytest.approx(ag, rel=1e-12)
+    assert cost.transfer_seconds("allgather", c, n, N, LINK) == pytest.approx(ag, rel=1e-12)
     region = c.wire_nbytes((2500,))
     srs = (3e-3 + 3 * region / 1e6) + 3 * (1e-3 + region / 1e6)
-    assert cost.allreduce_seconds("sparse_reduce_scatter", c, n, N, LINK) == pytest.approx(srs, rel=1e-12)
+    assert cost.transfer_seconds("sparse_reduce_scatter", c, n, N, LINK) == pytest.approx(srs, rel=1e-12)
     # the allgather's bytes grow with N (15 payloads at N = 16), the reduce-scatter's stay near
     # 2 (N - 1) / N payloads (1.875): about 8x apart on a bandwidth-bound link
     big, flat = 1 << 20, cost.Link(0, 1e6)
-    ratio = (cost.allreduce_seconds("allgather", c, big, 16, flat)
-             / cost.allreduce_seconds("sparse_reduce_scatter", c, big, 16, flat))
+    ratio = (cost.transfer_seconds("allgather", c, big, 16, flat)
+             / cost.transfer_seconds("sparse_reduce_scatter", c, big, 16, flat))
     assert 7 < ratio < 8.1
 
 
@@ -72,10 +72,10 @@ def test_cost_hierarchical_by_hand():
     rs = 1e-4 + 4 * 2048 / 1e8  # one float32 shard to the other local rank
     inter = 2 * (1e-3 + 2 * _w("int8", 1024) / 1e6)  # 2 ring steps, both ranks of a host on its link
     ag = 2e-4 + 2 * _w("int8", 1024) / 1e8  # the shard's 2 chunk payloads to the other local rank
-    got = cost.allreduce_seconds("hierarchical", c, 4096, 4, LINK, intra=intra, hosts=2, per_host=2)
+    got = cost.transfer_seconds("hierarchical", c, 4096, 4, LINK, intra=intra, hosts=2, per_host=2)
     assert got == pytest.approx(rs + inter + ag, rel=1e-12)
     with pytest.raises(ValueError, match="hosts x per_host"):
-        cost.allreduce_steps("hierarchical", c, 4096, 4, hosts=3, per_host=2)
+        cost.transfer_steps("hierarchical", c, 4096, 4, hosts=3, per_host=2)
 
 
 def test_cost_messages_and_the_lab_uses_them():

@@ -14,8 +14,7 @@ on any process group (gloo on CPU, NCCL on GPU):
   the union summed (:mod:`gradcomp.comm.allgather`);
 * ``"halving_doubling"`` (``2 log2 N`` messages), ``"sparse_reduce_scatter"`` (sparse, bytes per
   rank flat in N) and ``"hierarchical"`` (exact inside a host, compressed across hosts): one module each;
-* ``"auto"``: per bucket, the one measured fastest, the link cost model as prior
-  (:mod:`gradcomp.comm.auto`, :mod:`gradcomp.comm.cost`).
+  ``"auto"`` picks one per bucket (:mod:`gradcomp.comm.auto`).
 
 :func:`reduce_scatter` is the two-phase reduce-scatter on its own
 (:mod:`gradcomp.comm.reduce_scatter`), for sharded data parallelism.

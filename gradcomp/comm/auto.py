@@ -253,7 +253,7 @@ class AutoAlgorithm:
         out = {}
         for a in names:
             try:
-                out[a] = cost.allreduce_seconds(a, inner, numel, world, self.link, intra=self.intra_link,
+                out[a] = cost.transfer_seconds(a, inner, numel, world, self.link, intra=self.intra_link,
                                                 hosts=h, per_host=r)
             except ValueError:
                 out[a] = math.nan

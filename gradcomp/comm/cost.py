@@ -3,7 +3,7 @@
 A point-to-point message of ``m`` bytes costs ``alpha + m / beta`` seconds (Hockney's model,
 as Thakur, Rabenseifner and Gropp 2005 price MPICH's collectives); ``k`` messages a rank sends
 at once share its one port: ``k alpha + sum(m) / beta``. An algorithm is a sequence of such
-steps (:func:`allreduce_steps`), its time their sum (:func:`allreduce_seconds`). Wire sizes are
+steps (:func:`transfer_steps`), its time their sum (:func:`transfer_seconds`). Wire sizes are
 the compressors' own (``wire_nbytes`` over the chunks of :func:`~gradcomp.comm.chunks.chunk_bounds`).
 Only transfers are priced, not the codec kernels: the model ranks algorithms for
 ``algorithm="auto"`` (:mod:`gradcomp.comm.auto`), whose measurements correct it; the lab's
@@ -21,8 +21,8 @@ from gradcomp import _validate as v
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.halving_doubling import fold_layout
 
-__all__ = ["Link", "DEFAULT_LINK", "DEFAULT_INTRA_LINK", "SIZE_NBYTES", "allreduce_steps",
-           "allreduce_seconds", "allreduce_messages"]
+__all__ = ["Link", "DEFAULT_LINK", "DEFAULT_INTRA_LINK", "SIZE_NBYTES", "transfer_steps",
+           "transfer_seconds", "allreduce_messages"]
 
 #: one payload size in the sparse allgather's size exchange (int64)
 SIZE_NBYTES = 8
@@ -76,7 +76,7 @@ def _wire(compressor, numel: int) -> int:
     return n
 
 
-def allreduce_steps(algorithm: str, compressor, numel: int, world: int, *, hosts: int = 1,
+def transfer_steps(algorithm: str, compressor, numel: int, world: int, *, hosts: int = 1,
                     per_host: int = 1) -> list[tuple[str, int, int]]:
     """The steps one allreduce of ``numel`` float32 elements over ``world`` ranks
     takes on its critical path, in order: ``(tier, messages, bytes)`` with tier
@@ -145,19 +145,19 @@ def _hierarchical(compressor, n: int, H: int, R: int, N: int) -> list[tuple[str,
     return steps
 
 
-def allreduce_seconds(algorithm: str, compressor, numel: int, world: int, link: Link = DEFAULT_LINK, *,
+def transfer_seconds(algorithm: str, compressor, numel: int, world: int, link: Link = DEFAULT_LINK, *,
                       intra: Link = DEFAULT_INTRA_LINK, hosts: int = 1, per_host: int = 1) -> float:
     """Predicted transfer seconds of one allreduce: the sum over
-    :func:`allreduce_steps` of ``messages x alpha + bytes / beta``, on ``link``
+    :func:`transfer_steps` of ``messages x alpha + bytes / beta``, on ``link``
     (and ``intra`` for hierarchical's host-local steps). Hierarchical's ``R``
     messages at once in a step across hosts are the ``R`` ranks' of a host in
     parallel on its one link: they cost one ``alpha``.
 
     Raises:
-        ValueError: as :func:`allreduce_steps`.
+        ValueError: as :func:`transfer_steps`.
     """
     total = 0.0
-    for tier, messages, nbytes in allreduce_steps(algorithm, compressor, numel, world, hosts=hosts,
+    for tier, messages, nbytes in transfer_steps(algorithm, compressor, numel, world, hosts=hosts,
                                                   per_host=per_host):
         if tier == "intra":
             total += intra.seconds(messages, nbytes)

@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from gradcomp.comm import cost as _cost
+from gradcomp.comm.cost import SIZE_NBYTES, allreduce_messages  # the library's, re-exported for the model
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.halving_doubling import gathered_offsets
 from gradcomp.comm.halving_doubling import fold_layout as hd_layout
@@ -51,8 +51,6 @@ class PricedCodec(Protocol):
 
 #: the allreduce algorithms of :mod:`gradcomp.comm` the model prices
 ALLREDUCE_ALGORITHMS = ("ring", "two_phase", "allgather", "halving_doubling", "sparse_reduce_scatter")
-#: one payload size in the sparse allgather's size exchange (int64)
-SIZE_NBYTES = 8
 
 
 @lru_cache(maxsize=4096)
@@ -127,16 +125,6 @@ def _halving_doubling_bytes(c: PricedCodec, numel: int, world: int, rank: int) -
     if partner >= 0:
         sent, received = sent + offsets[-1], received + wire_nbytes(c, numel)
     return sent, received
-
-
-def allreduce_messages(algorithm: str, world: int, rank: int = 0) -> int:
-    """Point-to-point messages ``rank`` sends in one allreduce over ``world`` ranks:
-    the library's count (:func:`gradcomp.comm.cost.allreduce_messages`).
-
-    Raises:
-        ValueError: an unknown algorithm (``ps`` included: see :func:`ps_bytes`).
-    """
-    return _cost.allreduce_messages(algorithm, world, rank)
 
 
 def quantizations(algorithm: str, world: int) -> int:
