@@ -20,6 +20,10 @@ method averages it across ranks:
   ``int8 ring``, ``int8 two_phase``, ``int8 halving_doubling``, ``topk1% allgather``,
   ``topk1%+int8 allgather`` (values int8) and ``topk1%+int8 sparse_reduce_scatter``; with
   ``--topology`` also the hierarchical methods (:mod:`.hosts`);
+* ``int8 auto`` and ``topk1%+int8 auto``: ``algorithm=gc.AutoAlgorithm(explore=3)`` (the
+  hierarchical algorithm a candidate where hosts are known); its warm-up runs the whole
+  exploration (:data:`AUTO_WARMUP` calls) and no re-check falls in the timed calls, so the
+  timings are those of its steady choice, which the JSON row names (``auto_choice``);
 * PyTorch's own DDP communication hooks, called directly on a GradBucket-like
   object over the same data (the hooks only use ``buffer()``,
   ``gradients()``, ``index()`` and ``is_last()``): ``fp16_compress_hook``,
@@ -161,11 +165,20 @@ def _torch_allreduce(buf, world):
     return call
 
 
+#: the ``auto`` methods' exploration: timed calls per candidate, then warm-up calls that cover
+#: it for up to 4 candidates (each one untimed call and AUTO_EXPLORE timed ones)
+AUTO_EXPLORE = 3
+AUTO_WARMUP = 4 * (1 + AUTO_EXPLORE) + 1
+
+
 def _gradcomp(make, algorithm, inter="ring", segments=None):
     def setup(buf, world):
         import gradcomp as gc
 
         comp = make()
+        auto = None
+        if algorithm == "auto":  # no re-check within the timed calls: they time the steady choice
+            auto = gc.AutoAlgorithm(explore=AUTO_EXPLORE, interval=10**9)
         meter = gc.TrafficMeter()
         # its own group, as in training (a DDP hook has its own): calls on one
         # group that alternate between settings would agree on every call
@@ -178,11 +191,14 @@ def _gradcomp(make, algorithm, inter="ring", segments=None):
         def call():
             meter.reset()
             # a checked hierarchical call agrees every time: after the warm-up, as the DDP hook, unchecked
-            check = algorithm != "hierarchical" or calls[0] == 0
-            gc.allreduce(buf, comp, algorithm=algorithm, group=group, meter=meter, out=buf, check=check, **kw)
+            # (auto checks by itself whenever its choice changes)
+            check = algorithm not in ("hierarchical", "auto") or calls[0] == 0
+            gc.allreduce(buf, comp, algorithm=auto or algorithm, group=group, meter=meter, out=buf, check=check,
+                         key="bench", **kw)
             calls[0] += 1
             return meter.bytes_sent
         call.meter = meter
+        call.auto = auto
         call.bucket_wire_bytes = comp.wire_nbytes((buf.numel(),), torch.float32)
         return call
     return setup
@@ -255,6 +271,9 @@ def _methods():
                _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "allgather")),
         Method("topk1%+int8 sparse_reduce_scatter", "gradcomp",
                _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "sparse_reduce_scatter")),
+        Method("int8 auto", "gradcomp", _gradcomp(gc.Int8Quantizer, "auto"), warmup=AUTO_WARMUP),
+        Method("topk1%+int8 auto", "gradcomp",
+               _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "auto"), warmup=AUTO_WARMUP),
         Method("torch fp16_compress_hook", "torch hook", _hook("fp16")),
         Method("torch quantization_pertensor_hook", "torch hook", _hook("quant")),
         Method(f"torch powerSGD_hook rank {_POWERSGD_RANK}", "torch hook", _hook("powersgd"), warmup=2),
@@ -332,6 +351,8 @@ def _bench_worker(rank, world, sizes, repeat, names, per_host=None):
                    "raw_bytes_per_rank": raw,
                    "compression_ratio": raw / sent[m.name] if sent[m.name] else None,
                    "rel_err": err[m.name]}
+            if getattr(call, "auto", None) is not None:
+                row["auto_choice"] = call.auto.algorithm("bench")
             if per_host is not None:
                 row.update(host_figures(everything, m.name, world, per_host, repeat))
                 row["bucket_wire_bytes"] = getattr(call, "bucket_wire_bytes", None)
