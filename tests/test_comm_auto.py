@@ -243,3 +243,54 @@ def test_auto_on_worlds_2_to_4():
             ef = r["ef"]
             assert ef["equal"] and ef["residual"], (rank, w, ef)
             assert ef["switched"] == [(None, "ring"), ("ring", "two_phase")], (rank, w, ef)
+
+
+def test_chooser_pickles_without_its_hooks():
+    import pickle
+    auto = gc.AutoAlgorithm(link=(1e-4, 1e8), explore=2, timing=lambda k, a, s: s)
+    back = pickle.loads(pickle.dumps(auto))
+    assert back.timing is None and back.settings() == auto.settings()
+    assert repr(back) == repr(auto)
+
+
+def _training(rank, world):
+    """The DDP hook and LocalSGD with algorithm="auto": the replicas stay identical."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)))
+    auto = gc.AutoAlgorithm(explore=1, interval=2)
+    meter = gc.TrafficMeter()
+    state = gc.ddp.GradCompState(compressor=gc.Int8Quantizer(), algorithm=auto, min_compress_numel=0,
+                                 start_iter=0, meter=meter)
+    model.register_comm_hook(state, gc.ddp.compressed_allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(8):  # 3 candidates x 2 exploring calls per bucket, then steady and re-checks
+        opt.zero_grad()
+        model(torch.randn(16, 32, generator=g)).square().mean().backward()
+        opt.step()
+    state.close()
+    ddp_same = all(_same_everywhere(p.detach(), None, world) for p in model.parameters())
+    local = torch.nn.Linear(16, 8)
+    ls = gc.LocalSGD(local, sync_every=1, compressor=gc.Int8Quantizer(), algorithm="auto")
+    lopt = torch.optim.SGD(local.parameters(), lr=0.1)
+    for _ in range(13):  # the default chooser: 3 candidates x (1 + 3) exploring calls, then steady
+        lopt.zero_grad()
+        local(torch.randn(4, 16, generator=g)).square().mean().backward()
+        lopt.step()
+        ls.step()
+    return {"ddp": ddp_same, "switched": [s["kind"] for s in meter.switches],
+            "chosen": {auto.algorithm(("bucket", i)) for i in range(len(auto._tracks))},
+            "local": all(_same_everywhere(p.detach(), None, world) for p in local.parameters()),
+            "local_chosen": ls.auto.algorithm(("fragment", 0))}
+
+
+@pytest.mark.slow
+def test_ddp_hook_and_local_sgd_with_auto():
+    results = launch(_training, 2, timeout=TIMEOUT)
+    for r in results:
+        assert r["ddp"] and r["local"], r
+        assert r["switched"] and set(r["switched"]) == {"algorithm"}, r
+        assert r["chosen"] <= {"ring", "two_phase", "halving_doubling"} and None not in r["chosen"], r
+        assert r["local_chosen"] in ("ring", "two_phase", "halving_doubling"), r
+    assert results[0]["chosen"] == results[1]["chosen"]
