@@ -125,7 +125,7 @@ class AutoAlgorithm:
         TypeError / ValueError: a bad argument (named in the message).
     """
 
-    def __init__(self, link=None, intra_link=None, *, explore: int = 3, interval: int = 100,
+    def __init__(self, link=None, intra_link=None, *, explore: int = 5, interval: int = 100,
                  margin: float = 0.05, prune: float = 4.0,
                  timing: Callable[[Hashable, str, float], float] | None = None,
                  clock: Callable[[], float] | None = None):

@@ -20,10 +20,11 @@ method averages it across ranks:
   ``int8 ring``, ``int8 two_phase``, ``int8 halving_doubling``, ``topk1% allgather``,
   ``topk1%+int8 allgather`` (values int8) and ``topk1%+int8 sparse_reduce_scatter``; with
   ``--topology`` also the hierarchical methods (:mod:`.hosts`);
-* ``int8 auto`` and ``topk1%+int8 auto``: ``algorithm=gc.AutoAlgorithm(explore=3)`` (the
+* ``int8 auto`` and ``topk1%+int8 auto``: ``algorithm=gc.AutoAlgorithm()`` (the
   hierarchical algorithm a candidate where hosts are known); its warm-up runs the whole
   exploration (:data:`AUTO_WARMUP` calls) and no re-check falls in the timed calls, so the
-  timings are those of its steady choice, which the JSON row names (``auto_choice``);
+  timings are those of its steady choice, which the JSON row names (``auto_choice``, with the
+  agreed medians it chose by, ``auto_measured_ms``);
 * PyTorch's own DDP communication hooks, called directly on a GradBucket-like
   object over the same data (the hooks only use ``buffer()``,
   ``gradients()``, ``index()`` and ``is_last()``): ``fp16_compress_hook``,
@@ -167,7 +168,7 @@ def _torch_allreduce(buf, world):
 
 #: the ``auto`` methods' exploration: timed calls per candidate, then warm-up calls that cover
 #: it for up to 4 candidates (each one untimed call and AUTO_EXPLORE timed ones)
-AUTO_EXPLORE = 3
+AUTO_EXPLORE = 5
 AUTO_WARMUP = 4 * (1 + AUTO_EXPLORE) + 1
 
 
@@ -353,6 +354,8 @@ def _bench_worker(rank, world, sizes, repeat, names, per_host=None):
                    "rel_err": err[m.name]}
             if getattr(call, "auto", None) is not None:
                 row["auto_choice"] = call.auto.algorithm("bench")
+                last = call.auto.switches[-1] if call.auto.switches else {}
+                row["auto_measured_ms"] = {a: 1000 * t for a, t in last.get("measured_s", {}).items()}
             if per_host is not None:
                 row.update(host_figures(everything, m.name, world, per_host, repeat))
                 row["bucket_wire_bytes"] = getattr(call, "bucket_wire_bytes", None)
