@@ -17,14 +17,9 @@ method averages it across ranks:
 
 * ``torch all_reduce f32``: ``dist.all_reduce`` of the float32 tensor (the baseline);
 * gradcomp :func:`gradcomp.allreduce`: ``none ring`` (float32 on the wire), ``fp16 ring``,
-  ``int8 ring``, ``int8 two_phase``, ``int8 halving_doubling``, ``topk1% allgather``,
-  ``topk1%+int8 allgather`` (values int8) and ``topk1%+int8 sparse_reduce_scatter``; with
-  ``--topology`` also the hierarchical methods (:mod:`.hosts`);
-* ``int8 auto`` and ``topk1%+int8 auto``: ``algorithm=gc.AutoAlgorithm()`` (the
-  hierarchical algorithm a candidate where hosts are known); its warm-up runs the whole
-  exploration (:data:`AUTO_WARMUP` calls) and no re-check falls in the timed calls, so the
-  timings are those of its steady choice, which the JSON row names (``auto_choice``, with the
-  agreed medians it chose by, ``auto_measured_ms``);
+  ``int8 ring``, ``int8 two_phase``, ``int8 halving_doubling``, ``topk1% allgather``, ``topk1%+int8
+  allgather`` (values int8), ``topk1%+int8 sparse_reduce_scatter``, ``int8 auto`` and ``topk1%+int8
+  auto`` (its steady choice: :data:`AUTO_WARMUP`); ``--topology`` adds hierarchical (:mod:`.hosts`);
 * PyTorch's own DDP communication hooks, called directly on a GradBucket-like
   object over the same data (the hooks only use ``buffer()``,
   ``gradients()``, ``index()`` and ``is_last()``): ``fp16_compress_hook``,
@@ -166,8 +161,11 @@ def _torch_allreduce(buf, world):
     return call
 
 
-#: the ``auto`` methods' exploration: timed calls per candidate, then warm-up calls that cover
-#: it for up to 4 candidates (each one untimed call and AUTO_EXPLORE timed ones)
+#: the ``auto`` methods (``algorithm=gc.AutoAlgorithm(...)``, hierarchical a candidate where hosts
+#: are known): timed calls per candidate, and warm-up calls that cover the whole exploration of
+#: up to 4 candidates (one untimed call and AUTO_EXPLORE timed ones each); no re-check falls in
+#: the timed calls. The JSON row names the choice (``auto_choice``) and the agreed medians it
+#: chose by (``auto_measured_ms``).
 AUTO_EXPLORE = 5
 AUTO_WARMUP = 4 * (1 + AUTO_EXPLORE) + 1
 
