@@ -265,12 +265,14 @@ def _methods():
         Method("int8 halving_doubling", "gradcomp", _gradcomp(gc.Int8Quantizer, "halving_doubling")),
         *(Method(name, "gradcomp", _gradcomp(gc.Int8Quantizer, "hierarchical", inter, segments), hierarchical=True)
           for name, inter, segments in HIERARCHICAL_METHODS),
+        # each auto method right after the fixed methods of its codec: a round's slower, CPU-heavier
+        # sparse methods do not run just before it
+        Method("int8 auto", "gradcomp", _gradcomp(gc.Int8Quantizer, "auto"), warmup=AUTO_WARMUP),
         Method("topk1% allgather", "gradcomp", _gradcomp(lambda: gc.TopK(ratio=0.01), "allgather")),
         Method("topk1%+int8 allgather", "gradcomp",
                _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "allgather")),
         Method("topk1%+int8 sparse_reduce_scatter", "gradcomp",
                _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "sparse_reduce_scatter")),
-        Method("int8 auto", "gradcomp", _gradcomp(gc.Int8Quantizer, "auto"), warmup=AUTO_WARMUP),
         Method("topk1%+int8 auto", "gradcomp",
                _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "auto"), warmup=AUTO_WARMUP),
         Method("torch fp16_compress_hook", "torch hook", _hook("fp16")),
