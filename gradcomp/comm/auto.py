@@ -5,10 +5,11 @@ the eligible algorithms are those that take its compressor (dense: ring, two-pha
 halving-doubling, and hierarchical where a topology of more than one host and more than one
 rank per host is known; sparse: the allgather and, for an exact ``TopK`` with a ratio, the
 sparse reduce-scatter). The link cost model (:mod:`gradcomp.comm.cost`) orders them and prunes
-those it predicts clearly slower; the rest are timed in turn, interleaved; the ranks agree on
-the timings (the element-wise ``MAX`` of each rank's medians, one float64 allreduce) and take
-the fastest; every ``interval`` calls each is timed again and the choice moves only for a gain
-beyond ``margin``. Invariant: every rank decides from the same agreed numbers at the same call,
+those it predicts clearly slower; the rest are timed in turn, each in a block of consecutive
+calls after an untimed one (so its timings are of calls like the steady state's, not of a
+switch); the ranks agree on the timings (the element-wise ``MAX`` of each rank's medians, one
+float64 allreduce) and take the fastest; every ``interval`` calls each is timed again and the
+choice moves only for a gain beyond ``margin``. Invariant: every rank decides from the same agreed numbers at the same call,
 so every rank runs the same algorithm on every call, and results stay bit-identical. Error
 feedback keeps one flat residual per bucket, which every algorithm reads and writes alike
 (:mod:`gradcomp.comm.local`), so a switch loses nothing. docs/collectives.md#auto.
@@ -77,13 +78,18 @@ class _Track:
                  explore: int):
         self.sig, self.candidates, self.predicted, self.pruned = sig, candidates, predicted, pruned
         self.samples: dict[str, list[float]] = {c: [] for c in candidates}
-        self.warm: set[str] = set()  # algorithms run once (their first call is not timed)
         self.current = candidates[0] if len(candidates) == 1 else None
-        # the first exploration: one untimed round, then `explore` timed rounds, interleaved
-        self.queue = [] if self.current is not None else candidates * (1 + explore)
+        # (algorithm, timed) of the next exploring calls: per candidate a block of one untimed call
+        # (it pays the switch: the ranks' agreement on the changed call, buffers of another size)
+        # and `explore` timed ones
+        self.queue: list[tuple[str, bool]] = [] if self.current is not None else self.blocks(explore)
         self.last: str | None = None  # the algorithm of the last call
         self.since = 0  # calls since the last decision
         self.calls = 0
+
+    def blocks(self, timed: int) -> list[tuple[str, bool]]:
+        """The exploring calls of one round: each candidate once untimed, then ``timed`` times."""
+        return [(c, i > 0) for c in self.candidates for i in range(1 + timed)]
 
 
 class AutoAlgorithm:
@@ -104,8 +110,10 @@ class AutoAlgorithm:
         intra_link: the link inside a host (hierarchical's first and last
             steps); None: :data:`~gradcomp.comm.cost.DEFAULT_INTRA_LINK`.
         explore: timed calls of each candidate before the first decision, and
-            the window of each one's median (>= 1; one more untimed warm-up call each).
-        interval: calls between re-checks, each re-timing every candidate once (>= 1).
+            the window of each one's median (>= 1; each block of them follows
+            one untimed call).
+        interval: calls between re-checks, each re-timing every candidate
+            once, after an untimed call (>= 1).
         margin: a re-check switches only when the measured best beats the
             current choice by more than this fraction (in [0, 1)).
         prune: candidates predicted slower than ``prune`` x the best
@@ -190,7 +198,7 @@ class AutoAlgorithm:
         inner, ef = split(compressor)
         track = self._track(key, inner, tensor, op, group, timeout, topology)
         exploring = bool(track.queue)
-        alg = track.queue.pop(0) if exploring else track.current
+        alg, timed = track.queue.pop(0) if exploring else (track.current, False)
         changed = alg != track.last
         r = residual
         if ef is not None:
@@ -206,15 +214,14 @@ class AutoAlgorithm:
             seconds = float(self.timing(key, alg, seconds))
         track.last, track.calls = alg, track.calls + 1
         if exploring:
-            if alg in track.warm:
+            if timed:
                 track.samples[alg] = (track.samples[alg] + [seconds])[-self.explore:]
-            track.warm.add(alg)
             if not track.queue:
                 self._decide(track, key, n, group, timeout, tensor.device, meter)
         else:
             track.since += 1
             if track.since >= self.interval and len(track.candidates) > 1:
-                track.queue = list(track.candidates)  # re-check: each candidate once more
+                track.queue = track.blocks(1)  # re-check: each candidate timed once more
         return result
 
     # ---- internals ---------------------------------------------------------------
