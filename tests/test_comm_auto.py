@@ -274,7 +274,7 @@ def _training(rank, world):
     local = torch.nn.Linear(16, 8)
     ls = gc.LocalSGD(local, sync_every=1, compressor=gc.Int8Quantizer(), algorithm="auto")
     lopt = torch.optim.SGD(local.parameters(), lr=0.1)
-    for _ in range(19):  # the default chooser: 3 candidates x (1 + 5) exploring calls, then steady
+    for _ in range(31):  # the default chooser: 5 rounds of 3 candidates x 2 exploring calls, then steady
         lopt.zero_grad()
         local(torch.randn(4, 16, generator=g)).square().mean().backward()
         lopt.step()

@@ -5,9 +5,10 @@ the eligible algorithms are those that take its compressor (dense: ring, two-pha
 halving-doubling, and hierarchical where a topology of more than one host and more than one
 rank per host is known; sparse: the allgather and, for an exact ``TopK`` with a ratio, the
 sparse reduce-scatter). The link cost model (:mod:`gradcomp.comm.cost`) orders them and prunes
-those it predicts clearly slower; the rest are timed in turn, each in a block of consecutive
-calls after an untimed one (so its timings are of calls like the steady state's, not of a
-switch); the ranks agree on the timings (the element-wise ``MAX`` of each rank's medians, one
+those it predicts clearly slower; the rest are timed in rounds, each candidate in turn, every
+timed call right after an untimed call of the same algorithm (so it times a call like the
+steady state's, not a switch, and a change of the host's load hits every candidate alike); the
+ranks agree on the timings (the element-wise ``MAX`` of each rank's medians, one
 float64 allreduce) and take the fastest; every ``interval`` calls each is timed again and the
 choice moves only for a gain beyond ``margin``. Invariant: every rank decides from the same agreed numbers at the same call,
 so every rank runs the same algorithm on every call, and results stay bit-identical. Error
@@ -79,17 +80,17 @@ class _Track:
         self.sig, self.candidates, self.predicted, self.pruned = sig, candidates, predicted, pruned
         self.samples: dict[str, list[float]] = {c: [] for c in candidates}
         self.current = candidates[0] if len(candidates) == 1 else None
-        # (algorithm, timed) of the next exploring calls: per candidate a block of one untimed call
-        # (it pays the switch: the ranks' agreement on the changed call, buffers of another size)
-        # and `explore` timed ones
-        self.queue: list[tuple[str, bool]] = [] if self.current is not None else self.blocks(explore)
+        # (algorithm, timed) of the next exploring calls: `explore` rounds, in each every candidate
+        # once untimed (it pays the switch: the ranks' agreement on a changed call, buffers of
+        # another size), then once timed
+        self.queue: list[tuple[str, bool]] = [] if self.current is not None else self.rounds(explore)
         self.last: str | None = None  # the algorithm of the last call
         self.since = 0  # calls since the last decision
         self.calls = 0
 
-    def blocks(self, timed: int) -> list[tuple[str, bool]]:
-        """The exploring calls of one round: each candidate once untimed, then ``timed`` times."""
-        return [(c, i > 0) for c in self.candidates for i in range(1 + timed)]
+    def rounds(self, count: int) -> list[tuple[str, bool]]:
+        """The exploring calls of ``count`` rounds: in each, every candidate untimed, then timed."""
+        return [(c, timed) for _ in range(count) for c in self.candidates for timed in (False, True)]
 
 
 class AutoAlgorithm:
@@ -109,9 +110,9 @@ class AutoAlgorithm:
             calibrate``; None: :data:`~gradcomp.comm.cost.DEFAULT_LINK`.
         intra_link: the link inside a host (hierarchical's first and last
             steps); None: :data:`~gradcomp.comm.cost.DEFAULT_INTRA_LINK`.
-        explore: timed calls of each candidate before the first decision, and
-            the window of each one's median (>= 1; each block of them follows
-            one untimed call).
+        explore: rounds of timed calls before the first decision (each
+            candidate once per round, after an untimed call of it), and the
+            window of each one's median (>= 1).
         interval: calls between re-checks, each re-timing every candidate
             once, after an untimed call (>= 1).
         margin: a re-check switches only when the measured best beats the
@@ -221,7 +222,7 @@ class AutoAlgorithm:
         else:
             track.since += 1
             if track.since >= self.interval and len(track.candidates) > 1:
-                track.queue = track.blocks(1)  # re-check: each candidate timed once more
+                track.queue = track.rounds(1)  # re-check: each candidate timed once more
         return result
 
     # ---- internals ---------------------------------------------------------------

@@ -163,11 +163,11 @@ def _torch_allreduce(buf, world):
 
 #: the ``auto`` methods (``algorithm=gc.AutoAlgorithm(...)``, hierarchical a candidate where hosts
 #: are known): timed calls per candidate, and warm-up calls that cover the whole exploration of
-#: up to 4 candidates (one untimed call and AUTO_EXPLORE timed ones each); no re-check falls in
+#: up to 4 candidates (AUTO_EXPLORE untimed and AUTO_EXPLORE timed calls each); no re-check falls in
 #: the timed calls. The JSON row names the choice (``auto_choice``) and the agreed medians it
 #: chose by (``auto_measured_ms``).
 AUTO_EXPLORE = 5
-AUTO_WARMUP = 4 * (1 + AUTO_EXPLORE) + 1
+AUTO_WARMUP = 4 * 2 * AUTO_EXPLORE + 1
 
 
 def _gradcomp(make, algorithm, inter="ring", segments=None):
