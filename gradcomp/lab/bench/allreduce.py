@@ -161,11 +161,8 @@ def _torch_allreduce(buf, world):
     return call
 
 
-#: the ``auto`` methods (``algorithm=gc.AutoAlgorithm(...)``, hierarchical a candidate where hosts
-#: are known): timed calls per candidate, and warm-up calls that cover the whole exploration of
-#: up to 4 candidates (AUTO_EXPLORE untimed and AUTO_EXPLORE timed calls each); no re-check falls in
-#: the timed calls. The JSON row names the choice (``auto_choice``) and the agreed medians it
-#: chose by (``auto_measured_ms``).
+#: the ``auto`` methods' exploration rounds; their warm-up covers it for up to 4 candidates (2 calls
+#: each per round) and no re-check falls in the timed calls. JSON: ``auto_choice``, ``auto_measured_ms``
 AUTO_EXPLORE = 5
 AUTO_WARMUP = 4 * 2 * AUTO_EXPLORE + 1
 
