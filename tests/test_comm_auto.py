@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import gradcomp as gc
 from gradcomp.comm import cost
-from gradcomp.comm.auto import residual_key
+from gradcomp.comm.auto import default_for, residual_key
 from gradcomp.launch import launch
 
 TIMEOUT = 120
@@ -279,7 +279,12 @@ def _training(rank, world):
         local(torch.randn(4, 16, generator=g)).square().mean().backward()
         lopt.step()
         ls.step()
-    return {"ddp": ddp_same, "switched": [s["kind"] for s in meter.switches],
+    same = True
+    for _ in range(31):  # algorithm="auto": the group's own chooser, default settings
+        y = gc.allreduce(torch.randn(500, generator=g), gc.Int8Quantizer(), algorithm="auto", key="k")
+        same &= _same_everywhere(y, None, world)
+    return {"ddp": ddp_same, "switched": [s["kind"] for s in meter.switches], "plain": same,
+            "plain_chosen": default_for(dist.group.WORLD).algorithm("k"),
             "chosen": {auto.algorithm(("bucket", i)) for i in range(len(auto._tracks))},
             "local": all(_same_everywhere(p.detach(), None, world) for p in local.parameters()),
             "local_chosen": ls.auto.algorithm(("fragment", 0))}
@@ -293,4 +298,5 @@ def test_ddp_hook_and_local_sgd_with_auto():
         assert r["switched"] and set(r["switched"]) == {"algorithm"}, r
         assert r["chosen"] <= {"ring", "two_phase", "halving_doubling"} and None not in r["chosen"], r
         assert r["local_chosen"] in ("ring", "two_phase", "halving_doubling"), r
+        assert r["plain"] and r["plain_chosen"] in ("ring", "two_phase", "halving_doubling"), r
     assert results[0]["chosen"] == results[1]["chosen"]

@@ -1,4 +1,4 @@
-"""The link cost model of the allreduce algorithms: messages and bytes on each one's critical path.
+"""The link cost model: each allreduce algorithm's critical path in messages, bytes, seconds.
 
 A point-to-point message of ``m`` bytes costs ``alpha + m / beta`` seconds (Hockney's model,
 as Thakur, Rabenseifner and Gropp 2005 price MPICH's collectives); ``k`` messages a rank sends
