@@ -1,19 +1,19 @@
 """``algorithm="auto"``: per bucket, the allreduce algorithm measured fastest, the cost model as prior.
 
-For each bucket (a ``key`` of :func:`gradcomp.allreduce`, a DDP bucket, a local-SGD fragment)
-the eligible algorithms are those that take its compressor (dense: ring, two-phase,
-halving-doubling, and hierarchical where a topology of more than one host and more than one
-rank per host is known; sparse: the allgather and, for an exact ``TopK`` with a ratio, the
-sparse reduce-scatter). The link cost model (:mod:`gradcomp.comm.cost`) orders them and prunes
-those it predicts clearly slower; the rest are timed in rounds, each candidate in turn, every
-timed call right after an untimed call of the same algorithm (so it times a call like the
-steady state's, not a switch, and a change of the host's load hits every candidate alike); the
-ranks agree on the timings (the element-wise ``MAX`` of each rank's medians, one
-float64 allreduce) and take the fastest; every ``interval`` calls each is timed again and the
-choice moves only for a gain beyond ``margin``. Invariant: every rank decides from the same agreed numbers at the same call,
-so every rank runs the same algorithm on every call, and results stay bit-identical. Error
-feedback keeps one flat residual per bucket, which every algorithm reads and writes alike
-(:mod:`gradcomp.comm.local`), so a switch loses nothing. docs/collectives.md#auto.
+Per bucket (a ``key`` of :func:`gradcomp.allreduce`, a DDP bucket, a local-SGD fragment) the
+candidates are the algorithms that take its compressor (dense: ring, two-phase,
+halving-doubling, and hierarchical where more than one host of more than one rank is known;
+sparse: the allgather and, for an exact ``TopK`` with a ratio, the sparse reduce-scatter). The
+link cost model (:mod:`gradcomp.comm.cost`) orders them and prunes those it predicts clearly
+slower; the rest are timed in rounds, every timed call right after an untimed call of the same
+algorithm (a steady call, not a switch; a change of load hits every candidate alike); the ranks
+agree on the timings (the element-wise ``MAX`` of each rank's medians, one float64 allreduce)
+and take the fastest; every ``interval`` calls each is timed again, and the choice moves only
+for a gain beyond ``margin`` (selection by measurement at run time, as STAR-MPI does: Faraj,
+Yuan and Lowenthal, ICS 2006). Invariant: every rank decides from the same agreed numbers at
+the same call, so every rank runs the same algorithm on every call and results stay
+bit-identical. Error feedback keeps one flat residual per bucket, which every algorithm reads
+and writes alike (:mod:`gradcomp.comm.local`): a switch loses nothing. docs/collectives.md#auto.
 """
 
 from __future__ import annotations
