@@ -211,6 +211,16 @@ def _hierarchical(group, rank, w):
     return {"same": same, "chosen": auto.algorithm("h"), "candidates": sorted(auto._tracks["h"].candidates)}
 
 
+def _pruned(group, rank, w):
+    """On a bandwidth-bound prior the sparse allgather's ``N - 1`` payloads are predicted
+    ``N / 2`` times the reduce-scatter's: with prune=1.4 it is never timed at N >= 3."""
+    auto = gc.AutoAlgorithm(link=(0.0, 1e6), prune=1.4)
+    y = gc.allreduce(torch.randn(4000), gc.TopK(ratio=0.25), algorithm=auto, group=group, key="p")
+    t = auto._tracks["p"]
+    return {"candidates": t.candidates, "pruned": t.pruned, "chosen": auto.algorithm("p"),
+            "same": _same_everywhere(y, group, w)}
+
+
 def _everything(rank, world):
     # the hierarchical layout's groups first: torch's locally synchronised groups can meet
     # the store keys of an earlier group over the same ranks
@@ -219,7 +229,7 @@ def _everything(rank, world):
         group = dist.new_group(list(range(w)))
         if rank < w:
             out[w] = {"skewed": _skewed(group, rank, w), "sparse": _sparse_nothing_lost(group, rank, w),
-                      "ef": _ef_carries_over(group, rank, w)}
+                      "ef": _ef_carries_over(group, rank, w), "pruned": _pruned(group, rank, w)}
         dist.barrier()
     return out
 
@@ -243,6 +253,13 @@ def test_auto_on_worlds_2_to_4():
             ef = r["ef"]
             assert ef["equal"] and ef["residual"], (rank, w, ef)
             assert ef["switched"] == [(None, "ring"), ("ring", "two_phase")], (rank, w, ef)
+            pr = r["pruned"]
+            assert pr["same"], (rank, w, pr)
+            if w >= 3:  # predicted N / 2 >= 1.5 times slower: never timed, the other one runs at once
+                assert pr["pruned"] == ["allgather"] and pr["candidates"] == ["sparse_reduce_scatter"], pr
+                assert pr["chosen"] == "sparse_reduce_scatter"
+            else:  # equal bytes at N = 2: both timed
+                assert pr["pruned"] == [] and pr["chosen"] is None, pr
 
 
 def test_chooser_pickles_without_its_hooks():
