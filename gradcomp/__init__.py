@@ -47,6 +47,7 @@ _EXPORTS = {
     "TrafficMeter": "gradcomp.meter",
     "allreduce": "gradcomp.comm",
     "Topology": "gradcomp.comm",
+    "AutoAlgorithm": "gradcomp.comm",
     "Adaptive": "gradcomp.adaptive",
     "ddp": "gradcomp.ddp",
     "LocalSGD": "gradcomp.localsgd",

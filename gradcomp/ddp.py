@@ -61,8 +61,8 @@ import torch.distributed as dist
 
 from gradcomp import _validate as v
 from gradcomp.adaptive import Adaptive
-from gradcomp.comm import (ALGORITHMS, DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, INPUT_DTYPES, Topology, allreduce,
-                           check_algorithm, native)
+from gradcomp.comm import (DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, INPUT_DTYPES, AutoAlgorithm, Topology,
+                           allreduce, check_algorithm, native)
 from gradcomp.comm.settings import agree_settings, compressor_text
 from gradcomp.comm.topology import layout
 from gradcomp.compressors import DGC, Compressor, Int8Quantizer, TopK, unwrapped
@@ -146,11 +146,14 @@ class GradCompState:
         error_feedback: keep per-parameter residuals (ignored for lossless
             compressors such as NoCompression).
         algorithm: ``"ring"``, ``"two_phase"``, ``"allgather"``,
-            ``"hierarchical"``, ``"halving_doubling"`` or
-            ``"sparse_reduce_scatter"`` (see :func:`gradcomp.allreduce`; the
+            ``"hierarchical"``, ``"halving_doubling"``,
+            ``"sparse_reduce_scatter"`` or ``"auto"`` (see :func:`gradcomp.allreduce`; the
             sparse reduce-scatter keeps what a region owner's re-selection
             drops in that rank's per-parameter residuals; hierarchical:
-            residuals only for the shard this rank sends across hosts).
+            residuals only for the shard this rank sends across hosts;
+            auto: per bucket index, :mod:`gradcomp.comm.auto`, the
+            per-parameter residuals carry over every switch), or a
+            :class:`gradcomp.AutoAlgorithm` (``"auto"`` with its settings).
         min_compress_numel: buckets with fewer elements use a plain allreduce.
         start_iter: steps before this one use a plain allreduce (DDP rebuilds
             its buckets after the first step; residuals are per parameter, so
@@ -179,7 +182,7 @@ class GradCompState:
             one). Plain-allreduce buckets (small, or before ``start_iter``)
             get exact momentum SGD: ``u = m u + g`` is sent whole.
         topology: a :class:`gradcomp.Topology` for ``algorithm="hierarchical"``
-            (None: hosts from the environment); resolved with the state's
+            or ``"auto"`` (None: hosts from the environment); resolved with the state's
             group (collective, on every rank at once).
 
     Attributes:
@@ -201,14 +204,14 @@ class GradCompState:
     """
 
     _PICKLED = ("compressor", "error_feedback", "algorithm", "min_compress_numel", "start_iter",
-                "timeout", "iter", "residuals", "momenta", "dgc", "adaptive", "topology")
+                "timeout", "iter", "residuals", "momenta", "dgc", "adaptive", "topology", "auto")
 
     def __init__(
         self,
         process_group=None,
         compressor: Compressor | None = None,
         error_feedback: bool = True,
-        algorithm: str = "ring",
+        algorithm: str | AutoAlgorithm = "ring",
         min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL,
         start_iter: int = 2,
         meter: TrafficMeter | None = None,
@@ -234,21 +237,26 @@ class GradCompState:
             raise ValueError("DGC accumulates the unsent velocity in the residual: it needs error_feedback=True")
         if not isinstance(error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
+        #: the chooser of algorithm "auto" (its tracks keyed by bucket index), else None
+        self.auto = algorithm if isinstance(algorithm, AutoAlgorithm) else None
+        algorithm = "auto" if self.auto is not None else algorithm
         if isinstance(compressor, Adaptive):
             v.choice("algorithm", algorithm, FLAT_DENSE_ALGORITHMS)  # of the dense candidates
         else:
             compressor = unwrapped(compressor, "compressor", "with error_feedback=True the state keeps "
                                    "residuals per parameter", " or 'auto'")
-            v.choice("algorithm", algorithm, ALGORITHMS)
-            check_algorithm(algorithm, compressor)
+            check_algorithm(algorithm, compressor, auto=True)
             if dgc is not None and algorithm != "allgather":
                 raise ValueError(f"DGC selects per parameter over the whole bucket: it needs algorithm="
                                  f"'allgather', got {algorithm!r}")
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
-        if topology is not None and algorithm != "hierarchical":
-            raise ValueError(f"topology is used by algorithm='hierarchical' only, got algorithm={algorithm!r}")
+        if topology is not None and algorithm not in ("hierarchical", "auto"):
+            raise ValueError(f"topology is used by algorithm='hierarchical' or 'auto' only, "
+                             f"got algorithm={algorithm!r}")
         self.topology = topology
+        if algorithm == "auto" and self.auto is None:
+            self.auto = AutoAlgorithm()
         min_compress_numel = v.integer("min_compress_numel", min_compress_numel, 0)
         start_iter = v.integer("start_iter", start_iter, 0)
         if meter is not None and not isinstance(meter, TrafficMeter):
@@ -305,6 +313,8 @@ class GradCompState:
                 dgc.world_size = dist.get_world_size(self._group)
             if self.algorithm == "hierarchical":  # collective: here, on every rank at once
                 layout(self._group, self.topology, self.timeout)
+            elif self.algorithm == "auto":  # the same: whether hierarchical is a candidate
+                self.auto.prepare(self._group, self.topology, timeout=self.timeout)
         return self._group
 
     @property
@@ -358,14 +368,14 @@ class GradCompState:
 
     # ---- the work done on the communication thread ------------------------------
     def _reduce(self, buf: torch.Tensor, compress: bool, segments, ready, step: int = 0,
-                ticket=None) -> torch.Tensor:
+                ticket=None, index: int = 0) -> torch.Tensor:
         if self.timeline is None:
-            return self._reduce_bucket(buf, compress, segments, ready, step, ticket)
+            return self._reduce_bucket(buf, compress, segments, ready, step, ticket, index)
         with self.timeline.active(), self.timeline.span("collective"):
-            return self._reduce_bucket(buf, compress, segments, ready, step, ticket)
+            return self._reduce_bucket(buf, compress, segments, ready, step, ticket, index)
 
     def _reduce_bucket(self, buf: torch.Tensor, compress: bool, segments, ready, step: int = 0,
-                       ticket=None) -> torch.Tensor:
+                       ticket=None, index: int = 0) -> torch.Tensor:
         if self._failure is not None:
             raise RuntimeError("gradcomp: an earlier bucket of this GradCompState failed; the process "
                                f"group may be out of step: {self._failure!r}") from self._failure
@@ -380,7 +390,7 @@ class GradCompState:
                     self.adaptive.agree(self._group, timeout=self.timeout, device=buf.device, meter=self.meter)
                 self._agreed = True
             if compress:
-                self._reduce_compressed(buf, segments, step, ticket)
+                self._reduce_compressed(buf, segments, step, ticket, index)
             else:
                 self._reduce_plain(buf, segments)
             if buf.is_cuda:
@@ -415,7 +425,7 @@ class GradCompState:
         buf.copy_(r)
         r.zero_()
 
-    def _reduce_compressed(self, buf: torch.Tensor, segments, step: int = 0, ticket=None) -> None:
+    def _reduce_compressed(self, buf: torch.Tensor, segments, step: int = 0, ticket=None, index: int = 0) -> None:
         if ticket is not None:  # the adaptive policy picks the codec and checks on each switch
             residual = self._bucket_state(self.residuals, segments, buf) if segments is not None else None
             self.adaptive.reduce_bucket(ticket, buf, residual, algorithm=self.algorithm, group=self._group,
@@ -430,16 +440,18 @@ class GradCompState:
             residual = self._bucket_state(self.residuals, segments, buf)
         # the first compressed bucket checks that every rank uses the same
         # settings; later buckets rely on DDP's identical bucket layout
-        allreduce(buf, compressor, op="avg", algorithm=self.algorithm, group=self._group,
-                  meter=self.meter, timeout=self.timeout, residual=residual, out=buf,
-                  check=not self._checked, topology=self.topology, tag=_TAG)
+        allreduce(buf, compressor, op="avg", algorithm=self.auto if self.algorithm == "auto" else self.algorithm,
+                  group=self._group, meter=self.meter, timeout=self.timeout, residual=residual, out=buf,
+                  check=not self._checked, topology=self.topology, tag=_TAG,
+                  key=("bucket", index) if self.algorithm == "auto" else None)
         self._checked = True
 
     def _settings(self) -> dict[str, object]:
         """What decides each bucket's messages: every rank must share it."""
         comp = self.compressor if self.adaptive is not None else compressor_text(self.compressor)
         return {"compressor": comp, "dgc": self.dgc, "error_feedback": self.error_feedback,
-                "algorithm": self.algorithm, "min_compress_numel": self.min_compress_numel,
+                "algorithm": self.algorithm if self.auto is None else self.auto,
+                "min_compress_numel": self.min_compress_numel,
                 "start_iter": self.start_iter, "topology": self.topology}
 
     def _bucket_state(self, store: dict, segments, buf: torch.Tensor) -> torch.Tensor:
@@ -487,6 +499,7 @@ class GradCompState:
         meter = state.pop("meter", None)
         self.momenta, self.dgc = {}, None  # absent from states pickled before DGC
         self.topology = None  # absent from states pickled before the hierarchical algorithm
+        self.auto = None  # absent from states pickled before the automatic algorithm
         for name, value in state.items():
             setattr(self, name, value)
         self.process_group = None
@@ -544,7 +557,7 @@ def compressed_allreduce_hook(
               if compress and state.adaptive is not None else None)
     # the step (for DGC's warm-up) is read here: the thread may run after iter advances
     fut = state._submit(functools.partial(state._reduce, buf, compress, segments, ready,
-                                          state.iter - state.start_iter, ticket))
+                                          state.iter - state.start_iter, ticket, bucket.index()))
     if bucket.is_last():
         if state.timeline is not None:
             state.timeline.mark("handoff")

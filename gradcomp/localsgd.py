@@ -83,7 +83,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomp import _validate as v
-from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, INPUT_DTYPES, Topology, allreduce, check_algorithm
+from gradcomp.comm import DEFAULT_TIMEOUT, INPUT_DTYPES, AutoAlgorithm, Topology, allreduce, check_algorithm
 from gradcomp.comm.settings import agree_settings, compressor_text, setting_text
 from gradcomp.comm.topology import layout
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
@@ -213,7 +213,9 @@ class LocalSGD:
         algorithm: ``"ring"``, ``"two_phase"``, ``"hierarchical"`` or
             ``"halving_doubling"`` for dense compressors, ``"allgather"`` or
             ``"sparse_reduce_scatter"`` for sparse ones (:func:`gradcomp.allreduce`);
-            None picks ``"ring"`` or ``"allgather"``.
+            ``"auto"`` or a :class:`gradcomp.AutoAlgorithm`: per fragment, the
+            one measured fastest (:mod:`gradcomp.comm.auto`; residuals carry
+            over every switch); None picks ``"ring"`` or ``"allgather"``.
         fragments: ``F``, fragments synced in turn; must divide ``sync_every``.
         overlap: ``tau``, inner steps between the start of a fragment's
             exchange and the application of its update (0: at once, no thread);
@@ -224,7 +226,7 @@ class LocalSGD:
             ``"compress"``, ``"communicate"`` and ``"decompress"`` spans inside),
             on whichever thread runs it.
         topology: a :class:`gradcomp.Topology` for ``algorithm="hierarchical"``
-            (None: hosts from the environment), resolved here (collective).
+            or ``"auto"`` (None: hosts from the environment), resolved here (collective).
 
     Attributes:
         steps: calls of :meth:`step` so far.
@@ -249,7 +251,7 @@ class LocalSGD:
         meter: TrafficMeter | None = None,
         *,
         error_feedback: bool = True,
-        algorithm: str | None = None,
+        algorithm: str | AutoAlgorithm | None = None,
         fragments: int = 1,
         overlap: int = 0,
         timeout: float = DEFAULT_TIMEOUT,
@@ -265,12 +267,17 @@ class LocalSGD:
         v.flag("error_feedback", error_feedback)
         if algorithm is None:
             algorithm = "allgather" if compressor.sparse else "ring"
-        v.choice("algorithm", algorithm, ALGORITHMS)
-        check_algorithm(algorithm, compressor)
+        #: the chooser of algorithm "auto" (its tracks keyed by fragment), else None
+        self.auto = algorithm if isinstance(algorithm, AutoAlgorithm) else None
+        algorithm = "auto" if self.auto is not None else algorithm
+        check_algorithm(algorithm, compressor, auto=True)
+        if algorithm == "auto" and self.auto is None:
+            self.auto = AutoAlgorithm()
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
-        if topology is not None and algorithm != "hierarchical":
-            raise ValueError(f"topology is used by algorithm='hierarchical' only, got algorithm={algorithm!r}")
+        if topology is not None and algorithm not in ("hierarchical", "auto"):
+            raise ValueError(f"topology is used by algorithm='hierarchical' or 'auto' only, "
+                             f"got algorithm={algorithm!r}")
         self.topology = topology
         if not (outer_optimizer is None or callable(outer_optimizer) or outer_optimizer in OUTER_OPTIMIZERS):
             raise ValueError(f"outer_optimizer must be None, one of {OUTER_OPTIMIZERS} or a callable "
@@ -316,6 +323,8 @@ class LocalSGD:
                        device=params[0].device, meter=meter)
         if algorithm == "hierarchical":  # collective: here, not on the exchange thread
             layout(self._group, topology, self.timeout, params[0].device)
+        elif algorithm == "auto":  # the same: whether hierarchical is a candidate
+            self.auto.prepare(self._group, topology, timeout=self.timeout, device=params[0].device)
         with torch.no_grad():
             src = dist.get_global_rank(self._group, 0)
             for p in params:
@@ -340,7 +349,8 @@ class LocalSGD:
         shapes = {f"parameter {i}": f"{names.get(id(p), '?')}: shape {tuple(p.shape)}, {p.dtype}"
                   for i, p in enumerate(params)}
         return {"sync_every": self.sync_every, "fragments": self.fragments, "overlap": self.overlap,
-                "compressor": compressor_text(self.compressor), "algorithm": self.algorithm,
+                "compressor": compressor_text(self.compressor),
+                "algorithm": self.algorithm if self.auto is None else self.auto,
                 "error_feedback": self.error_feedback,
                 "outer_optimizer": "avg" if outer is None else setting_text(outer),
                 "topology": self.topology, "parameters": len(params), **shapes}
@@ -436,9 +446,11 @@ class LocalSGD:
             if self.timeline is not None:
                 stack.enter_context(self.timeline.active())
                 stack.enter_context(self.timeline.span("collective"))
-            allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
-                      meter=self.meter, timeout=self.timeout, residual=frag.residual, out=delta,
-                      check=not frag.checked, topology=self.topology, tag="gradcomp.LocalSGD")
+            auto = self.algorithm == "auto"
+            allreduce(delta, self.compressor, op="avg", algorithm=self.auto if auto else self.algorithm,
+                      group=self._group, meter=self.meter, timeout=self.timeout, residual=frag.residual,
+                      out=delta, check=not frag.checked, topology=self.topology, tag="gradcomp.LocalSGD",
+                      key=("fragment", self._frags.index(frag)) if auto else None)
         frag.checked = True
         if ready is not None:
             torch.cuda.current_stream(delta.device).synchronize()

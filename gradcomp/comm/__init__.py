@@ -13,21 +13,23 @@ on any process group (gloo on CPU, NCCL on GPU):
 * ``"allgather"``: for sparse compressors, every rank's payload gathered and
   the union summed (:mod:`gradcomp.comm.allgather`);
 * ``"halving_doubling"`` (``2 log2 N`` messages), ``"sparse_reduce_scatter"`` (sparse, bytes per
-  rank flat in N) and ``"hierarchical"`` (exact inside a host, compressed across hosts): one module each.
+  rank flat in N) and ``"hierarchical"`` (exact inside a host, compressed across hosts): one module each;
+  ``"auto"`` picks one per bucket (:mod:`gradcomp.comm.auto`).
 
 :func:`reduce_scatter` is the two-phase reduce-scatter on its own
 (:mod:`gradcomp.comm.reduce_scatter`), for sharded data parallelism.
 """
 
-from gradcomp.comm._args import (ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, FLAT_DENSE_ALGORITHMS,
+from gradcomp.comm._args import (ALGORITHM_CHOICES, ALGORITHMS, DEFAULT_TIMEOUT, DENSE_ALGORITHMS, FLAT_DENSE_ALGORITHMS,
                                  INPUT_DTYPES, NATIVE, OPS, SPARSE_ALGORITHMS, check_algorithm,
                                  member_group)
+from gradcomp.comm.auto import AutoAlgorithm
 from gradcomp.comm.chunks import chunk_bounds, ring_raw_bytes
 from gradcomp.comm.dispatch import allreduce
 from gradcomp.comm.policy import CodecPolicy
 from gradcomp.comm.reduce_scatter import reduce_scatter
 from gradcomp.comm.topology import Topology
 
-__all__ = ["allreduce", "reduce_scatter", "ALGORITHMS", "DENSE_ALGORITHMS", "SPARSE_ALGORITHMS",
+__all__ = ["allreduce", "reduce_scatter", "AutoAlgorithm", "ALGORITHMS", "ALGORITHM_CHOICES", "DENSE_ALGORITHMS", "SPARSE_ALGORITHMS",
            "FLAT_DENSE_ALGORITHMS", "OPS", "INPUT_DTYPES", "DEFAULT_TIMEOUT", "NATIVE", "CodecPolicy",
            "Topology", "chunk_bounds", "ring_raw_bytes", "check_algorithm", "member_group"]

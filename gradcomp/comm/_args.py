@@ -17,6 +17,10 @@ from gradcomp.meter import TrafficMeter
 
 #: every algorithm name
 ALGORITHMS = ("ring", "two_phase", "allgather", "hierarchical", "halving_doubling", "sparse_reduce_scatter")
+#: the name that lets :mod:`gradcomp.comm.auto` pick one of :data:`ALGORITHMS` per bucket
+AUTO = "auto"
+#: every name ``algorithm=`` accepts: the algorithms and ``"auto"``
+ALGORITHM_CHOICES = ALGORITHMS + (AUTO,)
 #: algorithms for dense compressors (fixed wire sizes)
 DENSE_ALGORITHMS = ("ring", "two_phase", "hierarchical", "halving_doubling")
 #: algorithms for sparse compressors (TopK, Threshold)
@@ -105,7 +109,7 @@ def check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter=
     compressor, ef = split(compressor, "compressor", " or ErrorFeedback")
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    check_algorithm(algorithm, compressor)
+    check_algorithm(algorithm, compressor, auto=True)
     v.timeout("timeout", timeout)
     if meter is not None and not isinstance(meter, TrafficMeter):
         raise TypeError(f"meter must be a gradcomp.TrafficMeter or None, got {type(meter).__name__}")
@@ -128,19 +132,31 @@ def check_args(tensor, compressor, op, algorithm, timeout, residual, out, meter=
                          f"on {tensor.device}, got {got}")
 
 
-def check_algorithm(algorithm: str, compressor: Compressor) -> None:
+def check_algorithm(algorithm: str, compressor: Compressor, *, auto: bool = False) -> None:
     """Check that ``algorithm`` takes ``compressor`` (not an ErrorFeedback).
 
+    Args:
+        auto: also accept ``"auto"`` (:data:`ALGORITHM_CHOICES`) for any
+            compressor some algorithm takes (sparse ones, dense ones with a
+            fixed wire size).
+
     Raises:
-        ValueError: ``algorithm`` is not in :data:`ALGORITHMS`; a sparse
+        ValueError: ``algorithm`` is not in :data:`ALGORITHMS` (or
+            :data:`ALGORITHM_CHOICES` with ``auto``); a sparse
             compressor with a dense algorithm or a dense one with a sparse
             algorithm; a dense compressor without a fixed wire size;
             ``"sparse_reduce_scatter"`` with anything but an exact ``TopK``
             with a ``ratio`` (its regions need fixed payload sizes and the
             density applies per region).
     """
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    names = ALGORITHM_CHOICES if auto else ALGORITHMS
+    if not isinstance(algorithm, str) or algorithm not in names:
+        raise ValueError(f"algorithm must be one of {names}, got {algorithm!r}")
+    if algorithm == AUTO:
+        if not compressor.sparse and compressor.wire_nbytes((1,), torch.float32) is None:
+            raise ValueError(f"algorithm 'auto' needs a sparse compressor or a dense one with a fixed wire "
+                             f"size (wire_nbytes not None), got {compressor!r}")
+        return
     if algorithm in DENSE_ALGORITHMS and compressor.sparse:
         raise ValueError(f"algorithm {algorithm!r} needs a dense compressor, got sparse {compressor!r}: "
                          f"use one of {SPARSE_ALGORITHMS} for TopK / Threshold")

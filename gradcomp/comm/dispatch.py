@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from gradcomp import _validate as v
 from gradcomp.comm import allgather as _allgather
+from gradcomp.comm import auto as _auto
 from gradcomp.comm import checked as _checked
 from gradcomp.comm import halving_doubling as _halving_doubling
 from gradcomp.comm import hierarchical as _hierarchical
@@ -21,7 +22,7 @@ from gradcomp.comm import pipelined as _pipelined
 from gradcomp.comm import ring as _ring
 from gradcomp.comm import sparse_reduce_scatter as _sparse_reduce_scatter
 from gradcomp.comm import two_phase as _two_phase
-from gradcomp.comm._args import ALGORITHM_CODES, DEFAULT_TIMEOUT, check_args, member_group
+from gradcomp.comm._args import ALGORITHM_CODES, AUTO, DEFAULT_TIMEOUT, check_args, member_group
 from gradcomp.comm.agreement import call_identity
 from gradcomp.comm.dense import Plan, share_owned
 from gradcomp.comm.guard import exclusive
@@ -41,7 +42,7 @@ def allreduce(
     compressor: Compressor | ErrorFeedback | CodecPolicy,
     *,
     op: str = "avg",
-    algorithm: str = "ring",
+    algorithm: str | _auto.AutoAlgorithm = "ring",
     group=None,
     meter=None,
     timeout: float = DEFAULT_TIMEOUT,
@@ -103,6 +104,16 @@ def allreduce(
       would exchange on the intra-host and inter-host groups, which the
       agreement's disagreement envelopes do not reach).
 
+    * ``"auto"`` (or an :class:`gradcomp.AutoAlgorithm` for a calibrated link;
+      :mod:`gradcomp.comm.auto`): per ``key``, one of the algorithms above
+      that take the compressor (hierarchical where ``topology``, or the
+      environment, gives more than one host of more than one rank), ordered
+      by the link cost model (:mod:`gradcomp.comm.cost`), timed in turn,
+      the fastest by the ranks' agreed timings kept, re-checked every
+      ``interval`` calls. Every rank runs the same algorithm on every call.
+      An ErrorFeedback compressor keeps one flat residual per key, under
+      ``("auto", key)``, which every algorithm uses alike.
+
     Every rank ends bit-identical because each chunk's final value is the
     decompression of one set of bytes that every rank (its owner included)
     decodes the same way. With ``group`` of size 1 the result is a copy of
@@ -155,9 +166,10 @@ def allreduce(
             call (``algorithm`` is then the algorithm of its dense choices;
             see :meth:`gradcomp.Adaptive.allreduce`).
         op: ``"avg"`` (divide the sum by the group size) or ``"sum"``.
-        algorithm: one of :data:`~gradcomp.comm.ALGORITHMS`: ``"ring"``,
+        algorithm: one of :data:`~gradcomp.comm.ALGORITHM_CHOICES`: ``"ring"``,
             ``"two_phase"``, ``"allgather"``, ``"hierarchical"``,
-            ``"halving_doubling"`` or ``"sparse_reduce_scatter"``.
+            ``"halving_doubling"``, ``"sparse_reduce_scatter"`` or
+            ``"auto"``; or a :class:`gradcomp.AutoAlgorithm`.
         group: a torch.distributed process group (default: the world).
         meter: optional :class:`~gradcomp.TrafficMeter`.
         timeout: seconds each exchange may take (> 0, finite, at most 1e9).
@@ -184,10 +196,10 @@ def allreduce(
             every rank); a disagreement then aborts the process (gloo) or
             returns different values on different ranks. (``"allgather"``
             also exchanges payload sizes, 8 bytes per peer, on every call.)
-        topology: a :class:`gradcomp.Topology` for ``"hierarchical"`` (None:
-            the hosts come from the environment, ``GRADCOMP_HOST_ID`` or
-            torchrun's ``GROUP_RANK`` / ``LOCAL_WORLD_SIZE``); must be None
-            with the other algorithms.
+        topology: a :class:`gradcomp.Topology` for ``"hierarchical"`` or
+            ``"auto"`` (None: the hosts come from the environment,
+            ``GRADCOMP_HOST_ID`` or torchrun's ``GROUP_RANK`` /
+            ``LOCAL_WORLD_SIZE``); must be None with the other algorithms.
         tag: what tells this call apart from other calls on ``group`` (a str
             or an int, the same on every rank); None: the calling thread's
             name. Calls with different tags (or, untagged, from differently
@@ -230,7 +242,13 @@ def allreduce(
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
     call_identity(tag)  # a bad tag raises here
+    chooser = algorithm if isinstance(algorithm, _auto.AutoAlgorithm) else None
+    if chooser is not None:
+        algorithm = AUTO
     if isinstance(compressor, CodecPolicy):  # it checks its arguments and agrees on its settings
+        if algorithm == AUTO:
+            raise ValueError("algorithm 'auto' picks among the algorithms of one compressor; an adaptive "
+                             "policy picks the compressor: give the policy algorithm='ring' or 'two_phase'")
         if topology is not None:
             raise ValueError("topology is used by algorithm='hierarchical' only, which an adaptive policy "
                              "does not run (its dense choices take 'ring' or 'two_phase')")
@@ -240,14 +258,18 @@ def allreduce(
     v.flag("check", check)
     if topology is not None and not isinstance(topology, Topology):
         raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
-    if topology is not None and algorithm != "hierarchical":
-        raise ValueError(f"topology is used by algorithm='hierarchical' only, got algorithm={algorithm!r}")
+    if topology is not None and algorithm not in ("hierarchical", AUTO):
+        raise ValueError(f"topology is used by algorithm='hierarchical' or 'auto' only, got algorithm={algorithm!r}")
     group = member_group(group, "gradcomp.allreduce")
     x = tensor.detach()
     if dist.get_world_size(group) == 1:
         if out is None:
             return x.clone(memory_format=torch.contiguous_format)
         return out.copy_(x) if out.data_ptr() != x.data_ptr() else out
+    if algorithm == AUTO:  # the chooser calls this function back with the algorithm it picks
+        chooser = _auto.default_for(group) if chooser is None else chooser
+        return chooser.reduce(allreduce, tensor, compressor, op=op, group=group, meter=meter, timeout=timeout,
+                              key=key, residual=residual, out=out, check=check, topology=topology, tag=tag)
     with exclusive(group, timeout=timeout):
         if algorithm == "hierarchical":
             call = _hierarchical.Call(compressor, op, meter, timeout, ("numel", x.numel()) if key is None else key,

@@ -17,9 +17,9 @@ method averages it across ranks:
 
 * ``torch all_reduce f32``: ``dist.all_reduce`` of the float32 tensor (the baseline);
 * gradcomp :func:`gradcomp.allreduce`: ``none ring`` (float32 on the wire), ``fp16 ring``,
-  ``int8 ring``, ``int8 two_phase``, ``int8 halving_doubling``, ``topk1% allgather``,
-  ``topk1%+int8 allgather`` (values int8) and ``topk1%+int8 sparse_reduce_scatter``; with
-  ``--topology`` also the hierarchical methods (:mod:`.hosts`);
+  ``int8 ring``, ``int8 two_phase``, ``int8 halving_doubling``, ``topk1% allgather``, ``topk1%+int8
+  allgather`` (values int8), ``topk1%+int8 sparse_reduce_scatter``, ``int8 auto`` and ``topk1%+int8
+  auto`` (its steady choice: :data:`AUTO_WARMUP`); ``--topology`` adds hierarchical (:mod:`.hosts`);
 * PyTorch's own DDP communication hooks, called directly on a GradBucket-like
   object over the same data (the hooks only use ``buffer()``,
   ``gradients()``, ``index()`` and ``is_last()``): ``fp16_compress_hook``,
@@ -161,11 +161,20 @@ def _torch_allreduce(buf, world):
     return call
 
 
+#: the ``auto`` methods' exploration rounds; their warm-up covers it for up to 4 candidates (2 calls
+#: each per round) and no re-check falls in the timed calls. JSON: ``auto_choice``, ``auto_measured_ms``
+AUTO_EXPLORE = 5
+AUTO_WARMUP = 4 * 2 * AUTO_EXPLORE + 1
+
+
 def _gradcomp(make, algorithm, inter="ring", segments=None):
     def setup(buf, world):
         import gradcomp as gc
 
         comp = make()
+        auto = None
+        if algorithm == "auto":  # no re-check within the timed calls: they time the steady choice
+            auto = gc.AutoAlgorithm(explore=AUTO_EXPLORE, interval=10**9)
         meter = gc.TrafficMeter()
         # its own group, as in training (a DDP hook has its own): calls on one
         # group that alternate between settings would agree on every call
@@ -178,11 +187,14 @@ def _gradcomp(make, algorithm, inter="ring", segments=None):
         def call():
             meter.reset()
             # a checked hierarchical call agrees every time: after the warm-up, as the DDP hook, unchecked
-            check = algorithm != "hierarchical" or calls[0] == 0
-            gc.allreduce(buf, comp, algorithm=algorithm, group=group, meter=meter, out=buf, check=check, **kw)
+            # (auto checks by itself whenever its choice changes)
+            check = algorithm not in ("hierarchical", "auto") or calls[0] == 0
+            gc.allreduce(buf, comp, algorithm=auto or algorithm, group=group, meter=meter, out=buf, check=check,
+                         key="bench", **kw)
             calls[0] += 1
             return meter.bytes_sent
         call.meter = meter
+        call.auto = auto
         call.bucket_wire_bytes = comp.wire_nbytes((buf.numel(),), torch.float32)
         return call
     return setup
@@ -250,11 +262,16 @@ def _methods():
         Method("int8 halving_doubling", "gradcomp", _gradcomp(gc.Int8Quantizer, "halving_doubling")),
         *(Method(name, "gradcomp", _gradcomp(gc.Int8Quantizer, "hierarchical", inter, segments), hierarchical=True)
           for name, inter, segments in HIERARCHICAL_METHODS),
+        # each auto method right after the fixed methods of its codec: a round's slower, CPU-heavier
+        # sparse methods do not run just before it
+        Method("int8 auto", "gradcomp", _gradcomp(gc.Int8Quantizer, "auto"), warmup=AUTO_WARMUP),
         Method("topk1% allgather", "gradcomp", _gradcomp(lambda: gc.TopK(ratio=0.01), "allgather")),
         Method("topk1%+int8 allgather", "gradcomp",
                _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "allgather")),
         Method("topk1%+int8 sparse_reduce_scatter", "gradcomp",
                _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "sparse_reduce_scatter")),
+        Method("topk1%+int8 auto", "gradcomp",
+               _gradcomp(lambda: gc.TopK(ratio=0.01, values=gc.Int8Quantizer()), "auto"), warmup=AUTO_WARMUP),
         Method("torch fp16_compress_hook", "torch hook", _hook("fp16")),
         Method("torch quantization_pertensor_hook", "torch hook", _hook("quant")),
         Method(f"torch powerSGD_hook rank {_POWERSGD_RANK}", "torch hook", _hook("powersgd"), warmup=2),
@@ -332,6 +349,10 @@ def _bench_worker(rank, world, sizes, repeat, names, per_host=None):
                    "raw_bytes_per_rank": raw,
                    "compression_ratio": raw / sent[m.name] if sent[m.name] else None,
                    "rel_err": err[m.name]}
+            if getattr(call, "auto", None) is not None:
+                row["auto_choice"] = call.auto.algorithm("bench")
+                last = call.auto.switches[-1] if call.auto.switches else {}
+                row["auto_measured_ms"] = {a: 1000 * t for a, t in last.get("measured_s", {}).items()}
             if per_host is not None:
                 row.update(host_figures(everything, m.name, world, per_host, repeat))
                 row["bucket_wire_bytes"] = getattr(call, "bucket_wire_bytes", None)

@@ -10,12 +10,19 @@ LEGEND = ("ms: median time of one allreduce on the slowest rank; x f32: torch al
           "a float32 ring's bytes over the bytes sent; rel_err: ||result - exact mean|| / ||exact mean|| "
           "on the first call (top-k keeps 1% of the coordinates of random data, whose energy is spread "
           "evenly, so its error is near 1; on real gradients error feedback carries the rest to later "
-          "steps); link%: bytes sent per second over the configured link rate (shaped links only).")
+          "steps); link%: bytes sent per second over the configured link rate (shaped links only); "
+          "auto=X: the algorithm auto settled on (R ring, 2P two-phase, HD halving-doubling, H "
+          "hierarchical, AG allgather, SRS sparse reduce-scatter).")
+#: the auto methods' choice as the table names it
+_SHORT = {"ring": "R", "two_phase": "2P", "halving_doubling": "HD", "hierarchical": "H", "allgather": "AG",
+          "sparse_reduce_scatter": "SRS"}
 
 
 def _method_cell(r: dict) -> str:
     """The method's name in the table: PyTorch's hooks without the ``torch`` prefix (under
-    their own heading)."""
+    their own heading); an auto method with its choice."""
+    if r.get("auto_choice"):
+        return f"{r['method']}={_SHORT.get(r['auto_choice'], r['auto_choice'])}"
     return r["method"].removeprefix("torch ") if r["family"] == "torch hook" else r["method"]
 
 

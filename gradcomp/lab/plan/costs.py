@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from gradcomp.comm.cost import SIZE_NBYTES, allreduce_messages  # the library's, re-exported for the model
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.halving_doubling import gathered_offsets
 from gradcomp.comm.halving_doubling import fold_layout as hd_layout
@@ -50,8 +51,6 @@ class PricedCodec(Protocol):
 
 #: the allreduce algorithms of :mod:`gradcomp.comm` the model prices
 ALLREDUCE_ALGORITHMS = ("ring", "two_phase", "allgather", "halving_doubling", "sparse_reduce_scatter")
-#: one payload size in the sparse allgather's size exchange (int64)
-SIZE_NBYTES = 8
 
 
 @lru_cache(maxsize=4096)
@@ -126,29 +125,6 @@ def _halving_doubling_bytes(c: PricedCodec, numel: int, world: int, rank: int) -
     if partner >= 0:
         sent, received = sent + offsets[-1], received + wire_nbytes(c, numel)
     return sent, received
-
-
-def allreduce_messages(algorithm: str, world: int, rank: int = 0) -> int:
-    """Point-to-point messages ``rank`` sends in one allreduce over ``world`` ranks
-    (a message cut into concurrent pieces counts once, as the meter counts it):
-    ``2 (N - 1)`` for the ring, two-phase and the sparse reduce-scatter (and the
-    sparse allgather: ``N - 1`` sizes and ``N - 1`` payloads); halving-doubling
-    ``2 log2 p`` (``p`` the largest power of two <= N), one more for a rank
-    that a folded rank hands its tensor to, 1 for the folded rank.
-
-    Raises:
-        ValueError: an unknown algorithm (``ps`` included: see :func:`ps_bytes`).
-    """
-    if algorithm not in ALLREDUCE_ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALLREDUCE_ALGORITHMS}, got {algorithm!r}")
-    if world == 1:
-        return 0
-    if algorithm != "halving_doubling":
-        return 2 * (world - 1)
-    p, me, partner = hd_layout(world, rank)
-    if me < 0:
-        return 1
-    return 2 * (p.bit_length() - 1) + (1 if partner >= 0 else 0)
 
 
 def quantizations(algorithm: str, world: int) -> int:
