@@ -133,6 +133,7 @@ class ReplicateAllReduce:
         self._agreed: set[tuple] = set()
         self._warned: set[str] = set()
         self._legs: dict[tuple, MeshLegs] = {}
+        self._partial: dict[int, torch.Tensor] = {}  # module -> shard sum kept by set_requires_all_reduce(False)
 
     @property
     def uses_residuals(self) -> bool:
@@ -192,10 +193,6 @@ class ReplicateAllReduce:
     def _reduce(self, output: torch.Tensor, module, legs: MeshLegs) -> None:
         """All-reduce ``output`` (one module's reduce-scatter output) in place across the replicate group."""
         group = module.param_group
-        if not group.all_reduce_grads:
-            raise ValueError(f"gradcomp HSDP: module {module.name!r} has set_requires_all_reduce(False); "
-                             "gradcomp's replicate all-reduce runs on every reduce-scatter: use "
-                             "set_requires_gradient_sync(False) to skip both")
         op = "avg" if group.gradient_divide_factor is None else "sum"
         x = output.view(-1)
         m, s_size, s_rank = x.numel(), legs.shard_size, legs.shard_rank
@@ -204,6 +201,8 @@ class ReplicateAllReduce:
             tier = "intra_host" if legs.tiered else None
             self.meter.record_send(nbytes, nbytes, phase=EXACT_PHASE, tier=tier)
             self.meter.record_recv(nbytes, nbytes, phase=EXACT_PHASE, tier=tier)
+        if self._accumulated(x, module, group.all_reduce_grads):
+            return
         residual = None
         if self.uses_residuals and legs.replicate_size > 1:
             lay = module.layout(s_size * m, s_size, s_rank)
@@ -227,6 +226,19 @@ class ReplicateAllReduce:
         else:
             allreduce(x, self.compressor, **kw)
         self._agreed.add(described)
+
+    def _accumulated(self, x: torch.Tensor, module, all_reduce: bool) -> bool:
+        """FSDP's ``set_requires_all_reduce(False)``, as native HSDP does it: keep the shard's
+        sum here and hand FSDP zeros (True: nothing to all-reduce now); add what was kept
+        to the next step that all-reduces (False)."""
+        held = self._partial.pop(id(module), None)
+        if not all_reduce:
+            self._partial[id(module)] = x.clone() if held is None else held.add_(x)
+            x.zero_()
+            return True
+        if held is not None:
+            x.add_(held)
+        return False
 
     # ---- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -55,13 +55,17 @@ def _data(rank, step):
     return x, torch.sin(x[:, :1] * 2) + 0.3 * x[:, 1:2]
 
 
-def _train(rank, model, steps=STEPS, meter=None):
+def _train(rank, model, steps=STEPS, meter=None, micro=1):
+    """SGD steps; ``micro`` > 1: that many micro-batches a step, all but the last without
+    the replicate all-reduce (``set_requires_all_reduce(False)``)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
         if step == 1 and meter is not None:
             meter.reset()  # the first step's agreement left out: data bytes only
-        x, y = _data(rank, step)
-        nn.functional.mse_loss(model(x), y).backward()
+        for k in range(micro):
+            model.set_requires_all_reduce(k == micro - 1)
+            x, y = _data(rank + 10 * k, step)
+            nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
     return [p.full_tensor().detach().clone() for p in model.parameters()]
@@ -101,7 +105,7 @@ def _exact(rank, world):
                 if kw is not None:
                     gc.fsdp.apply(model, gc.NoCompression(), **kw)
                 del calls[:]
-                out[name, setting] = (_train(rank, model), len(calls))
+                out[name, setting] = (_train(rank, model, micro=2 if setting == "accumulate" else 1), len(calls))
         # a factor FSDP's gloo reduce-scatter cannot apply (PREMUL_SUM), gradcomp's can: 4 = the world
         model = _shard(_model(), _mesh())
         _divide(model, "factor", 4.0)
@@ -112,7 +116,7 @@ def _exact(rank, world):
     return out
 
 
-DIVIDE = ("default", "factor", "force_sum")
+DIVIDE = ("default", "factor", "force_sum", "accumulate")  # accumulate: 2 micro-batches a step
 
 
 def _divide(model, setting, factor=2.0):
@@ -150,11 +154,11 @@ def _integer_inputs(rank):
 def _metered(rank, world):
     out = {}
     for name, kw in {"ring": {}, "hierarchical": {"algorithm": "hierarchical"},
-                     "int8_shard_leg": {"shard_compressor": gc.Int8Quantizer()}}.items():
+                     "int8_shard_leg": {"shard_compressor": gc.Int8Quantizer()}, "accumulate": {}}.items():
         meter = gc.TrafficMeter()
         model = _shard(_model(), _mesh())
         gc.fsdp.apply(model, gc.Int8Quantizer(), meter=meter, topology=gc.Topology(ranks_per_host=2), **kw)
-        _train(rank, model, meter=meter)
+        _train(rank, model, meter=meter, micro=2 if name == "accumulate" else 1)
         out[name] = meter.as_dict()
     return out
 
@@ -267,6 +271,7 @@ def test_meter_counts_each_tier_by_formula(results):
     intra = {"ring": steps * sum(4 * m for m in _outputs()),
              "int8_shard_leg": steps * sum(_int8_wire(m) for m in _outputs())}
     intra["hierarchical"] = intra["ring"]
+    intra["accumulate"] = 2 * intra["ring"]  # 2 micro-batches reduce-scatter, only the last all-reduces
     for r in results:
         for name, d in r["metered"].items():
             tiers = d["tiers"]
