@@ -106,7 +106,7 @@ def _exact(rank, world):
         for name, kw in {"plain": None, "ring": {}, "hierarchical": {"algorithm": "hierarchical",
                                                                     "topology": gc.Topology(ranks_per_host=2)},
                          "gradcomp_shard_leg": {"shard_compressor": gc.NoCompression()}}.items():
-            for setting in DIVIDE:
+            for setting in DIVIDE if name != "hierarchical" else DIVIDE[:1]:  # its leg is the ring's here
                 model = _shard(_model(), _mesh())
                 _divide(model, setting)
                 if kw is not None:
@@ -135,6 +135,18 @@ def _divide(model, setting, factor=2.0):
                 m.set_gradient_divide_factor(factor)
             elif setting == "force_sum":
                 m.set_force_sum_reduction_for_comms(True)
+
+
+def _two_per_host(rank, world):
+    """A (4, 1) mesh: one replicate group of all 4 ranks, 2 on each host; "hierarchical" reduces
+    exactly inside each host first (shard groups of 1: FSDP reduce-scatters nothing)."""
+    mesh = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
+    out = {"plain": _train(rank, _shard(_model(), mesh))}
+    for name, comp in (("exact", gc.NoCompression()), ("int8", gc.Int8Quantizer())):
+        model = _shard(_model(), mesh)
+        gc.fsdp.apply(model, comp, algorithm="hierarchical", topology=gc.Topology(ranks_per_host=2))
+        out[name] = _train(rank, model)
+    return out
 
 
 def _integer_grads(rank, world):
@@ -204,6 +216,7 @@ def _all(rank, world):
     torch.set_num_threads(1)
     return {"identical": _identical(rank, world), "exact": _exact(rank, world),
             "integer": _integer_grads(rank, world), "metered": _metered(rank, world), "bad": _bad(rank, world),
+            "two_per_host": _two_per_host(rank, world),
             "start": [p.detach().clone() for p in _model().parameters()]}
 
 
@@ -230,6 +243,8 @@ def test_exact_codec_equals_plain_fsdp2_hsdp(results, setting):
         plain, plain_calls = r["exact"]["plain", setting]
         assert plain_calls > 0  # torch's HSDP all-reduces across the replicate group
         for name in ("ring", "hierarchical", "gradcomp_shard_leg"):
+            if (name, setting) not in r["exact"]:
+                continue
             params, calls = r["exact"][name, setting]
             assert calls == 0, name  # gradcomp's replicate leg replaced it
             for a, b in zip(params, plain):
@@ -243,6 +258,30 @@ def test_divide_factor_of_the_world_is_the_average(results):
         plain, _ = r["exact"]["plain", "default"]
         for a, b in zip(params, plain):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_residuals_per_parameter_shard_and_checkpoint(results):
+    names = ["0", "2", "4"]  # the Linear layers' indices in the Sequential
+    for rank, r in enumerate(results):
+        rep, shard = divmod(rank, 2)
+        expected = {}
+        for name, mod in zip(names, SHAPES):
+            for kind, shape in zip(("weight", "bias"), mod):
+                rows = math.ceil(shape[0] / 2) * math.prod(shape[1:])
+                expected[(f"{name}.{kind}", shape, 0, 2, shard, "replicate", 2, rep)] = (1, rows)
+        assert r["identical"]["residuals"] == expected
+        assert r["identical"]["residual_norm"] > 0  # int8 left an error to feed back
+        assert r["identical"]["reloaded"]
+
+
+@pytest.mark.slow
+def test_replicate_group_with_two_ranks_per_host(results):
+    for r in results:
+        for a, b in zip(r["two_per_host"]["exact"], r["two_per_host"]["plain"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for a, b in zip(r["two_per_host"]["int8"], results[0]["two_per_host"]["int8"]):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.slow
@@ -303,3 +342,31 @@ def test_bad_mesh_or_topology_raises_on_every_rank(results):
         assert all(g is not None for g in got), (name, got)
         assert all(g == got[0] for g in got), (name, got)  # the same error on every rank
         assert got[0][0] == kind and word in got[0][1], (name, got[0])
+
+
+def test_replicate_all_reduce_checks_its_settings():
+    from gradcomp.hsdp import ReplicateAllReduce
+
+    with pytest.raises(ValueError, match="algorithm"):
+        ReplicateAllReduce(gc.Int8Quantizer(), True, None, timeout=5.0, algorithm="allgather")
+    with pytest.raises(TypeError, match="topology"):
+        ReplicateAllReduce(gc.Int8Quantizer(), True, None, timeout=5.0, topology="2x2")
+    rep = ReplicateAllReduce(gc.Int8Quantizer(), True, None, timeout=5.0)
+    assert rep.uses_residuals and not ReplicateAllReduce(gc.NoCompression(), True, None, timeout=5.0).uses_residuals
+    with pytest.raises(ValueError, match="state"):
+        rep.load_state_dict({"x": 1})
+    with pytest.raises(ValueError, match="shard_compressor"):
+        rep.load_state_dict({"residuals": {}, "reduce_scatter": {}})
+
+
+def test_flat_residual_views_per_key():
+    from gradcomp.residual_views import flat_residual
+
+    residuals, flats = {("b",): torch.full((1, 2), 7.0)}, {}
+    flat = flat_residual(residuals, flats, "m", [(("a",), 0, 3), (("b",), 3, 5)], 5, 1, "cpu")
+    assert flat.tolist() == [0, 0, 0, 7, 7]  # b's old residual copied in, a's new one zero
+    flat[0] = 1.0
+    assert residuals[("a",)].tolist() == [[1, 0, 0]]  # a view into the flat buffer
+    assert flat_residual(residuals, flats, "m", [(("a",), 0, 3), (("b",), 3, 5)], 5, 1, "cpu") is flat
+    grid = flat_residual(residuals, flats, "m", [(("a",), 0, 1)], 4, 2, "cpu")  # [2, 2]: column 0
+    assert residuals[("a",)].shape == (2, 1) and grid.numel() == 4
