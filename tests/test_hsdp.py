@@ -85,8 +85,9 @@ def _identical(rank, world):
             fresh.load_state_dict(hsdp.state_dict())
             out["reloaded"] = all(torch.equal(fresh.residuals[k], r) for k, r in hsdp.residuals.items())
     model = _shard(_model(), _mesh())
-    gc.fsdp.apply(model, gc.Int8Quantizer(), shard_compressor=gc.Int8Quantizer(), algorithm="two_phase")
-    out["compressed_shard_leg"] = _train(rank, model)
+    gc.fsdp.apply(model, gc.Int8Quantizer(), shard_compressor=gc.Int8Quantizer(), algorithm="two_phase",
+                  allgather=gc.Int8Quantizer())
+    out["compressed_shard_leg_and_allgather"] = _train(rank, model)
     return out
 
 
