@@ -69,9 +69,9 @@ from gradcomp.comm.reduce_scatter import agree_reduce_scatter
 from gradcomp.comm.p2p import Comm
 from gradcomp.comm.topology import Topology
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
+from gradcomp.fsdp_layout import ModuleLayout
 from gradcomp.hsdp import ReplicateAllReduce, check_mesh, is_hsdp, shard_view
 from gradcomp.meter import TrafficMeter
-from gradcomp.fsdp_layout import ModuleLayout
 from gradcomp.residual_views import flat_residual
 
 __all__ = ["CompressedReduceScatter", "CompressedAllGather", "apply"]
@@ -476,8 +476,9 @@ def apply(module: nn.Module, compressor: Compressor | None = None, error_feedbac
     if len(kinds) > 1:
         raise ValueError("module mixes FSDP modules on 1-D meshes with HSDP (2-D) ones; give them one kind")
     if kinds == {True}:
-        return _apply_hsdp(found, names, compressor, error_feedback, meter, allgather, timeout,
-                           "ring" if algorithm is None else algorithm, topology, shard_compressor)
+        rep = _hsdp_comm(compressor, error_feedback, meter, timeout, "ring" if algorithm is None else algorithm,
+                         topology, shard_compressor, allgather)
+        return _apply_hsdp(found, names, rep)
     given = [k for k, x in (("algorithm", algorithm), ("topology", topology), ("shard_compressor", shard_compressor))
              if x is not None]
     if given:
@@ -519,9 +520,9 @@ def _param_groups(module: nn.Module) -> list:
     return out
 
 
-def _apply_hsdp(found, names, compressor, error_feedback, meter, allgather, timeout, algorithm, topology,
-                shard_compressor) -> ReplicateAllReduce:
-    """:func:`apply` on HSDP meshes (see there): checks, then the collectives, then the hooks."""
+def _hsdp_comm(compressor, error_feedback, meter, timeout, algorithm, topology, shard_compressor,
+               allgather) -> ReplicateAllReduce:
+    """The HSDP comms of :func:`apply` (arguments checked), sharing gradcomp's groups."""
     groups = _OwnGroups(v.timeout("timeout", timeout))
     rep = ReplicateAllReduce(_dense("compressor", Int8Quantizer() if compressor is None else compressor,
                                     "with error_feedback=True the replicate all-reduce keeps residuals per shard"),
@@ -532,6 +533,12 @@ def _apply_hsdp(found, names, compressor, error_feedback, meter, allgather, time
         rep.reduce_scatter.groups = groups
     if allgather is not None:
         rep.allgather = CompressedAllGather(allgather, meter, timeout=timeout, groups=groups)
+    return rep
+
+
+def _apply_hsdp(found, names, rep: ReplicateAllReduce) -> ReplicateAllReduce:
+    """:func:`apply` on HSDP meshes (see there): checks, then the collectives, then the hooks."""
+    groups = rep.groups
     for name, m, g in found:
         _check_group(name or "<root>", g, rep.allgather is not None, hsdp=True)
     bound = []
@@ -547,7 +554,7 @@ def _apply_hsdp(found, names, compressor, error_feedback, meter, allgather, time
                 rep.allgather._agree_settings(g, own)
         bound.append((m, mod, legs, tier))
     for m, mod, legs, tier in bound:
-        m.set_all_reduce_hook(rep._bind(mod, legs))
+        m.set_all_reduce_hook(rep.hook(mod, legs))
         if rep.reduce_scatter is not None:
             m.set_custom_reduce_scatter(_BoundReduceScatter(rep.reduce_scatter, mod, tier))
         if rep.allgather is not None:

@@ -187,7 +187,16 @@ class ReplicateAllReduce:
         return lay.host
 
     # ---- the reduction -----------------------------------------------------------
-    def _bind(self, module, legs: MeshLegs):
+    def hook(self, module, legs: MeshLegs):
+        """The all-reduce hook of one FSDP module (``FSDPModule.set_all_reduce_hook``).
+
+        The hook takes the module's reduce-scatter output (flat, ``S_m`` elements of
+        float32 / bfloat16 / float16 on the parameters' device: CPU with gloo, CUDA with
+        NCCL) and all-reduces it in place; :meth:`legs` gave ``legs``. It raises
+        ValueError when the replicate group's ranks reduce different layouts or settings
+        (checked on a module's first call, on every rank), TimeoutError / RuntimeError /
+        gradcomp.PayloadError when the exchange fails (see :func:`gradcomp.allreduce`).
+        """
         return lambda output: self._reduce(output, module, legs)
 
     def _reduce(self, output: torch.Tensor, module, legs: MeshLegs) -> None:
