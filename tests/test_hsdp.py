@@ -73,7 +73,7 @@ def _train(rank, model, steps=STEPS, meter=None, micro=1):
 
 def _identical(rank, world):
     out = {}
-    for alg in ("ring", "two_phase", "hierarchical"):
+    for alg in ("ring", "two_phase", "halving_doubling", "hierarchical"):
         model = _shard(_model(), _mesh())
         hsdp = gc.fsdp.apply(model, gc.Int8Quantizer(), algorithm=alg, topology=gc.Topology(ranks_per_host=2))
         out[alg] = _train(rank, model)
