@@ -545,6 +545,7 @@ def _apply_hsdp(found, names, rep: ReplicateAllReduce) -> ReplicateAllReduce:
     for name, m, g in found:  # collective: the hosts (once per mesh), gradcomp's groups, the settings
         mod = ModuleLayout(name, g, names)
         legs = rep.legs(g.mesh_info, mod.device)
+        rep.agree_settings(mod, legs)
         tier = "intra_host" if legs.tiered and rep.meter is not None else None
         with rep.meter.tier_scope(tier) if tier else contextlib.nullcontext():
             own = groups.get(g.mesh_info.shard_process_group)

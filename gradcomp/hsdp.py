@@ -24,7 +24,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
 from gradcomp import _validate as v
+from gradcomp import wire as W
 from gradcomp.comm import DENSE_ALGORITHMS, Topology, allreduce
+from gradcomp.comm import checked as _checked
+from gradcomp.comm.agreement import signature
+from gradcomp.comm.p2p import Comm
 from gradcomp.comm.topology import layout
 from gradcomp.residual_views import flat_residual
 
@@ -35,6 +39,8 @@ __all__ = ["ReplicateAllReduce", "MeshLegs", "REPLICATE_ALGORITHMS", "is_hsdp", 
 REPLICATE_ALGORITHMS = DENSE_ALGORITHMS
 #: meter phase of FSDP's own exact reduce-scatter (nominal bytes of its ring)
 EXACT_PHASE = "reduce_scatter_exact"
+#: agreement ``algorithm`` code of the settings check at apply (apart from the collectives' codes)
+SETTINGS_CODE = 102
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +80,16 @@ class MeshLegs:
         shard_size, shard_rank: the shard group's size and this rank's index in it.
         replicate_size, replicate_rank: the same for the replicate group.
         replicate: gradcomp's process group over the replicate group's ranks.
+        mesh: gradcomp's process group over all the mesh's ranks.
         topology: the replicate leg's :class:`~gradcomp.Topology` (``"hierarchical"`` only, else None).
         tiered: the hosts are known: the shard leg counts in the meter's ``"intra_host"``
             tier, the replicate leg in ``"inter_host"``.
     """
 
-    def __init__(self, mesh_info, replicate, topology, tiered: bool):
+    def __init__(self, mesh_info, replicate, mesh, topology, tiered: bool):
         self.shard_size, self.shard_rank = mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank
         self.replicate_size, self.replicate_rank = mesh_info.replicate_mesh_size, mesh_info.replicate_mesh_rank
-        self.replicate, self.topology, self.tiered = replicate, topology, tiered
+        self.replicate, self.mesh, self.topology, self.tiered = replicate, mesh, topology, tiered
 
 
 class ReplicateAllReduce:
@@ -155,21 +162,39 @@ class ReplicateAllReduce:
         if found is not None:
             return found
         replicate = self.groups.get(mesh_info.replicate_process_group)
+        ranks = sorted(grid.flatten().tolist())
+        mesh = dist.new_group(ranks, use_local_synchronization=True, timeout=datetime.timedelta(seconds=self.timeout))
         leg_topology, tiered = None, False
         if self.topology is not None or self.algorithm == "hierarchical":
-            host = self._hosts(grid, device)
+            host = self._hosts(grid, ranks, mesh, device)
             tiered = True
             if self.algorithm == "hierarchical":
                 spec = self.topology or Topology()
                 leg_topology = Topology(host=host, inter_algorithm=spec.inter_algorithm, segments=spec.segments)
-        out = self._legs[key] = MeshLegs(mesh_info, replicate, leg_topology, tiered)
+        out = self._legs[key] = MeshLegs(mesh_info, replicate, mesh, leg_topology, tiered)
         return out
 
-    def _hosts(self, grid: torch.Tensor, device) -> int:
+    def agree_settings(self, module, legs: MeshLegs) -> None:
+        """Check with every rank of the mesh at ``apply`` (one 56-byte signature to each) that they
+        all-reduce the same layout (``module.details()``) with the same compressor and algorithm.
+
+        Raises:
+            ValueError: they do not (the same message on every rank of the mesh).
+        """
+        comm = Comm(legs.mesh, self.timeout, self.meter)
+        if comm.world_size == 1:
+            return
+        m = sum(p[3] for p in module.params(legs.shard_size))
+        spec = self.topology.key() if self.topology is not None else None
+        details = {**module.details(), "replicate algorithm": self.algorithm, "topology": repr(spec)}
+        sig = signature(numel=m, algorithm=SETTINGS_CODE, codec=W.codec(self.compressor.codec).id,
+                        wire_nbytes=self.compressor.wire_nbytes((m,), torch.float32), details=details,
+                        labels={"algorithm": {SETTINGS_CODE: "gradcomp HSDP settings"}})
+        _checked.check_call(comm, sig, device=module.device)
+        comm.release()
+
+    def _hosts(self, grid: torch.Tensor, ranks: list[int], group, device) -> int:
         """This rank's host index under the topology, the mesh checked against the hosts."""
-        ranks = sorted(grid.flatten().tolist())
-        span = datetime.timedelta(seconds=self.timeout)
-        group = dist.new_group(ranks, use_local_synchronization=True, timeout=span)
         lay = layout(group, self.topology, self.timeout, device)  # the same ValueError everywhere if bad
         host_of = {ranks[g]: h for h, members in enumerate(lay.hosts) for g in members}
         for row in grid.tolist():

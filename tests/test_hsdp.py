@@ -195,6 +195,11 @@ def _bad(rank, world):
                                               algorithm="hierarchical"),
         "sparse_algorithm": lambda: gc.fsdp.apply(_shard(_model(), _mesh()), algorithm="allgather"),
         "sparse_compressor": lambda: gc.fsdp.apply(_shard(_model(), _mesh()), gc.TopK(ratio=0.1)),
+        # settings that differ on one rank: every rank raises at apply
+        "block_size_differs": lambda: gc.fsdp.apply(_shard(_model(), _mesh()),
+                                                    gc.Int8Quantizer(128 if rank == 3 else 256)),
+        "algorithm_differs": lambda: gc.fsdp.apply(_shard(_model(), _mesh()),
+                                                   algorithm="two_phase" if rank == 3 else "ring"),
     }
     out = {}
     for name, fn in cases.items():
@@ -337,7 +342,8 @@ def test_bad_mesh_or_topology_raises_on_every_rank(results):
     expect = {"shard_spans_hosts": ("ValueError", "spans hosts"), "uneven_hosts": ("ValueError", "different numbers"),
               "flat_inside_a_host": ("ValueError", "hierarchical"), "one_dim_mesh": ("ValueError", "2-D"),
               "sparse_algorithm": ("ValueError", "algorithm"), "sparse_compressor": ("ValueError", "dense"),
-              "twice": ("ValueError", "already")}
+              "twice": ("ValueError", "already"), "block_size_differs": ("ValueError", "compressor settings"),
+              "algorithm_differs": ("ValueError", "two_phase")}
     for name, (kind, word) in expect.items():
         got = [r["bad"][name] for r in results]
         assert all(g is not None for g in got), (name, got)
