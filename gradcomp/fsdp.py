@@ -544,8 +544,9 @@ def _apply_hsdp(found, names, rep: ReplicateAllReduce) -> ReplicateAllReduce:
     bound = []
     for name, m, g in found:  # collective: the hosts (once per mesh), gradcomp's groups, the settings
         mod = ModuleLayout(name, g, names)
-        legs = rep.legs(g.mesh_info, mod.device)
+        legs = rep.legs(g.mesh_info)
         rep.agree_settings(mod, legs)
+        rep.resolve(legs, mod.device)
         tier = "intra_host" if legs.tiered and rep.meter is not None else None
         with rep.meter.tier_scope(tier) if tier else contextlib.nullcontext():
             own = groups.get(g.mesh_info.shard_process_group)

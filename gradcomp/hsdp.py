@@ -77,6 +77,7 @@ class MeshLegs:
     """One HSDP mesh as the hook reduces over it (built by :meth:`ReplicateAllReduce.legs`).
 
     Attributes:
+        grid: the mesh's global ranks, int64 ``[R, S]`` (row: a shard group).
         shard_size, shard_rank: the shard group's size and this rank's index in it.
         replicate_size, replicate_rank: the same for the replicate group.
         replicate: gradcomp's process group over the replicate group's ranks.
@@ -84,12 +85,15 @@ class MeshLegs:
         topology: the replicate leg's :class:`~gradcomp.Topology` (``"hierarchical"`` only, else None).
         tiered: the hosts are known: the shard leg counts in the meter's ``"intra_host"``
             tier, the replicate leg in ``"inter_host"``.
+        resolved: :meth:`ReplicateAllReduce.resolve` ran (``topology`` and ``tiered`` are set).
     """
 
-    def __init__(self, mesh_info, replicate, mesh, topology, tiered: bool):
+    def __init__(self, mesh_info, replicate, mesh):
+        self.grid = mesh_info.mesh.mesh
         self.shard_size, self.shard_rank = mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank
         self.replicate_size, self.replicate_rank = mesh_info.replicate_mesh_size, mesh_info.replicate_mesh_rank
-        self.replicate, self.mesh, self.topology, self.tiered = replicate, mesh, topology, tiered
+        self.replicate, self.mesh = replicate, mesh
+        self.topology, self.tiered, self.resolved = None, False, False
 
 
 class ReplicateAllReduce:
@@ -147,15 +151,9 @@ class ReplicateAllReduce:
         """Error feedback is on and the compressor is lossy."""
         return self.error_feedback and self.compressor.lossy
 
-    def legs(self, mesh_info, device) -> MeshLegs:
-        """The :class:`MeshLegs` of ``mesh_info``; on a mesh's first call (collective over its
-        ranks) resolves the hosts when there is a topology and checks the mesh against them.
-
-        Raises:
-            ValueError: a bad topology (see :func:`gradcomp.comm.topology.layout`), a shard
-                group spanning hosts, or (flat algorithms) a replicate group with two ranks on
-                one host: the same message on every rank of the mesh, before any payload moves.
-        """
+    def legs(self, mesh_info) -> MeshLegs:
+        """The :class:`MeshLegs` of ``mesh_info``, its hosts not yet resolved (:meth:`resolve`);
+        on a mesh's first call gradcomp's groups over its ranks are made (collective)."""
         grid = mesh_info.mesh.mesh
         key = (tuple(grid.shape), tuple(grid.flatten().tolist()))
         found = self._legs.get(key)
@@ -164,19 +162,32 @@ class ReplicateAllReduce:
         replicate = self.groups.get(mesh_info.replicate_process_group)
         ranks = sorted(grid.flatten().tolist())
         mesh = dist.new_group(ranks, use_local_synchronization=True, timeout=datetime.timedelta(seconds=self.timeout))
-        leg_topology, tiered = None, False
+        out = self._legs[key] = MeshLegs(mesh_info, replicate, mesh)
+        return out
+
+    def resolve(self, legs: MeshLegs, device) -> None:
+        """Resolve the hosts of ``legs``'s mesh when there is a topology (or ``"hierarchical"``),
+        once, collective over the mesh's ranks, and check the mesh against them.
+
+        Raises:
+            ValueError: a bad topology (see :func:`gradcomp.comm.topology.layout`), a shard
+                group spanning hosts, or (flat algorithms) a replicate group with two ranks on
+                one host: the same message on every rank of the mesh, before any payload moves.
+        """
+        if legs.resolved:
+            return
         if self.topology is not None or self.algorithm == "hierarchical":
-            host = self._hosts(grid, ranks, mesh, device)
-            tiered = True
+            host = self._hosts(legs.grid, sorted(legs.grid.flatten().tolist()), legs.mesh, device)
+            legs.tiered = True
             if self.algorithm == "hierarchical":
                 spec = self.topology or Topology()
-                leg_topology = Topology(host=host, inter_algorithm=spec.inter_algorithm, segments=spec.segments)
-        out = self._legs[key] = MeshLegs(mesh_info, replicate, mesh, leg_topology, tiered)
-        return out
+                legs.topology = Topology(host=host, inter_algorithm=spec.inter_algorithm, segments=spec.segments)
+        legs.resolved = True
 
     def agree_settings(self, module, legs: MeshLegs) -> None:
         """Check with every rank of the mesh at ``apply`` (one 56-byte signature to each) that they
-        all-reduce the same layout (``module.details()``) with the same compressor and algorithm.
+        all-reduce the same layout (``module.details()``) with the same compressor, algorithm and
+        kind of topology; before :meth:`resolve`, whose collective a rank without a topology skips.
 
         Raises:
             ValueError: they do not (the same message on every rank of the mesh).
@@ -185,8 +196,10 @@ class ReplicateAllReduce:
         if comm.world_size == 1:
             return
         m = sum(p[3] for p in module.params(legs.shard_size))
-        spec = self.topology.key() if self.topology is not None else None
-        details = {**module.details(), "replicate algorithm": self.algorithm, "topology": repr(spec)}
+        spec = self.topology
+        # what every rank's spec shares (a host id given by host= differs between hosts)
+        shared = None if spec is None else (spec.kind, spec.ranks_per_host, spec.inter_algorithm, spec.segments)
+        details = {**module.details(), "replicate algorithm": self.algorithm, "topology": repr(shared)}
         sig = signature(numel=m, algorithm=SETTINGS_CODE, codec=W.codec(self.compressor.codec).id,
                         wire_nbytes=self.compressor.wire_nbytes((m,), torch.float32), details=details,
                         labels={"algorithm": {SETTINGS_CODE: "gradcomp HSDP settings"}})

@@ -200,6 +200,8 @@ def _bad(rank, world):
                                                     gc.Int8Quantizer(128 if rank == 3 else 256)),
         "algorithm_differs": lambda: gc.fsdp.apply(_shard(_model(), _mesh()),
                                                    algorithm="two_phase" if rank == 3 else "ring"),
+        "hierarchical_on_one_rank": lambda: gc.fsdp.apply(_shard(_model(), _mesh()),
+                                                          algorithm="hierarchical" if rank == 3 else "ring"),
     }
     out = {}
     for name, fn in cases.items():
@@ -343,7 +345,8 @@ def test_bad_mesh_or_topology_raises_on_every_rank(results):
               "flat_inside_a_host": ("ValueError", "hierarchical"), "one_dim_mesh": ("ValueError", "2-D"),
               "sparse_algorithm": ("ValueError", "algorithm"), "sparse_compressor": ("ValueError", "dense"),
               "twice": ("ValueError", "already"), "block_size_differs": ("ValueError", "compressor settings"),
-              "algorithm_differs": ("ValueError", "two_phase")}
+              "algorithm_differs": ("ValueError", "two_phase"),
+              "hierarchical_on_one_rank": ("ValueError", "hierarchical")}
     for name, (kind, word) in expect.items():
         got = [r["bad"][name] for r in results]
         assert all(g is not None for g in got), (name, got)
