@@ -47,9 +47,9 @@ the ``"agreement"`` check :func:`apply` makes for each module.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
-import math
 from collections.abc import Sequence
 
 import torch
@@ -67,8 +67,12 @@ from gradcomp.comm import checked as _checked
 from gradcomp.comm.agreement import signature
 from gradcomp.comm.reduce_scatter import agree_reduce_scatter
 from gradcomp.comm.p2p import Comm
+from gradcomp.comm.topology import Topology
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
+from gradcomp.fsdp_layout import ModuleLayout
+from gradcomp.hsdp import ReplicateAllReduce, check_mesh, is_hsdp, shard_view
 from gradcomp.meter import TrafficMeter
+from gradcomp.residual_views import flat_residual
 
 __all__ = ["CompressedReduceScatter", "CompressedAllGather", "apply"]
 
@@ -77,8 +81,6 @@ logger = logging.getLogger(__name__)
 _RedOpType = dist.ReduceOp.RedOpType
 # FSDP's own exact all-gather (all_gather_into_tensor before torch 2.10)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-# an ambiguous layout search stops at this many distinct partial sums
-_MAX_LAYOUTS = 4096
 
 
 class CompressedReduceScatter(ReduceScatter):
@@ -154,7 +156,7 @@ class CompressedReduceScatter(ReduceScatter):
         return self._reduce(output_tensor, input_tensor, group, op, async_op, None)
 
     # ---- the reduction -----------------------------------------------------------
-    def _reduce(self, output, inp, group, op, async_op, module: "_Module | None") -> None:
+    def _reduce(self, output, inp, group, op, async_op, module: "ModuleLayout | None") -> None:
         if async_op:
             raise ValueError("CompressedReduceScatter runs synchronously: call it with async_op=False")
         op_name, factor = _op(op)
@@ -174,7 +176,8 @@ class CompressedReduceScatter(ReduceScatter):
                                    "feedback", module.name, n)
             else:
                 slot = id(module) if module is not None else ("by size", n)  # by hand: one per input size
-                residual = self._residual(slot, layout, n, world, inp.device, per_param=module is not None)
+                residual = flat_residual(self.residuals, self._flat, slot, layout, n, world, inp.device,
+                                         per_param=module is not None)
         own = self.groups.get(group)
         described = (id(module), n, op_name, world)
         reduce_scatter(inp, self.compressor, op=op_name, factor=factor, group=own, meter=self.meter,
@@ -182,30 +185,6 @@ class CompressedReduceScatter(ReduceScatter):
                        check=described not in self._agreed, tag="gradcomp.fsdp")  # from any thread
         self._agreed.add(described)
         return None
-
-    def _residual(self, slot, layout, n, world, device, per_param: bool) -> torch.Tensor:
-        """The flat float32 residual of this call, laid out like FSDP's input.
-
-        With ``per_param`` each parameter's residual is a ``[N, S_p]`` view into
-        it (its columns ``[lo, hi)`` of the ``[N, S]`` buffer), else the one key
-        holds the flat tensor itself; reused as is while the layout stays the same.
-        """
-        keys = tuple(k for k, _, _ in layout)
-        held = self._flat.get(slot)
-        if held is not None and held[0] == keys and all(
-                self.residuals.get(k) is held[1] or getattr(self.residuals.get(k), "_base", None) is held[1]
-                for k in keys):
-            return held[1]
-        flat = torch.zeros(n, dtype=torch.float32, device=device)
-        grid = flat.view(world, n // world)
-        for k, lo, hi in layout:
-            view = grid[:, lo:hi] if per_param else flat
-            old = self.residuals.get(k)
-            if old is not None and old.numel() == view.numel():
-                view.copy_(old.view(view.shape))
-            self.residuals[k] = view
-        self._flat[slot] = (keys, flat)
-        return flat
 
     # ---- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -230,20 +209,20 @@ class CompressedReduceScatter(ReduceScatter):
         if "compressor" in state:
             self.compressor.load_state_dict(state["compressor"])
 
-    def _agree_settings(self, module: "_Module", own: dist.ProcessGroup, device) -> None:
+    def _agree_settings(self, module: "ModuleLayout", own: dist.ProcessGroup, device) -> None:
         """Check with every rank at :func:`apply` that they reduce the same
         layout (each parameter's name, shape, dtypes and shard dim, in
         order) with the same compressor (so the first step need not)."""
         world = dist.get_world_size(own)
         if world == 1:
             return
-        n = world * sum(p[3] for p in module._params(world))
+        n = world * sum(p[3] for p in module.params(world))
         agree_reduce_scatter(Comm(own, self.timeout, self.meter), n, self.compressor, "avg", device,
                        details=module.details(), tag="gradcomp.fsdp")
         self._agreed.add((id(module), n, "avg", world))
 
     def _bind(self, name: str, param_group, names: dict[int, str]) -> "_BoundReduceScatter":
-        return _BoundReduceScatter(self, _Module(name, param_group, names))
+        return _BoundReduceScatter(self, ModuleLayout(name, param_group, names))
 
     def __repr__(self) -> str:
         return (f"CompressedReduceScatter(compressor={self.compressor!r}, "
@@ -407,91 +386,21 @@ class CompressedAllGather(AllGather):
             self._agree(Comm(own, self.timeout, self.meter), m, dtypes.pop(), param_group.device)
 
 
-class _Module:
-    """One FSDP module's parameters, in FSDP's reduce-scatter order."""
-
-    def __init__(self, name: str, param_group, names: dict[int, str]):
-        self.name = name
-        self.param_group = param_group
-        self.device = param_group.device
-        self._names = names
-
-    def _params(self, world: int) -> list[tuple[str, tuple, int, int]]:
-        """``(name, shape, shard_dim, S_p)`` of each trainable parameter, ``S_p``
-        its elements per chunk (FSDP pads dim 0 to a multiple of ``world``)."""
-        out = []
-        for i, fp in enumerate(self.param_group.fsdp_params):
-            p = fp.sharded_param
-            if not p.requires_grad:
-                continue
-            shape, dim = tuple(p.shape), fp.fsdp_placement.dim
-            if dim == 0:
-                per = math.ceil(shape[0] / world) * math.prod(shape[1:]) if shape else 1
-            else:
-                per = math.prod(shape) // world
-            out.append((self._names.get(id(p), f"{self.name}#{i}"), shape, dim, per))
-        return out
-
-    def details(self) -> dict[str, str]:
-        """What the ranks agree on at :func:`apply`: the module's name and, in FSDP's order, each
-        parameter's name, shape, dtype, the dtype FSDP reduces it in, shard dim and whether it trains."""
-        policy, out = self.param_group.mp_policy, {"FSDP module": self.name or "<root>"}
-        for i, fp in enumerate(self.param_group.fsdp_params):
-            p = fp.sharded_param
-            out[f"parameter {i}"] = (f"{self._names.get(id(p), '?')}: shape {tuple(p.shape)}, {p.dtype} (reduced in "
-                                     f"{policy.reduce_dtype or policy.param_dtype or p.dtype}), shard dim "
-                                     f"{fp.fsdp_placement.dim}" + ("" if p.requires_grad else ", frozen"))
-        return out
-
-    def layout(self, n: int, world: int, rank: int) -> list[tuple[tuple, int, int]] | None:
-        """``(residual key, lo, hi)`` of each parameter in an input of ``n``
-        elements (its columns ``[lo, hi)`` of each chunk), or None when more
-        than one subset of the trainable parameters fits."""
-        params = self._params(world)
-        chosen = _unique_subset([p[3] for p in params], n // world)
-        if chosen is None:
-            return None
-        out, off = [], 0
-        for i, (name, shape, dim, per) in enumerate(params):
-            if i in chosen:
-                out.append(((name, shape, dim, world, rank), off, off + per))
-                off += per
-        return out
-
-
-def _unique_subset(sizes: list[int], total: int) -> set[int] | None:
-    """Indices of the one subset of ``sizes`` (kept in order) summing to
-    ``total``; None if there are none or several (or too many to tell)."""
-    if sum(sizes) == total:
-        return set(range(len(sizes)))
-    # sum -> (count of subsets reaching it, capped at 2; one subset reaching it)
-    reach: dict[int, tuple[int, frozenset]] = {0: (1, frozenset())}
-    for i, s in enumerate(sizes):
-        nxt = dict(reach)
-        for t, (c, sub) in reach.items():
-            if t + s > total:
-                continue
-            c0, sub0 = nxt.get(t + s, (0, None))
-            nxt[t + s] = (min(2, c0 + c), sub0 if sub0 is not None else sub | {i})
-        reach = nxt
-        if len(reach) > _MAX_LAYOUTS:
-            return None
-    count, sub = reach.get(total, (0, None))
-    return set(sub) if count == 1 else None
-
-
 class _BoundReduceScatter(ReduceScatter):
     """The comm one FSDP module calls: the shared :class:`CompressedReduceScatter`
     with that module's parameter layout."""
 
-    def __init__(self, parent: CompressedReduceScatter, module: _Module):
-        self.parent, self.module = parent, module
+    def __init__(self, parent: CompressedReduceScatter, module: ModuleLayout, tier: str | None = None):
+        self.parent, self.module, self.tier = parent, module, tier  # tier: the meter's, for HSDP's shard group
 
     def allocate(self, size, *, dtype, device):
         return self.parent.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        return self.parent._reduce(output_tensor, input_tensor, group, op, async_op, self.module)
+        if self.tier is None:
+            return self.parent._reduce(output_tensor, input_tensor, group, op, async_op, self.module)
+        with self.parent.meter.tier_scope(self.tier):
+            return self.parent._reduce(output_tensor, input_tensor, group, op, async_op, self.module)
 
 
 def _op(op) -> tuple[str, float]:
@@ -509,15 +418,24 @@ def _op(op) -> tuple[str, float]:
 
 def apply(module: nn.Module, compressor: Compressor | None = None, error_feedback: bool = True,
           meter: TrafficMeter | None = None, *, allgather: Compressor | None = None,
-          timeout: float = DEFAULT_TIMEOUT) -> CompressedReduceScatter:
-    """Set one :class:`CompressedReduceScatter` on every FSDP2 module of ``module``.
+          timeout: float = DEFAULT_TIMEOUT, algorithm: str | None = None, topology: Topology | None = None,
+          shard_compressor: Compressor | None = None) -> CompressedReduceScatter | ReplicateAllReduce:
+    """Set gradcomp's gradient reduction on every FSDP2 module of ``module``.
+
+    1-D meshes: one :class:`CompressedReduceScatter` (``compressor``) on every
+    FSDP module. 2-D (HSDP) meshes: a :class:`~gradcomp.hsdp.ReplicateAllReduce`
+    all-reduce hook compresses each shard's gradient across the replicate
+    dimension (``compressor``, ``algorithm``, ``topology``, error feedback on
+    this leg) after the shard group's reduce-scatter, FSDP's own exact one or
+    (``shard_compressor``) a :class:`CompressedReduceScatter` (docs/fsdp2.md#hsdp).
 
     Call it on every rank, after ``fully_shard`` and before the first
     backward. It checks everything a step would otherwise trip on and raises
-    here: no FSDP module, a module with several parameter groups, a mesh that
-    is not 1-D (HSDP), a device other than CPU or CUDA, a reduce dtype other
+    here: no FSDP module, a module with several parameter groups, a
+    replicate-only mesh or 1-D and 2-D meshes mixed, a device other than CPU or CUDA, a reduce dtype other
     than float32 / bfloat16 / float16, a custom reduce-scatter (or, with
-    ``allgather``, all-gather) already set, a bad compressor, and (one
+    ``allgather``, all-gather, or with HSDP an all-reduce hook) already set, a bad compressor, a bad
+    topology or a mesh the hosts do not fit (HSDP; collective over the mesh's ranks), and (one
     40-byte message to each peer per FSDP module) ranks whose compressors or
     parameter layouts differ: every rank raises the same ValueError. Parameters
     outside FSDP modules are left alone (their gradients are the caller's to
@@ -525,42 +443,54 @@ def apply(module: nn.Module, compressor: Compressor | None = None, error_feedbac
 
     Args:
         module: a model with ``fully_shard`` applied to it or to submodules.
-        compressor, error_feedback, meter, timeout: see :class:`CompressedReduceScatter`.
+        compressor, error_feedback, meter, timeout: see :class:`CompressedReduceScatter`
+            (HSDP: of the replicate leg).
         allgather: optional dense compressor (e.g. ``gc.Int8Quantizer()``)
             for the forward all-gather of parameters (:class:`CompressedAllGather`,
             same meter); None keeps FSDP's exact all-gather.
+        algorithm: HSDP only: the replicate leg's :func:`gradcomp.allreduce`
+            algorithm, one of :data:`gradcomp.hsdp.REPLICATE_ALGORITHMS` (None: ``"ring"``).
+        topology: HSDP only: a :class:`gradcomp.Topology` over the mesh's ranks;
+            then every shard group must lie in one host and the meter counts
+            tiers. None: from the environment for ``"hierarchical"``, else no tiers.
+        shard_compressor: HSDP only: dense compressor of the shard group's
+            reduce-scatter; None keeps FSDP's exact one.
 
     Returns:
-        The comm: its :meth:`~CompressedReduceScatter.state_dict` holds the
-        residuals; its ``allgather`` attribute the all-gather comm (or None).
+        1-D: the comm (its :meth:`~CompressedReduceScatter.state_dict` holds the
+        residuals; its ``allgather`` attribute the all-gather comm, or None).
+        HSDP: the :class:`~gradcomp.hsdp.ReplicateAllReduce` (its ``reduce_scatter``
+        and ``allgather`` attributes the shard-group comms, or None).
 
     Raises:
         TypeError / ValueError: see above (the message names the module).
         RuntimeError: torch.distributed is not initialised.
     """
-    comm = CompressedReduceScatter(compressor, error_feedback, meter, timeout=timeout)
-    if allgather is not None:
-        comm.allgather = CompressedAllGather(allgather, meter, timeout=timeout, groups=comm.groups)
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if not dist.is_initialized():
         raise RuntimeError("gradcomp.fsdp.apply needs torch.distributed initialised first")
-    found = [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
-    if not found:
-        raise ValueError("module has no FSDP2 module: call torch.distributed.fsdp.fully_shard on it "
-                         "(or on its submodules) first")
+    found = _param_groups(module)
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    kinds = {is_hsdp(g.mesh_info) for _, _, g in found}
+    if len(kinds) > 1:
+        raise ValueError("module mixes FSDP modules on 1-D meshes with HSDP (2-D) ones; give them one kind")
+    if kinds == {True}:
+        rep = _hsdp_comm(compressor, error_feedback, meter, timeout, "ring" if algorithm is None else algorithm,
+                         topology, shard_compressor, allgather)
+        return _apply_hsdp(found, names, rep)
+    given = [k for k, x in (("algorithm", algorithm), ("topology", topology), ("shard_compressor", shard_compressor))
+             if x is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: for the replicate dimension of a 2-D (HSDP) mesh only; "
+                         "this model's FSDP meshes are 1-D")
+    comm = CompressedReduceScatter(compressor, error_feedback, meter, timeout=timeout)
+    if allgather is not None:
+        comm.allgather = CompressedAllGather(allgather, meter, timeout=timeout, groups=comm.groups)
     bound = []
-    for name, m in found:
-        label = name or "<root>"
-        groups = m._get_fsdp_state()._fsdp_param_groups
-        if len(groups) > 1:
-            raise ValueError(f"FSDP module {label!r} has {len(groups)} parameter groups (per-parameter "
-                             "meshes); a custom reduce-scatter needs one")
-        if not groups:
-            continue  # no parameters of its own: FSDP never reduce-scatters for it
-        _check_group(label, groups[0], comm.allgather is not None)
-        bound.append((m, comm._bind(name, groups[0], names), groups[0].mesh_info.shard_process_group))
+    for name, m, g in found:
+        _check_group(name or "<root>", g, comm.allgather is not None)
+        bound.append((m, comm._bind(name, g, names), g.mesh_info.shard_process_group))
     for m, b, group in bound:  # every rank makes gradcomp's group and checks the settings now
         own = comm.groups.get(group)
         comm._agree_settings(b.module, own, b.module.device)
@@ -573,13 +503,79 @@ def apply(module: nn.Module, compressor: Compressor | None = None, error_feedbac
     return comm
 
 
-def _check_group(label: str, group, allgather: bool) -> None:
+def _param_groups(module: nn.Module) -> list:
+    """``(name, FSDP module, its parameter group)`` of every FSDP module with parameters of its own."""
+    found = [(name, m) for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+    if not found:
+        raise ValueError("module has no FSDP2 module: call torch.distributed.fsdp.fully_shard on it "
+                         "(or on its submodules) first")
+    out = []
+    for name, m in found:
+        groups = m._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise ValueError(f"FSDP module {name or '<root>'!r} has {len(groups)} parameter groups (per-parameter "
+                             "meshes); a custom reduce-scatter needs one")
+        if groups:  # none: no parameters of its own, FSDP never reduce-scatters for it
+            out.append((name, m, groups[0]))
+    return out
+
+
+def _hsdp_comm(compressor, error_feedback, meter, timeout, algorithm, topology, shard_compressor,
+               allgather) -> ReplicateAllReduce:
+    """The HSDP comms of :func:`apply` (arguments checked), sharing gradcomp's groups."""
+    groups = _OwnGroups(v.timeout("timeout", timeout))
+    rep = ReplicateAllReduce(_dense("compressor", Int8Quantizer() if compressor is None else compressor,
+                                    "with error_feedback=True the replicate all-reduce keeps residuals per shard"),
+                             error_feedback, _meter(meter), timeout=groups.timeout, algorithm=algorithm,
+                             topology=topology, groups=groups)
+    if shard_compressor is not None:
+        rep.reduce_scatter = CompressedReduceScatter(shard_compressor, error_feedback, meter, timeout=timeout)
+        rep.reduce_scatter.groups = groups
+    if allgather is not None:
+        rep.allgather = CompressedAllGather(allgather, meter, timeout=timeout, groups=groups)
+    return rep
+
+
+def _apply_hsdp(found, names, rep: ReplicateAllReduce) -> ReplicateAllReduce:
+    """:func:`apply` on HSDP meshes (see there): checks, then the collectives, then the hooks."""
+    groups = rep.groups
+    for name, m, g in found:
+        _check_group(name or "<root>", g, rep.allgather is not None, hsdp=True)
+    bound = []
+    for name, m, g in found:  # collective: the hosts (once per mesh), gradcomp's groups, the settings
+        mod = ModuleLayout(name, g, names)
+        legs = rep.legs(g.mesh_info)
+        rep.agree_settings(mod, legs)
+        rep.resolve(legs, mod.device)
+        tier = "intra_host" if legs.tiered and rep.meter is not None else None
+        with rep.meter.tier_scope(tier) if tier else contextlib.nullcontext():
+            own = groups.get(g.mesh_info.shard_process_group)
+            if rep.reduce_scatter is not None:
+                rep.reduce_scatter._agree_settings(mod, own, mod.device)
+            if rep.allgather is not None:
+                rep.allgather._agree_settings(g, own)
+        bound.append((m, mod, legs, tier))
+    for m, mod, legs, tier in bound:
+        m.set_all_reduce_hook(rep.hook(mod, legs))
+        if rep.reduce_scatter is not None:
+            m.set_custom_reduce_scatter(_BoundReduceScatter(rep.reduce_scatter, mod, tier))
+        if rep.allgather is not None:
+            m.set_custom_all_gather(rep.allgather)
+        mod.param_group.mesh_info = shard_view(mod.param_group.mesh_info)  # FSDP skips its replicate all-reduce
+    return rep
+
+
+def _check_group(label: str, group, allgather: bool, hsdp: bool = False) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     mesh_info = group.mesh_info
-    if not hasattr(mesh_info, "shard_process_group") or mesh_info.mesh.ndim != 1:
-        raise ValueError(f"FSDP module {label!r}: only 1-D FSDP meshes are supported (HSDP and replicate-only "
-                         f"meshes are not), got a {mesh_info.mesh.ndim}-D mesh")
+    if group._all_reduce_hook is not None:
+        raise ValueError(f"FSDP module {label!r} already has an all-reduce hook; apply gradcomp to a model once")
+    if hsdp:
+        check_mesh(label, mesh_info)
+    elif not hasattr(mesh_info, "shard_process_group") or mesh_info.mesh.ndim != 1:
+        raise ValueError(f"FSDP module {label!r}: only 1-D FSDP meshes and 2-D HSDP meshes are supported "
+                         f"(replicate-only meshes are not), got a {mesh_info.mesh.ndim}-D mesh")
     if group.device.type not in ("cpu", "cuda"):
         raise ValueError(f"FSDP module {label!r}: device must be cpu (gloo) or cuda (NCCL), got {group.device}")
     current = [group._reduce_scatter_comm] + ([group._all_gather_comm] if allgather else [])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
 __all__ = ["TrafficMeter", "PhaseCounters", "TIERS"]
@@ -63,6 +65,26 @@ class TrafficMeter:
         self.tiers: dict[str, PhaseCounters] = {}
         self.steps = 0
         self.switches: list[dict] = []
+        self._scope = threading.local()  # the calling thread's tier_scope, if any
+
+    @contextmanager
+    def tier_scope(self, tier: str) -> Iterator[None]:
+        """Within the block, bytes and seconds this thread records without a
+        tier count in ``tier`` (one of :data:`TIERS`): for a collective that
+        runs over one tier's group without knowing it (e.g. the replicate
+        all-reduce of HSDP, :mod:`gradcomp.hsdp`). Records naming a tier keep it.
+
+        Raises:
+            ValueError: ``tier`` is not one of :data:`TIERS`.
+        """
+        if tier not in TIERS:
+            raise ValueError(f"tier must be one of {TIERS}, got {tier!r}")
+        outer = getattr(self._scope, "tier", None)
+        self._scope.tier = tier
+        try:
+            yield
+        finally:
+            self._scope.tier = outer
 
     def _phase(self, phase: str) -> PhaseCounters:
         c = self.phases.get(phase)
@@ -71,6 +93,8 @@ class TrafficMeter:
         return c
 
     def _counters(self, phase: str, tier: str | None) -> list[PhaseCounters]:
+        if tier is None:
+            tier = getattr(self._scope, "tier", None)
         if tier is None:
             return [self._phase(phase)]
         if tier not in TIERS:

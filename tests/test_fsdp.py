@@ -448,8 +448,7 @@ def _bad_config(rank, world):
         "timeout": lambda: gc.fsdp.apply(_shard(_model()), timeout=-1),
         "float64": lambda: gc.fsdp.apply(_shard(_model(dtype=torch.float64))),
         "float64_reduce": lambda: gc.fsdp.apply(_shard(_model(), mp=MixedPrecisionPolicy(reduce_dtype=torch.float64))),
-        "hsdp": lambda: gc.fsdp.apply(fully_shard(_model(), mesh=init_device_mesh(
-            "cpu", (1, world), mesh_dim_names=("replicate", "shard")))),
+        "hsdp_option_on_1d": lambda: gc.fsdp.apply(_shard(_model()), algorithm="hierarchical"),
         # settings that differ between ranks: every rank raises at apply
         "ranks_differ": lambda: gc.fsdp.apply(_shard(_model()), compressor=gc.Int8Quantizer(128 if rank else 256)),
         "ranks_differ_allgather": lambda: gc.fsdp.apply(_shard(_model()),
@@ -667,7 +666,7 @@ def test_bad_configuration_raises_at_apply(results):
               "compressor_name": ("TypeError", "compressor"), "error_feedback_int": ("TypeError", "error_feedback"),
               "meter": ("TypeError", "meter"), "timeout": ("ValueError", "timeout"),
               "float64": ("TypeError", "float64"), "float64_reduce": ("TypeError", "float64"),
-              "twice": ("ValueError", "already"), "hsdp": ("ValueError", "1-D"), "ranks_differ": ("ValueError", "compressor settings"),
+              "twice": ("ValueError", "already"), "hsdp_option_on_1d": ("ValueError", "2-D"), "ranks_differ": ("ValueError", "compressor settings"),
               "ranks_differ_allgather": ("ValueError", "compressor settings")}
     for r in res:
         bad = r["bad"]
@@ -689,14 +688,15 @@ def test_comm_validation_without_a_group():
     assert not gc.fsdp.CompressedReduceScatter(gc.NoCompression()).uses_residuals
     with pytest.raises(ValueError, match="state"):
         rs.load_state_dict({"x": 1})
-    from gradcomp.fsdp import _op, _unique_subset
+    from gradcomp.fsdp import _op
+    from gradcomp.fsdp_layout import unique_subset
 
     R = dist.ReduceOp
     assert _op(R.AVG) == ("avg", 1.0) and _op(R.SUM) == ("sum", 1.0)
     assert _op(R.PREMUL_SUM(0.25)) == ("sum", 0.25)
     with pytest.raises(ValueError, match="AVG"):
         _op(R.MAX)
-    assert _unique_subset([3, 5, 7], 15) == {0, 1, 2}
-    assert _unique_subset([3, 5, 7], 10) == {0, 2}
-    assert _unique_subset([3, 3, 7], 10) is None  # two subsets: ambiguous
-    assert _unique_subset([3, 5], 4) is None
+    assert unique_subset([3, 5, 7], 15) == {0, 1, 2}
+    assert unique_subset([3, 5, 7], 10) == {0, 2}
+    assert unique_subset([3, 3, 7], 10) is None  # two subsets: ambiguous
+    assert unique_subset([3, 5], 4) is None
