@@ -83,7 +83,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomp import _validate as v
-from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, INPUT_DTYPES, Topology, allreduce, check_algorithm
+from gradcomp.adaptive import Adaptive
+from gradcomp.comm import ALGORITHMS, FLAT_DENSE_ALGORITHMS, DEFAULT_TIMEOUT, INPUT_DTYPES, Topology, allreduce, check_algorithm
 from gradcomp.comm.settings import agree_settings, compressor_text, setting_text
 from gradcomp.comm.topology import layout
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
@@ -92,7 +93,7 @@ from gradcomp.localsgd_fragments import Fragment, partition
 from gradcomp.sync_period import SyncPeriod, period_argument
 from gradcomp.timeline import StepTimeline
 
-__all__ = ["LocalSGD", "OUTER_LR", "OUTER_MOMENTUM", "OUTER_OPTIMIZERS", "check_schedule"]
+__all__ = ["LocalSGD", "ADAPTIVE", "OUTER_LR", "OUTER_MOMENTUM", "OUTER_OPTIMIZERS", "check_schedule"]
 
 #: DiLoCo's outer learning rate (Douillard et al. 2023, section 3)
 OUTER_LR = 0.7
@@ -100,6 +101,10 @@ OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 #: names ``outer_optimizer`` accepts besides None and a factory
 OUTER_OPTIMIZERS = ("avg", "nesterov")
+#: the :class:`~gradcomp.Adaptive` of ``compressor="auto"``: it decides at every exchange
+#: (one per round), and the exchange (``overlap=0``) hides behind none of the round's compute,
+#: so it is ranked by round time (compute + exchange) x convergence factor (``upper`` near 0)
+ADAPTIVE = {"interval": 1, "probe": 1, "upper": 1e-3, "lower": 5e-4}
 
 
 def check_schedule(sync_every, fragments=1, overlap=0) -> tuple[int, int, int]:
@@ -137,6 +142,22 @@ def _cpu_copy(x):
     return x
 
 
+def _codec(compressor, algorithm: str | None) -> tuple[Compressor | Adaptive, str]:
+    """The compressor (``"auto"``: an :class:`~gradcomp.Adaptive` with :data:`ADAPTIVE`) and its algorithm."""
+    compressor = Int8Quantizer() if compressor is None else compressor
+    if isinstance(compressor, str) and compressor == "auto":
+        compressor = Adaptive(**ADAPTIVE)
+    if isinstance(compressor, Adaptive):  # the algorithm of its dense candidates
+        return compressor, v.choice("algorithm", "ring" if algorithm is None else algorithm, FLAT_DENSE_ALGORITHMS)
+    compressor = unwrapped(compressor, "compressor", "LocalSGD keeps the pseudo-gradient residuals "
+                           "(error_feedback=True)", " or 'auto'")
+    if algorithm is None:
+        algorithm = "allgather" if compressor.sparse else "ring"
+    v.choice("algorithm", algorithm, ALGORITHMS)
+    check_algorithm(algorithm, compressor)
+    return compressor, algorithm
+
+
 class LocalSGD:
     """Local SGD / DiLoCo / Streaming DiLoCo over a torch.distributed group.
 
@@ -157,7 +178,9 @@ class LocalSGD:
         min_sync_every, max_sync_every, comm_share: the bounds and the target
             exchange share of ``sync_every="auto"`` (default 1, 64, 0.1).
         compressor: a gradcomp compressor (default :class:`~gradcomp.Int8Quantizer`),
-            not wrapped in ErrorFeedback (residuals are kept here).
+            not wrapped in ErrorFeedback (residuals are kept here); ``"auto"`` or a
+            :class:`~gradcomp.Adaptive`: the codec chosen at every exchange, per fragment
+            (``"auto"``: with :data:`ADAPTIVE`; its state is not checkpointed).
         outer_optimizer: None or ``"avg"`` (averaging: local SGD),
             ``"nesterov"`` (DiLoCo: SGD, lr :data:`OUTER_LR`, Nesterov momentum
             :data:`OUTER_MOMENTUM`), or a callable taking the list of anchor
@@ -224,14 +247,8 @@ class LocalSGD:
                                       fragments=fragments, overlap=overlap)
         self.sync_every, self.fragments, self.overlap = check_schedule(
             sync_every if self.period is None else self.period.start, fragments, overlap)
-        compressor = Int8Quantizer() if compressor is None else compressor
-        compressor = unwrapped(compressor, "compressor",
-                               "LocalSGD keeps the pseudo-gradient residuals (error_feedback=True)")
+        compressor, algorithm = _codec(compressor, algorithm)
         v.flag("error_feedback", error_feedback)
-        if algorithm is None:
-            algorithm = "allgather" if compressor.sparse else "ring"
-        v.choice("algorithm", algorithm, ALGORITHMS)
-        check_algorithm(algorithm, compressor)
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
         if topology is not None and algorithm != "hierarchical":
@@ -291,7 +308,7 @@ class LocalSGD:
                     dist.broadcast(buf, src=src, group=self._group)
                     p.copy_(buf)
         cuts = partition([p.numel() for p in params], self.fragments)
-        self._frags = [Fragment([params[i] for i in idx], self.error_feedback) for idx in cuts]
+        self._frags = [Fragment([params[i] for i in idx], self.error_feedback, key=f) for f, idx in enumerate(cuts)]
         self.outer_optimizer = self._make_outer(outer_optimizer)
         self.steps = 0
         self.syncs = 0
@@ -322,6 +339,11 @@ class LocalSGD:
             raise TypeError(f"outer_optimizer(params) must return a torch.optim.Optimizer, "
                             f"got {type(opt).__name__}")
         return opt
+
+    @property
+    def codec(self) -> str | None:
+        """The adaptive codec's choice for the first fragment now (None: not adaptive, or before its first exchange)."""
+        return self.compressor.codec(0) if isinstance(self.compressor, Adaptive) else None
 
     @property
     def parameter_fragments(self) -> list[list[nn.Parameter]]:
@@ -369,7 +391,7 @@ class LocalSGD:
             if self.period is not None:  # fragments=1: every round ends with its exchange
                 self.sync_every = self.period.decide(self.steps, self.steps - self._round_start, self.sync_every,
                                                      self._group, self.timeout, self._frags[0].anchor.device,
-                                                     self.meter)
+                                                     self.meter, self.codec)
                 self._round_start = self.steps
         if self.meter is not None:
             self.meter.step()
@@ -418,7 +440,7 @@ class LocalSGD:
             if self.timeline is not None:
                 stack.enter_context(self.timeline.active())
                 stack.enter_context(self.timeline.span("collective"))
-            allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
+            allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group, key=frag.key,
                       meter=self.meter, timeout=self.timeout, residual=frag.residual, out=delta,
                       check=not frag.checked, topology=self.topology, tag="gradcomp.LocalSGD")
         frag.checked = True
@@ -473,7 +495,7 @@ class LocalSGD:
             "anchors": [f.anchor.cpu().clone() for f in self._frags],
             "residuals": [None if f.residual is None else f.residual.cpu().clone() for f in self._frags],
             "outer_optimizer": None if self.outer_optimizer is None else _cpu_copy(self.outer_optimizer.state_dict()),
-            "compressor": self.compressor.state_dict(),
+            "compressor": self.compressor.state_dict() if isinstance(self.compressor, Compressor) else {},
             "pending": pending,
         }
 
@@ -534,7 +556,8 @@ class LocalSGD:
             frag.loaded_at = -1  # the parameters are the caller's: sync() exchanges every fragment
         if self.outer_optimizer is not None:
             self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        self.compressor.load_state_dict(state.get("compressor", {}))
+        if isinstance(self.compressor, Compressor):  # an Adaptive measures again from its lightest codec
+            self.compressor.load_state_dict(state.get("compressor", {}))
         self.steps, self._round_start = steps, round_start
         self.syncs = v.integer("state['syncs']", state.get("syncs", 0), 0)
         if pending is not None:

@@ -31,8 +31,9 @@ def partition(sizes: list[int], fragments: int) -> list[list[int]]:
 class Fragment:
     """One fragment's parameters and its float32 memory (anchor, residual)."""
 
-    def __init__(self, params: list[nn.Parameter], error_feedback: bool):
+    def __init__(self, params: list[nn.Parameter], error_feedback: bool, key: int = 0):
         self.params = params
+        self.key = key  # its index: the adaptive codec's key for its exchanges
         self.numel = sum(p.numel() for p in params)
         device = params[0].device
         self.anchor = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])

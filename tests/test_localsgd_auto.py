@@ -64,9 +64,11 @@ def _run(rank, period, steps, losses=None, compressor=None):
             periods.append(ls.sync_every)
             identical.append(_identical(_flat(model)))
     ls.close()
-    return {"syncs": syncs, "periods": periods, "identical": identical,
+    return {"syncs": syncs, "periods": periods, "identical": identical, "codec": ls.codec,
+            "codecs": [e.get("codec") for e in ls.period.switches],
+            "codec_moves": [(e["from"], e["to"]) for e in meter.switches if "kind" not in e],
             "reasons": [e["reason"] for e in ls.period.switches],
-            "meter": [(e["kind"], e["step"], e["from"], e["to"]) for e in meter.switches]}
+            "meter": [(e["kind"], e["step"], e["from"], e["to"]) for e in meter.switches if "kind" in e]}
 
 
 def _script(rank, rounds):
@@ -97,7 +99,17 @@ def _scenarios(rank, world):
                        losses=[2.0, 1.0, 0.5, 0.125, 0.125])
     # measured timings (no hook): whatever they are, the ranks agree and the bounds hold
     out["measured"] = _run(rank, "auto", 24)
+    # the codec and the period together: a link of 1 kB/s for the codec, and
+    # for the period an exchange of 0.1 s per 1 ms step: the period reaches its bound at once,
+    # then the codec moves off float32
+    out["pair"] = _run(rank, gc.SyncPeriod(1, 4, timing=_script(rank, [(0.1, 0.001)])), 1 + 4 * 6,
+                       compressor=gc.Adaptive(("none", "int8"), timing=_link, **gc.localsgd.ADAPTIVE))
     return out
+
+
+def _link(t):
+    """The adaptive codec's timing hook: an exchange takes its wire bytes at 1 kB/s."""
+    return dataclasses.replace(t, comm_s=t.wire_bytes / 1e3)
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +152,17 @@ def test_measured_timings_keep_the_ranks_identical_within_the_bounds(runs):
         assert all(got["identical"]) and all(1 <= h <= 64 for h in got["periods"])
         # the schedule follows the chosen periods: each synchronisation one period after the last
         assert all(b - a == h for a, b, h in zip(got["syncs"], got["syncs"][1:], got["periods"]))
+
+
+def test_the_codec_and_the_period_together(runs):
+    # the period first: at step 1, 9 x 0.1 / 0.001 = 900, bounded to 4; the codec then sees an
+    # exchange of float32 (2256 bytes: 2.3 s at 1 kB/s) against the round's measured compute and
+    # moves to int8 (about 3.5x fewer bytes)
+    _check(runs, "pair", 1, [1 + 4 * k for k in range(7)], [4] * 7, ["comm_share_high"])
+    for r in runs:
+        got = r["pair"]
+        assert got["codecs"] == ["none"]  # the period moved while the exchange ran float32
+        assert got["codec_moves"] == [("none", "int8")] and got["codec"] == "int8", got
 
 
 @pytest.mark.parametrize("current, comm, compute, ratio, lo, hi, expected", [
