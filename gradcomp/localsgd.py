@@ -315,6 +315,8 @@ class LocalSGD:
         self._round_start = 0  # the step the period's current round started after
         self._pending: tuple[int, int, concurrent.futures.Future] | None = None  # (fragment, due, future)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        if self.period is not None:
+            self.period.begin()  # the first round's compute starts now
 
     def _settings(self, model: nn.Module, params: list[nn.Parameter], outer) -> dict[str, object]:
         """What every rank must share: the schedule, the codec, the outer

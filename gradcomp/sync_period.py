@@ -25,7 +25,8 @@ from gradcomp import _validate as v
 from gradcomp.comm.consensus import agree_max
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["SyncPeriod", "SyncRound", "choose_period", "period_argument", "COMM_SHARE", "HYSTERESIS", "MAX_SYNC_EVERY", "REASONS"]
+__all__ = ["SyncPeriod", "SyncRound", "choose_period", "period_argument", "COMM_SHARE", "HYSTERESIS", "MAX_SYNC_EVERY", "REASONS",
+           "WARMUP_ROUNDS"]
 
 #: default target share of a round's time spent in the exchange: ``comm / (comm + H x compute)``
 COMM_SHARE = 0.1
@@ -38,6 +39,10 @@ HYSTERESIS = 0.25
 #: why the period moved: the exchange took more / less than ``comm_share`` of the round at the
 #: old period (the link slowed / sped up against the compute), or the loss fell (AdaComm)
 REASONS = ("comm_share_high", "comm_share_low", "loss_fell")
+#: rounds whose measurements are dropped before the first decision: the first exchange on a new
+#: group carries one-time costs (connections, the first call's agreement), the first steps
+#: lazy initialisation, and a period chosen from them would be off for a whole round
+WARMUP_ROUNDS = 1
 # a period computed as an exact integer must not become the next one by rounding error
 _ROUNDING = 1e-9
 
@@ -164,6 +169,7 @@ class SyncPeriod:
         self.switches: list[dict] = []
         self.decisions = 0
         self.loss0: float | None = None
+        self._warmup = WARMUP_ROUNDS
         self.begin()
 
     def settings(self) -> dict[str, object]:
@@ -210,7 +216,8 @@ class SyncPeriod:
                meter: TrafficMeter | None = None, codec: str | None = None) -> int:
         """Agree on the round's measurements over ``group`` and return the next period.
 
-        Every rank of ``group`` must call it at the same synchronisation.
+        Every rank of ``group`` must call it at the same synchronisation. The first
+        :data:`WARMUP_ROUNDS` calls only drop their round's measurements (and return ``current``).
 
         Args:
             step: the inner step just synchronised; steps: inner steps in the round (>= 1).
@@ -224,6 +231,10 @@ class SyncPeriod:
                 :class:`SyncRound` of finite times >= 0.
             TimeoutError / RuntimeError: a peer did not join within ``timeout`` seconds.
         """
+        if self._warmup > 0:  # the same on every rank: no agreement needed
+            self._warmup -= 1
+            self.begin()
+            return current
         mine = SyncRound(step=step, steps=steps, comm_s=self._comm_s, compute_s=self._busy_s / max(1, steps),
                          loss=self._loss_sum / self._loss_count if self._loss_count else None)
         if self.timing is not None:
@@ -276,6 +287,7 @@ class SyncPeriod:
             raise ValueError("state['switches'] must be a list of dicts")
         self.loss0 = None if loss0 is None else float(loss0)
         self.decisions = decisions
+        self._warmup = WARMUP_ROUNDS  # a resumed run's first exchange is a new group's first again
         self.switches = [dict(e) for e in switches]
         self.begin()
 
