@@ -228,7 +228,7 @@ class SyncPeriod:
 
         Raises:
             TypeError / ValueError: the ``timing`` hook returned something else than a
-                :class:`SyncRound` of finite times >= 0.
+                :class:`SyncRound` of finite times (and loss, or None) >= 0.
             TimeoutError / RuntimeError: a peer did not join within ``timeout`` seconds.
         """
         if self._warmup > 0:  # the same on every rank: no agreement needed
@@ -241,9 +241,10 @@ class SyncPeriod:
             mine = self.timing(mine)
             if not isinstance(mine, SyncRound):
                 raise TypeError(f"timing must return a gradcomp.SyncRound, got {type(mine).__name__}")
-        for name in ("comm_s", "compute_s"):
-            if not (math.isfinite(getattr(mine, name)) and getattr(mine, name) >= 0):
-                raise ValueError(f"SyncRound.{name} must be a finite number >= 0, got {getattr(mine, name)!r}")
+        for name in ("comm_s", "compute_s", "loss"):
+            x = getattr(mine, name)
+            if not (name == "loss" and x is None) and not (math.isfinite(x) and x >= 0):
+                raise ValueError(f"SyncRound.{name} must be a finite number >= 0, got {x!r}")
         local = [-mine.comm_s, mine.compute_s, -math.inf if mine.loss is None else float(mine.loss)]
         neg_comm, compute, loss = agree_max(local, group, timeout, device, "gradcomp.SyncPeriod")
         comm, loss = -neg_comm, (loss if math.isfinite(loss) else None)

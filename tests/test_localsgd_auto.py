@@ -256,3 +256,24 @@ def test_bad_period_arguments():
     with pytest.raises(TypeError, match="loss"):
         p.report_loss("0.5")
     p.report_loss(torch.tensor(0.5))  # a 0-d tensor is a loss
+
+
+def _bad_hooks(rank, world):
+    out = []
+    for hook in (lambda r: dataclasses.replace(r, comm_s=-1.0), lambda r: dataclasses.replace(r, loss=float("nan")),
+                 lambda r: (r.comm_s, r.compute_s)):
+        ls = gc.LocalSGD(_model(), sync_every=gc.SyncPeriod(timing=hook), timeout=TIMEOUT)
+        try:
+            for _ in range(3):
+                ls.step()
+            out.append("no error")
+        except (TypeError, ValueError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_a_timing_hook_returning_bad_measurements_raises():
+    comm, loss, kind = launch(_bad_hooks, 1, timeout=TIMEOUT)[0]
+    assert comm.startswith("ValueError") and "comm_s" in comm
+    assert loss.startswith("ValueError") and "loss" in loss
+    assert kind.startswith("TypeError") and "SyncRound" in kind
