@@ -3,7 +3,8 @@
 The timings are injected through the period's ``timing`` hook (no sleeps), the losses through
 ``step(loss=...)``; the expected periods are derived by hand from the rule
 ``H = ceil(sqrt(min(1, F / F0)) x comm (1 - share) / (share x compute))`` (share 0.1: ``H =
-9 x comm / compute`` before the loss factor), the bounds and the 25% hysteresis. The multi-process
+9 x comm / compute`` before the loss factor), the bounds, the 25% hysteresis, the warm-up round
+and the window of 16 steps. The multi-process
 scenarios run in one 3-rank gloo launch in which rank 1 measures other timings than its peers
 (twice the exchange, half the compute: alone it would choose 4x the period) and every rank
 reports a different loss: every rank must still move to the same period at the same step, with
@@ -20,7 +21,7 @@ import torch.nn as nn
 
 import gradcomp as gc
 from gradcomp.launch import launch
-from gradcomp.sync_period import HYSTERESIS, choose_period
+from gradcomp.sync_period import HYSTERESIS, WARMUP_ROUNDS, WINDOW_STEPS, choose_period
 
 WORLD = 3
 TIMEOUT = 60
@@ -93,7 +94,7 @@ def _scenarios(rank, world):
                                                                         (0.05, 0.01)])), 2 + 18 + 18 + 32)
     # a fast link from H = 32: 9 x 0.01 / 0.01 = 9; then 9 x 0.001 / 0.01 = 0.9 -> 1 (synchronous)
     out["fast"] = _run(rank, gc.SyncPeriod(1, 64, start=32, timing=_script(rank, [(0.01, 0.01), (0.001, 0.01)])),
-                       32 + 32 + 9 + 1 + 1)
+                       32 + 32 + 9 + 5 + 1 + 1)
     # a falling loss on a steady link (9 x 0.04 / 0.01 = 36): F0 = 2, then F = 1, 0.5, 0.125
     out["loss"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)])), 2 + 36 + 26 + 18,
                        losses=[2.0, 1.0, 0.5, 0.125, 0.125])
@@ -157,8 +158,10 @@ def test_a_slow_link_raises_the_period_up_to_the_bound(runs):
 
 
 def test_a_fast_link_lowers_the_period_to_synchronous(runs):
-    # the warm-up round ends at step 32 (stays 32); step 64 -> 9, step 73 -> 1
-    _check(runs, "fast", 32, [32, 64, 73, 74, 75], [32, 9, 1, 1, 1], ["comm_share_low", "comm_share_low"])
+    # the warm-up round ends at step 32 (stays 32); step 64 -> 9; the round of 9 steps is read
+    # with the one before (16 steps at least): median exchange (0.01 + 0.001) / 2, 9 x 0.55 = 4.95
+    # -> 5; at step 78 the window (5 + 9 + 32 steps) has the median 0.001: 0.9 -> 1
+    _check(runs, "fast", 32, [32, 64, 73, 78, 79, 80], [32, 9, 5, 1, 1, 1], ["comm_share_low"] * 3)
 
 
 def test_a_falling_loss_shrinks_the_period(runs):
@@ -215,7 +218,7 @@ def test_choose_period_by_hand(current, comm, compute, ratio, lo, hi, expected):
     new, reason, _ = choose_period(current, comm, compute, loss_ratio=ratio, comm_share=0.1,
                                    min_sync_every=lo, max_sync_every=hi)
     assert (new, reason) == expected
-    assert HYSTERESIS == 0.25  # the derivations above use it
+    assert (HYSTERESIS, WARMUP_ROUNDS, WINDOW_STEPS) == (0.25, 1, 16)  # the derivations in this file use them
 
 
 def test_choose_period_target_share_holds_time_only():
