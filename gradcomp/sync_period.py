@@ -26,8 +26,8 @@ from gradcomp import _validate as v
 from gradcomp.comm.consensus import agree_max
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["SyncPeriod", "SyncRound", "choose_period", "period_argument", "COMM_SHARE", "HYSTERESIS", "MAX_SYNC_EVERY", "REASONS",
-           "WARMUP_ROUNDS", "WINDOW_STEPS"]
+__all__ = ["SyncPeriod", "SyncRound", "choose_period", "period_argument", "COMM_SHARE", "HYSTERESIS",
+           "MAX_SYNC_EVERY", "REASONS", "WARMUP_ROUNDS", "WINDOW_STEPS"]
 
 #: default target share of a round's time spent in the exchange: ``comm / (comm + H x compute)``
 COMM_SHARE = 0.1
@@ -148,9 +148,10 @@ class SyncPeriod:
     Attributes:
         switches: every move, oldest first (JSON-ready dicts: ``kind`` ``"sync_every"``,
             ``step``, ``from``, ``to``, ``reason`` (:data:`REASONS`), the agreed ``comm_s``
-            and ``compute_s`` over the window of ``rounds`` rounds, the round's ``loss``, ``loss0``, ``comm_share`` (the exchange's share at the
-            old period), ``target_share``, ``ideal`` (None when infinite) and ``codec`` (the
-            adaptive codec's choice for the exchange, or None)).
+            and ``compute_s`` over the window of ``rounds`` rounds, the round's ``loss``,
+            ``loss0``, ``comm_share`` (the exchange's share at the old period),
+            ``target_share``, ``ideal`` (None when infinite) and ``codec`` (the adaptive
+            codec's choice for the exchange, or None)).
         decisions: decisions taken so far; loss0: the first agreed loss, or None.
 
     Raises:
@@ -159,7 +160,8 @@ class SyncPeriod:
 
     def __init__(self, min_sync_every: int = 1, max_sync_every: int = MAX_SYNC_EVERY, *,
                  comm_share: float = COMM_SHARE, start: int | None = None,
-                 clock: Callable[[], float] | None = None, timing: Callable[[SyncRound], SyncRound] | None = None):
+                 clock: Callable[[], float] | None = None,
+                 timing: Callable[[SyncRound], SyncRound] | None = None):
         self.min_sync_every = v.integer("min_sync_every", min_sync_every, 1)
         self.max_sync_every = v.integer("max_sync_every", max_sync_every, self.min_sync_every)
         self.comm_share = v.real("comm_share", comm_share)
