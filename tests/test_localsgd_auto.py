@@ -206,6 +206,9 @@ def test_the_codec_and_the_period_together(runs):
     (1, 0.02, 0.01, None, 1, 64, (18, "comm_share_high")),   # 9 x 2 = 18
     (18, 0.021, 0.01, None, 1, 64, (18, None)),              # 18.9 -> 19: within 25% of 18
     (18, 0.025, 0.01, None, 1, 64, (23, "comm_share_high")),  # 22.5 -> 23 >= 22.5
+    (2, 0.00255, 0.01, None, 1, 64, (2, None)),               # 2.295 < 2.5: stays (not ceil -> 3)
+    (2, 0.00289, 0.01, None, 1, 64, (3, "comm_share_high")),   # 2.601 >= 2.5 -> 3
+    (2, 0.00115, 0.01, None, 1, 64, (2, None)),               # 1.035 > 2 / 1.25 but rounds to 2
     (4, 0.0, 0.01, None, 1, 64, (1, "comm_share_low")),      # no exchange time: synchronous
     (4, 0.01, 0.0, None, 1, 64, (64, "comm_share_high")),    # no compute time: the upper bound
     (8, 0.001, 0.01, None, 2, 16, (2, "comm_share_low")),    # 0.9, held at the lower bound
