@@ -4,8 +4,8 @@ The timings are injected through the period's ``timing`` hook (no sleeps), the l
 ``step(loss=...)``; the expected periods are derived by hand from the rule
 ``H = ceil(sqrt(min(1, F / F0)) x comm (1 - share) / (share x compute))`` (share 0.1: ``H =
 9 x comm / compute`` before the loss factor), the bounds, the 25% hysteresis, the warm-up round
-and the window of 16 steps. The multi-process
-scenarios run in one 3-rank gloo launch in which rank 1 measures other timings than its peers
+and the window of 16 steps. The multi-process scenarios run in one 3-rank gloo launch in which
+rank 1 measures other timings than its peers
 (twice the exchange, half the compute: alone it would choose 4x the period) and every rank
 reports a different loss: every rank must still move to the same period at the same step, with
 bit-identical parameters after every synchronisation.
@@ -92,7 +92,8 @@ def _scenarios(rank, world):
     # a slowing link: 9 x 0.02 / 0.01 = 18; then 9 x 0.05 / 0.01 = 45, above the bound 32
     out["slow"] = _run(rank, gc.SyncPeriod(1, 32, timing=_script(rank, [(0.02, 0.01), (0.02, 0.01),
                                                                         (0.05, 0.01)])), 2 + 18 + 18 + 32)
-    # a fast link from H = 32: 9 x 0.01 / 0.01 = 9; then 9 x 0.001 / 0.01 = 0.9 -> 1 (synchronous)
+    # a fast link from H = 32: 9 x 0.01 / 0.01 = 9; then 0.001 s exchanges: 5 (the window still
+    # holds a 0.01 s one), then 9 x 0.001 / 0.01 = 0.9 -> 1 (synchronous)
     out["fast"] = _run(rank, gc.SyncPeriod(1, 64, start=32, timing=_script(rank, [(0.01, 0.01), (0.001, 0.01)])),
                        32 + 32 + 9 + 5 + 1 + 1)
     # a falling loss on a steady link (9 x 0.04 / 0.01 = 36): F0 = 2, then F = 1, 0.5, 0.125
