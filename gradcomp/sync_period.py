@@ -1,4 +1,4 @@
-"""The local SGD period ``H`` chosen online from the measured exchange, compute and loss.
+"""The local SGD period ``H``, chosen online from what each round measured.
 
 ``gc.LocalSGD(model, sync_every="auto")`` (or ``sync_every=gc.SyncPeriod(...)``) starts
 synchronous (``H = min_sync_every``) and, at every synchronisation, sets the period for the
