@@ -33,7 +33,7 @@ import torch.distributed as dist
 from gradcomp import _validate as v
 from gradcomp import catalog
 from gradcomp.comm import DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, allreduce, chunk_bounds, native
-from gradcomp.comm.auto import agree_max
+from gradcomp.comm.consensus import agree_max
 from gradcomp.comm.policy import CodecPolicy
 from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
 from gradcomp.meter import TrafficMeter

@@ -18,7 +18,6 @@ and writes alike (:mod:`gradcomp.comm.local`): a switch loses nothing. docs/coll
 
 from __future__ import annotations
 
-import datetime
 import math
 import statistics
 import threading
@@ -32,33 +31,18 @@ import torch.distributed as dist
 from gradcomp import _validate as v
 from gradcomp.comm import cost
 from gradcomp.comm._args import DENSE_ALGORITHMS, SPARSE_ALGORITHMS, check_algorithm
-from gradcomp.comm.guard import exclusive
+from gradcomp.comm.consensus import agree_max
 from gradcomp.comm.settings import agree_settings, compressor_text
 from gradcomp.comm.topology import Topology, layout
 from gradcomp.compressors import split
 
-__all__ = ["AutoAlgorithm", "default_for", "agree_max", "residual_key"]
+__all__ = ["AutoAlgorithm", "default_for", "residual_key"]
 
 
 def residual_key(key: Hashable) -> tuple:
     """The key under which an :class:`~gradcomp.ErrorFeedback` passed with
     ``algorithm="auto"`` keeps ``key``'s one flat residual."""
     return ("auto", key)
-
-
-def agree_max(local: Sequence[float], group, timeout: float, device, what: str) -> list[float]:
-    """The element-wise ``MAX`` of ``local`` over ``group``'s ranks (one float64
-    allreduce; every rank must call it at the same point, like a collective).
-
-    Raises:
-        RuntimeError / TimeoutError: a peer did not answer within ``timeout`` seconds.
-    """
-    agreed = torch.tensor(list(local), dtype=torch.float64, device=device)
-    if dist.get_world_size(group) > 1:
-        with exclusive(group, what, timeout):
-            work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True)
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
-    return agreed.tolist()
 
 
 def _link(name: str, value, default: cost.Link) -> cost.Link:
