@@ -324,7 +324,7 @@ def test_jitter_changes_the_achieved_rate_as_scheduled():
     with LocalCluster(2, rate="100mbit", rate_jitter=0.6, jitter_period_s=period_s, seed=seed,
                       calibrate=False) as c:
         first = c.current_period() + 2  # the ranks start within a period
-        out = c.run(_rates_in_periods, c._t0, period_s, [first, first + 1], timeout=60)[1]
+        out = c.run(_rates_in_periods, c.shaper.origin, period_s, [first, first + 1], timeout=60)[1]
         assert c.link_rate(0) == pytest.approx(c.scheduled_rate(0, c.current_period()), rel=0.01)
     for p, bps, end in out:
         assert end == p, "a transfer outlasted its period"
