@@ -24,7 +24,7 @@ import threading
 import time
 
 from gradcomp.lab.args import OneLineParser
-from gradcomp.lab.cluster import jitter_type, link_type, topology_type
+from gradcomp.lab.cluster import jitter_type, topology_type
 from gradcomp.lab.study.config import (ALGORITHMS, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
                                        SPARSE_ALGORITHMS, TrainConfig)
 from gradcomp.lab.study import argtypes as A
@@ -108,18 +108,20 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"seconds allowed per run before its processes are stopped "
                         f"(default {d.timeout:g})")
     time = p.add_argument_group("time (shaped links, stragglers, time to accuracy)")
-    time.add_argument("--link", type=link_type, default="none", metavar="RATE",
+    time.add_argument("--link", type=A.link_schedule_type, default="none", metavar="RATE",
                       help="none (the unshaped loopback, default) or a link rate: 100mbit, 1gbit, "
                            "10gbit, ... (every rank in its own network namespace, links shaped with "
-                           "tc tbf; needs root and iproute2)")
+                           "tc tbf; needs root and iproute2); or a rate changing at given seconds "
+                           "of each run: RATE@SECONDS,... such as 1gbit@0,100mbit@120")
     time.add_argument("--topology", type=topology_type, default=None, metavar="HxR",
                       help="H hosts of R workers each (sync and local modes): the workers of a host "
                            "share its namespace, the --link joins the hosts (default: one worker per "
                            "host); --workers is then H*R")
     time.add_argument("--link-jitter", type=jitter_type, default=0.0, metavar="F",
                       help="redraw each link's rate every second from rate x U(1-F, 1+F) (default 0)")
-    time.add_argument("--straggler", type=A.straggler_type, default=None, metavar="RANK:FACTOR",
-                      help="worker RANK's compute takes FACTOR (>= 1) times as long")
+    time.add_argument("--straggler", type=A.straggler_type, default=None, metavar="RANK:FACTOR[@S]",
+                      help="worker RANK's compute takes FACTOR (>= 1) times as long (from S "
+                           "seconds into each run on: 1:3@60)")
     time.add_argument("--backup-workers", type=A.nonnegative_int_type, default=None, metavar="B",
                       help="sync mode through the parameter server: apply a step with the first "
                            "WORKERS - B pushes, drop the late ones (0: every push; default: sync "
@@ -230,6 +232,9 @@ def _check_row_options(args: argparse.Namespace) -> None:
                          "chooses among the flat ring and two-phase): drop auto from --compressors")
     if args.async_momentum is not None and "async" not in args.mode:
         raise ValueError(f"--async-momentum only applies to --mode async, got --mode {','.join(args.mode)}")
+    if args.mode == ("pipeline",) and ("@" in args.link or (args.straggler and args.straggler[2] > 0)):
+        raise ValueError("a --link RATE@SECONDS schedule and a --straggler onset (@SECONDS) apply to "
+                         "--mode sync, local and async, not pipeline")
     if args.dgc_warmup is not None and args.mode == ("pipeline",):
         raise ValueError("--dgc-warmup does not apply to --mode pipeline (it has no DGC rows)")
     if args.dgc_warmup is not None and not any(COMPRESSORS[c].dgc for c in args.compressors):
@@ -258,7 +263,9 @@ def _config(args: argparse.Namespace) -> TrainConfig:
                        eval_every=args.eval_every,
                        ranks_per_host=args.topology[1] if getattr(args, "topology", None) else 1,
                        threshold=args.threshold, timeout=args.timeout,
-                       straggler=args.straggler, compute_jitter=args.compute_jitter,
+                       straggler=args.straggler[:2] if args.straggler else None,
+                       straggler_from_s=args.straggler[2] if args.straggler else 0.0,
+                       compute_jitter=args.compute_jitter,
                        backup_workers=args.backup_workers, **local)
 
 

@@ -162,6 +162,8 @@ class TrainConfig:
         timeout: seconds allowed for one run before its processes are stopped.
         straggler: ``(worker, factor)``: that worker's compute takes ``factor``
             times as long (see :mod:`gradcomp.lab.study.timing`); None: no straggler.
+        straggler_from_s: seconds into each run's training clock from which the
+            straggler is slow (0: from the start).
         backup_workers: None: sync mode runs gradcomp's allreduce; an int
             ``b``: sync mode runs through the parameter server, a step applied
             with the first ``workers - b`` pushes (0: every push; Chen et al.
@@ -195,6 +197,7 @@ class TrainConfig:
     threshold: float | None = None
     timeout: float = 600.0
     straggler: tuple[int, float] | None = None
+    straggler_from_s: float = 0.0
     compute_jitter: float = 0.0
     backup_workers: int | None = None
     sync_every: int = 32
@@ -261,6 +264,10 @@ class TrainConfig:
                 raise ValueError(f"straggler rank must be a worker in 0..{self.workers - 1}, got {rank!r}")
             if not 1 <= factor < 1e3:
                 raise ValueError(f"straggler factor must be >= 1 (and < 1000), got {factor!r}")
+        if (isinstance(self.straggler_from_s, bool) or not isinstance(self.straggler_from_s, (int, float))
+                or not 0 <= self.straggler_from_s < float("inf")):
+            raise ValueError(f"straggler_from_s must be a finite number of seconds >= 0, "
+                             f"got {self.straggler_from_s!r}")
         if self.backup_workers is not None and (isinstance(self.backup_workers, bool) or not isinstance(
                 self.backup_workers, int) or not 0 <= self.backup_workers < self.workers):
             raise ValueError(f"backup_workers must be None or an int in [0, workers={self.workers}), "

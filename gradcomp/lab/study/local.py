@@ -34,12 +34,11 @@ unless ``--threshold`` sets one.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from gradcomp.localsgd import LocalSGD
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import StepTimeline, now
-from gradcomp.lab.study.common import RankLog
+from gradcomp.lab.study.common import RankLog, start_together
 from gradcomp.lab.study.config import COMPRESSORS, TrainConfig
 from gradcomp.lab.study.data import Digits, worker_batches
 from gradcomp.lab.study.workloads import batch_loss, build_model
@@ -52,7 +51,7 @@ LOCAL = "local"
 
 
 def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str, data: Digits,
-                     progress=None) -> RankLog:
+                     progress=None, link_clock=None) -> RankLog:
     """Train one run of the local mode as ``rank`` of an initialised process
     group of ``cfg.workers`` ranks; every rank is a worker, rank 0 evaluates.
 
@@ -60,6 +59,7 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         compressor: a name of :data:`gradcomp.lab.study.config.COMPRESSORS`.
         data: the study's split.
         progress: optional object with ``put(step)``; rank 0 calls it now and then.
+        link_clock: the changing link\'s restart handle (:func:`~gradcomp.lab.study.common.start_together`).
 
     Returns:
         This rank's :class:`RankLog`; ``extra`` holds the number of fragment
@@ -77,9 +77,8 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
                   fragments=cfg.fragments, overlap=cfg.overlap, timeout=cfg.timeout, timeline=timeline)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     log = RankLog(rank)
-    delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed)
-    dist.barrier()
-    log.start()
+    delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed, cfg.straggler_from_s)
+    start_together(log, rank, delay, link_clock)
     batches = worker_batches(len(data.y_train), cfg.workers, rank, cfg.batch_size, cfg.seed, cfg.steps)
     for step, idx in enumerate(batches, 1):
         t0 = now()
@@ -103,7 +102,7 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         log.record(cfg, LOCAL, step, lossf, meter, model if rank == 0 else None, data,
                    progress if rank == 0 else None)
     ls.close()
-    log.extra = {"local_syncs": ls.syncs}
+    log.extra["local_syncs"] = ls.syncs
     log.finish(meter, model if rank == 0 else None, data, timeline)
     if rank == 0:
         log.final = log.evals[-1]

@@ -99,11 +99,14 @@ def title(study: StudyResult) -> str:
 
 def link_line(study: StudyResult) -> str:
     """Where the study ran: the scenario and, per mode, the link's configured and achieved rate."""
+    from gradcomp.lab.study.decision import phases_text
     from gradcomp.lab.units import format_rate
 
     parts = []
     for mode, link in study.links.items():
-        if link.get("configured_bps"):
+        if len(link.get("phases") or ()) > 1:
+            parts.append(f"{mode}: " + phases_text(link["phases"]))
+        elif link.get("configured_bps"):
             parts.append(f"{mode}: {format_rate(link['configured_bps'])} configured, "
                          f"{format_rate(link['achieved_bps'])} achieved")
         else:
@@ -111,7 +114,9 @@ def link_line(study: StudyResult) -> str:
     sc = study.scenario
     extra = []
     if sc.get("straggler"):
-        extra.append(f"straggler worker {sc['straggler']['rank']} x{sc['straggler']['factor']:g}")
+        onset = sc["straggler"].get("from_s") or 0
+        extra.append(f"straggler worker {sc['straggler']['rank']} x{sc['straggler']['factor']:g}"
+                     + (f" from {onset:g} s" if onset else ""))
     if sc.get("compute_jitter_cv"):
         extra.append(f"compute jitter CV {sc['compute_jitter_cv']:g}")
     if sc.get("link_jitter"):

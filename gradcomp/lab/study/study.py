@@ -209,10 +209,11 @@ class _Relay:
 
 
 def mode_rank(rank: int, world_size: int, mode: str, jobs: list[Job], datas: list[Digits],
-              progress=None) -> list[RankLog]:
+              progress=None, link_clock=None) -> list[RankLog]:
     """Run every job of one mode, one after the other, as ``rank`` of an
     initialised process group. Each run starts afresh (model, optimizer,
-    compressor state, meter); the processes and the process group are reused.
+    compressor state, meter, and a changing link's schedule: ``link_clock``);
+    the processes and the process group are reused.
 
     Returns:
         This rank's :class:`RankLog` per job, in order.
@@ -221,7 +222,8 @@ def mode_rank(rank: int, world_size: int, mode: str, jobs: list[Job], datas: lis
     logs = []
     for cfg, name, d in jobs:
         logs.append(fn(rank, world_size, cfg, name, datas[d],
-                       _Tagged(progress, name, cfg.seed) if progress is not None else None))
+                       _Tagged(progress, name, cfg.seed) if progress is not None else None,
+                       link_clock=link_clock))
     return logs
 
 
@@ -237,7 +239,6 @@ def _launch_local(mode: str, jobs: list[Job], datas: list[Digits],
     world = _world_size(mode, cfg)
     timeout = max(c.timeout for c, _, _ in jobs) * len(jobs)
     env = {"GRADCOMP_WORKER_THREADS": "1"}
-    args = (mode, jobs, datas, progress)
     per = cfg.ranks_per_host if mode != "async" else 1  # the topology is of the sync and local workers
     with contextlib.ExitStack() as stack:
         if scenario is not None and scenario.link is not None:
@@ -248,9 +249,11 @@ def _launch_local(mode: str, jobs: list[Job], datas: list[Digits],
                                                        rate_jitter=scenario.link_jitter,
                                                        seed=cfg.seed))
             link = cluster.describe()
+            # a changing link starts its schedule again at every run's start
+            remote = cluster.shaper.remote() if cluster.shaper is not None else None
 
             def start():
-                return cluster.run(mode_rank, *args, timeout=timeout, env=env)
+                return cluster.run(mode_rank, mode, jobs, datas, progress, remote, timeout=timeout, env=env)
         else:
             link = {"name": "none", "configured_bps": None, "achieved_bps": None,
                     "emulation": "loopback", "world_size": world, "hosts": world // per,
@@ -259,7 +262,8 @@ def _launch_local(mode: str, jobs: list[Job], datas: list[Digits],
             hosts = [{"GRADCOMP_HOST_ID": str(r // per)} for r in range(world)]
 
             def start():
-                return launch(mode_rank, world, args, timeout=timeout, env=env, rank_env=hosts)
+                return launch(mode_rank, world, (mode, jobs, datas, progress), timeout=timeout, env=env,
+                              rank_env=hosts)
         return _watch(start, progress, on_step), link
 
 
@@ -476,8 +480,10 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
                              f"gradient, so there is nothing to compress), got {cfg.workers}")
     if scenario is None:
         scenario = Scenario(name="custom" if cfg.straggler or cfg.compute_jitter else "loopback",
-                            straggler=cfg.straggler, compute_jitter=cfg.compute_jitter)
-    cfg = replace(cfg, straggler=scenario.straggler, compute_jitter=scenario.compute_jitter)
+                            straggler=cfg.straggler, compute_jitter=cfg.compute_jitter,
+                            straggler_from_s=cfg.straggler_from_s)
+    cfg = replace(cfg, straggler=scenario.straggler, compute_jitter=scenario.compute_jitter,
+                  straggler_from_s=scenario.straggler_from_s)
     datas, cfgs = [], []
     for i in range(seeds):
         c = replace(cfg, seed=cfg.seed + i)
