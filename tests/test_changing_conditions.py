@@ -56,7 +56,7 @@ def test_the_command_line_takes_schedules():
     err = io.StringIO()
     with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
         p.parse_args(["--link", "1gbit@0,100mbit@0"])
-    assert "argument --link: must be RATE@SECONDS" in err.getvalue()
+    assert "argument --link: rate must be RATE@SECONDS" in err.getvalue()
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert command.main(["--mode", "pipeline", "--straggler", "1:3@5", "--no-progress"]) == 2

@@ -110,10 +110,9 @@ def link_schedule_type(text: str) -> str:
     if text in ("none", "loopback"):
         return "none"
     try:
-        return format_schedule(link_schedule(text, "--link"), format_rate)
+        return format_schedule(link_schedule(text, "rate"), format_rate)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{str(e).replace('--link ', '')}; or none (the unshaped "
-                                         "loopback)") from None
+        raise argparse.ArgumentTypeError(f"{e}; or none (the unshaped loopback)") from None
 
 
 def accuracy_type(text: str) -> float:
