@@ -50,6 +50,9 @@ _EXPORTS = {
     "Adaptive": "gradcomp.adaptive",
     "ddp": "gradcomp.ddp",
     "LocalSGD": "gradcomp.localsgd",
+    "sync_period": "gradcomp.sync_period",
+    "SyncPeriod": "gradcomp.sync_period",
+    "SyncRound": "gradcomp.sync_period",
     "ps": "gradcomp.ps",
     "fsdp": "gradcomp.fsdp",
 }

@@ -21,7 +21,6 @@ under a link prior, the model's limits): docs/adaptive.md.
 
 from __future__ import annotations
 
-import datetime
 import math
 import statistics
 import time
@@ -34,7 +33,7 @@ import torch.distributed as dist
 from gradcomp import _validate as v
 from gradcomp import catalog
 from gradcomp.comm import DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, allreduce, chunk_bounds, native
-from gradcomp.comm.guard import exclusive
+from gradcomp.comm.consensus import agree_max
 from gradcomp.comm.policy import CodecPolicy
 from gradcomp.compressors import Compressor, ErrorFeedback, NoCompression
 from gradcomp.meter import TrafficMeter
@@ -833,12 +832,7 @@ class Adaptive(CodecPolicy):
 
 def _agree(local: list[float], group, timeout: float, device) -> list[float]:
     """The element-wise ``MAX`` of ``local`` over ``group``'s ranks (one float64 allreduce)."""
-    agreed = torch.tensor(local, dtype=torch.float64, device=device)
-    if dist.get_world_size(group) > 1:
-        with exclusive(group, "gradcomp.Adaptive", timeout):
-            work = dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group, async_op=True)
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
-    return agreed.tolist()
+    return agree_max(local, group, timeout, device, "gradcomp.Adaptive")
 
 
 def _link_prior(link) -> tuple[float, float] | None:

@@ -83,14 +83,17 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomp import _validate as v
-from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, INPUT_DTYPES, Topology, allreduce, check_algorithm
+from gradcomp.adaptive import Adaptive
+from gradcomp.comm import ALGORITHMS, FLAT_DENSE_ALGORITHMS, DEFAULT_TIMEOUT, INPUT_DTYPES, Topology, allreduce, check_algorithm
 from gradcomp.comm.settings import agree_settings, compressor_text, setting_text
 from gradcomp.comm.topology import layout
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
 from gradcomp.meter import TrafficMeter
+from gradcomp.localsgd_fragments import Fragment, partition
+from gradcomp.sync_period import SyncPeriod, period_argument
 from gradcomp.timeline import StepTimeline
 
-__all__ = ["LocalSGD", "OUTER_LR", "OUTER_MOMENTUM", "OUTER_OPTIMIZERS", "check_schedule"]
+__all__ = ["LocalSGD", "ADAPTIVE", "OUTER_LR", "OUTER_MOMENTUM", "OUTER_OPTIMIZERS", "check_schedule"]
 
 #: DiLoCo's outer learning rate (Douillard et al. 2023, section 3)
 OUTER_LR = 0.7
@@ -98,6 +101,10 @@ OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 #: names ``outer_optimizer`` accepts besides None and a factory
 OUTER_OPTIMIZERS = ("avg", "nesterov")
+#: the :class:`~gradcomp.Adaptive` of ``compressor="auto"``: it decides at every exchange
+#: (one per round), and the exchange (``overlap=0``) hides behind none of the round's compute,
+#: so it is ranked by round time (compute + exchange) x convergence factor (``upper`` near 0)
+ADAPTIVE = {"interval": 1, "probe": 1, "upper": 1e-3, "lower": 5e-4}
 
 
 def check_schedule(sync_every, fragments=1, overlap=0) -> tuple[int, int, int]:
@@ -124,21 +131,6 @@ def check_schedule(sync_every, fragments=1, overlap=0) -> tuple[int, int, int]:
     return sync_every, fragments, overlap
 
 
-def _partition(sizes: list[int], fragments: int) -> list[list[int]]:
-    """Indices of ``sizes`` cut into ``fragments`` non-empty contiguous runs,
-    each cut placed where the running element count is nearest ``k / F`` of the total."""
-    total = sum(sizes)
-    out: list[list[int]] = [[] for _ in range(fragments)]
-    f, cum = 0, 0
-    for i, n in enumerate(sizes):
-        must = len(sizes) - i <= fragments - 1 - f  # one parameter left per remaining fragment
-        if out[f] and f < fragments - 1 and (must or (cum + n / 2) * fragments > (f + 1) * total):
-            f += 1
-        out[f].append(i)
-        cum += n
-    return out
-
-
 def _cpu_copy(x):
     """``x`` with every tensor inside (dicts, lists, tuples) replaced by a CPU copy."""
     if isinstance(x, torch.Tensor):
@@ -150,38 +142,20 @@ def _cpu_copy(x):
     return x
 
 
-class _Fragment:
-    """One fragment's parameters and its float32 memory (anchor, residual)."""
-
-    def __init__(self, params: list[nn.Parameter], error_feedback: bool):
-        self.params = params
-        self.numel = sum(p.numel() for p in params)
-        device = params[0].device
-        self.anchor = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
-        # the outer optimizer's parameters: views of the anchor, shaped like the model's
-        self.views: list[torch.Tensor] = []
-        off = 0
-        for p in params:
-            self.views.append(self.anchor[off:off + p.numel()].view(p.shape))
-            off += p.numel()
-        self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device) if error_feedback else None
-        self.checked = False  # the ranks agreed on this fragment's exchange
-        self.loaded_at = 0  # the step count when the anchor was last loaded into the parameters
-
-    def pseudo_gradient(self) -> torch.Tensor:
-        """``anchor - params`` as a new flat float32 tensor."""
-        delta = self.anchor.clone()
-        off = 0
-        for p in self.params:
-            delta[off:off + p.numel()].sub_(p.detach().reshape(-1).to(torch.float32))
-            off += p.numel()
-        return delta
-
-    def load(self) -> None:
-        """Copy the anchor into the parameters."""
-        with torch.no_grad():
-            for p, a in zip(self.params, self.views):
-                p.copy_(a)
+def _codec(compressor, algorithm: str | None) -> tuple[Compressor | Adaptive, str]:
+    """The compressor (``"auto"``: an :class:`~gradcomp.Adaptive` with :data:`ADAPTIVE`) and its algorithm."""
+    compressor = Int8Quantizer() if compressor is None else compressor
+    if isinstance(compressor, str) and compressor == "auto":
+        compressor = Adaptive(**ADAPTIVE)
+    if isinstance(compressor, Adaptive):  # the algorithm of its dense candidates
+        return compressor, v.choice("algorithm", "ring" if algorithm is None else algorithm, FLAT_DENSE_ALGORITHMS)
+    compressor = unwrapped(compressor, "compressor", "LocalSGD keeps the pseudo-gradient residuals "
+                           "(error_feedback=True)", " or 'auto'")
+    if algorithm is None:
+        algorithm = "allgather" if compressor.sparse else "ring"
+    v.choice("algorithm", algorithm, ALGORITHMS)
+    check_algorithm(algorithm, compressor)
+    return compressor, algorithm
 
 
 class LocalSGD:
@@ -198,9 +172,15 @@ class LocalSGD:
             synchronised (float32, float16 or bfloat16, all on one device:
             CPU for gloo, the current CUDA device for NCCL).
         sync_every: ``H``, inner steps between two synchronisations of a
-            parameter (>= 1).
+            parameter (>= 1); ``"auto"`` or a :class:`~gradcomp.SyncPeriod`: chosen
+            online at every synchronisation (:mod:`gradcomp.sync_period`; then
+            ``fragments=1``, ``overlap=0``).
+        min_sync_every, max_sync_every, comm_share: the bounds and the target
+            exchange share of ``sync_every="auto"`` (default 1, 64, 0.1).
         compressor: a gradcomp compressor (default :class:`~gradcomp.Int8Quantizer`),
-            not wrapped in ErrorFeedback (residuals are kept here).
+            not wrapped in ErrorFeedback (residuals are kept here); ``"auto"`` or a
+            :class:`~gradcomp.Adaptive`: the codec chosen at every exchange, per fragment
+            (``"auto"``: with :data:`ADAPTIVE`; its state is not checkpointed).
         outer_optimizer: None or ``"avg"`` (averaging: local SGD),
             ``"nesterov"`` (DiLoCo: SGD, lr :data:`OUTER_LR`, Nesterov momentum
             :data:`OUTER_MOMENTUM`), or a callable taking the list of anchor
@@ -227,6 +207,8 @@ class LocalSGD:
             (None: hosts from the environment), resolved here (collective).
 
     Attributes:
+        sync_every: the period now (inner steps; it changes at synchronisations when adaptive).
+        period: the :class:`~gradcomp.SyncPeriod` choosing it, or None (fixed).
         steps: calls of :meth:`step` so far.
         syncs: fragment exchanges applied so far (:meth:`sync` included).
 
@@ -242,7 +224,7 @@ class LocalSGD:
     def __init__(
         self,
         model: nn.Module,
-        sync_every: int,
+        sync_every: int | str | SyncPeriod,
         compressor: Compressor | None = None,
         outer_optimizer: str | Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
         group=None,
@@ -255,18 +237,18 @@ class LocalSGD:
         timeout: float = DEFAULT_TIMEOUT,
         timeline: StepTimeline | None = None,
         topology: Topology | None = None,
+        min_sync_every: int | None = None,
+        max_sync_every: int | None = None,
+        comm_share: float | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.sync_every, self.fragments, self.overlap = check_schedule(sync_every, fragments, overlap)
-        compressor = Int8Quantizer() if compressor is None else compressor
-        compressor = unwrapped(compressor, "compressor",
-                               "LocalSGD keeps the pseudo-gradient residuals (error_feedback=True)")
+        self.period = period_argument(sync_every, min_sync_every, max_sync_every, comm_share,
+                                      fragments=fragments, overlap=overlap)
+        self.sync_every, self.fragments, self.overlap = check_schedule(
+            sync_every if self.period is None else self.period.start, fragments, overlap)
+        compressor, algorithm = _codec(compressor, algorithm)
         v.flag("error_feedback", error_feedback)
-        if algorithm is None:
-            algorithm = "allgather" if compressor.sparse else "ring"
-        v.choice("algorithm", algorithm, ALGORITHMS)
-        check_algorithm(algorithm, compressor)
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
         if topology is not None and algorithm != "hierarchical":
@@ -325,11 +307,12 @@ class LocalSGD:
                     buf = p.detach().contiguous()
                     dist.broadcast(buf, src=src, group=self._group)
                     p.copy_(buf)
-        cuts = _partition([p.numel() for p in params], self.fragments)
-        self._frags = [_Fragment([params[i] for i in idx], self.error_feedback) for idx in cuts]
+        cuts = partition([p.numel() for p in params], self.fragments)
+        self._frags = [Fragment([params[i] for i in idx], self.error_feedback, key=f) for f, idx in enumerate(cuts)]
         self.outer_optimizer = self._make_outer(outer_optimizer)
         self.steps = 0
         self.syncs = 0
+        self._round_start = 0  # the step the period's current round started after
         self._pending: tuple[int, int, concurrent.futures.Future] | None = None  # (fragment, due, future)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -339,7 +322,7 @@ class LocalSGD:
         names = {id(p): n for n, p in model.named_parameters()}
         shapes = {f"parameter {i}": f"{names.get(id(p), '?')}: shape {tuple(p.shape)}, {p.dtype}"
                   for i, p in enumerate(params)}
-        return {"sync_every": self.sync_every, "fragments": self.fragments, "overlap": self.overlap,
+        return {"sync_every": self.sync_every if self.period is None else repr(self.period), "fragments": self.fragments, "overlap": self.overlap,
                 "compressor": compressor_text(self.compressor), "algorithm": self.algorithm,
                 "error_feedback": self.error_feedback,
                 "outer_optimizer": "avg" if outer is None else setting_text(outer),
@@ -358,6 +341,11 @@ class LocalSGD:
         return opt
 
     @property
+    def codec(self) -> str | None:
+        """The adaptive codec's choice for the first fragment now (None: not adaptive, or before its first exchange)."""
+        return self.compressor.codec(0) if isinstance(self.compressor, Adaptive) else None
+
+    @property
     def parameter_fragments(self) -> list[list[nn.Parameter]]:
         """The parameters of each fragment, in order."""
         return [list(f.params) for f in self._frags]
@@ -369,28 +357,42 @@ class LocalSGD:
 
     def fragment_due(self, step: int) -> int | None:
         """The fragment whose exchange starts after inner step ``step`` (1-based), or None."""
-        r = step % self.sync_every
+        r = (step - self._round_start) % self.sync_every
         interval = self.sync_every // self.fragments
         return None if r % interval else (r // interval - 1) % self.fragments
 
     # ---- training loop -------------------------------------------------------------
-    def step(self) -> None:
+    def step(self, loss=None) -> None:
         """Count one inner step; synchronise the fragment(s) due now.
 
         Applies the pending exchange whose ``overlap`` has run out, then starts
         the exchange due after this step (and, with ``overlap=0``, applies it).
+        With an adaptive period, the ranks then agree on the next period.
+
+        Args:
+            loss: optional training loss of this inner step (a finite number
+                >= 0 or a one-element tensor), for an adaptive period's loss
+                factor (:meth:`gradcomp.SyncPeriod.report_loss`); ignored with a
+                fixed period. Without losses the period follows the timings only.
 
         Raises:
             TimeoutError / RuntimeError / gradcomp.PayloadError: an exchange
                 failed (see :func:`gradcomp.allreduce`); the group is then not
                 safe to use again.
         """
+        if loss is not None and self.period is not None:
+            self.period.report_loss(loss)
         self.steps += 1
         if self._pending is not None and self._pending[1] == self.steps:
             self._finish_pending()
         f = self.fragment_due(self.steps)
         if f is not None:
             self._start(f, self.overlap)
+            if self.period is not None:  # fragments=1: every round ends with its exchange
+                self.sync_every = self.period.decide(self.steps, self.steps - self._round_start, self.sync_every,
+                                                     self._group, self.timeout, self._frags[0].anchor.device,
+                                                     self.meter, self.codec)
+                self._round_start = self.steps
         if self.meter is not None:
             self.meter.step()
 
@@ -417,7 +419,9 @@ class LocalSGD:
         frag = self._frags[f]
         delta = frag.pseudo_gradient()
         if overlap == 0:
-            self._apply(f, self._exchange(frag, delta, None))
+            with self.period.timed() if self.period is not None else contextlib.nullcontext():
+                mean = self._exchange(frag, delta, None)
+            self._apply(f, mean)
             return
         ready = None
         if delta.is_cuda:
@@ -427,7 +431,7 @@ class LocalSGD:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gradcomp-localsgd")
         self._pending = (f, self.steps + overlap, self._executor.submit(self._exchange, frag, delta, ready))
 
-    def _exchange(self, frag: _Fragment, delta: torch.Tensor, ready) -> torch.Tensor:
+    def _exchange(self, frag: Fragment, delta: torch.Tensor, ready) -> torch.Tensor:
         """Average ``delta`` over the group in place (on the caller's or the background thread)."""
         if ready is not None:  # a new thread starts on device 0
             torch.cuda.set_device(delta.device)
@@ -436,7 +440,7 @@ class LocalSGD:
             if self.timeline is not None:
                 stack.enter_context(self.timeline.active())
                 stack.enter_context(self.timeline.span("collective"))
-            allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
+            allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group, key=frag.key,
                       meter=self.meter, timeout=self.timeout, residual=frag.residual, out=delta,
                       check=not frag.checked, topology=self.topology, tag="gradcomp.LocalSGD")
         frag.checked = True
@@ -486,11 +490,12 @@ class LocalSGD:
             pending = {"fragment": f, "due": due, "mean_delta": fut.result().cpu().clone()}
         return {
             "sync_every": self.sync_every, "fragments": self.fragments, "overlap": self.overlap,
-            "steps": self.steps, "syncs": self.syncs,
+            "steps": self.steps, "syncs": self.syncs, "round_start": self._round_start,
+            "period": None if self.period is None else self.period.state_dict(),
             "anchors": [f.anchor.cpu().clone() for f in self._frags],
             "residuals": [None if f.residual is None else f.residual.cpu().clone() for f in self._frags],
             "outer_optimizer": None if self.outer_optimizer is None else _cpu_copy(self.outer_optimizer.state_dict()),
-            "compressor": self.compressor.state_dict(),
+            "compressor": self.compressor.state_dict() if isinstance(self.compressor, Compressor) else {},
             "pending": pending,
         }
 
@@ -506,7 +511,7 @@ class LocalSGD:
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping (from state_dict()), got {type(state).__name__}")
-        for name in ("sync_every", "fragments", "overlap"):
+        for name in ("sync_every", "fragments", "overlap")[self.period is not None:]:
             if state.get(name) != getattr(self, name):
                 raise ValueError(f"state was saved with {name}={state.get(name)!r}, this LocalSGD has "
                                  f"{name}={getattr(self, name)!r}")
@@ -532,6 +537,16 @@ class LocalSGD:
             f = v.integer("state['pending']['fragment']", pending["fragment"], 0, self.fragments - 1)
             self._check_flat("state['pending']['mean_delta']", pending["mean_delta"], self._frags[f].numel)
         steps = v.integer("state['steps']", state.get("steps"), 0)
+        round_start = v.integer("state['round_start']", state.get("round_start", 0), 0, steps)
+        if self.period is not None:  # the period it had reached, within this one's bounds
+            if not isinstance(state.get("period"), Mapping):
+                raise ValueError("state was saved with a fixed sync_every, this LocalSGD has an adaptive one")
+            sync_every = v.integer("state['sync_every']", state.get("sync_every"),
+                                   self.period.min_sync_every, self.period.max_sync_every)
+            self.period.load_state_dict(state["period"])
+            self.sync_every = sync_every
+        elif state.get("period") is not None:
+            raise ValueError("state was saved with an adaptive sync_every, this LocalSGD has a fixed one")
         self.close()
         for frag, a, r in zip(self._frags, anchors, residuals):
             frag.anchor.copy_(a)
@@ -541,8 +556,9 @@ class LocalSGD:
             frag.loaded_at = -1  # the parameters are the caller's: sync() exchanges every fragment
         if self.outer_optimizer is not None:
             self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        self.compressor.load_state_dict(state.get("compressor", {}))
-        self.steps = steps
+        if isinstance(self.compressor, Compressor):  # an Adaptive measures again from its lightest codec
+            self.compressor.load_state_dict(state.get("compressor", {}))
+        self.steps, self._round_start = steps, round_start
         self.syncs = v.integer("state['syncs']", state.get("syncs", 0), 0)
         if pending is not None:
             done: concurrent.futures.Future = concurrent.futures.Future()

@@ -1,0 +1,63 @@
+"""The fragments of local SGD: runs of parameters synchronised together, each with its float32 memory.
+
+:class:`gradcomp.LocalSGD` keeps one :class:`Fragment` per run of parameters that it
+synchronises together (Streaming DiLoCo; one fragment for plain local SGD and DiLoCo).
+See docs/local-sgd.md.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["Fragment", "partition"]
+
+
+def partition(sizes: list[int], fragments: int) -> list[list[int]]:
+    """Indices of ``sizes`` cut into ``fragments`` non-empty contiguous runs,
+    each cut placed where the running element count is nearest ``k / F`` of the total."""
+    total = sum(sizes)
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    f, cum = 0, 0
+    for i, n in enumerate(sizes):
+        must = len(sizes) - i <= fragments - 1 - f  # one parameter left per remaining fragment
+        if out[f] and f < fragments - 1 and (must or (cum + n / 2) * fragments > (f + 1) * total):
+            f += 1
+        out[f].append(i)
+        cum += n
+    return out
+
+
+class Fragment:
+    """One fragment's parameters and its float32 memory (anchor, residual)."""
+
+    def __init__(self, params: list[nn.Parameter], error_feedback: bool, key: int = 0):
+        self.params = params
+        self.key = key  # its index: the adaptive codec's key for its exchanges
+        self.numel = sum(p.numel() for p in params)
+        device = params[0].device
+        self.anchor = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+        # the outer optimizer's parameters: views of the anchor, shaped like the model's
+        self.views: list[torch.Tensor] = []
+        off = 0
+        for p in params:
+            self.views.append(self.anchor[off:off + p.numel()].view(p.shape))
+            off += p.numel()
+        self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device) if error_feedback else None
+        self.checked = False  # the ranks agreed on this fragment's exchange
+        self.loaded_at = 0  # the step count when the anchor was last loaded into the parameters
+
+    def pseudo_gradient(self) -> torch.Tensor:
+        """``anchor - params`` as a new flat float32 tensor."""
+        delta = self.anchor.clone()
+        off = 0
+        for p in self.params:
+            delta[off:off + p.numel()].sub_(p.detach().reshape(-1).to(torch.float32))
+            off += p.numel()
+        return delta
+
+    def load(self) -> None:
+        """Copy the anchor into the parameters."""
+        with torch.no_grad():
+            for p, a in zip(self.params, self.views):
+                p.copy_(a)

@@ -1,0 +1,322 @@
+"""The local SGD period ``H`` chosen online from the measured exchange, compute and loss.
+
+``gc.LocalSGD(model, sync_every="auto")`` (or ``sync_every=gc.SyncPeriod(...)``) starts
+synchronous (``H = min_sync_every``) and, at every synchronisation, sets the period for the
+next round from AdaComm's rule (Wang and Joshi 2019: ``H`` shrinks with the square root of
+the loss) made time-aware: the period that keeps the exchange's share of a round at
+``comm_share`` (:func:`choose_period`), so a slow link raises ``H``, a fast one lowers it
+(``H = 1``: synchronous training). Invariant: every rank decides from the same agreed
+numbers (one float64 allreduce of three values per synchronisation), so every rank moves
+at the same step and the parameters stay bit-identical. Every move is logged with its
+reason (:attr:`SyncPeriod.switches`, :attr:`gradcomp.TrafficMeter.switches`).
+The rule in full, with the adaptive codec beside it: docs/local-sgd.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from gradcomp import _validate as v
+from gradcomp.comm.consensus import agree_max
+from gradcomp.meter import TrafficMeter
+
+__all__ = ["SyncPeriod", "SyncRound", "choose_period", "period_argument", "COMM_SHARE", "HYSTERESIS", "MAX_SYNC_EVERY", "REASONS"]
+
+#: default target share of a round's time spent in the exchange: ``comm / (comm + H x compute)``
+COMM_SHARE = 0.1
+#: default upper bound of the period (inner steps)
+MAX_SYNC_EVERY = 64
+#: the period moves only when the new one is at least this fraction above or below it (or a
+#: bound): one round's timings are noisy, and a period that flips by one step each round
+#: would log a switch per round for no gain
+HYSTERESIS = 0.25
+#: why the period moved: the exchange took more / less than ``comm_share`` of the round at the
+#: old period (the link slowed / sped up against the compute), or the loss fell (AdaComm)
+REASONS = ("comm_share_high", "comm_share_low", "loss_fell")
+# a period computed as an exact integer must not become the next one by rounding error
+_ROUNDING = 1e-9
+
+
+@dataclass(frozen=True)
+class SyncRound:
+    """One rank's measurements of one round (the inner steps between two decisions),
+    as the ``timing`` hook sees them before the ranks agree.
+
+    Attributes:
+        step: the inner step after which the round's synchronisation ran (1-based).
+        steps: inner steps in the round.
+        comm_s: seconds of the round's scheduled exchange (the collective, as this rank timed it).
+        compute_s: seconds per inner step outside the exchanges: the time between the end of
+            one exchange and the start of the next, over the round, divided by ``steps``.
+        loss: the mean of the losses reported in the round, or None (none reported).
+    """
+
+    step: int
+    steps: int
+    comm_s: float
+    compute_s: float
+    loss: float | None
+
+
+def choose_period(current: int, comm_s: float, compute_s: float, *, loss_ratio: float | None = None,
+                  comm_share: float = COMM_SHARE, min_sync_every: int = 1,
+                  max_sync_every: int = MAX_SYNC_EVERY) -> tuple[int, str | None, float]:
+    """The next period from agreed measurements (pure; the rule of :class:`SyncPeriod`).
+
+    The time-aware period is the least ``H`` with ``comm_s / (comm_s + H x compute_s) <=
+    comm_share``: ``H_time = comm_s (1 - comm_share) / (comm_share x compute_s)``. AdaComm
+    (Wang and Joshi 2019, ``H_k = ceil(sqrt(F_k / F_0) H_0)``) scales it by the square root of
+    the loss ratio, capped at 1 (a loss above the first one does not raise the period):
+    ``H = ceil(sqrt(min(1, loss_ratio)) x H_time)``, clamped to the bounds. It replaces
+    ``current`` only when at least :data:`HYSTERESIS` away from it or on a bound.
+
+    Args:
+        current: the period of the round just ended (inner steps).
+        comm_s: seconds of one exchange (>= 0).
+        compute_s: seconds of one inner step (>= 0; 0 with ``comm_s > 0`` asks for the upper bound).
+        loss_ratio: the loss now over the loss at the first decision (>= 0), or None: time only.
+        comm_share: the target share, in (0, 1).
+        min_sync_every, max_sync_every: the bounds (1 <= min <= max).
+
+    Returns:
+        ``(period, reason, ideal)``: the next period, the reason (one of :data:`REASONS`) or
+        None when it stays, and the unrounded, unbounded ``H`` (``inf`` when ``compute_s`` is 0).
+    """
+    if compute_s > 0:
+        base = comm_s * (1 - comm_share) / (comm_share * compute_s)
+    else:
+        base = math.inf if comm_s > 0 else 0.0
+    factor = math.sqrt(min(1.0, loss_ratio)) if loss_ratio is not None else 1.0
+    ideal = factor * base if base < math.inf or factor > 0 else 0.0
+
+    def bounded(h: float) -> int:
+        if h == math.inf:
+            return max_sync_every
+        return min(max_sync_every, max(min_sync_every, math.ceil(h * (1 - _ROUNDING))))
+
+    def moves(new: int) -> bool:
+        return new != current and (new in (min_sync_every, max_sync_every)
+                                   or new >= current * (1 + HYSTERESIS) or new * (1 + HYSTERESIS) <= current)
+
+    new = bounded(ideal)
+    if not moves(new):
+        return current, None, ideal
+    if new > current:
+        return new, "comm_share_high", ideal
+    by_time = bounded(base)  # the time-aware period alone: did the link, or the loss, lower it?
+    return new, ("comm_share_low" if moves(by_time) and by_time < current else "loss_fell"), ideal
+
+
+class SyncPeriod:
+    """The adaptive period of :class:`gradcomp.LocalSGD` (see the module docstring).
+
+    Pass it as ``LocalSGD(sync_every=SyncPeriod(...))``; ``sync_every="auto"`` builds one
+    from ``min_sync_every``, ``max_sync_every`` and ``comm_share``. At every scheduled
+    synchronisation, once the exchange returned, each rank agrees with the others on the
+    round's measurements (:class:`SyncRound`) by one ``MAX`` allreduce of ``(-comm_s,
+    compute_s, loss)``: the exchange as the last rank to arrive timed it (no wait for a
+    late peer), the slowest rank's compute per step, the largest mean loss (``-inf`` for
+    none). :func:`choose_period` then gives the next period on every rank alike; the loss
+    ratio is the agreed loss over the first agreed loss. One instance per ``LocalSGD``.
+
+    Args:
+        min_sync_every: the least period, and the start unless ``start`` is given (>= 1).
+        max_sync_every: the largest period (>= ``min_sync_every``).
+        comm_share: the target share of a round's seconds spent in the exchange, in (0, 1).
+        start: the first round's period (within the bounds; default ``min_sync_every``).
+        clock: zero-argument callable returning seconds (default ``time.perf_counter``).
+        timing: optional ``SyncRound -> SyncRound`` hook applied to this rank's
+            measurements before the agreement (to inject timings in tests).
+
+    Attributes:
+        switches: every move, oldest first (JSON-ready dicts: ``kind`` ``"sync_every"``,
+            ``step``, ``from``, ``to``, ``reason`` (:data:`REASONS`), the agreed ``comm_s``,
+            ``compute_s`` and ``loss``, ``loss0``, ``comm_share`` (the exchange's share at the
+            old period), ``target_share``, ``ideal`` (None when infinite) and ``codec`` (the
+            adaptive codec's choice for the exchange, or None)).
+        decisions: decisions taken so far; loss0: the first agreed loss, or None.
+
+    Raises:
+        TypeError / ValueError: a bad argument (named in the message, with the allowed values).
+    """
+
+    def __init__(self, min_sync_every: int = 1, max_sync_every: int = MAX_SYNC_EVERY, *,
+                 comm_share: float = COMM_SHARE, start: int | None = None,
+                 clock: Callable[[], float] | None = None, timing: Callable[[SyncRound], SyncRound] | None = None):
+        self.min_sync_every = v.integer("min_sync_every", min_sync_every, 1)
+        self.max_sync_every = v.integer("max_sync_every", max_sync_every, self.min_sync_every)
+        self.comm_share = v.real("comm_share", comm_share)
+        if not 0 < self.comm_share < 1:
+            raise ValueError(f"comm_share must be in (0, 1) (a share of the round's seconds), got {comm_share!r}")
+        self.start = self.min_sync_every if start is None else v.integer(
+            "start", start, self.min_sync_every, self.max_sync_every)
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds or None, got {type(clock).__name__}")
+        if timing is not None and not callable(timing):
+            raise TypeError(f"timing must be a callable SyncRound -> SyncRound or None, got {type(timing).__name__}")
+        self.clock = clock if clock is not None else time.perf_counter
+        self.timing = timing
+        self.switches: list[dict] = []
+        self.decisions = 0
+        self.loss0: float | None = None
+        self.begin()
+
+    def settings(self) -> dict[str, object]:
+        """What every rank must share (it decides the schedule)."""
+        return {"min_sync_every": self.min_sync_every, "max_sync_every": self.max_sync_every,
+                "comm_share": self.comm_share, "start": self.start}
+
+    # ---- measurements (LocalSGD calls these) ---------------------------------------------
+    def begin(self) -> None:
+        """Start a round's measurements now (forgetting the open round's)."""
+        self._mark = self.clock()
+        self._busy_s = 0.0
+        self._comm_s = 0.0
+        self._loss_sum, self._loss_count = 0.0, 0
+
+    def report_loss(self, loss) -> None:
+        """Add one inner step's training loss (a finite number >= 0, or a one-element tensor) to the round.
+
+        Raises:
+            TypeError / ValueError: ``loss`` is not a finite real number >= 0.
+        """
+        if hasattr(loss, "item") and getattr(loss, "numel", lambda: 1)() == 1:
+            loss = loss.item()  # a 0-d tensor: one host sync, once per step
+        if isinstance(loss, bool) or not isinstance(loss, numbers.Real):
+            raise TypeError(f"loss must be a real number or a one-element tensor, got {type(loss).__name__}")
+        if not (math.isfinite(loss) and loss >= 0):
+            raise ValueError(f"loss must be a finite number >= 0, got {loss!r}")
+        self._loss_sum += float(loss)
+        self._loss_count += 1
+
+    @contextlib.contextmanager
+    def timed(self):
+        """Time one exchange: the seconds before it since the last mark count as compute."""
+        began = self.clock()
+        self._busy_s += max(0.0, began - self._mark)
+        try:
+            yield
+        finally:
+            self._mark = self.clock()
+            self._comm_s = max(0.0, self._mark - began)
+
+    # ---- the decision ---------------------------------------------------------------------
+    def decide(self, step: int, steps: int, current: int, group, timeout: float, device,
+               meter: TrafficMeter | None = None, codec: str | None = None) -> int:
+        """Agree on the round's measurements over ``group`` and return the next period.
+
+        Every rank of ``group`` must call it at the same synchronisation.
+
+        Args:
+            step: the inner step just synchronised; steps: inner steps in the round (>= 1).
+            current: the round's period.
+            group, timeout, device: the agreement's group, seconds and buffer device.
+            meter: optional :class:`~gradcomp.TrafficMeter` to log a move in.
+            codec: the codec the exchange used (logged with a move), or None.
+
+        Raises:
+            TypeError / ValueError: the ``timing`` hook returned something else than a
+                :class:`SyncRound` of finite times >= 0.
+            TimeoutError / RuntimeError: a peer did not join within ``timeout`` seconds.
+        """
+        mine = SyncRound(step=step, steps=steps, comm_s=self._comm_s, compute_s=self._busy_s / max(1, steps),
+                         loss=self._loss_sum / self._loss_count if self._loss_count else None)
+        if self.timing is not None:
+            mine = self.timing(mine)
+            if not isinstance(mine, SyncRound):
+                raise TypeError(f"timing must return a gradcomp.SyncRound, got {type(mine).__name__}")
+        for name in ("comm_s", "compute_s"):
+            if not (math.isfinite(getattr(mine, name)) and getattr(mine, name) >= 0):
+                raise ValueError(f"SyncRound.{name} must be a finite number >= 0, got {getattr(mine, name)!r}")
+        local = [-mine.comm_s, mine.compute_s, -math.inf if mine.loss is None else float(mine.loss)]
+        neg_comm, compute, loss = agree_max(local, group, timeout, device, "gradcomp.SyncPeriod")
+        comm, loss = -neg_comm, (loss if math.isfinite(loss) else None)
+        if loss is not None and self.loss0 is None:
+            self.loss0 = loss
+        ratio = None if loss is None or not self.loss0 else loss / self.loss0
+        new, reason, ideal = choose_period(current, comm, compute, loss_ratio=ratio, comm_share=self.comm_share,
+                                           min_sync_every=self.min_sync_every, max_sync_every=self.max_sync_every)
+        self.decisions += 1
+        if reason is not None:
+            round_s = comm + current * compute
+            entry = {"kind": "sync_every", "step": step, "from": current, "to": new, "reason": reason,
+                     "comm_s": comm, "compute_s": compute, "loss": loss, "loss0": self.loss0,
+                     "comm_share": comm / round_s if round_s > 0 else 0.0, "target_share": self.comm_share,
+                     "ideal": ideal if math.isfinite(ideal) else None, "codec": codec}
+            self.switches.append(entry)
+            if meter is not None:
+                meter.record_switch(entry)
+        self.begin()  # the agreement's own seconds are neither compute nor exchange
+        return new
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The decisions' memory: ``loss0``, ``decisions`` and ``switches``."""
+        return {"loss0": self.loss0, "decisions": self.decisions, "switches": [dict(e) for e in self.switches]}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict`'s output (the open round's measurements restart).
+
+        Raises:
+            TypeError / ValueError: ``state`` is not such a mapping.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping (from SyncPeriod.state_dict()), got {type(state).__name__}")
+        loss0 = state.get("loss0")
+        if loss0 is not None and not (isinstance(loss0, numbers.Real) and math.isfinite(loss0) and loss0 >= 0):
+            raise ValueError(f"state['loss0'] must be None or a finite number >= 0, got {loss0!r}")
+        decisions = v.integer("state['decisions']", state.get("decisions"), 0)
+        switches = state.get("switches", [])
+        if not isinstance(switches, list) or not all(isinstance(e, Mapping) for e in switches):
+            raise ValueError("state['switches'] must be a list of dicts")
+        self.loss0 = None if loss0 is None else float(loss0)
+        self.decisions = decisions
+        self.switches = [dict(e) for e in switches]
+        self.begin()
+
+    def __getstate__(self) -> dict:
+        """Everything but the ``clock`` and ``timing`` hooks (the restored one uses
+        ``time.perf_counter`` and no hook)."""
+        state = self.__dict__.copy()
+        state["clock"], state["timing"] = time.perf_counter, None
+        return state
+
+    def __repr__(self) -> str:
+        return (f"SyncPeriod(min_sync_every={self.min_sync_every}, max_sync_every={self.max_sync_every}, "
+                f"comm_share={self.comm_share:g}, start={self.start})")
+
+
+
+def period_argument(sync_every, min_sync_every=None, max_sync_every=None, comm_share=None, *,
+                    fragments: int = 1, overlap: int = 0) -> SyncPeriod | None:
+    """The :class:`SyncPeriod` that :class:`gradcomp.LocalSGD`'s arguments ask for, or None (a fixed period).
+
+    ``sync_every="auto"`` builds one from the other three (None: 1, :data:`MAX_SYNC_EVERY`,
+    :data:`COMM_SHARE`); a :class:`SyncPeriod` is taken as it is; an int is a fixed period.
+
+    Raises:
+        ValueError: ``sync_every`` is another string; the bounds or ``comm_share`` are given
+            with a fixed period or a SyncPeriod; an adaptive period with ``fragments != 1``
+            or ``overlap != 0`` (its rounds end where every parameter was just synchronised).
+    """
+    given = {n: x for n, x in (("min_sync_every", min_sync_every), ("max_sync_every", max_sync_every),
+                               ("comm_share", comm_share)) if x is not None}
+    if isinstance(sync_every, str) and sync_every != "auto":
+        raise ValueError(f"sync_every must be an int >= 1, 'auto' or a gradcomp.SyncPeriod, got {sync_every!r}")
+    if sync_every == "auto":
+        period = SyncPeriod(given.get("min_sync_every", 1), given.get("max_sync_every", MAX_SYNC_EVERY),
+                            comm_share=given.get("comm_share", COMM_SHARE))
+    elif given:
+        raise ValueError(f"{', '.join(given)} apply to sync_every='auto' only (a SyncPeriod takes its own), "
+                         f"got sync_every={sync_every!r}")
+    else:
+        period = sync_every if isinstance(sync_every, SyncPeriod) else None
+    if period is not None and (fragments, overlap) != (1, 0):
+        raise ValueError(f"an adaptive sync_every needs fragments=1 and overlap=0, got fragments={fragments!r}, "
+                         f"overlap={overlap!r}")
+    return period

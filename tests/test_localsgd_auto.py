@@ -1,0 +1,224 @@
+"""gc.LocalSGD(sync_every="auto"): the period chosen online (gradcomp.sync_period).
+
+The timings are injected through the period's ``timing`` hook (no sleeps), the losses through
+``step(loss=...)``; the expected periods are derived by hand from the rule
+``H = ceil(sqrt(min(1, F / F0)) x comm (1 - share) / (share x compute))`` (share 0.1: ``H =
+9 x comm / compute`` before the loss factor), the bounds and the 25% hysteresis. The multi-process
+scenarios run in one 3-rank gloo launch in which rank 1 measures other timings than its peers
+(twice the exchange, half the compute: alone it would choose 4x the period) and every rank
+reports a different loss: every rank must still move to the same period at the same step, with
+bit-identical parameters after every synchronisation.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import gradcomp as gc
+from gradcomp.launch import launch
+from gradcomp.sync_period import HYSTERESIS, choose_period
+
+WORLD = 3
+TIMEOUT = 60
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 30), nn.Tanh(), nn.Linear(30, 3))
+
+
+def _identical(t):
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t.contiguous())
+    return all(torch.equal(t, o) for o in out)
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _run(rank, period, steps, losses=None, compressor=None):
+    """Train ``steps`` inner steps; after each synchronisation note the step, the new period
+    and whether the parameters are bit-identical on every rank."""
+    model = _model()
+    meter = gc.TrafficMeter()
+    ls = gc.LocalSGD(model, sync_every=period, compressor=compressor or gc.Int8Quantizer(), meter=meter,
+                     timeout=TIMEOUT)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    syncs, periods, identical = [], [], []
+    for t in range(1, steps + 1):
+        g = torch.Generator().manual_seed(1000 * rank + t)
+        x, y = torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        before = ls.syncs
+        # every rank reports another loss; the agreed one is the largest (rank 2's: 3 x the script's)
+        ls.step(loss=None if losses is None else losses[ls.period.decisions] * (1 + rank))
+        if ls.syncs != before:
+            syncs.append(t)
+            periods.append(ls.sync_every)
+            identical.append(_identical(_flat(model)))
+    ls.close()
+    return {"syncs": syncs, "periods": periods, "identical": identical, "codec": ls.codec,
+            "codecs": [e.get("codec") for e in ls.period.switches],
+            "codec_moves": [(e["from"], e["to"]) for e in meter.switches if "kind" not in e],
+            "reasons": [e["reason"] for e in ls.period.switches],
+            "meter": [(e["kind"], e["step"], e["from"], e["to"]) for e in meter.switches if "kind" in e]}
+
+
+def _script(rank, rounds):
+    """A timing hook giving decision ``i`` the timings ``rounds[i]``; rank 1 measures an
+    exchange twice as long and a compute half as long (the agreement takes the least
+    exchange and the largest compute, i.e. the script's)."""
+    seen = []
+
+    def timing(r):
+        comm, compute = rounds[min(len(seen), len(rounds) - 1)]
+        seen.append(r.step)
+        if rank == 1:
+            comm, compute = 2 * comm, compute / 2
+        return dataclasses.replace(r, comm_s=comm, compute_s=compute)
+    return timing
+
+
+def _scenarios(rank, world):
+    out = {}
+    # a slowing link: 9 x 0.02 / 0.01 = 18; then 9 x 0.05 / 0.01 = 45, above the bound 32
+    out["slow"] = _run(rank, gc.SyncPeriod(1, 32, timing=_script(rank, [(0.02, 0.01), (0.02, 0.01),
+                                                                        (0.05, 0.01)])), 1 + 18 + 18 + 32)
+    # a fast link from H = 32: 9 x 0.01 / 0.01 = 9; then 9 x 0.001 / 0.01 = 0.9 -> 1 (synchronous)
+    out["fast"] = _run(rank, gc.SyncPeriod(1, 64, start=32, timing=_script(rank, [(0.01, 0.01), (0.001, 0.01)])),
+                       32 + 9 + 1 + 1)
+    # a falling loss on a steady link (9 x 0.04 / 0.01 = 36): F0 = 2, then F = 1, 0.5, 0.125
+    out["loss"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)])), 1 + 36 + 26 + 18,
+                       losses=[2.0, 1.0, 0.5, 0.125, 0.125])
+    # measured timings (no hook): whatever they are, the ranks agree and the bounds hold
+    out["measured"] = _run(rank, "auto", 24)
+    # the codec and the period together: a link of 1 kB/s for the codec, and
+    # for the period an exchange of 0.1 s per 1 ms step: the period reaches its bound at once,
+    # then the codec moves off float32
+    out["pair"] = _run(rank, gc.SyncPeriod(1, 4, timing=_script(rank, [(0.1, 0.001)])), 1 + 4 * 6,
+                       compressor=gc.Adaptive(("none", "int8"), timing=_link, **gc.localsgd.ADAPTIVE))
+    return out
+
+
+def _link(t):
+    """The adaptive codec's timing hook: an exchange takes its wire bytes at 1 kB/s."""
+    return dataclasses.replace(t, comm_s=t.wire_bytes / 1e3)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return launch(_scenarios, WORLD, timeout=TIMEOUT)
+
+
+def _check(runs, name, start, syncs, periods, reasons):
+    for r in runs:
+        got = r[name]
+        assert got["syncs"] == syncs and got["periods"] == periods, (name, got)
+        assert got["reasons"] == reasons, (name, got)
+        assert all(got["identical"]), (name, got)
+        moves = [(s, a, b) for s, a, b in zip(syncs, [start] + periods, periods) if a != b]
+        assert [(s, a, b) for _, s, a, b in got["meter"]] == moves and {k for k, *_ in got["meter"]} <= {"sync_every"}
+
+
+def test_a_slow_link_raises_the_period_up_to_the_bound(runs):
+    # start 1: step 1 -> 18 (comm share 0.02 / 0.03 > 0.1), 19 stays, 37 -> 45 bounded to 32
+    _check(runs, "slow", 1, [1, 19, 37, 69], [18, 18, 32, 32], ["comm_share_high", "comm_share_high"])
+
+
+def test_a_fast_link_lowers_the_period_to_synchronous(runs):
+    _check(runs, "fast", 32, [32, 41, 42, 43], [9, 1, 1, 1], ["comm_share_low", "comm_share_low"])
+
+
+def test_a_falling_loss_shrinks_the_period(runs):
+    # step 1: 36; F/F0 = 1/2: ceil(sqrt(1/2) 36) = ceil(25.46) = 26 (<= 36 / 1.25: moves);
+    # 1/4: 18; 1/16: 9
+    _check(runs, "loss", 1, [1, 37, 63, 81], [36, 26, 18, 9],
+           ["comm_share_high", "loss_fell", "loss_fell", "loss_fell"])
+
+
+def test_measured_timings_keep_the_ranks_identical_within_the_bounds(runs):
+    first = runs[0]["measured"]
+    assert first["syncs"] and first["syncs"][0] == 1  # starts synchronous
+    for r in runs:
+        got = r["measured"]
+        assert got["syncs"] == first["syncs"] and got["periods"] == first["periods"]
+        assert all(got["identical"]) and all(1 <= h <= 64 for h in got["periods"])
+        # the schedule follows the chosen periods: each synchronisation one period after the last
+        assert all(b - a == h for a, b, h in zip(got["syncs"], got["syncs"][1:], got["periods"]))
+
+
+def test_the_codec_and_the_period_together(runs):
+    # the period first: at step 1, 9 x 0.1 / 0.001 = 900, bounded to 4; the codec then sees an
+    # exchange of float32 (2256 bytes: 2.3 s at 1 kB/s) against the round's measured compute and
+    # moves to int8 (about 3.5x fewer bytes)
+    _check(runs, "pair", 1, [1 + 4 * k for k in range(7)], [4] * 7, ["comm_share_high"])
+    for r in runs:
+        got = r["pair"]
+        assert got["codecs"] == ["none"]  # the period moved while the exchange ran float32
+        assert got["codec_moves"] == [("none", "int8")] and got["codec"] == "int8", got
+
+
+@pytest.mark.parametrize("current, comm, compute, ratio, lo, hi, expected", [
+    (1, 0.02, 0.01, None, 1, 64, (18, "comm_share_high")),   # 9 x 2 = 18
+    (18, 0.021, 0.01, None, 1, 64, (18, None)),              # 18.9 -> 19: within 25% of 18
+    (18, 0.025, 0.01, None, 1, 64, (23, "comm_share_high")),  # 22.5 -> 23 >= 22.5
+    (4, 0.0, 0.01, None, 1, 64, (1, "comm_share_low")),      # no exchange time: synchronous
+    (4, 0.01, 0.0, None, 1, 64, (64, "comm_share_high")),    # no compute time: the upper bound
+    (8, 0.001, 0.01, None, 2, 16, (2, "comm_share_low")),    # 0.9, held at the lower bound
+    (8, 1.0, 0.01, None, 2, 16, (16, "comm_share_high")),    # 900, held at the upper bound
+    (36, 0.04, 0.01, 2.0, 1, 64, (36, None)),                # a loss above F0 does not raise H
+    (36, 0.04, 0.01, 0.0, 1, 64, (1, "loss_fell")),          # a loss of 0: synchronous
+    (36, 0.02, 0.01, 0.25, 1, 64, (9, "comm_share_low")),    # link and loss both lower it: the link
+])
+def test_choose_period_by_hand(current, comm, compute, ratio, lo, hi, expected):
+    new, reason, _ = choose_period(current, comm, compute, loss_ratio=ratio, comm_share=0.1,
+                                   min_sync_every=lo, max_sync_every=hi)
+    assert (new, reason) == expected
+    assert HYSTERESIS == 0.25  # the derivations above use it
+
+
+def test_choose_period_target_share_holds_time_only():
+    for comm, compute in ((0.013, 0.0007), (0.3, 0.02), (0.001, 0.0003)):
+        h, _, ideal = choose_period(1, comm, compute, comm_share=0.2, max_sync_every=10**6)
+        assert comm / (comm + h * compute) <= 0.2 + 1e-12  # the share is at or under the target
+        assert h == 1 or comm / (comm + (h - 1) * compute) > 0.2  # and h is the least such period
+        assert math.isclose(ideal, 4 * comm / compute)
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"sync_every": "fast"}, "auto"),
+    ({"sync_every": "auto", "min_sync_every": 0}, "min_sync_every"),
+    ({"sync_every": "auto", "min_sync_every": 8, "max_sync_every": 4}, "max_sync_every"),
+    ({"sync_every": "auto", "comm_share": 1.0}, "comm_share"),
+    ({"sync_every": "auto", "comm_share": 0}, "comm_share"),
+    ({"sync_every": 8, "max_sync_every": 16}, "max_sync_every"),
+    ({"sync_every": gc.SyncPeriod(), "comm_share": 0.2}, "comm_share"),
+    ({"sync_every": "auto", "fragments": 2}, "fragments"),
+    ({"sync_every": "auto", "overlap": 1}, "overlap"),
+])
+def test_bad_arguments_raise_value_error_naming_them(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        gc.LocalSGD(_model(), **kwargs)
+
+
+def test_bad_period_arguments():
+    with pytest.raises(ValueError, match="start"):
+        gc.SyncPeriod(2, 8, start=9)
+    with pytest.raises(TypeError, match="max_sync_every"):
+        gc.SyncPeriod(1, 8.0)
+    with pytest.raises(TypeError, match="timing"):
+        gc.SyncPeriod(timing=3)
+    p = gc.SyncPeriod()
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="loss"):
+            p.report_loss(bad)
+    with pytest.raises(TypeError, match="loss"):
+        p.report_loss("0.5")
+    p.report_loss(torch.tensor(0.5))  # a 0-d tensor is a loss
