@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--mode", type=A.modes_type, default=MODES, metavar="MODE[,MODE]",
                    help="sync (DDP + compressed allreduce hook), async (parameter server), "
                         "local (local SGD / DiLoCo: compressed pseudo-gradients every "
-                        "--sync-every steps), a comma-separated list of them (e.g. sync,local), "
+                        "--sync-every steps), auto (local SGD whose period and codec are chosen "
+                        "online: one row beside the fixed ones), a comma-separated list of them "
+                        "(e.g. sync,local,auto), "
                         "or both (sync and async, the default); pipeline (alone): pipeline "
                         "parallelism, see the pipeline options")
     p.add_argument("--compressors", type=A.compressor_list_type, default=DEFAULT_COMPRESSORS,
@@ -153,6 +155,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     local.add_argument("--overlap", type=A.nonnegative_int_type, default=None, metavar="TAU",
                        help="steps a fragment's exchange overlaps training before its update "
                             "is applied, 0 <= TAU < H/F (default 0)")
+    auto = p.add_argument_group("auto mode (gradcomp.LocalSGD(sync_every='auto', compressor='auto'))")
+    auto.add_argument("--min-sync-every", type=A.positive_int_type, default=None, metavar="H",
+                      help=f"the least period the auto mode chooses (default {d.min_sync_every}: "
+                           "synchronous training)")
+    auto.add_argument("--max-sync-every", type=A.positive_int_type, default=None, metavar="H",
+                      help=f"the largest period the auto mode chooses (default {d.max_sync_every})")
     p.add_argument("--out", default=None,
                    help=f"directory for the results (results.json/.csv/.png, time.png, decision.md/"
                         f".json); default: a new timestamped directory under {DEFAULT_OUT}/. "
@@ -243,12 +251,18 @@ def _check_row_options(args: argparse.Namespace) -> None:
                          f"got --compressors {','.join(args.compressors)}")
 
 
+#: options of the auto mode only, with their TrainConfig field
+AUTO_OPTIONS = {"--min-sync-every": "min_sync_every", "--max-sync-every": "max_sync_every"}
+
+
 def _config(args: argparse.Namespace) -> TrainConfig:
-    local = {field: getattr(args, field) for field in LOCAL_OPTIONS.values()
-             if getattr(args, field, None) is not None}
-    if local and "local" not in args.mode:
-        given = [opt for opt, field in LOCAL_OPTIONS.items() if field in local]
-        raise ValueError(f"{', '.join(given)} only apply to --mode local, got --mode {','.join(args.mode)}")
+    local = {}
+    for mode, options in (("local", LOCAL_OPTIONS), ("auto", AUTO_OPTIONS)):
+        given = {field: getattr(args, field) for field in options.values() if getattr(args, field, None) is not None}
+        if given and mode not in args.mode:
+            names = [opt for opt, field in options.items() if field in given]
+            raise ValueError(f"{', '.join(names)} only apply to --mode {mode}, got --mode {','.join(args.mode)}")
+        local.update(given)
     w = WORKLOADS[args.workload]
     for opt, field in (("--data-dir", "data_dir"), ("--data-file", "data_file")):
         if getattr(args, field) is not None and w.needs != field:
@@ -425,8 +439,11 @@ def _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail) ->
     t0 = time.perf_counter()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
+    from gradcomp.lab.study.study import mode_compressors
+
     names = list(dict.fromkeys(["none", *args.compressors]))
-    grand = cfg.steps * len(modes) * len(names) * args.seeds * len(scenarios)
+    rows = sum(len(mode_compressors(m, names)) for m in modes)
+    grand = cfg.steps * rows * args.seeds * len(scenarios)
     studies = []
     try:
         with contextlib.ExitStack() as stack:

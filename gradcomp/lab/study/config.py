@@ -22,8 +22,9 @@ __all__ = ["TrainConfig", "CompressorChoice", "COMPRESSORS", "DEFAULT_COMPRESSOR
 
 MODES = ("sync", "async")
 #: Every mode ``--mode`` accepts: MODES (``both``) plus local SGD / DiLoCo
-#: (:mod:`gradcomp.lab.study.local`).
-ALL_MODES = (*MODES, "local")
+#: (:mod:`gradcomp.lab.study.local`) and auto: local SGD whose period and codec are chosen
+#: online (one row, ``auto``, whatever ``--compressors`` lists).
+ALL_MODES = (*MODES, "local", "auto")
 #: Dense algorithms of the sync and local modes (``--algorithm``).
 ALGORITHMS = ("ring", "two_phase", "hierarchical", "halving_doubling")
 #: Algorithms of the exact top-k rows (``--sparse-algorithm``); threshold and
@@ -102,7 +103,7 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
     *(_catalog_row(n) for n in ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-ef",
                                 "threshold-ef", "dgc", "dgc-int8")),
     # the study's own rows: a policy over catalog codecs, and the backend's uncompressed collective
-    CompressorChoice("auto", "auto", True, modes=("sync",)),
+    CompressorChoice("auto", "auto", True, modes=("sync", "auto")),
     CompressorChoice("native", "all_reduce f32", False, modes=("sync",), native=True),
 )}
 
@@ -173,6 +174,8 @@ class TrainConfig:
         sync_every, outer, fragments, overlap: the local mode's schedule
             (:class:`gradcomp.LocalSGD`: ``H``, ``"avg"`` or ``"nesterov"``,
             ``F``, ``tau``).
+        min_sync_every, max_sync_every: the auto mode's bounds of the period
+            (``LocalSGD(sync_every="auto")``; its outer step is ``outer``).
         workload: a name of :data:`gradcomp.lab.study.workloads.WORKLOADS`
             (``hidden`` applies to ``digits-mlp`` only).
         data_dir: CIFAR-10's folder (``cifar10-resnet18``); data_file: the
@@ -204,6 +207,8 @@ class TrainConfig:
     outer: str = "avg"
     fragments: int = 1
     overlap: int = 0
+    min_sync_every: int = 1
+    max_sync_every: int = 64
     workload: str = DEFAULT_WORKLOAD
     data_dir: str | None = None
     data_file: str | None = None
@@ -275,6 +280,9 @@ class TrainConfig:
         if not 0 <= self.compute_jitter <= 10:
             raise ValueError(f"compute_jitter must be a CV in [0, 10], got {self.compute_jitter!r}")
         check_schedule(self.sync_every, self.fragments, self.overlap)
+        from gradcomp.sync_period import SyncPeriod
+
+        SyncPeriod(self.min_sync_every, self.max_sync_every)  # raises for bad bounds, naming them
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         if self.outer not in OUTER_OPTIMIZERS:

@@ -51,7 +51,7 @@ LOCAL = "local"
 
 
 def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str, data: Digits,
-                     progress=None, link_clock=None) -> RankLog:
+                     progress=None, link_clock=None, adaptive: bool = False) -> RankLog:
     """Train one run of the local mode as ``rank`` of an initialised process
     group of ``cfg.workers`` ranks; every rank is a worker, rank 0 evaluates.
 
@@ -61,9 +61,16 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         progress: optional object with ``put(step)``; rank 0 calls it now and then.
         link_clock: the changing link\'s restart handle (:func:`~gradcomp.lab.study.common.start_together`).
 
+        adaptive: the auto mode: the period and the codec chosen online
+            (``LocalSGD(sync_every="auto", compressor="auto")`` within
+            ``cfg.min_sync_every..cfg.max_sync_every``, fed each step's loss); ``compressor``
+            is then ``"auto"``.
+
     Returns:
         This rank's :class:`RankLog`; ``extra`` holds the number of fragment
-        exchanges (``local_syncs``).
+        exchanges (``local_syncs``) and, adaptive, on rank 0, ``decisions``: the
+        period and codec in force from each change on (``t_s`` on the training
+        clock, ``step``, ``sync_every``, ``codec``).
     """
     if world_size != cfg.workers:
         raise ValueError(f"local mode needs {cfg.workers} ranks (one per worker), got {world_size}")
@@ -71,12 +78,18 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     model = build_model(cfg, data)
     meter = TrafficMeter()
     timeline = StepTimeline()
-    ls = LocalSGD(model, sync_every=cfg.sync_every, compressor=choice.build(cfg.threshold),
-                  outer_optimizer=cfg.outer, meter=meter, error_feedback=choice.error_feedback,
-                  algorithm=cfg.algorithm_for(choice),
-                  fragments=cfg.fragments, overlap=cfg.overlap, timeout=cfg.timeout, timeline=timeline)
+    if adaptive:
+        ls = LocalSGD(model, sync_every="auto", compressor="auto", min_sync_every=cfg.min_sync_every,
+                      max_sync_every=cfg.max_sync_every, outer_optimizer=cfg.outer, meter=meter,
+                      algorithm=cfg.algorithm_for(choice), timeout=cfg.timeout, timeline=timeline)
+    else:
+        ls = LocalSGD(model, sync_every=cfg.sync_every, compressor=choice.build(cfg.threshold),
+                      outer_optimizer=cfg.outer, meter=meter, error_feedback=choice.error_feedback,
+                      algorithm=cfg.algorithm_for(choice),
+                      fragments=cfg.fragments, overlap=cfg.overlap, timeout=cfg.timeout, timeline=timeline)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     log = RankLog(rank)
+    decisions: list[dict] = []
     delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed, cfg.straggler_from_s)
     start_together(log, rank, delay, link_clock)
     batches = worker_batches(len(data.y_train), cfg.workers, rank, cfg.batch_size, cfg.seed, cfg.steps)
@@ -92,7 +105,13 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         handoff = now()
         timeline.mark("handoff", handoff)
         delay.observe(handoff - t0 - slept)
-        ls.step()
+        if adaptive:
+            ls.step(loss=loss.detach())  # the loss factor of the period (AdaComm)
+        else:
+            ls.step()
+        if adaptive and (not decisions or (decisions[-1]["sync_every"], decisions[-1]["codec"])
+                         != (ls.sync_every, ls.codec)):
+            decisions.append({"t_s": log.elapsed(), "step": step, "sync_every": ls.sync_every, "codec": ls.codec})
         if step == cfg.steps:
             ls.sync()  # the evaluated model is the one every rank holds
         timeline.mark("backward_end")  # the end of the exposed window: the exchange returned
@@ -103,6 +122,8 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
                    progress if rank == 0 else None)
     ls.close()
     log.extra["local_syncs"] = ls.syncs
+    if adaptive and rank == 0:  # every rank holds the same agreed choices
+        log.extra["decisions"] = decisions
     log.finish(meter, model if rank == 0 else None, data, timeline)
     if rank == 0:
         log.final = log.evals[-1]

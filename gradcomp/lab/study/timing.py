@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 __all__ = ["ComputeDelay", "jitter_factor", "time_to_target", "percentile", "mean_ci95",
-           "parse_straggler", "parse_straggler_onset"]
+           "parse_straggler", "parse_straggler_onset", "step_series"]
 
 
 def parse_straggler(text: str, workers: int | None = None) -> tuple[int, float]:
@@ -361,6 +361,30 @@ def summarize_time(mode: str, cfg, workers: list, server_extra: dict | None = No
         "compute_s_per_worker": [statistics.fmean(p["compute"] for p in pw) for pw in per_worker],
         "samples_per_s": cfg.workers * cfg.batch_size * nsteps / wall if wall > 0 else math.nan,
     }
+
+
+def step_series(workers: list) -> dict:
+    """Per step of a sync or local run, when it ended and how much of it the workers idled.
+
+    Returns:
+        ``{"t_s": [...], "idle_share": [...]}``: the step's end on the training clock (the
+        slowest worker's end, seconds since the earliest first step's start) and the mean over
+        workers of the step's ``wait`` (:func:`gradcomp.timeline.sync_step_phases`) over the
+        slowest worker's step time.
+    """
+    from gradcomp.timeline import sync_step_phases
+
+    nsteps = min(len(w.steps) for w in workers)
+    t0 = min(w.steps[0].start for w in workers)
+    ts, idle = [], []
+    for i in range(nsteps):
+        recs = [w.steps[i] for w in workers]
+        last = max(r.marks.get("handoff", r.start) for r in recs)
+        wall = max(r.wall for r in recs)
+        ts.append(max(r.start + r.wall for r in recs) - t0)
+        waits = [sync_step_phases(r, last)["wait"] for r in recs]
+        idle.append(statistics.fmean(waits) / wall if wall > 0 else 0.0)
+    return {"t_s": ts, "idle_share": idle}
 
 
 def _worker_index(mode: str, log) -> int:
