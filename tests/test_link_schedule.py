@@ -163,3 +163,13 @@ def test_changing_link_cleans_up_on_error():
             raise RuntimeError("boom")
     assert c.shaper is None and not any(t.name.startswith(name) for t in threading.enumerate())
     assert _ours(os.getpid()) == []
+
+
+@pytest.mark.slow
+@needs_netns
+def test_a_steady_link_is_one_phase_with_its_achieved_rate():
+    with LocalCluster(2, rate="100mbit") as c:
+        assert c.shaper is None  # nothing changes: no thread
+        desc = c.describe()
+    assert desc["phases"] == [{"start_s": 0.0, "configured_bps": 100_000_000, "achieved_bps": c.achieved_bps}]
+    assert abs(c.achieved_bps - 100e6) / 100e6 < 0.15

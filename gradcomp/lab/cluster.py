@@ -560,8 +560,9 @@ class LocalCluster:
         intra = {"name": format_rate(self.intra_rate_bps) if self.intra_rate_bps else "none",
                  "configured_bps": self.intra_rate_bps, "achieved_bps": self.intra_achieved_bps,
                  "emulation": "netns loopback" + ("+tbf" if self.intra_rate_bps else "")}
-        phases = [{"start_s": t, "configured_bps": bps, "achieved_bps": None if self.phases_achieved_bps is None
-                   else self.phases_achieved_bps[i]} for i, (t, bps) in enumerate(self.phases)]
+        achieved = self.phases_achieved_bps or [self.achieved_bps if len(self.phases) == 1 else None] * len(self.phases)
+        phases = [{"start_s": t, "configured_bps": bps, "achieved_bps": achieved[i]}
+                  for i, (t, bps) in enumerate(self.phases)]
         return {"name": format_schedule(self.phases, format_rate), "configured_bps": self.rate_bps,
                 "phases": phases,
                 "achieved_bps": self.achieved_bps, "rate_jitter": self.rate_jitter,
