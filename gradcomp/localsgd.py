@@ -84,12 +84,13 @@ from torch import nn
 
 from gradcomp import _validate as v
 from gradcomp.adaptive import Adaptive
-from gradcomp.comm import ALGORITHMS, FLAT_DENSE_ALGORITHMS, DEFAULT_TIMEOUT, INPUT_DTYPES, Topology, allreduce, check_algorithm
+from gradcomp.comm import (ALGORITHMS, DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, INPUT_DTYPES, Topology, allreduce,
+                           check_algorithm)
 from gradcomp.comm.settings import agree_settings, compressor_text, setting_text
 from gradcomp.comm.topology import layout
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
-from gradcomp.meter import TrafficMeter
 from gradcomp.localsgd_fragments import Fragment, partition
+from gradcomp.meter import TrafficMeter
 from gradcomp.sync_period import SyncPeriod, period_argument
 from gradcomp.timeline import StepTimeline
 
@@ -315,6 +316,8 @@ class LocalSGD:
         self._round_start = 0  # the step the period's current round started after
         self._pending: tuple[int, int, concurrent.futures.Future] | None = None  # (fragment, due, future)
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        if self.period is not None:
+            self.period.begin()  # the first round's compute starts now
 
     def _settings(self, model: nn.Module, params: list[nn.Parameter], outer) -> dict[str, object]:
         """What every rank must share: the schedule, the codec, the outer
@@ -322,7 +325,8 @@ class LocalSGD:
         names = {id(p): n for n, p in model.named_parameters()}
         shapes = {f"parameter {i}": f"{names.get(id(p), '?')}: shape {tuple(p.shape)}, {p.dtype}"
                   for i, p in enumerate(params)}
-        return {"sync_every": self.sync_every if self.period is None else repr(self.period), "fragments": self.fragments, "overlap": self.overlap,
+        return {"sync_every": self.sync_every if self.period is None else repr(self.period),
+                "fragments": self.fragments, "overlap": self.overlap,
                 "compressor": compressor_text(self.compressor), "algorithm": self.algorithm,
                 "error_feedback": self.error_feedback,
                 "outer_optimizer": "avg" if outer is None else setting_text(outer),

@@ -53,8 +53,10 @@ class TrafficMeter:
 
     ``switches`` logs every codec switch an adaptive policy
     (:class:`gradcomp.Adaptive`) made, one JSON-ready dict per switch (step,
-    bucket, from, to and the agreed timings that decided it); every rank logs
-    the same entries, so :meth:`merge` keeps each distinct entry once.
+    bucket, from, to and the agreed timings that decided it), and every move of
+    an adaptive local SGD period (:class:`gradcomp.SyncPeriod`; ``kind``
+    ``"sync_every"``, with its reason); every rank logs the same entries, so
+    :meth:`merge` keeps each distinct entry once.
     """
 
     def __init__(self):
@@ -114,7 +116,7 @@ class TrafficMeter:
                 c.seconds += float(seconds)
 
     def record_switch(self, entry: dict) -> None:
-        """Log one codec switch (a JSON-ready dict, see :attr:`switches`)."""
+        """Log one switch (a JSON-ready dict, see :attr:`switches`)."""
         with self._lock:
             self.switches.append(dict(entry))
 

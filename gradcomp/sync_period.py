@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ from gradcomp import _validate as v
 from gradcomp.comm.consensus import agree_max
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["SyncPeriod", "SyncRound", "choose_period", "period_argument", "COMM_SHARE", "HYSTERESIS", "MAX_SYNC_EVERY", "REASONS"]
+__all__ = ["SyncPeriod", "SyncRound", "choose_period", "period_argument", "COMM_SHARE", "HYSTERESIS",
+           "MAX_SYNC_EVERY", "REASONS", "WARMUP_ROUNDS", "WINDOW_STEPS"]
 
 #: default target share of a round's time spent in the exchange: ``comm / (comm + H x compute)``
 COMM_SHARE = 0.1
@@ -38,6 +40,13 @@ HYSTERESIS = 0.25
 #: why the period moved: the exchange took more / less than ``comm_share`` of the round at the
 #: old period (the link slowed / sped up against the compute), or the loss fell (AdaComm)
 REASONS = ("comm_share_high", "comm_share_low", "loss_fell")
+#: rounds whose measurements are dropped before the first decision: the first exchange on a new
+#: group carries one-time costs (connections, the first call's agreement), the first steps
+#: lazy initialisation, and a period chosen from them would be off for a whole round
+WARMUP_ROUNDS = 1
+#: inner steps of measurements a decision reads at least: the latest rounds that hold them (at
+#: least one round), so that short rounds (a small period) do not decide from one noisy round
+WINDOW_STEPS = 16
 # a period computed as an exact integer must not become the next one by rounding error
 _ROUNDING = 1e-9
 
@@ -121,8 +130,11 @@ class SyncPeriod:
     round's measurements (:class:`SyncRound`) by one ``MAX`` allreduce of ``(-comm_s,
     compute_s, loss)``: the exchange as the last rank to arrive timed it (no wait for a
     late peer), the slowest rank's compute per step, the largest mean loss (``-inf`` for
-    none). :func:`choose_period` then gives the next period on every rank alike; the loss
-    ratio is the agreed loss over the first agreed loss. One instance per ``LocalSGD``.
+    none). :func:`choose_period` then gives the next period on every rank alike, from the
+    agreed rounds that hold the latest :data:`WINDOW_STEPS` inner steps (the median exchange
+    of those on the current codec, the compute per step over their steps) and the loss ratio
+    (the round's agreed loss over the first agreed loss). The first :data:`WARMUP_ROUNDS`
+    rounds decide nothing. One instance per ``LocalSGD``.
 
     Args:
         min_sync_every: the least period, and the start unless ``start`` is given (>= 1).
@@ -135,10 +147,11 @@ class SyncPeriod:
 
     Attributes:
         switches: every move, oldest first (JSON-ready dicts: ``kind`` ``"sync_every"``,
-            ``step``, ``from``, ``to``, ``reason`` (:data:`REASONS`), the agreed ``comm_s``,
-            ``compute_s`` and ``loss``, ``loss0``, ``comm_share`` (the exchange's share at the
-            old period), ``target_share``, ``ideal`` (None when infinite) and ``codec`` (the
-            adaptive codec's choice for the exchange, or None)).
+            ``step``, ``from``, ``to``, ``reason`` (:data:`REASONS`), the agreed ``comm_s``
+            and ``compute_s`` over the window of ``rounds`` rounds, the round's ``loss``,
+            ``loss0``, ``comm_share`` (the exchange's share at the old period),
+            ``target_share``, ``ideal`` (None when infinite) and ``codec`` (the adaptive
+            codec's choice for the exchange, or None)).
         decisions: decisions taken so far; loss0: the first agreed loss, or None.
 
     Raises:
@@ -147,7 +160,8 @@ class SyncPeriod:
 
     def __init__(self, min_sync_every: int = 1, max_sync_every: int = MAX_SYNC_EVERY, *,
                  comm_share: float = COMM_SHARE, start: int | None = None,
-                 clock: Callable[[], float] | None = None, timing: Callable[[SyncRound], SyncRound] | None = None):
+                 clock: Callable[[], float] | None = None,
+                 timing: Callable[[SyncRound], SyncRound] | None = None):
         self.min_sync_every = v.integer("min_sync_every", min_sync_every, 1)
         self.max_sync_every = v.integer("max_sync_every", max_sync_every, self.min_sync_every)
         self.comm_share = v.real("comm_share", comm_share)
@@ -164,6 +178,8 @@ class SyncPeriod:
         self.switches: list[dict] = []
         self.decisions = 0
         self.loss0: float | None = None
+        self._warmup = WARMUP_ROUNDS
+        self._rounds: list[tuple[float, float, int, str | None]] = []  # agreed (comm, compute, steps, codec)
         self.begin()
 
     def settings(self) -> dict[str, object]:
@@ -210,7 +226,8 @@ class SyncPeriod:
                meter: TrafficMeter | None = None, codec: str | None = None) -> int:
         """Agree on the round's measurements over ``group`` and return the next period.
 
-        Every rank of ``group`` must call it at the same synchronisation.
+        Every rank of ``group`` must call it at the same synchronisation. The first
+        :data:`WARMUP_ROUNDS` calls only drop their round's measurements (and return ``current``).
 
         Args:
             step: the inner step just synchronised; steps: inner steps in the round (>= 1).
@@ -221,21 +238,28 @@ class SyncPeriod:
 
         Raises:
             TypeError / ValueError: the ``timing`` hook returned something else than a
-                :class:`SyncRound` of finite times >= 0.
+                :class:`SyncRound` of finite times (and loss, or None) >= 0.
             TimeoutError / RuntimeError: a peer did not join within ``timeout`` seconds.
         """
+        if self._warmup > 0:  # the same on every rank: no agreement needed
+            self._warmup -= 1
+            self.begin()
+            return current
         mine = SyncRound(step=step, steps=steps, comm_s=self._comm_s, compute_s=self._busy_s / max(1, steps),
                          loss=self._loss_sum / self._loss_count if self._loss_count else None)
         if self.timing is not None:
             mine = self.timing(mine)
             if not isinstance(mine, SyncRound):
                 raise TypeError(f"timing must return a gradcomp.SyncRound, got {type(mine).__name__}")
-        for name in ("comm_s", "compute_s"):
-            if not (math.isfinite(getattr(mine, name)) and getattr(mine, name) >= 0):
-                raise ValueError(f"SyncRound.{name} must be a finite number >= 0, got {getattr(mine, name)!r}")
+        for name in ("comm_s", "compute_s", "loss"):
+            x = getattr(mine, name)
+            if not (name == "loss" and x is None) and not (math.isfinite(x) and x >= 0):
+                raise ValueError(f"SyncRound.{name} must be a finite number >= 0, got {x!r}")
         local = [-mine.comm_s, mine.compute_s, -math.inf if mine.loss is None else float(mine.loss)]
         neg_comm, compute, loss = agree_max(local, group, timeout, device, "gradcomp.SyncPeriod")
-        comm, loss = -neg_comm, (loss if math.isfinite(loss) else None)
+        loss = loss if math.isfinite(loss) else None
+        self._rounds.append((-neg_comm, compute, max(1, steps), codec))
+        comm, compute, window = self._window()
         if loss is not None and self.loss0 is None:
             self.loss0 = loss
         ratio = None if loss is None or not self.loss0 else loss / self.loss0
@@ -247,12 +271,27 @@ class SyncPeriod:
             entry = {"kind": "sync_every", "step": step, "from": current, "to": new, "reason": reason,
                      "comm_s": comm, "compute_s": compute, "loss": loss, "loss0": self.loss0,
                      "comm_share": comm / round_s if round_s > 0 else 0.0, "target_share": self.comm_share,
-                     "ideal": ideal if math.isfinite(ideal) else None, "codec": codec}
+                     "ideal": ideal if math.isfinite(ideal) else None, "codec": codec, "rounds": window}
             self.switches.append(entry)
             if meter is not None:
                 meter.record_switch(entry)
         self.begin()  # the agreement's own seconds are neither compute nor exchange
         return new
+
+    def _window(self) -> tuple[float, float, int]:
+        """``(comm_s, compute_s, rounds)`` over the latest agreed rounds that hold
+        :data:`WINDOW_STEPS` inner steps (at least the latest round): the median
+        exchange of those that ran the latest round's codec, and the compute per
+        step weighted by their steps (a total over steps)."""
+        picked, total = [], 0
+        for r in reversed(self._rounds):
+            picked.append(r)
+            total += r[2]
+            if total >= WINDOW_STEPS:
+                break
+        del self._rounds[:len(self._rounds) - len(picked)]  # a later window never reaches further back
+        comm = statistics.median(r[0] for r in picked if r[3] == picked[0][3])
+        return comm, sum(r[1] * r[2] for r in picked) / total, len(picked)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -276,6 +315,8 @@ class SyncPeriod:
             raise ValueError("state['switches'] must be a list of dicts")
         self.loss0 = None if loss0 is None else float(loss0)
         self.decisions = decisions
+        self._warmup = WARMUP_ROUNDS  # a resumed run's first exchange is a new group's first again
+        self._rounds = []
         self.switches = [dict(e) for e in switches]
         self.begin()
 

@@ -3,7 +3,8 @@
 The timings are injected through the period's ``timing`` hook (no sleeps), the losses through
 ``step(loss=...)``; the expected periods are derived by hand from the rule
 ``H = ceil(sqrt(min(1, F / F0)) x comm (1 - share) / (share x compute))`` (share 0.1: ``H =
-9 x comm / compute`` before the loss factor), the bounds and the 25% hysteresis. The multi-process
+9 x comm / compute`` before the loss factor), the bounds, the 25% hysteresis, the warm-up round
+and the window of 16 steps. The multi-process
 scenarios run in one 3-rank gloo launch in which rank 1 measures other timings than its peers
 (twice the exchange, half the compute: alone it would choose 4x the period) and every rank
 reports a different loss: every rank must still move to the same period at the same step, with
@@ -20,7 +21,7 @@ import torch.nn as nn
 
 import gradcomp as gc
 from gradcomp.launch import launch
-from gradcomp.sync_period import HYSTERESIS, choose_period
+from gradcomp.sync_period import HYSTERESIS, WARMUP_ROUNDS, WINDOW_STEPS, choose_period
 
 WORLD = 3
 TIMEOUT = 60
@@ -90,21 +91,44 @@ def _scenarios(rank, world):
     out = {}
     # a slowing link: 9 x 0.02 / 0.01 = 18; then 9 x 0.05 / 0.01 = 45, above the bound 32
     out["slow"] = _run(rank, gc.SyncPeriod(1, 32, timing=_script(rank, [(0.02, 0.01), (0.02, 0.01),
-                                                                        (0.05, 0.01)])), 1 + 18 + 18 + 32)
+                                                                        (0.05, 0.01)])), 2 + 18 + 18 + 32)
     # a fast link from H = 32: 9 x 0.01 / 0.01 = 9; then 9 x 0.001 / 0.01 = 0.9 -> 1 (synchronous)
     out["fast"] = _run(rank, gc.SyncPeriod(1, 64, start=32, timing=_script(rank, [(0.01, 0.01), (0.001, 0.01)])),
-                       32 + 9 + 1 + 1)
+                       32 + 32 + 9 + 5 + 1 + 1)
     # a falling loss on a steady link (9 x 0.04 / 0.01 = 36): F0 = 2, then F = 1, 0.5, 0.125
-    out["loss"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)])), 1 + 36 + 26 + 18,
+    out["loss"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)])), 2 + 36 + 26 + 18,
                        losses=[2.0, 1.0, 0.5, 0.125, 0.125])
+    out["resume"] = _resume(rank)
     # measured timings (no hook): whatever they are, the ranks agree and the bounds hold
     out["measured"] = _run(rank, "auto", 24)
     # the codec and the period together: a link of 1 kB/s for the codec, and
     # for the period an exchange of 0.1 s per 1 ms step: the period reaches its bound at once,
     # then the codec moves off float32
-    out["pair"] = _run(rank, gc.SyncPeriod(1, 4, timing=_script(rank, [(0.1, 0.001)])), 1 + 4 * 6,
+    out["pair"] = _run(rank, gc.SyncPeriod(1, 4, timing=_script(rank, [(0.1, 0.001)])), 2 + 4 * 6,
                        compressor=gc.Adaptive(("none", "int8"), timing=_link, **gc.localsgd.ADAPTIVE))
     return out
+
+
+def _resume(rank):
+    """A checkpoint taken at H = 18 restores the period, the round and F0 into a new LocalSGD."""
+    model = _model()
+    period = gc.SyncPeriod(1, 32, timing=_script(rank, [(0.02, 0.01)]))
+    ls = gc.LocalSGD(model, sync_every=period, timeout=TIMEOUT)
+    for _ in range(2 + 5):  # the warm-up round, the decision at step 2 (-> 18), 5 steps into the next
+        ls.step(loss=2.0)
+    state = ls.state_dict()
+    again = gc.LocalSGD(model, sync_every=gc.SyncPeriod(1, 32), timeout=TIMEOUT)
+    again.load_state_dict(state)
+    errors = []
+    for other in (gc.LocalSGD(model, sync_every=18, timeout=TIMEOUT), gc.LocalSGD(model, sync_every="auto",
+                                                                                  max_sync_every=8)):
+        try:
+            other.load_state_dict(state)
+        except ValueError as e:
+            errors.append(str(e))
+    return {"saved": (ls.sync_every, ls.period.loss0, ls.period.decisions),
+            "restored": (again.sync_every, again.period.loss0, again.period.decisions, again.steps),
+            "due": [t for t in range(7, 40) if again.fragment_due(t) is not None], "errors": errors}
 
 
 def _link(t):
@@ -128,24 +152,37 @@ def _check(runs, name, start, syncs, periods, reasons):
 
 
 def test_a_slow_link_raises_the_period_up_to_the_bound(runs):
-    # start 1: step 1 -> 18 (comm share 0.02 / 0.03 > 0.1), 19 stays, 37 -> 45 bounded to 32
-    _check(runs, "slow", 1, [1, 19, 37, 69], [18, 18, 32, 32], ["comm_share_high", "comm_share_high"])
+    # start 1; step 1 ends the warm-up round (no decision); step 2 -> 18 (comm share 0.02 / 0.03 >
+    # 0.1), 20 stays, 38 -> 45 bounded to 32
+    _check(runs, "slow", 1, [1, 2, 20, 38, 70], [1, 18, 18, 32, 32], ["comm_share_high", "comm_share_high"])
 
 
 def test_a_fast_link_lowers_the_period_to_synchronous(runs):
-    _check(runs, "fast", 32, [32, 41, 42, 43], [9, 1, 1, 1], ["comm_share_low", "comm_share_low"])
+    # the warm-up round ends at step 32 (stays 32); step 64 -> 9; the round of 9 steps is read
+    # with the one before (16 steps at least): median exchange (0.01 + 0.001) / 2, 9 x 0.55 = 4.95
+    # -> 5; at step 78 the window (5 + 9 + 32 steps) has the median 0.001: 0.9 -> 1
+    _check(runs, "fast", 32, [32, 64, 73, 78, 79, 80], [32, 9, 5, 1, 1, 1], ["comm_share_low"] * 3)
 
 
 def test_a_falling_loss_shrinks_the_period(runs):
-    # step 1: 36; F/F0 = 1/2: ceil(sqrt(1/2) 36) = ceil(25.46) = 26 (<= 36 / 1.25: moves);
-    # 1/4: 18; 1/16: 9
-    _check(runs, "loss", 1, [1, 37, 63, 81], [36, 26, 18, 9],
+    # step 1: warm-up; step 2: 36; F/F0 = 1/2: ceil(sqrt(1/2) 36) = ceil(25.46) = 26 (<= 36 / 1.25:
+    # moves); 1/4: 18; 1/16: 9
+    _check(runs, "loss", 1, [1, 2, 38, 64, 82], [1, 36, 26, 18, 9],
            ["comm_share_high", "loss_fell", "loss_fell", "loss_fell"])
+
+
+def test_a_checkpoint_restores_the_period(runs):
+    for r in runs:
+        got = r["resume"]
+        assert got["saved"] == (18, 2.0, 1) and got["restored"] == (18, 2.0, 1, 7)
+        assert got["due"] == [20, 38]  # the round that started after step 2 goes on
+        # into a fixed period; into bounds that exclude the period reached
+        assert "adaptive sync_every" in got["errors"][0] and "state['sync_every'] must be <= 8" in got["errors"][1]
 
 
 def test_measured_timings_keep_the_ranks_identical_within_the_bounds(runs):
     first = runs[0]["measured"]
-    assert first["syncs"] and first["syncs"][0] == 1  # starts synchronous
+    assert first["syncs"][:2] == [1, 2]  # starts synchronous (the warm-up round and the first decided)
     for r in runs:
         got = r["measured"]
         assert got["syncs"] == first["syncs"] and got["periods"] == first["periods"]
@@ -155,10 +192,10 @@ def test_measured_timings_keep_the_ranks_identical_within_the_bounds(runs):
 
 
 def test_the_codec_and_the_period_together(runs):
-    # the period first: at step 1, 9 x 0.1 / 0.001 = 900, bounded to 4; the codec then sees an
+    # the period first: at step 2 (after the warm-up round), 9 x 0.1 / 0.001 = 900, bounded to 4; the codec then sees an
     # exchange of float32 (2256 bytes: 2.3 s at 1 kB/s) against the round's measured compute and
     # moves to int8 (about 3.5x fewer bytes)
-    _check(runs, "pair", 1, [1 + 4 * k for k in range(7)], [4] * 7, ["comm_share_high"])
+    _check(runs, "pair", 1, [1] + [2 + 4 * k for k in range(7)], [1] + [4] * 7, ["comm_share_high"])
     for r in runs:
         got = r["pair"]
         assert got["codecs"] == ["none"]  # the period moved while the exchange ran float32
@@ -181,7 +218,7 @@ def test_choose_period_by_hand(current, comm, compute, ratio, lo, hi, expected):
     new, reason, _ = choose_period(current, comm, compute, loss_ratio=ratio, comm_share=0.1,
                                    min_sync_every=lo, max_sync_every=hi)
     assert (new, reason) == expected
-    assert HYSTERESIS == 0.25  # the derivations above use it
+    assert (HYSTERESIS, WARMUP_ROUNDS, WINDOW_STEPS) == (0.25, 1, 16)  # the derivations in this file use them
 
 
 def test_choose_period_target_share_holds_time_only():
@@ -222,3 +259,24 @@ def test_bad_period_arguments():
     with pytest.raises(TypeError, match="loss"):
         p.report_loss("0.5")
     p.report_loss(torch.tensor(0.5))  # a 0-d tensor is a loss
+
+
+def _bad_hooks(rank, world):
+    out = []
+    for hook in (lambda r: dataclasses.replace(r, comm_s=-1.0), lambda r: dataclasses.replace(r, loss=float("nan")),
+                 lambda r: (r.comm_s, r.compute_s)):
+        ls = gc.LocalSGD(_model(), sync_every=gc.SyncPeriod(timing=hook), timeout=TIMEOUT)
+        try:
+            for _ in range(3):
+                ls.step()
+            out.append("no error")
+        except (TypeError, ValueError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_a_timing_hook_returning_bad_measurements_raises():
+    comm, loss, kind = launch(_bad_hooks, 1, timeout=TIMEOUT)[0]
+    assert comm.startswith("ValueError") and "comm_s" in comm
+    assert loss.startswith("ValueError") and "loss" in loss
+    assert kind.startswith("TypeError") and "SyncRound" in kind
