@@ -102,10 +102,11 @@ OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.9
 #: names ``outer_optimizer`` accepts besides None and a factory
 OUTER_OPTIMIZERS = ("avg", "nesterov")
-#: the :class:`~gradcomp.Adaptive` of ``compressor="auto"``: it decides at every exchange
-#: (one per round), and the exchange (``overlap=0``) hides behind none of the round's compute,
-#: so it is ranked by round time (compute + exchange) x convergence factor (``upper`` near 0)
-ADAPTIVE = {"interval": 1, "probe": 1, "upper": 1e-3, "lower": 5e-4}
+#: the :class:`~gradcomp.Adaptive` of ``compressor="auto"``: it decides every other exchange
+#: (one per round; a new codec is measured once before the next decision), and the exchange
+#: (``overlap=0``) hides behind none of the round's compute, so it is ranked by round time
+#: (compute + exchange) x convergence factor (``upper`` near 0)
+ADAPTIVE = {"interval": 2, "probe": 1, "upper": 1e-3, "lower": 5e-4}
 
 
 def check_schedule(sync_every, fragments=1, overlap=0) -> tuple[int, int, int]:
@@ -180,7 +181,7 @@ class LocalSGD:
             exchange share of ``sync_every="auto"`` (default 1, 64, 0.1).
         compressor: a gradcomp compressor (default :class:`~gradcomp.Int8Quantizer`),
             not wrapped in ErrorFeedback (residuals are kept here); ``"auto"`` or a
-            :class:`~gradcomp.Adaptive`: the codec chosen at every exchange, per fragment
+            :class:`~gradcomp.Adaptive`: the codec chosen online, per fragment
             (``"auto"``: with :data:`ADAPTIVE`; its state is not checkpointed).
         outer_optimizer: None or ``"avg"`` (averaging: local SGD),
             ``"nesterov"`` (DiLoCo: SGD, lr :data:`OUTER_LR`, Nesterov momentum

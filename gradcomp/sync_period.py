@@ -1,4 +1,4 @@
-"""The local SGD period ``H`` chosen online from the measured exchange, compute and loss.
+"""The local SGD period ``H``, chosen online from what each round measured.
 
 ``gc.LocalSGD(model, sync_every="auto")`` (or ``sync_every=gc.SyncPeriod(...)``) starts
 synchronous (``H = min_sync_every``) and, at every synchronisation, sets the period for the
@@ -82,7 +82,9 @@ def choose_period(current: int, comm_s: float, compute_s: float, *, loss_ratio: 
     (Wang and Joshi 2019, ``H_k = ceil(sqrt(F_k / F_0) H_0)``) scales it by the square root of
     the loss ratio, capped at 1 (a loss above the first one does not raise the period):
     ``H = ceil(sqrt(min(1, loss_ratio)) x H_time)``, clamped to the bounds. It replaces
-    ``current`` only when at least :data:`HYSTERESIS` away from it or on a bound.
+    ``current`` only when the unrounded ``sqrt(...) x H_time`` is at least :data:`HYSTERESIS`
+    away from it (above ``current x (1 + HYSTERESIS)`` or below ``current / (1 + HYSTERESIS)``)
+    or beyond a bound.
 
     Args:
         current: the period of the round just ended (inner steps).
@@ -108,17 +110,18 @@ def choose_period(current: int, comm_s: float, compute_s: float, *, loss_ratio: 
             return max_sync_every
         return min(max_sync_every, max(min_sync_every, math.ceil(h * (1 - _ROUNDING))))
 
-    def moves(new: int) -> bool:
-        return new != current and (new in (min_sync_every, max_sync_every)
-                                   or new >= current * (1 + HYSTERESIS) or new * (1 + HYSTERESIS) <= current)
+    def moves(h: float) -> bool:
+        # the unrounded period decides (rounding up would turn any excess over H into H + 1)
+        return bounded(h) != current and (h >= current * (1 + HYSTERESIS) or h * (1 + HYSTERESIS) <= current
+                                          or h >= max_sync_every or h <= min_sync_every)
 
-    new = bounded(ideal)
-    if not moves(new):
+    if not moves(ideal):
         return current, None, ideal
+    new = bounded(ideal)
     if new > current:
         return new, "comm_share_high", ideal
-    by_time = bounded(base)  # the time-aware period alone: did the link, or the loss, lower it?
-    return new, ("comm_share_low" if moves(by_time) and by_time < current else "loss_fell"), ideal
+    # the time-aware period alone: did the link, or the loss, lower it?
+    return new, ("comm_share_low" if moves(base) and bounded(base) < current else "loss_fell"), ideal
 
 
 class SyncPeriod:
@@ -132,8 +135,8 @@ class SyncPeriod:
     late peer), the slowest rank's compute per step, the largest mean loss (``-inf`` for
     none). :func:`choose_period` then gives the next period on every rank alike, from the
     agreed rounds that hold the latest :data:`WINDOW_STEPS` inner steps (the median exchange
-    of those on the current codec, the compute per step over their steps) and the loss ratio
-    (the round's agreed loss over the first agreed loss). The first :data:`WARMUP_ROUNDS`
+    of those on the current codec, the compute per step and the loss over their steps) and
+    the loss ratio (that loss over the first decision's). The first :data:`WARMUP_ROUNDS`
     rounds decide nothing. One instance per ``LocalSGD``.
 
     Args:
@@ -147,11 +150,11 @@ class SyncPeriod:
 
     Attributes:
         switches: every move, oldest first (JSON-ready dicts: ``kind`` ``"sync_every"``,
-            ``step``, ``from``, ``to``, ``reason`` (:data:`REASONS`), the agreed ``comm_s``
-            and ``compute_s`` over the window of ``rounds`` rounds, the round's ``loss``,
-            ``loss0``, ``comm_share`` (the exchange's share at the old period),
-            ``target_share``, ``ideal`` (None when infinite) and ``codec`` (the adaptive
-            codec's choice for the exchange, or None)).
+            ``step``, ``from``, ``to``, ``reason`` (:data:`REASONS`), the agreed ``comm_s``,
+            ``compute_s`` and ``loss`` over the window of ``rounds`` rounds, ``loss0``,
+            ``comm_share`` (the exchange's share at the old period), ``target_share``,
+            ``ideal`` (None when infinite) and ``codec`` (the adaptive codec's choice for
+            the exchange, or None)).
         decisions: decisions taken so far; loss0: the first agreed loss, or None.
 
     Raises:
@@ -179,7 +182,8 @@ class SyncPeriod:
         self.decisions = 0
         self.loss0: float | None = None
         self._warmup = WARMUP_ROUNDS
-        self._rounds: list[tuple[float, float, int, str | None]] = []  # agreed (comm, compute, steps, codec)
+        # agreed rounds: (comm, compute, steps, codec, loss)
+        self._rounds: list[tuple[float, float, int, str | None, float | None]] = []
         self.begin()
 
     def settings(self) -> dict[str, object]:
@@ -258,8 +262,8 @@ class SyncPeriod:
         local = [-mine.comm_s, mine.compute_s, -math.inf if mine.loss is None else float(mine.loss)]
         neg_comm, compute, loss = agree_max(local, group, timeout, device, "gradcomp.SyncPeriod")
         loss = loss if math.isfinite(loss) else None
-        self._rounds.append((-neg_comm, compute, max(1, steps), codec))
-        comm, compute, window = self._window()
+        self._rounds.append((-neg_comm, compute, max(1, steps), codec, loss))
+        comm, compute, loss, window = self._window()
         if loss is not None and self.loss0 is None:
             self.loss0 = loss
         ratio = None if loss is None or not self.loss0 else loss / self.loss0
@@ -278,11 +282,11 @@ class SyncPeriod:
         self.begin()  # the agreement's own seconds are neither compute nor exchange
         return new
 
-    def _window(self) -> tuple[float, float, int]:
-        """``(comm_s, compute_s, rounds)`` over the latest agreed rounds that hold
-        :data:`WINDOW_STEPS` inner steps (at least the latest round): the median
-        exchange of those that ran the latest round's codec, and the compute per
-        step weighted by their steps (a total over steps)."""
+    def _window(self) -> tuple[float, float, float | None, int]:
+        """``(comm_s, compute_s, loss, rounds)`` over the latest agreed rounds that
+        hold :data:`WINDOW_STEPS` inner steps (at least the latest round): the median
+        exchange of those that ran the latest round's codec; the compute per step and
+        the loss (None: none reported), each weighted by the rounds' steps."""
         picked, total = [], 0
         for r in reversed(self._rounds):
             picked.append(r)
@@ -291,7 +295,9 @@ class SyncPeriod:
                 break
         del self._rounds[:len(self._rounds) - len(picked)]  # a later window never reaches further back
         comm = statistics.median(r[0] for r in picked if r[3] == picked[0][3])
-        return comm, sum(r[1] * r[2] for r in picked) / total, len(picked)
+        losses = [(r[4], r[2]) for r in picked if r[4] is not None]
+        loss = sum(x * n for x, n in losses) / sum(n for _, n in losses) if losses else None
+        return comm, sum(r[1] * r[2] for r in picked) / total, loss, len(picked)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:

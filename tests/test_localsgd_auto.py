@@ -4,8 +4,8 @@ The timings are injected through the period's ``timing`` hook (no sleeps), the l
 ``step(loss=...)``; the expected periods are derived by hand from the rule
 ``H = ceil(sqrt(min(1, F / F0)) x comm (1 - share) / (share x compute))`` (share 0.1: ``H =
 9 x comm / compute`` before the loss factor), the bounds, the 25% hysteresis, the warm-up round
-and the window of 16 steps. The multi-process
-scenarios run in one 3-rank gloo launch in which rank 1 measures other timings than its peers
+and the window of 16 steps. The multi-process scenarios run in one 3-rank gloo launch in which
+rank 1 measures other timings than its peers
 (twice the exchange, half the compute: alone it would choose 4x the period) and every rank
 reports a different loss: every rank must still move to the same period at the same step, with
 bit-identical parameters after every synchronisation.
@@ -92,7 +92,8 @@ def _scenarios(rank, world):
     # a slowing link: 9 x 0.02 / 0.01 = 18; then 9 x 0.05 / 0.01 = 45, above the bound 32
     out["slow"] = _run(rank, gc.SyncPeriod(1, 32, timing=_script(rank, [(0.02, 0.01), (0.02, 0.01),
                                                                         (0.05, 0.01)])), 2 + 18 + 18 + 32)
-    # a fast link from H = 32: 9 x 0.01 / 0.01 = 9; then 9 x 0.001 / 0.01 = 0.9 -> 1 (synchronous)
+    # a fast link from H = 32: 9 x 0.01 / 0.01 = 9; then 0.001 s exchanges: 5 (the window still
+    # holds a 0.01 s one), then 9 x 0.001 / 0.01 = 0.9 -> 1 (synchronous)
     out["fast"] = _run(rank, gc.SyncPeriod(1, 64, start=32, timing=_script(rank, [(0.01, 0.01), (0.001, 0.01)])),
                        32 + 32 + 9 + 5 + 1 + 1)
     # a falling loss on a steady link (9 x 0.04 / 0.01 = 36): F0 = 2, then F = 1, 0.5, 0.125
@@ -206,6 +207,9 @@ def test_the_codec_and_the_period_together(runs):
     (1, 0.02, 0.01, None, 1, 64, (18, "comm_share_high")),   # 9 x 2 = 18
     (18, 0.021, 0.01, None, 1, 64, (18, None)),              # 18.9 -> 19: within 25% of 18
     (18, 0.025, 0.01, None, 1, 64, (23, "comm_share_high")),  # 22.5 -> 23 >= 22.5
+    (2, 0.00255, 0.01, None, 1, 64, (2, None)),               # 2.295 < 2.5: stays (not ceil -> 3)
+    (2, 0.00289, 0.01, None, 1, 64, (3, "comm_share_high")),   # 2.601 >= 2.5 -> 3
+    (2, 0.00115, 0.01, None, 1, 64, (2, None)),               # 1.035 > 2 / 1.25 but rounds to 2
     (4, 0.0, 0.01, None, 1, 64, (1, "comm_share_low")),      # no exchange time: synchronous
     (4, 0.01, 0.0, None, 1, 64, (64, "comm_share_high")),    # no compute time: the upper bound
     (8, 0.001, 0.01, None, 2, 16, (2, "comm_share_low")),    # 0.9, held at the lower bound
