@@ -5,7 +5,7 @@ the schedule's origin); :class:`Shaper` is the thread that applies it at every p
 jitter redraw (the cluster's ``tc qdisc change``) and restarts it from phase 0 on request;
 :class:`ScheduleRemote` lets a rank in another process ask for that restart (at its run's
 start), so that every run of a study meets the same phases. Used by
-:class:`gradcomp.lab.cluster.LocalCluster`; see docs/cluster.md.
+:class:`gradcomp.lab.cluster.LocalCluster`; see docs/changing-conditions.md.
 """
 
 from __future__ import annotations
