@@ -158,7 +158,7 @@ def test_more_bad_options_exit_2_with_message(capsys, argv, words):
     (["train", "--mode", "sync", "--compressors", "dgc", "--steps", "1", "--dgc-warmup", "1e308"],
      "dgc_warmup_epochs must be a number of epochs in [0, 1e+06]"),
     # adaptive compression needs the DDP hook
-    (["train", "--compressors", "auto"], "compressor 'auto' runs in mode(s) sync only"),
+    (["train", "--compressors", "auto"], "compressor 'auto' runs in mode(s) sync,auto only"),
     (["train", "--hidden", "64,0"], "--hidden expects comma-separated widths >= 1, got '64,0'"),
     (["train", "--workload", "mnist-cnn", "--hidden", "64"], "--hidden applies to --workload digits-mlp only"),
 ])

@@ -292,11 +292,15 @@ def test_gloo_binds_to_the_shaped_interface():
         assert c.rank_env(1)["MASTER_ADDR"] == c.addresses[0]
 
 
-def _rates_in_periods(rank, world_size, t0, period_s, periods):
-    """In each of ``periods`` (jitter period indices), once it has begun, one
-    measured transfer 0 -> 1; returns [(period, bit/s, period at the end)]."""
+def _rates_in_periods(rank, world_size, remote, period_s, periods):
+    """Rank 0 restarts the jitter (period 0 from now); then in each of ``periods`` (jitter
+    period indices), once it has begun, one measured transfer 0 -> 1; returns
+    [(period, bit/s, period at the end)]."""
     from gradcomp.lab.cluster import measure_link
 
+    origin = torch.tensor([remote.restart() if rank == 0 else 0.0], dtype=torch.float64)
+    dist.broadcast(origin, 0)
+    t0 = origin.item()
     out = []
     for p in periods:
         start = t0 + p * period_s + 0.15
@@ -323,8 +327,8 @@ def test_jitter_changes_the_achieved_rate_as_scheduled():
     seed = next(s for s in range(500) if spread(s) > 0.2)
     with LocalCluster(2, rate="100mbit", rate_jitter=0.6, jitter_period_s=period_s, seed=seed,
                       calibrate=False) as c:
-        first = c.current_period() + 2  # the ranks start within a period
-        out = c.run(_rates_in_periods, c._t0, period_s, [first, first + 1], timeout=60)[1]
+        # the ranks restart the jitter once they are up (a loaded host starts them slowly)
+        out = c.run(_rates_in_periods, c.shaper.remote(), period_s, [1, 2], timeout=120)[1]
         assert c.link_rate(0) == pytest.approx(c.scheduled_rate(0, c.current_period()), rel=0.01)
     for p, bps, end in out:
         assert end == p, "a transfer outlasted its period"

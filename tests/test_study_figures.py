@@ -101,3 +101,54 @@ def test_time_png_panels_legend_and_title():
     texts = [t.get_text() for t in fig_legend.get_texts()]
     assert texts == [COMPRESSORS[n].label for n in NAMES] + ["sync (line style)", "async (line style)",
                                                               "target 95.0%"]
+
+
+def _auto_run(scenario, phases, straggler):
+    """An auto run whose period moved at steps 10 (up) and 30 (down), codec at step 20."""
+    r = _run("auto", 0, "auto")
+    r.scenario = {"name": scenario, "straggler": straggler}
+    r.link = {"name": scenario, "configured_bps": phases[0]["configured_bps"] if phases else None,
+              "achieved_bps": phases[0]["achieved_bps"] if phases else None, "phases": phases}
+    ts = [0.01 * s for s in range(1, 351)]
+    r.extra = {"link_origin_lag_s": 0.05,
+               "decisions": [{"t_s": 0.01, "step": 1, "sync_every": 1, "codec": "none"},
+                             {"t_s": 0.10, "step": 10, "sync_every": 16, "codec": "none"},
+                             {"t_s": 0.20, "step": 20, "sync_every": 16, "codec": "int8"},
+                             {"t_s": 0.30, "step": 30, "sync_every": 4, "codec": "int8"}],
+               "steps_series": {"t_s": ts, "idle_share": [0.1 + 0.3 * (t > 1.5) for t in ts]}}
+    r.meter = {"switches": [{"kind": "sync_every", "step": 10, "from": 1, "to": 16, "reason": "comm_share_high"},
+                            {"kind": "sync_every", "step": 30, "from": 16, "to": 4, "reason": "loss_fell"},
+                            {"step": 2, "from": "none", "to": "int8", "bucket": 0}]}
+    return r
+
+
+def test_decisions_png_panels_legend_and_title():
+    from gradcomp.lab.study.figures import REASON_MARKERS, decisions_figure
+
+    changing = _auto_run("1gbit@0,100mbit@2+custom", [
+        {"start_s": 0.0, "configured_bps": 1e9, "achieved_bps": 9.4e8},
+        {"start_s": 2.0, "configured_bps": 1e8, "achieved_bps": 9.5e7}], {"rank": 1, "factor": 3.0, "from_s": 2.0})
+    steady = _auto_run("loopback", [], None)
+    fig = decisions_figure([changing, steady], "a long title " * 30)
+    axes = _check(fig)
+    assert len(axes) == 8  # per run: period, codec, link rate, idle share
+    h_ax, c_ax, l_ax, i_ax = axes[:4]  # the first column
+    h_line = h_ax.get_lines()[0]
+    assert list(h_line.get_ydata()) == [1, 1, 16, 16, 16, 16, 4, 4]  # the period as a step function
+    assert list(h_line.get_xdata())[:3] == [0.01, 0.10, 0.10]
+    markers = {line.get_marker(): (line.get_xdata()[0], line.get_ydata()[0]) for line in h_ax.get_lines()[1:]
+               if line.get_linestyle() == "None"}
+    assert markers == {REASON_MARKERS["comm_share_high"][0]: (0.10, 16), REASON_MARKERS["loss_fell"][0]: (0.30, 4)}
+    assert [t.get_text() for t in c_ax.get_yticklabels()] == ["none", "int8"]
+    rates = l_ax.get_lines()[0]
+    assert list(rates.get_ydata()) == [940.0, 940.0, 95.0, 95.0]
+    assert list(rates.get_xdata())[1:3] == [pytest.approx(1.95), pytest.approx(1.95)]  # phase start - lag
+    # the link's change (dashed) and the straggler's onset (dotted) in every panel of the column
+    for ax in (h_ax, c_ax, l_ax, i_ax):
+        vlines = sorted((line.get_linestyle(), round(float(line.get_xdata()[0]), 6)) for line in ax.get_lines()
+                        if len(set(line.get_xdata())) == 1 and len(line.get_xdata()) == 2)
+        assert vlines == [("--", 1.95), (":", 2.0)]
+    assert "unshaped loopback" in axes[6].get_title()
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [t for _, t in REASON_MARKERS.values()] + [
+        "link rate changes", "straggler turns slow"]

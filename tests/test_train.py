@@ -72,8 +72,8 @@ def test_compressor_menu():
     assert set(DEFAULT_COMPRESSORS) <= set(COMPRESSORS)
     for name, choice in COMPRESSORS.items():
         c = choice.build(threshold=1e-3)
-        if name == "auto":  # adaptive compression: a policy over codecs, sync mode only
-            assert isinstance(c, gc.Adaptive) and choice.error_feedback and choice.modes == ("sync",)
+        if name == "auto":  # adaptive compression: a policy over codecs, sync mode and the auto mode's row
+            assert isinstance(c, gc.Adaptive) and choice.error_feedback and choice.modes == ("sync", "auto")
             continue
         assert choice.native == (name == "native")
         if choice.native:  # uncompressed on the backend's all_reduce: DDP's plain path, sync only

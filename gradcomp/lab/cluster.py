@@ -4,8 +4,9 @@
 plugged into a bridge in a "switch" namespace. A host runs ``ranks_per_host`` ranks (default
 1): they share its namespace and reach each other over its loopback (unshaped, or a tbf at
 ``intra_rate``: the fast tier); hosts reach each other over links shaped by a tbf in both
-directions (on ``gc0`` and on the switch port) to ``rate`` (the slow tier), optionally
-redrawn every ``jitter_period_s`` (``rate_jitter``). Nothing is created in the machine's own
+directions (on ``gc0`` and on the switch port) to ``rate`` (the slow tier), which may change
+at given seconds (a schedule) and be redrawn every ``jitter_period_s`` (``rate_jitter``,
+:mod:`gradcomp.lab.shaping`). Nothing is created in the machine's own
 namespace: its interfaces, loopback and qdiscs are never touched.
 
 Ranks run through :func:`gradcomp.launch.launch` in their host's namespace, with gloo bound to
@@ -32,9 +33,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from gradcomp.lab.linkrate import measure_link
-from gradcomp.lab.units import format_rate, parse_rate, parse_topology
+from gradcomp.lab.shaping import (MAX_RATE_BPS, MIN_RATE_BPS, RateSchedule, Shaper, link_rate_bps,
+                                  link_schedule)
+from gradcomp.lab.units import format_rate, format_schedule, parse_topology
 
-__all__ = ["LocalCluster", "ClusterError", "link_rate_bps", "requirements_missing",
+__all__ = ["LocalCluster", "ClusterError", "link_rate_bps", "link_schedule", "requirements_missing",
            "leftovers", "remove_leftovers", "measure_link", "launch_on", "link_argument", "link_type", "jitter_type",
            "topology_type", "LINKS", "MAX_WORLD", "MAX_RANKS_PER_HOST",
            "PREFIX", "IFNAME"]
@@ -56,26 +59,11 @@ MAX_WORLD = 250
 #: most ranks on one host
 MAX_RANKS_PER_HOST = 64
 
-#: The link rates a cluster shapes, in bit/s (100 kbit/s to 400 gbit/s).
-MIN_RATE_BPS, MAX_RATE_BPS = 1e5, 4e11
 _counter = itertools.count()
 
 
 class ClusterError(RuntimeError):
     """The emulated cluster cannot be built or used here (the message says why)."""
-
-
-def link_rate_bps(rate: str | int | float) -> int:
-    """A link rate a cluster can shape, in bit/s: :func:`gradcomp.lab.units.parse_rate`'s syntax
-    (``"100mbit"``, ``"2.5gbit"``, or a number of bit/s), from 100 kbit/s to 400 gbit/s.
-
-    Raises:
-        ValueError: not a rate, or outside that range.
-    """
-    rate_bps = parse_rate(rate, "rate")
-    if not MIN_RATE_BPS <= rate_bps <= MAX_RATE_BPS:
-        raise ValueError(f"rate must be between 100kbit and 400gbit, got {rate!r}")
-    return int(round(rate_bps))
 
 
 def link_argument(text: str) -> str:
@@ -247,14 +235,17 @@ class LocalCluster:
         world_size: ranks, one per host (the same as ``hosts=world_size``);
             give this or ``hosts``.
         rate: every inter-host link's rate in each direction (``"100mbit"``,
-            ``"1gbit"``, ``"10gbit"``, any ``tc`` rate, or bit/s).
+            ``"1gbit"``, ``"10gbit"``, any ``tc`` rate, or bit/s), or a schedule
+            (:func:`link_schedule`: ``"1gbit@0,100mbit@120"``, seconds since the cluster
+            came up or since the last ``shaper.restart()``).
         rate_jitter: fraction ``f`` in [0, 1): every ``jitter_period_s`` each
             inter-host link's rate is redrawn from ``rate x U(1 - f, 1 + f)``.
         jitter_period_s: seconds between redraws (>= 0.05).
         seed: seed of the redraws.
         latency: one-way delay per link in seconds (needs ``sch_netem``); None: none added.
         mtu: interface MTU in bytes (576 to 65535, default 9000, jumbo frames).
-        calibrate: measure the achieved rate of each tier on entry.
+        calibrate: measure the achieved rate of each tier on entry (and of every phase of a
+            schedule: :attr:`phases_achieved_bps`).
         hosts: hosts, 1 to 250 (with ``ranks_per_host``: the two-tier cluster).
         ranks_per_host: ranks sharing each host's namespace, 1 to 64; rank
             ``g`` runs on host ``g // ranks_per_host`` (torchrun's placement).
@@ -283,7 +274,8 @@ class LocalCluster:
 
         self.hosts, self.ranks_per_host = _shape(world_size, hosts, ranks_per_host)
         self.world_size = self.hosts * self.ranks_per_host
-        self.rate_bps = link_rate_bps(rate)
+        self.phases = link_schedule(rate)
+        self.rate_bps = self.phases[0][1]  # the rate when the cluster comes up
         self.intra_rate_bps = None if intra_rate is None else link_rate_bps(intra_rate)
         if self.intra_rate_bps is not None and self.ranks_per_host < 2:
             raise ValueError("intra_rate shapes traffic between ranks of one host: it needs ranks_per_host >= 2")
@@ -306,12 +298,13 @@ class LocalCluster:
         self.switch = f"{self.name}-sw"
         self.addresses = [f"{SUBNET}.{h + 1}" for h in range(self.hosts)]
         self.achieved_bps: float | None = None
+        self.phases_achieved_bps: list[float] | None = None
+        self.schedule = RateSchedule(self.phases, self.rate_jitter, self.jitter_period_s, self.seed)
+        #: applies the changing rate (a schedule or jitter) while the cluster is up; else None
+        self.shaper: Shaper | None = None
         self.intra_achieved_bps: float | None = None
         self._links: list[tuple[_Link, _Link]] = []
         self._up = False
-        self._t0 = 0.0
-        self._stop = threading.Event()
-        self._jitter_thread: threading.Thread | None = None
         self._old_handlers: dict[int, Any] = {}
 
     @property
@@ -342,20 +335,15 @@ class LocalCluster:
             "limit", str(burst + bps // 8 // 20))  # 50 ms of queue
 
     def scheduled_rate(self, host: int, period: int) -> int:
-        """The rate in bit/s of host ``host``'s link during jitter period ``period``
-        (period 0 starts when the cluster comes up); ``rate`` without jitter."""
-        if self.rate_jitter == 0 or period == 0:
-            return self.rate_bps
-        import numpy as np
-
-        u = np.random.default_rng([self.seed, host, period]).uniform(-1.0, 1.0)
-        return int(round(self.rate_bps * (1.0 + self.rate_jitter * u)))
+        """The rate in bit/s of host ``host``'s link at the start of jitter period ``period``
+        (:meth:`RateSchedule.rate_at <gradcomp.lab.shaping.RateSchedule.rate_at>`)."""
+        return self.schedule.rate_at(host, period * self.jitter_period_s)
 
     def current_period(self) -> int:
         """The jitter period now (0 while no jitter runs)."""
-        if self.rate_jitter == 0 or not self._up:
+        if self.rate_jitter == 0 or self.shaper is None:
             return 0
-        return int((time.monotonic() - self._t0) // self.jitter_period_s)
+        return int(self.shaper.now_s() // self.jitter_period_s)
 
     def link_rate(self, host: int, dev: str = IFNAME) -> int:
         """The rate in bit/s that ``tc`` reports now for host ``host``'s upload
@@ -366,22 +354,24 @@ class LocalCluster:
             raise ClusterError(f"no tbf qdisc on host {host}'s {dev}: {out.strip()}")
         return int(float(m.group(1)) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[m.group(2)])
 
-    def _jitter_loop(self) -> None:
-        period = 0
-        while not self._stop.is_set():
-            period += 1
-            wake = self._t0 + period * self.jitter_period_s
-            if self._stop.wait(max(0.0, wake - time.monotonic())):
-                return
-            for host, pair in enumerate(self._links):
-                bps = self.scheduled_rate(host, period)
+    def _apply(self, t_s: float) -> None:
+        """Set every inter-host link to its scheduled rate at ``t_s`` (``tc qdisc change``)."""
+        base = self.schedule.base_at(t_s)
+        for host, pair in enumerate(self._links):
+            for link in pair:
+                self._tbf("change", link, self.schedule.rate_at(host, t_s), base)
+
+    def _measure_phases(self) -> list[float]:
+        """The achieved rate of each phase of the schedule, measured with the links set to
+        that phase's base rate; the links are back at phase 0 after."""
+        out = []
+        for start, bps in self.phases:
+            for pair in self._links:
                 for link in pair:
-                    try:
-                        self._tbf("change", link, bps)
-                    except ClusterError:
-                        if self._stop.is_set():
-                            return
-                        raise
+                    self._tbf("change", link, bps, bps)
+            out.append(self.measure_rate(int(min(128 << 20, max(1 << 20, bps / 8 * 0.5)))))
+        self._apply(0.0)
+        return out
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -434,13 +424,14 @@ class LocalCluster:
         try:
             self._build()
             self._up = True
-            self._t0 = time.monotonic()
-            if self.rate_jitter > 0:
-                self._jitter_thread = threading.Thread(target=self._jitter_loop, daemon=True,
-                                                       name=f"{self.name}-jitter")
-                self._jitter_thread.start()
+            if self.calibrate_on_enter and self.hosts >= 2 and len(self.phases) > 1:
+                self.phases_achieved_bps = self._measure_phases()
+            if self.schedule.changing:
+                self.shaper = Shaper(self.schedule, self._apply)
+                self.shaper.start(f"{self.name}-shaper")
             if self.calibrate_on_enter and self.hosts >= 2:
-                self.achieved_bps = self.measure_rate()
+                self.achieved_bps = (self.measure_rate() if self.phases_achieved_bps is None
+                                     else self.phases_achieved_bps[0])
             if self.calibrate_on_enter and self.ranks_per_host >= 2:
                 self.intra_achieved_bps = self.measure_rate(tier="intra")
         except BaseException:
@@ -452,10 +443,9 @@ class LocalCluster:
         self._teardown()
 
     def _teardown(self) -> None:
-        self._stop.set()
-        if self._jitter_thread is not None:
-            self._jitter_thread.join(5)
-            self._jitter_thread = None
+        if self.shaper is not None:
+            self.shaper.stop()
+            self.shaper = None
         _delete([*self.namespaces, self.switch])
         self._up = False
         self._links = []
@@ -570,7 +560,11 @@ class LocalCluster:
         intra = {"name": format_rate(self.intra_rate_bps) if self.intra_rate_bps else "none",
                  "configured_bps": self.intra_rate_bps, "achieved_bps": self.intra_achieved_bps,
                  "emulation": "netns loopback" + ("+tbf" if self.intra_rate_bps else "")}
-        return {"name": format_rate(self.rate_bps), "configured_bps": self.rate_bps,
+        achieved = self.phases_achieved_bps or [self.achieved_bps if len(self.phases) == 1 else None] * len(self.phases)
+        phases = [{"start_s": t, "configured_bps": bps, "achieved_bps": achieved[i]}
+                  for i, (t, bps) in enumerate(self.phases)]
+        return {"name": format_schedule(self.phases, format_rate), "configured_bps": self.rate_bps,
+                "phases": phases,
                 "achieved_bps": self.achieved_bps, "rate_jitter": self.rate_jitter,
                 "jitter_period_s": self.jitter_period_s, "seed": self.seed,
                 "latency_s": self.latency, "mtu": self.mtu, "world_size": self.world_size,

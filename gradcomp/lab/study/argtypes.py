@@ -97,13 +97,28 @@ def cv_type(text: str) -> float:
     return val
 
 
-def straggler_type(text: str) -> tuple[int, float]:
-    from gradcomp.lab.study.timing import parse_straggler
+def straggler_type(text: str) -> tuple[int, float, float]:
+    """``--straggler RANK:FACTOR[@SECONDS]`` -> ``(rank, factor, from_s)``."""
+    from gradcomp.lab.study.timing import parse_straggler_onset
 
     try:
-        return parse_straggler(text)
+        return parse_straggler_onset(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).replace("--straggler ", "")) from None
+
+
+def link_schedule_type(text: str) -> str:
+    """``--link``: ``none`` (or ``loopback``), a rate, or a schedule ``RATE@SECONDS,...``,
+    normalised (``"1000mbit@0,100mbit@120"`` -> ``"1gbit@0,100mbit@120"``)."""
+    from gradcomp.lab.shaping import link_schedule
+    from gradcomp.lab.units import format_rate, format_schedule
+
+    if text in ("none", "loopback"):
+        return "none"
+    try:
+        return format_schedule(link_schedule(text, "rate"), format_rate)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{e}; or none (the unshaped loopback)") from None
 
 
 def accuracy_type(text: str) -> float:

@@ -25,11 +25,10 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from gradcomp.compressors import NoCompression
-from gradcomp.lab.study.common import RankLog
+from gradcomp.lab.study.common import RankLog, start_together
 from gradcomp.lab.study.config import COMPRESSORS, TrainConfig
 from gradcomp.lab.study.data import Digits, worker_batches
 from gradcomp.timeline import StepTimeline, now
@@ -50,13 +49,14 @@ def async_world_size(cfg: TrainConfig) -> int:
 
 
 def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str, data: Digits,
-                     progress=None, ps_mode: str = "async") -> RankLog:
+                     progress=None, ps_mode: str = "async", link_clock=None) -> RankLog:
     """Train one async run as ``rank`` of an initialised group of ``cfg.workers + 1`` ranks.
 
     Args:
         compressor: a name of :data:`gradcomp.lab.study.config.COMPRESSORS`.
         data: the study's split.
         progress: optional object with ``put(step)``; worker 0 calls it now and then.
+        link_clock: the changing link\'s restart handle (:func:`~gradcomp.lab.study.common.start_together`).
         ps_mode: the server's mode: ``"async"``, or ``"sync"`` with
             ``cfg.backup_workers`` backup workers (learning rate ``cfg.lr``: the
             server averages a step's pushes).
@@ -90,7 +90,7 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
 
     models: list[nn.Module] = []
     timeline = StepTimeline()
-    delay = ComputeDelay(rank - 1, cfg.straggler, cfg.compute_jitter, cfg.seed)
+    delay = ComputeDelay(rank - 1, cfg.straggler, cfg.compute_jitter, cfg.seed, cfg.straggler_from_s)
 
     def model_fn() -> nn.Module:
         models.append(build_model(cfg, data))
@@ -113,8 +113,7 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         log.record(cfg, "async", step + 1, loss, worker.meter, models[0] if first else None, data,
                    progress if first else None)
 
-    dist.barrier()
-    log.start()
+    start_together(log, rank, delay, link_clock)
     out = ps.run(rank, world_size, model_fn, loss_fn, config, on_step=on_step, timeline=timeline)
     meter_dict = out["stats"]["traffic"]
     if rank == 0:
@@ -124,7 +123,7 @@ def train_async_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
                 p.copy_(out["params"][name])
         log.final = evaluate(model, data.x_test, data.y_test)
         stats = out["stats"]
-        log.extra = {k: stats[k] for k in ("updates", "accepted", "dropped", "rejected", "backup_workers",
-                                           "staleness_histogram", "busy_s", "busy_intervals")}
+        log.extra.update({k: stats[k] for k in ("updates", "accepted", "dropped", "rejected", "backup_workers",
+                                                "staleness_histogram", "busy_s", "busy_intervals")})
     return log.finish(meter_dict, models[0] if rank != 0 and index == 0 else None, data,
                       timeline if rank != 0 else None)

@@ -24,7 +24,7 @@ import threading
 import time
 
 from gradcomp.lab.args import OneLineParser
-from gradcomp.lab.cluster import jitter_type, link_type, topology_type
+from gradcomp.lab.cluster import jitter_type, topology_type
 from gradcomp.lab.study.config import (ALGORITHMS, COMPRESSORS, DEFAULT_COMPRESSORS, MODES,
                                        SPARSE_ALGORITHMS, TrainConfig)
 from gradcomp.lab.study import argtypes as A
@@ -51,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--mode", type=A.modes_type, default=MODES, metavar="MODE[,MODE]",
                    help="sync (DDP + compressed allreduce hook), async (parameter server), "
                         "local (local SGD / DiLoCo: compressed pseudo-gradients every "
-                        "--sync-every steps), a comma-separated list of them (e.g. sync,local), "
+                        "--sync-every steps), auto (local SGD whose period and codec are chosen "
+                        "online: one row beside the fixed ones), a comma-separated list of them "
+                        "(e.g. sync,local,auto), "
                         "or both (sync and async, the default); pipeline (alone): pipeline "
                         "parallelism, see the pipeline options")
     p.add_argument("--compressors", type=A.compressor_list_type, default=DEFAULT_COMPRESSORS,
@@ -108,18 +110,20 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help=f"seconds allowed per run before its processes are stopped "
                         f"(default {d.timeout:g})")
     time = p.add_argument_group("time (shaped links, stragglers, time to accuracy)")
-    time.add_argument("--link", type=link_type, default="none", metavar="RATE",
+    time.add_argument("--link", type=A.link_schedule_type, default="none", metavar="RATE",
                       help="none (the unshaped loopback, default) or a link rate: 100mbit, 1gbit, "
                            "10gbit, ... (every rank in its own network namespace, links shaped with "
-                           "tc tbf; needs root and iproute2)")
+                           "tc tbf; needs root and iproute2); or a rate changing at given seconds "
+                           "of each run: RATE@SECONDS,... such as 1gbit@0,100mbit@120")
     time.add_argument("--topology", type=topology_type, default=None, metavar="HxR",
                       help="H hosts of R workers each (sync and local modes): the workers of a host "
                            "share its namespace, the --link joins the hosts (default: one worker per "
                            "host); --workers is then H*R")
     time.add_argument("--link-jitter", type=jitter_type, default=0.0, metavar="F",
                       help="redraw each link's rate every second from rate x U(1-F, 1+F) (default 0)")
-    time.add_argument("--straggler", type=A.straggler_type, default=None, metavar="RANK:FACTOR",
-                      help="worker RANK's compute takes FACTOR (>= 1) times as long")
+    time.add_argument("--straggler", type=A.straggler_type, default=None, metavar="RANK:FACTOR[@S]",
+                      help="worker RANK's compute takes FACTOR (>= 1) times as long (from S "
+                           "seconds into each run on: 1:3@60)")
     time.add_argument("--backup-workers", type=A.nonnegative_int_type, default=None, metavar="B",
                       help="sync mode through the parameter server: apply a step with the first "
                            "WORKERS - B pushes, drop the late ones (0: every push; default: sync "
@@ -151,6 +155,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     local.add_argument("--overlap", type=A.nonnegative_int_type, default=None, metavar="TAU",
                        help="steps a fragment's exchange overlaps training before its update "
                             "is applied, 0 <= TAU < H/F (default 0)")
+    auto = p.add_argument_group("auto mode (gradcomp.LocalSGD(sync_every='auto', compressor='auto'))")
+    auto.add_argument("--min-sync-every", type=A.positive_int_type, default=None, metavar="H",
+                      help=f"the least period the auto mode chooses (default {d.min_sync_every}: "
+                           "synchronous training)")
+    auto.add_argument("--max-sync-every", type=A.positive_int_type, default=None, metavar="H",
+                      help=f"the largest period the auto mode chooses (default {d.max_sync_every})")
     p.add_argument("--out", default=None,
                    help=f"directory for the results (results.json/.csv/.png, time.png, decision.md/"
                         f".json); default: a new timestamped directory under {DEFAULT_OUT}/. "
@@ -230,6 +240,9 @@ def _check_row_options(args: argparse.Namespace) -> None:
                          "chooses among the flat ring and two-phase): drop auto from --compressors")
     if args.async_momentum is not None and "async" not in args.mode:
         raise ValueError(f"--async-momentum only applies to --mode async, got --mode {','.join(args.mode)}")
+    if args.mode == ("pipeline",) and ("@" in args.link or (args.straggler and args.straggler[2] > 0)):
+        raise ValueError("a --link RATE@SECONDS schedule and a --straggler onset (@SECONDS) apply to "
+                         "--mode sync, local and async, not pipeline")
     if args.dgc_warmup is not None and args.mode == ("pipeline",):
         raise ValueError("--dgc-warmup does not apply to --mode pipeline (it has no DGC rows)")
     if args.dgc_warmup is not None and not any(COMPRESSORS[c].dgc for c in args.compressors):
@@ -238,12 +251,18 @@ def _check_row_options(args: argparse.Namespace) -> None:
                          f"got --compressors {','.join(args.compressors)}")
 
 
+#: options of the auto mode only, with their TrainConfig field
+AUTO_OPTIONS = {"--min-sync-every": "min_sync_every", "--max-sync-every": "max_sync_every"}
+
+
 def _config(args: argparse.Namespace) -> TrainConfig:
-    local = {field: getattr(args, field) for field in LOCAL_OPTIONS.values()
-             if getattr(args, field, None) is not None}
-    if local and "local" not in args.mode:
-        given = [opt for opt, field in LOCAL_OPTIONS.items() if field in local]
-        raise ValueError(f"{', '.join(given)} only apply to --mode local, got --mode {','.join(args.mode)}")
+    local = {}
+    for mode, options in (("local", LOCAL_OPTIONS), ("auto", AUTO_OPTIONS)):
+        given = {field: getattr(args, field) for field in options.values() if getattr(args, field, None) is not None}
+        if given and mode not in args.mode:
+            names = [opt for opt, field in options.items() if field in given]
+            raise ValueError(f"{', '.join(names)} only apply to --mode {mode}, got --mode {','.join(args.mode)}")
+        local.update(given)
     w = WORKLOADS[args.workload]
     for opt, field in (("--data-dir", "data_dir"), ("--data-file", "data_file")):
         if getattr(args, field) is not None and w.needs != field:
@@ -258,7 +277,9 @@ def _config(args: argparse.Namespace) -> TrainConfig:
                        eval_every=args.eval_every,
                        ranks_per_host=args.topology[1] if getattr(args, "topology", None) else 1,
                        threshold=args.threshold, timeout=args.timeout,
-                       straggler=args.straggler, compute_jitter=args.compute_jitter,
+                       straggler=args.straggler[:2] if args.straggler else None,
+                       straggler_from_s=args.straggler[2] if args.straggler else 0.0,
+                       compute_jitter=args.compute_jitter,
                        backup_workers=args.backup_workers, **local)
 
 
@@ -418,8 +439,11 @@ def _run_and_report(args, cfg, modes, scenarios, priors, lead, console, fail) ->
     t0 = time.perf_counter()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
+    from gradcomp.lab.study.study import mode_compressors
+
     names = list(dict.fromkeys(["none", *args.compressors]))
-    grand = cfg.steps * len(modes) * len(names) * args.seeds * len(scenarios)
+    rows = sum(len(mode_compressors(m, names)) for m in modes)
+    grand = cfg.steps * rows * args.seeds * len(scenarios)
     studies = []
     try:
         with contextlib.ExitStack() as stack:

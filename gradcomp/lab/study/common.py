@@ -6,12 +6,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from gradcomp.lab.study.config import TrainConfig
 from gradcomp.lab.study.data import Digits
 from gradcomp.lab.study.model import evaluate
 
-__all__ = ["RankLog", "counted_bytes", "param_digest"]
+__all__ = ["RankLog", "counted_bytes", "param_digest", "start_together"]
 
 
 def param_digest(model: torch.nn.Module) -> str:
@@ -121,3 +122,25 @@ class RankLog:
                     p.copy_(s)
             self._snapshots = []
         return self
+
+
+def start_together(log: RankLog, rank: int, delay=None, link_clock=None) -> None:
+    """Start a run's training clock on every rank of the group at once (a barrier).
+
+    With a changing link (``link_clock``: the cluster's
+    :class:`~gradcomp.lab.shaping.ScheduleRemote`) rank 0 first restarts the link's schedule,
+    so that every run meets its phases from its own start; a straggler's onset
+    (``delay``: :class:`~gradcomp.lab.study.timing.ComputeDelay`) counts from the same start.
+    Rank 0 records in ``log.extra["link_origin_lag_s"]`` the seconds from the schedule's
+    origin to the clock's start.
+
+    Raises:
+        TimeoutError: the cluster did not answer the restart (rank 0).
+    """
+    origin = link_clock.restart() if link_clock is not None and rank == 0 else None
+    dist.barrier()
+    log.start()
+    if delay is not None:
+        delay.start(log._t0)
+    if origin is not None:
+        log.extra["link_origin_lag_s"] = time.monotonic() - origin - log.elapsed()

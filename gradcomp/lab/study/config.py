@@ -22,8 +22,9 @@ __all__ = ["TrainConfig", "CompressorChoice", "COMPRESSORS", "DEFAULT_COMPRESSOR
 
 MODES = ("sync", "async")
 #: Every mode ``--mode`` accepts: MODES (``both``) plus local SGD / DiLoCo
-#: (:mod:`gradcomp.lab.study.local`).
-ALL_MODES = (*MODES, "local")
+#: (:mod:`gradcomp.lab.study.local`) and auto: local SGD whose period and codec are chosen
+#: online (one row, ``auto``, whatever ``--compressors`` lists).
+ALL_MODES = (*MODES, "local", "auto")
 #: Dense algorithms of the sync and local modes (``--algorithm``).
 ALGORITHMS = ("ring", "two_phase", "hierarchical", "halving_doubling")
 #: Algorithms of the exact top-k rows (``--sparse-algorithm``); threshold and
@@ -102,7 +103,7 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
     *(_catalog_row(n) for n in ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-ef",
                                 "threshold-ef", "dgc", "dgc-int8")),
     # the study's own rows: a policy over catalog codecs, and the backend's uncompressed collective
-    CompressorChoice("auto", "auto", True, modes=("sync",)),
+    CompressorChoice("auto", "auto", True, modes=("sync", "auto")),
     CompressorChoice("native", "all_reduce f32", False, modes=("sync",), native=True),
 )}
 
@@ -162,6 +163,8 @@ class TrainConfig:
         timeout: seconds allowed for one run before its processes are stopped.
         straggler: ``(worker, factor)``: that worker's compute takes ``factor``
             times as long (see :mod:`gradcomp.lab.study.timing`); None: no straggler.
+        straggler_from_s: seconds into each run's training clock from which the
+            straggler is slow (0: from the start).
         backup_workers: None: sync mode runs gradcomp's allreduce; an int
             ``b``: sync mode runs through the parameter server, a step applied
             with the first ``workers - b`` pushes (0: every push; Chen et al.
@@ -171,6 +174,8 @@ class TrainConfig:
         sync_every, outer, fragments, overlap: the local mode's schedule
             (:class:`gradcomp.LocalSGD`: ``H``, ``"avg"`` or ``"nesterov"``,
             ``F``, ``tau``).
+        min_sync_every, max_sync_every: the auto mode's bounds of the period
+            (``LocalSGD(sync_every="auto")``; its outer step is ``outer``).
         workload: a name of :data:`gradcomp.lab.study.workloads.WORKLOADS`
             (``hidden`` applies to ``digits-mlp`` only).
         data_dir: CIFAR-10's folder (``cifar10-resnet18``); data_file: the
@@ -195,12 +200,15 @@ class TrainConfig:
     threshold: float | None = None
     timeout: float = 600.0
     straggler: tuple[int, float] | None = None
+    straggler_from_s: float = 0.0
     compute_jitter: float = 0.0
     backup_workers: int | None = None
     sync_every: int = 32
     outer: str = "avg"
     fragments: int = 1
     overlap: int = 0
+    min_sync_every: int = 1
+    max_sync_every: int = 64
     workload: str = DEFAULT_WORKLOAD
     data_dir: str | None = None
     data_file: str | None = None
@@ -261,6 +269,10 @@ class TrainConfig:
                 raise ValueError(f"straggler rank must be a worker in 0..{self.workers - 1}, got {rank!r}")
             if not 1 <= factor < 1e3:
                 raise ValueError(f"straggler factor must be >= 1 (and < 1000), got {factor!r}")
+        if (isinstance(self.straggler_from_s, bool) or not isinstance(self.straggler_from_s, (int, float))
+                or not 0 <= self.straggler_from_s < float("inf")):
+            raise ValueError(f"straggler_from_s must be a finite number of seconds >= 0, "
+                             f"got {self.straggler_from_s!r}")
         if self.backup_workers is not None and (isinstance(self.backup_workers, bool) or not isinstance(
                 self.backup_workers, int) or not 0 <= self.backup_workers < self.workers):
             raise ValueError(f"backup_workers must be None or an int in [0, workers={self.workers}), "
@@ -268,6 +280,9 @@ class TrainConfig:
         if not 0 <= self.compute_jitter <= 10:
             raise ValueError(f"compute_jitter must be a CV in [0, 10], got {self.compute_jitter!r}")
         check_schedule(self.sync_every, self.fragments, self.overlap)
+        from gradcomp.sync_period import SyncPeriod
+
+        SyncPeriod(self.min_sync_every, self.max_sync_every)  # raises for bad bounds, naming them
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         if self.outer not in OUTER_OPTIMIZERS:

@@ -22,7 +22,7 @@ from gradcomp.lab.study.output import json_ready
 from gradcomp.lab.study.timing import mean_ci95
 
 __all__ = ["Aggregate", "aggregate", "decide", "contenders", "separated", "verdict", "decision_doc", "write_decision",
-           "DEFAULT_MAX_GAP_PP", "decision_markdown"]
+           "DEFAULT_MAX_GAP_PP", "decision_markdown", "phases_text"]
 
 #: Accuracy bound of the decision: a mean gap of at most this many points.
 DEFAULT_MAX_GAP_PP = 0.5
@@ -215,11 +215,22 @@ def verdict(scenario: dict) -> str:
             f"More seeds ({more} or more) would separate them if the difference is real.")
 
 
+def phases_text(phases: list[dict]) -> str:
+    """A changing link's phases: ``"1gbit from 0 s (941.2mbit achieved), 100mbit from 120 s (...)"``."""
+    from gradcomp.lab.units import format_rate
+
+    return ", ".join(f"{format_rate(p['configured_bps'])} from {p['start_s']:g} s ("
+                     f"{format_rate(p['achieved_bps']) if p.get('achieved_bps') else '?'} achieved)"
+                     for p in phases)
+
+
 def _link_text(link: dict) -> str:
     from gradcomp.lab.units import format_rate
 
     if not link or not link.get("configured_bps"):
         return "loopback (unshaped)"
+    if len(link.get("phases") or ()) > 1:
+        return phases_text(link["phases"]) + " (calibration transfers)"
     got = link.get("achieved_bps")
     return (f"{format_rate(link['configured_bps'])} configured, "
             f"{format_rate(got) if got else '?'} achieved (calibration transfer)")

@@ -1,4 +1,4 @@
-"""The study's figures as matplotlib Figures a person reads: ``results.png`` and ``time.png``.
+"""The study's figures as matplotlib Figures a person reads: ``results.png``, ``time.png``, ``decisions.png``.
 
 One colour per compressor and one line style per mode, the same in every
 panel and explained once, in a legend outside the data (below the panels);
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import textwrap
 
-__all__ = ["MODE_STYLES", "results_figure", "time_figure", "codec_colors"]
+__all__ = ["MODE_STYLES", "REASON_MARKERS", "results_figure", "time_figure", "decisions_figure", "codec_colors"]
 
 #: line style per mode
-MODE_STYLES = {"sync": "-", "async": "--", "local": ":"}
+MODE_STYLES = {"sync": "-", "async": "--", "local": ":", "auto": "-."}
 _PHASE_COLORS = {"compute": "#4c72b0", "compress": "#dd8452", "communicate": "#55a868",
                  "wait": "#c44e52", "decompress": "#8172b3", "apply": "#937860", "other": "#bbbbbb"}
 
@@ -176,4 +176,93 @@ def time_figure(studies, title: str):
     _legends(fig, runs, colors, list(dict.fromkeys(r.mode for r in runs)), extra)
     width = int(14 * fig.get_figwidth())  # characters of 9-point text across the figure
     fig.suptitle("\n".join(textwrap.wrap(f"gradcomp time study: {title}", width)), fontsize=9)
+    return fig
+
+
+#: marker of each reason the period moved (:data:`gradcomp.sync_period.REASONS`)
+REASON_MARKERS = {"comm_share_high": ("^", "exchange share high: H up"),
+                  "comm_share_low": ("v", "exchange share low: H down"),
+                  "loss_fell": ("x", "loss fell: H down (AdaComm)")}
+
+
+def _step_xy(ts: list[float], ys: list, t_end: float) -> tuple[list[float], list]:
+    """A step function's points: ``ys[i]`` from ``ts[i]`` until the next time (the last until ``t_end``)."""
+    xs, out = [], []
+    for i, (t, y) in enumerate(zip(ts, ys)):
+        xs += [t, ts[i + 1] if i + 1 < len(ts) else max(t, t_end)]
+        out += [y, y]
+    return xs, out
+
+
+def _events(r) -> list[tuple[float, str]]:
+    """The changes of conditions within run ``r`` on its training clock: link phase starts and
+    the straggler's onset, as ``(t_s, label)``."""
+    lag = r.extra.get("link_origin_lag_s") or 0.0
+    out = [(p["start_s"] - lag, "link") for p in (r.link.get("phases") or [])[1:]]
+    strag = (r.scenario or {}).get("straggler") or {}
+    if strag.get("from_s"):
+        out.append((strag["from_s"], "straggler"))
+    return out
+
+
+def _decision_column(fig, grid, j: int, r) -> None:
+    """The four panels of one auto run: H (with each move's reason), codec, link rate, idle share."""
+    from gradcomp.lab.units import format_rate
+
+    decisions = r.extra.get("decisions") or []
+    series = r.extra.get("steps_series") or {"t_s": [], "idle_share": []}
+    t_end = series["t_s"][-1] if series["t_s"] else r.wall_s
+    step_t = dict(zip(range(1, len(series["t_s"]) + 1), series["t_s"]))
+    h_ax, c_ax, l_ax, i_ax = (fig.add_subplot(grid[k, j]) for k in range(4))
+    ts = [d["t_s"] for d in decisions]
+    h_ax.plot(*_step_xy(ts, [d["sync_every"] for d in decisions], t_end), color="#4c72b0", lw=1.2)
+    for e in (e for e in r.meter.get("switches", []) if e.get("kind") == "sync_every"):
+        marker, _ = REASON_MARKERS.get(e["reason"], ("o", e["reason"]))
+        h_ax.plot([step_t.get(e["step"], 0.0)], [e["to"]], marker=marker, color="k", ms=5, ls="none")
+    h_ax.set(yscale="log", ylabel="period H (steps)", title=f"{(r.scenario or {}).get('name', 'loopback')}: "
+             f"auto, seed {r.seed}")
+    codecs = list(dict.fromkeys(d["codec"] or "?" for d in decisions)) or ["?"]
+    c_ax.plot(*_step_xy(ts, [codecs.index(d["codec"] or "?") for d in decisions], t_end), color="#dd8452", lw=1.2)
+    c_ax.set_yticks(range(len(codecs)), codecs, fontsize=7)
+    c_ax.set(ylim=(-0.5, len(codecs) - 0.5), ylabel="codec chosen")
+    phases = r.link.get("phases") or ([{"start_s": 0.0, "achieved_bps": r.link.get("achieved_bps")}]
+                                      if r.link.get("configured_bps") else [])
+    lag = r.extra.get("link_origin_lag_s") or 0.0
+    if phases and all(p.get("achieved_bps") for p in phases):
+        xs = [max(0.0, p["start_s"] - lag) for p in phases]
+        l_ax.plot(*_step_xy(xs, [p["achieved_bps"] / 1e6 for p in phases], t_end), color="#55a868", lw=1.2)
+        rates = [p["achieved_bps"] / 1e6 for p in phases]
+        l_ax.set(yscale="log", ylim=(min(rates) / 2, max(rates) * 2))  # 1 gbit and 100 mbit both readable
+        l_ax.set_title("achieved: " + ", ".join(format_rate(p["achieved_bps"]) for p in phases), fontsize=8)
+    else:
+        l_ax.set_title("unshaped loopback: no link rate", fontsize=8)
+    l_ax.set(ylabel="achieved link rate\n(Mbit/s, log scale)")
+    i_ax.plot(series["t_s"], [100 * x for x in _smooth(series["idle_share"])], color="#c44e52", lw=1)
+    i_ax.set(ylabel="idle share (%,\nmean of 10 steps)", ylim=(0, 100))
+    for ax in (h_ax, c_ax, l_ax, i_ax):
+        ax.set(xlim=(0, t_end), xlabel="training time (s, evaluation excluded)")
+        ax.grid(True, alpha=0.3)
+        for t, what in _events(r):
+            ax.axvline(t, color="k", lw=0.8, ls="--" if what == "link" else ":")
+
+
+def decisions_figure(runs, title: str):
+    """The auto mode's decisions over time, a column per auto run given (one per scenario):
+    the period ``H`` (each move marked with its reason), the codec, the link's achieved rate
+    per phase and the workers' idle share against the training clock, with the link's phase
+    changes and the straggler's onset as vertical lines."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    runs = list(runs)
+    fig = Figure(figsize=(max(8, 6 * len(runs)), 12), layout="constrained")
+    grid = fig.add_gridspec(4, len(runs), height_ratios=(1.2, 0.8, 0.8, 1.0))
+    for j, r in enumerate(runs):
+        _decision_column(fig, grid, j, r)
+    handles = [Line2D([], [], marker=m, color="k", ls="none", label=text) for m, text in REASON_MARKERS.values()]
+    handles += [Line2D([], [], color="k", lw=0.8, ls="--", label="link rate changes"),
+                Line2D([], [], color="k", lw=0.8, ls=":", label="straggler turns slow")]
+    fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8)
+    width = int(14 * fig.get_figwidth())
+    fig.suptitle("\n".join(textwrap.wrap(f"gradcomp auto mode, decisions over time: {title}", width)), fontsize=9)
     return fig

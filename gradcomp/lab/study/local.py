@@ -34,12 +34,11 @@ unless ``--threshold`` sets one.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from gradcomp.localsgd import LocalSGD
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import StepTimeline, now
-from gradcomp.lab.study.common import RankLog
+from gradcomp.lab.study.common import RankLog, start_together
 from gradcomp.lab.study.config import COMPRESSORS, TrainConfig
 from gradcomp.lab.study.data import Digits, worker_batches
 from gradcomp.lab.study.workloads import batch_loss, build_model
@@ -52,7 +51,7 @@ LOCAL = "local"
 
 
 def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str, data: Digits,
-                     progress=None) -> RankLog:
+                     progress=None, link_clock=None, adaptive: bool = False) -> RankLog:
     """Train one run of the local mode as ``rank`` of an initialised process
     group of ``cfg.workers`` ranks; every rank is a worker, rank 0 evaluates.
 
@@ -60,10 +59,18 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         compressor: a name of :data:`gradcomp.lab.study.config.COMPRESSORS`.
         data: the study's split.
         progress: optional object with ``put(step)``; rank 0 calls it now and then.
+        link_clock: the changing link\'s restart handle (:func:`~gradcomp.lab.study.common.start_together`).
+
+        adaptive: the auto mode: the period and the codec chosen online
+            (``LocalSGD(sync_every="auto", compressor="auto")`` within
+            ``cfg.min_sync_every..cfg.max_sync_every``, fed each step's loss); ``compressor``
+            is then ``"auto"``.
 
     Returns:
         This rank's :class:`RankLog`; ``extra`` holds the number of fragment
-        exchanges (``local_syncs``).
+        exchanges (``local_syncs``) and, adaptive, on rank 0, ``decisions``: the
+        period and codec in force from each change on (``t_s`` on the training
+        clock, ``step``, ``sync_every``, ``codec``).
     """
     if world_size != cfg.workers:
         raise ValueError(f"local mode needs {cfg.workers} ranks (one per worker), got {world_size}")
@@ -71,15 +78,20 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     model = build_model(cfg, data)
     meter = TrafficMeter()
     timeline = StepTimeline()
-    ls = LocalSGD(model, sync_every=cfg.sync_every, compressor=choice.build(cfg.threshold),
-                  outer_optimizer=cfg.outer, meter=meter, error_feedback=choice.error_feedback,
-                  algorithm=cfg.algorithm_for(choice),
-                  fragments=cfg.fragments, overlap=cfg.overlap, timeout=cfg.timeout, timeline=timeline)
+    if adaptive:
+        ls = LocalSGD(model, sync_every="auto", compressor="auto", min_sync_every=cfg.min_sync_every,
+                      max_sync_every=cfg.max_sync_every, outer_optimizer=cfg.outer, meter=meter,
+                      algorithm=cfg.algorithm_for(choice), timeout=cfg.timeout, timeline=timeline)
+    else:
+        ls = LocalSGD(model, sync_every=cfg.sync_every, compressor=choice.build(cfg.threshold),
+                      outer_optimizer=cfg.outer, meter=meter, error_feedback=choice.error_feedback,
+                      algorithm=cfg.algorithm_for(choice),
+                      fragments=cfg.fragments, overlap=cfg.overlap, timeout=cfg.timeout, timeline=timeline)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     log = RankLog(rank)
-    delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed)
-    dist.barrier()
-    log.start()
+    decisions: list[dict] = []
+    delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed, cfg.straggler_from_s)
+    start_together(log, rank, delay, link_clock)
     batches = worker_batches(len(data.y_train), cfg.workers, rank, cfg.batch_size, cfg.seed, cfg.steps)
     for step, idx in enumerate(batches, 1):
         t0 = now()
@@ -93,7 +105,13 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         handoff = now()
         timeline.mark("handoff", handoff)
         delay.observe(handoff - t0 - slept)
-        ls.step()
+        if adaptive:
+            ls.step(loss=loss.detach())  # the loss factor of the period (AdaComm)
+        else:
+            ls.step()
+        if adaptive and (not decisions or (decisions[-1]["sync_every"], decisions[-1]["codec"])
+                         != (ls.sync_every, ls.codec)):
+            decisions.append({"t_s": log.elapsed(), "step": step, "sync_every": ls.sync_every, "codec": ls.codec})
         if step == cfg.steps:
             ls.sync()  # the evaluated model is the one every rank holds
         timeline.mark("backward_end")  # the end of the exposed window: the exchange returned
@@ -103,7 +121,9 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         log.record(cfg, LOCAL, step, lossf, meter, model if rank == 0 else None, data,
                    progress if rank == 0 else None)
     ls.close()
-    log.extra = {"local_syncs": ls.syncs}
+    log.extra["local_syncs"] = ls.syncs
+    if adaptive and rank == 0:  # every rank holds the same agreed choices
+        log.extra["decisions"] = decisions
     log.finish(meter, model if rank == 0 else None, data, timeline)
     if rank == 0:
         log.final = log.evals[-1]

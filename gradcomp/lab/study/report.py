@@ -81,10 +81,12 @@ def title(study: StudyResult) -> str:
     async_m = (f" (async: {c.async_momentum:g})"
                if "async" in modes and c.async_momentum is not None else "")
     algorithm = (f", sync dense algorithm: {c.algorithm}, top-k: {c.sparse_algorithm}"
-                 if modes & {"sync", "local"} else "")
+                 if modes & {"sync", "local", "auto"} else "")
     if "local" in modes:
         streaming = f", {c.fragments} fragments, overlap {c.overlap}" if c.fragments > 1 or c.overlap else ""
         algorithm += f", local: sync every {c.sync_every} steps, outer {c.outer}{streaming}"
+    if "auto" in modes:
+        algorithm += f", auto: period chosen in {c.min_sync_every}..{c.max_sync_every} steps, outer {c.outer}"
     what = (f"digits ({study.train_samples} train / {study.test_samples} test), "
             f"MLP {'-'.join(map(str, (64, *c.hidden, 10)))} ({study.num_parameters:,} params)")
     if c.workload != "digits-mlp":
@@ -99,11 +101,14 @@ def title(study: StudyResult) -> str:
 
 def link_line(study: StudyResult) -> str:
     """Where the study ran: the scenario and, per mode, the link's configured and achieved rate."""
+    from gradcomp.lab.study.decision import phases_text
     from gradcomp.lab.units import format_rate
 
     parts = []
     for mode, link in study.links.items():
-        if link.get("configured_bps"):
+        if len(link.get("phases") or ()) > 1:
+            parts.append(f"{mode}: " + phases_text(link["phases"]))
+        elif link.get("configured_bps"):
             parts.append(f"{mode}: {format_rate(link['configured_bps'])} configured, "
                          f"{format_rate(link['achieved_bps'])} achieved")
         else:
@@ -111,7 +116,9 @@ def link_line(study: StudyResult) -> str:
     sc = study.scenario
     extra = []
     if sc.get("straggler"):
-        extra.append(f"straggler worker {sc['straggler']['rank']} x{sc['straggler']['factor']:g}")
+        onset = sc["straggler"].get("from_s") or 0
+        extra.append(f"straggler worker {sc['straggler']['rank']} x{sc['straggler']['factor']:g}"
+                     + (f" from {onset:g} s" if onset else ""))
     if sc.get("compute_jitter_cv"):
         extra.append(f"compute jitter CV {sc['compute_jitter_cv']:g}")
     if sc.get("link_jitter"):
@@ -211,10 +218,25 @@ def write_time_plot(studies: list[StudyResult], path: str) -> None:
     time_figure(studies, title(studies[0])).savefig(path, dpi=100)
 
 
+def write_decisions_plot(studies: list[StudyResult], path: str) -> bool:
+    """``decisions.png``: per scenario, the first seed's auto run's period, codec, link rate and
+    idle share over time (:func:`gradcomp.lab.study.figures.decisions_figure`); False (nothing
+    written) when no study ran the auto mode."""
+    from gradcomp.lab.study.figures import decisions_figure
+
+    runs = [next(r for r in s.runs if r.mode == "auto" and r.seed == s.seeds[0])
+            for s in studies if any(r.mode == "auto" for r in s.runs)]
+    if not runs:
+        return False
+    decisions_figure(runs, title(studies[0])).savefig(path, dpi=100)
+    return True
+
+
 def write_all(study: StudyResult, out_dir: str, studies: list[StudyResult] | None = None,
               max_gap_pp: float | None = None) -> dict[str, str]:
-    """Write results.json, results.csv, results.png, time.png, decision.json and
-    decision.md into ``out_dir`` (created if needed); returns their paths by kind."""
+    """Write results.json, results.csv, results.png, time.png, decision.json,
+    decision.md and (with the auto mode) decisions.png into ``out_dir`` (created if
+    needed); returns their paths by kind."""
     from gradcomp.lab.study.decision import DEFAULT_MAX_GAP_PP, write_decision
 
     studies = studies or [study]
@@ -225,6 +247,8 @@ def write_all(study: StudyResult, out_dir: str, studies: list[StudyResult] | Non
     write_plot(study, paths["png"])
     paths["time_png"] = os.path.join(out_dir, "time.png")
     write_time_plot(studies, paths["time_png"])
+    if write_decisions_plot(studies, os.path.join(out_dir, "decisions.png")):
+        paths["decisions_png"] = os.path.join(out_dir, "decisions.png")
     runs = [r for s in studies for r in s.runs]
     paths.update(write_decision(
         runs, out_dir, study.target_accuracy,

@@ -39,6 +39,7 @@ class Scenario:
         link: a ``tc`` rate (``"100mbit"``) or None for the loopback.
         link_jitter: fraction of the link rate redrawn every second.
         straggler: ``(worker, factor)`` or None; compute_jitter: CV (0: none).
+        straggler_from_s: seconds into each run from which the straggler is slow.
     """
 
     name: str = "loopback"
@@ -46,11 +47,12 @@ class Scenario:
     link_jitter: float = 0.0
     straggler: tuple[int, float] | None = None
     compute_jitter: float = 0.0
+    straggler_from_s: float = 0.0
 
     def as_dict(self) -> dict:
         return {"name": self.name, "link": self.link or "none", "link_jitter": self.link_jitter,
-                "straggler": ({"rank": self.straggler[0], "factor": self.straggler[1]}
-                              if self.straggler else None),
+                "straggler": ({"rank": self.straggler[0], "factor": self.straggler[1],
+                               "from_s": self.straggler_from_s} if self.straggler else None),
                 "compute_jitter_cv": self.compute_jitter}
 
 
@@ -118,9 +120,11 @@ def scenario_list(args: argparse.Namespace, workers: int) -> list[Scenario]:
         name = "loopback" if args.link == "none" else args.link
         if args.straggler or args.compute_jitter or args.link_jitter:
             name += "+custom"
+        straggler = args.straggler
         scenarios = [Scenario(name=name, link=None if args.link == "none" else args.link,
-                              link_jitter=args.link_jitter, straggler=args.straggler,
-                              compute_jitter=args.compute_jitter)]
+                              link_jitter=args.link_jitter, straggler=straggler[:2] if straggler else None,
+                              compute_jitter=args.compute_jitter,
+                              straggler_from_s=straggler[2] if straggler and len(straggler) > 2 else 0.0)]
     for s in scenarios:
         if s.straggler is not None and not s.straggler[0] < workers:
             raise ValueError(f"--straggler rank {s.straggler[0]} is not a worker: "

@@ -56,7 +56,7 @@ from gradcomp.lab.study.async_ import async_world_size, train_async_rank
 from gradcomp.lab.study.common import RankLog, counted_bytes
 from gradcomp.lab.study.config import ALL_MODES, COMPRESSORS, TrainConfig
 from gradcomp.lab.study.scenarios import Scenario
-from gradcomp.lab.study.timing import server_queue, summarize_time, time_to_target
+from gradcomp.lab.study.timing import server_queue, step_series, summarize_time, time_to_target
 from gradcomp.lab.study.data import Digits, steps_per_epoch, worker_batches
 from gradcomp.lab.study.model import num_parameters
 from gradcomp.lab.study.workloads import batch_loss, build_model, load_split
@@ -64,7 +64,7 @@ from gradcomp.lab.study.local import train_local_rank
 from gradcomp.lab.study.sync import train_sync_rank
 
 __all__ = ["RunResult", "StudyResult", "calibrate_threshold", "run_study", "in_torchrun",
-           "fill_targets", "TARGET_FRACTION",
+           "fill_targets", "mode_compressors", "TARGET_FRACTION",
            "mode_rank", "summarize", "staleness_stats", "compare", "default_target", "host_record"]
 
 #: ``on_progress(mode, compressor, step, seed)``: called in the launching process as a run advances.
@@ -178,7 +178,15 @@ def _through_ps(mode: str, cfg: TrainConfig) -> bool:
 def _rank_fn(mode: str, cfg: TrainConfig):
     if _through_ps(mode, cfg):
         return functools.partial(train_async_rank, ps_mode=mode)
+    if mode == "auto":
+        return functools.partial(train_local_rank, adaptive=True)
     return {"sync": train_sync_rank, "local": train_local_rank}[mode]
+
+
+def mode_compressors(mode: str, names: list[str]) -> list[str]:
+    """The rows of ``mode``: ``names`` (the ``none`` baseline first), or for the auto mode its
+    one row ``auto`` (the codec is chosen online)."""
+    return ["auto"] if mode == "auto" else names
 
 
 def _world_size(mode: str, cfg: TrainConfig) -> int:
@@ -210,10 +218,11 @@ class _Relay:
 
 
 def mode_rank(rank: int, world_size: int, mode: str, jobs: list[Job], datas: list[Digits],
-              progress=None) -> list[RankLog]:
+              progress=None, link_clock=None) -> list[RankLog]:
     """Run every job of one mode, one after the other, as ``rank`` of an
     initialised process group. Each run starts afresh (model, optimizer,
-    compressor state, meter); the processes and the process group are reused.
+    compressor state, meter, and a changing link's schedule: ``link_clock``);
+    the processes and the process group are reused.
 
     Returns:
         This rank's :class:`RankLog` per job, in order.
@@ -222,7 +231,8 @@ def mode_rank(rank: int, world_size: int, mode: str, jobs: list[Job], datas: lis
     logs = []
     for cfg, name, d in jobs:
         logs.append(fn(rank, world_size, cfg, name, datas[d],
-                       _Tagged(progress, name, cfg.seed) if progress is not None else None))
+                       _Tagged(progress, name, cfg.seed) if progress is not None else None,
+                       link_clock=link_clock))
     return logs
 
 
@@ -238,7 +248,6 @@ def _launch_local(mode: str, jobs: list[Job], datas: list[Digits],
     world = _world_size(mode, cfg)
     timeout = max(c.timeout for c, _, _ in jobs) * len(jobs)
     env = {"GRADCOMP_WORKER_THREADS": "1"}
-    args = (mode, jobs, datas, progress)
     per = cfg.ranks_per_host if mode != "async" else 1  # the topology is of the sync and local workers
     with contextlib.ExitStack() as stack:
         if scenario is not None and scenario.link is not None:
@@ -249,9 +258,11 @@ def _launch_local(mode: str, jobs: list[Job], datas: list[Digits],
                                                        rate_jitter=scenario.link_jitter,
                                                        seed=cfg.seed))
             link = cluster.describe()
+            # a changing link starts its schedule again at every run's start
+            remote = cluster.shaper.remote() if cluster.shaper is not None else None
 
             def start():
-                return cluster.run(mode_rank, *args, timeout=timeout, env=env)
+                return cluster.run(mode_rank, mode, jobs, datas, progress, remote, timeout=timeout, env=env)
         else:
             link = {"name": "none", "configured_bps": None, "achieved_bps": None,
                     "emulation": "loopback", "world_size": world, "hosts": world // per,
@@ -260,7 +271,8 @@ def _launch_local(mode: str, jobs: list[Job], datas: list[Digits],
             hosts = [{"GRADCOMP_HOST_ID": str(r // per)} for r in range(world)]
 
             def start():
-                return launch(mode_rank, world, args, timeout=timeout, env=env, rank_env=hosts)
+                return launch(mode_rank, world, (mode, jobs, datas, progress), timeout=timeout, env=env,
+                              rank_env=hosts)
         return _watch(start, progress, on_step), link
 
 
@@ -334,8 +346,8 @@ def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog])
     evaluator = next(log for log in logs if log.evals)
     test_loss, test_acc = next(log.final for log in logs if log.final is not None)
     n, steps = cfg.workers, cfg.steps
-    # a parameter-server run counts pushes and pulls, whatever its mode
-    counting = "async" if _through_ps(mode, cfg) else mode
+    # a parameter-server run counts pushes and pulls, whatever its mode; auto is local SGD
+    counting = "async" if _through_ps(mode, cfg) else ("local" if mode == "auto" else mode)
     counted = sum(counted_bytes(counting, log.meter) for log in workers)
     raw = sum(counted_bytes(counting, log.meter, raw=True) for log in workers)
     total = TrafficMeter()
@@ -346,6 +358,8 @@ def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog])
     busy_intervals = extra.pop("busy_intervals", None)  # thousands of tuples: summarised here
     if busy_intervals:
         extra.update(server_queue({**extra, "busy_intervals": busy_intervals}, workers))
+    if mode == "auto" and all(log.steps for log in workers):  # the decision timeline's idle share
+        extra["steps_series"] = step_series(workers)
     digests = [log.extra.get("param_sha256") for log in workers]
     if any(digests):
         extra["param_sha256_per_worker"] = digests
@@ -388,7 +402,9 @@ def compare(runs: Iterable[RunResult]) -> None:
     runs = list(runs)
     base = {(r.mode, r.seed, r.scenario.get("name")): r for r in runs if r.compressor == "none"}
     for r in runs:
-        b = base.get((r.mode, r.seed, r.scenario.get("name")))
+        # the auto mode has no none row of its own: it is held against sync's (else local's)
+        modes = ("sync", "local") if r.mode == "auto" else (r.mode,)
+        b = next((base[k] for k in ((m, r.seed, r.scenario.get("name")) for m in modes) if k in base), None)
         if b is None:
             continue
         r.reduction_x = b.bytes_per_worker_per_step / r.bytes_per_worker_per_step
@@ -397,9 +413,11 @@ def compare(runs: Iterable[RunResult]) -> None:
 
 
 def default_target(runs: list[RunResult], fraction: float = TARGET_FRACTION) -> float:
-    """``fraction`` x the mean final accuracy of the first mode's ``none`` runs."""
+    """``fraction`` x the mean final accuracy of the first mode's ``none`` runs (a mode
+    without them, the auto mode alone: of its runs)."""
     first = runs[0].mode
-    accs = [r.test_accuracy for r in runs if r.compressor == "none" and r.mode == first]
+    accs = ([r.test_accuracy for r in runs if r.compressor == "none" and r.mode == first]
+            or [r.test_accuracy for r in runs if r.mode == first])
     return fraction * sum(accs) / len(accs)
 
 
@@ -466,19 +484,21 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
     for c in names:
         if c not in COMPRESSORS:
             raise ValueError(f"unknown compressor {c!r}; allowed: {','.join(COMPRESSORS)}")
-        if set(modes) - set(COMPRESSORS[c].modes):
+        if set(modes) - {"auto"} - set(COMPRESSORS[c].modes):
             raise ValueError(f"compressor {c!r} runs in mode(s) {','.join(COMPRESSORS[c].modes)} only, "
                              f"got modes {','.join(modes)}: use --mode {COMPRESSORS[c].modes[0]}")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
     for m in modes:
-        if m in ("sync", "local") and cfg.workers < 2:
+        if m in ("sync", "local", "auto") and cfg.workers < 2:
             raise ValueError(f"{m} mode needs at least 2 workers (a single worker exchanges no "
                              f"gradient, so there is nothing to compress), got {cfg.workers}")
     if scenario is None:
         scenario = Scenario(name="custom" if cfg.straggler or cfg.compute_jitter else "loopback",
-                            straggler=cfg.straggler, compute_jitter=cfg.compute_jitter)
-    cfg = replace(cfg, straggler=scenario.straggler, compute_jitter=scenario.compute_jitter)
+                            straggler=cfg.straggler, compute_jitter=cfg.compute_jitter,
+                            straggler_from_s=cfg.straggler_from_s)
+    cfg = replace(cfg, straggler=scenario.straggler, compute_jitter=scenario.compute_jitter,
+                  straggler_from_s=scenario.straggler_from_s)
     datas, cfgs = [], []
     for i in range(seeds):
         c = replace(cfg, seed=cfg.seed + i)
@@ -490,7 +510,6 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
             c = replace(c, threshold=calibrate_threshold(c, data))
         datas.append(data)
         cfgs.append(c)
-    jobs = [(c, name, i) for i, c in enumerate(cfgs) for name in names]
     params = num_parameters(build_model(cfg, datas[0]))
     distributed = in_torchrun()
     own_group = False
@@ -512,6 +531,7 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
                     on_progress(_mode, name, step, seed)
             run = _run_distributed if distributed else _launch_local
             host = host_record()
+            jobs = [(c, name, i) for i, c in enumerate(cfgs) for name in mode_compressors(mode, names)]
             logs, links[mode] = run(mode, jobs, datas, on_step, scenario)
             for i, (c, name, _) in enumerate(jobs):
                 r = summarize(mode, name, c, [rank_logs[i] for rank_logs in logs])

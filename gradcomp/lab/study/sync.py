@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import StepTimeline, now
-from gradcomp.lab.study.common import RankLog, param_digest
+from gradcomp.lab.study.common import RankLog, start_together, param_digest
 from gradcomp.lab.study.config import COMPRESSORS, TrainConfig
 from gradcomp.lab.study.data import Digits, worker_batches
 from gradcomp.lab.study.dgc import dgc_compressor, optimizer_momentum
@@ -40,7 +40,7 @@ __all__ = ["train_sync_rank"]
 
 
 def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str, data: Digits,
-                    progress=None) -> RankLog:
+                    progress=None, link_clock=None) -> RankLog:
     """Train one run of the sync mode as ``rank`` of an initialised process group
     of ``cfg.workers`` ranks; every rank is a worker, rank 0 evaluates.
 
@@ -48,6 +48,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         compressor: a name of :data:`gradcomp.lab.study.config.COMPRESSORS`.
         data: the study's split (:func:`gradcomp.lab.study.data.load_digits_split`).
         progress: optional object with ``put(step)``; rank 0 calls it now and then.
+        link_clock: the changing link\'s restart handle (:func:`~gradcomp.lab.study.common.start_together`).
 
     Returns:
         This rank's :class:`RankLog`; counted bytes are the bytes this rank sent
@@ -78,11 +79,10 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
     ddp.register_comm_hook(state, compressed_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=optimizer_momentum(choice.dgc, cfg))
     log = RankLog(rank)
-    delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed)
+    delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed, cfg.straggler_from_s)
     # the first layer's weight gets its gradient last: a slow worker's gradients come late
     delay.attach(next(model.parameters()), timeline)
-    dist.barrier()
-    log.start()
+    start_together(log, rank, delay, link_clock)
     batches = worker_batches(len(data.y_train), cfg.workers, rank, cfg.batch_size, cfg.seed, cfg.steps)
     for step, idx in enumerate(batches, 1):
         t0 = now()

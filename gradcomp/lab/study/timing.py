@@ -4,8 +4,8 @@ Stragglers and compute jitter (applied inside each worker's compute, before
 its backward pass, so the delay holds back the gradients as slow hardware
 would):
 
-* ``--straggler RANK:FACTOR``: worker ``RANK``'s compute takes ``FACTOR``
-  times as long: each step it sleeps ``(FACTOR - 1) x`` its measured compute
+* ``--straggler RANK:FACTOR[@SECONDS]``: worker ``RANK``'s compute takes ``FACTOR``
+  times as long (from ``SECONDS`` into the run's training clock on): each step it sleeps ``(FACTOR - 1) x`` its measured compute
   before its gradients leave the backward pass (sync and async:
   :meth:`ComputeDelay.attach`, this step's forward + backward; local mode:
   :meth:`ComputeDelay.sleep`, the median of its last 5 steps);
@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 
 __all__ = ["ComputeDelay", "jitter_factor", "time_to_target", "percentile", "mean_ci95",
-           "parse_straggler", "server_queue", "summarize_time"]
+           "parse_straggler", "parse_straggler_onset", "step_series", "server_queue", "summarize_time"]
 
 
 def parse_straggler(text: str, workers: int | None = None) -> tuple[int, float]:
@@ -53,6 +53,26 @@ def parse_straggler(text: str, workers: int | None = None) -> tuple[int, float]:
     return rank, factor
 
 
+def parse_straggler_onset(text: str, workers: int | None = None) -> tuple[int, float, float]:
+    """``"1:3@60"`` -> ``(1, 3.0, 60.0)``: worker 1 turns 3x slower 60 s into the run;
+    ``"1:3"`` -> ``(1, 3.0, 0.0)`` (slow from the start).
+
+    Raises:
+        ValueError: not one ``RANK:FACTOR[@SECONDS]`` (:func:`parse_straggler`; SECONDS a
+            finite number >= 0); the message names ``--straggler`` and the format.
+    """
+    from gradcomp.lab.units import parse_schedule
+
+    form = "RANK:FACTOR[@SECONDS]"
+    if "," in str(text):
+        raise ValueError(f"--straggler must be one {form} (e.g. 1:3@60: worker 1 turns 3x slower "
+                         f"60 s into the run), got {text!r}")
+    items = parse_schedule(text, lambda t, n: parse_straggler(t, workers), "--straggler", "RANK:FACTOR",
+                           "1:3@60", from_zero=False)
+    start, (rank, factor) = items[0]  # one item: parse_schedule gave exactly one
+    return rank, factor, start
+
+
 def jitter_factor(cv: float, seed: int, worker: int, step: int) -> float:
     """A lognormal draw with mean 1 and coefficient of variation ``cv``
     (1.0 when ``cv == 0``), deterministic in ``(seed, worker, step)``."""
@@ -72,25 +92,39 @@ class ComputeDelay:
     Attributes:
         worker: this worker's index; straggler: ``(worker, factor)`` or None;
         jitter_cv: the compute jitter's CV; seed: its seed.
+        straggler_from_s: the straggler is slow from this many seconds after :meth:`start` on.
     """
 
     worker: int
     straggler: tuple[int, float] | None = None
     jitter_cv: float = 0.0
     seed: int = 0
+    straggler_from_s: float = 0.0
     last_slept: float = 0.0
     _recent: list = field(default_factory=list)
     _step: int = 0
     _t0: float | None = None
+    _origin: float | None = None
 
     @property
     def active(self) -> bool:
         return self.jitter_cv > 0 or (self.straggler is not None and self.straggler[0] == self.worker)
 
+    def start(self, origin: float) -> None:
+        """The run's training clock started at ``origin`` (``time.perf_counter()``)."""
+        self._origin = origin
+
+    def slow_now(self) -> bool:
+        """Whether this worker is the straggler and its onset has passed."""
+        if self.straggler is None or self.straggler[0] != self.worker:
+            return False
+        return self.straggler_from_s <= 0 or (
+            self._origin is not None and time.perf_counter() - self._origin >= self.straggler_from_s)
+
     def factor(self, step: int) -> float:
-        """Total stretch of step ``step``'s compute (>= 1)."""
+        """Total stretch of step ``step``'s compute (>= 1), as of now."""
         f = max(1.0, jitter_factor(self.jitter_cv, self.seed, self.worker, step))
-        if self.straggler is not None and self.straggler[0] == self.worker:
+        if self.slow_now():
             f *= self.straggler[1]
         return f
 
@@ -327,6 +361,30 @@ def summarize_time(mode: str, cfg, workers: list, server_extra: dict | None = No
         "compute_s_per_worker": [statistics.fmean(p["compute"] for p in pw) for pw in per_worker],
         "samples_per_s": cfg.workers * cfg.batch_size * nsteps / wall if wall > 0 else math.nan,
     }
+
+
+def step_series(workers: list) -> dict:
+    """Per step of a sync or local run, when it ended and how much of it the workers idled.
+
+    Returns:
+        ``{"t_s": [...], "idle_share": [...]}``: the step's end on the training clock (the
+        slowest worker's end, seconds since the earliest first step's start) and the mean over
+        workers of the step's ``wait`` (:func:`gradcomp.timeline.sync_step_phases`) over the
+        slowest worker's step time.
+    """
+    from gradcomp.timeline import sync_step_phases
+
+    nsteps = min(len(w.steps) for w in workers)
+    t0 = min(w.steps[0].start for w in workers)
+    ts, idle = [], []
+    for i in range(nsteps):
+        recs = [w.steps[i] for w in workers]
+        last = max(r.marks.get("handoff", r.start) for r in recs)
+        wall = max(r.wall for r in recs)
+        ts.append(max(r.start + r.wall for r in recs) - t0)
+        waits = [sync_step_phases(r, last)["wait"] for r in recs]
+        idle.append(statistics.fmean(waits) / wall if wall > 0 else 0.0)
+    return {"t_s": ts, "idle_share": idle}
 
 
 def _worker_index(mode: str, log) -> int:
