@@ -31,6 +31,8 @@ import time
 import numpy as np
 import torch
 
+from gradcomp import catalog
+
 __all__ = ["DEFAULT_SIZES", "CALL_NUMEL", "sizes_for", "fit_alpha_beta", "measure", "measure_link", "measure_kernels",
            "link_profile"]
 
@@ -200,8 +202,11 @@ def _op_seconds(numel: int, repeats: int, density: float, tick=None) -> tuple[di
     acc = torch.zeros(numel)
     y = torch.empty(numel)
     times = {}
+    blockwise = {kind: catalog.build(name) for kind, name in (  # at the catalog's block sizes
+        ("int8", "int8"), ("int4", "int4"), ("int2", "int2"), ("sign", "sign"), ("fp8e4m3", "fp8"),
+        ("fp8e5m2", "fp8-e5m2"))}
     for kind, comp in (("raw", gc.NoCompression()), ("fp16", gc.FP16()), ("bf16", gc.BF16()),
-                       ("int8", gc.Int8Quantizer())):
+                       *blockwise.items()):
         wire = torch.empty(comp.wire_nbytes((numel,)), dtype=torch.uint8)
         wire2 = torch.empty_like(wire)
         p = comp.compress(x, out=wire)
@@ -211,8 +216,9 @@ def _op_seconds(numel: int, repeats: int, density: float, tick=None) -> tuple[di
         # acc keeps growing by the payload's values: harmless for a few calls
         times[f"{kind}.reduce_compress"] = timed(lambda: comp.reduce_compress_(p, acc, out=wire2), repeats)
         acc.zero_()
-    ef = gc.ErrorFeedback(gc.Int8Quantizer())
-    times["int8.compress_ef"] = timed(lambda: ef.compress(x, key="calibrate"), repeats)
+    for kind, comp in blockwise.items():
+        ef = gc.ErrorFeedback(comp)
+        times[f"{kind}.compress_ef"] = timed(lambda: ef.compress(x, key="calibrate"), repeats)
     k = max(1, math.ceil(density * numel))
     times["topk.select"] = timed(lambda: K.topk(x, k), repeats)
     tau = float(K.topk(x, k)[1].abs().min())

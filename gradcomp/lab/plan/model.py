@@ -110,7 +110,7 @@ from gradcomp.pipeline.bubble import bubble_fraction
 from gradcomp.ps import protocol as _ps_protocol
 
 __all__ = [
-    "PlanCodec", "CODECS", "CODEC_NAMES", "PLAN_NAMES", "GAP_PTS", "ALGORITHMS", "MODES", "Setting", "Prediction",
+    "PlanCodec", "CODECS", "CODEC_NAMES", "PLAN_NAMES", "GAP_PTS", "GAP_UNMEASURED", "ALGORITHMS", "MODES", "Setting", "Prediction",
     "plan_codec", "bucket_sizes", "allreduce_bytes", "allreduce_seconds", "allreduce_messages",
     "quantizations", "ps_bytes", "predict",
     "sync_step", "ps_sync_step", "async_throughput", "mva_response", "bubble_fraction", "FORWARD_SHARE",
@@ -128,10 +128,14 @@ DDP_FIRST_BUCKET_BYTES = 2**20
 #: gradcomp.ddp.DEFAULT_MIN_COMPRESS_NUMEL: smaller buckets go uncompressed
 MIN_COMPRESS_NUMEL = 16384
 #: the compressors the planner prices, names of :mod:`gradcomp.catalog`
-PLAN_NAMES = ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-ef", "threshold-ef")
+PLAN_NAMES = ("none", "fp16", "bf16", "int8", "int8-ef", "fp8", "fp8-ef", "fp8-e5m2", "int4", "int4-ef",
+              "int2-ef", "sign-ef", "topk-ef", "topk-int8-ef", "threshold-ef")
 #: accuracy gap in points ``recommend`` assumes per compressor (the default study's sync gap on
 #: digits, docs/results/default-study.md; 0 where none was measurable)
 GAP_PTS = {"topk-ef": 0.22, "topk-int8-ef": 0.22}
+#: names whose accuracy gap no study in docs/results measured yet (gap_pts None): ``recommend``
+#: ranks them only when asked for by name (an unknown gap is not a gap of 0)
+GAP_UNMEASURED = ("fp8", "fp8-ef", "fp8-e5m2", "int4", "int4-ef", "int2-ef", "sign-ef")
 
 ALGORITHMS = (*ALLREDUCE_ALGORITHMS, "ps")
 MODES = ("sync", "async")
@@ -144,11 +148,13 @@ class PlanCodec:
 
     Attributes:
         name: the catalog name; label: its table label.
-        kind: wire codec (``raw``, ``fp16``, ``bf16``, ``int8``, ``topk``, ``threshold``).
+        kind: wire codec (``raw``, ``fp16``, ``bf16``, ``int8``, ``int4``, ``int2``, ``sign``,
+            ``fp8e4m3``, ``fp8e5m2``, ``topk``, ``threshold``).
         values: codec of a sparse payload's kept values (``raw`` or ``int8``).
         density: kept fraction k / n of a sparse codec (threshold: an assumption).
         error_feedback: residual memory (adds its update to the kernel time).
-        gap_pts: accuracy gap in points assumed by ``recommend`` (:data:`GAP_PTS`).
+        gap_pts: accuracy gap in points assumed by ``recommend`` (:data:`GAP_PTS`; None:
+            not measured, :data:`GAP_UNMEASURED`).
         compact_indices: a sparse payload codes its indices compactly
             (Elias-Fano) where smaller, as the library does by default; False:
             fixed-width int32 indices (payloads written before compact indices).
@@ -160,7 +166,7 @@ class PlanCodec:
     values: str = "raw"
     density: float = 1.0
     error_feedback: bool = False
-    gap_pts: float = 0.0
+    gap_pts: float | None = 0.0
     compact_indices: bool = True
 
     @classmethod
@@ -171,7 +177,8 @@ class PlanCodec:
             ValueError: a name the catalog does not know.
         """
         e = catalog.entry(name)
-        return cls(e.name, e.label, e.kind, e.values, e.density, e.error_feedback, GAP_PTS.get(name, 0.0))
+        gap = None if name in GAP_UNMEASURED else GAP_PTS.get(name, 0.0)
+        return cls(e.name, e.label, e.kind, e.values, e.density, e.error_feedback, gap)
 
     @property
     def sparse(self) -> bool:

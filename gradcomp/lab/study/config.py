@@ -99,8 +99,11 @@ def _catalog_row(name: str) -> CompressorChoice:
 
 
 COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
-    *(_catalog_row(n) for n in ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-ef",
+    *(_catalog_row(n) for n in ("none", "fp16", "bf16", "int8", "int8-ef", "fp8", "fp8-ef", "fp8-e5m2",
+                                "int4", "int4-ef", "int2-ef", "sign-ef", "topk-ef", "topk-int8-ef",
                                 "threshold-ef", "dgc", "dgc-int8")),
+    # (no "int2" / "sign" rows: biased without error feedback, they are the catalog's for policies
+    # that keep residuals themselves; a training row runs them with it)
     # the study's own rows: a policy over catalog codecs, and the backend's uncompressed collective
     CompressorChoice("auto", "auto", True, modes=("sync",)),
     CompressorChoice("native", "all_reduce f32", False, modes=("sync",), native=True),
