@@ -48,6 +48,7 @@ _EXPORTS = {
     "allreduce": "gradcomp.comm",
     "Topology": "gradcomp.comm",
     "Adaptive": "gradcomp.adaptive",
+    "PowerSGD": "gradcomp.powersgd",
     "ddp": "gradcomp.ddp",
     "LocalSGD": "gradcomp.localsgd",
     "ps": "gradcomp.ps",

@@ -87,6 +87,7 @@ from gradcomp.comm import ALGORITHMS, DEFAULT_TIMEOUT, INPUT_DTYPES, Topology, a
 from gradcomp.comm.settings import agree_settings, compressor_text, setting_text
 from gradcomp.comm.topology import layout
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
+from gradcomp.powersgd import PowerSGD, Segment
 from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import StepTimeline
 
@@ -153,8 +154,9 @@ def _cpu_copy(x):
 class _Fragment:
     """One fragment's parameters and its float32 memory (anchor, residual)."""
 
-    def __init__(self, params: list[nn.Parameter], error_feedback: bool):
+    def __init__(self, params: list[nn.Parameter], error_feedback: bool, first: int = 0):
         self.params = params
+        self.first = first  # the ordinal of its first parameter among the synchronised ones
         self.numel = sum(p.numel() for p in params)
         device = params[0].device
         self.anchor = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
@@ -167,6 +169,12 @@ class _Fragment:
         self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device) if error_feedback else None
         self.checked = False  # the ranks agreed on this fragment's exchange
         self.loaded_at = 0  # the step count when the anchor was last loaded into the parameters
+
+    def segments(self) -> list[Segment]:
+        """Each parameter's place in the flat pseudo-gradient (PowerSGD's matrices), keyed
+        by its ordinal among the synchronised parameters (the same on every rank)."""
+        return [Segment(("localsgd", self.first + i), x.storage_offset(), tuple(x.shape))
+                for i, x in enumerate(self.views)]
 
     def pseudo_gradient(self) -> torch.Tensor:
         """``anchor - params`` as a new flat float32 tensor."""
@@ -260,13 +268,18 @@ class LocalSGD:
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.sync_every, self.fragments, self.overlap = check_schedule(sync_every, fragments, overlap)
         compressor = Int8Quantizer() if compressor is None else compressor
-        compressor = unwrapped(compressor, "compressor",
-                               "LocalSGD keeps the pseudo-gradient residuals (error_feedback=True)")
+        low_rank = isinstance(compressor, PowerSGD)  # per parameter of a fragment, two exchanges
+        if not low_rank:
+            compressor = unwrapped(compressor, "compressor",
+                                   "LocalSGD keeps the pseudo-gradient residuals (error_feedback=True)")
         v.flag("error_feedback", error_feedback)
         if algorithm is None:
-            algorithm = "allgather" if compressor.sparse else "ring"
+            algorithm = "allgather" if not low_rank and compressor.sparse else "ring"
         v.choice("algorithm", algorithm, ALGORITHMS)
-        check_algorithm(algorithm, compressor)
+        if low_rank:
+            v.choice("algorithm", algorithm, ("ring", "two_phase", "halving_doubling"))
+        else:
+            check_algorithm(algorithm, compressor)
         if topology is not None and not isinstance(topology, Topology):
             raise TypeError(f"topology must be a gradcomp.Topology or None, got {type(topology).__name__}")
         if topology is not None and algorithm != "hierarchical":
@@ -326,7 +339,7 @@ class LocalSGD:
                     dist.broadcast(buf, src=src, group=self._group)
                     p.copy_(buf)
         cuts = _partition([p.numel() for p in params], self.fragments)
-        self._frags = [_Fragment([params[i] for i in idx], self.error_feedback) for idx in cuts]
+        self._frags = [_Fragment([params[i] for i in idx], self.error_feedback, idx[0]) for idx in cuts]
         self.outer_optimizer = self._make_outer(outer_optimizer)
         self.steps = 0
         self.syncs = 0
@@ -417,7 +430,7 @@ class LocalSGD:
         frag = self._frags[f]
         delta = frag.pseudo_gradient()
         if overlap == 0:
-            self._apply(f, self._exchange(frag, delta, None))
+            self._apply(f, self._exchange(frag, delta, None, self.syncs))
             return
         ready = None
         if delta.is_cuda:
@@ -425,10 +438,12 @@ class LocalSGD:
             ready.record()
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gradcomp-localsgd")
-        self._pending = (f, self.steps + overlap, self._executor.submit(self._exchange, frag, delta, ready))
+        self._pending = (f, self.steps + overlap,
+                         self._executor.submit(self._exchange, frag, delta, ready, self.syncs))
 
-    def _exchange(self, frag: _Fragment, delta: torch.Tensor, ready) -> torch.Tensor:
-        """Average ``delta`` over the group in place (on the caller's or the background thread)."""
+    def _exchange(self, frag: _Fragment, delta: torch.Tensor, ready, syncs: int) -> torch.Tensor:
+        """Average ``delta`` over the group in place (on the caller's or the background thread);
+        ``syncs``: exchanges applied before it (PowerSGD's step)."""
         if ready is not None:  # a new thread starts on device 0
             torch.cuda.set_device(delta.device)
             ready.synchronize()
@@ -436,9 +451,14 @@ class LocalSGD:
             if self.timeline is not None:
                 stack.enter_context(self.timeline.active())
                 stack.enter_context(self.timeline.span("collective"))
-            allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
-                      meter=self.meter, timeout=self.timeout, residual=frag.residual, out=delta,
-                      check=not frag.checked, topology=self.topology, tag="gradcomp.LocalSGD")
+            if isinstance(self.compressor, PowerSGD):
+                self.compressor.reduce_(delta, frag.segments(), step=syncs, residual=frag.residual,
+                                        group=self._group, meter=self.meter, timeout=self.timeout,
+                                        algorithm=self.algorithm, check=not frag.checked, tag="gradcomp.LocalSGD")
+            else:
+                allreduce(delta, self.compressor, op="avg", algorithm=self.algorithm, group=self._group,
+                          meter=self.meter, timeout=self.timeout, residual=frag.residual, out=delta,
+                          check=not frag.checked, topology=self.topology, tag="gradcomp.LocalSGD")
         frag.checked = True
         if ready is not None:
             torch.cuda.current_stream(delta.device).synchronize()
