@@ -32,6 +32,7 @@ _EXPORTS = {
     "localsgd": "gradcomp.localsgd",
     "pipeline": "gradcomp.pipeline",
     "adaptive": "gradcomp.adaptive",
+    "powersgd": "gradcomp.powersgd",
     "Compressor": "gradcomp.compressors",
     "NoCompression": "gradcomp.compressors",
     "FP16": "gradcomp.compressors",

@@ -15,7 +15,7 @@ from gradcomp.lab.plan import model as plan
 from gradcomp.lab.study import config as study
 
 # the study's rows that are not compressors: a policy over catalog codecs, the backend's collective
-STUDY_OWN_ROWS = {"auto", "native"}
+STUDY_OWN_ROWS = {"auto", "native", "powersgd4"}
 
 
 def _pad8(n: int) -> int:
@@ -128,6 +128,7 @@ def test_the_study_menu_is_the_catalog():
         threshold = 0.5 if e.kind == "threshold" else None
         _same(row.build(threshold=threshold), e.build(threshold=threshold))
     _same(study.COMPRESSORS["native"].build(), catalog.build("none"))
+    assert repr(study.COMPRESSORS["powersgd4"].build()) == repr(gc.PowerSGD(rank=4))
     for name in ("fp8", "fp8-e5m2", "int4", "int4-ef", "int2-ef", "sign-ef"):  # the low-bit rows
         assert study.parse_compressors(name) == (name,)
     with pytest.raises(ValueError, match="unknown compressor name"):

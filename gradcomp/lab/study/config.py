@@ -57,6 +57,9 @@ class CompressorChoice:
             DDP does without a hook) instead of gradcomp's ring: the
             baseline a user would call (``none`` runs gradcomp's transport,
             so that its bytes are those of the compressed rows' transport).
+        low_rank: the rank of a :class:`gradcomp.PowerSGD` row (0: not one): low-rank
+            factors per parameter, not a per-tensor codec, so the DDP hook and local
+            SGD run it and the parameter server does not.
     """
 
     name: str
@@ -65,6 +68,7 @@ class CompressorChoice:
     dgc: bool = False
     modes: tuple[str, ...] = ALL_MODES
     native: bool = False
+    low_rank: int = 0
 
     def build(self, threshold: float | None = None, link: tuple[float, float] | None = None
               ) -> "Compressor | Adaptive":
@@ -83,6 +87,10 @@ class CompressorChoice:
             from gradcomp.adaptive import Adaptive
 
             return Adaptive(link=link)
+        if self.low_rank:
+            from gradcomp.powersgd import PowerSGD  # imports torch: loaded on use (see the module docstring)
+
+            return PowerSGD(rank=self.low_rank)
         entry = catalog.entry("none" if self.native else self.name)
         if entry.kind == "threshold" and threshold is None:
             raise ValueError(f"{self.name} needs a threshold")
@@ -107,6 +115,8 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
     # the study's own rows: a policy over catalog codecs, and the backend's uncompressed collective
     CompressorChoice("auto", "auto", True, modes=("sync",)),
     CompressorChoice("native", "all_reduce f32", False, modes=("sync",), native=True),
+    # PowerSGD rank 4 (FP16 factors, error feedback per parameter): the DDP hook and local SGD
+    CompressorChoice("powersgd4", "powersgd r4", True, modes=("sync", "local"), low_rank=4),
 )}
 
 #: The default study's menu, baseline first.
