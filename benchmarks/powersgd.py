@@ -9,7 +9,9 @@ interleaved (a barrier before each step, so that load from other processes hits 
   start_powerSGD_iter=2, min_compression_rate=2)`` (error feedback, warm start: its defaults);
 * ``gradcomp``: ``GradCompState(compressor=gc.PowerSGD(rank=R), start_iter=2)`` (FP16 factors,
   the vectors riding with P);
-* ``gradcomp-f32``: the same with ``gc.PowerSGD(rank=R, compressor=gc.NoCompression())``.
+* ``gradcomp-f32``: the same with ``gc.PowerSGD(rank=R, compressor=gc.NoCompression())``;
+* ``gradcomp-hd``: ``gradcomp`` on ``algorithm="halving_doubling"`` (``2 log2 N`` messages per
+  exchange where the ring sends ``2 (N - 1)``).
 
 Bytes per step: gradcomp's as its meter counts them (wire bytes this rank sent, headers
 included); torch's at the nominal ring volume of each of its allreduces, ``2 (N - 1) / N * 4 n``
@@ -41,7 +43,7 @@ import gradcomp as gc
 from gradcomp.ddp import GradCompState, compressed_allreduce_hook
 from gradcomp.launch import launch
 
-VARIANTS = ("torch", "gradcomp", "gradcomp-f32")
+VARIANTS = ("torch", "gradcomp", "gradcomp-f32", "gradcomp-hd")
 HIDDEN = (1024, 1024)
 BATCH = 64
 #: one bucket for every variant: powerSGD_hook waits on its next allreduce inside a future's
@@ -86,10 +88,11 @@ def _rank(rank: int, world: int, r: int, steps: int, warmup: int) -> dict:
             counted = _Counted(state, world, r)
             ddp.register_comm_hook(None, counted.hook)
         else:
-            comp = gc.PowerSGD(rank=r) if variant == "gradcomp" else gc.PowerSGD(rank=r, compressor=gc.NoCompression())
+            comp = gc.PowerSGD(rank=r, compressor=gc.NoCompression() if variant == "gradcomp-f32" else None)
             meters[variant] = gc.TrafficMeter()
-            ddp.register_comm_hook(GradCompState(compressor=comp, start_iter=2, meter=meters[variant], timeout=300),
-                                   compressed_allreduce_hook)
+            alg = "halving_doubling" if variant == "gradcomp-hd" else "ring"
+            ddp.register_comm_hook(GradCompState(compressor=comp, start_iter=2, meter=meters[variant], timeout=300,
+                                                 algorithm=alg), compressed_allreduce_hook)
         ddps[variant] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.05))
     gen = torch.Generator().manual_seed(100 + rank)
     w = torch.randn(64, 10, generator=torch.Generator().manual_seed(1))  # a linear teacher: the same on every rank

@@ -31,7 +31,7 @@ __all__ = ["ALLREDUCE_ALGORITHMS", "SIZE_NBYTES", "PricedCodec", "wire_nbytes", 
 
 
 class PricedCodec(Protocol):
-    """What the costs read of a codec (:class:`gradcomp.lab.plan.model.PlanCodec` has it)."""
+    """What the costs read of a codec (:class:`gradcomp.lab.plan.codecs.PlanCodec` has it)."""
 
     name: str
     kind: str

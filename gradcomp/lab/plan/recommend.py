@@ -4,9 +4,10 @@ Every combination the library runs is predicted (:func:`candidates`): sync
 with each compressor on each algorithm that takes it (``ring``,
 ``two_phase`` for dense codecs, ``allgather`` for sparse ones, and the
 synchronous parameter server ``ps``), and async (parameter server) with each
-compressor. Compressors whose accuracy gap (:attr:`gradcomp.lab.plan.model.PlanCodec.gap_pts`)
-exceeds ``max_gap`` points (or was never measured, unless named in ``compressors``) and, when ``max_staleness`` is given, async runs
-whose predicted mean staleness exceeds it are left out. They are ranked by the time to apply
+compressor. Compressors whose accuracy gap (:attr:`gradcomp.lab.plan.codecs.PlanCodec.gap_pts`)
+exceeds ``max_gap`` points (or was never measured, unless named in ``compressors``) and,
+when ``max_staleness`` is given, async runs whose predicted mean staleness exceeds it are
+left out. They are ranked by the time to apply
 ``N`` workers' gradients once: a sync step, or ``N / X`` for async at ``X``
 pushes per second (async gradients are stale: the staleness is reported).
 
