@@ -23,7 +23,11 @@ variant runs DDP with one bucket (``bucket_cap_mb=64``: see :data:`BUCKET_MB`).
 
 Run from the repository root::
 
-    python benchmarks/powersgd.py [--world 4] [--rank 4] [--steps 60] [--warmup 10] [--json FILE]
+    python benchmarks/powersgd.py [--world 4] [--rank 4] [--steps 60] [--warmup 10] [--link 100mbit]
+        [--json FILE]
+
+``--link RATE`` runs every rank as its own host of the emulated cluster
+(:class:`gradcomp.lab.cluster.LocalCluster`, shaped links at RATE).
 """
 
 from __future__ import annotations
@@ -128,14 +132,24 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=4, help="PowerSGD rank (default 4)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--link", default="none", help="none (loopback) or a rate between hosts, e.g. 100mbit")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.world < 2 or args.steps <= args.warmup or args.warmup < 3:
         p.error("--world must be >= 2, --warmup >= 3 (after the plain steps), --steps > --warmup")
-    res = launch(_rank, args.world, (args.rank, args.steps, args.warmup), timeout=3000)
+    link = "loopback"
+    if args.link == "none":
+        res = launch(_rank, args.world, (args.rank, args.steps, args.warmup), timeout=3000)
+    else:  # one host (network namespace) per rank, shaped links between them
+        from gradcomp.lab.cluster import LocalCluster
+        from gradcomp.lab.units import format_rate
+
+        with LocalCluster(args.world, rate=args.link) as c:
+            res = c.run(_rank, args.rank, args.steps, args.warmup, timeout=3000)
+            link = f"{args.link}, achieved {format_rate(c.achieved_bps)}"
     step = {v: max(r["step_s"][v] for r in res) for v in VARIANTS}
     nbytes = {v: res[0]["bytes"][v] for v in VARIANTS}
-    print(f"wide MLP 64-1024-1024-10, world {args.world} (loopback, gloo), PowerSGD rank {args.rank}, "
+    print(f"wide MLP 64-1024-1024-10, world {args.world} ({link}, gloo), PowerSGD rank {args.rank}, "
           f"{args.steps - args.warmup} steps after {args.warmup} (median step of the slowest rank)")
     print(f"  torch powerSGD_hook: {res[0]['torch_allreduces']:.0f} allreduces per step")
     for v in VARIANTS:

@@ -46,6 +46,22 @@ def test_bad_settings_are_named():
         GradCompState(compressor=gc.PowerSGD(), algorithm="allgather")
 
 
+def test_state_round_trips():
+    import pickle
+
+    p = gc.PowerSGD(rank=2, seed=3)
+    p.q["w"] = torch.randn(5, 2)
+    p.residuals["w"] = torch.randn(10)
+    back = gc.PowerSGD(rank=2, seed=3)
+    back.load_state_dict(p.state_dict())
+    assert torch.equal(back.q["w"], p.q["w"]) and torch.equal(back.residuals["w"], p.residuals["w"])
+    with pytest.raises(ValueError, match="2-D float32"):
+        back.load_state_dict({"q": {"w": torch.zeros(3)}})
+    state = pickle.loads(pickle.dumps(GradCompState(compressor=p)))  # before torch.distributed starts
+    assert state.powersgd is state.compressor and repr(state.powersgd) == repr(p)
+    assert torch.equal(state.powersgd.q["w"], p.q["w"])
+
+
 # ---- worker functions ---------------------------------------------------------------------
 
 def _hand_example(rank, world):
