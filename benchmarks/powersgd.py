@@ -9,7 +9,8 @@ interleaved (a barrier before each step, so that load from other processes hits 
   start_powerSGD_iter=2, min_compression_rate=2)`` (error feedback, warm start: its defaults);
 * ``gradcomp``: ``GradCompState(compressor=gc.PowerSGD(rank=R), start_iter=2)`` (FP16 factors,
   the vectors riding with P);
-* ``gradcomp-f32``: the same with ``gc.PowerSGD(rank=R, compressor=gc.NoCompression())``;
+* ``gradcomp-f32``: the same with ``gc.PowerSGD(rank=R, compressor=gc.NoCompression())`` (float32
+  factors on the backend's allreduce: PyTorch's bytes in two collectives instead of three);
 * ``gradcomp-hd``: ``gradcomp`` on ``algorithm="halving_doubling"`` (``2 log2 N`` messages per
   exchange where the ring sends ``2 (N - 1)``).
 

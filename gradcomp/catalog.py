@@ -11,7 +11,7 @@ feedback (``dgc``: Deep Gradient Compression's momentum-corrected residual). Blo
 1024 for sign (1.03 bits per element). ``sign`` and ``int2`` without error feedback are biased
 (they lose each step's error; sign SGD can diverge, Karimireddy et al. 2019): they are listed for
 policies that keep residuals themselves (:class:`~gradcomp.Adaptive`); train with ``sign-ef`` /
-``int2-ef``. Docs: docs/compressors.md#the-catalog. :func:`build` returns the
+``int2-ef``. Docs: docs/compressors.md#named-compressors. :func:`build` returns the
 codec alone: the transport that runs it (a DDP hook state, a parameter-server worker, an
 :class:`~gradcomp.Adaptive` policy) keeps the residuals. Importing this module imports no torch,
 so that command-line parsers list the names without loading it; the codecs load in :func:`build`.

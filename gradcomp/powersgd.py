@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp import _validate as v
-from gradcomp.comm import DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, allreduce, check_algorithm
+from gradcomp.comm import DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, allreduce, check_algorithm, native
 from gradcomp.comm._args import member_group
 from gradcomp.comm.policy import CodecPolicy
 from gradcomp.comm.settings import compressor_text
@@ -85,8 +85,9 @@ class PowerSGD(CodecPolicy):
         start_iter: calls (per key for the collective; steps for the DDP hook, whose own
             ``start_iter`` also holds; syncs for LocalSGD) reduced exactly before the
             first compressed one.
-        compressor: the dense gradcomp codec of both exchanges (default ``gc.FP16()``;
-            ``gc.NoCompression()``: float32, exact). ``P``'s rounding only tilts the
+        compressor: the dense gradcomp codec of both exchanges, on gradcomp's ``algorithm``
+            (default ``gc.FP16()``; ``gc.NoCompression()``: float32, exact, on the
+            backend's own allreduce). ``P``'s rounding only tilts the
             subspace it spans (every rank orthonormalizes the same decoded ``P``); the
             rounding of ``Q`` reaches the update and is not remembered.
         seed: seed of the random initial ``Q`` (drawn per key from ``(seed, key, step)``,
@@ -186,7 +187,7 @@ class PowerSGD(CodecPolicy):
             if residual is not None:  # delivered exactly: nothing left to remember
                 work.add_(residual)
                 residual.zero_()
-            allreduce(work, NoCompression(), op="avg", out=work, check=check, **comm)
+            self._exchange(work, None, check, comm, exact=True)
         else:
             self._power_step(work, mats, rest, residual, step, check, comm)
         if work is not buf:
@@ -234,7 +235,7 @@ class PowerSGD(CodecPolicy):
             if res1 is not None:
                 res1[at: at + hi - lo].copy_(residual[lo:hi])
             at += hi - lo
-        allreduce(first, self.compressor, op="avg", residual=res1, out=first, check=check, **comm)
+        self._exchange(first, res1, check, comm)
         second = torch.empty(sum(m.cols * m.rank for m in mats), dtype=torch.float32, device=work.device)
         at = 0
         for i, (m, M) in enumerate(zip(mats, views)):
@@ -245,7 +246,7 @@ class PowerSGD(CodecPolicy):
                 torch.addmm(M, ps[i], q_local.t(), beta=1.0, alpha=-1.0, out=e)
             at += m.cols * m.rank
         if mats:
-            allreduce(second, self.compressor, op="avg", out=second, check=check, **comm)
+            self._exchange(second, None, check, comm)
         at = 0
         for i, (m, M) in enumerate(zip(mats, views)):
             q = second[at: at + m.cols * m.rank].view(m.cols, m.rank)
@@ -259,6 +260,16 @@ class PowerSGD(CodecPolicy):
             if residual is not None:
                 residual[lo:hi].copy_(res1[at: at + hi - lo])
             at += hi - lo
+
+    def _exchange(self, buf, residual, check, comm, exact=False) -> None:
+        """Average ``buf`` in place: float32 (``exact``, or a NoCompression codec) on the
+        backend's allreduce, which gradcomp's ring cannot beat for raw bytes (as
+        :class:`gradcomp.Adaptive` runs ``none``), else the codec on gradcomp's ``algorithm``."""
+        if exact or type(self.compressor) is NoCompression:
+            native.allreduce(buf, op="avg", group=comm["group"], meter=comm["meter"], timeout=comm["timeout"],
+                             residual=residual, out=buf, check=check, tag=comm["tag"])
+        else:
+            allreduce(buf, self.compressor, op="avg", residual=residual, out=buf, check=check, **comm)
 
     def _start_q(self, m: _Matrix, step: int, device) -> torch.Tensor:
         """The orthonormal ``Q`` this call starts from: the warm start's, else a fresh
