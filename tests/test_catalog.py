@@ -203,3 +203,16 @@ def test_the_planner_prices_the_low_bit_codecs_from_wire_bytes_and_kernel_rates(
     assert {p.compressor for p, why in excluded if "not measured" in why} == set(plan.GAP_UNMEASURED)
     kept, _ = rank(s, prof, compressors=["int8-ef", "sign-ef"])
     assert kept[0].compressor == "sign-ef"  # 1.03 bits per element on a 1 Gbit/s link: the fewest bytes win
+
+
+def test_plan_recommend_takes_the_low_bit_names(capsys):
+    from gradcomp.lab.cli import main
+
+    base = ["plan", "recommend", "--nodes", "16", "--link", "100mbit", "--params", "25M", "--compute-ms", "50",
+            "--alpha-us", "20", "--kernel-gbps", "10"]
+    assert main(base + ["--compressors", "int8-ef,int4-ef,sign-ef"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "recommended: sync sign-ef" in out  # 1.03 bits per element on a 100 Mbit/s link
+    with pytest.raises(SystemExit):
+        main(base + ["--compressors", "sign"])  # no plan row: biased without error feedback
+    assert "unknown compressor 'sign'" in capsys.readouterr().err
