@@ -136,6 +136,16 @@ def _nothing_lost(rank, world):
     return rows
 
 
+def _before_start_iter(rank, world):
+    p = gc.PowerSGD(rank=1, start_iter=1)
+    g = torch.randn(40, 30, generator=torch.Generator().manual_seed(rank))
+    residual = torch.randn(1200, generator=torch.Generator().manual_seed(50 + rank))
+    reference = (g.reshape(-1) + residual).double()  # what the exact average delivers
+    dist.all_reduce(reference)
+    out = p.reduce_(g.reshape(-1).clone(), [Segment("w", 0, (40, 30))], step=0, residual=residual, timeout=TIMEOUT)
+    return out, (reference / world).float(), residual.abs().max()
+
+
 def _meter_bytes(rank, world):
     p = gc.PowerSGD(rank=4)  # FP16 factors
     meter = gc.TrafficMeter()
@@ -193,7 +203,8 @@ def two():
 
 def _two_ranks(rank, world):
     return {"hand": _hand_example(rank, world), "torch": _against_torch(rank, world),
-            "lost": _nothing_lost(rank, world), "meter": _meter_bytes(rank, world)}
+            "lost": _nothing_lost(rank, world), "meter": _meter_bytes(rank, world),
+            "start": _before_start_iter(rank, world)}
 
 
 # ---- the checks -----------------------------------------------------------------------------
@@ -228,6 +239,13 @@ def test_error_feedback_loses_nothing(two):
         assert torch.allclose(applied + kept, contributed, atol=1e-4)
         assert torch.equal(two["lost"][0][step][1], two["lost"][1][step][1])
         assert kept.abs().max() > 1e-2  # the rank-2 projection did drop something
+
+
+def test_before_start_iter_the_average_is_exact(two):
+    for out, reference, left in two["start"]:
+        assert torch.allclose(out, reference, rtol=1e-6, atol=1e-6)  # float32 sums in another order
+        assert left == 0  # the residual was delivered
+    assert torch.equal(two["start"][0][0], two["start"][1][0])
 
 
 def test_the_meter_counts_two_fp16_exchanges(two):
