@@ -84,10 +84,13 @@ def test_the_low_bit_entries_build_their_codec(name, cls, settings):
                     "fp8-e5m2": 8.125}[name]
 
 
-def test_the_block_sizes_cover_the_blockwise_codecs():
+def test_every_blockwise_entry_names_its_block_size():
     from gradcomp import wire
-    assert set(catalog.BLOCK_SIZES) == set(wire.BLOCK_CODE_BITS)
-    assert {catalog.entry(n).block_size for n in ("none", "fp16", "topk")} == {None}
+    for e in catalog.ENTRIES.values():
+        assert (e.block_size is not None) == (e.kind in wire.BLOCK_CODE_BITS), e.name
+        if e.block_size is not None:
+            assert e.build().block_size == e.block_size
+    assert (catalog.entry("int4").block_size, catalog.entry("sign-ef").block_size) == (256, 1024)
 
 
 def test_the_facts_of_the_names():

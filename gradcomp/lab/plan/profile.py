@@ -60,7 +60,7 @@ def _blockwise_bytes(kind: str, code_bytes: float, block: int) -> dict:
             f"{kind}.compress_ef": 12 + c + s}
 
 
-# the sub-8-bit and fp8 codecs at the catalog's block sizes (gradcomp.catalog.BLOCK_SIZES)
+# the sub-8-bit and fp8 codecs at the catalog's block sizes (gradcomp.catalog.BLOCK, SIGN_BLOCK)
 for _kind, _code, _block in (("int4", 0.5, _B), ("int2", 0.25, _B), ("sign", 0.125, 1024),
                              ("fp8e4m3", 1.0, _B), ("fp8e5m2", 1.0, _B)):
     BYTES_PER_ELEMENT.update(_blockwise_bytes(_kind, _code, _block))
