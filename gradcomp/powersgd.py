@@ -177,6 +177,8 @@ class PowerSGD(CodecPolicy):
                 :func:`gradcomp.allreduce`.
         """
         v.choice("algorithm", algorithm, FLAT_DENSE_ALGORITHMS + ("halving_doubling",))
+        if not isinstance(buf, torch.Tensor) or buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError("buf must be a flat contiguous tensor (float32, float16 or bfloat16)")
         work = buf if buf.dtype == torch.float32 else buf.to(torch.float32)
         mats, rest = self._split(work.numel(), segments)
         if residual is not None and (residual.dtype != torch.float32 or residual.numel() != work.numel()):
@@ -196,13 +198,15 @@ class PowerSGD(CodecPolicy):
 
     def _split(self, n: int, segments) -> tuple[list[_Matrix], list[tuple[int, int]]]:
         """The compressed matrices, and the ``[lo, hi)`` ranges sent whole (everything else)."""
-        mats, covered = [], []
-        for seg in sorted(segments, key=lambda s: s.offset):
+        for seg in segments:
             if not isinstance(seg, Segment):
                 raise TypeError(f"segments must hold gradcomp.powersgd.Segment, got {type(seg).__name__}")
+        mats, covered, end = [], [], 0
+        for seg in sorted(segments, key=lambda s: s.offset):
             lo, hi = seg.offset, seg.offset + seg.numel
-            if lo < (covered[-1][1] if covered else 0) or hi > n:
+            if lo < end or hi > n:
                 raise ValueError(f"segment {seg.key!r} [{lo}, {hi}) overlaps another or leaves the {n} elements")
+            end = hi
             m = self.matrix(seg.shape)
             if m is not None:
                 mats.append(_Matrix(seg, *m))

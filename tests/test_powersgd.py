@@ -44,6 +44,15 @@ def test_bad_settings_are_named():
         gc.PowerSGD(compressor=gc.TopK(ratio=0.1))
     with pytest.raises(ValueError, match="algorithm"):
         GradCompState(compressor=gc.PowerSGD(), algorithm="allgather")
+    p = gc.PowerSGD()
+    with pytest.raises(ValueError, match="overlaps another"):  # checked before anything moves
+        p.reduce_(torch.zeros(10), [Segment("a", 0, (6,)), Segment("b", 4, (2, 3))], step=0)
+    with pytest.raises(ValueError, match="leaves the 10 elements"):
+        p.reduce_(torch.zeros(10), [Segment("a", 4, (2, 4))], step=0)
+    with pytest.raises(TypeError, match="Segment"):
+        p.reduce_(torch.zeros(10), [("a", 0, (10,))], step=0)
+    with pytest.raises(ValueError, match="flat contiguous"):
+        p.reduce_(torch.zeros(4, 5).t(), [], step=0)
 
 
 def test_state_round_trips():
