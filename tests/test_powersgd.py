@@ -168,6 +168,11 @@ def _allreduce_and_localsgd(rank, world):
     p = gc.PowerSGD(rank=2, compressor=gc.NoCompression())
     t = torch.randn(30, 20, generator=torch.Generator().manual_seed(rank))
     outs = [gc.allreduce(t, p, key="w", timeout=TIMEOUT) for _ in range(2)]
+    # int8 factors (the same first Q): P's rounding tilts the basis, Q's reaches the update
+    q0 = torch.randn(20, 2, generator=torch.Generator().manual_seed(9))
+    exact, int8 = gc.PowerSGD(rank=2, compressor=gc.NoCompression()), gc.PowerSGD(rank=2, compressor=gc.Int8Quantizer())
+    exact.q["v"], int8.q["v"] = q0.clone(), q0.clone()
+    outs += [gc.allreduce(t, exact, key="v", timeout=TIMEOUT), gc.allreduce(t, int8, key="v", timeout=TIMEOUT)]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
     ls = gc.LocalSGD(model, sync_every=2, compressor=gc.PowerSGD(rank=2), timeout=TIMEOUT)
@@ -278,6 +283,8 @@ def test_collective_and_localsgd_across_three_ranks():
         assert all(torch.equal(a, b) for a, b in zip(r[1], res[0][1]))
         assert torch.equal(r[2], res[0][2])  # LocalSGD's parameters bit-identical
     assert torch.isfinite(res[0][2]).all()
+    exact, int8 = res[0][0][2], res[0][0][3]
+    assert 0 < (int8 - exact).norm() < 0.05 * exact.norm()  # int8 factors: close to float32's, not equal
 
 
 @pytest.mark.slow
