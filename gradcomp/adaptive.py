@@ -44,9 +44,9 @@ __all__ = ["Adaptive", "Timing", "CANDIDATES", "CONVERGENCE", "DEFAULT_CANDIDATE
 
 #: candidate names (names of :mod:`gradcomp.catalog`) and the codec each one builds; the
 #: policy keeps the residuals itself (``error_feedback``), whatever codec runs
-CANDIDATES: dict[str, Callable[[], Compressor]] = {
-    name: catalog.entry(name).build for name in ("none", "fp16", "bf16", "int8", "topk", "topk-int8")}
-#: the default ladder: none, fp16, int8, top-k 1% with int8 values
+CANDIDATES: dict[str, Callable[[], Compressor]] = {name: catalog.entry(name).build for name in (
+    "none", "fp16", "bf16", "fp8", "fp8-e5m2", "int8", "int4", "int2", "sign", "topk", "topk-int8")}
+#: the default ladder (fp8 and the sub-8-bit codecs only when named: no measured convergence factor)
 DEFAULT_CANDIDATES = ("none", "fp16", "int8", "topk-int8")
 #: steps to a target accuracy relative to uncompressed training, per named candidate (the
 #: default ``convergence``); how they were measured: docs/results/adaptive.md#the-convergence-factors
@@ -370,9 +370,9 @@ class Adaptive(CodecPolicy):
     One instance per state or per group of keys: it counts steps per bucket.
 
     Args:
-        candidates: names from :data:`CANDIDATES` (``"none"``, ``"fp16"``,
-            ``"bf16"``, ``"int8"``, ``"topk"``, ``"topk-int8"``: top-k 1%,
-            float32 or int8 values) and/or gradcomp compressors with a fixed
+        candidates: names from :data:`CANDIDATES` (``"none"``, ``"fp16"``, ``"bf16"``,
+            ``"fp8"``, ``"fp8-e5m2"``, ``"int8"``, ``"int4"``, ``"int2"``, ``"sign"``,
+            ``"topk"``, ``"topk-int8"``: top-k 1%, float32 or int8 values) and/or gradcomp compressors with a fixed
             wire size (not ErrorFeedback); at least one, no repeats. Their
             order does not matter: each bucket ranks them by wire bytes.
         convergence: optional mapping candidate name -> steps to a target

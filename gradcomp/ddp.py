@@ -67,6 +67,7 @@ from gradcomp.comm.settings import agree_settings, compressor_text
 from gradcomp.comm.topology import layout
 from gradcomp.compressors import DGC, Compressor, Int8Quantizer, TopK, unwrapped
 from gradcomp.meter import TrafficMeter
+from gradcomp.powersgd import PowerSGD, Segment
 from gradcomp.timeline import StepTimeline, span
 
 __all__ = ["GradCompState", "compressed_allreduce_hook", "DEFAULT_MIN_COMPRESS_NUMEL"]
@@ -142,7 +143,10 @@ class GradCompState:
             per bucket the least compression that keeps communication hidden
             (:mod:`gradcomp.adaptive`; ``algorithm`` is then the dense
             candidates' ``"ring"`` or ``"two_phase"``; residuals carry over
-            every switch).
+            every switch); or a :class:`gradcomp.PowerSGD` (low-rank, per
+            parameter of the bucket; ``algorithm`` ``"ring"``, ``"two_phase"`` or
+            ``"halving_doubling"``; it compresses from the later of this state's
+            ``start_iter`` and its own; residuals per parameter as for any codec).
         error_feedback: keep per-parameter residuals (ignored for lossless
             compressors such as NoCompression).
         algorithm: ``"ring"``, ``"two_phase"``, ``"allgather"``,
@@ -242,6 +246,10 @@ class GradCompState:
         algorithm = "auto" if self.auto is not None else algorithm
         if isinstance(compressor, Adaptive):
             v.choice("algorithm", algorithm, FLAT_DENSE_ALGORITHMS)  # of the dense candidates
+        elif isinstance(compressor, PowerSGD):
+            v.choice("algorithm", algorithm, FLAT_DENSE_ALGORITHMS + ("halving_doubling",))  # its two exchanges
+            if dgc is not None:
+                raise ValueError("dgc applies to a TopK compressor, not to PowerSGD")
         else:
             compressor = unwrapped(compressor, "compressor", "with error_feedback=True the state keeps "
                                    "residuals per parameter", " or 'auto'")
@@ -282,6 +290,8 @@ class GradCompState:
         self.momenta: dict[int, torch.Tensor] = {}
         #: the adaptive policy (compressor "auto" or a gradcomp.Adaptive), else None
         self.adaptive = compressor if isinstance(compressor, Adaptive) else None
+        #: the low-rank policy (a gradcomp.PowerSGD), else None
+        self.powersgd = compressor if isinstance(compressor, PowerSGD) else None
         self._init_runtime()
         if dist.is_initialized():
             self._ensure_group()
@@ -297,6 +307,7 @@ class GradCompState:
         self._worker: _CommThread | None = None
         self._failure: BaseException | None = None
         self._param_keys: dict[int, tuple[weakref.ref, int]] = {}
+        self._shapes: dict[int, tuple[int, ...]] = {}  # parameter key -> shape (PowerSGD's matrices)
         self._next_key = 0
         self._checked = False  # the ranks' call verified (first compressed bucket)
         self._agreed = False  # the ranks' settings verified (first bucket)
@@ -337,6 +348,7 @@ class GradCompState:
         out, off = [], 0
         for p in bucket.parameters():
             out.append((self._key(p), off, p.numel()))
+            self._shapes[out[-1][0]] = tuple(p.shape)
             off += p.numel()
         if off != bucket.buffer().numel():
             raise RuntimeError(f"bucket {bucket.index()} holds {bucket.buffer().numel()} elements but its "
@@ -432,6 +444,14 @@ class GradCompState:
                                         meter=self.meter, timeout=self.timeout, tag=_TAG)
             return
         compressor, residual = self.compressor, None
+        if self.powersgd is not None:  # its own two exchanges, per parameter of the bucket
+            residual = self._bucket_state(self.residuals, segments, buf) if self.uses_residuals else None
+            self.powersgd.reduce_(buf, [Segment(k, off, self._shapes[k]) for k, off, _ in segments],
+                                  step=step + self.start_iter, residual=residual, group=self._group,
+                                  meter=self.meter, timeout=self.timeout, algorithm=self.algorithm,
+                                  check=not self._checked, tag=_TAG)
+            self._checked = True
+            return
         if self.dgc is not None and segments is not None:
             compressor = self.dgc.bind(self._bucket_state(self.momenta, segments, buf),
                                        self._bucket_state(self.residuals, segments, buf),
@@ -448,7 +468,8 @@ class GradCompState:
 
     def _settings(self) -> dict[str, object]:
         """What decides each bucket's messages: every rank must share it."""
-        comp = self.compressor if self.adaptive is not None else compressor_text(self.compressor)
+        comp = self.compressor if self.adaptive is not None else (
+            self.powersgd.settings() if self.powersgd is not None else compressor_text(self.compressor))
         return {"compressor": comp, "dgc": self.dgc, "error_feedback": self.error_feedback,
                 "algorithm": self.algorithm if self.auto is None else self.auto,
                 "min_compress_numel": self.min_compress_numel,
@@ -502,6 +523,7 @@ class GradCompState:
         self.auto = None  # absent from states pickled before the automatic algorithm
         for name, value in state.items():
             setattr(self, name, value)
+        self.powersgd = self.compressor if isinstance(self.compressor, PowerSGD) else None
         self.process_group = None
         self.meter = None
         if meter is not None:
@@ -548,7 +570,7 @@ def compressed_allreduce_hook(
     compress = state.iter >= state.start_iter and buf.numel() >= state.min_compress_numel
     # keys are assigned on every bucket from the first step on, so they follow
     # the first step's bucket order whatever start_iter is
-    segments = state._segments(bucket) if state.uses_residuals else None
+    segments = state._segments(bucket) if state.uses_residuals or state.powersgd is not None else None
     ready = None
     if buf.is_cuda:
         ready = torch.cuda.Event()

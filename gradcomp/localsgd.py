@@ -91,6 +91,7 @@ from gradcomp.comm.topology import layout
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
 from gradcomp.localsgd_fragments import Fragment, partition
 from gradcomp.meter import TrafficMeter
+from gradcomp.powersgd import PowerSGD
 from gradcomp.sync_period import SyncPeriod, period_argument
 from gradcomp.timeline import StepTimeline
 
@@ -144,13 +145,16 @@ def _cpu_copy(x):
     return x
 
 
-def _codec(compressor, algorithm) -> tuple[Compressor | Adaptive, str | AutoAlgorithm]:
+def _codec(compressor, algorithm) -> tuple[Compressor | Adaptive | PowerSGD, str | AutoAlgorithm]:
     """The compressor (``"auto"``: an :class:`~gradcomp.Adaptive` with :data:`ADAPTIVE`) and its algorithm."""
     compressor = Int8Quantizer() if compressor is None else compressor
     if isinstance(compressor, str) and compressor == "auto":
         compressor = Adaptive(**ADAPTIVE)
     if isinstance(compressor, Adaptive):  # the algorithm of its dense candidates
         return compressor, v.choice("algorithm", "ring" if algorithm is None else algorithm, FLAT_DENSE_ALGORITHMS)
+    if isinstance(compressor, PowerSGD):  # per parameter of a fragment, two exchanges of dense factors
+        return compressor, v.choice("algorithm", "ring" if algorithm is None else algorithm,
+                                    ("ring", "two_phase", "halving_doubling"))
     compressor = unwrapped(compressor, "compressor", "LocalSGD keeps the pseudo-gradient residuals "
                            "(error_feedback=True)", " or 'auto'")
     if isinstance(algorithm, AutoAlgorithm):  # a configured chooser of algorithm "auto"
@@ -322,7 +326,8 @@ class LocalSGD:
                     dist.broadcast(buf, src=src, group=self._group)
                     p.copy_(buf)
         cuts = partition([p.numel() for p in params], self.fragments)
-        self._frags = [Fragment([params[i] for i in idx], self.error_feedback, key=f) for f, idx in enumerate(cuts)]
+        self._frags = [Fragment([params[i] for i in idx], self.error_feedback, key=f, first=idx[0])
+                       for f, idx in enumerate(cuts)]
         self.outer_optimizer = self._make_outer(outer_optimizer)
         self.steps = 0
         self.syncs = 0
@@ -438,7 +443,7 @@ class LocalSGD:
         delta = frag.pseudo_gradient()
         if overlap == 0:
             with self.period.timed() if self.period is not None else contextlib.nullcontext():
-                mean = self._exchange(frag, delta, None)
+                mean = self._exchange(frag, delta, None, self.syncs)
             self._apply(f, mean)
             return
         ready = None
@@ -447,10 +452,12 @@ class LocalSGD:
             ready.record()
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gradcomp-localsgd")
-        self._pending = (f, self.steps + overlap, self._executor.submit(self._exchange, frag, delta, ready))
+        self._pending = (f, self.steps + overlap,
+                         self._executor.submit(self._exchange, frag, delta, ready, self.syncs))
 
-    def _exchange(self, frag: Fragment, delta: torch.Tensor, ready) -> torch.Tensor:
-        """Average ``delta`` over the group in place (on the caller's or the background thread)."""
+    def _exchange(self, frag: Fragment, delta: torch.Tensor, ready, syncs: int) -> torch.Tensor:
+        """Average ``delta`` over the group in place (on the caller's or the background thread);
+        ``syncs``: exchanges applied before it (PowerSGD's step)."""
         if ready is not None:  # a new thread starts on device 0
             torch.cuda.set_device(delta.device)
             ready.synchronize()
@@ -458,11 +465,16 @@ class LocalSGD:
             if self.timeline is not None:
                 stack.enter_context(self.timeline.active())
                 stack.enter_context(self.timeline.span("collective"))
-            auto = self.algorithm == "auto"
-            allreduce(delta, self.compressor, op="avg", algorithm=self.auto if auto else self.algorithm,
-                      group=self._group, key=frag.key, meter=self.meter, timeout=self.timeout,
-                      residual=frag.residual, out=delta, check=not frag.checked, topology=self.topology,
-                      tag="gradcomp.LocalSGD")
+            if isinstance(self.compressor, PowerSGD):
+                self.compressor.reduce_(delta, frag.segments(), step=syncs, residual=frag.residual,
+                                        group=self._group, meter=self.meter, timeout=self.timeout,
+                                        algorithm=self.algorithm, check=not frag.checked, tag="gradcomp.LocalSGD")
+            else:
+                auto = self.algorithm == "auto"
+                allreduce(delta, self.compressor, op="avg", algorithm=self.auto if auto else self.algorithm,
+                          group=self._group, key=frag.key, meter=self.meter, timeout=self.timeout,
+                          residual=frag.residual, out=delta, check=not frag.checked, topology=self.topology,
+                          tag="gradcomp.LocalSGD")
         frag.checked = True
         if ready is not None:
             torch.cuda.current_stream(delta.device).synchronize()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gradcomp.powersgd import Segment
+
 __all__ = ["Fragment", "partition"]
 
 
@@ -31,9 +33,10 @@ def partition(sizes: list[int], fragments: int) -> list[list[int]]:
 class Fragment:
     """One fragment's parameters and its float32 memory (anchor, residual)."""
 
-    def __init__(self, params: list[nn.Parameter], error_feedback: bool, key: int = 0):
+    def __init__(self, params: list[nn.Parameter], error_feedback: bool, key: int = 0, first: int = 0):
         self.params = params
         self.key = key  # its index: the adaptive codec's key for its exchanges
+        self.first = first  # the ordinal of its first parameter among the synchronised ones
         self.numel = sum(p.numel() for p in params)
         device = params[0].device
         self.anchor = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
@@ -46,6 +49,12 @@ class Fragment:
         self.residual = torch.zeros(self.numel, dtype=torch.float32, device=device) if error_feedback else None
         self.checked = False  # the ranks agreed on this fragment's exchange
         self.loaded_at = 0  # the step count when the anchor was last loaded into the parameters
+
+    def segments(self) -> list[Segment]:
+        """Each parameter's place in the flat pseudo-gradient (PowerSGD's matrices), keyed
+        by its ordinal among the synchronised parameters (the same on every rank)."""
+        return [Segment(("localsgd", self.first + i), x.storage_offset(), tuple(x.shape))
+                for i, x in enumerate(self.views)]
 
     def pseudo_gradient(self) -> torch.Tensor:
         """``anchor - params`` as a new flat float32 tensor."""

@@ -15,7 +15,7 @@ from gradcomp.lab.plan import model as plan
 from gradcomp.lab.study import config as study
 
 # the study's rows that are not compressors: a policy over catalog codecs, the backend's collective
-STUDY_OWN_ROWS = {"auto", "native"}
+STUDY_OWN_ROWS = {"auto", "native", "powersgd4"}
 
 
 def _pad8(n: int) -> int:
@@ -25,7 +25,13 @@ def _pad8(n: int) -> int:
 def _dense_bytes(kind: str, n: int) -> int:
     # the wire format: a 40-byte header plus 8 bytes per dimension, then the codec's section
     header = 48
-    return header + {"raw": 4 * n, "fp16": 2 * n, "bf16": 2 * n, "int8": n + 4 * math.ceil(n / 256)}[kind]
+    # blockwise codecs: one float32 scale per block (256 elements; sign 1024), then the codes
+    # packed: 8 bits (int8, fp8), 4 (two a byte), 2 (four a byte), 1 (sign: eight a byte)
+    return header + {"raw": 4 * n, "fp16": 2 * n, "bf16": 2 * n, "int8": n + 4 * math.ceil(n / 256),
+                     "fp8e4m3": n + 4 * math.ceil(n / 256), "fp8e5m2": n + 4 * math.ceil(n / 256),
+                     "int4": math.ceil(n / 2) + 4 * math.ceil(n / 256),
+                     "int2": math.ceil(n / 4) + 4 * math.ceil(n / 256),
+                     "sign": math.ceil(n / 8) + 4 * math.ceil(n / 1024)}[kind]
 
 
 def _sparse_bytes(values: str, n: int, k: int) -> int:
@@ -61,6 +67,30 @@ def test_each_entry_builds_what_its_facts_say(name):
     else:
         assert comp.wire_nbytes(x.shape) == payload.wire.numel() == _dense_bytes(e.kind, x.numel())
     assert e.build(**kwargs) is not e.build(**kwargs)  # a fresh compressor each time
+
+
+@pytest.mark.parametrize("name, cls, settings", [
+    ("int4", gc.IntQuantizer, {"bits": 4, "block_size": 256}), ("int4-ef", gc.IntQuantizer, {"bits": 4}),
+    ("int2-ef", gc.IntQuantizer, {"bits": 2, "block_size": 256}), ("sign-ef", gc.SignQuantizer, {"block_size": 1024}),
+    ("fp8", gc.FP8, {"format": "e4m3", "block_size": 256}), ("fp8-e5m2", gc.FP8, {"format": "e5m2"})])
+def test_the_low_bit_entries_build_their_codec(name, cls, settings):
+    comp = catalog.build(name)
+    assert type(comp) is cls and all(getattr(comp, k) == v for k, v in settings.items())
+    assert catalog.entry(name).block_size == comp.block_size
+    # bits per element at a large size: 4 + 32/256, 2 + 32/256, 1 + 32/1024, 8 + 32/256 (header aside)
+    n = 1 << 20
+    bits = 8 * (comp.wire_nbytes((n,)) - 48) / n
+    assert bits == {"int4": 4.125, "int4-ef": 4.125, "int2-ef": 2.125, "sign-ef": 1.03125, "fp8": 8.125,
+                    "fp8-e5m2": 8.125}[name]
+
+
+def test_every_blockwise_entry_names_its_block_size():
+    from gradcomp import wire
+    for e in catalog.ENTRIES.values():
+        assert (e.block_size is not None) == (e.kind in wire.BLOCK_CODE_BITS), e.name
+        if e.block_size is not None:
+            assert e.build().block_size == e.block_size
+    assert (catalog.entry("int4").block_size, catalog.entry("sign-ef").block_size) == (256, 1024)
 
 
 def test_the_facts_of_the_names():
@@ -101,6 +131,11 @@ def test_the_study_menu_is_the_catalog():
         threshold = 0.5 if e.kind == "threshold" else None
         _same(row.build(threshold=threshold), e.build(threshold=threshold))
     _same(study.COMPRESSORS["native"].build(), catalog.build("none"))
+    assert repr(study.COMPRESSORS["powersgd4"].build()) == repr(gc.PowerSGD(rank=4))
+    for name in ("fp8", "fp8-e5m2", "int4", "int4-ef", "int2-ef", "sign-ef"):  # the low-bit rows
+        assert study.parse_compressors(name) == (name,)
+    with pytest.raises(ValueError, match="unknown compressor name"):
+        study.parse_compressors("sign")  # biased without error feedback: no training row
 
 
 def test_the_planner_menu_is_the_catalog():
@@ -111,7 +146,9 @@ def test_the_planner_menu_is_the_catalog():
             e.label, e.kind, e.values, e.density, e.error_feedback)
         if e.kind != "threshold":  # a threshold is priced as a top-k payload at its density
             _same(c.compressor(1000), e.build())
-    assert set(plan.GAP_PTS) <= set(plan.CODECS)
+    assert set(plan.GAP_PTS) <= set(plan.CODECS) and set(plan.GAP_UNMEASURED) <= set(plan.CODECS)
+    for name in ("int4-ef", "int2-ef", "sign-ef", "fp8", "fp8-e5m2"):
+        assert name in plan.CODECS and plan.CODECS[name].gap_pts is None  # no study measured it yet
 
 
 def test_the_adaptive_candidates_are_the_catalog():
@@ -121,6 +158,11 @@ def test_the_adaptive_candidates_are_the_catalog():
         _same(make(), catalog.build(name))
         assert not catalog.entry(name).error_feedback  # the policy keeps the residuals itself
     assert gc.Adaptive(["topk"]).candidates[0].values is None  # raw top-k, as everywhere
+    # the sub-8-bit codecs and fp8 are explicit candidates, not in the default ladder
+    for name in ("fp8", "fp8-e5m2", "int4", "int2", "sign"):
+        assert name in CANDIDATES and name not in DEFAULT_CANDIDATES
+    policy = gc.Adaptive(["none", "int8", "int4", "sign"], convergence={"sign": 1.5})
+    assert policy.convergence == (1.0, 1.0, 1.0, 1.5)
 
 
 def test_the_ps_demo_menu_is_the_catalog():
@@ -141,3 +183,39 @@ def test_the_catalog_imports_no_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_the_planner_prices_the_low_bit_codecs_from_wire_bytes_and_kernel_rates():
+    from gradcomp.lab.plan.costs import allreduce_bytes, compress_s
+    from gradcomp.lab.plan.profile import BYTES_PER_ELEMENT, Profile
+    from gradcomp.lab.plan.recommend import rank
+
+    n, world = 4000, 4  # chunks of 1000: 48-byte header, 4 scales, the packed codes
+    chunk = {"int4-ef": 48 + 16 + 500, "int2-ef": 48 + 16 + 250, "sign-ef": 48 + 4 + 125, "fp8": 48 + 16 + 1000}
+    for name, w in chunk.items():  # the ring sends N - 1 chunks in each phase
+        assert allreduce_bytes(plan.CODECS[name], "ring", n, world) == (2 * (world - 1) * w, 2 * (world - 1) * w)
+    # kernel time: the fused error-feedback kernel at its bytes per element (roofline at 1 GB/s)
+    prof = Profile.roofline(1.0)
+    assert BYTES_PER_ELEMENT["int4.compress_ef"] == 12 + 0.5 + 4 / 256
+    assert compress_s(plan.CODECS["int4-ef"], prof, 10**6, True) == pytest.approx(10**6 * 12.515625 / 1e9)
+    assert compress_s(plan.CODECS["sign-ef"], prof, 10**6, False) == pytest.approx(10**6 * (4.125 + 4 / 1024) / 1e9)
+    # recommend: an unmeasured accuracy gap is left out unless the codec is named
+    s = plan.Setting(nodes=8, link_bytes_per_s=1.25e8, params=10**7, compute_s=0.05)
+    kept, excluded = rank(s, prof)
+    assert all(p.compressor not in plan.GAP_UNMEASURED for p in kept)
+    assert {p.compressor for p, why in excluded if "not measured" in why} == set(plan.GAP_UNMEASURED)
+    kept, _ = rank(s, prof, compressors=["int8-ef", "sign-ef"])
+    assert kept[0].compressor == "sign-ef"  # 1.03 bits per element on a 1 Gbit/s link: the fewest bytes win
+
+
+def test_plan_recommend_takes_the_low_bit_names(capsys):
+    from gradcomp.lab.cli import main
+
+    base = ["plan", "recommend", "--nodes", "16", "--link", "100mbit", "--params", "25M", "--compute-ms", "50",
+            "--alpha-us", "20", "--kernel-gbps", "10"]
+    assert main(base + ["--compressors", "int8-ef,int4-ef,sign-ef"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "recommended: sync sign-ef" in out  # 1.03 bits per element on a 100 Mbit/s link
+    with pytest.raises(SystemExit):
+        main(base + ["--compressors", "sign"])  # no plan row: biased without error feedback
+    assert "unknown compressor 'sign'" in capsys.readouterr().err

@@ -75,6 +75,10 @@ def test_compressor_menu():
         if name == "auto":  # adaptive compression: a policy over codecs, sync mode and the auto mode's row
             assert isinstance(c, gc.Adaptive) and choice.error_feedback and choice.modes == ("sync", "auto")
             continue
+        if choice.low_rank:  # PowerSGD: the DDP hook and local SGD, not the parameter server
+            assert isinstance(c, gc.PowerSGD) and c.rank == choice.low_rank and choice.error_feedback
+            assert "async" not in choice.modes
+            continue
         assert choice.native == (name == "native")
         if choice.native:  # uncompressed on the backend's all_reduce: DDP's plain path, sync only
             assert isinstance(c, gc.NoCompression) and choice.modes == ("sync",)

@@ -30,6 +30,8 @@ import time
 import numpy as np
 import torch
 
+from gradcomp import catalog
+
 __all__ = ["DEFAULT_SIZES", "CALL_NUMEL", "sizes_for", "fit_alpha_beta", "measure", "measure_link", "measure_kernels",
            "link_profile"]
 
@@ -214,11 +216,15 @@ def _op_seconds(numel: int, repeats: int, density: float, tick=None) -> tuple[di
     acc = torch.zeros(numel)
     y = torch.empty(numel)
     fns = {}
+    blockwise = {kind: catalog.build(name) for kind, name in (  # at the catalog's block sizes
+        ("int8", "int8"), ("int4", "int4"), ("int2", "int2"), ("sign", "sign"), ("fp8e4m3", "fp8"),
+        ("fp8e5m2", "fp8-e5m2"))}
     for kind, comp in (("raw", gc.NoCompression()), ("fp16", gc.FP16()), ("bf16", gc.BF16()),
-                       ("int8", gc.Int8Quantizer())):
+                       *blockwise.items()):
         fns.update(_codec_thunks(kind, comp, x, y, acc))
-    ef = gc.ErrorFeedback(gc.Int8Quantizer())
-    fns["int8.compress_ef"] = lambda: ef.compress(x, key="calibrate")
+    for kind, comp in blockwise.items():
+        ef = gc.ErrorFeedback(comp)
+        fns[f"{kind}.compress_ef"] = lambda ef=ef: ef.compress(x, key="calibrate")
     k = max(1, math.ceil(density * numel))
     fns["topk.select"] = lambda: K.topk(x, k)
     tau = float(K.topk(x, k)[1].abs().min())

@@ -27,6 +27,7 @@ import socket
 import sys
 import time
 
+from gradcomp.lab.plan.codecs import parse_plan_names
 from gradcomp.lab.plan.machine import SHIPPED_PROFILE
 
 __all__ = ["main", "DEFAULT_PROFILE"]
@@ -254,6 +255,8 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
         p.add_argument("--max-staleness", type=_arg(_nonneg, "staleness"), default=None,
                        help="largest mean staleness accepted for async (default: no bound, as the "
                             "parameter server's own default)")
+        p.add_argument("--compressors", type=_arg(parse_plan_names, "compressors"), default=None, metavar="LIST",
+                       help="compressors to rank (default: those whose accuracy gap was measured)")
         _model_options(p)
     elif sub == "calibrate":
         p.description = "Measure alpha, beta and the kernel rates here; write a JSON profile."
@@ -353,7 +356,7 @@ def _recommend(args) -> int:
     s = Setting(nodes=args.nodes, link_bytes_per_s=beta, params=args.params, compute_s=args.compute_ms / 1e3,
                 servers=args.servers or max(1, args.nodes // 8), **_setting_kw(args))
     try:
-        rec = recommend(s, prof, max_gap=args.max_gap, max_staleness=args.max_staleness)
+        rec = recommend(s, prof, max_gap=args.max_gap, max_staleness=args.max_staleness, compressors=args.compressors)
     except ValueError as e:
         print(f"gradcomp plan recommend: error: {e}", file=sys.stderr)
         return 2

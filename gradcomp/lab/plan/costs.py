@@ -24,7 +24,7 @@ from gradcomp.comm.cost import SIZE_NBYTES, allreduce_messages  # the library's,
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.halving_doubling import gathered_offsets
 from gradcomp.comm.halving_doubling import fold_layout as hd_layout
-from gradcomp.lab.plan.profile import Profile
+from gradcomp.lab.plan.profile import BYTES_PER_ELEMENT, Profile
 
 
 __all__ = ["ALLREDUCE_ALGORITHMS", "SIZE_NBYTES", "PricedCodec", "wire_nbytes", "allreduce_bytes",
@@ -32,7 +32,7 @@ __all__ = ["ALLREDUCE_ALGORITHMS", "SIZE_NBYTES", "PricedCodec", "wire_nbytes", 
 
 
 class PricedCodec(Protocol):
-    """What the costs read of a codec (:class:`gradcomp.lab.plan.model.PlanCodec` has it)."""
+    """What the costs read of a codec (:class:`gradcomp.lab.plan.codecs.PlanCodec` has it)."""
 
     name: str
     kind: str
@@ -157,8 +157,8 @@ def compress_s(c: PricedCodec, prof: Profile, n: int, ef: bool) -> float:
         t = prof.seconds(f"{c.kind}.select", n)
         t += prof.seconds("int8.compress", k) if c.values == "int8" else 0.0
         return t + (prof.seconds("ef.update", n) if ef else 0.0)
-    if c.kind == "int8" and ef:
-        return prof.seconds("int8.compress_ef", n)
+    if ef and f"{c.kind}.compress_ef" in BYTES_PER_ELEMENT:  # the fused error-feedback kernel
+        return prof.seconds(f"{c.kind}.compress_ef", n)
     return prof.seconds(f"{c.kind}.compress", n)
 
 

@@ -49,6 +49,21 @@ BYTES_PER_ELEMENT = {
     "topk.select": 4.0, "threshold.select": 4.0, "sparse.decompress_add": 16.0,
     "ef.update": 16.0, "sgd.apply": 20.0,
 }
+
+
+def _blockwise_bytes(kind: str, code_bytes: float, block: int) -> dict:
+    """:data:`BYTES_PER_ELEMENT` rows of a blockwise codec of ``code_bytes`` per element and
+    ``block`` elements per float32 scale, counted as int8's are (a 1-byte code there)."""
+    c, s = code_bytes, 4 / block
+    return {f"{kind}.compress": 4 + c + s, f"{kind}.decompress": 4 + c + s,
+            f"{kind}.decompress_add": 8 + c + s, f"{kind}.reduce_compress": 12 + 2 * c + 2 * s,
+            f"{kind}.compress_ef": 12 + c + s}
+
+
+# the sub-8-bit and fp8 codecs at the catalog's block sizes (gradcomp.catalog.BLOCK, SIGN_BLOCK)
+for _kind, _code, _block in (("int4", 0.5, _B), ("int2", 0.25, _B), ("sign", 0.125, 1024),
+                             ("fp8e4m3", 1.0, _B), ("fp8e5m2", 1.0, _B)):
+    BYTES_PER_ELEMENT.update(_blockwise_bytes(_kind, _code, _block))
 #: every operation a profile rates (elements per second)
 OPS = tuple(BYTES_PER_ELEMENT)
 
@@ -57,6 +72,13 @@ KERNELS_JSON_OPS = {
     "quantize_int8": "int8.compress", "dequantize_int8": "int8.decompress",
     "dequantize_int8_add_": "int8.decompress_add", "quantize_int8_ef": "int8.compress_ef",
     "topk": "topk.select", "threshold": "threshold.select", "scatter_add_": "sparse.decompress_add",
+    "quantize_packed": "int4.compress", "dequantize_packed": "int4.decompress",
+    "dequantize_packed_add_": "int4.decompress_add", "quantize_packed_ef": "int4.compress_ef",
+    "quantize_packed_2bit": "int2.compress",
+    "quantize_sign": "sign.compress", "dequantize_sign": "sign.decompress",
+    "dequantize_sign_add_": "sign.decompress_add", "quantize_sign_ef": "sign.compress_ef",
+    "quantize_fp8": "fp8e4m3.compress", "dequantize_fp8": "fp8e4m3.decompress",
+    "dequantize_fp8_add_": "fp8e4m3.decompress_add", "quantize_fp8_ef": "fp8e4m3.compress_ef",
 }
 
 #: density whose sparse rows ``from_kernels_json`` prefers (the top-k menu's 1%)
@@ -167,7 +189,8 @@ class Profile:
         else the first setting found) at the largest size measured, and the
         fastest backend there (``kind == "backend"``; sparse ops: the density
         nearest 1%): rate = ``n / median_s``
-        (``k / median_s`` for ``scatter_add_``). ``int8.reduce_compress`` is
+        (``k / median_s`` for ``scatter_add_``; the packed ops time 4-bit codes, and
+        ``quantize_packed_2bit`` 2-bit ones). ``<codec>.reduce_compress`` is
         rated as dequantize-add followed by quantize (the sum of their times:
         the fused kernel is faster, so this errs slow); ops the benchmark does
         not time (casts, raw copies, error-feedback update, SGD) come from its
@@ -203,9 +226,10 @@ class Profile:
             kernels[op] = count / best["median_s"]
             picked[op] = f"{bench_op} {best['name']} n={best['n']}" + (
                 f" density={best['density']}" if best.get("density") else "")
-        if "int8.compress" in kernels and "int8.decompress_add" in kernels:
-            kernels["int8.reduce_compress"] = 1.0 / (1.0 / kernels["int8.compress"]
-                                                     + 1.0 / kernels["int8.decompress_add"])
+        for kind in ("int8", "int4", "sign", "fp8e4m3"):
+            if f"{kind}.compress" in kernels and f"{kind}.decompress_add" in kernels:
+                kernels[f"{kind}.reduce_compress"] = 1.0 / (1.0 / kernels[f"{kind}.compress"]
+                                                            + 1.0 / kernels[f"{kind}.decompress_add"])
         copies = [r for r in rows if r["name"] == "copy" and r.get("gbps")]
         if copies:
             copy = max(copies, key=lambda r: r["n"])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gradcomp.lab.plan.model import Setting, predict
+from gradcomp.lab.plan.model import CODECS, Setting, predict
 from gradcomp.lab.plan.profile import Profile
 from gradcomp.lab.plan.recommend import candidates
 
@@ -63,8 +63,9 @@ def project(nodes, links, params, prof: Profile, *, compute_s=None, samples: int
                     pred = predict(mode, name, alg, s, prof)
                     (sync if mode == "sync" else asyn)[f"{name}/{alg}"] = pred
                 base = sync["none/ring"]
-                best_sync = min(sync, key=lambda k: sync[k].step_s)
-                best_async = max(asyn, key=lambda k: asyn[k].throughput)
+                # the best choices among codecs whose accuracy gap was measured (plan.json has all)
+                best_sync = min(_measured(sync), key=lambda k: sync[k].step_s)
+                best_async = max(_measured(asyn), key=lambda k: asyn[k].throughput)
                 strag = predict("sync", *best_sync.split("/"), dataclasses.replace(s, straggler_cv=straggler_cv), prof)
                 rows.append({
                     "params": p, "link": link_name, "nodes": n, "compute_s": comp,
@@ -78,6 +79,11 @@ def project(nodes, links, params, prof: Profile, *, compute_s=None, samples: int
                     "idle_share": strag.idle_share, "idle_step_s": strag.step_s, "cv": straggler_cv,
                 })
     return rows
+
+
+def _measured(preds: dict) -> list[str]:
+    """The ``"compressor/algorithm"`` keys of ``preds`` whose codec has a measured accuracy gap."""
+    return [k for k in preds if CODECS[k.split("/")[0]].gap_pts is not None]
 
 
 def plot(rows: list[dict], path: str) -> None:

@@ -4,9 +4,10 @@ Every combination the library runs is predicted (:func:`candidates`): sync
 with each compressor on each algorithm that takes it (``ring``,
 ``two_phase`` for dense codecs, ``allgather`` for sparse ones, and the
 synchronous parameter server ``ps``), and async (parameter server) with each
-compressor. Compressors whose accuracy gap (:attr:`gradcomp.lab.plan.model.PlanCodec.gap_pts`)
-exceeds ``max_gap`` points and, when ``max_staleness`` is given, async runs
-whose predicted mean staleness exceeds it are left out. They are ranked by the time to apply
+compressor. Compressors whose accuracy gap (:attr:`gradcomp.lab.plan.codecs.PlanCodec.gap_pts`)
+exceeds ``max_gap`` points (or was never measured, unless named in ``compressors``) and,
+when ``max_staleness`` is given, async runs whose predicted mean staleness exceeds it are
+left out. They are ranked by the time to apply
 ``N`` workers' gradients once: a sync step, or ``N / X`` for async at ``X``
 pushes per second (async gradients are stale: the staleness is reported).
 
@@ -54,7 +55,9 @@ def rank(s: Setting, prof: Profile, *, max_gap: float = 0.5, max_staleness: floa
     kept, excluded = [], []
     for mode, name, alg in candidates(compressors):
         p = predict(mode, name, alg, s, prof)
-        if CODECS[name].gap_pts > max_gap:
+        if CODECS[name].gap_pts is None and compressors is None:
+            excluded.append((p, "accuracy gap not measured (name it to rank it)"))
+        elif (CODECS[name].gap_pts or 0.0) > max_gap:
             excluded.append((p, f"accuracy gap {CODECS[name].gap_pts:.2f} pts > {max_gap:g}"))
         elif max_staleness is not None and p.staleness_mean is not None and p.staleness_mean > max_staleness:
             excluded.append((p, f"mean staleness {p.staleness_mean:.1f} > {max_staleness:g}"))
@@ -104,13 +107,15 @@ class Recommendation:
         return _time(p)
 
 
-def recommend(s: Setting, prof: Profile, *, max_gap: float = 0.5, max_staleness: float | None = None) -> Recommendation:
-    """Rank every candidate for ``s`` and estimate how sure the choice is.
+def recommend(s: Setting, prof: Profile, *, max_gap: float = 0.5, max_staleness: float | None = None,
+              compressors=None) -> Recommendation:
+    """Rank every candidate for ``s`` (``compressors``: names of the planner's codecs, default all)
+    and estimate how sure the choice is.
 
     Raises:
         ValueError: every candidate is excluded (``max_gap`` < 0 or no async/sync left).
     """
-    ranking, excluded = rank(s, prof, max_gap=max_gap, max_staleness=max_staleness)
+    ranking, excluded = rank(s, prof, max_gap=max_gap, max_staleness=max_staleness, compressors=compressors)
     if not ranking:
         raise ValueError(f"no candidate passes max_gap={max_gap} and max_staleness={max_staleness}")
     best = ranking[0]
@@ -122,7 +127,7 @@ def recommend(s: Setting, prof: Profile, *, max_gap: float = 0.5, max_staleness:
         s2, p2 = s, prof
         for what, f in combo:
             s2, p2 = _perturbed(s2, p2, what, f)
-        r2, _ = rank(s2, p2, max_gap=max_gap, max_staleness=max_staleness)
+        r2, _ = rank(s2, p2, max_gap=max_gap, max_staleness=max_staleness, compressors=compressors)
         mine = predict(best.mode, best.compressor, best.algorithm, s2, p2)
         times.append(_time(mine))
         cases += 1

@@ -9,6 +9,8 @@ Long run labels wrap inside their cell; no cell is ever cut.
 
 from __future__ import annotations
 
+from gradcomp.lab.plan.model import GAP_UNMEASURED
+
 __all__ = ["WIDTH", "ALGORITHM_ABBREVIATIONS", "duration", "projection_tables", "speedup_table",
            "validation_tables", "breakdown_table"]
 
@@ -90,10 +92,12 @@ PROJECTION_LEGEND = (
 
 def speedup_table(rows: list[dict]):
     """Per row, each codec's speed-up over none on the ring with its fastest algorithm
-    (bf16 and threshold left out: fp16's bytes and kernels, an assumed density)."""
+    (bf16 and threshold left out: fp16's bytes and kernels, an assumed density; and the codecs
+    whose accuracy gap was not measured, :data:`gradcomp.lab.plan.model.GAP_UNMEASURED`: plan.json has them)."""
     from gradcomp.lab.units import format_count
 
-    keys = [k for k in (rows[0]["speedup"] if rows else []) if not k.startswith(("bf16/", "threshold"))]
+    keys = [k for k in (rows[0]["speedup"] if rows else []) if not k.startswith(("bf16/", "threshold"))
+            and k.split("/")[0] not in GAP_UNMEASURED]
     codecs = list(dict.fromkeys(k.split("/")[0] for k in keys))
     out = []
     for r in rows:

@@ -238,6 +238,10 @@ def _check_row_options(args: argparse.Namespace) -> None:
     if args.algorithm == "hierarchical" and "auto" in args.compressors:
         raise ValueError("--algorithm hierarchical does not apply to the auto row (adaptive compression "
                          "chooses among the flat ring and two-phase): drop auto from --compressors")
+    low_rank = [c for c in args.compressors if COMPRESSORS[c].low_rank]
+    if args.algorithm == "hierarchical" and low_rank:
+        raise ValueError(f"--algorithm hierarchical does not apply to {low_rank[0]} (PowerSGD's two exchanges "
+                         "run on ring, two_phase or halving_doubling): drop it from --compressors")
     if args.async_momentum is not None and "async" not in args.mode:
         raise ValueError(f"--async-momentum only applies to --mode async, got --mode {','.join(args.mode)}")
     if args.mode == ("pipeline",) and ("@" in args.link or (args.straggler and args.straggler[2] > 0)):

@@ -58,6 +58,9 @@ class CompressorChoice:
             DDP does without a hook) instead of gradcomp's ring: the
             baseline a user would call (``none`` runs gradcomp's transport,
             so that its bytes are those of the compressed rows' transport).
+        low_rank: the rank of a :class:`gradcomp.PowerSGD` row (0: not one): low-rank
+            factors per parameter, not a per-tensor codec, so the DDP hook and local
+            SGD run it and the parameter server does not.
     """
 
     name: str
@@ -66,6 +69,7 @@ class CompressorChoice:
     dgc: bool = False
     modes: tuple[str, ...] = ALL_MODES
     native: bool = False
+    low_rank: int = 0
 
     def build(self, threshold: float | None = None, link: tuple[float, float] | None = None
               ) -> "Compressor | Adaptive":
@@ -84,6 +88,10 @@ class CompressorChoice:
             from gradcomp.adaptive import Adaptive
 
             return Adaptive(link=link)
+        if self.low_rank:
+            from gradcomp.powersgd import PowerSGD  # imports torch: loaded on use (see the module docstring)
+
+            return PowerSGD(rank=self.low_rank)
         entry = catalog.entry("none" if self.native else self.name)
         if entry.kind == "threshold" and threshold is None:
             raise ValueError(f"{self.name} needs a threshold")
@@ -100,11 +108,16 @@ def _catalog_row(name: str) -> CompressorChoice:
 
 
 COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
-    *(_catalog_row(n) for n in ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-ef",
+    *(_catalog_row(n) for n in ("none", "fp16", "bf16", "int8", "int8-ef", "fp8", "fp8-ef", "fp8-e5m2",
+                                "int4", "int4-ef", "int2-ef", "sign-ef", "topk-ef", "topk-int8-ef",
                                 "threshold-ef", "dgc", "dgc-int8")),
+    # (no "int2" / "sign" rows: biased without error feedback, they are the catalog's for policies
+    # that keep residuals themselves; a training row runs them with it)
     # the study's own rows: a policy over catalog codecs, and the backend's uncompressed collective
     CompressorChoice("auto", "auto", True, modes=("sync", "auto")),
     CompressorChoice("native", "all_reduce f32", False, modes=("sync",), native=True),
+    # PowerSGD rank 4 (FP16 factors, error feedback per parameter): the DDP hook and local SGD
+    CompressorChoice("powersgd4", "powersgd r4", True, modes=("sync", "local"), low_rank=4),
 )}
 
 #: The default study's menu, baseline first.

@@ -1,0 +1,166 @@
+"""gradcomp's PowerSGD against PyTorch's powerSGD_hook: bytes, collectives and time per DDP step.
+
+On ``--world`` gloo ranks of this machine (loopback), the study's wide MLP (64 -> 1024 -> 1024 ->
+10, 1.13 M parameters, the digits workload's shapes) is trained with SGD under DDP three times in
+the same processes, from the same initial parameters on the same batches, step by step
+interleaved (a barrier before each step, so that load from other processes hits all alike):
+
+* ``torch``: ``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=R,
+  start_powerSGD_iter=2, min_compression_rate=2)`` (error feedback, warm start: its defaults);
+* ``gradcomp``: ``GradCompState(compressor=gc.PowerSGD(rank=R), start_iter=2)`` (FP16 factors,
+  the vectors riding with P);
+* ``gradcomp-f32``: the same with ``gc.PowerSGD(rank=R, compressor=gc.NoCompression())`` (float32
+  factors on the backend's allreduce: PyTorch's bytes in two collectives instead of three);
+* ``gradcomp-hd``: ``gradcomp`` on ``algorithm="halving_doubling"`` (``2 log2 N`` messages per
+  exchange where the ring sends ``2 (N - 1)``).
+
+Bytes per step: gradcomp's as its meter counts them (wire bytes this rank sent, headers
+included); torch's at the nominal ring volume of each of its allreduces, ``2 (N - 1) / N * 4 n``
+(the accounting the DDP state uses for a backend allreduce: gloo picks its own algorithm), counted
+per bucket from the bucket's gradient shapes. Collectives per step: torch's hook waits on three
+per bucket, gradcomp's on two. Step time: the median over the steps after ``--warmup`` of the
+slowest rank. Final loss: each variant's training loss at the last step (the same data). Every
+variant runs DDP with one bucket (``bucket_cap_mb=64``: see :data:`BUCKET_MB`).
+
+Run from the repository root::
+
+    python benchmarks/powersgd.py [--world 4] [--rank 4] [--steps 60] [--warmup 10] [--link 100mbit]
+        [--json FILE]
+
+``--link RATE`` runs every rank as its own host of the emulated cluster
+(:class:`gradcomp.lab.cluster.LocalCluster`, shaped links at RATE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradcomp as gc
+from gradcomp.ddp import GradCompState, compressed_allreduce_hook
+from gradcomp.launch import launch
+
+VARIANTS = ("torch", "gradcomp", "gradcomp-f32", "gradcomp-hd")
+HIDDEN = (1024, 1024)
+BATCH = 64
+#: one bucket for every variant: powerSGD_hook waits on its next allreduce inside a future's
+#: callback, and on gloo with two buckets in flight the ranks then issue their collectives in
+#: different orders and hang (as seen here with DDP's default 1 MiB first bucket)
+BUCKET_MB = 64
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    dims = (64, *HIDDEN, 10)
+    layers: list[nn.Module] = []
+    for a, b in zip(dims[:-1], dims[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+class _Counted:
+    """powerSGD_hook with its nominal bytes and allreduces counted per bucket."""
+
+    def __init__(self, state, world: int, rank: int):
+        self.state, self.world, self.nbytes, self.calls = state, world, 0, 0
+        self.shapes = gc.PowerSGD(rank=rank, min_compression_rate=state.min_compression_rate,
+                                  compressor=gc.NoCompression())  # the same compression test as torch's
+
+    def hook(self, _, bucket):
+        if self.state.iter >= self.state.start_powerSGD_iter:
+            first, second = self.shapes.wire_numel([g.shape for g in bucket.gradients()])
+            ring = 2 * (self.world - 1) / self.world
+            self.nbytes += ring * 4 * (first + second)
+            self.calls += 3  # the uncompressed tensors, the Ps, the Qs
+        return torch_psgd.powerSGD_hook(self.state, bucket)
+
+
+def _rank(rank: int, world: int, r: int, steps: int, warmup: int) -> dict:
+    ddps, meters, counted = {}, {}, None
+    for variant in VARIANTS:
+        ddp = DDP(_model(), bucket_cap_mb=BUCKET_MB)
+        if variant == "torch":
+            state = torch_psgd.PowerSGDState(process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=2,
+                                             min_compression_rate=2)
+            counted = _Counted(state, world, r)
+            ddp.register_comm_hook(None, counted.hook)
+        else:
+            comp = gc.PowerSGD(rank=r, compressor=gc.NoCompression() if variant == "gradcomp-f32" else None)
+            meters[variant] = gc.TrafficMeter()
+            alg = "halving_doubling" if variant == "gradcomp-hd" else "ring"
+            ddp.register_comm_hook(GradCompState(compressor=comp, start_iter=2, meter=meters[variant], timeout=300,
+                                                 algorithm=alg), compressed_allreduce_hook)
+        ddps[variant] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.05))
+    gen = torch.Generator().manual_seed(100 + rank)
+    w = torch.randn(64, 10, generator=torch.Generator().manual_seed(1))  # a linear teacher: the same on every rank
+    times = {v: [] for v in VARIANTS}
+    losses = {}
+    sent0 = {}
+    for step in range(steps):
+        x = torch.randn(BATCH, 64, generator=gen)
+        y = (x @ w).argmax(1)
+        if step == warmup:
+            sent0 = {v: m.as_dict()["bytes_sent"] for v, m in meters.items()}
+            torch_bytes0, torch_calls0 = counted.nbytes, counted.calls
+        for variant in VARIANTS:
+            ddp, opt = ddps[variant]
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            loss.backward()
+            opt.step()
+            times[variant].append(time.perf_counter() - t0)
+            losses[variant] = loss.item()
+    n = steps - warmup
+    per_step = {v: (m.as_dict()["bytes_sent"] - sent0[v]) / n for v, m in meters.items()}
+    per_step["torch"] = (counted.nbytes - torch_bytes0) / n
+    return {"step_s": {v: statistics.median(t[warmup:]) for v, t in times.items()}, "bytes": per_step,
+            "torch_allreduces": (counted.calls - torch_calls0) / n, "loss": losses}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=4)
+    p.add_argument("--rank", type=int, default=4, help="PowerSGD rank (default 4)")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--link", default="none", help="none (loopback) or a rate between hosts, e.g. 100mbit")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.world < 2 or args.steps <= args.warmup or args.warmup < 3:
+        p.error("--world must be >= 2, --warmup >= 3 (after the plain steps), --steps > --warmup")
+    link = "loopback"
+    if args.link == "none":
+        res = launch(_rank, args.world, (args.rank, args.steps, args.warmup), timeout=3000)
+    else:  # one host (network namespace) per rank, shaped links between them
+        from gradcomp.lab.cluster import LocalCluster
+        from gradcomp.lab.units import format_rate
+
+        with LocalCluster(args.world, rate=args.link) as c:
+            res = c.run(_rank, args.rank, args.steps, args.warmup, timeout=3000)
+            link = f"{args.link}, achieved {format_rate(c.achieved_bps)}"
+    step = {v: max(r["step_s"][v] for r in res) for v in VARIANTS}
+    nbytes = {v: res[0]["bytes"][v] for v in VARIANTS}
+    print(f"wide MLP 64-1024-1024-10, world {args.world} ({link}, gloo), PowerSGD rank {args.rank}, "
+          f"{args.steps - args.warmup} steps after {args.warmup} (median step of the slowest rank)")
+    print(f"  torch powerSGD_hook: {res[0]['torch_allreduces']:.0f} allreduces per step")
+    for v in VARIANTS:
+        print(f"  {v:13s} {nbytes[v]:12,.0f} B/step  x{nbytes['torch'] / nbytes[v]:.2f} fewer   "
+              f"{step[v] * 1e3:8.2f} ms/step  torch/this x{step['torch'] / step[v]:.2f}   "
+              f"loss {res[0]['loss'][v]:.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "ranks": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
