@@ -104,6 +104,7 @@ from gradcomp.lab.plan.costs import (ALLREDUCE_ALGORITHMS, SIZE_NBYTES, allreduc
                                      allreduce_seconds, compress_s, decompress_add_s, quantizations,
                                      wire_nbytes)
 from gradcomp.lab.plan.host import Host
+from gradcomp.lab.plan.tiers import hierarchical_seconds, hierarchical_sent, intra_tier
 from gradcomp.lab.plan.lognormal import expected_max
 from gradcomp.lab.plan.profile import Profile
 from gradcomp.pipeline.bubble import bubble_fraction
@@ -133,7 +134,8 @@ PLAN_NAMES = ("none", "fp16", "bf16", "int8", "int8-ef", "topk-ef", "topk-int8-e
 #: digits, docs/results/default-study.md; 0 where none was measurable)
 GAP_PTS = {"topk-ef": 0.22, "topk-int8-ef": 0.22}
 
-ALGORITHMS = (*ALLREDUCE_ALGORITHMS, "ps")
+#: every algorithm :func:`predict` takes: the flat allreduces, the two-tier one, the parameter server
+ALGORITHMS = (*ALLREDUCE_ALGORITHMS, "hierarchical", "ps")
 MODES = ("sync", "async")
 
 
@@ -182,7 +184,7 @@ class PlanCodec:
         """Allreduce algorithms that accept this codec (plus the parameter server)."""
         if self.sparse:  # the sparse reduce-scatter takes exact top-k (fixed payload sizes)
             return ("allgather", "sparse_reduce_scatter", "ps") if self.kind == "topk" else ("allgather", "ps")
-        return ("ring", "two_phase", "halving_doubling", "ps")
+        return ("ring", "two_phase", "halving_doubling", "hierarchical", "ps")
 
     def compressor(self, numel: int):
         """A compressor object with this codec's exact wire layout for ``numel``-element tensors."""
@@ -295,6 +297,12 @@ class Setting:
         background_load: mean runnable processes of other jobs on the host
             (e.g. its load average before the job started); they share the
             cores too (>= 0).
+        local_ranks: ``R`` ranks per host of a two-tier cluster (``nodes`` =
+            hosts x R, a divisor of ``nodes``): a host's ranks reach each other
+            over the intra-host tier and share the host's link
+            (``link_bytes_per_s``) to the other hosts; 1: a link per rank.
+        intra_alpha_s / intra_bytes_per_s: the intra-host tier's message
+            latency and bytes per second (None: the profile's ``intra``, else free).
     """
 
     nodes: int
@@ -315,9 +323,12 @@ class Setting:
     host: Host | None = None
     ranks_per_host: int = 1
     background_load: float = 0.0
+    local_ranks: int = 1
+    intra_alpha_s: float | None = None
+    intra_bytes_per_s: float | None = None
 
     def __post_init__(self):
-        for name in ("nodes", "params", "servers", "tensors", "ranks_per_host"):
+        for name in ("nodes", "params", "servers", "tensors", "ranks_per_host", "local_ranks"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
@@ -331,11 +342,21 @@ class Setting:
             raise ValueError(f"straggler_factor must be a finite number >= 1, got {self.straggler_factor!r}")
         if not (math.isfinite(self.background_load) and self.background_load >= 0):
             raise ValueError(f"background_load must be a finite number >= 0, got {self.background_load!r}")
+        if self.nodes % self.local_ranks:
+            raise ValueError(f"local_ranks must divide nodes ({self.nodes}), got {self.local_ranks}")
+        for name in ("intra_alpha_s", "intra_bytes_per_s"):
+            val = getattr(self, name)
+            if val is not None and not (isinstance(val, (int, float)) and math.isfinite(val) and val > 0):
+                raise ValueError(f"{name} must be None or a finite number > 0, got {val!r}")
         if not 0 <= self.backward_share <= 1:
             raise ValueError(f"backward_share must be in [0, 1], got {self.backward_share!r}")
 
     def alpha(self, prof: Profile) -> float:
         return prof.alpha_s if self.alpha_s is None else self.alpha_s
+
+    def intra(self, prof: Profile) -> tuple[float, float]:
+        """``(alpha, bytes per second)`` of the intra-host tier (:func:`~gradcomp.lab.plan.tiers.intra_tier`)."""
+        return intra_tier(prof, self.intra_alpha_s, self.intra_bytes_per_s)
 
     @property
     def runnable(self) -> float:
@@ -425,6 +446,7 @@ def sync_step(c: PlanCodec, algorithm: str, s: Setting, prof: Profile) -> Predic
     if algorithm not in c.algorithms or algorithm == "ps":
         raise ValueError(f"algorithm for {c.name} must be one of {c.algorithms[:-1]}, got {algorithm!r}")
     alpha, beta, n = s.alpha(prof), s.link_bytes_per_s, s.nodes
+    per, intra = s.local_ranks, s.intra(prof)
     slowest, mean = _compute_times(s)
     backward = s.backward_share * slowest
     forward = slowest - backward
@@ -439,8 +461,13 @@ def sync_step(c: PlanCodec, algorithm: str, s: Setting, prof: Profile) -> Predic
         produced += size
         ready = forward + backward * produced / s.params
         bc, balg = (c, algorithm) if size >= s.min_compress_numel else (raw, "ring")
-        t = allreduce_seconds(bc, balg, size, n, alpha, beta, prof, s.share(), skew)
-        b_sent, b_recv = allreduce_bytes(bc, balg, size, n)
+        if balg == "hierarchical":  # exact inside a host, compressed across the n / per hosts
+            t = hierarchical_seconds(bc, size, n // per, per, prof, share=s.share(), alpha_s=alpha,
+                                     beta_bytes_per_s=beta, intra=intra, skew=skew)
+            b_sent, b_recv = hierarchical_sent(bc, size, n // per, per), 0
+        else:
+            t = allreduce_seconds(bc, balg, size, n, alpha, beta, prof, s.share(), skew, per, intra)
+            b_sent, b_recv = allreduce_bytes(bc, balg, size, n)
         sent, received = sent + b_sent, received + b_recv
         kernel_total += t["kernel"]
         comm_total += t["total"]
