@@ -38,6 +38,7 @@ class PricedCodec(Protocol):
     values: str
     density: float
     error_feedback: bool
+    compact_indices: bool
 
     @property
     def sparse(self) -> bool: ...
@@ -188,9 +189,14 @@ def compress_s(c: PricedCodec, prof: Profile, n: int, ef: bool) -> float:
 
 
 def decompress_add_s(c: PricedCodec, prof: Profile, n: int) -> float:
-    """Seconds to add the decoding of an ``n``-element tensor's payload (sparse: its ``k`` values)."""
+    """Seconds to add the decoding of an ``n``-element tensor's payload (sparse: its ``k`` values;
+    a top-k payload with int8 values and compact indices at the profile's measured
+    ``sparse.payload_decompress_add``, the whole call with its index decoding, where it has one)."""
     if c.sparse:
         k = max(1, math.ceil(c.density * n))
+        whole = "sparse.payload_decompress_add"
+        if c.values == "int8" and c.compact_indices and whole in prof.kernels:
+            return prof.seconds(whole, k)
         return prof.seconds("sparse.decompress_add", k) + (
             prof.seconds("int8.decompress", k) if c.values == "int8" else 0.0)
     return prof.seconds(f"{c.kind}.decompress_add", n)
