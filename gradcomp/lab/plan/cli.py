@@ -127,6 +127,20 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help="one worker's compute takes this many times as long (default 1)")
 
 
+def _tier_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("two tiers (hosts of several ranks)")
+    g.add_argument("--ranks-per-host", type=_arg(_int_pos, "ranks"), default=1, metavar="R",
+                   help="ranks (GPUs) per host, a divisor of every node count: the ranks of a host share "
+                        "its --link to the other hosts and reach each other over the intra-host tier; "
+                        "adds the hierarchical allreduce's rows (default 1: a link per rank)")
+    g.add_argument("--intra-link", default=None, metavar="RATE",
+                   help="the intra-host tier's rate per rank, e.g. 2400gbit (default: the profile's "
+                        "measured one, else free)")
+    g.add_argument("--intra-alpha-us", type=_arg(_positive, "alpha"), default=None,
+                   help="the intra-host tier's message latency in microseconds (default: the profile's, "
+                        "else 0)")
+
+
 def _at_least_one(text: str) -> float:
     v = float(text)
     if not (math.isfinite(v) and v >= 1):
@@ -236,6 +250,7 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
         p.add_argument("--out", default="plan-results",
                        help="directory for plan.json and plan.png (default plan-results)")
         _model_options(p)
+        _tier_options(p)
         return p
     p = _Parser(prog=f"gradcomp plan {sub}")
     if sub == "recommend":
@@ -255,6 +270,7 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
                        help="largest mean staleness accepted for async (default: no bound, as the "
                             "parameter server's own default)")
         _model_options(p)
+        _tier_options(p)
     elif sub == "calibrate":
         p.description = "Measure alpha, beta and the kernel rates here; write a JSON profile."
         p.add_argument("--link", default="none", help="none (loopback) or a shaped rate such as 1gbit")
@@ -313,7 +329,18 @@ def _pct(x: float) -> str:
 
 def _setting_kw(args) -> dict:
     return {"straggler_cv": args.straggler_cv or 0.0, "straggler_factor": args.straggler_factor,
-            "bucket_bytes": int(args.bucket_mb * 2**20)}
+            "bucket_bytes": int(args.bucket_mb * 2**20), **_tier_kw(args)}
+
+
+def _tier_kw(args) -> dict:
+    """The two-tier fields of a :class:`~gradcomp.lab.plan.model.Setting` (ValueError naming the option)."""
+    from gradcomp.lab.units import parse_rate
+
+    intra = None
+    if args.intra_link is not None and args.intra_link.strip().lower() != "none":
+        intra = parse_rate(args.intra_link, "--intra-link") / 8
+    return {"local_ranks": args.ranks_per_host, "intra_bytes_per_s": intra,
+            "intra_alpha_s": args.intra_alpha_us * 1e-6 if args.intra_alpha_us else None}
 
 
 # ---- subcommands ---------------------------------------------------------------------
@@ -329,7 +356,8 @@ def _project(args) -> int:
     compute = args.compute_ms / 1e3 if args.compute_ms else None
     rows = project(args.nodes, args.link, args.params, prof, compute_s=compute, samples=args.samples,
                    flops=args.flops, straggler_cv=cv, servers=args.servers,
-                   straggler_factor=args.straggler_factor, bucket_bytes=int(args.bucket_mb * 2**20))
+                   straggler_factor=args.straggler_factor, bucket_bytes=int(args.bucket_mb * 2**20),
+                   **_tier_kw(args))
     con = _console()
     con.print(where)
     for t in tables.projection_tables(rows, cv):
