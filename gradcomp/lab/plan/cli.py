@@ -28,6 +28,7 @@ import sys
 import time
 
 from gradcomp.lab.plan.machine import SHIPPED_PROFILE
+from gradcomp.lab.plan.tier_args import tier_kw, tier_options
 
 __all__ = ["main", "DEFAULT_PROFILE"]
 
@@ -125,20 +126,6 @@ def _model_options(p: argparse.ArgumentParser) -> None:
                    help="coefficient of variation of each worker's compute time")
     g.add_argument("--straggler-factor", type=_arg(lambda t: _at_least_one(t), "factor"), default=1.0,
                    help="one worker's compute takes this many times as long (default 1)")
-
-
-def _tier_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("two tiers (hosts of several ranks)")
-    g.add_argument("--ranks-per-host", type=_arg(_int_pos, "ranks"), default=1, metavar="R",
-                   help="ranks (GPUs) per host, a divisor of every node count: the ranks of a host share "
-                        "its --link to the other hosts and reach each other over the intra-host tier; "
-                        "adds the hierarchical allreduce's rows (default 1: a link per rank)")
-    g.add_argument("--intra-link", default=None, metavar="RATE",
-                   help="the intra-host tier's rate per rank, e.g. 2400gbit (default: the profile's "
-                        "measured one, else free)")
-    g.add_argument("--intra-alpha-us", type=_arg(_positive, "alpha"), default=None,
-                   help="the intra-host tier's message latency in microseconds (default: the profile's, "
-                        "else 0)")
 
 
 def _at_least_one(text: str) -> float:
@@ -250,7 +237,7 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
         p.add_argument("--out", default="plan-results",
                        help="directory for plan.json and plan.png (default plan-results)")
         _model_options(p)
-        _tier_options(p)
+        tier_options(p, _arg(_int_pos, "ranks"), _arg(_positive, "alpha"))
         return p
     p = _Parser(prog=f"gradcomp plan {sub}")
     if sub == "recommend":
@@ -270,7 +257,7 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
                        help="largest mean staleness accepted for async (default: no bound, as the "
                             "parameter server's own default)")
         _model_options(p)
-        _tier_options(p)
+        tier_options(p, _arg(_int_pos, "ranks"), _arg(_positive, "alpha"))
     elif sub == "calibrate":
         p.description = "Measure alpha, beta and the kernel rates here; write a JSON profile."
         p.add_argument("--link", default="none", help="none (loopback) or a shaped rate such as 1gbit")
@@ -309,8 +296,7 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
 
 
 def _parse_one(parse_many, text):
-    values = parse_many(text)
-    if len(values) != 1:
+    if len(values := parse_many(text)) != 1:
         raise ValueError(f"expected one value, got {text!r}")
     return values[0]
 
@@ -329,18 +315,7 @@ def _pct(x: float) -> str:
 
 def _setting_kw(args) -> dict:
     return {"straggler_cv": args.straggler_cv or 0.0, "straggler_factor": args.straggler_factor,
-            "bucket_bytes": int(args.bucket_mb * 2**20), **_tier_kw(args)}
-
-
-def _tier_kw(args) -> dict:
-    """The two-tier fields of a :class:`~gradcomp.lab.plan.model.Setting` (ValueError naming the option)."""
-    from gradcomp.lab.units import parse_rate
-
-    intra = None
-    if args.intra_link is not None and args.intra_link.strip().lower() != "none":
-        intra = parse_rate(args.intra_link, "--intra-link") / 8
-    return {"local_ranks": args.ranks_per_host, "intra_bytes_per_s": intra,
-            "intra_alpha_s": args.intra_alpha_us * 1e-6 if args.intra_alpha_us else None}
+            "bucket_bytes": int(args.bucket_mb * 2**20), **tier_kw(args)}
 
 
 # ---- subcommands ---------------------------------------------------------------------
@@ -357,7 +332,7 @@ def _project(args) -> int:
     rows = project(args.nodes, args.link, args.params, prof, compute_s=compute, samples=args.samples,
                    flops=args.flops, straggler_cv=cv, servers=args.servers,
                    straggler_factor=args.straggler_factor, bucket_bytes=int(args.bucket_mb * 2**20),
-                   **_tier_kw(args))
+                   **tier_kw(args))
     con = _console()
     con.print(where)
     for t in tables.projection_tables(rows, cv):

@@ -7,10 +7,10 @@ and Yuan 2009; bucketed overlap as in PyTorch DDP (Li et al. 2020); the
 parameter server of Li et al. 2014; the pipeline bubble of GPipe (Huang et
 al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021).
 
-**One allreduce** of a bucket (wire bytes, messages, quantizations, seconds per
-algorithm: ring, two-phase, halving-doubling, sparse allgather, sparse
-reduce-scatter) is priced by :mod:`gradcomp.lab.plan.costs`: alpha-beta
-messages on one port, exact wire sizes, kernel time from measured rates.
+**One allreduce** of a bucket (ring, two-phase, halving-doubling, sparse allgather,
+sparse reduce-scatter: :mod:`gradcomp.lab.plan.costs`; hierarchical, on hosts of
+``local_ranks`` ranks: :mod:`gradcomp.lab.plan.tiers`): alpha-beta messages on one
+port (a host's link), exact wire sizes, kernel time from measured rates.
 
 **Overlap with backward.** The gradient is cut into DDP's buckets (the first
 1 MiB, then 25 MiB of float32 by default; buckets under the hook's
@@ -107,6 +107,7 @@ from gradcomp.lab.plan.host import Host
 from gradcomp.lab.plan.tiers import hierarchical_seconds, hierarchical_sent, intra_tier
 from gradcomp.lab.plan.lognormal import expected_max
 from gradcomp.lab.plan.profile import Profile
+from gradcomp.lab.plan.ps_queue import mva_response
 from gradcomp.pipeline.bubble import bubble_fraction
 from gradcomp.ps import protocol as _ps_protocol
 
@@ -527,42 +528,6 @@ def ps_sync_step(c: PlanCodec, s: Setting, prof: Profile) -> Prediction:
     b = parts["bytes"]
     return Prediction("sync", c.name, "ps", n, step, mean, kernels, comm, comm, wait, parts["apply"],
                       wait / step, (comm + kernels) / step, n / step, b["sent"], b["received"])
-
-
-def mva_response(groups: list[tuple[int, float]], demand: float) -> list[float]:
-    """Response times at a single queueing server of a closed network (exact mean value analysis).
-
-    ``groups`` are ``(count, think)``: ``count`` workers that each spend
-    ``think`` seconds per cycle away from the server, then one service of
-    ``demand`` seconds there (one or two groups: the workers, and a
-    straggler). Exact MVA for a product-form network (Reiser and Lavenberg
-    1980, "Mean-value analysis of closed multichain queuing networks"; Lazowska
-    et al. 1984, "Quantitative System Performance", ch. 7), over the
-    populations ``(a, b)`` up to the groups' counts: a group's response time
-    at population ``P`` is ``D (1 + Q(P - one of its workers))``, its
-    throughput ``count / (think + R)``, and ``Q`` the sum of throughput times
-    response. ``R - D`` is the time a worker queues behind the others'
-    pushes; the throughput tends to ``1 / D`` as the server saturates.
-
-    Returns:
-        The response time ``R`` (seconds) of each group at its full population.
-
-    Raises:
-        ValueError: not one or two groups, or a count < 1.
-    """
-    if not 1 <= len(groups) <= 2 or any(c < 1 for c, _ in groups):
-        raise ValueError(f"groups must be one or two (count >= 1, think) pairs, got {groups!r}")
-    (na, za), (nb, zb) = groups[0], (groups[1] if len(groups) == 2 else (0, 0.0))
-    q = [[0.0] * (nb + 1) for _ in range(na + 1)]  # q[a][b]: mean number at the server
-    ra = rb = demand
-    for i in range(na + 1):
-        for j in range(nb + 1):
-            if i == j == 0:
-                continue
-            ra = demand * (1.0 + q[i - 1][j]) if i else demand
-            rb = demand * (1.0 + q[i][j - 1]) if j else demand
-            q[i][j] = (i * ra / (za + ra) if i else 0.0) + (j * rb / (zb + rb) if j else 0.0)
-    return [ra, rb][:len(groups)]
 
 
 def async_throughput(c: PlanCodec, s: Setting, prof: Profile) -> Prediction:
