@@ -538,13 +538,13 @@ def _validate(args) -> int:
     data = load_results(args.results)
     base = args.results if os.path.isdir(args.results) else os.path.dirname(args.results)
     prof = _validation_profile(args, data, base)
-    if args.no_host:
+    if args.no_host:  # neither the profile's host nor the one the runs recorded
         prof.host = None
+        data = {**data, "host": None, "runs": [{**r, "host": None} for r in data["runs"]]}
     elif args.host_cores:
         h = prof.host
         prof.host = Host(args.host_cores, h.slice_s if h else 0.0, h.sched_cv if h else 0.0)
-    con = _console()
-    fit = None
+    con, fit = _console(), None
     if args.fit_seeds is not None and not args.no_host:
         prof.host, fit = fit_host(data, prof, args.fit_seeds)
         prof.fit = {**prof.fit, "host": {**fit, "results": os.path.abspath(args.results)}}
