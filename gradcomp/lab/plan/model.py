@@ -458,17 +458,19 @@ def sync_step(c: PlanCodec, algorithm: str, s: Setting, prof: Profile) -> Predic
     # a straggler hands off last, after the others have blocked in the collective:
     # their cores are idle, so no exchange step waits for a descheduled peer
     skew = 0.0 if s.straggler_factor > 1 else s.skew_s()
+    priced: dict[int, tuple] = {}  # bucket size -> (seconds, sent, received): DDP's buckets repeat sizes
     for size in bucket_sizes(s.params, s.bucket_bytes, s.first_bucket_bytes):
         produced += size
         ready = forward + backward * produced / s.params
         bc, balg = (c, algorithm) if size >= s.min_compress_numel else (raw, "ring")
-        if balg == "hierarchical":  # exact inside a host, compressed across the n / per hosts
-            t = hierarchical_seconds(bc, size, n // per, per, prof, share=s.share(), alpha_s=alpha,
-                                     beta_bytes_per_s=beta, intra=intra, skew=skew)
-            b_sent, b_recv = hierarchical_sent(bc, size, n // per, per), 0
-        else:
-            t = allreduce_seconds(bc, balg, size, n, alpha, beta, prof, s.share(), skew, per, intra)
-            b_sent, b_recv = allreduce_bytes(bc, balg, size, n)
+        if size not in priced and balg == "hierarchical":  # exact inside a host, compressed across hosts
+            priced[size] = (hierarchical_seconds(bc, size, n // per, per, prof, share=s.share(), alpha_s=alpha,
+                                                 beta_bytes_per_s=beta, intra=intra, skew=skew),
+                            hierarchical_sent(bc, size, n // per, per), 0)
+        elif size not in priced:
+            priced[size] = (allreduce_seconds(bc, balg, size, n, alpha, beta, prof, s.share(), skew, per, intra),
+                            *allreduce_bytes(bc, balg, size, n))
+        t, b_sent, b_recv = priced[size]
         sent, received = sent + b_sent, received + b_recv
         kernel_total += t["kernel"]
         comm_total += t["total"]

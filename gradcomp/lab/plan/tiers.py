@@ -16,9 +16,11 @@ transfers and the inter-host leg beyond ``share`` (one factor for every kernel).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.hierarchical import segment_bounds
-from gradcomp.lab.plan.costs import PricedCodec, allreduce_bytes, allreduce_seconds
+from gradcomp.lab.plan.costs import PricedCodec, allreduce_bytes, allreduce_seconds, wire_nbytes
 from gradcomp.lab.plan.profile import Profile
 
 __all__ = ["hierarchical_bytes", "hierarchical_sent", "hierarchical_seconds", "intra_tier"]
@@ -29,6 +31,7 @@ def _shard_len(seg: int, per_host: int, local: int) -> int:
     return hi - lo
 
 
+@lru_cache(maxsize=4096)
 def hierarchical_bytes(c: PricedCodec, numel: int, hosts: int, per_host: int, inter_algorithm: str = "ring",
                        segments: int | None = None) -> dict:
     """Bytes of one hierarchical allreduce of ``numel`` float32 elements.
@@ -48,7 +51,7 @@ def hierarchical_bytes(c: PricedCodec, numel: int, hosts: int, per_host: int, in
         intra += 4 * (b - a - s0)
         if s0 and per_host > 1:
             chunks = [hi - lo for lo, hi in chunk_bounds(s0, hosts)]
-            wires = sum(c.compressor(k).wire_nbytes((k,)) for k in chunks) if hosts > 1 else 4 * s0
+            wires = sum(wire_nbytes(c, k) for k in chunks) if hosts > 1 else 4 * s0
             intra += (per_host - 1) * wires
     return {"inter_host_per_host": inter, "intra_host_per_rank": intra}
 
@@ -117,7 +120,7 @@ def hierarchical_seconds(c: PricedCodec, numel: int, hosts: int, per_host: int, 
             it += t["total"]
             kernel += t["kernel"]
             chunks = [hi - lo for lo, hi in chunk_bounds(s, hosts)]
-            wire = sum(c.compressor(k).wire_nbytes((k,)) for k in chunks)
+            wire = sum(wire_nbytes(c, k) for k in chunks)
             k_ag = share * peers * sum(prof.seconds(f"{c.kind}.decompress", k) for k in chunks)
             ag += peers * hosts * alpha_i + max(skew if peers else 0.0, peers * wire / beta_i) + k_ag
             kernel += k_ag
