@@ -17,7 +17,7 @@ from gradcomp.lab.plan.profile import Profile
 from gradcomp.lab.plan.schedule import run_schedule
 from gradcomp.lab.plan.tiers import hierarchical_sent
 
-__all__ = ["load_results", "validate_runs", "breakdown", "fit_host", "run_host", "summary", "REQUIRED_KEYS", "TERMS"]
+__all__ = ["load_results", "validate_runs", "compute_cv", "breakdown", "fit_host", "run_host", "summary", "REQUIRED_KEYS", "TERMS"]
 
 #: keys a run must have to be validated
 REQUIRED_KEYS = ("mode", "compressor", "algorithm", "world_size", "params", "link", "straggler",
@@ -289,7 +289,8 @@ def _predict_run(run: dict, s: Setting, prof: Profile):
     the median over the run's steps of each step's prediction (the run reports a median),
     the other fields the mean weighted by steps."""
     if run["mode"] == "async":
-        return predict("async", _codec(run, s, "ps"), "ps", s, prof), [(int(run.get("steps") or 0), run["compressor"], "ps")]
+        steps = int(run.get("steps") or 0)
+        return predict("async", _codec(run, s, "ps"), "ps", s, prof), [(steps, run["compressor"], "ps")]
     plan = run_schedule(run)
     if len(plan) == 1 and run["compressor"] != "auto":
         _, name, alg = plan[0]
@@ -300,12 +301,11 @@ def _predict_run(run: dict, s: Setting, prof: Profile):
     mean = lambda f: sum(k * f(p) for k, p in preds) / total  # noqa: E731
     first = preds[0][1]
     step = statistics.median(per_step)
-    wait = mean(lambda p: p.wait_s)
     return dataclasses.replace(
         first, compressor="auto" if run["compressor"] == "auto" else first.compressor, algorithm=run["algorithm"],
         step_s=step, compute_s=mean(lambda p: p.compute_s), compress_s=mean(lambda p: p.compress_s),
         communicate_s=mean(lambda p: p.communicate_s), exposed_comm_s=mean(lambda p: p.exposed_comm_s),
-        wait_s=wait, apply_s=mean(lambda p: p.apply_s), idle_share=mean(lambda p: p.idle_share),
+        wait_s=mean(lambda p: p.wait_s), apply_s=mean(lambda p: p.apply_s), idle_share=mean(lambda p: p.idle_share),
         comm_share=mean(lambda p: p.comm_share), throughput=s.nodes / step,
         bytes_sent=round(mean(lambda p: p.bytes_sent)), bytes_received=round(mean(lambda p: p.bytes_received)),
         notes=[f"{k} steps {name} {alg}" for k, name, alg in plan]), plan
@@ -342,6 +342,8 @@ def validate_runs(data: dict, prof: Profile) -> dict:
         except (ValueError, KeyError, TypeError) as e:
             skipped.append((label, str(e)))
             continue
+        if "auto" in (run["compressor"], run["algorithm"]):  # say what the row was predicted as
+            label += " (predicted as " + ", ".join(f"{k} steps {c} {a}" for k, c, a in predicted_as) + ")"
         measured = float(run["step_time_median_s"])
         bytes_pred = p.bytes_sent if run["mode"] == "sync" else p.bytes_sent + p.bytes_received
         rows.append({
