@@ -29,6 +29,7 @@ import time
 
 from gradcomp.lab.plan.codecs import parse_plan_names
 from gradcomp.lab.plan.machine import SHIPPED_PROFILE
+from gradcomp.lab.plan.tier_args import tier_kw, tier_options
 
 __all__ = ["main", "DEFAULT_PROFILE"]
 
@@ -237,6 +238,7 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
         p.add_argument("--out", default="plan-results",
                        help="directory for plan.json and plan.png (default plan-results)")
         _model_options(p)
+        tier_options(p, _arg(_int_pos, "ranks"), _arg(_positive, "alpha"))
         return p
     p = _Parser(prog=f"gradcomp plan {sub}")
     if sub == "recommend":
@@ -258,6 +260,7 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
         p.add_argument("--compressors", type=_arg(parse_plan_names, "compressors"), default=None, metavar="LIST",
                        help="compressors to rank (default: those whose accuracy gap was measured)")
         _model_options(p)
+        tier_options(p, _arg(_int_pos, "ranks"), _arg(_positive, "alpha"))
     elif sub == "calibrate":
         p.description = "Measure alpha, beta and the kernel rates here; write a JSON profile."
         p.add_argument("--link", default="none", help="none (loopback) or a shaped rate such as 1gbit")
@@ -296,8 +299,7 @@ def _build(sub: str | None) -> argparse.ArgumentParser:
 
 
 def _parse_one(parse_many, text):
-    values = parse_many(text)
-    if len(values) != 1:
+    if len(values := parse_many(text)) != 1:
         raise ValueError(f"expected one value, got {text!r}")
     return values[0]
 
@@ -316,7 +318,7 @@ def _pct(x: float) -> str:
 
 def _setting_kw(args) -> dict:
     return {"straggler_cv": args.straggler_cv or 0.0, "straggler_factor": args.straggler_factor,
-            "bucket_bytes": int(args.bucket_mb * 2**20)}
+            "bucket_bytes": int(args.bucket_mb * 2**20), **tier_kw(args)}
 
 
 # ---- subcommands ---------------------------------------------------------------------
@@ -332,7 +334,8 @@ def _project(args) -> int:
     compute = args.compute_ms / 1e3 if args.compute_ms else None
     rows = project(args.nodes, args.link, args.params, prof, compute_s=compute, samples=args.samples,
                    flops=args.flops, straggler_cv=cv, servers=args.servers,
-                   straggler_factor=args.straggler_factor, bucket_bytes=int(args.bucket_mb * 2**20))
+                   straggler_factor=args.straggler_factor, bucket_bytes=int(args.bucket_mb * 2**20),
+                   **tier_kw(args))
     con = _console()
     con.print(where)
     for t in tables.projection_tables(rows, cv):
@@ -538,13 +541,13 @@ def _validate(args) -> int:
     data = load_results(args.results)
     base = args.results if os.path.isdir(args.results) else os.path.dirname(args.results)
     prof = _validation_profile(args, data, base)
-    if args.no_host:
+    if args.no_host:  # neither the profile's host nor the one the runs recorded
         prof.host = None
+        data = {**data, "host": None, "runs": [{**r, "host": None} for r in data["runs"]]}
     elif args.host_cores:
         h = prof.host
         prof.host = Host(args.host_cores, h.slice_s if h else 0.0, h.sched_cv if h else 0.0)
-    con = _console()
-    fit = None
+    con, fit = _console(), None
     if args.fit_seeds is not None and not args.no_host:
         prof.host, fit = fit_host(data, prof, args.fit_seeds)
         prof.fit = {**prof.fit, "host": {**fit, "results": os.path.abspath(args.results)}}

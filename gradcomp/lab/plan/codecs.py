@@ -70,7 +70,7 @@ class PlanCodec:
         """Allreduce algorithms that accept this codec (plus the parameter server)."""
         if self.sparse:  # the sparse reduce-scatter takes exact top-k (fixed payload sizes)
             return ("allgather", "sparse_reduce_scatter", "ps") if self.kind == "topk" else ("allgather", "ps")
-        return ("ring", "two_phase", "halving_doubling", "ps")
+        return ("ring", "two_phase", "halving_doubling", "hierarchical", "ps")
 
     def compressor(self, numel: int):
         """A compressor object with this codec's exact wire layout for ``numel``-element tensors."""

@@ -39,6 +39,7 @@ class PricedCodec(Protocol):
     values: str
     density: float
     error_feedback: bool
+    compact_indices: bool
 
     @property
     def sparse(self) -> bool: ...
@@ -80,8 +81,9 @@ def allreduce_bytes(c: PricedCodec, algorithm: str, numel: int, world: int, rank
     Raises:
         ValueError: an algorithm that does not take this codec.
     """
-    if algorithm not in c.algorithms or algorithm == "ps":
-        raise ValueError(f"algorithm for {c.name} must be one of {c.algorithms[:-1]}, got {algorithm!r}")
+    if algorithm not in c.algorithms or algorithm not in ALLREDUCE_ALGORITHMS:
+        allowed = tuple(a for a in c.algorithms if a in ALLREDUCE_ALGORITHMS)
+        raise ValueError(f"algorithm for {c.name} must be one of {allowed}, got {algorithm!r}")
     if world == 1:
         return 0, 0
     if algorithm == "allgather":
@@ -163,16 +165,22 @@ def compress_s(c: PricedCodec, prof: Profile, n: int, ef: bool) -> float:
 
 
 def decompress_add_s(c: PricedCodec, prof: Profile, n: int) -> float:
-    """Seconds to add the decoding of an ``n``-element tensor's payload (sparse: its ``k`` values)."""
+    """Seconds to add the decoding of an ``n``-element tensor's payload (sparse: its ``k`` values;
+    a top-k payload with int8 values and compact indices at the profile's measured
+    ``sparse.payload_decompress_add``, the whole call with its index decoding, where it has one)."""
     if c.sparse:
         k = max(1, math.ceil(c.density * n))
+        whole = "sparse.payload_decompress_add"
+        if c.values == "int8" and c.compact_indices and whole in prof.kernels:
+            return prof.seconds(whole, k)
         return prof.seconds("sparse.decompress_add", k) + (
             prof.seconds("int8.decompress", k) if c.values == "int8" else 0.0)
     return prof.seconds(f"{c.kind}.decompress_add", n)
 
 
 def allreduce_seconds(c: PricedCodec, algorithm: str, numel: int, world: int, alpha: float, beta: float,
-                      prof: Profile, share: float = 1.0, skew: float = 0.0) -> dict:
+                      prof: Profile, share: float = 1.0, skew: float = 0.0, local_ranks: int = 1,
+                      intra: tuple[float, float] | None = None) -> dict:
     """Time of one compressed allreduce of ``numel`` float32 elements.
 
     A bucket of n elements over N ranks (chunks of
@@ -218,6 +226,15 @@ def allreduce_seconds(c: PricedCodec, algorithm: str, numel: int, world: int, al
             (:meth:`gradcomp.lab.plan.host.Host.share`, 1 with a core per rank).
         skew: seconds each exchange step waits for a descheduled peer,
             hidden behind a longer transfer (:meth:`gradcomp.lab.plan.host.Host.skew_s`).
+        local_ranks: ``R`` ranks per host of a two-tier cluster (ranks of a host
+            consecutive; ``beta`` is then the host's link, ``alpha`` its latency).
+            The ring's (and the sparse allgather's) steps cross the link once per
+            host, as with one rank per host; a direct exchange (two-phase, the
+            sparse reduce-scatter) puts ``R (N - R)`` of its chunks on each
+            host's link instead of ``N - 1`` on a rank's; a halving-doubling step
+            between hosts carries the ``R`` ranks' messages on one link, a step
+            inside a host costs ``intra``'s ``alpha_i + m / beta_i``.
+        intra: ``(alpha_i, beta_i)`` of the intra-host tier (default: no cost).
 
     Returns:
         ``{"total": s, "kernel": s, "transfer": s}`` (``transfer`` counts the
@@ -231,15 +248,18 @@ def allreduce_seconds(c: PricedCodec, algorithm: str, numel: int, world: int, al
     def step(nbytes: float, messages: int = 1) -> float:  # one exchange step
         return messages * alpha + max(skew, nbytes / beta)
 
+    r = local_ranks if world % max(1, local_ranks) == 0 else 1
+    off_host = r * (world - r)  # chunks of a direct exchange crossing one host's link (N - 1 when R = 1)
+
     if algorithm == "allgather":
         p = wire_nbytes(c, numel)
         transfer = (world - 1) * step(SIZE_NBYTES) + (world - 1) * step(p)
         kernel = share * (compress_s(c, prof, numel, ef) + world * decompress_add_s(c, prof, numel))
         return {"total": transfer + kernel, "kernel": kernel, "transfer": transfer}
     if algorithm == "halving_doubling":
-        return _halving_doubling_seconds(c, numel, world, step, prof, share)
+        return _halving_doubling_seconds(c, numel, world, _tier_steps(step, r, intra, skew), prof, share)
     if algorithm == "sparse_reduce_scatter":
-        return _sparse_reduce_scatter_seconds(c, numel, world, step, prof, share)
+        return _sparse_reduce_scatter_seconds(c, numel, world, step, prof, share, off_host)
     if algorithm not in ("ring", "two_phase"):
         raise ValueError(f"algorithm must be one of {ALLREDUCE_ALGORITHMS}, got {algorithm!r}")
     L = -(-numel // world)
@@ -251,13 +271,25 @@ def allreduce_seconds(c: PricedCodec, algorithm: str, numel: int, world: int, al
         rs_transfer = (world - 1) * hop
         rs_kernel = share * compress_s(c, prof, L, ef) + (world - 1) * rc
     else:
-        rs_transfer = step((world - 1) * w, world - 1)
+        rs_transfer = step(off_host * w, world - 1)
         rs_kernel = share * ((world - 1) * compress_s(c, prof, L, ef)
                              + (world - 2) * decompress_add_s(c, prof, L)) + rc
     ag = hop + (world - 2) * max(hop, d) + d
     ag_transfer = (world - 1) * hop
     total = rs_transfer + rs_kernel + ag
     return {"total": total, "kernel": total - rs_transfer - ag_transfer, "transfer": rs_transfer + ag_transfer}
+
+
+def _tier_steps(step, local_ranks: int, intra: tuple[float, float] | None, skew: float):
+    """A halving-doubling step ``(nbytes, distance)``: between hosts (``distance >= R``, the
+    host's ``R`` ranks sending at once on its link) or inside one (the intra-host tier)."""
+    alpha_i, beta_i = intra if intra is not None else (0.0, math.inf)
+
+    def tier_step(nbytes: float, distance: int) -> float:
+        if distance >= local_ranks:
+            return step(local_ranks * nbytes)
+        return alpha_i + max(skew, nbytes / beta_i)
+    return tier_step
 
 
 def _halving_doubling_seconds(c: PricedCodec, numel: int, world: int, step, prof: Profile, share: float) -> dict:
@@ -270,35 +302,35 @@ def _halving_doubling_seconds(c: PricedCodec, numel: int, world: int, step, prof
     folded = world > p
     transfer = kernel = 0.0
     if folded:  # the folded rank's whole tensor, added by its partner
-        transfer += step(wire_nbytes(c, numel))
+        transfer += step(wire_nbytes(c, numel), p)
         kernel += share * (compress_s(c, prof, numel, c.error_feedback) + decompress_add_s(c, prof, numel))
     for s in range(1, levels + 1):  # halving: compress the half given, add the half received
         m = -(-numel // 2**s)
-        transfer += step(wire_nbytes(c, m))
+        transfer += step(wire_nbytes(c, m), p >> s)  # halving: partner at distance p / 2^s
         kernel += share * compress_s(c, prof, m, c.error_feedback and s == 1 and not folded)
         kernel += share * (decompress_add_s(c, prof, m) if s < levels else 0.0)
     kernel += share * prof.seconds(f"{c.kind}.reduce_compress", L)  # the owner's, fused with the last add
     d = share * prof.seconds(f"{c.kind}.decompress", L)
     waits = 0.0
     for s in range(1, levels + 1):  # doubling: blocks of 2^(s-1) payloads, the last block decoded meanwhile
-        hop = step(2 ** (s - 1) * w)
+        hop = step(2 ** (s - 1) * w, 2 ** (s - 1))  # doubling: partner at distance 2^(s-1)
         transfer += hop
         waits += max(0.0, 2 ** (s - 2) * d - hop) if s > 1 else 0.0
     kernel += waits + (p // 2) * d
     if folded:  # every owner's payload back to the folded rank, which decodes them all
-        transfer += step(p * w)
+        transfer += step(p * w, p)
         kernel += p * d
     return {"total": transfer + kernel, "kernel": kernel, "transfer": transfer}
 
 
 def _sparse_reduce_scatter_seconds(c: PricedCodec, numel: int, world: int, step, prof: Profile,
-                                   share: float) -> dict:
+                                   share: float, off_host: int) -> dict:
     """:func:`allreduce_seconds` of ``sparse_reduce_scatter``: the direct exchange of
     region payloads, the owner's re-selection, the ring allgather of region payloads."""
     L = -(-numel // world)
     w = wire_nbytes(c, L)
     ef = c.error_feedback
-    rs_transfer = step((world - 1) * w, world - 1)
+    rs_transfer = step(off_host * w, world - 1)
     rs_kernel = share * ((world - 1) * compress_s(c, prof, L, ef) + (world - 1) * decompress_add_s(c, prof, L)
                          + compress_s(c, prof, L, ef))  # every other region's selection, the owner's re-selection
     hop = step(w)

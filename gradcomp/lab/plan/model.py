@@ -7,10 +7,10 @@ and Yuan 2009; bucketed overlap as in PyTorch DDP (Li et al. 2020); the
 parameter server of Li et al. 2014; the pipeline bubble of GPipe (Huang et
 al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021).
 
-**One allreduce** of a bucket (wire bytes, messages, quantizations, seconds per
-algorithm: ring, two-phase, halving-doubling, sparse allgather, sparse
-reduce-scatter) is priced by :mod:`gradcomp.lab.plan.costs`: alpha-beta
-messages on one port, exact wire sizes, kernel time from measured rates.
+**One allreduce** of a bucket (ring, two-phase, halving-doubling, sparse allgather,
+sparse reduce-scatter: :mod:`gradcomp.lab.plan.costs`; hierarchical, on hosts of
+``local_ranks`` ranks: :mod:`gradcomp.lab.plan.tiers`): alpha-beta messages on one
+port (a host's link), exact wire sizes, kernel time from measured rates.
 
 **Overlap with backward.** The gradient is cut into DDP's buckets (the first
 1 MiB, then 25 MiB of float32 by default; buckets under the hook's
@@ -103,8 +103,10 @@ from gradcomp.lab.plan.costs import (ALLREDUCE_ALGORITHMS, SIZE_NBYTES, allreduc
                                      allreduce_seconds, compress_s, decompress_add_s, quantizations,
                                      wire_nbytes)
 from gradcomp.lab.plan.host import Host
+from gradcomp.lab.plan.tiers import hierarchical_seconds, hierarchical_sent, intra_tier
 from gradcomp.lab.plan.lognormal import expected_max
 from gradcomp.lab.plan.profile import Profile
+from gradcomp.lab.plan.ps_queue import mva_response
 from gradcomp.pipeline.bubble import bubble_fraction
 from gradcomp.ps import protocol as _ps_protocol
 
@@ -128,7 +130,8 @@ DDP_FIRST_BUCKET_BYTES = 2**20
 #: gradcomp.ddp.DEFAULT_MIN_COMPRESS_NUMEL: smaller buckets go uncompressed
 MIN_COMPRESS_NUMEL = 16384
 
-ALGORITHMS = (*ALLREDUCE_ALGORITHMS, "ps")
+#: every algorithm :func:`predict` takes: the flat allreduces, the two-tier one, the parameter server
+ALGORITHMS = (*ALLREDUCE_ALGORITHMS, "hierarchical", "ps")
 MODES = ("sync", "async")
 
 
@@ -208,6 +211,12 @@ class Setting:
         background_load: mean runnable processes of other jobs on the host
             (e.g. its load average before the job started); they share the
             cores too (>= 0).
+        local_ranks: ``R`` ranks per host of a two-tier cluster (``nodes`` =
+            hosts x R, a divisor of ``nodes``): a host's ranks reach each other
+            over the intra-host tier and share the host's link
+            (``link_bytes_per_s``) to the other hosts; 1: a link per rank.
+        intra_alpha_s / intra_bytes_per_s: the intra-host tier's message
+            latency and bytes per second (None: the profile's ``intra``, else free).
     """
 
     nodes: int
@@ -228,9 +237,12 @@ class Setting:
     host: Host | None = None
     ranks_per_host: int = 1
     background_load: float = 0.0
+    local_ranks: int = 1
+    intra_alpha_s: float | None = None
+    intra_bytes_per_s: float | None = None
 
     def __post_init__(self):
-        for name in ("nodes", "params", "servers", "tensors", "ranks_per_host"):
+        for name in ("nodes", "params", "servers", "tensors", "ranks_per_host", "local_ranks"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int) or val < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
@@ -244,11 +256,21 @@ class Setting:
             raise ValueError(f"straggler_factor must be a finite number >= 1, got {self.straggler_factor!r}")
         if not (math.isfinite(self.background_load) and self.background_load >= 0):
             raise ValueError(f"background_load must be a finite number >= 0, got {self.background_load!r}")
+        if self.nodes % self.local_ranks:
+            raise ValueError(f"local_ranks must divide nodes ({self.nodes}), got {self.local_ranks}")
+        for name in ("intra_alpha_s", "intra_bytes_per_s"):
+            val = getattr(self, name)
+            if val is not None and not (isinstance(val, (int, float)) and math.isfinite(val) and val > 0):
+                raise ValueError(f"{name} must be None or a finite number > 0, got {val!r}")
         if not 0 <= self.backward_share <= 1:
             raise ValueError(f"backward_share must be in [0, 1], got {self.backward_share!r}")
 
     def alpha(self, prof: Profile) -> float:
         return prof.alpha_s if self.alpha_s is None else self.alpha_s
+
+    def intra(self, prof: Profile) -> tuple[float, float]:
+        """``(alpha, bytes per second)`` of the intra-host tier (:func:`~gradcomp.lab.plan.tiers.intra_tier`)."""
+        return intra_tier(prof, self.intra_alpha_s, self.intra_bytes_per_s)
 
     @property
     def runnable(self) -> float:
@@ -338,6 +360,7 @@ def sync_step(c: PlanCodec, algorithm: str, s: Setting, prof: Profile) -> Predic
     if algorithm not in c.algorithms or algorithm == "ps":
         raise ValueError(f"algorithm for {c.name} must be one of {c.algorithms[:-1]}, got {algorithm!r}")
     alpha, beta, n = s.alpha(prof), s.link_bytes_per_s, s.nodes
+    per, intra = s.local_ranks, s.intra(prof)
     slowest, mean = _compute_times(s)
     backward = s.backward_share * slowest
     forward = slowest - backward
@@ -348,12 +371,19 @@ def sync_step(c: PlanCodec, algorithm: str, s: Setting, prof: Profile) -> Predic
     # a straggler hands off last, after the others have blocked in the collective:
     # their cores are idle, so no exchange step waits for a descheduled peer
     skew = 0.0 if s.straggler_factor > 1 else s.skew_s()
+    priced: dict[int, tuple] = {}  # bucket size -> (seconds, sent, received): DDP's buckets repeat sizes
     for size in bucket_sizes(s.params, s.bucket_bytes, s.first_bucket_bytes):
         produced += size
         ready = forward + backward * produced / s.params
         bc, balg = (c, algorithm) if size >= s.min_compress_numel else (raw, "ring")
-        t = allreduce_seconds(bc, balg, size, n, alpha, beta, prof, s.share(), skew)
-        b_sent, b_recv = allreduce_bytes(bc, balg, size, n)
+        if size not in priced and balg == "hierarchical":  # exact inside a host, compressed across hosts
+            priced[size] = (hierarchical_seconds(bc, size, n // per, per, prof, share=s.share(), alpha_s=alpha,
+                                                 beta_bytes_per_s=beta, intra=intra, skew=skew),
+                            hierarchical_sent(bc, size, n // per, per), 0)
+        elif size not in priced:
+            priced[size] = (allreduce_seconds(bc, balg, size, n, alpha, beta, prof, s.share(), skew, per, intra),
+                            *allreduce_bytes(bc, balg, size, n))
+        t, b_sent, b_recv = priced[size]
         sent, received = sent + b_sent, received + b_recv
         kernel_total += t["kernel"]
         comm_total += t["total"]
@@ -413,42 +443,6 @@ def ps_sync_step(c: PlanCodec, s: Setting, prof: Profile) -> Prediction:
     b = parts["bytes"]
     return Prediction("sync", c.name, "ps", n, step, mean, kernels, comm, comm, wait, parts["apply"],
                       wait / step, (comm + kernels) / step, n / step, b["sent"], b["received"])
-
-
-def mva_response(groups: list[tuple[int, float]], demand: float) -> list[float]:
-    """Response times at a single queueing server of a closed network (exact mean value analysis).
-
-    ``groups`` are ``(count, think)``: ``count`` workers that each spend
-    ``think`` seconds per cycle away from the server, then one service of
-    ``demand`` seconds there (one or two groups: the workers, and a
-    straggler). Exact MVA for a product-form network (Reiser and Lavenberg
-    1980, "Mean-value analysis of closed multichain queuing networks"; Lazowska
-    et al. 1984, "Quantitative System Performance", ch. 7), over the
-    populations ``(a, b)`` up to the groups' counts: a group's response time
-    at population ``P`` is ``D (1 + Q(P - one of its workers))``, its
-    throughput ``count / (think + R)``, and ``Q`` the sum of throughput times
-    response. ``R - D`` is the time a worker queues behind the others'
-    pushes; the throughput tends to ``1 / D`` as the server saturates.
-
-    Returns:
-        The response time ``R`` (seconds) of each group at its full population.
-
-    Raises:
-        ValueError: not one or two groups, or a count < 1.
-    """
-    if not 1 <= len(groups) <= 2 or any(c < 1 for c, _ in groups):
-        raise ValueError(f"groups must be one or two (count >= 1, think) pairs, got {groups!r}")
-    (na, za), (nb, zb) = groups[0], (groups[1] if len(groups) == 2 else (0, 0.0))
-    q = [[0.0] * (nb + 1) for _ in range(na + 1)]  # q[a][b]: mean number at the server
-    ra = rb = demand
-    for i in range(na + 1):
-        for j in range(nb + 1):
-            if i == j == 0:
-                continue
-            ra = demand * (1.0 + q[i - 1][j]) if i else demand
-            rb = demand * (1.0 + q[i][j - 1]) if j else demand
-            q[i][j] = (i * ra / (za + ra) if i else 0.0) + (j * rb / (zb + rb) if j else 0.0)
-    return [ra, rb][:len(groups)]
 
 
 def async_throughput(c: PlanCodec, s: Setting, prof: Profile) -> Prediction:

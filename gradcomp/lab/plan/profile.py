@@ -47,6 +47,7 @@ BYTES_PER_ELEMENT = {
     "int8.compress": 5 + 4 / _B, "int8.decompress": 5 + 4 / _B, "int8.decompress_add": 9 + 4 / _B,
     "int8.reduce_compress": 14 + 8 / _B, "int8.compress_ef": 13 + 4 / _B,
     "topk.select": 4.0, "threshold.select": 4.0, "sparse.decompress_add": 16.0,
+    "sparse.payload_decompress_add": 10.0,
     "ef.update": 16.0, "sgd.apply": 20.0,
 }
 
@@ -64,6 +65,9 @@ def _blockwise_bytes(kind: str, code_bytes: float, block: int) -> dict:
 for _kind, _code, _block in (("int4", 0.5, _B), ("int2", 0.25, _B), ("sign", 0.125, 1024),
                              ("fp8e4m3", 1.0, _B), ("fp8e5m2", 1.0, _B)):
     BYTES_PER_ELEMENT.update(_blockwise_bytes(_kind, _code, _block))
+#: ``sparse.payload_decompress_add`` is the transports' whole call on a top-k payload with int8
+#: values and compact indices (header checks, index decoding, dequantizing, scatter-add), per
+#: kept element: what a rank pays per payload received, beyond the scatter-add alone
 #: every operation a profile rates (elements per second)
 OPS = tuple(BYTES_PER_ELEMENT)
 

@@ -16,12 +16,14 @@ transfers and the inter-host leg beyond ``share`` (one factor for every kernel).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.comm.hierarchical import segment_bounds
-from gradcomp.lab.plan.model import PlanCodec, allreduce_bytes, allreduce_seconds
+from gradcomp.lab.plan.costs import PricedCodec, allreduce_bytes, allreduce_seconds, wire_nbytes
 from gradcomp.lab.plan.profile import Profile
 
-__all__ = ["hierarchical_bytes", "hierarchical_seconds"]
+__all__ = ["hierarchical_bytes", "hierarchical_sent", "hierarchical_seconds", "intra_tier"]
 
 
 def _shard_len(seg: int, per_host: int, local: int) -> int:
@@ -29,7 +31,8 @@ def _shard_len(seg: int, per_host: int, local: int) -> int:
     return hi - lo
 
 
-def hierarchical_bytes(c: PlanCodec, numel: int, hosts: int, per_host: int, inter_algorithm: str = "ring",
+@lru_cache(maxsize=4096)
+def hierarchical_bytes(c: PricedCodec, numel: int, hosts: int, per_host: int, inter_algorithm: str = "ring",
                        segments: int | None = None) -> dict:
     """Bytes of one hierarchical allreduce of ``numel`` float32 elements.
 
@@ -48,46 +51,82 @@ def hierarchical_bytes(c: PlanCodec, numel: int, hosts: int, per_host: int, inte
         intra += 4 * (b - a - s0)
         if s0 and per_host > 1:
             chunks = [hi - lo for lo, hi in chunk_bounds(s0, hosts)]
-            wires = sum(c.compressor(k).wire_nbytes((k,)) for k in chunks) if hosts > 1 else 4 * s0
+            wires = sum(wire_nbytes(c, k) for k in chunks) if hosts > 1 else 4 * s0
             intra += (per_host - 1) * wires
     return {"inter_host_per_host": inter, "intra_host_per_rank": intra}
 
 
-def hierarchical_seconds(c: PlanCodec, numel: int, hosts: int, per_host: int, prof: Profile,
+def hierarchical_sent(c: PricedCodec, numel: int, hosts: int, per_host: int, inter_algorithm: str = "ring",
+                      segments: int | None = None) -> int:
+    """Bytes local rank 0 sends in one hierarchical allreduce, both tiers (what the
+    meter counts for it): its share ``1 / R`` of the host's inter-host bytes plus
+    its intra-host bytes (:func:`hierarchical_bytes`)."""
+    b = hierarchical_bytes(c, numel, hosts, per_host, inter_algorithm, segments)
+    return -(-b["inter_host_per_host"] // per_host) + b["intra_host_per_rank"]
+
+
+def intra_tier(prof: Profile, alpha_s: float | None = None, bytes_per_s: float | None = None) -> tuple[float, float]:
+    """``(alpha, beta)`` of the intra-host tier: the given values, else the profile's
+    ``intra`` (``plan calibrate --topology``), else no cost (0 s, infinite bytes per second)."""
+    intra = prof.intra or {}
+    alpha = alpha_s if alpha_s is not None else intra.get("alpha_s", 0.0)
+    beta = bytes_per_s if bytes_per_s is not None else intra.get("beta_bytes_per_s", float("inf"))
+    return float(alpha), float(beta)
+
+
+def hierarchical_seconds(c: PricedCodec, numel: int, hosts: int, per_host: int, prof: Profile,
                          inter_algorithm: str = "ring", segments: int | None = None,
-                         share: float = 1.0) -> dict:
+                         share: float = 1.0, *, alpha_s: float | None = None,
+                         beta_bytes_per_s: float | None = None, intra: tuple[float, float] | None = None,
+                         skew: float = 0.0) -> dict:
     """Time of one hierarchical allreduce (see the module docstring).
 
+    Per segment of ``m`` elements (shard ``s = ceil(m / R)``, ``P = R - 1`` peers, ``w`` the
+    shard's ``H`` chunk payloads): ``rs = P alpha_i + max(skew, 4 P s / beta_i) + P da_raw(s)``;
+    ``inter`` = the flat ``inter_algorithm`` allreduce of ``s`` elements over ``H`` hosts at
+    ``beta / R``; ``ag = P H alpha_i + max(skew, P w / beta_i) + P H d(s / H)``.
+
     Args:
-        prof: a profile whose ``alpha_s`` / ``beta_bytes_per_s`` are the inter-host link's
-            and whose ``intra`` the intra-host tier's (``gradcomp plan calibrate
-            --topology HxR``; without it the intra-host transfers cost nothing).
+        prof: kernel rates, and the links unless given: ``alpha_s`` / ``beta_bytes_per_s``
+            the inter-host link's (default the profile's), ``intra`` the intra-host tier's
+            ``(alpha, beta)`` (default :func:`intra_tier` of the profile).
         share: slowdown of every kernel by processor sharing (1: a core per rank).
+        skew: seconds each exchange step waits for a descheduled peer (hidden behind a
+            longer transfer), as in :func:`~gradcomp.lab.plan.costs.allreduce_seconds`.
 
     Returns:
-        ``{"total", "intra", "inter"}`` seconds (``intra`` and ``inter``: each stage's time
-        summed over segments, as if they did not overlap).
+        ``{"total", "intra", "inter", "kernel", "transfer"}`` seconds (``intra`` and
+        ``inter``: each stage's time summed over segments, as if they did not overlap;
+        ``kernel``: the codec and summing work, at most ``total``).
 
     Raises:
-        ValueError: no inter-host link bandwidth in ``prof``.
+        ValueError: no inter-host link bandwidth.
     """
-    if prof.beta_bytes_per_s is None:
+    alpha = prof.alpha_s if alpha_s is None else alpha_s
+    beta = prof.beta_bytes_per_s if beta_bytes_per_s is None else beta_bytes_per_s
+    if beta is None:
         raise ValueError("the profile has no inter-host bandwidth (beta_bytes_per_s)")
-    intra = prof.intra or {}
-    alpha_i, beta_i = intra.get("alpha_s", 0.0), intra.get("beta_bytes_per_s", float("inf"))
+    alpha_i, beta_i = intra if intra is not None else intra_tier(prof)
     segs = segment_bounds(numel, segments)
-    rs = ag = it = 0.0
+    peers = per_host - 1
+    rs = ag = it = kernel = 0.0
     for a, b in segs:
         s = _shard_len(b - a, per_host, 0)
-        peers = per_host - 1
-        rs += peers * (alpha_i + 4 * s / beta_i) + share * prof.seconds("raw.decompress_add", peers * s)
+        k_rs = share * peers * prof.seconds("raw.decompress_add", s)
+        rs += peers * alpha_i + max(skew if peers else 0.0, peers * 4 * s / beta_i) + k_rs
+        kernel += k_rs
         if hosts > 1 and s:
-            it += allreduce_seconds(c, inter_algorithm, s, hosts, prof.alpha_s, prof.beta_bytes_per_s / per_host,
-                                    prof, share)["total"]
-            wire = sum(c.compressor(k).wire_nbytes((k,)) for k in (hi - lo for lo, hi in chunk_bounds(s, hosts)))
-            ag += peers * (hosts * alpha_i + wire / beta_i) + share * prof.seconds(f"{c.kind}.decompress", peers * s)
+            t = allreduce_seconds(c, inter_algorithm, s, hosts, alpha, beta / per_host, prof, share, skew)
+            it += t["total"]
+            kernel += t["kernel"]
+            chunks = [hi - lo for lo, hi in chunk_bounds(s, hosts)]
+            wire = sum(wire_nbytes(c, k) for k in chunks)
+            k_ag = share * peers * sum(prof.seconds(f"{c.kind}.decompress", k) for k in chunks)
+            ag += peers * hosts * alpha_i + max(skew if peers else 0.0, peers * wire / beta_i) + k_ag
+            kernel += k_ag
         else:
-            ag += peers * (alpha_i + 4 * s / beta_i)
+            ag += peers * alpha_i + max(skew if peers else 0.0, peers * 4 * s / beta_i)
     k = len(segs)
     total = (rs + ag + it) if k == 1 else (rs / k + (k - 1) * max(it / k, (rs + ag) / k) + it / k + ag / k)
-    return {"total": total, "intra": rs + ag, "inter": it}
+    kernel = min(kernel, total)
+    return {"total": total, "intra": rs + ag, "inter": it, "kernel": kernel, "transfer": total - kernel}

@@ -5,6 +5,7 @@ Details: docs/planning.md#what-validation-reads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -13,9 +14,11 @@ import statistics
 from gradcomp.lab.plan.host import Host
 from gradcomp.lab.plan.model import CODECS, MODES, PlanCodec, Setting, allreduce_bytes, predict, ps_bytes
 from gradcomp.lab.plan.profile import Profile
+from gradcomp.lab.plan.schedule import run_schedule
+from gradcomp.lab.plan.tiers import hierarchical_sent
 
-__all__ = ["load_results", "validate_runs", "breakdown", "fit_host", "run_host", "summary", "REQUIRED_KEYS", "TERMS",
-           "results_profile"]
+__all__ = ["load_results", "validate_runs", "compute_cv", "breakdown", "fit_host", "run_host", "summary", "REQUIRED_KEYS",
+           "TERMS", "results_profile"]
 
 #: keys a run must have to be validated
 REQUIRED_KEYS = ("mode", "compressor", "algorithm", "world_size", "params", "link", "straggler",
@@ -74,6 +77,29 @@ def _tensors(run: dict, data: dict) -> int:
     return 2 * (len(layers) - 1) if isinstance(layers, list) and len(layers) > 1 else 1
 
 
+def compute_cv(run: dict) -> float | None:
+    """The scatter of the run's compute times as a lognormal's coefficient of variation:
+    ``sqrt(r^2 - 1)`` with ``r`` = mean over median of the compute phase (a lognormal's
+    mean is its median times ``exp(sigma^2 / 2)``, its CV ``sqrt(exp(sigma^2) - 1)``);
+    None when the run recorded no mean and median (0 when the mean is not above the median)."""
+    mean = (run.get("phases_mean_s") or {}).get("compute")
+    median = (run.get("phases_median_s") or {}).get("compute")
+    if not mean or not median:
+        return None
+    r = float(mean) / float(median)
+    return math.sqrt(r * r - 1.0) if r > 1.0 else 0.0
+
+
+def _tiers(run: dict) -> tuple[int, float | None]:
+    """``(ranks per host, intra-host bytes per second)`` of a two-tier run (its ``link``'s
+    ``ranks_per_host`` and ``intra`` achieved rate; ``(1, None)`` for one rank per host)."""
+    link = run.get("link") or {}
+    per = int(link.get("ranks_per_host") or 1)
+    intra = link.get("intra") or {}
+    bps = intra.get("achieved_bps") or intra.get("configured_bps")
+    return per, (float(bps) / 8 if bps else None)
+
+
 def _setting(run: dict, prof: Profile, host: Host | None = None, tensors: int = 1) -> Setting:
     world = int(run["world_size"])
     # async: the world holds the parameter server too; it shares the workers' host
@@ -96,10 +122,15 @@ def _setting(run: dict, prof: Profile, host: Host | None = None, tensors: int = 
     apply = None if run["mode"] == "async" else float(phases.get("apply") or 0.0)
     recorded = run.get("host") or {}
     background = float(recorded.get("background_load") or 0.0)
+    # the compute's measured scatter holds the configured jitter and what the shared host adds
+    scatter = compute_cv(run) if run["mode"] == "sync" else None
+    cv = float(run.get("compute_jitter_cv") or 0.0) if scatter is None else scatter
+    per, intra_bps = _tiers(run) if run["mode"] == "sync" else (1, None)
     return Setting(nodes=n, link_bytes_per_s=beta, params=int(run["params"]), compute_s=compute,
-                   straggler_cv=float(run.get("compute_jitter_cv") or 0.0), straggler_factor=factor,
+                   straggler_cv=cv, straggler_factor=factor,
                    apply_s=apply, tensors=tensors, host=host,
-                   ranks_per_host=world, background_load=background)
+                   ranks_per_host=world, background_load=background,
+                   local_ranks=per if n % per == 0 else 1, intra_bytes_per_s=intra_bps)
 
 
 def _measured_bytes(run: dict, c: PlanCodec, s: Setting, algorithm: str) -> int:
@@ -108,12 +139,18 @@ def _measured_bytes(run: dict, c: PlanCodec, s: Setting, algorithm: str) -> int:
     if run["mode"] == "async":
         b = ps_bytes(c, s.params, s.servers, s.tensors, s.compress_pull)
         return b["sent"] + b["received"]
+    if algorithm == "hierarchical":
+        return hierarchical_sent(c, s.params, s.nodes // s.local_ranks, s.local_ranks)
     return allreduce_bytes(c, algorithm, s.params, s.nodes)[0]
 
 
-def _codec(run: dict, s: Setting, algorithm: str) -> PlanCodec:
-    """The run's codec, with the sparse index layout and (threshold) the density
-    its recorded bytes imply: the model prices the payloads the run really sent."""
+def _codec(run: dict, s: Setting, algorithm: str, name: str | None = None) -> PlanCodec:
+    """The run's codec (``name``: one stretch of an adaptive run's, whose bytes mix
+    several codecs: priced as the catalog has it), with the sparse index layout and
+    (threshold) the density its recorded bytes imply: the model prices the payloads the
+    run really sent."""
+    if name is not None:
+        return CODECS[name]
     c = CODECS[run["compressor"]]
     sent = run.get("bytes_per_worker_step")
     n, world = int(run["params"]), int(run["world_size"])
@@ -250,6 +287,35 @@ def fit_host(data: dict, prof: Profile, seeds, cores: int | None = None,
     return host, {"seeds": sorted(seeds), "runs": len(subset["runs"]), "step_mdape_pct": step, "idle_mdae_pts": idle}
 
 
+def _predict_run(run: dict, s: Setting, prof: Profile):
+    """The prediction of one run, and what it was predicted as: ``[(steps, codec,
+    algorithm)]`` (:func:`~gradcomp.lab.plan.schedule.run_schedule`; one stretch unless
+    the run's codec or algorithm changed). Stretches combine per step: the step time is
+    the median over the run's steps of each step's prediction (the run reports a median),
+    the other fields the mean weighted by steps."""
+    if run["mode"] == "async":
+        steps = int(run.get("steps") or 0)
+        return predict("async", _codec(run, s, "ps"), "ps", s, prof), [(steps, run["compressor"], "ps")]
+    plan = run_schedule(run)
+    if len(plan) == 1 and run["compressor"] != "auto":
+        _, name, alg = plan[0]
+        return predict("sync", _codec(run, s, alg), alg, s, prof), plan
+    preds = [(k, predict("sync", _codec(run, s, alg, name), alg, s, prof)) for k, name, alg in plan]
+    total = sum(k for k, _ in preds)
+    per_step = sorted(t for k, p in preds for t in [p.step_s] * k)
+    mean = lambda f: sum(k * f(p) for k, p in preds) / total  # noqa: E731
+    first = preds[0][1]
+    step = statistics.median(per_step)
+    return dataclasses.replace(
+        first, compressor="auto" if run["compressor"] == "auto" else first.compressor, algorithm=run["algorithm"],
+        step_s=step, compute_s=mean(lambda p: p.compute_s), compress_s=mean(lambda p: p.compress_s),
+        communicate_s=mean(lambda p: p.communicate_s), exposed_comm_s=mean(lambda p: p.exposed_comm_s),
+        wait_s=mean(lambda p: p.wait_s), apply_s=mean(lambda p: p.apply_s), idle_share=mean(lambda p: p.idle_share),
+        comm_share=mean(lambda p: p.comm_share), throughput=s.nodes / step,
+        bytes_sent=round(mean(lambda p: p.bytes_sent)), bytes_received=round(mean(lambda p: p.bytes_received)),
+        notes=[f"{k} steps {name} {alg}" for k, name, alg in plan]), plan
+
+
 def validate_runs(data: dict, prof: Profile) -> dict:
     """Predicted vs measured per run.
 
@@ -272,19 +338,21 @@ def validate_runs(data: dict, prof: Profile) -> dict:
         if run["mode"] not in MODES:
             skipped.append((label, f"mode {run['mode']!r} is not modelled by validate"))
             continue
-        if run["compressor"] not in CODECS:
+        if run["compressor"] not in CODECS and run["compressor"] != "auto":
             skipped.append((label, f"unknown compressor {run['compressor']!r}"))
             continue
-        algorithm = "ps" if run["mode"] == "async" else run["algorithm"]
         try:
             s = _setting(run, prof, run_host(run, data, prof), _tensors(run, data))
-            p = predict(run["mode"], _codec(run, s, algorithm), algorithm, s, prof)
+            p, predicted_as = _predict_run(run, s, prof)
         except (ValueError, KeyError, TypeError) as e:
             skipped.append((label, str(e)))
             continue
+        if "auto" in (run["compressor"], run["algorithm"]):  # say what the row was predicted as
+            label += " (predicted as " + ", ".join(f"{k} steps {c} {a}" for k, c, a in predicted_as) + ")"
         measured = float(run["step_time_median_s"])
         bytes_pred = p.bytes_sent if run["mode"] == "sync" else p.bytes_sent + p.bytes_received
         rows.append({
+            "predicted_as": predicted_as,
             "label": label, "run": i,
             "step_s": {"measured": measured, "predicted": p.step_s},
             "step_error_pct": 100.0 * (p.step_s - measured) / measured,
