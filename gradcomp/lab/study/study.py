@@ -340,6 +340,9 @@ def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog])
     total = TrafficMeter()
     for log in workers:
         total.merge(log.meter)
+    for log in logs:  # the server's events (dropped and stale pushes); its bytes mirror the workers'
+        if log.role != "worker":
+            total.merge({"events": log.meter.get("events", {})})
     extra = {k: v for log in logs for k, v in log.extra.items() if k != "param_sha256"}
     extra.update(staleness_stats(extra))
     busy_intervals = extra.pop("busy_intervals", None)  # thousands of tuples: summarised here
