@@ -13,7 +13,7 @@ import textwrap
 __all__ = ["MODE_STYLES", "results_figure", "time_figure", "codec_colors"]
 
 #: line style per mode
-MODE_STYLES = {"sync": "-", "async": "--", "local": ":"}
+MODE_STYLES = {"sync": "-", "async": "--", "local": ":", "ft": "-."}
 _PHASE_COLORS = {"compute": "#4c72b0", "compress": "#dd8452", "communicate": "#55a868",
                  "wait": "#c44e52", "decompress": "#8172b3", "apply": "#937860", "other": "#bbbbbb"}
 

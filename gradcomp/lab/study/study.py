@@ -60,6 +60,7 @@ from gradcomp.lab.study.timing import server_queue, summarize_time, time_to_targ
 from gradcomp.lab.study.data import Digits, steps_per_epoch, worker_batches
 from gradcomp.lab.study.model import num_parameters
 from gradcomp.lab.study.workloads import batch_loss, build_model, load_split
+from gradcomp.lab.study.ft import train_ft_rank
 from gradcomp.lab.study.local import train_local_rank
 from gradcomp.lab.study.sync import train_sync_rank
 
@@ -177,7 +178,7 @@ def _through_ps(mode: str, cfg: TrainConfig) -> bool:
 def _rank_fn(mode: str, cfg: TrainConfig):
     if _through_ps(mode, cfg):
         return functools.partial(train_async_rank, ps_mode=mode)
-    return {"sync": train_sync_rank, "local": train_local_rank}[mode]
+    return {"sync": train_sync_rank, "local": train_local_rank, "ft": train_ft_rank}[mode]
 
 
 def _world_size(mode: str, cfg: TrainConfig) -> int:
@@ -444,7 +445,7 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
         cfg: the shared settings (``cfg.threshold=None``: calibrated per seed, see
             the module docstring). A scenario's straggler and compute jitter
             replace ``cfg``'s.
-        modes: subset of ``("sync", "async", "local")``.
+        modes: subset of ``("sync", "async", "local", "ft")``.
         compressors: names from :data:`~gradcomp.lab.study.config.COMPRESSORS`.
         on_progress: ``(mode, compressor, step, seed)`` callback.
         on_run: called with each finished run.
@@ -474,7 +475,7 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
     for m in modes:
-        if m in ("sync", "local") and cfg.workers < 2:
+        if m in ("sync", "local", "ft") and cfg.workers < 2:
             raise ValueError(f"{m} mode needs at least 2 workers (a single worker exchanges no "
                              f"gradient, so there is nothing to compress), got {cfg.workers}")
     if scenario is None:

@@ -1,0 +1,237 @@
+"""Ft mode: synchronous training on torchft's per-step quorum, a late worker left out by a timeout.
+
+Every worker is a torchft replica group of one process (PyTorch's per-step
+fault tolerance: a lighthouse forms a quorum of replica groups every step).
+Each step a worker computes its gradient first and only then asks to join the
+step's quorum (``start_quorum`` after the backward pass): a slow worker is
+late to the quorum, not to the collective. The lighthouse forms the quorum
+with the workers that asked within ``cfg.ft_timeout`` seconds of the first
+one (its join timeout), or at once when every member of the previous quorum
+asked (torchft's fast quorum); at least ``workers - 1`` must be there. The
+gradients, as one flat buffer, are averaged by :class:`gradcomp.integrations.torchft.ManagedAllreduce`
+(the run's codec, error feedback per the compressor choice; dense codecs on
+``ring`` or ``two_phase``, sparse ones on ``allgather``) over the workers at
+the quorum's step (``manager.num_participants()``).
+
+A worker that joins behind the quorum's step (the quorum formed without it)
+heals: it loads a peer's parameters and optimizer state (torchft's checkpoint
+transport over the quorum's process group, ``use_async_quorum=True``), its
+gradient, computed on old parameters, is dropped (as a backup worker's late
+push is; counted in its meter's ``"not_participating"`` events), and it
+applies the step's average like the others. Its losses for the steps it
+skipped repeat its last computed loss.
+
+The lighthouse and a small control store run in rank 0's process (in its
+namespace on an emulated cluster); the run ends when rank 0 has committed
+``cfg.steps`` steps: it sets ``done`` in the store and stops the lighthouse,
+which ends a late worker's pending quorum request. Rank 0 evaluates.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.timeline import StepTimeline, now
+from gradcomp.lab.study.common import RankLog
+from gradcomp.lab.study.config import COMPRESSORS, TrainConfig
+from gradcomp.lab.study.data import Digits, worker_batches
+from gradcomp.lab.study.timing import ComputeDelay
+from gradcomp.lab.study.workloads import batch_loss, build_model
+
+__all__ = ["train_ft_rank", "FT", "lighthouse_settings"]
+
+#: the mode's name in results
+FT = "ft"
+#: seconds a collective, a checkpoint transfer or a quorum request may take before it fails
+FT_OP_TIMEOUT_S = 60.0
+#: the lighthouse's heartbeat timeout: a worker silent this long is dead (milliseconds)
+HEARTBEAT_TIMEOUT_MS = 5000
+
+
+def lighthouse_settings(cfg: TrainConfig) -> dict:
+    """``torchft.coordination.LighthouseServer`` keywords of a run: quorums of at
+    least ``workers - 1`` (one worker may be left out), the join timeout
+    ``cfg.ft_timeout`` and a quorum tick of half of it (1 to 100 ms), so that
+    a timeout is noticed within half of itself."""
+    join_ms = max(1, round(cfg.ft_timeout * 1000))
+    return {"min_replicas": max(1, cfg.workers - 1), "join_timeout_ms": join_ms,
+            "quorum_tick_ms": min(100, max(1, join_ms // 2)), "heartbeat_timeout_ms": HEARTBEAT_TIMEOUT_MS}
+
+
+def _algorithm(cfg: TrainConfig, choice) -> str:
+    """ManagedAllreduce's algorithm: allgather for sparse codecs, else ``cfg.algorithm``
+    where it is a flat one (ring, two_phase), else ring."""
+    if choice.sparse:
+        return "allgather"
+    return cfg.algorithm if cfg.algorithm in ("ring", "two_phase") else "ring"
+
+
+def _control(rank: int, cfg: TrainConfig, addr: str):
+    """Rank 0 starts the lighthouse and the control store; every rank learns their
+    addresses over the launch's group. Returns ``(lighthouse or None, address, store)``."""
+    from torch.distributed import TCPStore
+
+    timeout = datetime.timedelta(seconds=FT_OP_TIMEOUT_S)
+    box: list = [None]
+    lighthouse = store = None
+    if rank == 0:
+        from torchft.coordination import LighthouseServer
+
+        lighthouse = LighthouseServer(bind="[::]:0", **lighthouse_settings(cfg))
+        port = lighthouse.address().rsplit(":", 1)[1]  # it names the machine's hostname: use this namespace's address
+        store = TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        box = [(f"http://{addr}:{port}", addr, store.port)]
+    dist.broadcast_object_list(box, src=0)
+    address, host, port = box[0]
+    if store is None:
+        store = TCPStore(host, port, is_master=False, timeout=timeout)
+    return lighthouse, address, store
+
+
+def _manager(rank: int, cfg: TrainConfig, addr: str, lighthouse: str, model, opt):
+    """This worker's torchft replica group: its store, process group and Manager."""
+    from torch.distributed import TCPStore
+    from torchft import Manager
+    from torchft.checkpointing.pg_transport import PGTransport
+    from torchft.process_group import ProcessGroupGloo
+
+    timeout = datetime.timedelta(seconds=min(cfg.timeout, FT_OP_TIMEOUT_S))
+    store = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+
+    def load(sd):
+        model.load_state_dict(sd["model"])
+        opt.load_state_dict(sd["opt"])
+
+    pg = ProcessGroupGloo(timeout=timeout)
+    manager = Manager(pg=pg, load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
+                                                                       "opt": opt.state_dict()},
+                      min_replica_size=1, use_async_quorum=True,  # commit with whoever is at the quorum's step
+                      replica_id=f"worker{rank}", lighthouse_addr=lighthouse, store_addr=addr,
+                      store_port=store.port, rank=0, world_size=1, hostname=addr, timeout=timeout,
+                      quorum_timeout=timeout, init_sync=False,  # every replica starts from the seed's model
+                      # the state goes over the quorum's group: the HTTP transport names the hostname
+                      checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")))
+    return store, pg, manager
+
+
+def train_ft_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str, data: Digits,
+                  progress=None) -> RankLog:
+    """Train one run of the ft mode as ``rank`` of an initialised process group
+    of ``cfg.workers`` ranks (used only to start: the training runs on torchft's
+    groups); every rank is a worker, rank 0 evaluates and hosts the lighthouse.
+
+    Args:
+        compressor: a name of :data:`gradcomp.lab.study.config.COMPRESSORS`
+            (not a DGC, ``auto`` or ``native`` row).
+        data: the study's split.
+        progress: optional object with ``put(step)``; rank 0 calls it now and then.
+
+    Returns:
+        This rank's :class:`RankLog`; its meter counts the bytes sent and the
+        events ``"quorum_change"``, ``"not_participating"`` and ``"step_rolled_back"``.
+
+    Raises:
+        ValueError: a world size other than ``cfg.workers``, or a row the mode cannot run.
+        ImportError: torchft is not installed.
+    """
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum at info
+    logging.getLogger("torchft").setLevel(logging.ERROR)  # a warning per reconfigured quorum
+    warnings.filterwarnings("ignore", module="torchft")
+    from gradcomp.integrations.torchft import ManagedAllreduce
+
+    if world_size != cfg.workers:
+        raise ValueError(f"ft mode needs {cfg.workers} ranks (one per worker), got {world_size}")
+    choice = COMPRESSORS[compressor]
+    if FT not in choice.modes:
+        raise ValueError(f"compressor {compressor!r} does not run in ft mode")
+    addr = os.environ.get("GRADCOMP_CLUSTER_ADDR", "127.0.0.1")
+    model = build_model(cfg, data)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    lighthouse, lighthouse_addr, control = _control(rank, cfg, addr)
+    _store, pg, manager = _manager(rank, cfg, addr, lighthouse_addr, model, opt)
+    ar = ManagedAllreduce(manager, pg, choice.build(cfg.threshold), algorithm=_algorithm(cfg, choice),
+                          timeout=min(cfg.timeout, FT_OP_TIMEOUT_S))
+    if not choice.error_feedback:
+        ar.error_feedback = False  # the row's codec alone, as in the sync mode
+    log, timeline = RankLog(rank), StepTimeline()
+    delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed)
+    batches = list(worker_batches(len(data.y_train), cfg.workers, rank, cfg.batch_size, cfg.seed, cfg.steps))
+    dist.barrier()
+    log.start()
+    try:
+        lossf, recorded = _loop(rank, cfg, data, model, opt, manager, ar, control, log, timeline, delay, batches,
+                                progress)
+    finally:
+        if rank == 0:
+            control.set("done", "1")
+            lighthouse.shutdown()  # ends a late worker's pending quorum request
+        manager.shutdown(wait=False)
+    for step in range(recorded + 1, cfg.steps + 1):  # steps a late worker never reached: its last loss
+        log.record(cfg, FT, step, lossf, ar.meter, None, data)
+    log.finish(ar.meter, model if rank == 0 else None, data, timeline)
+    dist.barrier()  # rank 0's control store serves until every worker has left the loop
+    if rank == 0:
+        log.final = log.evals[-1]
+    return log
+
+
+def _loop(rank, cfg, data, model, opt, manager, ar, control, log, timeline, delay, batches, progress
+          ) -> tuple[float, int]:
+    """Train until rank 0 committed ``cfg.steps`` steps (see the module docstring);
+    returns the last computed loss and the last step recorded.
+
+    A worker past the last step stays in the quorums, contributing zeros and
+    stepping no optimizer, until rank 0 is done: rank 0, left behind, heals
+    from it (a quorum needs ``workers - 1`` members)."""
+    recorded, lossf, params = 0, float("nan"), list(model.parameters())
+    while not control.check(["done"]):
+        step = manager.current_step()
+        if rank == 0 and step >= cfg.steps:
+            break
+        active = step < cfg.steps
+        if active:
+            t0 = now()
+            timeline.begin_step(t0)
+            with timeline.span("compute"):
+                idx = batches[step]
+                loss = batch_loss(model, data.x_train[idx], data.y_train[idx])
+                slept = delay.sleep(step + 1, now() - t0)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                lossf = loss.item()
+            delay.observe(now() - t0 - slept)
+        else:
+            for p in params:
+                p.grad = torch.zeros_like(p)
+        try:
+            with timeline.span("wait"):  # for the quorum: the others, the join timeout, a heal
+                manager.start_quorum()
+                manager.wait_quorum()
+        except Exception:  # the lighthouse stopped: rank 0 is done
+            if control.check(["done"]):
+                if active:
+                    timeline.end_step()
+                break
+            raise
+        with timeline.span("communicate"):  # one flat buffer, as one DDP bucket: one collective per step
+            grads = [p.grad for p in params]
+            flat = ar.allreduce(torch.cat([g.reshape(-1) for g in grads]), key="grads")
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
+        with timeline.span("apply"):
+            if ar.commit() and manager.current_step() <= cfg.steps:  # past the last step: no update
+                opt.step()
+        if active:
+            timeline.end_step()
+        reached = min(manager.current_step(), cfg.steps)
+        for s in range(recorded + 1, reached + 1):  # steps committed or healed over
+            log.record(cfg, FT, s, lossf, ar.meter, model if rank == 0 else None, data,
+                       progress if rank == 0 else None)
+        recorded = max(recorded, reached)
+    return lossf, recorded
