@@ -22,9 +22,11 @@ applies the step's average like the others. Its losses for the steps it
 skipped repeat its last computed loss.
 
 The lighthouse and a small control store run in rank 0's process (in its
-namespace on an emulated cluster); the run ends when rank 0 has committed
-``cfg.steps`` steps: it sets ``done`` in the store and stops the lighthouse,
-which ends a late worker's pending quorum request. Rank 0 evaluates.
+namespace on an emulated cluster). A worker past the last step counts itself
+in the store and stays in the quorums without training (zeros, no update), so
+that a worker left behind heals from it; once all are counted, rank 0 stops
+the lighthouse (from a thread), which ends any pending quorum request, and every worker holds
+the parameters of the last step. Rank 0 evaluates.
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import threading
+import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from gradcomp.meter import TrafficMeter
 from gradcomp.timeline import StepTimeline, now
-from gradcomp.lab.study.common import RankLog
+from gradcomp.lab.study.common import RankLog, param_digest
 from gradcomp.lab.study.config import COMPRESSORS, TrainConfig
 from gradcomp.lab.study.data import Digits, worker_batches
 from gradcomp.lab.study.timing import ComputeDelay
@@ -50,6 +55,8 @@ __all__ = ["train_ft_rank", "FT", "lighthouse_settings"]
 FT = "ft"
 #: seconds a collective, a checkpoint transfer or a quorum request may take before it fails
 FT_OP_TIMEOUT_S = 60.0
+#: seconds a worker past the last step pauses before each quorum it keeps for the others
+PASSIVE_PAUSE_S = 0.01
 #: the lighthouse's heartbeat timeout: a worker silent this long is dead (milliseconds)
 HEARTBEAT_TIMEOUT_MS = 5000
 
@@ -92,6 +99,32 @@ def _control(rank: int, cfg: TrainConfig, addr: str):
     if store is None:
         store = TCPStore(host, port, is_master=False, timeout=timeout)
     return lighthouse, address, store
+
+
+class _Watcher:
+    """Rank 0's thread that stops the lighthouse once every worker is past the last
+    step (or :meth:`stop` is called): that ends every pending quorum request."""
+
+    def __init__(self, lighthouse, control, workers: int):
+        from torch.distributed import TCPStore
+
+        self.lighthouse, self.workers = lighthouse, workers
+        # a connection of its own: the training loop uses ``control`` meanwhile
+        self.store = TCPStore(control.host, control.port, is_master=False,
+                              timeout=datetime.timedelta(seconds=FT_OP_TIMEOUT_S))
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="gradcomp-ft-watcher", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(0.02):
+            if int(self.store.add("finished", 0)) >= self.workers:
+                break
+        self.lighthouse.shutdown()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(FT_OP_TIMEOUT_S)
 
 
 def _manager(rank: int, cfg: TrainConfig, addr: str, lighthouse: str, model, opt):
@@ -162,18 +195,19 @@ def train_ft_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str,
     log, timeline = RankLog(rank), StepTimeline()
     delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed)
     batches = list(worker_batches(len(data.y_train), cfg.workers, rank, cfg.batch_size, cfg.seed, cfg.steps))
+    watcher = _Watcher(lighthouse, control, cfg.workers) if rank == 0 else None
     dist.barrier()
     log.start()
     try:
         lossf, recorded = _loop(rank, cfg, data, model, opt, manager, ar, control, log, timeline, delay, batches,
                                 progress)
     finally:
-        if rank == 0:
-            control.set("done", "1")
-            lighthouse.shutdown()  # ends a late worker's pending quorum request
+        if watcher is not None:
+            watcher.stop()
         manager.shutdown(wait=False)
     for step in range(recorded + 1, cfg.steps + 1):  # steps a late worker never reached: its last loss
         log.record(cfg, FT, step, lossf, ar.meter, None, data)
+    log.extra["param_sha256"] = param_digest(model)
     log.finish(ar.meter, model if rank == 0 else None, data, timeline)
     dist.barrier()  # rank 0's control store serves until every worker has left the loop
     if rank == 0:
@@ -183,18 +217,24 @@ def train_ft_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str,
 
 def _loop(rank, cfg, data, model, opt, manager, ar, control, log, timeline, delay, batches, progress
           ) -> tuple[float, int]:
-    """Train until rank 0 committed ``cfg.steps`` steps (see the module docstring);
+    """Train until every worker is past ``cfg.steps`` steps (see the module docstring);
     returns the last computed loss and the last step recorded.
 
     A worker past the last step stays in the quorums, contributing zeros and
-    stepping no optimizer, until rank 0 is done: rank 0, left behind, heals
-    from it (a quorum needs ``workers - 1`` members)."""
-    recorded, lossf, params = 0, float("nan"), list(model.parameters())
-    while not control.check(["done"]):
+    stepping no optimizer, until every worker is past it: a worker left behind
+    heals from it (a quorum needs ``workers - 1`` members), so all end on the
+    parameters of the last step."""
+    recorded, lossf, params, finished = 0, float("nan"), list(model.parameters()), False
+    meter = ar.meter  # the run's bytes; the zeros a worker past the last step exchanges go to a meter of their own
+    idle = TrafficMeter()
+    while int(control.add("finished", 0)) < cfg.workers:
         step = manager.current_step()
-        if rank == 0 and step >= cfg.steps:
-            break
+        if step >= cfg.steps and not finished:
+            control.add("finished", 1)
+            finished = True
+            continue
         active = step < cfg.steps
+        ar.meter = meter if active else idle
         if active:
             t0 = now()
             timeline.begin_step(t0)
@@ -207,14 +247,15 @@ def _loop(rank, cfg, data, model, opt, manager, ar, control, log, timeline, dela
                 lossf = loss.item()
             delay.observe(now() - t0 - slept)
         else:
+            time.sleep(PASSIVE_PAUSE_S)  # no batch to compute: do not spin the others' cores
             for p in params:
                 p.grad = torch.zeros_like(p)
         try:
             with timeline.span("wait"):  # for the quorum: the others, the join timeout, a heal
                 manager.start_quorum()
                 manager.wait_quorum()
-        except Exception:  # the lighthouse stopped: rank 0 is done
-            if control.check(["done"]):
+        except Exception:  # the lighthouse stopped: every worker is past the last step
+            if int(control.add("finished", 0)) >= cfg.workers:
                 if active:
                     timeline.end_step()
                 break
@@ -231,7 +272,8 @@ def _loop(rank, cfg, data, model, opt, manager, ar, control, log, timeline, dela
             timeline.end_step()
         reached = min(manager.current_step(), cfg.steps)
         for s in range(recorded + 1, reached + 1):  # steps committed or healed over
-            log.record(cfg, FT, s, lossf, ar.meter, model if rank == 0 else None, data,
+            log.record(cfg, FT, s, lossf, meter, model if rank == 0 else None, data,
                        progress if rank == 0 else None)
         recorded = max(recorded, reached)
+    ar.meter = meter
     return lossf, recorded
