@@ -1,27 +1,19 @@
 """A torchft replica group killed and restarted on the emulated cluster: what the failure costs.
 
-Three replica groups (one process each) train the study's digits MLP
-(64-384-256-10, random batches of 64) with gradcomp's int8 ring allreduce of
-one flat gradient buffer (:class:`gradcomp.integrations.torchft.ManagedAllreduce`),
-each in its own network namespace of a :class:`~gradcomp.lab.cluster.LocalCluster`
-whose links are shaped to ``rate``; torchft's lighthouse runs in a fourth
-namespace. After the last group has committed step ``kill_at`` it is SIGKILLed
-and started again at once; it heals from a survivor (parameters and optimizer
-state over the quorum's process group) and joins. :func:`kill_and_heal` returns:
-
-* ``survivor_failed_steps``: steps a survivor attempted and did not commit
-  after the kill (the most over the survivors), and ``lost_beyond_in_flight``:
-  the same less the one step in flight at the kill;
-* ``kill_to_survivors_next_commit_s``: from the kill to the survivors' next commit;
-* ``restart_to_first_commit_s``: from the restart (process start: interpreter,
-  imports, the heal included) to the restarted group's first committed step,
-  split into ``restart_to_entry_s`` (the interpreter's start and the module's
-  import) and ``entry_to_first_commit_s`` (torch's and torchft's set-up, the
-  quorum, the heal over the shaped link, the first step).
-
-Every child is ended by its PID on every exit path, the lighthouse first
-asked to stop, and the cluster removes its namespaces. Run
-``python -m gradcomp.lab.ft_failure --help``; the results: docs/results/fault-tolerance.md.
+Three replica groups (one process each, the study's digits MLP, random batches
+of 64, gradcomp's int8 ring allreduce of one flat gradient buffer through
+:class:`gradcomp.integrations.torchft.ManagedAllreduce`) run each in its own
+network namespace of a :class:`~gradcomp.lab.cluster.LocalCluster` with links
+shaped to ``rate``; torchft's lighthouse runs in a fourth. After the last group
+committed step ``kill_at`` it is SIGKILLed and started again at once; it heals
+from a survivor and joins. :func:`kill_and_heal` returns the survivors' failed
+steps after the kill (``lost_beyond_in_flight``: less the step in flight), the
+time from the kill to their next commit, and from the restart to the restarted
+group's first commit (``restart_to_entry_s``: interpreter and imports;
+``entry_to_first_commit_s``: set-up, quorum, heal over the link, first step).
+Every child is ended by its PID on every exit path and the cluster removes its
+namespaces. ``python -m gradcomp.lab.ft_failure --help``; results:
+docs/results/fault-tolerance.md.
 """
 
 from __future__ import annotations

@@ -106,9 +106,7 @@ class ParameterServer:
             CheckpointError); ``"if-exists"``: load it when there is one; False: start afresh.
         group: the process group (default: the world); ranks are group ranks.
         meter: a :class:`~gradcomp.TrafficMeter` for phases ``"push"`` and
-            ``"pull"`` (default: a new one, :attr:`meter`), and for the events
-            ``"push_dropped"`` (a late push dropped) and ``"push_stale"`` (a push
-            applied with staleness >= 1).
+            ``"pull"`` and events ``"push_dropped"``, ``"push_stale"`` (default: a new one, :attr:`meter`).
         device: device of the shard and of the update arithmetic.
         credential: the job's credential (:func:`gradcomp.ps.new_credential`),
             the same on every server; None: server 0 creates one and it

@@ -1,32 +1,18 @@
 """Ft mode: synchronous training on torchft's per-step quorum, a late worker left out by a timeout.
 
-Every worker is a torchft replica group of one process (PyTorch's per-step
-fault tolerance: a lighthouse forms a quorum of replica groups every step).
-Each step a worker computes its gradient first and only then asks to join the
-step's quorum (``start_quorum`` after the backward pass): a slow worker is
-late to the quorum, not to the collective. The lighthouse forms the quorum
-with the workers that asked within ``cfg.ft_timeout`` seconds of the first
-one (its join timeout), or at once when every member of the previous quorum
-asked (torchft's fast quorum); at least ``workers - 1`` must be there. The
-gradients, as one flat buffer, are averaged by :class:`gradcomp.integrations.torchft.ManagedAllreduce`
-(the run's codec, error feedback per the compressor choice; dense codecs on
-``ring`` or ``two_phase``, sparse ones on ``allgather``) over the workers at
-the quorum's step (``manager.num_participants()``).
-
-A worker that joins behind the quorum's step (the quorum formed without it)
-heals: it loads a peer's parameters and optimizer state (torchft's checkpoint
-transport over the quorum's process group, ``use_async_quorum=True``), its
-gradient, computed on old parameters, is dropped (as a backup worker's late
-push is; counted in its meter's ``"not_participating"`` events), and it
-applies the step's average like the others. Its losses for the steps it
-skipped repeat its last computed loss.
-
-The lighthouse and a small control store run in rank 0's process (in its
-namespace on an emulated cluster). A worker past the last step counts itself
-in the store and stays in the quorums without training (zeros, no update), so
-that a worker left behind heals from it; once all are counted, rank 0 stops
-the lighthouse (from a thread), which ends any pending quorum request, and every worker holds
-the parameters of the last step. Rank 0 evaluates.
+Every worker is a torchft replica group of one process. A worker computes its
+gradient first and only then asks to join the step's quorum: a slow worker is
+late to the quorum, not to the collective, and the lighthouse forms the quorum
+without it after ``cfg.ft_timeout`` seconds (its join timeout; at least
+``workers - 1`` members). The gradients, one flat buffer, are averaged by
+:class:`gradcomp.integrations.torchft.ManagedAllreduce` over the workers at the
+quorum's step. A worker that joins behind heals from a peer, contributes
+nothing to that step (its stale gradient is dropped, as a backup worker's late
+push is) and applies the step's average. The lighthouse and a control store
+run in rank 0's process; a worker past the last step keeps the quorums (zeros,
+no update) until every worker is past it, so that all end on the same
+parameters. Rank 0 evaluates. The why of each choice, and what torchft could
+not do: docs/fault-tolerance.md.
 """
 
 from __future__ import annotations
