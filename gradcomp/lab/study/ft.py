@@ -23,6 +23,7 @@ import os
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,25 @@ def _control(rank: int, cfg: TrainConfig, addr: str):
     if store is None:
         store = TCPStore(host, port, is_master=False, timeout=timeout)
     return lighthouse, address, store
+
+
+@dataclass
+class _Replica:
+    """What one worker's training loop works with (see :func:`train_ft_rank`)."""
+
+    rank: int
+    cfg: TrainConfig
+    data: Digits
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    manager: object  # torchft.Manager
+    ar: object  # ManagedAllreduce
+    control: object  # the control store (torch.distributed.TCPStore)
+    log: RankLog
+    timeline: StepTimeline
+    delay: ComputeDelay
+    batches: list
+    progress: object
 
 
 class _Watcher:
@@ -185,8 +205,8 @@ def train_ft_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str,
     dist.barrier()
     log.start()
     try:
-        lossf, recorded = _loop(rank, cfg, data, model, opt, manager, ar, control, log, timeline, delay, batches,
-                                progress)
+        lossf, recorded = _loop(_Replica(rank, cfg, data, model, opt, manager, ar, control, log, timeline, delay,
+                                         batches, progress))
     finally:
         if watcher is not None:
             watcher.stop()
@@ -201,8 +221,7 @@ def train_ft_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str,
     return log
 
 
-def _loop(rank, cfg, data, model, opt, manager, ar, control, log, timeline, delay, batches, progress
-          ) -> tuple[float, int]:
+def _loop(r: "_Replica") -> tuple[float, int]:
     """Train until every worker is past ``cfg.steps`` steps (see the module docstring);
     returns the last computed loss and the last step recorded.
 
@@ -210,56 +229,56 @@ def _loop(rank, cfg, data, model, opt, manager, ar, control, log, timeline, dela
     stepping no optimizer, until every worker is past it: a worker left behind
     heals from it (a quorum needs ``workers - 1`` members), so all end on the
     parameters of the last step."""
-    recorded, lossf, params, finished = 0, float("nan"), list(model.parameters()), False
-    meter = ar.meter  # the run's bytes; the zeros a worker past the last step exchanges go to a meter of their own
+    recorded, lossf, params, finished = 0, float("nan"), list(r.model.parameters()), False
+    meter = r.ar.meter  # the run's bytes; the zeros a worker past the last step exchanges go to a meter of their own
     idle = TrafficMeter()
-    while int(control.add("finished", 0)) < cfg.workers:
-        step = manager.current_step()
-        if step >= cfg.steps and not finished:
-            control.add("finished", 1)
+    while int(r.control.add("finished", 0)) < r.cfg.workers:
+        step = r.manager.current_step()
+        if step >= r.cfg.steps and not finished:
+            r.control.add("finished", 1)
             finished = True
             continue
-        active = step < cfg.steps
-        ar.meter = meter if active else idle
+        active = step < r.cfg.steps
+        r.ar.meter = meter if active else idle
         if active:
             t0 = now()
-            timeline.begin_step(t0)
-            with timeline.span("compute"):
-                idx = batches[step]
-                loss = batch_loss(model, data.x_train[idx], data.y_train[idx])
-                slept = delay.sleep(step + 1, now() - t0)
-                opt.zero_grad(set_to_none=True)
+            r.timeline.begin_step(t0)
+            with r.timeline.span("compute"):
+                idx = r.batches[step]
+                loss = batch_loss(r.model, r.data.x_train[idx], r.data.y_train[idx])
+                slept = r.delay.sleep(step + 1, now() - t0)
+                r.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 lossf = loss.item()
-            delay.observe(now() - t0 - slept)
+            r.delay.observe(now() - t0 - slept)
         else:
             time.sleep(PASSIVE_PAUSE_S)  # no batch to compute: do not spin the others' cores
             for p in params:
                 p.grad = torch.zeros_like(p)
         try:
-            with timeline.span("wait"):  # for the quorum: the others, the join timeout, a heal
-                manager.start_quorum()
-                manager.wait_quorum()
+            with r.timeline.span("wait"):  # for the quorum: the others, the join timeout, a heal
+                r.manager.start_quorum()
+                r.manager.wait_quorum()
         except Exception:  # the lighthouse stopped: every worker is past the last step
-            if int(control.add("finished", 0)) >= cfg.workers:
+            if int(r.control.add("finished", 0)) >= r.cfg.workers:
                 if active:
-                    timeline.end_step()
+                    r.timeline.end_step()
                 break
             raise
-        with timeline.span("communicate"):  # one flat buffer, as one DDP bucket: one collective per step
+        with r.timeline.span("communicate"):  # one flat buffer, as one DDP bucket: one collective per step
             grads = [p.grad for p in params]
-            flat = ar.allreduce(torch.cat([g.reshape(-1) for g in grads]), key="grads")
+            flat = r.ar.allreduce(torch.cat([g.reshape(-1) for g in grads]), key="grads")
             for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(part.view_as(g))
-        with timeline.span("apply"):
-            if ar.commit() and manager.current_step() <= cfg.steps:  # past the last step: no update
-                opt.step()
+        with r.timeline.span("apply"):
+            if r.ar.commit() and r.manager.current_step() <= r.cfg.steps:  # past the last step: no update
+                r.opt.step()
         if active:
-            timeline.end_step()
-        reached = min(manager.current_step(), cfg.steps)
+            r.timeline.end_step()
+        reached = min(r.manager.current_step(), r.cfg.steps)
         for s in range(recorded + 1, reached + 1):  # steps committed or healed over
-            log.record(cfg, FT, s, lossf, meter, model if rank == 0 else None, data,
-                       progress if rank == 0 else None)
+            r.log.record(r.cfg, FT, s, lossf, meter, r.model if r.rank == 0 else None, r.data,
+                         r.progress if r.rank == 0 else None)
         recorded = max(recorded, reached)
-    ar.meter = meter
+    r.ar.meter = meter
     return lossf, recorded
