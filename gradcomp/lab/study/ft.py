@@ -44,6 +44,8 @@ FT = "ft"
 FT_OP_TIMEOUT_S = 60.0
 #: seconds a worker past the last step pauses before each quorum it keeps for the others
 PASSIVE_PAUSE_S = 0.01
+#: seconds a worker past the last step waits for a quorum before it checks whether all are past it
+PASSIVE_QUORUM_S = 2.0
 #: the lighthouse's heartbeat timeout: a worker silent this long is dead (milliseconds)
 HEARTBEAT_TIMEOUT_MS = 5000
 
@@ -257,14 +259,16 @@ def _loop(r: "_Replica") -> tuple[float, int]:
                 p.grad = torch.zeros_like(p)
         try:
             with r.timeline.span("wait"):  # for the quorum: the others, the join timeout, a heal
-                r.manager.start_quorum()
+                # past the last step, bounded: the last workers may leave without joining (ends the run)
+                r.manager.start_quorum(timeout=None if active else datetime.timedelta(seconds=PASSIVE_QUORUM_S))
                 r.manager.wait_quorum()
-        except Exception:  # the lighthouse stopped: every worker is past the last step
+        except Exception as e:  # the lighthouse stopped, or no worker behind came: every worker is past the end
             if int(r.control.add("finished", 0)) >= r.cfg.workers:
                 if active:
                     r.timeline.end_step()
                 break
-            raise
+            raise RuntimeError(f"ft mode: worker {r.rank} got no quorum at step {step} ({e}) while "
+                               f"{r.cfg.workers - int(r.control.add('finished', 0))} worker(s) are behind") from e
         with r.timeline.span("communicate"):  # one flat buffer, as one DDP bucket: one collective per step
             grads = [p.grad for p in params]
             flat = r.ar.allreduce(torch.cat([g.reshape(-1) for g in grads]), key="grads")
