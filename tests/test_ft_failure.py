@@ -16,15 +16,19 @@ REASON = requirements_missing()
 
 
 def _children() -> set[int]:
-    """PIDs of this process's live children (from /proc)."""
+    """PIDs of this process's live children (from /proc), less multiprocessing's
+    own helpers (the forkserver and resource tracker the link calibration's
+    launch starts once per process, as every launch does)."""
     me, out = os.getpid(), set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if int(fields[1]) == me and fields[0] != "Z":
+        if int(fields[1]) == me and fields[0] != "Z" and "from multiprocessing." not in cmd:
             out.add(int(pid))
     return out
 
