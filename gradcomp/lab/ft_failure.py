@@ -8,7 +8,8 @@ shaped to ``rate``; torchft's lighthouse runs in a fourth. After the last group
 committed step ``kill_at`` it is SIGKILLed and started again at once; it heals
 from a survivor and joins. :func:`kill_and_heal` returns the survivors' failed
 steps after the kill (``lost_beyond_in_flight``: less the step in flight), the
-time from the kill to their next commit, and from the restart to the restarted
+time from the kill to their next commit and their longest stall between two
+commits after it (``survivors_stall_s``), and from the restart to the restarted
 group's first commit (``restart_to_entry_s``: interpreter and imports;
 ``entry_to_first_commit_s``: set-up, quorum, heal over the link, first step).
 Every child is ended by its PID on every exit path and the cluster removes its
@@ -207,11 +208,15 @@ def _figures(out: str, run: dict) -> dict:
     steps = [r for recs in survivors for r in recs if "ok" in r]
     failed = [sum(1 for r in recs if "ok" in r and not r["ok"] and r["t"] > kill) for recs in survivors]
     next_commit = [min(r["t"] for r in recs if r.get("ok") and r["t"] > kill) - kill for recs in survivors]
+    stall = []  # per survivor: the longest time between two commits, the later one after the kill
+    for recs in survivors:
+        t = [kill] + [r["t"] for r in recs if r.get("ok") and r["t"] > kill]
+        stall.append(max(b - a for a, b in zip(t, t[1:])))
     first_commit = min(r["t"] for r in restarted if r.get("ok"))
     digests = {recs[-1].get("digest") for pid, (i, recs) in logs.items() if pid != run["victim"]}
     step_s = sorted(r["t"] - r["t0"] for r in steps if r["ok"] and r["t"] < kill)
     return {"survivor_failed_steps": max(failed), "lost_beyond_in_flight": max(0, max(failed) - 1),
-            "kill_to_survivors_next_commit_s": max(next_commit), "restart_to_first_commit_s": first_commit - restart,
+            "kill_to_survivors_next_commit_s": max(next_commit), "survivors_stall_s": max(stall), "restart_to_first_commit_s": first_commit - restart,
             "restart_to_entry_s": restarted[0]["start"] - restart, "entry_to_first_commit_s": first_commit - restarted[0]["start"],
             "restarted_first_step": next(r["step0"] for r in restarted if "step0" in r),
             "step_median_s": step_s[len(step_s) // 2] if step_s else None,
