@@ -3,7 +3,8 @@
 Counters are kept per phase (``"reduce_scatter"``, ``"allgather"``, ...) and,
 for collectives that know where their peers are (the hierarchical allreduce),
 also per tier of the network: ``"intra_host"`` (ranks of one host) and
-``"inter_host"`` (what the links between hosts carried).
+``"inter_host"`` (what the links between hosts carried). Events that are not
+bytes (a dropped push, a changed quorum) are counted by kind.
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ class TrafficMeter:
     an adaptive local SGD period (:class:`gradcomp.SyncPeriod`; ``kind``
     ``"sync_every"``, with its reason); every rank logs the same entries, so
     :meth:`merge` keeps each distinct entry once.
+
+    ``events`` counts what happened to the exchange rather than bytes, by kind
+    (:meth:`record_event`): pushes a parameter server dropped or applied stale
+    (``"push_dropped"``, ``"push_stale"``), changes of a torchft quorum's size
+    (``"quorum_change"``), steps not committed (``"step_rolled_back"``), ...; each
+    rank counts its own, so :meth:`merge` adds them.
     """
 
     def __init__(self):
@@ -67,6 +74,7 @@ class TrafficMeter:
         self.tiers: dict[str, PhaseCounters] = {}
         self.steps = 0
         self.switches: list[dict] = []
+        self.events: dict[str, int] = {}
         self._scope = threading.local()  # the calling thread's tier_scope, if any
 
     @contextmanager
@@ -144,6 +152,23 @@ class TrafficMeter:
         with self._lock:
             self.switches.append(dict(entry))
 
+    def record_event(self, kind: str, count: int = 1) -> None:
+        """Count ``count`` events of ``kind`` (see :attr:`events`).
+
+        Args:
+            kind: a non-empty name, e.g. ``"push_dropped"`` or ``"quorum_change"``.
+            count: an int >= 0.
+
+        Raises:
+            TypeError / ValueError: ``kind`` not a non-empty str, ``count`` not an int >= 0.
+        """
+        if not isinstance(kind, str) or not kind:
+            raise TypeError(f"kind must be a non-empty str, got {kind!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        with self._lock:
+            self.events[kind] = self.events.get(kind, 0) + count
+
     def step(self) -> None:
         """Mark the end of a training step (for per-step averages)."""
         with self._lock:
@@ -181,6 +206,7 @@ class TrafficMeter:
             self.tiers.clear()
             self.steps = 0
             self.switches.clear()
+            self.events.clear()
 
     def merge(self, other: "TrafficMeter | dict") -> None:
         """Add another meter's counters (or its :meth:`as_dict`) into this one."""
@@ -188,10 +214,10 @@ class TrafficMeter:
             with other._lock:
                 phases = {name: {f: getattr(c, f) for f in _FIELDS} for name, c in other.phases.items()}
                 tiers = {name: {f: getattr(c, f) for f in _FIELDS} for name, c in other.tiers.items()}
-                steps, switches = other.steps, list(other.switches)
+                steps, switches, events = other.steps, list(other.switches), dict(other.events)
         else:
             phases, steps, switches = other.get("phases", {}), int(other.get("steps", 0)), other.get("switches", ())
-            tiers = other.get("tiers", {})
+            tiers, events = other.get("tiers", {}), other.get("events", {})
         with self._lock:
             for name, vals in phases.items():
                 c = self._phase(name)
@@ -205,6 +231,8 @@ class TrafficMeter:
             for entry in switches:
                 if entry not in self.switches:
                     self.switches.append(dict(entry))
+            for kind, count in events.items():
+                self.events[kind] = self.events.get(kind, 0) + int(count)
 
     def as_dict(self) -> dict:
         """JSON-ready totals, per-phase counters and per-tier counters (``"tiers"``:
@@ -215,6 +243,7 @@ class TrafficMeter:
             tiers = {k: asdict(c) for k, c in self.tiers.items()}
             steps = self.steps
             switches = [dict(e) for e in self.switches]
+            events = dict(sorted(self.events.items()))
         tot = {f: sum(p[f] for p in phases.values()) for f in asdict(PhaseCounters())}
         sent = tot["bytes_sent"]
         return {
@@ -227,6 +256,7 @@ class TrafficMeter:
             "phases": phases,
             "tiers": tiers,
             "switches": switches,
+            "events": events,
         }
 
     def to_json(self) -> str:

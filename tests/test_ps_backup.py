@@ -91,6 +91,8 @@ def test_step_applied_with_the_first_n_minus_b_pushes():
     assert stats["version"] == stats["updates"] == 2 and stats["backup_workers"] == 1
     assert stats["accepted"] == 4 and stats["dropped"] == 2 and stats["pushes"] == 6
     assert stats["dropped_staleness_histogram"] == {1: 2}
+    # the same two drops reach the server's meter as events; sync applies no stale push
+    assert stats["traffic"]["events"] == {"push_dropped": 2}
     assert {r: stats["workers"][r]["dropped"] for r in (1, 2, 3)} == {1: 1, 2: 0, 3: 1}
     assert all(out[r]["version"] == 2 for r in (1, 2, 3))
 

@@ -150,6 +150,7 @@ def _replica_steps(index: int, lighthouse: str, grads: list[torch.Tensor], fail_
                 manager.report_error(RuntimeError("a peer of this replica group failed"))
             out[(index, step)] = (result, ar.commit(), before, ar.residuals["g"].clone(),
                                   manager.num_participants())
+        out[(index, "events")] = ar.meter.as_dict()["events"]
     finally:
         manager.shutdown(wait=False)
 
@@ -174,7 +175,7 @@ def test_residuals_flat_kept_on_commit_rolled_back_otherwise():
             t.start()
         for t in threads:
             t.join(timeout=90)
-        assert not any(t.is_alive() for t in threads) and len(out) == 4, sorted(out)
+        assert not any(t.is_alive() for t in threads) and len(out) == 6, sorted(out, key=str)
     finally:
         lighthouse.shutdown()
 
@@ -194,6 +195,8 @@ def test_residuals_flat_kept_on_commit_rolled_back_otherwise():
     assert torch.equal(residual1, before1["g"]) and torch.equal(residual1, grads[1][0] - d[1])
     x0 = grads[0][1] + before0["g"]
     assert torch.equal(residual0, x0 - sent(x0))
+    # the meter counts group 1's rolled-back step; both stayed in a quorum of 2 throughout
+    assert out[(0, "events")] == {} and out[(1, "events")] == {"step_rolled_back": 1}
 
 
 LR, SYNC_EVERY, SYNCS = 0.1, 2, 2
@@ -360,3 +363,34 @@ def test_managed_allreduce_bad_arguments_name_them():
         ManagedAllreduce(None, None, gc.Int8Quantizer(), meter=3)
     with pytest.raises(TypeError, match="compressor"):
         ManagedAllreduce(None, None, "int8")
+
+
+class _FakeManager:
+    """The four Manager calls ``commit`` makes, scripted per step: (participants, participating, commits)."""
+
+    def __init__(self, steps):
+        self.steps, self.i = list(steps), -1
+
+    def wait_quorum(self):
+        self.i += 1
+
+    def num_participants(self):
+        return self.steps[self.i][0]
+
+    def is_participating(self):
+        return self.steps[self.i][1]
+
+    def should_commit(self):
+        return self.steps[self.i][2]
+
+
+def test_commit_counts_quorum_changes_left_out_steps_and_rollbacks():
+    import gradcomp as gc
+    from gradcomp.integrations.torchft import ManagedAllreduce
+
+    # 3, 3, 2 (a change), 2 not participating, 3 (a change) and not committed, 3
+    script = [(3, True, True), (3, True, True), (2, True, True), (2, False, True), (3, True, False), (3, True, True)]
+    ar = ManagedAllreduce(_FakeManager(script), None, gc.NoCompression())
+    assert [ar.commit() for _ in script] == [s[2] for s in script]
+    assert ar.meter.as_dict()["events"] == {"quorum_change": 2, "not_participating": 1, "step_rolled_back": 1}
+    assert (ar.committed, ar.rolled_back) == (5, 1)

@@ -81,6 +81,7 @@ class ManagedAllreduce:
         self._before: dict[Hashable, torch.Tensor | None] = {}
         #: steps committed / rolled back by :meth:`commit`
         self.committed = self.rolled_back = 0
+        self._last_quorum_size: int | None = None
 
     def allreduce(self, tensor: torch.Tensor, key: Hashable = None) -> torch.Tensor:
         """The mean of ``tensor`` over the replica groups in the current quorum.
@@ -114,16 +115,35 @@ class ManagedAllreduce:
 
     def commit(self) -> bool:
         """``manager.should_commit()``: on True keep this step's residuals, on
-        False put them back as they were before the step. Call once per step."""
+        False put them back as they were before the step. Call once per step.
+
+        Counts in :attr:`meter`'s events: ``"step_rolled_back"`` (not committed),
+        ``"quorum_change"`` (the quorum's size differs from the previous step's)
+        and ``"not_participating"`` (this group healed in the step or was left
+        out of it, and contributed nothing)."""
+        self.manager.wait_quorum()
+        self._count_quorum()  # before should_commit, which applies a healing group's new state
         ok = bool(self.manager.should_commit())
         if ok:
             self.committed += 1
         else:
             self.rolled_back += 1
+            self.meter.record_event("step_rolled_back")
             for key in list(self._before):
                 self._restore(key)
         self._before.clear()
         return ok
+
+    def _count_quorum(self) -> None:
+        """Meter events of this step's quorum: ``"quorum_change"`` when its size
+        differs from the previous step's, ``"not_participating"`` when this
+        replica group healed or was left out (it contributed nothing)."""
+        n = self.manager.num_participants()
+        if self._last_quorum_size is not None and n != self._last_quorum_size:
+            self.meter.record_event("quorum_change")
+        self._last_quorum_size = n
+        if not self.manager.is_participating():
+            self.meter.record_event("not_participating")
 
     def reset_residuals(self) -> None:
         """Forget every residual (e.g. after loading a checkpoint from elsewhere)."""

@@ -106,7 +106,7 @@ class ParameterServer:
             CheckpointError); ``"if-exists"``: load it when there is one; False: start afresh.
         group: the process group (default: the world); ranks are group ranks.
         meter: a :class:`~gradcomp.TrafficMeter` for phases ``"push"`` and
-            ``"pull"`` (default: a new one, :attr:`meter`).
+            ``"pull"`` and events ``"push_dropped"``, ``"push_stale"`` (default: a new one, :attr:`meter`).
         device: device of the shard and of the update arithmetic.
         credential: the job's credential (:func:`gradcomp.ps.new_credential`),
             the same on every server; None: server 0 creates one and it
@@ -446,6 +446,7 @@ class ParameterServer:
         if too_stale:
             peer.dropped += 1
             self.dropped_staleness_histogram[staleness] += 1
+            self.meter.record_event("push_dropped")
             return self._reply(peer, self._header(P.PUSH_REPLY, h, status=P.DROPPED, aux=staleness),
                                None, "push")
         try:
@@ -454,6 +455,8 @@ class ParameterServer:
             return self._reject(peer, h, e.reason)
         peer.accepted += 1
         self.staleness_histogram[staleness] += 1
+        if staleness > 0:  # applied on parameters that moved since the worker pulled them
+            self.meter.record_event("push_stale")
         if self.mode == "async":
             self._apply(grads, staleness)
             self._reply(peer, self._header(P.PUSH_REPLY, h, status=P.ACCEPTED, aux=staleness), None, "push")

@@ -51,9 +51,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--mode", type=A.modes_type, default=MODES, metavar="MODE[,MODE]",
                    help="sync (DDP + compressed allreduce hook), async (parameter server), "
                         "local (local SGD / DiLoCo: compressed pseudo-gradients every "
-                        "--sync-every steps), auto (local SGD whose period and codec are chosen "
-                        "online: one row beside the fixed ones), a comma-separated list of them "
-                        "(e.g. sync,local,auto), "
+                         "--sync-every steps), auto (local SGD whose period and codec are chosen "
+                         "online: one row beside the fixed ones), ft (sync on torchft's per-step quorum: "
+                         "a worker later than --ft-timeout to a step's quorum is left out of it and heals), "
+                         "a comma-separated list of them (e.g. sync,local,auto), "
                         "or both (sync and async, the default); pipeline (alone): pipeline "
                         "parallelism, see the pipeline options")
     p.add_argument("--compressors", type=A.compressor_list_type, default=DEFAULT_COMPRESSORS,
@@ -128,6 +129,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="sync mode through the parameter server: apply a step with the first "
                            "WORKERS - B pushes, drop the late ones (0: every push; default: sync "
                            "runs gradcomp's allreduce)")
+    time.add_argument("--ft-timeout", type=A.positive_float_type, default=None, metavar="S",
+                      help=f"ft mode: seconds after the first worker asks to join a step's quorum "
+                           f"that the others may join it (torchft's join timeout; default "
+                           f"{d.ft_timeout:g}, at most 60)")
     time.add_argument("--compute-jitter", type=A.cv_type, default=0.0, metavar="CV",
                       help="stretch every worker's compute each step by a lognormal factor with "
                            "mean 1 and this coefficient of variation (seeded; default 0)")
@@ -206,6 +211,8 @@ def _workers(args: argparse.Namespace) -> int:
         return topology[0] * topology[1]
     if not in_torchrun():
         return args.workers if args.workers is not None else TrainConfig().workers
+    if "ft" in args.mode:
+        raise ValueError("--mode ft starts its workers and their lighthouse itself: run it without torchrun")
     world = int(os.environ["WORLD_SIZE"])
     if len(args.mode) > 1:
         raise ValueError("under torchrun run one mode per job: --mode sync or local (WORLD_SIZE "
@@ -242,6 +249,8 @@ def _check_row_options(args: argparse.Namespace) -> None:
     if args.algorithm == "hierarchical" and low_rank:
         raise ValueError(f"--algorithm hierarchical does not apply to {low_rank[0]} (PowerSGD's two exchanges "
                          "run on ring, two_phase or halving_doubling): drop it from --compressors")
+    if getattr(args, "ft_timeout", None) is not None and "ft" not in args.mode:
+        raise ValueError(f"--ft-timeout only applies to --mode ft, got --mode {','.join(args.mode)}")
     if args.async_momentum is not None and "async" not in args.mode:
         raise ValueError(f"--async-momentum only applies to --mode async, got --mode {','.join(args.mode)}")
     if args.mode == ("pipeline",) and ("@" in args.link or (args.straggler and args.straggler[2] > 0)):
@@ -284,7 +293,9 @@ def _config(args: argparse.Namespace) -> TrainConfig:
                        straggler=args.straggler[:2] if args.straggler else None,
                        straggler_from_s=args.straggler[2] if args.straggler else 0.0,
                        compute_jitter=args.compute_jitter,
-                       backup_workers=args.backup_workers, **local)
+                       backup_workers=args.backup_workers,
+                       **({} if getattr(args, "ft_timeout", None) is None else {"ft_timeout": args.ft_timeout}),
+                       **local)
 
 
 def _hidden(args: argparse.Namespace, workload: str) -> tuple[int, ...]:

@@ -28,13 +28,13 @@ def param_digest(model: torch.nn.Module) -> str:
 
 def counted_bytes(mode: str, meter, raw: bool = False) -> int:
     """The bytes a worker's meter (a TrafficMeter or its ``as_dict()``) counts
-    for the report: what it sent in sync and local mode (a ring rank receives
+    for the report: what it sent in sync, local and ft mode (a ring rank receives
     as much as it sends), what it sent plus received in async mode (pushes and pulls).
     ``raw``: the uncompressed float32 equivalent of the same."""
     d = meter if isinstance(meter, dict) else meter.as_dict()
     prefix = "raw_" if raw else ""
     sent = d[f"{prefix}bytes_sent"]
-    return sent if mode in ("sync", "local") else sent + d[f"{prefix}bytes_received"]
+    return sent if mode in ("sync", "local", "ft") else sent + d[f"{prefix}bytes_received"]
 
 
 @dataclass

@@ -22,9 +22,10 @@ __all__ = ["TrainConfig", "CompressorChoice", "COMPRESSORS", "DEFAULT_COMPRESSOR
 
 MODES = ("sync", "async")
 #: Every mode ``--mode`` accepts: MODES (``both``) plus local SGD / DiLoCo
-#: (:mod:`gradcomp.lab.study.local`) and auto: local SGD whose period and codec are chosen
-#: online (one row, ``auto``, whatever ``--compressors`` lists).
-ALL_MODES = (*MODES, "local", "auto")
+#: (:mod:`gradcomp.lab.study.local`), auto: local SGD whose period and codec are chosen
+#: online (one row, ``auto``, whatever ``--compressors`` lists), and sync on torchft's
+#: quorum (:mod:`gradcomp.lab.study.ft`).
+ALL_MODES = (*MODES, "local", "auto", "ft")
 #: Dense algorithms of the sync and local modes (``--algorithm``).
 ALGORITHMS = ("ring", "two_phase", "hierarchical", "halving_doubling")
 #: Algorithms of the exact top-k rows (``--sparse-algorithm``); threshold and
@@ -104,7 +105,9 @@ class CompressorChoice:
 
 def _catalog_row(name: str) -> CompressorChoice:
     e = catalog.entry(name)
-    return CompressorChoice(name, e.label, e.error_feedback, dgc=e.dgc)
+    # DGC's momentum correction lives in the DDP hook and the server, not in the ft mode's allreduce
+    modes = tuple(m for m in ALL_MODES if m != "ft") if e.dgc else ALL_MODES
+    return CompressorChoice(name, e.label, e.error_feedback, dgc=e.dgc, modes=modes)
 
 
 COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
@@ -182,6 +185,9 @@ class TrainConfig:
             ``b``: sync mode runs through the parameter server, a step applied
             with the first ``workers - b`` pushes (0: every push; Chen et al.
             2016, "Revisiting Distributed Synchronous SGD"), in ``[0, workers)``.
+        ft_timeout: the ft mode's quorum join timeout in seconds (torchft's
+            lighthouse ``join_timeout_ms``): a worker that asks to join a step's
+            quorum later than this after the first is left out of it, in (0, 60].
         compute_jitter: coefficient of variation of every worker's per-step
             compute stretch (lognormal, seeded; 0: none).
         sync_every, outer, fragments, overlap: the local mode's schedule
@@ -216,6 +222,7 @@ class TrainConfig:
     straggler_from_s: float = 0.0
     compute_jitter: float = 0.0
     backup_workers: int | None = None
+    ft_timeout: float = 0.05
     sync_every: int = 32
     outer: str = "avg"
     fragments: int = 1
@@ -290,6 +297,9 @@ class TrainConfig:
                 self.backup_workers, int) or not 0 <= self.backup_workers < self.workers):
             raise ValueError(f"backup_workers must be None or an int in [0, workers={self.workers}), "
                              f"got {self.backup_workers!r}")
+        if (isinstance(self.ft_timeout, bool) or not isinstance(self.ft_timeout, (int, float))
+                or not 0 < self.ft_timeout <= 60):
+            raise ValueError(f"ft_timeout must be a number of seconds in (0, 60], got {self.ft_timeout!r}")
         if not 0 <= self.compute_jitter <= 10:
             raise ValueError(f"compute_jitter must be a CV in [0, 10], got {self.compute_jitter!r}")
         check_schedule(self.sync_every, self.fragments, self.overlap)

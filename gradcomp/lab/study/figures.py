@@ -13,7 +13,7 @@ import textwrap
 __all__ = ["MODE_STYLES", "REASON_MARKERS", "results_figure", "time_figure", "decisions_figure", "codec_colors"]
 
 #: line style per mode
-MODE_STYLES = {"sync": "-", "async": "--", "local": ":", "auto": "-."}
+MODE_STYLES = {"sync": "-", "async": "--", "local": ":", "auto": "-.", "ft": (0, (3, 1, 1, 1, 1, 1))}
 _PHASE_COLORS = {"compute": "#4c72b0", "compress": "#dd8452", "communicate": "#55a868",
                  "wait": "#c44e52", "decompress": "#8172b3", "apply": "#937860", "other": "#bbbbbb"}
 

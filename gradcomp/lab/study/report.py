@@ -81,7 +81,9 @@ def title(study: StudyResult) -> str:
     async_m = (f" (async: {c.async_momentum:g})"
                if "async" in modes and c.async_momentum is not None else "")
     algorithm = (f", sync dense algorithm: {c.algorithm}, top-k: {c.sparse_algorithm}"
-                 if modes & {"sync", "local", "auto"} else "")
+                 if modes & {"sync", "local", "auto", "ft"} else "")
+    if "ft" in modes:
+        algorithm += f", ft: quorum join timeout {c.ft_timeout * 1e3:g} ms"
     if "local" in modes:
         streaming = f", {c.fragments} fragments, overlap {c.overlap}" if c.fragments > 1 or c.overlap else ""
         algorithm += f", local: sync every {c.sync_every} steps, outer {c.outer}{streaming}"

@@ -60,6 +60,7 @@ from gradcomp.lab.study.timing import server_queue, step_series, summarize_time,
 from gradcomp.lab.study.data import Digits, steps_per_epoch, worker_batches
 from gradcomp.lab.study.model import num_parameters
 from gradcomp.lab.study.workloads import batch_loss, build_model, load_split
+from gradcomp.lab.study.ft import train_ft_rank
 from gradcomp.lab.study.local import train_local_rank
 from gradcomp.lab.study.sync import train_sync_rank
 
@@ -180,7 +181,7 @@ def _rank_fn(mode: str, cfg: TrainConfig):
         return functools.partial(train_async_rank, ps_mode=mode)
     if mode == "auto":
         return functools.partial(train_local_rank, adaptive=True)
-    return {"sync": train_sync_rank, "local": train_local_rank}[mode]
+    return {"sync": train_sync_rank, "local": train_local_rank, "ft": train_ft_rank}[mode]
 
 
 def mode_compressors(mode: str, names: list[str]) -> list[str]:
@@ -353,6 +354,9 @@ def summarize(mode: str, compressor: str, cfg: TrainConfig, logs: list[RankLog])
     total = TrafficMeter()
     for log in workers:
         total.merge(log.meter)
+    for log in logs:  # the server's events (dropped and stale pushes); its bytes mirror the workers'
+        if log.role != "worker":
+            total.merge({"events": log.meter.get("events", {})})
     extra = {k: v for log in logs for k, v in log.extra.items() if k != "param_sha256"}
     extra.update(staleness_stats(extra))
     busy_intervals = extra.pop("busy_intervals", None)  # thousands of tuples: summarised here
@@ -460,7 +464,7 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
         cfg: the shared settings (``cfg.threshold=None``: calibrated per seed, see
             the module docstring). A scenario's straggler and compute jitter
             replace ``cfg``'s.
-        modes: subset of ``("sync", "async", "local")``.
+        modes: subset of ``("sync", "async", "local", "ft")``.
         compressors: names from :data:`~gradcomp.lab.study.config.COMPRESSORS`.
         on_progress: ``(mode, compressor, step, seed)`` callback.
         on_run: called with each finished run.
@@ -490,7 +494,7 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
     if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
         raise ValueError(f"seeds must be an int >= 1, got {seeds!r}")
     for m in modes:
-        if m in ("sync", "local", "auto") and cfg.workers < 2:
+        if m in ("sync", "local", "auto", "ft") and cfg.workers < 2:
             raise ValueError(f"{m} mode needs at least 2 workers (a single worker exchanges no "
                              f"gradient, so there is nothing to compress), got {cfg.workers}")
     if scenario is None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from gradcomp.meter import TrafficMeter

@@ -107,7 +107,7 @@ def legend(study) -> str:
     """One paragraph explaining the two tables' headers."""
     perplexity = study.config.workload == "text-gpt"
     seeds = len(study.seeds)
-    moved = "" if {r.mode for r in study.runs} <= {"sync", "local", "auto"} else " (async: pushed + pulled)"
+    moved = "" if {r.mode for r in study.runs} <= {"sync", "local", "auto", "ft"} else " (async: pushed + pulled)"
     parts = [f"bytes/step: wire bytes one worker sent per step{moved}", "reduction: none's bytes over the row's",
              *(("ppl: test perplexity",) if perplexity else ()),
              "gap (pp): the same mode's none's test accuracy minus the row's, in percentage points (above 0: a loss)",
