@@ -5,18 +5,15 @@ Usage (every rank of the group, after ``dist.init_process_group``)::
     ls = gc.LocalSGD(model, sync_every=32, compressor=gc.Int8Quantizer(),
                      outer_optimizer="nesterov")           # DiLoCo; None: local SGD
     for x, y in loader:
-        loss_fn(model(x), y).backward()
-        inner_opt.step(); inner_opt.zero_grad()
+        loss_fn(model(x), y).backward(); inner_opt.step(); inner_opt.zero_grad()
         ls.step()                                           # after every inner step
     ls.sync(); ls.close()                                   # final synchronisation
 
 Every rank trains on its own for ``H`` steps; then every rank computes the
 *pseudo-gradient* ``delta = anchor - params`` (how far its parameters moved
 since the last synchronisation, ``anchor`` being the parameters every rank
-held then), averages it over the group with :func:`gradcomp.allreduce`
-(dense codecs over the ring or two-phase algorithm, sparse ones over the
-allgather) with error feedback on the pseudo-gradient, and updates the
-anchor:
+held then), averages it over the group with :func:`gradcomp.allreduce` with
+error feedback on the pseudo-gradient, and updates the anchor:
 
 * ``outer_optimizer=None`` (local SGD, Stich 2019; Lin et al. 2020):
   ``anchor <- anchor - mean(delta)``, the average of the ranks' parameters
@@ -28,12 +25,9 @@ anchor:
   ``params -> torch.optim.Optimizer`` for any other outer optimizer, e.g.
   ``functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9, nesterov=True)``.
 
-Then every rank loads the new anchor into its parameters: they are
-bit-identical on every rank after each synchronisation, because the averaged
-pseudo-gradient is (:func:`gradcomp.allreduce` returns the same bytes' decoding
-everywhere) and the anchor update is the same float32 arithmetic everywhere.
-The inner optimizer's state (e.g. its momentum) stays local, as in DiLoCo.
-Buffers (e.g. BatchNorm statistics) are not synchronised.
+Then every rank loads the new anchor into its parameters, bit-identical on every rank
+(the same decoded bytes, the same float32 arithmetic). The inner optimizer's state stays
+local, as in DiLoCo; buffers (e.g. BatchNorm statistics) are not synchronised.
 
 Error feedback (Seide et al. 2014; Karimireddy et al. 2019) runs on the
 pseudo-gradient: a rank keeps one flat float32 residual per fragment, the
@@ -58,17 +52,9 @@ parameters, so the fragment's last ``tau`` local steps are dropped (the
 paper's mixing factor ``alpha = 0``, torchft's default; it keeps the ranks
 bit-identical). At most one exchange is in flight at a time.
 
-Traffic: the exchanges run on a process group of gradcomp's own (made with
-``dist.new_group`` over ``group``'s ranks), so they never interleave with the
-user's collectives, also from the background thread. The constructor checks
-that every rank passed the same schedule, codec, outer optimizer and
-parameters (docs/local-sgd.md), each fragment's first exchange that the ranks
-agree (:mod:`gradcomp.comm.agreement`); later ones rely on that. ``meter``
-gets the bytes per phase as :func:`gradcomp.allreduce` records them and one
-:meth:`~gradcomp.TrafficMeter.step` per :meth:`LocalSGD.step`. A ring
-exchange of a fragment of ``n`` elements sends ``2 (N - 1)`` chunk payloads
-per rank: for :class:`~gradcomp.Int8Quantizer` and ``N`` dividing ``n``,
-``2 (N - 1) (48 + n / N + 4 ceil(n / (256 N))`` bytes, once per ``H`` steps.
+Traffic: the exchanges run on a process group of gradcomp's own, so they never interleave
+with the user's collectives; the constructor agrees the schedule, codec, outer optimizer and
+parameters on every rank, and ``meter`` gets the bytes per phase (docs/local-sgd.md).
 """
 
 from __future__ import annotations

@@ -6,15 +6,12 @@
                   [--compute-ms T] [--straggler-cv CV] [--out DIR]        # projection table + plot
     gradcomp plan recommend --nodes N --link RATE --params P --compute-ms T
                   [--straggler-cv CV] [--max-gap PTS]
-    gradcomp plan calibrate [--link none|RATE] [--out FILE]
-    gradcomp plan validate RESULTS_DIR
+    gradcomp plan calibrate [--link none|RATE] [--out FILE] | gradcomp plan validate RESULTS_DIR
 
-Every subcommand but ``calibrate`` takes ``--profile FILE`` (default: this
-machine's kernels, measured on first use and cached, see :mod:`.machine`;
-``--recalibrate`` measures again), ``--alpha-us`` (message latency),
-``--kernel-gbps`` (every codec op at one memory bandwidth, e.g. a GPU's) and
-``--kernels-json`` (rates from ``gradcomp bench kernels``). Bad values exit
-with status 2 and one line on stderr, before any work.
+Every subcommand but ``calibrate`` takes ``--profile FILE`` (default: this machine's
+kernels, measured on first use and cached, see :mod:`.machine`), ``--alpha-us``,
+``--kernel-gbps`` and ``--kernels-json`` (docs/planning.md). Bad values exit with status 2
+and one line on stderr, before any work.
 """
 
 from __future__ import annotations
