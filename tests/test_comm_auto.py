@@ -304,7 +304,7 @@ def _training(rank, world):
             "plain_chosen": default_for(dist.group.WORLD).algorithm("k"),
             "chosen": {auto.algorithm(("bucket", i)) for i in range(len(auto._tracks))},
             "local": all(_same_everywhere(p.detach(), None, world) for p in local.parameters()),
-            "local_chosen": ls.auto.algorithm(("fragment", 0))}
+            "local_chosen": ls.auto.algorithm(0)}  # LocalSGD keys its tracks by fragment index
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from gradcomp.lab.study.config import TrainConfig
     (["--mode", "sync", "--ft-timeout", "0.1"], "--ft-timeout only applies to --mode ft"),
     (["--mode", "ft", "--ft-timeout", "61"], "ft_timeout must be a number of seconds in (0, 60]"),
     (["--mode", "ft", "--ft-timeout", "0"], "--ft-timeout: expected"),
-    (["--mode", "ft", "--compressors", "dgc"], "compressor 'dgc' runs in mode(s) sync,async,local only"),
+    (["--mode", "ft", "--compressors", "dgc"], "compressor 'dgc' runs in mode(s) sync,async,local,auto only"),
     (["--mode", "ft", "--workers", "1"], "ft mode needs at least 2 workers"),
 ])
 def test_bad_ft_options_exit_2_with_one_line(capsys, argv, words):

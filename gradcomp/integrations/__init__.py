@@ -2,4 +2,4 @@
 each): :mod:`gradcomp.integrations.lightning`, :mod:`gradcomp.integrations.torchft` and
 :mod:`gradcomp.integrations.torchft_localsgd` (extra ``[ft]``)."""
 
-__all__: list[str] = []
+__all__ = ()

@@ -7,4 +7,4 @@ the parameter-server demo (:mod:`gradcomp.lab.ps_demo`) and the one parser of co
 rates (:mod:`gradcomp.lab.units`). The lab imports the library; the library never imports the lab.
 """
 
-__all__: list[str] = []
+__all__ = ()

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["kill_and_heal"]
+__all__ = ["main", "kill_and_heal"]
 
 #: replica groups of the run, and the lighthouse's host in the cluster (the last one)
 REPLICAS = 3

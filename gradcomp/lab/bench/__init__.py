@@ -8,4 +8,4 @@
 Submodules are imported on demand; importing this package loads nothing else.
 """
 
-__all__: list[str] = []
+__all__ = ()

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gradcomp import catalog
-from gradcomp import wire as W
 
 __all__ = ["PlanCodec", "CODECS", "CODEC_NAMES", "PLAN_NAMES", "GAP_PTS", "GAP_UNMEASURED", "plan_codec",
            "parse_plan_names"]
@@ -63,6 +62,8 @@ class PlanCodec:
 
     @property
     def sparse(self) -> bool:
+        from gradcomp import wire as W  # imports torch: loaded on use, not when a parser lists names
+
         return W.codec(self.kind).sparse
 
     @property

@@ -7,7 +7,7 @@ import argparse
 
 from gradcomp.lab.study.config import ALL_MODES, MODES, parse_compressors
 
-__all__ = [
+__all__ = ["link_schedule_type",
     "positive_int_type", "positive_float_type", "nonnegative_float_type", "nonnegative_int_type",
     "modes_type", "seed_type", "compressor_list_type", "files_type", "cv_type", "straggler_type",
     "accuracy_type", "scenarios_type",
