@@ -50,34 +50,20 @@ def _replica_main(index: int, lighthouse: str, out: str, target: int) -> None:
     """One replica group: a JSON line per step to ``out/r<index>-<pid>.jsonl``; it
     stops once past ``target`` with the last 3 committed steps in a full quorum."""
     import torch
-    from torch.distributed import TCPStore
-    from torchft import Manager
-    from torchft.checkpointing.pg_transport import PGTransport
-    from torchft.process_group import ProcessGroupGloo
 
     import gradcomp as gc
     from gradcomp.integrations.torchft import ManagedAllreduce
+    from gradcomp.lab.study.ft import replica_manager
 
     start = time.time()
     torch.set_num_threads(1)  # the replica groups share the host's cores
     addr = os.environ.get("GRADCOMP_CLUSTER_ADDR", "127.0.0.1")
     timeout = datetime.timedelta(seconds=5)
-    store = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-    def load(sd):
-        model.load_state_dict(sd["model"])
-        opt.load_state_dict(sd["opt"])
-
-    pg = ProcessGroupGloo(timeout=timeout)
-    manager = Manager(pg=pg, load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
-                                                                       "opt": opt.state_dict()},
-                      min_replica_size=2, use_async_quorum=False, replica_id=f"r{index}",
-                      lighthouse_addr=lighthouse, store_addr=addr, store_port=store.port, rank=0, world_size=1,
-                      hostname=addr, timeout=timeout, quorum_timeout=datetime.timedelta(seconds=60),
-                      # the HTTP transport names the machine's hostname, unreachable from a namespace
-                      checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")))
+    _store, pg, manager = replica_manager(model, opt, replica_id=f"r{index}", addr=addr, lighthouse=lighthouse,
+                                          timeout=timeout, min_replica_size=2, use_async_quorum=False,
+                                          quorum_timeout=datetime.timedelta(seconds=60))
     ar = ManagedAllreduce(manager, pg, gc.Int8Quantizer(), timeout=5.0)
     params = list(model.parameters())
     with open(os.path.join(out, f"r{index}-{os.getpid()}.jsonl"), "w", buffering=1) as log:

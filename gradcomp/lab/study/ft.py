@@ -36,7 +36,7 @@ from gradcomp.lab.study.data import Digits, worker_batches
 from gradcomp.lab.study.timing import ComputeDelay
 from gradcomp.lab.study.workloads import batch_loss, build_model
 
-__all__ = ["train_ft_rank", "FT", "lighthouse_settings"]
+__all__ = ["train_ft_rank", "replica_manager", "FT", "lighthouse_settings"]
 
 #: the mode's name in results
 FT = "ft"
@@ -135,14 +135,17 @@ class _Watcher:
         self.thread.join(FT_OP_TIMEOUT_S)
 
 
-def _manager(rank: int, cfg: TrainConfig, addr: str, lighthouse: str, model, opt):
-    """This worker's torchft replica group: its store, process group and Manager."""
+def replica_manager(model, opt, *, replica_id: str, addr: str, lighthouse: str, timeout: datetime.timedelta,
+                    **manager_kw):
+    """A torchft replica group of one process training ``model`` with ``opt``: its store,
+    process group and ``Manager`` (``manager_kw``: the Manager's quorum options). The state
+    a healing replica receives (model and optimizer) goes over the quorum's own group: torchft's
+    HTTP transport names the machine's hostname, which a network namespace cannot reach."""
     from torch.distributed import TCPStore
     from torchft import Manager
     from torchft.checkpointing.pg_transport import PGTransport
     from torchft.process_group import ProcessGroupGloo
 
-    timeout = datetime.timedelta(seconds=min(cfg.timeout, FT_OP_TIMEOUT_S))
     store = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
 
     def load(sd):
@@ -152,13 +155,19 @@ def _manager(rank: int, cfg: TrainConfig, addr: str, lighthouse: str, model, opt
     pg = ProcessGroupGloo(timeout=timeout)
     manager = Manager(pg=pg, load_state_dict=load, state_dict=lambda: {"model": model.state_dict(),
                                                                        "opt": opt.state_dict()},
-                      min_replica_size=1, use_async_quorum=True,  # commit with whoever is at the quorum's step
-                      replica_id=f"worker{rank}", lighthouse_addr=lighthouse, store_addr=addr,
-                      store_port=store.port, rank=0, world_size=1, hostname=addr, timeout=timeout,
-                      quorum_timeout=timeout, init_sync=False,  # every replica starts from the seed's model
-                      # the state goes over the quorum's group: the HTTP transport names the hostname
-                      checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")))
+                      replica_id=replica_id, lighthouse_addr=lighthouse, store_addr=addr, store_port=store.port,
+                      rank=0, world_size=1, hostname=addr, timeout=timeout,
+                      checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
+                      **manager_kw)
     return store, pg, manager
+
+
+def _manager(rank: int, cfg: TrainConfig, addr: str, lighthouse: str, model, opt):
+    """This worker's torchft replica group: its store, process group and Manager."""
+    timeout = datetime.timedelta(seconds=min(cfg.timeout, FT_OP_TIMEOUT_S))
+    return replica_manager(model, opt, replica_id=f"worker{rank}", addr=addr, lighthouse=lighthouse, timeout=timeout,
+                           min_replica_size=1, use_async_quorum=True,  # commit with whoever is at the quorum's step
+                           quorum_timeout=timeout, init_sync=False)  # every replica starts from the seed's model
 
 
 def train_ft_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str, data: Digits,
