@@ -17,6 +17,7 @@ ranks of the update and the residuals is the sum of their inputs. Docs: docs/pow
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from gradcomp import _validate as v
 from gradcomp.comm import DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, allreduce, check_algorithm, native
 from gradcomp.comm._args import member_group
+from gradcomp.comm.guard import exclusive
 from gradcomp.comm.policy import CodecPolicy
 from gradcomp.comm.settings import compressor_text
 from gradcomp.compressors import FP16, Compressor, NoCompression, unwrapped
@@ -66,6 +68,78 @@ class _Matrix:
     rank: int
 
 
+#: where the FP16 factors' exponent puts the absolute maximum of the last sum: 2^6 of headroom
+#: below float16's largest value (65504) for sums that grow between calls, and 24 binades of
+#: full precision below it
+_SUM_TARGET_LOG2 = 10
+
+
+def _next_exponent(avg: torch.Tensor, world: int) -> int | None:
+    """The power of two that puts ``world`` times ``avg``'s absolute maximum at
+    ``2**_SUM_TARGET_LOG2``, or None (float32 next) for an all-zero or non-finite ``avg``."""
+    if avg.numel() == 0:
+        return None
+    mn, mx = torch.aminmax(avg)
+    amax = max(abs(float(mn)), abs(float(mx)))
+    if not math.isfinite(amax) or amax == 0.0:
+        return None
+    return min(max(_SUM_TARGET_LOG2 - math.ceil(math.log2(amax * world)), -100), 100)  # 2^e stays normal
+
+
+class _Layout:
+    """One call layout's plan and buffers: the compressed matrices ordered by shape (one
+    batched orthonormalization per group of equal shapes), the ranges sent whole, and the
+    exchanges' preallocated float32 buffers (P's then the ranges; Q's) and float16 twins."""
+
+    def __init__(self, key, mats: list[_Matrix], rest: list[tuple[int, int]], device):
+        self.key = key  # (segments, numel): names the exchanges' FP16 exponents
+        self.mats = sorted(mats, key=lambda m: (m.rows, m.cols, m.rank, m.seg.offset))
+        self.rest = rest
+        self.groups: list[tuple[int, int]] = []  # (first matrix, count) of equal shapes
+        self.p_at, self.q_at, n_p, n_q = [], [], 0, 0
+        prev = None
+        for i, m in enumerate(self.mats):
+            shape = (m.rows, m.cols, m.rank)
+            if shape == prev:
+                self.groups[-1] = (self.groups[-1][0], self.groups[-1][1] + 1)
+            else:
+                self.groups.append((i, 1))
+            prev = shape
+            self.p_at.append(n_p)
+            self.q_at.append(n_q)
+            n_p, n_q = n_p + m.rows * m.rank, n_q + m.cols * m.rank
+        self.n_p = n_p
+        n_rest = sum(hi - lo for lo, hi in rest)
+        self.first = torch.empty(n_p + n_rest, dtype=torch.float32, device=device)
+        self.second = torch.empty(n_q, dtype=torch.float32, device=device)
+        self.loss = torch.empty(n_rest, dtype=torch.float32, device=device)
+        self._half: list[torch.Tensor | None] = [None, None]
+        self._codec_residual: list[torch.Tensor | None] = [None, None]
+
+    def p(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        """Matrix ``i``'s ``P`` (rows x r) in ``buf``."""
+        m = self.mats[i]
+        return buf[self.p_at[i]: self.p_at[i] + m.rows * m.rank].view(m.rows, m.rank)
+
+    def q(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        """Matrix ``i``'s ``Q`` (cols x r) in ``buf``."""
+        m = self.mats[i]
+        return buf[self.q_at[i]: self.q_at[i] + m.cols * m.rank].view(m.cols, m.rank)
+
+    def half(self, which: int) -> torch.Tensor:
+        """The float16 twin of exchange ``which``'s buffer (0: P's, 1: Q's)."""
+        if self._half[which] is None:
+            src = self.first if which == 0 else self.second
+            self._half[which] = torch.empty(src.numel(), dtype=torch.float16, device=src.device)
+        return self._half[which]
+
+    def codec_residual(self, which: int) -> torch.Tensor:
+        """A zeroed float32 residual for a gradcomp codec's exchange ``which``."""
+        if self._codec_residual[which] is None:
+            self._codec_residual[which] = torch.empty_like(self.first if which == 0 else self.second)
+        return self._codec_residual[which].zero_()
+
+
 class PowerSGD(CodecPolicy):
     """Rank-``r`` PowerSGD with error feedback and warm start (Vogels et al. 2019).
 
@@ -85,11 +159,17 @@ class PowerSGD(CodecPolicy):
         start_iter: calls (per key for the collective; steps for the DDP hook, whose own
             ``start_iter`` also holds; syncs for LocalSGD) reduced exactly before the
             first compressed one.
-        compressor: the dense gradcomp codec of both exchanges, on gradcomp's ``algorithm``
-            (default ``gc.FP16()``; ``gc.NoCompression()``: float32, exact, on the
-            backend's own allreduce). ``P``'s rounding only tilts the
+        compressor: the dense gradcomp codec of both exchanges (default ``gc.FP16()``;
+            ``gc.NoCompression()``: float32, exact). ``P``'s rounding only tilts the
             subspace it spans (every rank orthonormalizes the same decoded ``P``); the
             rounding of ``Q`` reaches the update and is not remembered.
+        exchange: who sums the factors: ``"backend"`` (``gc.FP16()`` or
+            ``gc.NoCompression()`` only): one ``dist.all_reduce`` per exchange on a flat
+            float16 (or float32) buffer, summed in that dtype by the backend (gloo on CPU,
+            NCCL), scaled by a power of two that every rank derives from the exchange's
+            last sum (float32 on the first call, after an all-zero sum, and again when the
+            float16 sum overflows); ``"gradcomp"``: the codec on gradcomp's ``algorithm``
+            (any dense codec); ``"auto"`` (default): ``"backend"`` where it applies.
         seed: seed of the random initial ``Q`` (drawn per key from ``(seed, key, step)``,
             the same on every rank).
         error_feedback: the collective keeps a residual per key when no ``residual`` is
@@ -100,8 +180,8 @@ class PowerSGD(CodecPolicy):
     """
 
     def __init__(self, rank: int = 4, *, warm_start: bool = True, min_compression_rate: float = 2.0,
-                 start_iter: int = 0, compressor: Compressor | None = None, seed: int = 0,
-                 error_feedback: bool = True):
+                 start_iter: int = 0, compressor: Compressor | None = None, exchange: str = "auto",
+                 seed: int = 0, error_feedback: bool = True):
         self.rank = v.integer("rank", rank, 1)
         self.warm_start = v.flag("warm_start", warm_start)
         self.min_compression_rate = v.real("min_compression_rate", min_compression_rate)
@@ -111,6 +191,13 @@ class PowerSGD(CodecPolicy):
         compressor = FP16() if compressor is None else compressor
         self.compressor = unwrapped(compressor, "compressor", "PowerSGD keeps the residuals itself")
         check_algorithm("ring", self.compressor)  # dense, with a fixed wire size
+        v.choice("exchange", exchange, ("auto", "backend", "gradcomp"))
+        summable = type(self.compressor) in (FP16, NoCompression)  # dtypes a backend's allreduce sums
+        if exchange == "backend" and not summable:
+            raise ValueError(f"exchange='backend' sums float16 or float32 factors (compressor gc.FP16() or "
+                             f"gc.NoCompression()), got compressor {compressor_text(self.compressor)}; "
+                             "use exchange='gradcomp' or 'auto'")
+        self.exchange = ("backend" if summable else "gradcomp") if exchange == "auto" else exchange
         self.seed = v.integer("seed", seed)
         self.error_feedback = v.flag("error_feedback", error_feedback)
         #: matrix key -> its last ``Q`` (cols x r, float32): the warm start
@@ -119,12 +206,16 @@ class PowerSGD(CodecPolicy):
         self.residuals: dict[Hashable, torch.Tensor] = {}
         self._calls: dict[Hashable, int] = {}  # collective key -> calls so far
         self._checked: set[int] = set()  # ids of the groups whose ranks agreed on the first call
+        #: call layout -> the FP16 exponent of its P and Q exchanges (None: float32 next)
+        self._exponents: dict[Hashable, list[int | None]] = {}
+        self._layouts: dict[Hashable, _Layout] = {}  # (call layout, device) -> plan and buffers
 
     lossy = True  # the projection drops what lies outside the rank-r subspace
 
     def settings(self) -> dict:
         return {"rank": self.rank, "warm_start": self.warm_start, "min_compression_rate": self.min_compression_rate,
-                "start_iter": self.start_iter, "compressor": compressor_text(self.compressor), "seed": self.seed}
+                "start_iter": self.start_iter, "compressor": compressor_text(self.compressor), "exchange": self.exchange,
+                "seed": self.seed}
 
     def matrix(self, shape: Sequence[int]) -> tuple[int, int, int] | None:
         """``(rows, cols, rank)`` of a parameter of ``shape`` if PowerSGD compresses it, else
@@ -167,7 +258,8 @@ class PowerSGD(CodecPolicy):
             residual: optional flat float32 error-feedback memory laid out like ``buf``,
                 updated in place (None: no error feedback).
             group, meter, timeout, algorithm, check, tag: as :func:`gradcomp.allreduce`
-                (``algorithm``: ``"ring"``, ``"two_phase"`` or ``"halving_doubling"``).
+                (``algorithm``: ``"ring"``, ``"two_phase"`` or ``"halving_doubling"``, used by
+                ``exchange="gradcomp"`` only).
 
         Returns:
             ``buf``, holding the average (bit-identical on every rank).
@@ -180,7 +272,7 @@ class PowerSGD(CodecPolicy):
         if not isinstance(buf, torch.Tensor) or buf.dim() != 1 or not buf.is_contiguous():
             raise ValueError("buf must be a flat contiguous tensor (float32, float16 or bfloat16)")
         work = buf if buf.dtype == torch.float32 else buf.to(torch.float32)
-        mats, rest = self._split(work.numel(), segments)
+        lay = self._layout(work, segments)
         if residual is not None and (residual.dtype != torch.float32 or residual.numel() != work.numel()):
             raise ValueError(f"residual must be a float32 tensor of {work.numel()} elements, got "
                              f"{residual.dtype} of {residual.numel()}")
@@ -189,12 +281,25 @@ class PowerSGD(CodecPolicy):
             if residual is not None:  # delivered exactly: nothing left to remember
                 work.add_(residual)
                 residual.zero_()
-            self._exchange(work, None, check, comm, exact=True)
+            native.allreduce(work, op="avg", group=group, meter=meter, timeout=timeout, out=work, check=check,
+                             tag=tag)
         else:
-            self._power_step(work, mats, rest, residual, step, check, comm)
+            self._power_step(work, lay, residual, step, check, comm)
         if work is not buf:
             buf.copy_(work)
         return buf
+
+    def _layout(self, work: torch.Tensor, segments) -> _Layout:
+        """The plan and buffers of a call on ``work`` with ``segments`` (made once per layout)."""
+        try:
+            key = (tuple(segments), work.numel())
+            lay = self._layouts.get((key, str(work.device)))
+        except TypeError:  # an unhashable entry: not a Segment
+            lay, key = None, None
+        if lay is None:
+            mats, rest = self._split(work.numel(), segments)
+            lay = self._layouts[(key, str(work.device))] = _Layout(key, mats, rest, work.device)
+        return lay
 
     def _split(self, n: int, segments) -> tuple[list[_Matrix], list[tuple[int, int]]]:
         """The compressed matrices, and the ``[lo, hi)`` ranges sent whole (everything else)."""
@@ -218,71 +323,99 @@ class PowerSGD(CodecPolicy):
             at = hi
         return mats, rest
 
-    def _power_step(self, work, mats, rest, residual, step, check, comm) -> None:
+    def _power_step(self, work, lay: _Layout, residual, step, check, comm) -> None:
         """One compressed call: the P exchange (with the uncompressed ranges), then the Q one."""
+        mats, first, second = lay.mats, lay.first, lay.second
         views = [work[m.seg.offset: m.seg.offset + m.seg.numel].view(m.rows, m.cols) for m in mats]
-        if residual is not None:  # M = g + e (the whole ranges' residual goes with the codec's)
+        if residual is not None:  # M = g + e
             for m in mats:
                 work[m.seg.offset: m.seg.offset + m.seg.numel].add_(residual[m.seg.offset: m.seg.offset + m.seg.numel])
-        qs = [self._start_q(m, step, work.device) for m in mats]
-        n_p = sum(m.rows * m.rank for m in mats)
-        first = torch.empty(n_p + sum(hi - lo for lo, hi in rest), dtype=torch.float32, device=work.device)
-        ps, at = [], 0
-        for m, M, q in zip(mats, views, qs):
-            ps.append(torch.mm(M, q, out=first[at: at + m.rows * m.rank].view(m.rows, m.rank)))
-            at += m.rows * m.rank
-        res1 = None
-        if residual is not None:  # the codec's error feedback for the ranges sent whole; P needs none
-            res1 = torch.zeros_like(first)
-        for lo, hi in rest:
+        for i0, k in lay.groups:  # P = M Q, from one batched orthonormalization of the group's Qs
+            qs = self._start_qs(mats[i0: i0 + k], step, work.device)
+            for j in range(k):
+                torch.mm(views[i0 + j], qs[j], out=lay.p(first, i0 + j))
+        at = lay.n_p
+        for lo, hi in lay.rest:  # the ranges sent whole ride with P (with their residual)
             first[at: at + hi - lo].copy_(work[lo:hi])
-            if res1 is not None:
-                res1[at: at + hi - lo].copy_(residual[lo:hi])
+            if residual is not None:
+                first[at: at + hi - lo].add_(residual[lo:hi])
             at += hi - lo
-        self._exchange(first, res1, check, comm)
-        second = torch.empty(sum(m.cols * m.rank for m in mats), dtype=torch.float32, device=work.device)
-        at = 0
+        loss = self._exchange(first, lay, 0, check, comm)
+        for i0, k in lay.groups:  # the same decoded P on every rank: the same basis
+            m = mats[i0]
+            block = first[lay.p_at[i0]: lay.p_at[i0] + k * m.rows * m.rank].view(k, m.rows, m.rank)
+            block.copy_(orthonormalize(block))
         for i, (m, M) in enumerate(zip(mats, views)):
-            ps[i] = orthonormalize(ps[i])  # the same decoded P on every rank: the same basis
-            q_local = torch.mm(M.t(), ps[i], out=second[at: at + m.cols * m.rank].view(m.cols, m.rank))
+            q_local = torch.mm(M.t(), lay.p(first, i), out=lay.q(second, i))
             if residual is not None:  # what this rank's matrix loses to the projection
                 e = residual[m.seg.offset: m.seg.offset + m.seg.numel].view(m.rows, m.cols)
-                torch.addmm(M, ps[i], q_local.t(), beta=1.0, alpha=-1.0, out=e)
-            at += m.cols * m.rank
+                torch.addmm(M, lay.p(first, i), q_local.t(), beta=1.0, alpha=-1.0, out=e)
         if mats:
-            self._exchange(second, None, check, comm)
-        at = 0
+            self._exchange(second, lay, 1, check, comm)
+            kept = second.clone() if self.warm_start else second
         for i, (m, M) in enumerate(zip(mats, views)):
-            q = second[at: at + m.cols * m.rank].view(m.cols, m.rank)
-            torch.mm(ps[i], q.t(), out=M)
+            torch.mm(lay.p(first, i), lay.q(second, i).t(), out=M)
             if self.warm_start:
-                self.q[m.seg.key] = q.clone()
-            at += m.cols * m.rank
-        at = n_p
-        for lo, hi in rest:
+                self.q[m.seg.key] = lay.q(kept, i)
+        at = lay.n_p
+        for lo, hi in lay.rest:
             work[lo:hi].copy_(first[at: at + hi - lo])
-            if residual is not None:
-                residual[lo:hi].copy_(res1[at: at + hi - lo])
+            if residual is not None:  # what the wire's rounding took from this rank's elements
+                if loss is None:
+                    residual[lo:hi].zero_()
+                else:
+                    residual[lo:hi].copy_(loss[at - lay.n_p: at - lay.n_p + hi - lo])
             at += hi - lo
 
-    def _exchange(self, buf, residual, check, comm, exact=False) -> None:
-        """Average ``buf`` in place: float32 (``exact``, or a NoCompression codec) on the
-        backend's allreduce, which gradcomp's ring cannot beat for raw bytes (as
-        :class:`gradcomp.Adaptive` runs ``none``), else the codec on gradcomp's ``algorithm``."""
-        if exact or type(self.compressor) is NoCompression:
-            native.allreduce(buf, op="avg", group=comm["group"], meter=comm["meter"], timeout=comm["timeout"],
-                             residual=residual, out=buf, check=check, tag=comm["tag"])
-        else:
-            allreduce(buf, self.compressor, op="avg", residual=residual, out=buf, check=check, **comm)
+    def _exchange(self, buf: torch.Tensor, lay: _Layout, which: int, check: bool, comm) -> torch.Tensor | None:
+        """Average ``buf`` (the layout's P buffer, ``which`` 0, or its Q buffer, 1) in place.
 
-    def _start_q(self, m: _Matrix, step: int, device) -> torch.Tensor:
-        """The orthonormal ``Q`` this call starts from: the warm start's, else a fresh
-        standard-normal one drawn from ``(seed, key, step)`` (the same on every rank)."""
-        q = self.q.get(m.seg.key) if self.warm_start else None
-        if q is None or q.shape != (m.cols, m.rank):
-            seed = zlib.crc32(repr((self.seed, m.seg.key, step)).encode())  # not hash(): salted per process
-            q = torch.randn(m.cols, m.rank, generator=torch.Generator().manual_seed(seed))
-        return orthonormalize(q.to(device=device, dtype=torch.float32))
+        Returns:
+            What the wire's rounding took from this rank's elements past the P's (the ranges
+            sent whole; for their error feedback), or None where it took nothing.
+        """
+        if self.exchange == "gradcomp":
+            res = lay.codec_residual(which)
+            allreduce(buf, self.compressor, op="avg", residual=res, out=buf, check=check, **comm)
+            return res[lay.n_p:]
+        group, meter, timeout = comm["group"], comm["meter"], comm["timeout"]
+        world = dist.get_world_size(group)
+        exponents = self._exponents.setdefault(lay.key, [None, None])
+        e = exponents[which]
+        if e is None or type(self.compressor) is NoCompression:
+            native.allreduce(buf, op="avg", group=group, meter=meter, timeout=timeout, out=buf, check=check,
+                             tag=comm["tag"])
+            exponents[which] = _next_exponent(buf, world)
+            return None
+        half, loss = lay.half(which), lay.loss
+        buf.mul_(math.ldexp(1.0, e))  # a power of two: exact, the same on every rank
+        half.copy_(buf)
+        if which == 0:  # this rank's rounding of the ranges sent whole, before the sum
+            torch.sub(buf[lay.n_p:], half[lay.n_p:], out=loss).mul_(math.ldexp(1.0, -e))
+        with exclusive(group, timeout=timeout):
+            native.allreduce_(half, group=group, timeout=timeout, meter=meter)  # summed in float16
+        if not bool(torch.isfinite(half).all()):  # the sum overflowed (on every rank alike): again in float32
+            buf.mul_(math.ldexp(1.0, -e))
+            native.allreduce(buf, op="avg", group=group, meter=meter, timeout=timeout, out=buf, check=False,
+                             tag=comm["tag"])
+            exponents[which] = _next_exponent(buf, world)
+            return None
+        buf.copy_(half).mul_(math.ldexp(1.0, -e)).div_(world)
+        exponents[which] = _next_exponent(buf, world)
+        return loss if which == 0 else None
+
+    def _start_qs(self, mats: Sequence[_Matrix], step: int, device) -> torch.Tensor:
+        """The orthonormal ``Q``s (``k x cols x r``) that matrices of one shape start from:
+        the warm start's, else a fresh standard-normal one drawn from ``(seed, key, step)``
+        (the same on every rank)."""
+        qs = []
+        for m in mats:
+            q = self.q.get(m.seg.key) if self.warm_start else None
+            if q is None or q.shape != (m.cols, m.rank):
+                seed = zlib.crc32(repr((self.seed, m.seg.key, step)).encode())  # not hash(): salted per process
+                q = torch.randn(m.cols, m.rank, generator=torch.Generator().manual_seed(seed))
+            qs.append(q.to(device=device, dtype=torch.float32))
+        return orthonormalize(torch.stack(qs))
 
     # ---- gradcomp.allreduce ------------------------------------------------------------
     def allreduce(self, tensor, *, op, algorithm, group, meter, timeout, key, residual, out, check, tag=None):
@@ -315,10 +448,12 @@ class PowerSGD(CodecPolicy):
         return out.copy_(work.view(out.shape))
 
     def state_dict(self) -> dict:
-        """The warm-start ``Q`` of every matrix (on CPU) and the collective's call counts;
-        the residuals stay with their owner (the DDP state, LocalSGD, :attr:`residuals`)."""
+        """The warm-start ``Q`` of every matrix (on CPU), the collective's call counts and
+        residuals, and each call layout's FP16 exponents (a rank restored from it sends what
+        its peers send); the DDP state's and LocalSGD's residuals stay with their owner."""
         return {"q": {k: q.detach().cpu().clone() for k, q in self.q.items()}, "calls": dict(self._calls),
-                "residuals": {k: r.detach().cpu().clone() for k, r in self.residuals.items()}}
+                "residuals": {k: r.detach().cpu().clone() for k, r in self.residuals.items()},
+                "exponents": {k: list(e) for k, e in self._exponents.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s output (an empty mapping restores nothing).
@@ -333,13 +468,15 @@ class PowerSGD(CodecPolicy):
         self.q = {k: t.clone() for k, t in q.items()}
         self._calls = dict(state.get("calls", {}))
         self.residuals = {k: r.clone() for k, r in state.get("residuals", {}).items()}
+        self._exponents = {k: list(e) for k, e in state.get("exponents", {}).items()}
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
         d["_checked"] = set()  # group ids mean nothing in another process
+        d["_layouts"] = {}  # buffers: made again on first use
         return d
 
     def __repr__(self) -> str:
         return (f"PowerSGD(rank={self.rank}, warm_start={self.warm_start}, "
                 f"min_compression_rate={self.min_compression_rate:g}, start_iter={self.start_iter}, "
-                f"compressor={self.compressor!r})")
+                f"compressor={self.compressor!r}, exchange={self.exchange!r})")

@@ -12,6 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp as gc
+from gradcomp.comm import native
 from gradcomp.comm.chunks import chunk_bounds
 from gradcomp.ddp import GradCompState, compressed_allreduce_hook
 from gradcomp.launch import launch
@@ -97,6 +98,9 @@ def _against_torch(rank, world):
     g = torch.Generator().manual_seed(7)
     qs = {seg.key: torch.randn(ours.matrix(seg.shape)[1], 4, generator=g) for seg in segs if ours.matrix(seg.shape)}
     ours.q.update({k: q.clone() for k, q in qs.items()})
+    half = gc.PowerSGD(rank=4)  # FP16 factors summed by the backend: float32 on its first call
+    half.q.update({k: q.clone() for k, q in qs.items()})
+    half_residual = torch.zeros(off)
     state.p_memory_dict[0] = torch.empty(sum(ours.matrix(s.shape)[0] * 4 for s in segs if s.key in qs))
     state.q_memory_dict[0] = torch.cat([q.reshape(-1) for q in qs.values()])
     residual = torch.zeros(off)
@@ -105,7 +109,8 @@ def _against_torch(rank, world):
         grads = torch.randn(off, generator=torch.Generator().manual_seed(100 * step + rank))
         mine = ours.reduce_(grads.clone(), segs, step=step, residual=residual, timeout=TIMEOUT)
         theirs = torch_psgd.powerSGD_hook(state, _Bucket(grads.clone(), shapes)).wait()
-        out.append((mine, theirs.clone()))
+        halved = half.reduce_(grads.clone(), segs, step=step, residual=half_residual, timeout=TIMEOUT)
+        out.append((mine, theirs.clone(), halved))
     return out
 
 
@@ -156,12 +161,31 @@ def _before_start_iter(rank, world):
 
 
 def _meter_bytes(rank, world):
-    p = gc.PowerSGD(rank=4)  # FP16 factors
-    meter = gc.TrafficMeter()
     segs = [Segment("w", 0, (256, 128)), Segment("b", 256 * 128, (128,))]
-    buf = torch.randn(256 * 128 + 128, generator=torch.Generator().manual_seed(rank))
-    p.reduce_(buf, segs, step=0, residual=torch.zeros_like(buf), meter=meter, timeout=TIMEOUT, check=False)
-    return meter.as_dict()
+    out = []
+    for exchange in ("gradcomp", "backend"):  # FP16 factors on gradcomp's ring, then on the backend's allreduce
+        p = gc.PowerSGD(rank=4, exchange=exchange)
+        meters = []
+        for step in range(2):
+            meters.append(gc.TrafficMeter())
+            buf = torch.randn(256 * 128 + 128, generator=torch.Generator().manual_seed(rank + 10 * step))
+            p.reduce_(buf, segs, step=step, residual=torch.zeros_like(buf), meter=meters[-1], timeout=TIMEOUT,
+                      check=step == 0)
+        out.append(meters[-1].as_dict())
+    return out
+
+
+def _overflow(rank, world):
+    # an exponent far too large for these values: the float16 sum overflows on every rank alike,
+    # and both exchanges run again in float32 (the result of the exact exchange, bit for bit)
+    segs = [Segment("w", 0, (40, 30)), Segment("b", 1200, (30,))]
+    fp16, exact = gc.PowerSGD(rank=2), gc.PowerSGD(rank=2, compressor=gc.NoCompression())
+    fp16._exponents[(tuple(segs), 1230)] = [60, 60]
+    g = torch.randn(1230, generator=torch.Generator().manual_seed(rank))
+    res_a, res_b = torch.zeros(1230), torch.zeros(1230)
+    a = fp16.reduce_(g.clone(), segs, step=0, residual=res_a, timeout=TIMEOUT)
+    b = exact.reduce_(g.clone(), segs, step=0, residual=res_b, timeout=TIMEOUT)
+    return a, b, res_a, res_b, fp16._exponents[(tuple(segs), 1230)]
 
 
 def _allreduce_and_localsgd(rank, world):
@@ -218,7 +242,7 @@ def two():
 def _two_ranks(rank, world):
     return {"hand": _hand_example(rank, world), "torch": _against_torch(rank, world),
             "lost": _nothing_lost(rank, world), "meter": _meter_bytes(rank, world),
-            "start": _before_start_iter(rank, world)}
+            "start": _before_start_iter(rank, world), "overflow": _overflow(rank, world)}
 
 
 # ---- the checks -----------------------------------------------------------------------------
@@ -237,11 +261,16 @@ def test_a_rank_one_example_by_hand(two):
 
 def test_matches_pytorch_powersgd_hook_with_the_same_initial_q(two):
     for rank_out in two["torch"]:
-        for step, (mine, theirs) in enumerate(rank_out):
+        for step, (mine, theirs, halved) in enumerate(rank_out):
             # the same algorithm in float32, both with error feedback and warm start: only rounding differs
             assert torch.allclose(mine, theirs, rtol=1e-4, atol=1e-5), (step, (mine - theirs).abs().max())
+            if step == 0:  # no exponent yet: the FP16 exchange's first call is float32
+                assert torch.equal(halved, mine)
+            else:  # float16 sums: 11 significant bits, a few roundings per element
+                assert 0 < (halved - theirs).norm() < 1e-2 * theirs.norm(), (step, (halved - theirs).norm())
     for step in range(3):
-        assert torch.equal(two["torch"][0][step][0], two["torch"][1][step][0])  # bit-identical across ranks
+        for i in (0, 2):
+            assert torch.equal(two["torch"][0][step][i], two["torch"][1][step][i])  # bit-identical across ranks
 
 
 def test_error_feedback_loses_nothing(two):
@@ -262,11 +291,11 @@ def test_before_start_iter_the_average_is_exact(two):
     assert torch.equal(two["start"][0][0], two["start"][1][0])
 
 
-def test_the_meter_counts_two_fp16_exchanges(two):
+def test_the_meter_counts_two_fp16_exchanges_on_either_exchange(two):
     # P (256 x 4) with the 128-element vector, then Q (128 x 4), each a gradcomp ring of FP16
     # payloads: a rank sends every chunk but its own, then every chunk but its successor's
     world = 2
-    for rank, m in enumerate(two["meter"]):
+    for rank, (m, backend) in enumerate(two["meter"]):
         sent = 0
         for n in (256 * 4 + 128, 128 * 4):
             w = [gc.FP16().wire_nbytes((hi - lo,)) for lo, hi in chunk_bounds(n, world)]
@@ -274,6 +303,32 @@ def test_the_meter_counts_two_fp16_exchanges(two):
         assert m["bytes_sent"] == sent
         # PyTorch's hook: the same elements in float32 over three allreduces, 2 (N - 1) / N of each
         assert sent < 0.6 * 2 * (world - 1) / world * 4 * (256 * 4 + 128 + 128 * 4)
+        # on the backend (its second call: FP16): a ring allreduce's bytes of each exchange, 2 per element
+        assert backend["bytes_sent"] == sum(native.sent_bytes(n, world, rank) // 2 for n in (256 * 4 + 128, 128 * 4))
+
+
+def test_an_overflowing_fp16_sum_is_sent_again_in_float32(two):
+    for a, b, res_a, res_b, exponents in two["overflow"]:
+        assert torch.equal(a, b) and torch.equal(res_a, res_b)
+        assert exponents[0] is not None and exponents[0] < 60 and exponents[1] < 60  # from the float32 sums
+
+
+def test_the_exponent_puts_the_last_sum_below_float16s_largest_value():
+    from gradcomp.powersgd import _next_exponent
+
+    for amax, world in ((3.0, 4), (1e-5, 2), (700.0, 3), (0.5, 4)):
+        avg = torch.tensor([0.1 * amax, -amax, 0.0])
+        e = _next_exponent(avg, world)
+        assert 2 ** 9 < amax * world * 2.0 ** e <= 2 ** 10  # 64x of headroom below 65504
+    assert _next_exponent(torch.zeros(3), 4) is None and _next_exponent(torch.tensor([float("nan")]), 4) is None
+
+
+def test_exchange_is_checked():
+    with pytest.raises(ValueError, match="exchange"):
+        gc.PowerSGD(exchange="nccl")
+    with pytest.raises(ValueError, match="exchange='backend'"):
+        gc.PowerSGD(compressor=gc.Int8Quantizer(), exchange="backend")
+    assert gc.PowerSGD().exchange == "backend" and gc.PowerSGD(compressor=gc.Int8Quantizer()).exchange == "gradcomp"
 
 
 def test_collective_and_localsgd_across_three_ranks():
