@@ -23,6 +23,7 @@ from gradcomp.lab.study.config import COMPRESSORS, DEFAULT_COMPRESSORS, TrainCon
 from gradcomp.lab.study.data import load_digits_split, steps_per_epoch, worker_batches
 from gradcomp.lab.study.model import make_model, num_parameters
 from gradcomp.lab.study.study import _launch_local, calibrate_threshold
+from gradcomp.lab.study.torch_powersgd import TorchPowerSGD
 from gradcomp.wire import dense_nbytes
 
 
@@ -74,6 +75,10 @@ def test_compressor_menu():
         c = choice.build(threshold=1e-3)
         if name == "auto":  # adaptive compression: a policy over codecs, sync mode and the auto mode's row
             assert isinstance(c, gc.Adaptive) and choice.error_feedback and choice.modes == ("sync", "auto")
+            continue
+        if choice.torch_hook:  # PyTorch's powerSGD_hook with its defaults: the DDP hook only
+            assert isinstance(c, TorchPowerSGD) and c.state.matrix_approximation_rank == choice.low_rank
+            assert c.state.use_error_feedback and c.state.warm_start and choice.modes == ("sync",)
             continue
         if choice.low_rank:  # PowerSGD: the DDP hook and local SGD, not the parameter server
             assert isinstance(c, gc.PowerSGD) and c.rank == choice.low_rank and choice.error_feedback
@@ -304,3 +309,25 @@ def test_a_failing_worker_stops_the_study_with_its_error():
     data = load_digits_split(cfg.test_fraction, cfg.seed)
     with pytest.raises(WorkerError, match="KeyError: 'no-such-codec'"):
         _launch_local("sync", [(cfg, "no-such-codec", 0)], [data], None)
+
+
+@pytest.mark.slow
+def test_pytorchs_powersgd_hook_row_beside_gradcomps():
+    # both low-rank rows exact for two steps, then rank 4 on 2 workers; PyTorch's bytes counted
+    # at a ring allreduce's float32 volume of its three allreduces a step
+    cfg = TrainConfig(workers=2, steps=6, timeout=60)
+    data = load_digits_split(cfg.test_fraction, cfg.seed)
+    logs, _ = _launch_local("sync", [(cfg, "powersgd4", 0), (cfg, "torch-powersgd4", 0)], [data, data], None)
+    ours, theirs = logs[0]
+    for run in range(2):  # every rank ends with the same parameters
+        assert logs[0][run].extra["param_sha256"] == logs[1][run].extra["param_sha256"]
+    psgd = gc.PowerSGD(rank=4)
+    shapes = [p.shape for p in make_model(0).parameters()]
+    first, second = psgd.wire_numel(shapes)
+    ring = 2 * (2 - 1) / 2 * 4
+    expected = 2 * ring * num_parameters(make_model(0)) + 4 * ring * (first + second)
+    assert theirs.meter["phases"]["powerSGD_hook"]["bytes_sent"] == expected
+    # gradcomp's: the same exact steps, float32 factors on its first compressed step (no exponent
+    # yet), then FP16 factors on the backend's allreduce: half of PyTorch's bytes a step
+    mine = 2 * ring * num_parameters(make_model(0)) + ring * (first + second) + 3 * ring / 2 * (first + second)
+    assert ours.meter["phases"]["plain_allreduce"]["bytes_sent"] == mine

@@ -16,6 +16,7 @@ from gradcomp.lab.study.menu import DEFAULT_HIDDEN, DEFAULT_WORKLOAD, WORKLOADS
 if TYPE_CHECKING:
     from gradcomp.adaptive import Adaptive
     from gradcomp.compressors import Compressor
+    from gradcomp.lab.study.torch_powersgd import TorchPowerSGD
 
 __all__ = ["TrainConfig", "CompressorChoice", "COMPRESSORS", "DEFAULT_COMPRESSORS", "MODES",
            "ALGORITHMS", "SPARSE_ALGORITHMS", "parse_compressors", "ALL_MODES"]
@@ -62,6 +63,9 @@ class CompressorChoice:
         low_rank: the rank of a :class:`gradcomp.PowerSGD` row (0: not one): low-rank
             factors per parameter, not a per-tensor codec, so the DDP hook and local
             SGD run it and the parameter server does not.
+        torch_hook: with ``low_rank``: PyTorch's own ``powerSGD_hook`` at that rank
+            (:class:`gradcomp.lab.study.torch_powersgd.TorchPowerSGD`, sync mode) instead of
+            gradcomp's.
     """
 
     name: str
@@ -71,16 +75,20 @@ class CompressorChoice:
     modes: tuple[str, ...] = ALL_MODES
     native: bool = False
     low_rank: int = 0
+    torch_hook: bool = False
 
-    def build(self, threshold: float | None = None, link: tuple[float, float] | None = None
-              ) -> "Compressor | Adaptive":
+    def build(self, threshold: float | None = None, link: tuple[float, float] | None = None,
+              start_iter: int = 0) -> "Compressor | Adaptive | TorchPowerSGD":
         """A fresh codec (without error feedback: the transport's state adds it);
-        for ``auto`` a fresh :class:`gradcomp.Adaptive` policy.
+        for ``auto`` a fresh :class:`gradcomp.Adaptive` policy; for a ``torch_hook`` row
+        PyTorch's hook (uncounted: the sync mode gives it the run's meter).
 
         Args:
             threshold: magnitude threshold for ``threshold-ef`` (required there,
                 ignored by the other rows).
             link: ``auto``'s link prior (``gc.Adaptive(link=)``), or None.
+            start_iter: a low-rank row's first compressed call (the calls before it are
+                exact; PyTorch's row at least 2, its hook's minimum); ignored by the other rows.
 
         Raises:
             ValueError: ``threshold-ef`` without a threshold.
@@ -89,10 +97,14 @@ class CompressorChoice:
             from gradcomp.adaptive import Adaptive
 
             return Adaptive(link=link)
+        if self.low_rank and self.torch_hook:
+            from gradcomp.lab.study.torch_powersgd import TorchPowerSGD  # imports torch: loaded on use
+
+            return TorchPowerSGD(rank=self.low_rank, start_iter=max(start_iter, 2))
         if self.low_rank:
             from gradcomp.powersgd import PowerSGD  # imports torch: loaded on use (see the module docstring)
 
-            return PowerSGD(rank=self.low_rank)
+            return PowerSGD(rank=self.low_rank, start_iter=start_iter)
         entry = catalog.entry("none" if self.native else self.name)
         if entry.kind == "threshold" and threshold is None:
             raise ValueError(f"{self.name} needs a threshold")
@@ -121,6 +133,8 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
     CompressorChoice("native", "all_reduce f32", False, modes=("sync",), native=True),
     # PowerSGD rank 4 (FP16 factors, error feedback per parameter): the DDP hook and local SGD
     CompressorChoice("powersgd4", "powersgd r4", True, modes=("sync", "local"), low_rank=4),
+    # PyTorch's own powerSGD_hook at rank 4 with its defaults, beside it (the DDP hook only)
+    CompressorChoice("torch-powersgd4", "torch powerSGD r4", True, modes=("sync",), low_rank=4, torch_hook=True),
 )}
 
 #: The default study's menu, baseline first.

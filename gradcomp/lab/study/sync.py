@@ -11,7 +11,9 @@ measured the same way; the ``native`` row is the baseline a user would call,
 the backend's own ``dist.all_reduce`` of every bucket (the hook's plain
 allreduce, :mod:`gradcomp.comm.native`), counted at the same nominal ring bytes.
 
-The hook compresses every bucket from the first step (``start_iter=0``,
+The low-rank rows (``powersgd4``, PyTorch's ``torch-powersgd4``) start compressing at the
+third step (:data:`LOW_RANK_START`, the earliest PyTorch's hook allows), both alike. The
+other rows' hook compresses every bucket from the first step (``start_iter=0``,
 ``min_compress_numel=0``; the default model fits in one DDP bucket): every
 counted step moves compressed bytes, and the baseline's are raw float32 bytes
 of the same transport, so the traffic ratio compares like with like. (The
@@ -35,7 +37,10 @@ from gradcomp.lab.study.dgc import dgc_compressor, optimizer_momentum
 from gradcomp.lab.study.workloads import batch_loss, build_model
 from gradcomp.lab.study.timing import ComputeDelay
 
-__all__ = ["train_sync_rank"]
+__all__ = ["train_sync_rank", "LOW_RANK_START"]
+
+#: the first compressed step of the low-rank rows (PyTorch's hook needs two exact steps first)
+LOW_RANK_START = 2
 
 
 def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: str, data: Digits,
@@ -62,10 +67,13 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
     ddp = DistributedDataParallel(model)
     meter = TrafficMeter()
     timeline = StepTimeline()
-    codec = choice.build(cfg.threshold, link=cfg.auto_link)
+    codec = choice.build(cfg.threshold, link=cfg.auto_link, start_iter=LOW_RANK_START if choice.low_rank else 0)
     if choice.dgc:
         codec = dgc_compressor(codec, cfg, len(data.y_train))
-    state = GradCompState(
+    if choice.torch_hook:  # PyTorch's own hook, counted in the run's meter
+        codec.meter, codec.timeline = meter, timeline
+        ddp.register_comm_hook(None, codec.hook)
+    state = None if choice.torch_hook else GradCompState(
         compressor=codec,
         error_feedback=choice.error_feedback,
         algorithm=cfg.algorithm_for(choice),
@@ -75,7 +83,8 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         timeout=cfg.timeout,
         timeline=timeline,
     )
-    ddp.register_comm_hook(state, compressed_allreduce_hook)
+    if state is not None:
+        ddp.register_comm_hook(state, compressed_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=optimizer_momentum(choice.dgc, cfg))
     log = RankLog(rank)
     delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed, cfg.straggler_from_s)
@@ -97,7 +106,8 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         timeline.end_step()
         log.record(cfg, "sync", step, lossf, meter, model if rank == 0 else None, data,
                    progress if rank == 0 else None)
-    state.close()
+    if state is not None:
+        state.close()
     log.extra["param_sha256"] = param_digest(model)
     log.finish(meter, model if rank == 0 else None, data, timeline)
     if rank == 0:
