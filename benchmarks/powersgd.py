@@ -20,10 +20,10 @@ forward, backward and optimizer step without DDP; each collective of each varian
 gradcomp's ring of the FP16 payloads); and the orthonormalization of the P's (PyTorch's
 ``_orthogonalize`` per matrix, gradcomp's QR per shape).
 
-Bytes per step: gradcomp's as its meter counts them (wire bytes this rank sent, headers
-included); torch's at the nominal ring volume of each of its allreduces, ``2 (N - 1) / N * 4 n``
-(the accounting the DDP state uses for a backend allreduce: gloo picks its own algorithm), counted
-per bucket from the bucket's gradient shapes. Collectives per step: torch's hook waits on three
+Bytes per step: as the meter counts them (bytes this rank sent): a backend allreduce at the
+nominal ring volume ``2 (N - 1) / N * s n`` (``s`` bytes per element: gloo picks its own
+algorithm), gradcomp's ring at its wire bytes, headers included; torch's hook counted per bucket
+by :class:`gradcomp.lab.study.torch_powersgd.TorchPowerSGD` from the bucket's gradient shapes. Collectives per step: torch's hook waits on three
 per bucket, gradcomp's on two. Step time: the median over the steps after ``--warmup`` of the
 slowest rank. Final loss: each variant's training loss at the last step (the same data). Every
 variant runs DDP with one bucket (``bucket_cap_mb=64``: see :data:`BUCKET_MB`).
@@ -52,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradcomp as gc
 from gradcomp.ddp import GradCompState, compressed_allreduce_hook
+from gradcomp.lab.study.torch_powersgd import TorchPowerSGD
 from gradcomp.launch import launch
 
 VARIANTS = ("torch", "gradcomp", "gradcomp-f32", "gradcomp-ring")
@@ -72,36 +73,17 @@ def _model() -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
-class _Counted:
-    """powerSGD_hook with its nominal bytes and allreduces counted per bucket."""
-
-    def __init__(self, state, world: int, rank: int):
-        self.state, self.world, self.nbytes, self.calls = state, world, 0, 0
-        self.shapes = gc.PowerSGD(rank=rank, min_compression_rate=state.min_compression_rate,
-                                  compressor=gc.NoCompression())  # the same compression test as torch's
-
-    def hook(self, _, bucket):
-        if self.state.iter >= self.state.start_powerSGD_iter:
-            first, second = self.shapes.wire_numel([g.shape for g in bucket.gradients()])
-            ring = 2 * (self.world - 1) / self.world
-            self.nbytes += ring * 4 * (first + second)
-            self.calls += 3  # the uncompressed tensors, the Ps, the Qs
-        return torch_psgd.powerSGD_hook(self.state, bucket)
-
-
 def _rank(rank: int, world: int, r: int, steps: int, warmup: int, batch: int, profile: bool) -> dict:
     ddps, meters, counted = {}, {}, None
     for variant in VARIANTS:
         ddp = DDP(_model(), bucket_cap_mb=BUCKET_MB)
-        if variant == "torch":
-            state = torch_psgd.PowerSGDState(process_group=None, matrix_approximation_rank=r, start_powerSGD_iter=2,
-                                             min_compression_rate=2)
-            counted = _Counted(state, world, r)
+        meters[variant] = gc.TrafficMeter()
+        if variant == "torch":  # its defaults: error feedback, warm start, float32
+            counted = TorchPowerSGD(rank=r, start_iter=2, min_compression_rate=2, meter=meters[variant])
             ddp.register_comm_hook(None, counted.hook)
         else:
             comp = gc.PowerSGD(rank=r, compressor=gc.NoCompression() if variant == "gradcomp-f32" else None,
                                exchange="gradcomp" if variant == "gradcomp-ring" else "auto")
-            meters[variant] = gc.TrafficMeter()
             ddp.register_comm_hook(GradCompState(compressor=comp, start_iter=2, meter=meters[variant], timeout=300),
                                    compressed_allreduce_hook)
         ddps[variant] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.05))
@@ -116,7 +98,7 @@ def _rank(rank: int, world: int, r: int, steps: int, warmup: int, batch: int, pr
         y = (x @ w).argmax(1)
         if step == warmup:
             sent0 = {v: m.as_dict()["bytes_sent"] for v, m in meters.items()}
-            torch_bytes0, torch_calls0 = counted.nbytes, counted.calls
+            torch_calls0 = counted.allreduces
         for variant in VARIANTS:
             ddp, opt = ddps[variant]
             dist.barrier()
@@ -132,9 +114,8 @@ def _rank(rank: int, world: int, r: int, steps: int, warmup: int, batch: int, pr
             losses[variant] = loss.item()
     n = steps - warmup
     per_step = {v: (m.as_dict()["bytes_sent"] - sent0[v]) / n for v, m in meters.items()}
-    per_step["torch"] = (counted.nbytes - torch_bytes0) / n
     return {"step_s": {v: statistics.median(t[warmup:]) for v, t in times.items()}, "bytes": per_step,
-            "torch_allreduces": (counted.calls - torch_calls0) / n, "loss": losses,
+            "torch_allreduces": (counted.allreduces - torch_calls0) / n, "loss": losses,
             "phases": {v: [statistics.median(p[i] for p in ph[warmup:]) for i in range(3)] for v, ph in phases.items()},
             "profile": _profile(r, batch, w, gen) if profile else {}}
 

@@ -6,8 +6,10 @@ error feedback ``M = g + e`` and a warm-started ``Q`` (``cols x r``, orthonormal
 update is ``P Q^T`` (Vogels, Karimireddy and Jaggi 2019, Algorithms 1 and 2). Vectors and
 matrices whose compression rate ``rows cols / ((rows + cols) r)`` is under
 ``min_compression_rate`` ride uncompressed in the P exchange: two collectives per call
-where PyTorch's ``powerSGD_hook`` waits on three, both through gradcomp's allreduce with a
-gradcomp codec (FP16 by default: half of the float32 bytes).
+where PyTorch's ``powerSGD_hook`` waits on three, each one flat buffer: FP16 by default
+(half of the float32 bytes), summed in float16 by the backend's allreduce under a
+power-of-two scale every rank derives from the exchange's last sum, or a gradcomp codec
+on gradcomp's allreduce.
 
 Invariant: every rank orthonormalizes the same decoded ``P`` and applies the same decoded
 ``Q``, so the result is bit-identical on every rank; a rank's residual is what its own
