@@ -20,6 +20,7 @@ ranks of the update and the residuals is the sum of their inputs. Docs: docs/pow
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -211,6 +212,7 @@ class PowerSGD(CodecPolicy):
         #: call layout -> the FP16 exponent of its P and Q exchanges (None: float32 next)
         self._exponents: dict[Hashable, list[int | None]] = {}
         self._layouts: dict[Hashable, _Layout] = {}  # (call layout, device) -> plan and buffers
+        self._busy = threading.Lock()  # one call at a time: the layouts' buffers are shared
 
     lossy = True  # the projection drops what lies outside the rank-r subspace
 
@@ -279,6 +281,19 @@ class PowerSGD(CodecPolicy):
             raise ValueError(f"residual must be a float32 tensor of {work.numel()} elements, got "
                              f"{residual.dtype} of {residual.numel()}")
         comm = {"group": group, "meter": meter, "timeout": timeout, "algorithm": algorithm, "tag": tag}
+        if not self._busy.acquire(timeout=timeout):
+            raise RuntimeError(f"PowerSGD: another thread's call on this instance held it for over {timeout} s")
+        try:
+            self._reduce(work, lay, residual, step, check, comm)
+        finally:
+            self._busy.release()
+        if work is not buf:
+            buf.copy_(work)
+        return buf
+
+    def _reduce(self, work, lay: _Layout, residual, step, check, comm) -> None:
+        """:meth:`reduce_` on float32 ``work``: exact before :attr:`start_iter`, else compressed."""
+        group, meter, timeout, tag = comm["group"], comm["meter"], comm["timeout"], comm["tag"]
         if step < self.start_iter or dist.get_world_size(group) == 1:
             if residual is not None:  # delivered exactly: nothing left to remember
                 work.add_(residual)
@@ -287,9 +302,6 @@ class PowerSGD(CodecPolicy):
                              tag=tag)
         else:
             self._power_step(work, lay, residual, step, check, comm)
-        if work is not buf:
-            buf.copy_(work)
-        return buf
 
     def _layout(self, work: torch.Tensor, segments) -> _Layout:
         """The plan and buffers of a call on ``work`` with ``segments`` (made once per layout)."""
@@ -476,7 +488,12 @@ class PowerSGD(CodecPolicy):
         d = dict(self.__dict__)
         d["_checked"] = set()  # group ids mean nothing in another process
         d["_layouts"] = {}  # buffers: made again on first use
+        del d["_busy"]
         return d
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._busy = threading.Lock()
 
     def __repr__(self) -> str:
         return (f"PowerSGD(rank={self.rank}, warm_start={self.warm_start}, "
