@@ -359,13 +359,16 @@ class PowerSGD(CodecPolicy):
             m = mats[i0]
             block = first[lay.p_at[i0]: lay.p_at[i0] + k * m.rows * m.rank].view(k, m.rows, m.rank)
             block.copy_(orthonormalize(block))
-        for i, (m, M) in enumerate(zip(mats, views)):
-            q_local = torch.mm(M.t(), lay.p(first, i), out=lay.q(second, i))
-            if residual is not None:  # what this rank's matrix loses to the projection
+        for i, M in enumerate(views):
+            torch.mm(M.t(), lay.p(first, i), out=lay.q(second, i))  # this rank's Q
+
+        def residuals():  # what this rank's matrix loses to the projection (its own Q)
+            for i, (m, M) in enumerate(zip(mats, views)):
                 e = residual[m.seg.offset: m.seg.offset + m.seg.numel].view(m.rows, m.cols)
-                torch.addmm(M, lay.p(first, i), q_local.t(), beta=1.0, alpha=-1.0, out=e)
+                torch.addmm(M, lay.p(first, i), lay.q(second, i).t(), beta=1.0, alpha=-1.0, out=e)
+
         if mats:
-            self._exchange(second, lay, 1, check, comm)
+            self._exchange(second, lay, 1, check, comm, meanwhile=residuals if residual is not None else None)
             kept = second.clone() if self.warm_start else second
         for i, (m, M) in enumerate(zip(mats, views)):
             torch.mm(lay.p(first, i), lay.q(second, i).t(), out=M)
@@ -381,35 +384,42 @@ class PowerSGD(CodecPolicy):
                     residual[lo:hi].copy_(loss[at - lay.n_p: at - lay.n_p + hi - lo])
             at += hi - lo
 
-    def _exchange(self, buf: torch.Tensor, lay: _Layout, which: int, check: bool, comm) -> torch.Tensor | None:
-        """Average ``buf`` (the layout's P buffer, ``which`` 0, or its Q buffer, 1) in place.
+    def _exchange(self, buf: torch.Tensor, lay: _Layout, which: int, check: bool, comm,
+                  meanwhile=None) -> torch.Tensor | None:
+        """Average ``buf`` (the layout's P buffer, ``which`` 0, or its Q buffer, 1) in place;
+        ``meanwhile()`` (reading ``buf``'s values before the exchange) runs while a float16
+        sum is in flight, else before the exchange.
 
         Returns:
             What the wire's rounding took from this rank's elements past the P's (the ranges
             sent whole; for their error feedback), or None where it took nothing.
         """
-        if self.exchange == "gradcomp":
-            res = lay.codec_residual(which)
-            allreduce(buf, self.compressor, op="avg", residual=res, out=buf, check=check, **comm)
-            return res[lay.n_p:]
         group, meter, timeout = comm["group"], comm["meter"], comm["timeout"]
-        world = dist.get_world_size(group)
         exponents = self._exponents.setdefault(lay.key, [None, None])
         e = exponents[which]
-        if e is None or type(self.compressor) is NoCompression:
+        if self.exchange == "gradcomp" or e is None or type(self.compressor) is NoCompression:
+            if meanwhile is not None:
+                meanwhile()
+            if self.exchange == "gradcomp":
+                res = lay.codec_residual(which)
+                allreduce(buf, self.compressor, op="avg", residual=res, out=buf, check=check, **comm)
+                return res[lay.n_p:]
             native.allreduce(buf, op="avg", group=group, meter=meter, timeout=timeout, out=buf, check=check,
                              tag=comm["tag"])
-            exponents[which] = _next_exponent(buf, world)
+            exponents[which] = _next_exponent(buf, dist.get_world_size(group))
             return None
         half, loss = lay.half(which), lay.loss
-        buf.mul_(math.ldexp(1.0, e))  # a power of two: exact, the same on every rank
-        half.copy_(buf)
+        torch.mul(buf, math.ldexp(1.0, e), out=half)  # a power of two: exact before the cast, the same everywhere
         if which == 0:  # this rank's rounding of the ranges sent whole, before the sum
-            torch.sub(buf[lay.n_p:], half[lay.n_p:], out=loss).mul_(math.ldexp(1.0, -e))
+            loss.copy_(half[lay.n_p:]).mul_(math.ldexp(1.0, -e))
+            torch.sub(buf[lay.n_p:], loss, out=loss)
         with exclusive(group, timeout=timeout):
-            native.allreduce_(half, group=group, timeout=timeout, meter=meter)  # summed in float16
+            wait = native.allreduce_start(half, group=group, meter=meter)  # summed in float16
+            if meanwhile is not None:
+                meanwhile()
+            wait(timeout)
+        world = dist.get_world_size(group)
         if not bool(torch.isfinite(half).all()):  # the sum overflowed (on every rank alike): again in float32
-            buf.mul_(math.ldexp(1.0, -e))
             native.allreduce(buf, op="avg", group=group, meter=meter, timeout=timeout, out=buf, check=False,
                              tag=comm["tag"])
             exponents[which] = _next_exponent(buf, world)

@@ -28,7 +28,7 @@ from gradcomp.comm.p2p import Comm
 from gradcomp.compressors import NoCompression
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["allreduce", "allreduce_", "reduce_", "sent_bytes"]
+__all__ = ["allreduce", "allreduce_", "allreduce_start", "reduce_", "sent_bytes"]
 
 #: the meter's phase of these bytes
 PHASE = "plain_allreduce"
@@ -141,14 +141,30 @@ def allreduce_(buf: torch.Tensor, *, group, timeout: float, meter: TrafficMeter 
     Raises:
         TimeoutError / RuntimeError: the backend's, on a slow or dead peer.
     """
+    return allreduce_start(buf, group=group, meter=meter)(timeout)
+
+
+def allreduce_start(buf: torch.Tensor, *, group, meter: TrafficMeter | None = None):
+    """Start :func:`allreduce_` of ``buf`` (the same arguments) and return its wait:
+    ``wait(timeout)`` blocks at most ``timeout`` seconds, records the call in ``meter`` and
+    returns ``buf``. Until it returns, ``buf`` must not be touched and no other collective
+    may start on ``group`` from this thread.
+
+    Raises:
+        TimeoutError / RuntimeError: (from ``wait``) the backend's, on a slow or dead peer.
+    """
     began = time.perf_counter()
     work = dist.all_reduce(buf, group=group, async_op=True)
-    work.wait(timeout=datetime.timedelta(seconds=timeout))
-    world = dist.get_world_size(group)
-    if meter is not None and world > 1:
-        meter.record_time(time.perf_counter() - began, phase=PHASE)
-        rs, ag, rs_in, ag_in = ring_raw_bytes(buf.numel(), world, dist.get_rank(group))
-        scale = buf.element_size() / 4
-        meter.record_send(int((rs + ag) * scale), rs + ag, phase=PHASE)
-        meter.record_recv(int((rs_in + ag_in) * scale), rs_in + ag_in, phase=PHASE)
-    return buf
+
+    def wait(timeout: float) -> torch.Tensor:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+        world = dist.get_world_size(group)
+        if meter is not None and world > 1:
+            meter.record_time(time.perf_counter() - began, phase=PHASE)
+            rs, ag, rs_in, ag_in = ring_raw_bytes(buf.numel(), world, dist.get_rank(group))
+            scale = buf.element_size() / 4
+            meter.record_send(int((rs + ag) * scale), rs + ag, phase=PHASE)
+            meter.record_recv(int((rs_in + ag_in) * scale), rs_in + ag_in, phase=PHASE)
+        return buf
+
+    return wait
