@@ -11,9 +11,7 @@ measured the same way; the ``native`` row is the baseline a user would call,
 the backend's own ``dist.all_reduce`` of every bucket (the hook's plain
 allreduce, :mod:`gradcomp.comm.native`), counted at the same nominal ring bytes.
 
-The low-rank rows (``powersgd4``, PyTorch's ``torch-powersgd4``) start compressing at the
-third step (:data:`LOW_RANK_START`, the earliest PyTorch's hook allows), both alike. The
-other rows' hook compresses every bucket from the first step (``start_iter=0``,
+The hook compresses every bucket from the first step (``start_iter=0``,
 ``min_compress_numel=0``; the default model fits in one DDP bucket): every
 counted step moves compressed bytes, and the baseline's are raw float32 bytes
 of the same transport, so the traffic ratio compares like with like. (The
@@ -39,7 +37,8 @@ from gradcomp.lab.study.timing import ComputeDelay
 
 __all__ = ["train_sync_rank", "LOW_RANK_START"]
 
-#: the first compressed step of the low-rank rows (PyTorch's hook needs two exact steps first)
+#: the first compressed step of both low-rank rows (``powersgd4`` and PyTorch's
+#: ``torch-powersgd4``, alike): the earliest PyTorch's hook allows (two exact steps first)
 LOW_RANK_START = 2
 
 
