@@ -308,8 +308,8 @@ class PowerSGD(CodecPolicy):
         try:
             key = (tuple(segments), work.numel())
             lay = self._layouts.get((key, str(work.device)))
-        except TypeError:  # an unhashable entry: not a Segment
-            lay, key = None, None
+        except TypeError:  # an unhashable entry or key
+            raise TypeError("segments must hold gradcomp.powersgd.Segment with hashable keys") from None
         if lay is None:
             mats, rest = self._split(work.numel(), segments)
             lay = self._layouts[(key, str(work.device))] = _Layout(key, mats, rest, work.device)

@@ -52,6 +52,8 @@ def test_bad_settings_are_named():
         p.reduce_(torch.zeros(10), [Segment("a", 4, (2, 4))], step=0)
     with pytest.raises(TypeError, match="Segment"):
         p.reduce_(torch.zeros(10), [("a", 0, (10,))], step=0)
+    with pytest.raises(TypeError, match="hashable keys"):  # a key names a warm start and a cached layout
+        p.reduce_(torch.zeros(10), [Segment(["a"], 0, (10,))], step=0)
     with pytest.raises(ValueError, match="flat contiguous"):
         p.reduce_(torch.zeros(4, 5).t(), [], step=0)
 
