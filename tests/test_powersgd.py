@@ -199,6 +199,9 @@ def _allreduce_and_localsgd(rank, world):
     exact, int8 = gc.PowerSGD(rank=2, compressor=gc.NoCompression()), gc.PowerSGD(rank=2, compressor=gc.Int8Quantizer())
     exact.q["v"], int8.q["v"] = q0.clone(), q0.clone()
     outs += [gc.allreduce(t, exact, key="v", timeout=TIMEOUT), gc.allreduce(t, int8, key="v", timeout=TIMEOUT)]
+    half = gc.PowerSGD(rank=2)  # FP16 factors summed in float16 by gloo from the second call on
+    outs += [gc.allreduce(t, half, key="h", timeout=TIMEOUT) for _ in range(3)]
+    outs.append(torch.tensor([e is not None for e in half._exponents[((Segment("h", 0, (30, 20)),), 600)]]))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
     ls = gc.LocalSGD(model, sync_every=2, compressor=gc.PowerSGD(rank=2), timeout=TIMEOUT)
@@ -342,6 +345,7 @@ def test_collective_and_localsgd_across_three_ranks():
     assert torch.isfinite(res[0][2]).all()
     exact, int8 = res[0][0][2], res[0][0][3]
     assert 0 < (int8 - exact).norm() < 0.05 * exact.norm()  # int8 factors: close to float32's, not equal
+    assert res[0][0][-1].all()  # the float16 path ran (an exponent for both exchanges)
 
 
 @pytest.mark.slow
