@@ -15,6 +15,8 @@ from rich.console import Console
 
 from gradcomp.lab.cli import main
 from gradcomp.lab.plan import machine, tables
+from gradcomp.lab.plan.codecs import plan_codec
+from gradcomp.lab.plan.costs import compress_s
 from gradcomp.lab.plan.profile import OPS, Profile
 from gradcomp.lab.plan.project import project
 from gradcomp.lab.units import format_count
@@ -133,6 +135,25 @@ def test_this_machine_is_measured_once_then_cached(monkeypatch, tmp_path):
     prof, origin = machine.this_machine()
     assert origin.kind == "shipped" and "no native kernels" in origin.why
     assert prof.kernels == Profile.load(machine.SHIPPED_PROFILE).kernels
+
+
+def test_a_cached_profile_without_a_codecs_rates_is_measured_again(monkeypatch, tmp_path):
+    # a profile cached before the 4-bit codec existed: its kernels would be priced at 0 s
+    monkeypatch.setenv("GRADCOMP_CACHE_DIR", str(tmp_path))
+    old = [op for op in OPS if not op.startswith("int4.")]
+    Profile(kernels={op: 1e9 for op in old}, source={"measured": "before int4"}).save(machine.cache_path())
+    assert compress_s(plan_codec("int4-ef"), Profile.load(machine.cache_path()), 10**6, ef=True) == 0.0
+    calls = []
+
+    def fake_measure(on_progress=None):
+        calls.append(1)
+        return Profile(kernels={op: 2e8 for op in OPS}, source={"measured": "after int4"})
+    monkeypatch.setattr(machine, "measure_here", fake_measure)
+    prof, origin = machine.this_machine()
+    assert (origin.kind, origin.when, len(calls)) == ("measured", "after int4", 1)
+    assert compress_s(plan_codec("int4-ef"), prof, 10**6, ef=True) == pytest.approx(10**6 / 2e8)
+    assert Profile.load(machine.cache_path()).source["measured"] == "after int4"  # the cache replaced
+    assert machine.this_machine()[1].when == "after int4" and len(calls) == 1  # complete now: kept
 
 
 def test_recommend_names_a_given_profile_and_speaks_in_words(capsys):

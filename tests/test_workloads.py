@@ -271,8 +271,16 @@ def test_text_gpt_study_reports_perplexity(tmp_path):
                        env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="200"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "perplexity" in r.stdout and "text-gpt" in r.stdout
-    runs = json.loads((out / "results.json").read_text())["runs"]
+    doc = json.loads((out / "results.json").read_text())
+    runs = doc["runs"]
     assert len(runs) == 2
+    # the accuracy counts every character of each test window: its granularity and the one
+    # seed's sampling error are those of windows x 64 predictions, not of the windows
+    test_chars = len(TEXT) - int(len(TEXT) * 0.75)  # the default test fraction, 0.25
+    windows = len(range(0, test_chars - 64, 64))
+    assert doc["dataset"]["test_samples"] == windows == 10
+    assert doc["dataset"]["granularity_pp"] == pytest.approx(100 / (64 * windows))
+    assert f"on {64 * windows} test predictions" in " ".join(r.stdout.split())
     for run in runs:
         assert run["test_perplexity"] == pytest.approx(math.exp(run["test_loss"]))
         # 3 steps from a uniform start: still near the vocabulary size (28 characters)

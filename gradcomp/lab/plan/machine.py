@@ -5,7 +5,9 @@ machine they run on: the first call times every codec op here
 (:func:`gradcomp.lab.plan.calibrate.measure_kernels`, some seconds) and keeps the
 profile in the user's cache directory (``$GRADCOMP_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/gradcomp``, else ``~/.cache/gradcomp``), one file per host and
-device; ``--recalibrate`` measures again. The latency per message is not
+device; ``--recalibrate`` measures again, and so does a cached profile that lacks
+the rate of an op the planner prices (one written before a codec was added:
+its kernels would otherwise cost nothing). The latency per message is not
 measured here (it is the network's): ``--alpha-us`` gives it, else
 :data:`~gradcomp.lab.plan.profile.DEFAULT_ALPHA_S`. The shipped reference
 profile is used only when measuring is impossible, and said to be another machine's.
@@ -19,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from gradcomp.lab.plan.profile import DEFAULT_ALPHA_S, Profile
+from gradcomp.lab.plan.profile import DEFAULT_ALPHA_S, OPS, Profile
 
 __all__ = ["SHIPPED_PROFILE", "MEASURE_NUMEL", "ProfileOrigin", "cache_dir", "cache_path", "measure_here",
            "this_machine"]
@@ -68,8 +70,9 @@ def measure_here(on_progress: Callable[[int, int], None] | None = None) -> Profi
 
 
 def this_machine(recalibrate: bool = False, on_progress=None) -> tuple[Profile, ProfileOrigin]:
-    """The cached profile of this machine; measured (and cached) when there is none
-    or ``recalibrate``; the shipped profile when measuring fails.
+    """The cached profile of this machine; measured (and cached) when there is none,
+    when it lacks the rate of an op of :data:`~gradcomp.lab.plan.profile.OPS` (cached
+    before that op existed), or ``recalibrate``; the shipped profile when measuring fails.
 
     Args:
         recalibrate: measure even when a cached profile exists.
@@ -79,9 +82,10 @@ def this_machine(recalibrate: bool = False, on_progress=None) -> tuple[Profile, 
     if not recalibrate and os.path.exists(path):
         try:
             prof = Profile.load(path)
-            return prof, ProfileOrigin("measured", path, prof.source.get("measured", ""))
+            if all(op in prof.kernels for op in OPS):
+                return prof, ProfileOrigin("measured", path, prof.source.get("measured", ""))
         except (OSError, ValueError):
-            pass  # a damaged cache entry is measured again
+            pass  # a damaged cache entry is measured again (as is an incomplete one, above)
     try:
         prof = measure_here(on_progress)
     except (ImportError, RuntimeError, OSError) as e:  # no kernels here: the reference is all there is

@@ -515,7 +515,7 @@ def _print_tables(console, study, studies, max_gap: float | None) -> None:
     if "threshold-ef" in {r.compressor for r in study.runs}:
         console.print(f"threshold+ef: threshold {study.threshold:.3g}", highlight=False)
     bound = DEFAULT_MAX_GAP_PP if max_gap is None else max_gap
-    words = conclusion(aggregate([r for s in studies for r in s.runs]), study.test_samples, bound)
+    words = conclusion(aggregate([r for s in studies for r in s.runs]), study.predictions, bound)
     if words:
         from rich.markup import escape
 

@@ -17,29 +17,29 @@ from gradcomp.lab.study.decision import Aggregate, contenders
 __all__ = ["sampling_error_pp", "gap_noise_pp", "conclusion"]
 
 
-def sampling_error_pp(accuracy_pct: float, test_samples: int) -> float:
+def sampling_error_pp(accuracy_pct: float, test_predictions: int) -> float:
     """Half-width in points of the 95% interval of a difference between two
-    accuracies near ``accuracy_pct`` (%), each measured on ``test_samples``
-    samples with independent errors: ``1.96 sqrt(2 p (1 - p) / n)``."""
+    accuracies near ``accuracy_pct`` (%), each measured on ``test_predictions``
+    predictions with independent errors: ``1.96 sqrt(2 p (1 - p) / n)``."""
     p = min(max(accuracy_pct / 100.0, 0.0), 1.0)
-    return 100.0 * 1.96 * math.sqrt(2.0 * p * (1.0 - p) / max(1, test_samples))
+    return 100.0 * 1.96 * math.sqrt(2.0 * p * (1.0 - p) / max(1, test_predictions))
 
 
-def gap_noise_pp(a: Aggregate, test_samples: int) -> float:
+def gap_noise_pp(a: Aggregate, test_predictions: int) -> float:
     """The noise of ``a``'s accuracy gap in points: its 95% interval over seeds,
     or with one seed the test set's :func:`sampling_error_pp`."""
     if a.seeds > 1 and not math.isnan(a.gap_ci):
         return a.gap_ci
-    return sampling_error_pp(a.accuracy, test_samples)
+    return sampling_error_pp(a.accuracy, test_predictions)
 
 
-def _mode_sentence(mode: str, rows: list[Aggregate], test_samples: int) -> str | None:
+def _mode_sentence(mode: str, rows: list[Aggregate], test_predictions: int) -> str | None:
     """What the mode's compressors saved and what they cost, against its none row."""
     compressed = [a for a in rows if a.compressor not in ("none", "native")]
     if not compressed:
         return None
     # the gap is none's accuracy minus the row's: a loss is a gap above its noise
-    lost = [a for a in compressed if a.gap_pp - gap_noise_pp(a, test_samples) > 0]
+    lost = [a for a in compressed if a.gap_pp - gap_noise_pp(a, test_predictions) > 0]
     kept = [a for a in compressed if a not in lost]
     parts = []
     if kept:
@@ -54,15 +54,15 @@ def _mode_sentence(mode: str, rows: list[Aggregate], test_samples: int) -> str |
     return f"{mode}: " + "; ".join(parts) + "."
 
 
-def _noise_sentence(rows: list[Aggregate], test_samples: int) -> str:
+def _noise_sentence(rows: list[Aggregate], test_predictions: int) -> str:
     seeds = min(a.seeds for a in rows)
     if seeds > 1:
         return (f"Figures are means over {seeds} seeds; a gap or a time counts only beyond its 95% "
                 "interval.")
     acc = sum(a.accuracy for a in rows) / len(rows)
     return (f"This rests on 1 seed, which measures no run-to-run spread: gaps within "
-            f"±{sampling_error_pp(acc, test_samples):.1f} points (the sampling error of a difference "
-            f"on {test_samples} test samples at {acc:.0f}%) and differences in time are not resolved; "
+            f"±{sampling_error_pp(acc, test_predictions):.1f} points (the sampling error of a difference "
+            f"on {test_predictions} test predictions at {acc:.0f}%) and differences in time are not resolved; "
             "--seeds 3 gives intervals.")
 
 
@@ -78,7 +78,7 @@ def _time_sentence(rows: list[Aggregate], max_gap_pp: float) -> str:
             "(decision.md says what would separate them).")
 
 
-def conclusion(aggs: list[Aggregate], test_samples: int, max_gap_pp: float) -> list[str]:
+def conclusion(aggs: list[Aggregate], test_predictions: int, max_gap_pp: float) -> list[str]:
     """Two to four sentences on the first scenario's runs (``aggs`` from
     :func:`~gradcomp.lab.study.decision.aggregate`): per mode, the largest
     traffic saving without an accuracy loss beyond the noise and the
@@ -87,8 +87,8 @@ def conclusion(aggs: list[Aggregate], test_samples: int, max_gap_pp: float) -> l
         return []
     rows = [a for a in aggs if a.scenario == aggs[0].scenario]
     modes = [s for mode in dict.fromkeys(a.mode for a in rows)
-             if (s := _mode_sentence(mode, [a for a in rows if a.mode == mode], test_samples))]
-    tail = [_noise_sentence(rows, test_samples)]
+             if (s := _mode_sentence(mode, [a for a in rows if a.mode == mode], test_predictions))]
+    tail = [_noise_sentence(rows, test_predictions)]
     if any(a.time_to_target_s is not None for a in rows):
         tail.append(_time_sentence(rows, max_gap_pp))
     if len(modes) + len(tail) > 4:  # three modes or more: one sentence for all of them

@@ -41,9 +41,10 @@ COLUMNS = (
     ("wall_s", "wall (s)"),
 )
 
-def granularity_pp(test_samples: int) -> float:
-    """Accuracy points one test sample is worth (0.22 on the digits' 450)."""
-    return 100.0 / test_samples
+def granularity_pp(test_predictions: int) -> float:
+    """Accuracy points one test prediction is worth (0.22 on the digits' 450 images; a
+    sequence workload predicts every character of a test window)."""
+    return 100.0 / test_predictions
 
 
 def _r(x, nd):
@@ -174,7 +175,7 @@ def write_json(study: StudyResult, path: str, studies: list[StudyResult] | None 
         "dataset": {"name": "sklearn digits" if study.config.workload == "digits-mlp"
                     else study.config.workload, "train_samples": study.train_samples,
                     "test_samples": study.test_samples,
-                    "granularity_pp": granularity_pp(study.test_samples)},
+                    "granularity_pp": granularity_pp(study.predictions)},
         "model": {"layers": [64, *study.config.hidden, 10], "parameters": study.num_parameters},
         "threshold": study.threshold,
         "target_accuracy": study.target_accuracy, "target_fraction": study.target_fraction,
@@ -256,5 +257,5 @@ def write_all(study: StudyResult, out_dir: str, studies: list[StudyResult] | Non
         runs, out_dir, study.target_accuracy,
         DEFAULT_MAX_GAP_PP if max_gap_pp is None else max_gap_pp,
         {"description": title(study), "seeds": study.seeds,
-         "test_granularity_pp": granularity_pp(study.test_samples)}))
+         "test_granularity_pp": granularity_pp(study.predictions)}))
     return paths

@@ -145,11 +145,19 @@ class StudyResult:
     train_samples: int
     test_samples: int
     wall_s: float = 0.0
+    #: predictions the test accuracy counts per run: one per test sample, one per character of a
+    #: sequence workload's test window (``test_samples`` x its block); None: ``test_samples``
+    test_predictions: int | None = None
     seeds: list[int] = field(default_factory=list)
     scenario: dict = field(default_factory=dict)
     links: dict = field(default_factory=dict)
     target_accuracy: float | None = None
     target_fraction: float | None = None
+
+    @property
+    def predictions(self) -> int:
+        """Predictions the test accuracy counts per run (its sampling error's ``n``)."""
+        return self.test_predictions or self.test_samples
 
 
 def in_torchrun() -> bool:
@@ -551,6 +559,7 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
     return StudyResult(config=cfg, runs=runs, num_parameters=params,
                        threshold=cfgs[0].threshold if cfgs[0].threshold is not None else float("nan"),
                        train_samples=len(datas[0].y_train), test_samples=len(datas[0].y_test),
+                       test_predictions=len(datas[0].y_test) * max(1, getattr(datas[0], "block", 0)),
                        wall_s=time.perf_counter() - t0, seeds=[c.seed for c in cfgs],
                        scenario=scenario.as_dict(), links=links,
                        target_accuracy=runs[0].target_accuracy,
