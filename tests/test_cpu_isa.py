@@ -73,6 +73,57 @@ CHECK = textwrap.dedent("""
 """).format(here=HERE)
 
 
+# every variant's quantizers on the edges of their vector loops, against the reference: lengths
+# around one vector (8 / 16 lanes) and one packed byte, values on the rounding ties of each code
+# (half-integers of the int8 / int4 / int2 grid, midpoints of the fp8 grids, normal and
+# subnormal), signed zeros, and the fused error-feedback variants (codes, scales, residual)
+EDGES = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {here!r})
+    import backend_checks as C
+    import gradcomp.kernels as K
+    from gradcomp.kernels import cpu
+
+    def same(a, b, what):
+        assert torch.equal(C.bits(a), C.bits(b)), what
+
+    def both(fn, what):
+        a, b = fn("cpu"), fn("reference")
+        for i, (u, v) in enumerate(zip(a, b)):
+            same(u, v, f"{{what}}[{{i}}]")
+
+    def ties():
+        t = [127.0, -127.0] + [k + 0.5 for k in range(-127, 127)]  # int8: absmax 127, y = x
+        t += [7.0, -7.0] + [k + 0.5 for k in range(-7, 7)] + [0.5, -0.5, 1.5, -1.5]
+        e4 = [448.0] + [(1 + (2 * j + 1) / 16) * 2.0 ** e for e in range(-6, 8) for j in range(8)]
+        e4 += [(2 * j + 1) * 2.0 ** -10 for j in range(8)] + [-0.0, 0.0, -2.0 ** -10, 2.0 ** -11]
+        e5 = [57344.0] + [(1 + (2 * j + 1) / 8) * 2.0 ** e for e in range(-14, 15) for j in range(4)]
+        e5 += [(2 * j + 1) * 2.0 ** -17 for j in range(4)] + [-0.0, -2.0 ** -17]
+        return [torch.tensor(v, dtype=torch.float32) for v in (t, e4, e5)]
+
+    g = torch.Generator().manual_seed(5)
+    cases = [torch.randn(n, generator=g) for n in (1, 3, 7, 8, 9, 15, 16, 17, 24, 31, 33, 47, 63, 65, 263)]
+    cases += ties()
+    for i, x in enumerate(cases):
+        if i % 2:
+            x[::5] = -0.0
+        res = torch.randn(x.numel(), generator=g) * 0.1
+        for bs in (32, 256):
+            for r in ("nearest", "stochastic"):
+                both(lambda b: (*K.quantize_int8_ef(x, e := res.clone(), bs, r, 4, 2, backend=b), e), "int8 ef")
+                for bits in (4, 2):
+                    both(lambda b: K.quantize_packed(x, bits, bs, r, 4, 2, backend=b), f"int{{bits}}")
+                    both(lambda b: (*K.quantize_packed_ef(x, e := res.clone(), bits, bs, r, 4, 2, backend=b), e),
+                         f"int{{bits}} ef")
+            both(lambda b: K.quantize_sign(x, bs, backend=b), "sign")
+            both(lambda b: (*K.quantize_sign_ef(x, e := res.clone(), bs, backend=b), e), "sign ef")
+            for f in ("e4m3", "e5m2"):
+                both(lambda b: K.quantize_fp8(x, f, bs, backend=b), f)
+                both(lambda b: (*K.quantize_fp8_ef(x, e := res.clone(), f, bs, backend=b), e), f + " ef")
+    print(cpu.isa())
+""").format(here=HERE)
+
+
 def _run(code: str, isa: str | None):
     env = dict(os.environ)
     env.pop("GRADCOMP_CPU_ISA", None)
@@ -98,6 +149,16 @@ def test_every_variant_this_cpu_runs_matches_the_reference():
 
     for isa in cpu.isas():
         r = _run(CHECK, isa)
+        assert r.returncode == 0, f"{isa}:\n{r.stderr[-3000:]}"
+        assert r.stdout.strip() == isa
+
+
+@pytest.mark.slow
+def test_every_variant_matches_the_reference_on_vector_tails_and_rounding_ties():
+    from gradcomp.kernels import cpu
+
+    for isa in cpu.isas():
+        r = _run(EDGES, isa)
         assert r.returncode == 0, f"{isa}:\n{r.stderr[-3000:]}"
         assert r.stdout.strip() == isa
 

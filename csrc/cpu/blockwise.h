@@ -54,9 +54,52 @@ inline uint32_t absmax_bits(const float* p, size_t len) {
 // build does not have (it then calls rint once per element). Only the sign of
 // a zero result differs from std::rint (+0 for -0.5 <= y <= -0), which no
 // caller can see: both convert to the integer 0 and v - rint(v) keeps its sign.
+// With SSE4.1 (the avx2 / avx512 variants) rint itself is one instruction
+// (roundps), one fewer than the addition and subtraction; it differs from the
+// above only in the sign of a zero result.
 inline float rint_small(float y) {
+#if defined(GC_HAS_SSE41)
+    return __builtin_rintf(y);
+#else
     constexpr float k = 12582912.0f;  // 1.5 * 2**23
     return (y + k) - k;
+#endif
+}
+
+// ------------------------------------------------------------- integer codes
+
+// uniform [0, 1) of element idx of the stream `key` (reference.uniform_key)
+inline float uniform24(uint32_t idx, uint32_t key) {
+    return static_cast<float>(static_cast<int32_t>(mix32(idx ^ key) >> 8)) * 0x1p-24f;
+}
+
+// floor(v) for |v| < 2**22, clamped to [-Q, Q]: rint(v) - (rint(v) > v), the
+// comparison made on the sign of the exact difference (integer-only selects,
+// which vectorise without -fno-trapping-math)
+template <int Q>
+inline int32_t floor_clamped(float v) {
+    const float rv = rint_small(v);
+    const int32_t c = static_cast<int32_t>(rv) - (int32_t(f32_bits(rv - v)) > 0);
+    return c < -Q ? -Q : (c > Q ? Q : c);
+}
+
+// codes rint((p / m) * Q) (nearest) or floor((p / m) * Q + u) clamped to
+// [-Q, Q] (stochastic, u of element first + i): the reference's operations in
+// its order (a division, then a product). |p| <= m, so nearest needs no clamp.
+// EF: also the error-feedback residual res = p - code * s, in the same loop.
+template <int Q, bool STOCH, bool EF>
+inline void int_codes(const float* __restrict p, size_t len, float m, float s, uint32_t first, uint32_t key,
+                      int8_t* __restrict c, float* __restrict res) {
+    for (uint32_t i = 0; i < uint32_t(len); ++i) {
+        const float y = (p[i] / m) * float(Q);
+        int32_t ci;
+        if constexpr (STOCH)
+            ci = floor_clamped<Q>(y + uniform24(first + i, key));
+        else
+            ci = static_cast<int32_t>(rint_small(y));
+        c[i] = int8_t(ci);
+        if constexpr (EF) res[i] = p[i] - static_cast<float>(ci) * s;
+    }
 }
 
 // p = acc + code * scale over one tile (dequantize_int8_add's addition; a

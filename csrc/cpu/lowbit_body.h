@@ -31,16 +31,30 @@ using namespace blockwise;
 // bytes. Whole bytes by straight-line shifts (loops compilers vectorise), then
 // the last, partial byte with zeros in its unused bits.
 template <int BITS>
-inline void pack_tile(const int8_t* c, size_t len, uint8_t* out) {
+inline void pack_tile(const int8_t* __restrict c, size_t len, uint8_t* __restrict out) {
     constexpr size_t PER = 8 / BITS;
     const size_t whole = len / PER;
     const uint8_t* u = reinterpret_cast<const uint8_t*>(c);
+    // the codes of one output byte read as one little-endian word, their fields
+    // moved together by shifts of the whole word (no byte shuffles)
+#if defined(__BYTE_ORDER__)
+    static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "pack_tile reads codes as little-endian words");
+#endif
     if constexpr (BITS == 4) {
-        for (size_t j = 0; j < whole; ++j) out[j] = uint8_t((u[2 * j] & 15u) | (u[2 * j + 1] << 4));
+        for (size_t j = 0; j < whole; ++j) {
+            uint16_t w;
+            std::memcpy(&w, u + 2 * j, 2);
+            w = uint16_t(w & 0x0F0Fu);
+            out[j] = uint8_t(w | (w >> 4));
+        }
     } else {
-        for (size_t j = 0; j < whole; ++j)
-            out[j] = uint8_t((u[4 * j] & 3u) | ((u[4 * j + 1] & 3u) << 2) | ((u[4 * j + 2] & 3u) << 4) |
-                             (u[4 * j + 3] << 6));
+        for (size_t j = 0; j < whole; ++j) {
+            uint32_t w;
+            std::memcpy(&w, u + 4 * j, 4);
+            w &= 0x03030303u;
+            w |= w >> 6;
+            out[j] = uint8_t(w | (w >> 12));
+        }
     }
     if (whole * PER < len) {
         uint32_t b = 0;
@@ -76,6 +90,17 @@ inline void unpack_tile(const uint8_t* in, size_t len, int8_t* c) {
 // for element 8j + k; the last byte's unused bits are 0
 inline void sign_bits(const float* p, size_t len, uint8_t* out) {
     size_t j = 0;
+#if defined(GC_HAS_AVX512)
+    const __m512 z16 = _mm512_setzero_ps();  // 16 bits (two bytes) per compare
+    for (; 8 * j + 16 <= len; j += 2) {
+        const uint16_t k = uint16_t(_mm512_cmp_ps_mask(_mm512_loadu_ps(p + 8 * j), z16, _CMP_LT_OQ));
+        std::memcpy(out + j, &k, 2);
+    }
+#elif defined(GC_HAS_AVX2)
+    const __m256 z8 = _mm256_setzero_ps();  // one byte per compare
+    for (; 8 * j + 8 <= len; ++j)
+        out[j] = uint8_t(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + 8 * j), z8, _CMP_LT_OQ)));
+#endif
 #if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
     const __m128 zero = _mm_setzero_ps();  // SSE: every x86-64 has it
     for (; 8 * j + 8 <= len; ++j) {
@@ -122,7 +147,10 @@ inline uint8_t to_fp8(float f) {
     const uint32_t sub = f32_bits(bits_f32(b) + bits_f32(T::DENORM)) - T::DENORM;
     const uint32_t nrm = (b + T::BIAS + ((1u << (T::SHIFT - 1)) - 1u) + ((b >> T::SHIFT) & 1u)) >> T::SHIFT;
     const uint32_t small = 0u - uint32_t(int32_t(b) < int32_t(T::NORMAL_MIN));  // all ones below the normals
-    return uint8_t(((sub & small) | (nrm & ~small)) | (sign >> 24));
+    // the code moved to the top byte and back: the final shift reads the upper
+    // bits, so the compiler keeps the select in 32-bit lanes (narrowing each
+    // operand to bytes first costs more shuffles than it saves)
+    return uint8_t(((((sub & small) | (nrm & ~small)) << 24) | sign) >> 24);
 }
 
 // fp8 bits -> float32, exactly, branch-free: a normal code's exponent rebiased
@@ -144,6 +172,12 @@ inline float fp8_value(uint32_t c) {
     return bits_f32(v | ((c & 0x80u) << 24));
 }
 
+// fp8 codes of (p / m) * max over one tile
+template <Fp8 F>
+inline void fp8_codes(const float* __restrict p, size_t len, float m, uint8_t* __restrict o) {
+    for (size_t i = 0; i < len; ++i) o[i] = to_fp8<F>((p[i] / m) * Fp8Traits<F>::MAX);
+}
+
 // ------------------------------------------------------------------ codecs
 // Each codec: scale(m, sum, len) of a live block, codes(p, len, m, s, first,
 // key, codes, res) of one tile starting at element `first` of the tensor.
@@ -159,22 +193,8 @@ struct PackedCodec {
     static void codes(const float* p, size_t len, float m, float s, size_t first, uint32_t key, uint8_t* out,
                       float* res) {
         alignas(64) int8_t c[TILE];
-        const uint32_t first32 = uint32_t(first);  // the element index mod 2**32, as the reference
-        for (uint32_t i = 0; i < uint32_t(len); ++i) {
-            const float y = (p[i] / m) * float(Q);
-            int32_t ci;
-            if constexpr (STOCH) {
-                const uint32_t r = mix32((first32 + i) ^ key);
-                const float v = y + static_cast<float>(static_cast<int32_t>(r >> 8)) * 0x1p-24f;
-                const float rv = rint_small(v);
-                ci = static_cast<int32_t>(rv) - (int32_t(f32_bits(rv - v)) > 0);  // floor(v)
-                ci = ci < -Q ? -Q : (ci > Q ? Q : ci);
-            } else {
-                ci = static_cast<int32_t>(rint_small(y));  // |y| <= Q: no clamp needed
-            }
-            c[i] = int8_t(ci);
-            if constexpr (EF) res[i] = p[i] - static_cast<float>(ci) * s;
-        }
+        // the element index mod 2**32, as the reference
+        int_codes<Q, STOCH, EF>(p, len, m, s, uint32_t(first), key, c, res);
         pack_tile<BITS>(c, len, out + byte_of(first));
     }
 };
@@ -203,7 +223,7 @@ struct Fp8Codec {
     static void codes(const float* p, size_t len, float m, float s, size_t first, uint32_t, uint8_t* out,
                       float* res) {
         uint8_t* o = out + first;
-        for (size_t i = 0; i < len; ++i) o[i] = to_fp8<F>((p[i] / m) * Fp8Traits<F>::MAX);
+        fp8_codes<F>(p, len, m, o);
         if constexpr (EF)
             for (size_t i = 0; i < len; ++i) res[i] = p[i] - fp8_value<F>(o[i]) * s;
     }
@@ -249,7 +269,7 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
             last = load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
-            mx = std::max(mx, absmax_bits(last, tl));
+            mx = std::max(mx, tl == TILE ? absmax_bits(last, TILE) : absmax_bits(last, tl));
             if constexpr (C::SUM) {
                 const float f = fold_abs(last, tl, tile);
                 sum = t == 0 ? f : sum + f;
@@ -278,7 +298,11 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
             const float* p = len <= tile ? last : load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
-            C::template codes<EF>(p, tl, m, s, lo + t, key, codes, EF ? res + lo + t : nullptr);
+            float* r = EF ? res + lo + t : nullptr;
+            if (tl == TILE)  // the common case: a constant length, loops without remainders
+                C::template codes<EF>(p, TILE, m, s, lo + t, key, codes, r);
+            else
+                C::template codes<EF>(p, tl, m, s, lo + t, key, codes, r);
         }
     }
 }

@@ -36,8 +36,6 @@ using namespace blockwise;
 // are only overwritten, about a third less memory traffic for dequantize.
 constexpr size_t STREAM_MIN = size_t(1) << 21;
 
-inline int32_t clamp127(int32_t c) { return c < -127 ? -127 : (c > 127 ? 127 : c); }
-
 // Whether a block's scale is out of range (negative or infinite; NaN marks a
 // non-finite block and is valid) or its codes hold -128 (outside [-127, 127]);
 // the block is about to be read anyway, so this costs no extra memory pass.
@@ -66,36 +64,6 @@ struct Int8Check {
     bool ok() const { return !bad.load(); }
 };
 
-// |p| <= m, so |p / m| <= 1 and |y| <= 127 after the two correctly rounded
-// operations: no clamp needed (the reference's clamp is a no-op here).
-template <bool EF>
-inline void codes_nearest(const float* p, size_t len, float m, float s, int8_t* q, float* res) {
-    for (size_t i = 0; i < len; ++i) {
-        const float y = (p[i] / m) * 127.0f;
-        const int32_t c = static_cast<int32_t>(rint_small(y));
-        q[i] = static_cast<int8_t>(c);
-        if constexpr (EF) res[i] = p[i] - static_cast<float>(c) * s;
-    }
-}
-
-// floor(v) = rint(v) - (rint(v) > v), the comparison made on the sign of the
-// exact difference: integer-only selects, which GCC vectorises (a float
-// compare-and-select or std::floor is not vectorised without -fno-trapping-math).
-template <bool EF>
-inline void codes_stochastic(const float* p, size_t len, float m, float s, uint32_t first,
-                             uint32_t key, int8_t* q, float* res) {
-    for (uint32_t i = 0; i < uint32_t(len); ++i) {
-        const uint32_t r = mix32((first + i) ^ key);
-        const float u = static_cast<float>(static_cast<int32_t>(r >> 8)) * 0x1p-24f;
-        const float v = (p[i] / m) * 127.0f + u;
-        const float rv = rint_small(v);  // |v| < 129
-        const int32_t up = int32_t(f32_bits(rv - v)) > 0;  // rint rounded up
-        const int32_t c = clamp127(static_cast<int32_t>(rv) - up);
-        q[i] = static_cast<int8_t>(c);
-        if constexpr (EF) res[i] = p[i] - static_cast<float>(c) * s;
-    }
-}
-
 template <class E, bool EF, bool STOCH>
 void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, uint32_t key,
                    int8_t* q, float* scales) {
@@ -112,7 +80,7 @@ void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, u
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
             last = load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
-            mx = std::max(mx, absmax_bits(last, tl));
+            mx = std::max(mx, tl == TILE ? absmax_bits(last, TILE) : absmax_bits(last, tl));
         }
         if (mx >= 0x7F800000u || mx == 0) {  // non-finite block or all zeros
             scales[b] = mx ? bits_f32(NAN_BITS) : 0.0f;
@@ -142,10 +110,10 @@ void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, u
             const float* p =
                 len <= tile ? last : load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
             float* r = EF ? res + lo + t : nullptr;
-            if constexpr (STOCH)
-                codes_stochastic<EF>(p, tl, m, s, uint32_t(lo + t), key, q + lo + t, r);
+            if (tl == TILE)  // the common case: a constant length, loops without remainders
+                int_codes<127, STOCH, EF>(p, TILE, m, s, uint32_t(lo + t), key, q + lo + t, r);
             else
-                codes_nearest<EF>(p, tl, m, s, q + lo + t, r);
+                int_codes<127, STOCH, EF>(p, tl, m, s, uint32_t(lo + t), key, q + lo + t, r);
         }
     }
 }
@@ -276,10 +244,7 @@ bool reduce_quantize_impl(float* acc, const int8_t* qin, const float* sin, size_
             const size_t tl = std::min(tile, len - t);
             const float* p = whole ? buf : a + t;
             int8_t* c = q + lo + t;
-            if constexpr (STOCH)
-                codes_stochastic<false>(p, tl, m, s, uint32_t(lo + t), key, c, nullptr);
-            else
-                codes_nearest<false>(p, tl, m, s, c, nullptr);
+            int_codes<127, STOCH, false>(p, tl, m, s, uint32_t(lo + t), key, c, nullptr);
             if (decode) {
                 for (size_t i = 0; i < tl; ++i) a[t + i] = static_cast<float>(c[i]) * s;
             } else if (whole) {
