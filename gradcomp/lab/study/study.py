@@ -472,8 +472,8 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
         seeds: repeats with seeds ``cfg.seed, cfg.seed + 1, ...``.
         target_acc: target test accuracy in [0, 1] (default: :data:`TARGET_FRACTION`
             of the baseline's, see :func:`default_target`).
-        baseline: run the ``none`` baseline (False: ``compressors`` only; the rows'
-            reductions and gaps then stay unset).
+        baseline: run the ``none`` baseline (False: ``compressors`` only; the rows
+            reductions and gaps then keep their defaults).
 
     Raises:
         ValueError: an unknown mode or compressor; a global batch larger than
