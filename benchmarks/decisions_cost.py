@@ -8,7 +8,8 @@ one: the auto mode's lossy codecs keep residuals). The two runs of a seed follow
 they share the host's load as closely as this allows. Per seed it prints both times to the
 target accuracy (training clock) and their ratio auto / fixed; over the seeds the mean ratio
 with its 95% Student-t interval, and ``met`` / ``MISSED`` against the target: auto within 5% of
-its final choice (mean ratio <= 1.05).
+its final choice (mean ratio <= 1.05). With ``--against H:ROW`` the fixed run is that local row
+instead (auto against a chosen fixed row, paired by seed).
 
 Every option of ``gradcomp train`` that sets the workload, the link and the schedule passes
 through (``--mode`` and ``--compressors`` excepted); ``--target-acc`` is required (the auto
@@ -58,6 +59,8 @@ def _run_record(r) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write the per-seed records here")
+    p.add_argument("--against", default=None, metavar="H:ROW",
+                   help="pair auto with this fixed local row instead of its final choice (e.g. 64:none)")
     ours, rest = p.parse_known_args(argv)
     args = command.build_parser("decisions_cost").parse_args(["--mode", "local,auto", *rest])
     if args.target_acc is None:
@@ -69,15 +72,17 @@ def main(argv=None) -> int:
         c = dataclasses.replace(cfg, seed=cfg.seed + i)
         auto = run_study(c, ["auto"], ["auto"], scenario=scenario, target_acc=args.target_acc).runs[0]
         final = auto.extra["decisions"][-1]
-        row = fixed_row(final["codec"])
-        fixed = run_study(dataclasses.replace(c, sync_every=final["sync_every"]), ["local"], [row],
+        h, row = final["sync_every"], fixed_row(final["codec"])
+        if ours.against is not None:
+            h, row = int(ours.against.split(":")[0]), ours.against.split(":")[1]
+        fixed = run_study(dataclasses.replace(c, sync_every=h), ["local"], [row],
                           scenario=scenario, target_acc=args.target_acc, baseline=False).runs[0]
-        rec = {"seed": c.seed, "sync_every": final["sync_every"], "codec": final["codec"], "row": row,
+        rec = {"seed": c.seed, "sync_every": final["sync_every"], "codec": final["codec"], "fixed_sync_every": h, "row": row,
                "moves": len(auto.extra["decisions"]) - 1, "auto": _run_record(auto), "fixed": _run_record(fixed)}
         ta, tf = auto.time_to_target_s, fixed.time_to_target_s
         rec["ratio"] = ta / tf if ta is not None and tf is not None else None
         records.append(rec)
-        print(f"seed {c.seed}: final H={final['sync_every']} codec={final['codec']} (row {row}); "
+        print(f"seed {c.seed}: final H={final['sync_every']} codec={final['codec']}; fixed H={h} row {row}; "
               f"to target auto {ta} s, fixed {tf} s, ratio {rec['ratio']}; "
               f"load {rec['auto']['background_load']} / {rec['fixed']['background_load']}", flush=True)
     ratios = [r["ratio"] for r in records if r["ratio"] is not None]
