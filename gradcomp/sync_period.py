@@ -26,16 +26,16 @@ from gradcomp import _validate as v
 from gradcomp.comm.consensus import agree_max
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["SyncPeriod", "SyncRound", "choose_period", "period_argument", "COMM_SHARE", "HYSTERESIS",
-           "MAX_SYNC_EVERY", "REASONS", "WARMUP_ROUNDS", "WINDOW_STEPS"]
+__all__ = ["SyncPeriod", "SyncRound", "choose_period", "period_argument", "COMM_SHARE", "DWELL_STEPS",
+           "HYSTERESIS", "MAX_DWELL_STEPS", "MAX_SYNC_EVERY", "REASONS", "WARMUP_ROUNDS", "WINDOW_STEPS"]
 
 #: default target share of a round's time spent in the exchange: ``comm / (comm + H x compute)``
 COMM_SHARE = 0.1
 #: default upper bound of the period (inner steps)
 MAX_SYNC_EVERY = 64
-#: the period moves only when the new one is at least this fraction above or below it (or a
-#: bound): one round's timings are noisy, and a period that flips by one step each round
-#: would log a switch per round for no gain
+#: the period moves only when the new one is at least this fraction above or below it, and
+#: at least one step (or beyond a bound): one round's timings are noisy, and a period that
+#: flips by one step each round would log a switch per round for no gain
 HYSTERESIS = 0.25
 #: why the period moved: the exchange took more / less than ``comm_share`` of the round at the
 #: old period (the link slowed / sped up against the compute), or the loss fell (AdaComm)
@@ -47,6 +47,14 @@ WARMUP_ROUNDS = 1
 #: inner steps of measurements a decision reads at least: the latest rounds that hold them (at
 #: least one round), so that short rounds (a small period) do not decide from one noisy round
 WINDOW_STEPS = 16
+#: inner steps after a move before a move the other way (a reversal) may follow; each
+#: reversal taken doubles it (up to :data:`MAX_DWELL_STEPS`), a move in the same direction as
+#: the last one resets it. Measurements that depend on the period itself (a shorter round
+#: times its exchange differently) would otherwise move it back and forth at every
+#: synchronisation; the base is one window, so a reversal reads rounds of the new period only
+DWELL_STEPS = WINDOW_STEPS
+#: the longest dwell before a reversal (inner steps)
+MAX_DWELL_STEPS = 16 * WINDOW_STEPS
 # a period computed as an exact integer must not become the next one by rounding error
 _ROUNDING = 1e-9
 
@@ -81,10 +89,11 @@ def choose_period(current: int, comm_s: float, compute_s: float, *, loss_ratio: 
     comm_share``: ``H_time = comm_s (1 - comm_share) / (comm_share x compute_s)``. AdaComm
     (Wang and Joshi 2019, ``H_k = ceil(sqrt(F_k / F_0) H_0)``) scales it by the square root of
     the loss ratio, capped at 1 (a loss above the first one does not raise the period):
-    ``H = ceil(sqrt(min(1, loss_ratio)) x H_time)``, clamped to the bounds. It replaces
-    ``current`` only when the unrounded ``sqrt(...) x H_time`` is at least :data:`HYSTERESIS`
-    away from it (above ``current x (1 + HYSTERESIS)`` or below ``current / (1 + HYSTERESIS)``)
-    or beyond a bound.
+    ``H = ceil(sqrt(min(1, loss_ratio)) x H_time)``, clamped to the bounds: one target from
+    both factors. It replaces ``current`` only when the unrounded target ``sqrt(...) x H_time``
+    is at least ``max(1, HYSTERESIS x current)`` away from it (:data:`HYSTERESIS`; at least
+    one whole step, so that a small period does not move between neighbours on noise) or
+    beyond a bound.
 
     Args:
         current: the period of the round just ended (inner steps).
@@ -110,9 +119,11 @@ def choose_period(current: int, comm_s: float, compute_s: float, *, loss_ratio: 
             return max_sync_every
         return min(max_sync_every, max(min_sync_every, math.ceil(h * (1 - _ROUNDING))))
 
+    band = max(1.0, HYSTERESIS * current)
+
     def moves(h: float) -> bool:
         # the unrounded period decides (rounding up would turn any excess over H into H + 1)
-        return bounded(h) != current and (h >= current * (1 + HYSTERESIS) or h * (1 + HYSTERESIS) <= current
+        return bounded(h) != current and (h >= current + band or h <= current - band
                                           or h >= max_sync_every or h <= min_sync_every)
 
     if not moves(ideal):
@@ -137,7 +148,12 @@ class SyncPeriod:
     agreed rounds that hold the latest :data:`WINDOW_STEPS` inner steps (the median exchange
     of those on the current codec, the compute per step and the loss over their steps) and
     the loss ratio (that loss over the first decision's). The first :data:`WARMUP_ROUNDS`
-    rounds decide nothing. One instance per ``LocalSGD``.
+    rounds decide nothing. A move the other way than the last one (a reversal) waits until
+    ``dwell`` inner steps have passed since that move (:data:`DWELL_STEPS`, doubled by each
+    reversal taken up to :data:`MAX_DWELL_STEPS`, reset by a move in the same direction):
+    a period whose own length biases its measurements then moves back and forth a number of
+    times logarithmic in the run's steps instead of at every synchronisation, and a change
+    after a quiet spell is followed at once. One instance per ``LocalSGD``.
 
     Args:
         min_sync_every: the least period, and the start unless ``start`` is given (>= 1).
@@ -156,6 +172,8 @@ class SyncPeriod:
             ``ideal`` (None when infinite) and ``codec`` (the adaptive codec's choice for
             the exchange, or None)).
         decisions: decisions taken so far; loss0: the first agreed loss, or None.
+        held: decisions whose reversal the dwell held back (the period stayed).
+        dwell: inner steps a reversal must wait after the last move, now.
 
     Raises:
         TypeError / ValueError: a bad argument (named in the message, with the allowed values).
@@ -181,6 +199,9 @@ class SyncPeriod:
         self.switches: list[dict] = []
         self.decisions = 0
         self.loss0: float | None = None
+        self.held = 0
+        self.dwell = DWELL_STEPS
+        self._last_move: tuple[int, bool] | None = None  # (step, upward)
         self._warmup = WARMUP_ROUNDS
         # agreed rounds: (comm, compute, steps, codec, loss)
         self._rounds: list[tuple[float, float, int, str | None, float | None]] = []
@@ -271,6 +292,8 @@ class SyncPeriod:
                                            min_sync_every=self.min_sync_every, max_sync_every=self.max_sync_every)
         self.decisions += 1
         if reason is not None:
+            new, reason = self._dwelt(step, current, new, reason)
+        if reason is not None:
             round_s = comm + current * compute
             entry = {"kind": "sync_every", "step": step, "from": current, "to": new, "reason": reason,
                      "comm_s": comm, "compute_s": compute, "loss": loss, "loss0": self.loss0,
@@ -281,6 +304,21 @@ class SyncPeriod:
                 meter.record_switch(entry)
         self.begin()  # the agreement's own seconds are neither compute nor exchange
         return new
+
+    def _dwelt(self, step: int, current: int, new: int, reason: str) -> tuple[int, str | None]:
+        """The move ``current -> new`` at ``step`` after the dwell: ``(current, None)`` when
+        it reverses the last move sooner than :attr:`dwell` steps after it; else the move,
+        with the dwell doubled (a reversal) or reset (the same direction)."""
+        up = new > current
+        if self._last_move is not None and up != self._last_move[1]:
+            if step - self._last_move[0] < self.dwell:
+                self.held += 1
+                return current, None
+            self.dwell = min(2 * self.dwell, MAX_DWELL_STEPS)
+        else:
+            self.dwell = DWELL_STEPS
+        self._last_move = (step, up)
+        return new, reason
 
     def _window(self) -> tuple[float, float, float | None, int]:
         """``(comm_s, compute_s, loss, rounds)`` over the latest agreed rounds that
@@ -301,8 +339,11 @@ class SyncPeriod:
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The decisions' memory: ``loss0``, ``decisions`` and ``switches``."""
-        return {"loss0": self.loss0, "decisions": self.decisions, "switches": [dict(e) for e in self.switches]}
+        """The decisions' memory: ``loss0``, ``decisions``, ``switches``, ``held``, ``dwell``
+        and ``last_move`` (``[step, upward]`` or None)."""
+        return {"loss0": self.loss0, "decisions": self.decisions, "switches": [dict(e) for e in self.switches],
+                "held": self.held, "dwell": self.dwell,
+                "last_move": None if self._last_move is None else list(self._last_move)}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore :meth:`state_dict`'s output (the open round's measurements restart).
@@ -319,8 +360,16 @@ class SyncPeriod:
         switches = state.get("switches", [])
         if not isinstance(switches, list) or not all(isinstance(e, Mapping) for e in switches):
             raise ValueError("state['switches'] must be a list of dicts")
+        held = v.integer("state['held']", state.get("held", 0), 0)
+        dwell = v.integer("state['dwell']", state.get("dwell", DWELL_STEPS), DWELL_STEPS, MAX_DWELL_STEPS)
+        last = state.get("last_move")
+        if last is not None and not (isinstance(last, (list, tuple)) and len(last) == 2
+                                     and isinstance(last[0], numbers.Integral) and isinstance(last[1], bool)):
+            raise ValueError(f"state['last_move'] must be None or [step, upward], got {last!r}")
         self.loss0 = None if loss0 is None else float(loss0)
         self.decisions = decisions
+        self.held, self.dwell = held, dwell
+        self._last_move = None if last is None else (int(last[0]), bool(last[1]))
         self._warmup = WARMUP_ROUNDS  # a resumed run's first exchange is a new group's first again
         self._rounds = []
         self.switches = [dict(e) for e in switches]

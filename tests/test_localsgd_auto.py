@@ -3,8 +3,9 @@
 The timings are injected through the period's ``timing`` hook (no sleeps), the losses through
 ``step(loss=...)``; the expected periods are derived by hand from the rule
 ``H = ceil(sqrt(min(1, F / F0)) x comm (1 - share) / (share x compute))`` (share 0.1: ``H =
-9 x comm / compute`` before the loss factor), the bounds, the 25% hysteresis, the warm-up round
-and the window of 16 steps. The multi-process scenarios run in one 3-rank gloo launch in which
+9 x comm / compute`` before the loss factor), the bounds, the hysteresis (25% and at least one
+step), the warm-up round, the window of 16 steps and the dwell before a reversal (16 steps,
+doubled by each reversal). The multi-process scenarios run in one 3-rank gloo launch in which
 rank 1 measures other timings than its peers
 (twice the exchange, half the compute: alone it would choose 4x the period) and every rank
 reports a different loss: every rank must still move to the same period at the same step, with
@@ -21,7 +22,7 @@ import torch.nn as nn
 
 import gradcomp as gc
 from gradcomp.launch import launch
-from gradcomp.sync_period import HYSTERESIS, WARMUP_ROUNDS, WINDOW_STEPS, choose_period
+from gradcomp.sync_period import DWELL_STEPS, HYSTERESIS, MAX_DWELL_STEPS, WARMUP_ROUNDS, WINDOW_STEPS, choose_period
 
 WORLD = 3
 TIMEOUT = 60
@@ -87,6 +88,16 @@ def _script(rank, rounds):
     return timing
 
 
+def _biased(rank):
+    """A timing hook whose exchange depends on the round's length (rank 1 as in :func:`_script`)."""
+    def timing(r):
+        comm, compute = (0.0261 if r.steps == 16 else 0.0172), 0.01
+        if rank == 1:
+            comm, compute = 2 * comm, compute / 2
+        return dataclasses.replace(r, comm_s=comm, compute_s=compute)
+    return timing
+
+
 def _scenarios(rank, world):
     out = {}
     # a slowing link: 9 x 0.02 / 0.01 = 18; then 9 x 0.05 / 0.01 = 45, above the bound 32
@@ -99,6 +110,13 @@ def _scenarios(rank, world):
     # a falling loss on a steady link (9 x 0.04 / 0.01 = 36): F0 = 2, then F = 1, 0.5, 0.125
     out["loss"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)])), 2 + 36 + 26 + 18,
                        losses=[2.0, 1.0, 0.5, 0.125, 0.125])
+    # a steady link measured with noise: 900 x 0.00322 = 2.898 and 900 x 0.00122 = 1.098 in turn
+    # around H = 2 (+-45%); neither is a whole step away from 2
+    out["noisy"] = _run(rank, gc.SyncPeriod(1, 64, start=2, timing=_script(rank, [(0.00322, 0.01), (0.00122, 0.01)] * 30)),
+                        2 + 2 * 30)
+    # a period that biases its own measurement: a round of 16 steps times the exchange as 0.0261 s
+    # (900 x 0.0261 = 23.49 -> 24), a round of 24 as 0.0172 s (15.48 -> 16)
+    out["biased"] = _run(rank, gc.SyncPeriod(1, 64, start=16, timing=_biased(rank)), 300)
     out["resume"] = _resume(rank)
     # measured timings (no hook): whatever they are, the ranks agree and the bounds hold
     out["measured"] = _run(rank, "auto", 24)
@@ -172,6 +190,24 @@ def test_a_falling_loss_shrinks_the_period(runs):
            ["comm_share_high", "loss_fell", "loss_fell", "loss_fell"])
 
 
+def test_a_noisy_steady_link_does_not_move_the_period(runs):
+    # start 2; the warm-up round ends at step 2; every later target (2.898, 1.098 or a median
+    # of both, 1.998) is less than one step from 2: no move in 30 synchronisations (the first,
+    # 2.898, is 45% above 2: a relative band alone would move to 3)
+    _check(runs, "noisy", 2, list(range(2, 2 + 2 * 31, 2)), [2] * 31, [])
+
+
+def test_a_period_biasing_its_measurement_moves_back_less_and_less_often(runs):
+    # warm-up round ends at 16; 32 -> 24 (23.49 >= 16 + 4); 56 -> 16 (15.48 <= 24 - 6; a reversal
+    # 24 steps after the move, dwell 16 -> 32); 72 held (16 < 32); 88 -> 24 (32 >= 32, dwell ->
+    # 64); 112, 136 held; 160 -> 16 (72 >= 64, dwell -> 128); 176..272 held; 288 -> 24 (128)
+    syncs = [16, 32, 56, 72, 88, 112, 136, 160] + list(range(176, 289, 16))
+    periods = [16, 24, 16, 16, 24, 24, 24, 16] + [16] * 7 + [24]
+    reasons = ["comm_share_high", "comm_share_low"] * 2 + ["comm_share_high"]
+    _check(runs, "biased", 16, syncs, periods, reasons)
+    assert (DWELL_STEPS, MAX_DWELL_STEPS) == (16, 256)  # the derivation above uses them
+
+
 def test_a_checkpoint_restores_the_period(runs):
     for r in runs:
         got = r["resume"]
@@ -208,7 +244,9 @@ def test_the_codec_and_the_period_together(runs):
     (18, 0.021, 0.01, None, 1, 64, (18, None)),              # 18.9 -> 19: within 25% of 18
     (18, 0.025, 0.01, None, 1, 64, (23, "comm_share_high")),  # 22.5 -> 23 >= 22.5
     (2, 0.00255, 0.01, None, 1, 64, (2, None)),               # 2.295 < 2.5: stays (not ceil -> 3)
-    (2, 0.00289, 0.01, None, 1, 64, (3, "comm_share_high")),   # 2.601 >= 2.5 -> 3
+    (2, 0.00289, 0.01, None, 1, 64, (2, None)),               # 2.601 >= 2.5 but < 2 + 1 step
+    (2, 0.0035, 0.01, None, 1, 64, (4, "comm_share_high")),    # 3.15 >= 2 + 1 -> 4
+    (1, 0.0015, 0.01, 0.81, 1, 64, (1, None)),                # 0.9 x 1.35 = 1.215 < 1 + 1
     (2, 0.00115, 0.01, None, 1, 64, (2, None)),               # 1.035 > 2 / 1.25 but rounds to 2
     (4, 0.0, 0.01, None, 1, 64, (1, "comm_share_low")),      # no exchange time: synchronous
     (4, 0.01, 0.0, None, 1, 64, (64, "comm_share_high")),    # no compute time: the upper bound
@@ -284,3 +322,14 @@ def test_a_timing_hook_returning_bad_measurements_raises():
     assert comm.startswith("ValueError") and "comm_s" in comm
     assert loss.startswith("ValueError") and "loss" in loss
     assert kind.startswith("TypeError") and "SyncRound" in kind
+
+
+def test_the_dwell_survives_a_checkpoint_and_bad_state_raises():
+    p = gc.SyncPeriod()
+    state = p.state_dict() | {"held": 3, "dwell": 64, "last_move": [88, True]}
+    q = gc.SyncPeriod()
+    q.load_state_dict(state)
+    assert (q.held, q.dwell, q.state_dict()["last_move"]) == (3, 64, [88, True])
+    for key, bad in (("dwell", 8), ("dwell", 512), ("last_move", [88]), ("last_move", [88, 1]), ("held", -1)):
+        with pytest.raises(ValueError, match=key):
+            q.load_state_dict(state | {key: bad})

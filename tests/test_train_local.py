@@ -65,3 +65,11 @@ def test_local_runs_count_the_bytes_of_every_sync(local_study, tmp_path):
     report.write_json(local_study, str(tmp_path / "results.json"))
     assert "sync every 4 steps, outer nesterov" in report.title(local_study)
     assert '"mode": "local"' in (tmp_path / "results.json").read_text()
+
+
+def test_a_study_without_its_baseline_runs_the_named_rows_alone():
+    cfg = TrainConfig(workers=2, steps=4, hidden=(16,), eval_every=2, sync_every=2)
+    study = run_study(cfg, ["local"], ["int8"], target_acc=0.5, baseline=False)
+    assert [(r.mode, r.compressor) for r in study.runs] == [("local", "int8")]
+    with pytest.raises(ValueError, match="at least one row"):
+        run_study(cfg, ["local"], [], baseline=False)

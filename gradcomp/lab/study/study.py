@@ -465,7 +465,7 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
               on_progress: ProgressFn | None = None,
               on_run: Callable[[RunResult], None] | None = None,
               scenario: Scenario | None = None, seeds: int = 1,
-              target_acc: float | None = None) -> StudyResult:
+              target_acc: float | None = None, baseline: bool = True) -> StudyResult:
     """Run every (mode, compressor, seed), the ``none`` baseline first in each mode.
 
     Args:
@@ -480,6 +480,8 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
         seeds: repeats with seeds ``cfg.seed, cfg.seed + 1, ...``.
         target_acc: target test accuracy in [0, 1] (default: :data:`TARGET_FRACTION`
             of the baseline's, see :func:`default_target`).
+        baseline: run the ``none`` baseline (False: ``compressors`` only; the rows
+            reductions and gaps then keep their defaults).
 
     Raises:
         ValueError: an unknown mode or compressor; a global batch larger than
@@ -492,7 +494,9 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
     for m in modes:
         if m not in ALL_MODES:
             raise ValueError(f"mode must be one of {ALL_MODES}, got {m!r}")
-    names = list(dict.fromkeys(["none", *compressors]))
+    names = list(dict.fromkeys([*(["none"] if baseline else []), *compressors]))
+    if not names:
+        raise ValueError("compressors must name at least one row when baseline=False")
     for c in names:
         if c not in COMPRESSORS:
             raise ValueError(f"unknown compressor {c!r}; allowed: {','.join(COMPRESSORS)}")
