@@ -352,7 +352,8 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
             _pipelined.allreduce(comm, local, plan, work, op)
         else:
             pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
-            share_owned(comm, plan, work, op, pending)
+            # two-phase: the owner's compression has a server residual (DoubleSqueeze, 1-bit Adam)
+            share_owned(comm, plan, work, op, pending, owner=local if algorithm == "two_phase" else None)
 
     _checked.run(comm, sig, body, device=x.device, check=check)
     if out is None:
