@@ -79,7 +79,9 @@ def allreduce(
     * ``"two_phase"`` (dense compressors): each rank compresses every chunk
       once and sends it to the chunk's owner, which sums in float32 (its own
       chunk uncompressed), compresses the sum once and shares it like the
-      ring. Two quantizations at most; same bytes as the ring.
+      ring. Two quantizations at most; same bytes as the ring. With error
+      feedback the owner compresses the sum plus a server residual of its
+      own (DoubleSqueeze, Tang et al. 2019; 1-bit Adam, Tang et al. 2021).
     * ``"allgather"`` (sparse compressors: TopK, Threshold): payload sizes are
       exchanged, payloads gathered over the ring unchanged, and every rank sums
       the union in float32 in rank order.
@@ -121,13 +123,15 @@ def allreduce(
     state is left as it is).
 
     Error feedback (what a rank remembers is the error of compressing its
-    *own* data alone; partial and final sums are compressed without it; see
-    :mod:`gradcomp.comm.local`):
+    *own* data alone, and on two-phase the owner's error of compressing its
+    chunk's sum; the ring's partial and final sums are compressed without it;
+    see :mod:`gradcomp.comm.local`):
 
     * ``compressor`` an :class:`~gradcomp.ErrorFeedback`: residual key
       ``(key, j)`` for chunk ``j`` that this rank compresses alone (the ring:
       chunk ``rank - 1 mod N``; two-phase and the sparse reduce-scatter: every
-      chunk but ``rank``); ``key`` itself for the allgather algorithm (the
+      chunk but ``rank``; two-phase's owner its server residual under
+      ``(key, rank)``, in the result's units); ``key`` itself for the allgather algorithm (the
       whole tensor); ``(key, ("halving_doubling", lo, hi))`` for the element
       range ``[lo, hi)`` halving-doubling compresses alone (the first half it
       sends, or a folded rank's whole tensor); the sparse reduce-scatter's
@@ -138,7 +142,8 @@ def allreduce(
       place: compressed ranges keep their compression error, ranges added
       exactly are delivered with their residual, which resets to zero (the
       sparse reduce-scatter's owner then keeps what its re-selection drops
-      in its region).
+      in its region, two-phase's owner its server residual, times ``N`` for
+      ``op="avg"``).
 
     Traffic: ``meter`` records the bytes this rank really sent and received
     per phase (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``,

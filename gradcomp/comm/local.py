@@ -11,8 +11,12 @@ data in two ways:
   the ring merges at later hops, the chunk two-phase's owner keeps. No error
   is made, so none is remembered.
 
-Partial sums (which mix every rank's data) and the owner's final sum are
-compressed with the plain compressor, never with error feedback.
+The ring's partial sums (which mix every rank's data) and its owner's final
+sum are compressed with the plain compressor. Two-phase's owner compresses
+its chunk's sum with error feedback of its own, the server residual
+(:func:`gradcomp.comm.dense.compress_owned`): key ``(key, rank)``, or the
+flat ``residual``'s range of chunk ``rank``, which :meth:`Local.exact_into`
+delivers at the next call like any residual there.
 
 Residuals come from one of two places:
 

@@ -12,7 +12,9 @@ ring's ``N``), for the same bytes as the ring: each rank sends ``N - 1`` chunk
 payloads in each phase.
 
 Error feedback applies to each chunk ``j != rank`` (residual key
-``(key, j)``; see :mod:`gradcomp.comm.local`).
+``(key, j)``; see :mod:`gradcomp.comm.local`), and to the owner's
+compression of chunk ``rank``'s sum (the server residual,
+:func:`gradcomp.comm.dense.compress_owned`).
 
 Error: each rank's data is quantized once on its own and the sum once more,
 so with int8 ``|error| <= 2 * 0.52 * A_b / 127`` per element of the sum (see
