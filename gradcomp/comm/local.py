@@ -11,12 +11,8 @@ data in two ways:
   the ring merges at later hops, the chunk two-phase's owner keeps. No error
   is made, so none is remembered.
 
-The ring's partial sums (which mix every rank's data) and its owner's final
-sum are compressed with the plain compressor. Two-phase's owner compresses
-its chunk's sum with error feedback of its own, the server residual
-(:func:`gradcomp.comm.dense.compress_owned`): key ``(key, rank)``, or the
-flat ``residual``'s range of chunk ``rank``, which :meth:`Local.exact_into`
-delivers at the next call like any residual there.
+The ring's partial and final sums are compressed without error feedback;
+two-phase's owner keeps a server residual for its sum (:func:`gradcomp.comm.dense.compress_owned`).
 
 Residuals come from one of two places:
 
