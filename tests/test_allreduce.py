@@ -319,27 +319,19 @@ def _error_feedback(rank, world):
     ef3 = gc.ErrorFeedback(gc.TopK(ratio=0.1))
     gc.allreduce(x, ef3, algorithm="allgather", key="w")
     assert ring_keys == {("w", (rank - 1) % world)}
-    # two-phase: every chunk, this rank's own one holding the owner's server residual
-    assert set(ef2.residuals) == {("w", j) for j in range(world)}
+    assert set(ef2.residuals) == {("w", j) for j in range(world) if j != rank}
     assert set(ef3.residuals) == {"w"}
     # explicit flat residual: kept where this rank compressed its own data alone,
-    # delivered (reset to zero) where its data was added exactly; two-phase's
-    # owner then keeps its server residual there: with the other ranks'
-    # residuals of that chunk, the sum of the inputs less N times the result
+    # delivered (reset to zero) where its data was added exactly
     for algorithm in ("ring", "two_phase"):
         r = torch.full((n,), 1e-3)
-        y = gc.allreduce(x, gc.Int8Quantizer(), algorithm=algorithm, residual=r)
-        held = sum(t.double() for t in _gather(r))
-        total = sum(t.double() for t in _gather(x + 1e-3))
+        gc.allreduce(x, gc.Int8Quantizer(), algorithm=algorithm, residual=r)
         own = {(rank - 1) % world} if algorithm == "ring" else set(range(world)) - {rank}
         for j, (lo, hi) in enumerate(lens):
             seg = r[lo:hi]
             if j in own:
                 v = x[lo:hi] + 1e-3
                 assert bool((seg.abs() <= 0.52 * v.abs().max() / 127).all()) and bool((seg != 0).any())
-            elif algorithm == "two_phase":  # j == rank: nothing lost, only delayed
-                assert torch.allclose(held[lo:hi], total[lo:hi] - world * y[lo:hi].double(), atol=1e-5)
-                assert bool((seg != 0).any())
             else:
                 assert bool((seg == 0).all())
     # error feedback delivers what compression held back: with top-k (whose

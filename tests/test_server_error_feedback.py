@@ -19,6 +19,7 @@ from gradcomp.comm import chunk_bounds
 from gradcomp.launch import launch
 
 TIMEOUT = 120
+ON = {"server_error_feedback": True}
 STEPS = 12
 N = 203  # elements: chunks of unequal lengths at world 2-4
 
@@ -69,7 +70,7 @@ def _running_sums(rank, world):
             ys, same = [], True
             for _ in range(STEPS):
                 y = gc.allreduce(x, ef if ef is not None else gc.FP16(), op=op, algorithm=algorithm, key="w",
-                                 residual=res, timeout=60)
+                                 residual=res, timeout=60, server_error_feedback=mode != "ring")
                 same = same and all(torch.equal(t, y) for t in _gather(y))
                 ys.append(y.double())
             want = _expected(target, STEPS, server=mode != "ring")
@@ -98,16 +99,16 @@ def _placement(rank, world):
     lo, hi = chunk_bounds(N, world)[rank]
     # an exact compressor: the server residual exists and is zero, the result exact
     ef = gc.ErrorFeedback(gc.NoCompression())
-    y = gc.allreduce(x, ef, op="sum", algorithm="two_phase", key="w", timeout=60)
+    y = gc.allreduce(x, ef, op="sum", algorithm="two_phase", key="w", timeout=60, **ON)
     exact_ok = torch.equal(y.double(), torch.stack(_gather(x)).double().sum(0))
     zero_keyed = set(ef.residuals) == {("w", j) for j in range(world)} and all(
         bool((r == 0).all()) for r in ef.residuals.values())
     r = torch.zeros(N)
-    gc.allreduce(x, gc.NoCompression(), algorithm="two_phase", residual=r, timeout=60)
+    gc.allreduce(x, gc.NoCompression(), algorithm="two_phase", residual=r, timeout=60, **ON)
     zero_flat = bool((r == 0).all())
     # a lossy one: the owner's key holds (sum + e) - D(C(sum + e)) in the units of the result
     ef = gc.ErrorFeedback(gc.FP16())
-    y = gc.allreduce(x, ef, op="sum", algorithm="two_phase", key="w", timeout=60)
+    y = gc.allreduce(x, ef, op="sum", algorithm="two_phase", key="w", timeout=60, **ON)
     s = torch.stack(_gather(x)).double().sum(0)
     owner = ef.residual(("w", rank)).double()
     owner_ok = torch.equal(owner, (s - _fp16(s))[lo:hi]) and bool((owner != 0).any())
@@ -125,16 +126,16 @@ def _state(rank, world):
     g = torch.Generator().manual_seed(rank)
     xs = [torch.randn(N, generator=g) for _ in range(6)]
     a = comp()
-    ya = [gc.allreduce(x, a, algorithm="two_phase", key="w", timeout=60) for x in xs[:3]]
+    ya = [gc.allreduce(x, a, algorithm="two_phase", key="w", timeout=60, **ON) for x in xs[:3]]
     b = comp()
     b.load_state_dict(a.state_dict())
     saved = ("w", rank) in a.state_dict()["residuals"]
-    ya += [gc.allreduce(x, a, algorithm="two_phase", key="w", timeout=60) for x in xs[3:]]
-    yb = [gc.allreduce(x, b, algorithm="two_phase", key="w", timeout=60) for x in xs[3:]]
+    ya += [gc.allreduce(x, a, algorithm="two_phase", key="w", timeout=60, **ON) for x in xs[3:]]
+    yb = [gc.allreduce(x, b, algorithm="two_phase", key="w", timeout=60, **ON) for x in xs[3:]]
     same = all(torch.equal(t, y) for y in ya for t in _gather(y))
     # a fresh error feedback (server residual lost) gives another result
     c = comp()
-    yc = gc.allreduce(xs[3], c, algorithm="two_phase", key="w", timeout=60)
+    yc = gc.allreduce(xs[3], c, algorithm="two_phase", key="w", timeout=60, **ON)
     return saved, same, all(torch.equal(u, w) for u, w in zip(ya[3:], yb)), not torch.equal(yc, ya[3])
 
 
@@ -154,7 +155,7 @@ def _ddp_conserves(rank, world):
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(12, 40), nn.Tanh(), nn.Linear(40, 3)), bucket_cap_mb=0.001)
     state = gc.ddp.GradCompState(compressor=gc.SignQuantizer(block_size=32), algorithm="two_phase",
-                                 min_compress_numel=0, start_iter=0, timeout=30)
+                                 min_compress_numel=0, start_iter=0, timeout=30, server_error_feedback=True)
     given, applied = {}, {}
 
     def hook(st, bucket):
@@ -191,3 +192,21 @@ def _ddp_conserves(rank, world):
 def test_ddp_hook_on_two_phase_loses_nothing():
     for err in launch(_ddp_conserves, 4, timeout=TIMEOUT):
         assert err < 1e-5, err  # float32 sums in the collective: equal up to their rounding
+
+
+def test_bad_settings_name_the_argument():
+    x = torch.ones(8)
+    with pytest.raises(ValueError, match="server_error_feedback applies to algorithm='two_phase' only"):
+        gc.allreduce(x, gc.ErrorFeedback(gc.FP16()), algorithm="ring", server_error_feedback=True)
+    with pytest.raises((TypeError, ValueError), match="server_error_feedback"):
+        gc.allreduce(x, gc.FP16(), algorithm="two_phase", server_error_feedback="yes")
+    with pytest.raises(ValueError, match="server_error_feedback needs algorithm='two_phase'"):
+        gc.ddp.GradCompState(compressor=gc.FP16(), algorithm="ring", server_error_feedback=True)
+    with pytest.raises(ValueError, match="error_feedback=True"):
+        gc.ddp.GradCompState(compressor=gc.FP16(), algorithm="two_phase", error_feedback=False,
+                             server_error_feedback=True)
+    with pytest.raises(TypeError, match="server_error_feedback must be a bool"):
+        gc.ddp.GradCompState(compressor=gc.FP16(), algorithm="two_phase", server_error_feedback=1)
+    state = gc.ddp.GradCompState(compressor=gc.FP16(), algorithm="two_phase", server_error_feedback=True)
+    import pickle
+    assert pickle.loads(pickle.dumps(state)).server_error_feedback is True

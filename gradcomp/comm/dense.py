@@ -8,7 +8,7 @@ decompressing a chunk while the next one is in flight. Every rank, the owner
 included, decompresses the same bytes in the same way, so every rank ends
 with a bit-identical result.
 
-With ``owner`` (two-phase with error feedback) the owner's compression has
+With ``owner`` (two-phase, ``server_error_feedback``) the owner's compression has
 error feedback of its own: the *server error* of DoubleSqueeze (Tang et al.
 2019) and of DeepSpeed's compressed allreduce in 1-bit Adam (Tang et al. 2021).
 The owner compresses ``sum + e`` and keeps ``e <- (sum + e) - D(C(sum + e))``,

@@ -11,8 +11,8 @@ data in two ways:
   the ring merges at later hops, the chunk two-phase's owner keeps. No error
   is made, so none is remembered.
 
-The ring's partial and final sums are compressed without error feedback;
-two-phase's owner keeps a server residual for its sum (:func:`gradcomp.comm.dense.compress_owned`).
+Partial and final sums are compressed without error feedback, except two-phase's
+owner's sum with a server residual (:func:`gradcomp.comm.dense.compress_owned`).
 
 Residuals come from one of two places:
 
