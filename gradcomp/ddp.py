@@ -188,9 +188,8 @@ class GradCompState:
         topology: a :class:`gradcomp.Topology` for ``algorithm="hierarchical"``
             or ``"auto"`` (None: hosts from the environment); resolved with the state's
             group (collective, on every rank at once).
-        server_error_feedback: with ``algorithm="two_phase"``, each chunk's
-            owner keeps a server residual (:func:`gradcomp.allreduce`'s
-            argument) in the range of the residuals it owns; off by default.
+        server_error_feedback: ``algorithm="two_phase"``'s owners keep server
+            residuals (:func:`gradcomp.allreduce`) in the residuals' memory.
 
     Attributes:
         iter: completed steps (advanced when the last bucket is handed over).
@@ -268,12 +267,10 @@ class GradCompState:
             raise ValueError(f"topology is used by algorithm='hierarchical' or 'auto' only, "
                              f"got algorithm={algorithm!r}")
         self.topology = topology
-        if not isinstance(server_error_feedback, bool):
-            raise TypeError(f"server_error_feedback must be a bool, got {type(server_error_feedback).__name__}")
+        self.server_error_feedback = v.flag("server_error_feedback", server_error_feedback)
         if server_error_feedback and (algorithm != "two_phase" or not error_feedback):
             raise ValueError(f"server_error_feedback needs algorithm='two_phase' and error_feedback=True, "
                              f"got algorithm={algorithm!r}, error_feedback={error_feedback}")
-        self.server_error_feedback = server_error_feedback
         if algorithm == "auto" and self.auto is None:
             self.auto = AutoAlgorithm()
         min_compress_numel = v.integer("min_compress_numel", min_compress_numel, 0)
@@ -484,9 +481,8 @@ class GradCompState:
             self.powersgd.settings() if self.powersgd is not None else compressor_text(self.compressor))
         return {"compressor": comp, "dgc": self.dgc, "error_feedback": self.error_feedback,
                 "algorithm": self.algorithm if self.auto is None else self.auto,
-                "min_compress_numel": self.min_compress_numel,
-                "start_iter": self.start_iter, "topology": self.topology,
-                "server_error_feedback": self.server_error_feedback}
+                "min_compress_numel": self.min_compress_numel, "server_error_feedback": self.server_error_feedback,
+                "start_iter": self.start_iter, "topology": self.topology}
 
     def _bucket_state(self, store: dict, segments, buf: torch.Tensor) -> torch.Tensor:
         """The bucket's flat float32 state from ``store`` (the residuals, or the
