@@ -188,6 +188,8 @@ class GradCompState:
         topology: a :class:`gradcomp.Topology` for ``algorithm="hierarchical"``
             or ``"auto"`` (None: hosts from the environment); resolved with the state's
             group (collective, on every rank at once).
+        server_error_feedback: ``algorithm="two_phase"``'s owners keep server
+            residuals (:func:`gradcomp.allreduce`) in the residuals' memory.
 
     Attributes:
         iter: completed steps (advanced when the last bucket is handed over).
@@ -208,7 +210,8 @@ class GradCompState:
     """
 
     _PICKLED = ("compressor", "error_feedback", "algorithm", "min_compress_numel", "start_iter",
-                "timeout", "iter", "residuals", "momenta", "dgc", "adaptive", "topology", "auto")
+                "timeout", "iter", "residuals", "momenta", "dgc", "adaptive", "topology", "auto",
+                "server_error_feedback")
 
     def __init__(
         self,
@@ -223,6 +226,7 @@ class GradCompState:
         timeline=None,
         dgc: bool = False,
         topology: Topology | None = None,
+        server_error_feedback: bool = False,
     ):
         compressor = Int8Quantizer() if compressor is None else compressor
         if isinstance(compressor, str) and compressor == "auto":
@@ -263,6 +267,10 @@ class GradCompState:
             raise ValueError(f"topology is used by algorithm='hierarchical' or 'auto' only, "
                              f"got algorithm={algorithm!r}")
         self.topology = topology
+        self.server_error_feedback = v.flag("server_error_feedback", server_error_feedback)
+        if server_error_feedback and (algorithm != "two_phase" or not error_feedback):
+            raise ValueError(f"server_error_feedback needs algorithm='two_phase' and error_feedback=True, "
+                             f"got algorithm={algorithm!r}, error_feedback={error_feedback}")
         if algorithm == "auto" and self.auto is None:
             self.auto = AutoAlgorithm()
         min_compress_numel = v.integer("min_compress_numel", min_compress_numel, 0)
@@ -463,6 +471,7 @@ class GradCompState:
         allreduce(buf, compressor, op="avg", algorithm=self.auto if self.algorithm == "auto" else self.algorithm,
                   group=self._group, meter=self.meter, timeout=self.timeout, residual=residual, out=buf,
                   check=not self._checked, topology=self.topology, tag=_TAG,
+                  server_error_feedback=self.server_error_feedback,
                   key=("bucket", index) if self.algorithm == "auto" else None)
         self._checked = True
 
@@ -472,7 +481,7 @@ class GradCompState:
             self.powersgd.settings() if self.powersgd is not None else compressor_text(self.compressor))
         return {"compressor": comp, "dgc": self.dgc, "error_feedback": self.error_feedback,
                 "algorithm": self.algorithm if self.auto is None else self.auto,
-                "min_compress_numel": self.min_compress_numel,
+                "min_compress_numel": self.min_compress_numel, "server_error_feedback": self.server_error_feedback,
                 "start_iter": self.start_iter, "topology": self.topology}
 
     def _bucket_state(self, store: dict, segments, buf: torch.Tensor) -> torch.Tensor:
@@ -521,6 +530,7 @@ class GradCompState:
         self.momenta, self.dgc = {}, None  # absent from states pickled before DGC
         self.topology = None  # absent from states pickled before the hierarchical algorithm
         self.auto = None  # absent from states pickled before the automatic algorithm
+        self.server_error_feedback = False  # absent from states pickled before it
         for name, value in state.items():
             setattr(self, name, value)
         self.powersgd = self.compressor if isinstance(self.compressor, PowerSGD) else None

@@ -134,13 +134,14 @@ def test_adaptive_policies_agree_on_their_priors():
 
 # ---- the DDP hook -----------------------------------------------------------------------------
 DDP = {"start_iter": {"start_iter": 1}, "min_compress_numel": {"min_compress_numel": 1 << 20},
-       "algorithm": {"algorithm": "two_phase"}}
+       "algorithm": {"algorithm": "two_phase"}, "server_error_feedback": {"server_error_feedback": True}}
 
 
 def _ddp(rank, world):
     out = {}
     for case, theirs in DDP.items():
-        kw = {"min_compress_numel": 0, "start_iter": 0, **(theirs if rank == 1 else {})}
+        both = {"algorithm": "two_phase"} if case == "server_error_feedback" else {}  # it needs two-phase
+        kw = {"min_compress_numel": 0, "start_iter": 0, **both, **(theirs if rank == 1 else {})}
         torch.manual_seed(0)
         model = nn.parallel.DistributedDataParallel(nn.Linear(64, 32))
         state = GradCompState(timeout=20, **kw)

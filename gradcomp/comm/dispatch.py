@@ -52,6 +52,7 @@ def allreduce(
     check: bool = True,
     topology: Topology | None = None,
     tag: str | int | None = None,
+    server_error_feedback: bool = False,
 ) -> torch.Tensor:
     """Compressed allreduce: every rank returns the same (bit-identical) tensor.
 
@@ -79,7 +80,10 @@ def allreduce(
     * ``"two_phase"`` (dense compressors): each rank compresses every chunk
       once and sends it to the chunk's owner, which sums in float32 (its own
       chunk uncompressed), compresses the sum once and shares it like the
-      ring. Two quantizations at most; same bytes as the ring.
+      ring. Two quantizations at most; same bytes as the ring. With error
+      feedback and ``server_error_feedback=True`` the owner compresses the
+      sum plus a server residual of its own (DoubleSqueeze, Tang et al.
+      2019; 1-bit Adam, Tang et al. 2021).
     * ``"allgather"`` (sparse compressors: TopK, Threshold): payload sizes are
       exchanged, payloads gathered over the ring unchanged, and every rank sums
       the union in float32 in rank order.
@@ -121,13 +125,16 @@ def allreduce(
     state is left as it is).
 
     Error feedback (what a rank remembers is the error of compressing its
-    *own* data alone; partial and final sums are compressed without it; see
-    :mod:`gradcomp.comm.local`):
+    *own* data alone, and with ``server_error_feedback`` two-phase's owner's
+    error of compressing its chunk's sum; partial and final sums are otherwise
+    compressed without it; see :mod:`gradcomp.comm.local`):
 
     * ``compressor`` an :class:`~gradcomp.ErrorFeedback`: residual key
       ``(key, j)`` for chunk ``j`` that this rank compresses alone (the ring:
       chunk ``rank - 1 mod N``; two-phase and the sparse reduce-scatter: every
-      chunk but ``rank``); ``key`` itself for the allgather algorithm (the
+      chunk but ``rank``; with ``server_error_feedback``, two-phase's owner
+      its server residual under ``(key, rank)``, in the result's units);
+      ``key`` itself for the allgather algorithm (the
       whole tensor); ``(key, ("halving_doubling", lo, hi))`` for the element
       range ``[lo, hi)`` halving-doubling compresses alone (the first half it
       sends, or a folded rank's whole tensor); the sparse reduce-scatter's
@@ -138,7 +145,8 @@ def allreduce(
       place: compressed ranges keep their compression error, ranges added
       exactly are delivered with their residual, which resets to zero (the
       sparse reduce-scatter's owner then keeps what its re-selection drops
-      in its region).
+      in its region; with ``server_error_feedback``, two-phase's owner its
+      server residual, times ``N`` for ``op="avg"``).
 
     Traffic: ``meter`` records the bytes this rank really sent and received
     per phase (``"reduce_scatter"``, ``"allgather"``, ``"agreement"``,
@@ -209,6 +217,13 @@ def allreduce(
             waits for the first, :mod:`gradcomp.comm.guard`); give each
             thread its own group (``torch.distributed.new_group``) to run
             them concurrently.
+        server_error_feedback: with ``algorithm="two_phase"`` and error
+            feedback (an ErrorFeedback or ``residual``), the owner of each
+            chunk compresses its sum with a server residual of its own
+            (:func:`gradcomp.comm.dense.compress_owned`;
+            docs/collectives.md#server-error-feedback); no effect without
+            error feedback. Off by default: on the measured workload it lost
+            accuracy (docs/results/server-error-feedback.md).
 
     Returns:
         ``out`` if given, else a new tensor with ``tensor``'s shape, dtype and device.
@@ -229,7 +244,8 @@ def allreduce(
             topology for ``"hierarchical"``
             (ranks per host that differ, a rank without a host id, ranks
             given different topologies: raised on every rank, before any
-            payload moves).
+            payload moves); ``server_error_feedback`` not a bool, or True
+            with another algorithm than ``"two_phase"``.
         RuntimeError: another thread of this process held ``group`` for
             more than ``timeout`` seconds, or this thread is already in a
             collective on it (nothing sent); the transport failed (see below).
@@ -242,6 +258,9 @@ def allreduce(
         gradcomp.PayloadError: a peer sent malformed bytes.
     """
     call_identity(tag)  # a bad tag raises here
+    v.flag("server_error_feedback", server_error_feedback)
+    if server_error_feedback and algorithm != "two_phase":
+        raise ValueError(f"server_error_feedback applies to algorithm='two_phase' only, got algorithm={algorithm!r}")
     chooser = algorithm if isinstance(algorithm, _auto.AutoAlgorithm) else None
     if chooser is not None:
         algorithm = AUTO
@@ -276,7 +295,7 @@ def allreduce(
                                       residual)
             return _allreduce_hierarchical(tensor, x, call, group, topology, out, check, tag)
         return _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check,
-                          tag)
+                          tag, server_error_feedback)
 
 
 def _allreduce_hierarchical(tensor, x, call, group, topology, out, check, tag):
@@ -312,7 +331,8 @@ def _allreduce_hierarchical(tensor, x, call, group, topology, out, check, tag):
     return out
 
 
-def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check, tag):
+def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key, residual, out, check, tag,
+               server_error_feedback=False):
     comm = Comm(group, timeout, meter)
     n = x.numel()
     # float32 temporaries come from the buffer pool (a fresh multi-MiB tensor
@@ -352,7 +372,8 @@ def _allreduce(tensor, x, compressor, op, algorithm, group, meter, timeout, key,
             _pipelined.allreduce(comm, local, plan, work, op)
         else:
             pending = _REDUCE_SCATTER[algorithm](comm, local, plan, work)
-            share_owned(comm, plan, work, op, pending)
+            # two-phase: the owner's compression may have a server residual (DoubleSqueeze, 1-bit Adam)
+            share_owned(comm, plan, work, op, pending, owner=local if server_error_feedback else None)
 
     _checked.run(comm, sig, body, device=x.device, check=check)
     if out is None:

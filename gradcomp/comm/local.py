@@ -11,8 +11,8 @@ data in two ways:
   the ring merges at later hops, the chunk two-phase's owner keeps. No error
   is made, so none is remembered.
 
-Partial sums (which mix every rank's data) and the owner's final sum are
-compressed with the plain compressor, never with error feedback.
+Partial and final sums are compressed without error feedback, except two-phase's
+owner's sum with a server residual (:func:`gradcomp.comm.dense.compress_owned`).
 
 Residuals come from one of two places:
 

@@ -11,8 +11,9 @@ once more, so every element goes through at most two quantizations (the
 ring's ``N``), for the same bytes as the ring: each rank sends ``N - 1`` chunk
 payloads in each phase.
 
-Error feedback applies to each chunk ``j != rank`` (residual key
-``(key, j)``; see :mod:`gradcomp.comm.local`).
+Error feedback applies to each chunk ``j != rank`` (residual key ``(key, j)``;
+:mod:`gradcomp.comm.local`), and if asked to the owner's compression of its
+sum (the server residual, :func:`gradcomp.comm.dense.compress_owned`).
 
 Error: each rank's data is quantized once on its own and the sum once more,
 so with int8 ``|error| <= 2 * 0.52 * A_b / 127`` per element of the sum (see
