@@ -22,6 +22,17 @@ def bits(t):
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+def same_bits(a, b, what):
+    """Bit-identical, NaN payloads included (one CPU's backends against each other)."""
+    assert torch.equal(bits(a), bits(b)), what
+
+
+def cpu_matches_reference(fn, what):
+    """``fn(backend)`` returns a tuple of tensors: the CPU kernels' equal the reference's bit for bit."""
+    for i, (u, v) in enumerate(zip(fn("cpu"), fn("reference"))):
+        same_bits(u, v, f"{what}[{i}]")
+
+
 def assert_bitwise(a, b, what):
     """Bit-identical, except that two NaNs match whatever their payload (a GPU
     produces the canonical NaN where x86 propagates an operand's)."""

@@ -24,14 +24,7 @@ CHECK = textwrap.dedent("""
     import backend_checks as C
     import gradcomp.kernels as K
     from gradcomp.kernels import cpu
-
-    def same(a, b, what):
-        assert torch.equal(C.bits(a), C.bits(b)), what
-
-    def both(fn, what):
-        a, b = fn("cpu"), fn("reference")
-        for i, (u, v) in enumerate(zip(a, b)):
-            same(u, v, f"{{what}}[{{i}}]")
+    both = C.cpu_matches_reference
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
         for n in (1, 77, 3001, 70003):
@@ -83,14 +76,7 @@ EDGES = textwrap.dedent("""
     import backend_checks as C
     import gradcomp.kernels as K
     from gradcomp.kernels import cpu
-
-    def same(a, b, what):
-        assert torch.equal(C.bits(a), C.bits(b)), what
-
-    def both(fn, what):
-        a, b = fn("cpu"), fn("reference")
-        for i, (u, v) in enumerate(zip(a, b)):
-            same(u, v, f"{{what}}[{{i}}]")
+    both = C.cpu_matches_reference
 
     def ties():
         t = [127.0, -127.0] + [k + 0.5 for k in range(-127, 127)]  # int8: absmax 127, y = x

@@ -20,6 +20,8 @@ import gradcomp as gc
 from gradcomp.ddp import GradCompState, compressed_allreduce_hook
 from gradcomp.launch import launch
 
+from ddp_checks import residual_conservation_error
+
 TIMEOUT = 120
 STEPS = 16
 PARAM_TOL = 0.02
@@ -287,16 +289,10 @@ def _sparse_reduce_scatter(rank, world):
     _layouts.clear()
     losses = _train(rank, [model], STEPS)[0]
     state.close()
-    errs = []
-    for p in model.parameters():
-        held = state.residuals[state._param_keys[id(p)][1]].double().clone()
-        gave = given[id(p)].clone()
-        dist.all_reduce(held)
-        dist.all_reduce(gave)
-        errs.append(float((applied[id(p)] + held - gave).norm() / gave.norm()))
+    err = residual_conservation_error(state, model, given, applied)
     first = [lay[2] for lay in _layouts if lay[0] == 0]
     later = [lay[2] for lay in _layouts if lay[0] == STEPS - 1]
-    return {"err": max(errs), "residual_numel": sum(r.numel() for r in state.residuals.values()),
+    return {"err": err, "residual_numel": sum(r.numel() for r in state.residuals.values()),
             "n_params": sum(p.numel() for p in model.parameters()), "rebuilt": first != later,
             "loss_first": losses[0], "loss_last": losses[-1]}
 
