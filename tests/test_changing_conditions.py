@@ -71,14 +71,17 @@ def test_a_straggler_onset_delays_only_the_steps_after_it():
     from gradcomp.lab.study.data import load_digits_split
     from gradcomp.lab.study.study import _launch_local
 
-    cfg = TrainConfig(workers=2, steps=40, eval_every=20, straggler=(1, 3.0), straggler_from_s=0.25)
+    # The onset is early and the run long (hundreds of steps) so that steps begin on both sides of it
+    # on a fast host too: 40 steps could end before a 0.25 s onset.
+    onset = 0.1
+    cfg = TrainConfig(workers=2, steps=300, eval_every=300, straggler=(1, 3.0), straggler_from_s=onset)
     data = load_digits_split(test_fraction=cfg.test_fraction, seed=cfg.seed)
     logs, _ = _launch_local("sync", [(replace(cfg), "none", 0)], [data], None)
     worker1 = logs[1][0]
     t0 = worker1.steps[0].start  # the clock started just before (log.start(), then the first step)
     delays = [[a for p, a, _ in s.spans if p == "delay"] for s in worker1.steps]
-    assert all(a - t0 >= 0.25 - 0.02 for d in delays for a in d)  # no delay before the onset
-    late = [d for s, d in zip(worker1.steps, delays) if s.start - t0 >= 0.25]
+    assert all(a - t0 >= onset - 0.02 for d in delays for a in d)  # no delay before the onset
+    late = [d for s, d in zip(worker1.steps, delays) if s.start - t0 >= onset]
     assert late and all(late) and len(late) < len(delays)  # every step begun after it is delayed
     assert not any(p == "delay" for s in logs[0][0].steps for p, _, _ in s.spans)
 
