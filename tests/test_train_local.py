@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,7 @@ from gradcomp.comm.agreement import SIGNATURE_NBYTES
 from gradcomp.lab.cli import main
 from gradcomp.lab.study import report
 from gradcomp.lab.study.config import TrainConfig
-from gradcomp.lab.study.study import run_study
+from gradcomp.lab.study.study import StudyResult, run_study
 
 HEADER = 48  # wire header of a 1-D payload (40 + 8 * ndim bytes)
 
@@ -65,6 +66,20 @@ def test_local_runs_count_the_bytes_of_every_sync(local_study, tmp_path):
     report.write_json(local_study, str(tmp_path / "results.json"))
     assert "sync every 4 steps, outer nesterov" in report.title(local_study)
     assert '"mode": "local"' in (tmp_path / "results.json").read_text()
+    # the MLP 64-32-10: two weights and two biases
+    assert json.loads((tmp_path / "results.json").read_text())["model"] == {
+        "workload": "digits-mlp", "parameters": params, "param_tensors": 4, "layers": [64, 32, 10]}
+
+
+def test_the_results_record_the_model_of_any_workload():
+    from dataclasses import replace
+
+    study = StudyResult(config=TrainConfig(workload="mnist-cnn"), runs=[], num_parameters=215_370,
+                        param_tensors=8, threshold=0.1, train_samples=1, test_samples=1)
+    assert report.model_record(study) == {"workload": "mnist-cnn", "parameters": 215_370, "param_tensors": 8}
+    # not recorded: no count (the validator then falls back), still no MLP layers
+    assert report.model_record(replace(study, param_tensors=None)) == {"workload": "mnist-cnn",
+                                                                         "parameters": 215_370}
 
 
 def test_a_study_without_its_baseline_runs_the_named_rows_alone():

@@ -165,6 +165,18 @@ def run_record(r: RunResult, study: StudyResult) -> dict:
     return d
 
 
+def model_record(study: StudyResult) -> dict:
+    """The results' ``"model"``: the workload, its parameters and parameter tensors, and the
+    layer widths of the digits MLP (the only workload built from ``--hidden``)."""
+    c = study.config
+    rec: dict = {"workload": c.workload, "parameters": study.num_parameters}
+    if study.param_tensors is not None:
+        rec["param_tensors"] = study.param_tensors
+    if c.workload == "digits-mlp":
+        rec["layers"] = [64, *c.hidden, 10]
+    return rec
+
+
 def write_json(study: StudyResult, path: str, studies: list[StudyResult] | None = None) -> None:
     """Everything: the shared settings, and per run the table's figures, the
     summed meters, the curves and the time figures (``studies``: every
@@ -176,7 +188,7 @@ def write_json(study: StudyResult, path: str, studies: list[StudyResult] | None 
                     else study.config.workload, "train_samples": study.train_samples,
                     "test_samples": study.test_samples,
                     "granularity_pp": granularity_pp(study.predictions)},
-        "model": {"layers": [64, *study.config.hidden, 10], "parameters": study.num_parameters},
+        "model": model_record(study),
         "threshold": study.threshold,
         "target_accuracy": study.target_accuracy, "target_fraction": study.target_fraction,
         "seeds": study.seeds,

@@ -153,6 +153,8 @@ class StudyResult:
     links: dict = field(default_factory=dict)
     target_accuracy: float | None = None
     target_fraction: float | None = None
+    #: parameter tensors of the model (weights and biases counted apart), or None: not recorded
+    param_tensors: int | None = None
 
     @property
     def predictions(self) -> int:
@@ -526,7 +528,8 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
             c = replace(c, threshold=calibrate_threshold(c, data))
         datas.append(data)
         cfgs.append(c)
-    params = num_parameters(build_model(cfg, datas[0]))
+    model = build_model(cfg, datas[0])
+    params, param_tensors = num_parameters(model), len(list(model.parameters()))
     distributed = in_torchrun()
     own_group = False
     if distributed:
@@ -560,7 +563,7 @@ def run_study(cfg: TrainConfig, modes: Iterable[str], compressors: Iterable[str]
         if own_group:
             dist.destroy_process_group()
     fill_targets(runs, default_target(runs) if target_acc is None else target_acc)
-    return StudyResult(config=cfg, runs=runs, num_parameters=params,
+    return StudyResult(config=cfg, runs=runs, num_parameters=params, param_tensors=param_tensors,
                        threshold=cfgs[0].threshold if cfgs[0].threshold is not None else float("nan"),
                        train_samples=len(datas[0].y_train), test_samples=len(datas[0].y_test),
                        test_predictions=len(datas[0].y_test) * max(1, getattr(datas[0], "block", 0)),
