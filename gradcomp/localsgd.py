@@ -428,8 +428,12 @@ class LocalSGD:
         frag = self._frags[f]
         delta = frag.pseudo_gradient()
         if overlap == 0:
+            # the residual before the exchange: the divergence leaves the codec's error out
+            held = frag.residual.clone() if self.period is not None and frag.residual is not None else None
             with self.period.timed() if self.period is not None else contextlib.nullcontext():
                 mean = self._exchange(frag, delta, None, self.syncs)
+            if self.period is not None:  # the parameters still hold this rank's local model
+                self.period.report_divergence(*frag.divergence(mean, held))
             self._apply(f, mean)
             return
         ready = None
