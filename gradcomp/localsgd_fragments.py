@@ -65,6 +65,10 @@ class Fragment:
             off += p.numel()
         return delta
 
+    def residual_copy(self) -> torch.Tensor | None:
+        """A copy of the residual (flat float32), or None (no error feedback)."""
+        return None if self.residual is None else self.residual.clone()
+
     def divergence(self, mean: torch.Tensor, held: torch.Tensor | None = None) -> tuple[float, float]:
         """How far this rank's model went from the averaged one over the round, before :meth:`load`.
 

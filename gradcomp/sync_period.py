@@ -346,7 +346,8 @@ class SyncPeriod:
 
         Raises:
             TypeError / ValueError: the ``timing`` hook returned something else than a
-                :class:`SyncRound` of finite times (and loss, or None) >= 0.
+                :class:`SyncRound` of finite times (and loss, or None) >= 0, or a
+                divergence < 0.
             TimeoutError / RuntimeError: a peer did not join within ``timeout`` seconds.
         """
         if self._warmup > 0:  # the same on every rank: no agreement needed
