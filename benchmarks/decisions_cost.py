@@ -51,7 +51,8 @@ def _interval(xs: list[float]) -> float:
 
 
 def _run_record(r) -> dict:
-    return {"time_to_target_s": r.time_to_target_s, "steps_to_target": r.steps_to_target, "test_accuracy": r.test_accuracy,
+    return {"time_to_target_s": r.time_to_target_s, "steps_to_target": r.steps_to_target,
+            "test_accuracy": r.test_accuracy,
             "period_moves": [{k: e.get(k) for k in ("step", "from", "to", "reason", "divergence", "loss", "loss0")}
                              for e in (r.meter or {}).get("switches", []) if e.get("kind") == "sync_every"],
             "step_time_median_s": (r.time or {}).get("step_time_median_s"), "background_load": r.host.get("background_load"),

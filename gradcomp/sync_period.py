@@ -6,11 +6,10 @@ next round: the period that keeps the exchange's share of a round at ``comm_shar
 slow link raises ``H``, a fast one lowers it (``H = 1``: synchronous training), times
 AdaComm's loss factor (Wang and Joshi 2019: ``H`` shrinks with the square root of the loss)
 where the workers' models measurably diverge (:func:`loss_factor`, :func:`choose_period`).
-Invariant: every rank decides from the same agreed
-numbers (one float64 allreduce of four values per synchronisation), so every rank moves
-at the same step and the parameters stay bit-identical. Every move is logged with its
-reason (:attr:`SyncPeriod.switches`, :attr:`gradcomp.TrafficMeter.switches`).
-The rule in full, with the adaptive codec beside it: docs/local-sgd.md.
+Invariant: every rank decides from the same agreed numbers (one float64 allreduce of four
+values per synchronisation), so every rank moves at the same step and the parameters stay
+bit-identical. Every move is logged with its reason (:attr:`SyncPeriod.switches`,
+:attr:`gradcomp.TrafficMeter.switches`). The rule in full, with the adaptive codec beside it: docs/local-sgd.md.
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ from gradcomp.comm.consensus import agree_max
 from gradcomp.meter import TrafficMeter
 
 __all__ = ["SyncPeriod", "SyncRound", "choose_period", "loss_factor", "period_argument", "COMM_SHARE",
-           "DIVERGENCE_THRESHOLD", "DWELL_STEPS", "HYSTERESIS", "MAX_DWELL_STEPS", "MAX_SYNC_EVERY", "REASONS", "WARMUP_ROUNDS", "WINDOW_STEPS"]
+           "DIVERGENCE_THRESHOLD", "DWELL_STEPS", "HYSTERESIS", "MAX_DWELL_STEPS", "MAX_SYNC_EVERY", "REASONS",
+           "WARMUP_ROUNDS", "WINDOW_STEPS"]
 
 #: default target share of a round's time spent in the exchange: ``comm / (comm + H x compute)``
 COMM_SHARE = 0.1
@@ -88,12 +88,13 @@ class SyncRound:
             None (not measured): ``||d_i - d||^2 / ((n - 1) ||d||^2)`` with ``d_i`` this
             rank's pseudo-gradient over the round, ``d`` the averaged one (``d_i - d`` is
             this rank's model minus the averaged model) and ``n`` the ranks: 0 when every
-            rank moved alike, about 1 when the rounds' moves are independent noise of equal
-            size around a common one (the spread of ``n`` such moves around their mean
-            is ``n - 1`` times that mean's noise), ``inf`` when nothing moved on average
-            but the models did. The local-update error term of local SGD's bounds (Wang
-            and Joshi 2019, their Theorem 1; the workers' model variance that Jiang and
-            Agrawal 2020, Adaptive Periodic Averaging, track), relative to the progress.
+            rank moved alike; at most about 1 when the ranks' deviations from a common move
+            are independent of one another, 1 without a common move (one of ``n``
+            independent moves lies, in expectation, ``n - 1`` times as far from their mean
+            as that mean's own noise, in squares); ``inf`` when nothing moved on average
+            but the models did. The local-update error term of local SGD's bounds (Wang and
+            Joshi 2019, their Theorem 1; the workers' model variance that Jiang and Agrawal
+            2020, Adaptive Periodic Averaging, track), relative to the progress.
     """
 
     step: int
@@ -264,7 +265,8 @@ class SyncPeriod:
         if divergence_threshold is not None:
             divergence_threshold = v.real("divergence_threshold", divergence_threshold)
             if not (math.isfinite(divergence_threshold) and divergence_threshold > 0):
-                raise ValueError(f"divergence_threshold must be a finite number > 0 or None, got {divergence_threshold!r}")
+                raise ValueError(f"divergence_threshold must be a finite number > 0 or None, "
+                                 f"got {divergence_threshold!r}")
         self.divergence_threshold = divergence_threshold
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds or None, got {type(clock).__name__}")

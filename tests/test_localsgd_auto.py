@@ -158,7 +158,8 @@ def _spread(rank):
     def timing(r):
         seen.append(r.divergence)
         return dataclasses.replace(r, comm_s=1.0, compute_s=0.01)
-    ls = gc.LocalSGD(model, sync_every=gc.SyncPeriod(1, 8, timing=timing), compressor=gc.NoCompression(), timeout=TIMEOUT)
+    ls = gc.LocalSGD(model, sync_every=gc.SyncPeriod(1, 8, timing=timing), compressor=gc.NoCompression(),
+                     timeout=TIMEOUT)
     ls.step()  # the warm-up round
     with torch.no_grad():
         for p in model.parameters():
