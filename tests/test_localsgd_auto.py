@@ -130,6 +130,7 @@ def _scenarios(rank, world):
     out["lifted"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)], [3.0, 3.0, 1.0])),
                          2 + 36 + 18 + 18 + 36, losses=[2.0, 0.5, 0.5, 0.5, 0.5, 0.5])
     out["spread"] = _spread(rank)
+    out["drift"] = {data: _drift(rank, data) for data in ("own_class", "iid", "shared")}
     # a steady link measured with noise: 900 x 0.00322 = 2.898 and 900 x 0.00122 = 1.098 in turn
     # around H = 2 (+-45%); neither is a whole step away from 2
     out["noisy"] = _run(rank, gc.SyncPeriod(1, 64, start=2, timing=_script(rank, [(0.00322, 0.01), (0.00122, 0.01)] * 30)),
@@ -167,6 +168,31 @@ def _spread(rank):
     ls.step()
     return {"mine": seen, "agreed": [e["divergence"] for e in ls.period.switches],
             "identical": _identical(_flat(model))}
+
+
+def _drift(rank, data):
+    """Measured divergences of 8-step rounds: ``"own_class"``: every rank's labels are its own
+    class (data that differs between ranks: the models drift apart); ``"iid"``: every rank
+    draws its own batches from one distribution; ``"shared"``: every rank draws the same
+    batches (the models stay identical)."""
+    model = _model()
+    seen = []
+
+    def timing(r):
+        seen.append(r.divergence)
+        return r
+    ls = gc.LocalSGD(model, sync_every=gc.SyncPeriod(8, 8, timing=timing), compressor=gc.NoCompression(),
+                     timeout=TIMEOUT)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for t in range(1, 8 * 6 + 1):
+        g = torch.Generator().manual_seed(t if data == "shared" else 1000 * rank + t)
+        x = torch.randn(8, 10, generator=g)
+        y = torch.full((8,), rank) if data == "own_class" else torch.randint(0, 3, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        ls.step()
+    return seen
 
 
 def _resume(rank):
@@ -262,6 +288,19 @@ def test_the_divergence_is_measured_against_the_averaged_model(runs):
         got = r["spread"]
         assert got["mine"] == [pytest.approx(0.0 if rank == 1 else 0.125, rel=1e-5, abs=1e-9)]
         assert got["agreed"] == [pytest.approx(0.125, rel=1e-5)] and got["identical"]
+
+
+def test_models_drifting_apart_measure_above_the_threshold_and_iid_ones_about_one(runs):
+    # labels of each rank's own class: the ranks pull the model three ways (measured 8.6-41);
+    # i.i.d. batches of random labels: independent deviations around a small common move,
+    # about 1 or less on average (measured 0.30-1.48 per round); the same batches: identical
+    # models, 0 up to float rounding of the mean
+    for r in runs:
+        got = r["drift"]
+        assert len(got["own_class"]) == len(got["iid"]) == 5  # 6 rounds, the warm-up's not measured
+        assert min(got["own_class"]) > 4 * DIVERGENCE_THRESHOLD
+        assert sum(got["iid"]) / 5 < 1.2 and max(got["iid"]) < 2 * DIVERGENCE_THRESHOLD
+        assert max(got["shared"]) < 1e-12
 
 
 def test_a_noisy_steady_link_does_not_move_the_period(runs):
