@@ -51,7 +51,10 @@ def _interval(xs: list[float]) -> float:
 
 
 def _run_record(r) -> dict:
-    return {"time_to_target_s": r.time_to_target_s, "test_accuracy": r.test_accuracy,
+    return {"time_to_target_s": r.time_to_target_s, "steps_to_target": r.steps_to_target,
+            "test_accuracy": r.test_accuracy,
+            "period_moves": [{k: e.get(k) for k in ("step", "from", "to", "reason", "divergence", "loss", "loss0")}
+                             for e in (r.meter or {}).get("switches", []) if e.get("kind") == "sync_every"],
             "step_time_median_s": (r.time or {}).get("step_time_median_s"), "background_load": r.host.get("background_load"),
             "achieved_bps": r.link.get("achieved_bps"), "phases": r.link.get("phases")}
 
@@ -83,7 +86,8 @@ def main(argv=None) -> int:
         rec["ratio"] = ta / tf if ta is not None and tf is not None else None
         records.append(rec)
         print(f"seed {c.seed}: final H={final['sync_every']} codec={final['codec']}; fixed H={h} row {row}; "
-              f"to target auto {ta} s, fixed {tf} s, ratio {rec['ratio']}; "
+              f"to target auto {ta} s ({auto.steps_to_target} steps), fixed {tf} s ({fixed.steps_to_target} steps), "
+              f"ratio {rec['ratio']}; accuracy auto {auto.test_accuracy}, fixed {fixed.test_accuracy}; "
               f"load {rec['auto']['background_load']} / {rec['fixed']['background_load']}", flush=True)
     ratios = [r["ratio"] for r in records if r["ratio"] is not None]
     if ratios:

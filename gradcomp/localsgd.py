@@ -379,15 +379,13 @@ class LocalSGD:
         With an adaptive period, the ranks then agree on the next period.
 
         Args:
-            loss: optional training loss of this inner step (a finite number
-                >= 0 or a one-element tensor), for an adaptive period's loss
-                factor (:meth:`gradcomp.SyncPeriod.report_loss`); ignored with a
-                fixed period. Without losses the period follows the timings only.
+            loss: optional training loss of this inner step (a finite number >= 0 or a one-element
+                tensor), for an adaptive period's loss factor (:meth:`gradcomp.SyncPeriod.report_loss`);
+                ignored with a fixed period. Without losses the period follows the timings only.
 
         Raises:
-            TimeoutError / RuntimeError / gradcomp.PayloadError: an exchange
-                failed (see :func:`gradcomp.allreduce`); the group is then not
-                safe to use again.
+            TimeoutError / RuntimeError / gradcomp.PayloadError: an exchange failed (see
+                :func:`gradcomp.allreduce`); the group is then not safe to use again.
         """
         if loss is not None and self.period is not None:
             self.period.report_loss(loss)
@@ -428,8 +426,11 @@ class LocalSGD:
         frag = self._frags[f]
         delta = frag.pseudo_gradient()
         if overlap == 0:
+            held = None if self.period is None else frag.residual_copy()  # the codec's error is no divergence
             with self.period.timed() if self.period is not None else contextlib.nullcontext():
                 mean = self._exchange(frag, delta, None, self.syncs)
+            if self.period is not None:  # the parameters still hold this rank's local model
+                self.period.report_divergence(*frag.divergence(mean, held))
             self._apply(f, mean)
             return
         ready = None

@@ -65,6 +65,33 @@ class Fragment:
             off += p.numel()
         return delta
 
+    def residual_copy(self) -> torch.Tensor | None:
+        """A copy of the residual (flat float32), or None (no error feedback)."""
+        return None if self.residual is None else self.residual.clone()
+
+    def divergence(self, mean: torch.Tensor, held: torch.Tensor | None = None) -> tuple[float, float]:
+        """How far this rank's model went from the averaged one over the round, before :meth:`load`.
+
+        Args:
+            mean: the averaged pseudo-gradient (flat float32, on the anchor's device).
+            held: the residual before the exchange (error feedback), or None: what this rank
+                sent is then ``anchor - params + held - residual``, so that the codec's own
+                error does not count as divergence.
+
+        Returns:
+            ``(||sent - mean||^2, ||mean||^2)`` (float64 sums), ``sent`` this rank's
+            pseudo-gradient ``anchor - params`` (plus the residual's change): its squared
+            distance from the averaged one, i.e. its model's from the averaged model, and
+            the round's common progress.
+        """
+        spread = self.pseudo_gradient().sub_(mean)
+        if held is not None and self.residual is not None:
+            spread.add_(held).sub_(self.residual)
+        norms = torch.stack([torch.linalg.vector_norm(spread, dtype=torch.float64),
+                             torch.linalg.vector_norm(mean, dtype=torch.float64)])
+        spread_sq, progress_sq = norms.square().tolist()  # one host sync
+        return spread_sq, progress_sq
+
     def load(self) -> None:
         """Copy the anchor into the parameters."""
         with torch.no_grad():

@@ -2,14 +2,14 @@
 
 ``gc.LocalSGD(model, sync_every="auto")`` (or ``sync_every=gc.SyncPeriod(...)``) starts
 synchronous (``H = min_sync_every``) and, at every synchronisation, sets the period for the
-next round from AdaComm's rule (Wang and Joshi 2019: ``H`` shrinks with the square root of
-the loss) made time-aware: the period that keeps the exchange's share of a round at
-``comm_share`` (:func:`choose_period`), so a slow link raises ``H``, a fast one lowers it
-(``H = 1``: synchronous training). Invariant: every rank decides from the same agreed
-numbers (one float64 allreduce of three values per synchronisation), so every rank moves
-at the same step and the parameters stay bit-identical. Every move is logged with its
-reason (:attr:`SyncPeriod.switches`, :attr:`gradcomp.TrafficMeter.switches`).
-The rule in full, with the adaptive codec beside it: docs/local-sgd.md.
+next round: the period that keeps the exchange's share of a round at ``comm_share``, so a
+slow link raises ``H``, a fast one lowers it (``H = 1``: synchronous training), times
+AdaComm's loss factor (Wang and Joshi 2019: ``H`` shrinks with the square root of the loss)
+where the workers' models measurably diverge (:func:`loss_factor`, :func:`choose_period`).
+Invariant: every rank decides from the same agreed numbers (one float64 allreduce of four
+values per synchronisation), so every rank moves at the same step and the parameters stay
+bit-identical. Every move is logged with its reason (:attr:`SyncPeriod.switches`,
+:attr:`gradcomp.TrafficMeter.switches`). The rule in full, with the adaptive codec beside it: docs/local-sgd.md.
 """
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from gradcomp import _validate as v
 from gradcomp.comm.consensus import agree_max
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["SyncPeriod", "SyncRound", "choose_period", "period_argument", "COMM_SHARE", "DWELL_STEPS",
-           "HYSTERESIS", "MAX_DWELL_STEPS", "MAX_SYNC_EVERY", "REASONS", "WARMUP_ROUNDS", "WINDOW_STEPS"]
+__all__ = ["SyncPeriod", "SyncRound", "choose_period", "loss_factor", "period_argument", "COMM_SHARE",
+           "DIVERGENCE_THRESHOLD", "DWELL_STEPS", "HYSTERESIS", "MAX_DWELL_STEPS", "MAX_SYNC_EVERY", "REASONS",
+           "WARMUP_ROUNDS", "WINDOW_STEPS"]
 
 #: default target share of a round's time spent in the exchange: ``comm / (comm + H x compute)``
 COMM_SHARE = 0.1
@@ -38,8 +41,18 @@ MAX_SYNC_EVERY = 64
 #: flips by one step each round would log a switch per round for no gain
 HYSTERESIS = 0.25
 #: why the period moved: the exchange took more / less than ``comm_share`` of the round at the
-#: old period (the link slowed / sped up against the compute), or the loss fell (AdaComm)
-REASONS = ("comm_share_high", "comm_share_low", "loss_fell")
+#: old period (the link slowed / sped up against the compute); the loss fell (AdaComm's factor,
+#: no divergence measured or the rule without it); the loss factor applies because the models
+#: diverge above :data:`DIVERGENCE_THRESHOLD` (down), or no longer does because they agree (up)
+REASONS = ("comm_share_high", "comm_share_low", "loss_fell", "divergence_high", "divergence_low")
+#: the relative divergence (:class:`SyncRound`) at or under which the loss factor does not
+#: apply. Deviations of the ranks' moves that are independent of one another (sampling noise,
+#: of any size, and the drift it causes) give a divergence of at most about 1: averaging
+#: removes them as a larger batch would. Above 1 the deviations are systematic (they cancel in
+#: the average: the ranks' models drift apart, e.g. on data that differs between ranks), the
+#: local-update error a longer period grows; the margin above 1 covers the spread of the
+#: largest of the ranks' estimates (the agreement takes the maximum)
+DIVERGENCE_THRESHOLD = 1.5
 #: rounds whose measurements are dropped before the first decision: the first exchange on a new
 #: group carries one-time costs (connections, the first call's agreement), the first steps
 #: lazy initialisation, and a period chosen from them would be off for a whole round
@@ -71,6 +84,17 @@ class SyncRound:
         compute_s: seconds per inner step outside the exchanges: the time between the end of
             one exchange and the start of the next, over the round, divided by ``steps``.
         loss: the mean of the losses reported in the round, or None (none reported).
+        divergence: the models' relative divergence at the round's synchronisation (>= 0), or
+            None (not measured): ``||d_i - d||^2 / ((n - 1) ||d||^2)`` with ``d_i`` this
+            rank's pseudo-gradient over the round, ``d`` the averaged one (``d_i - d`` is
+            this rank's model minus the averaged model) and ``n`` the ranks: 0 when every
+            rank moved alike; at most about 1 when the ranks' deviations from a common move
+            are independent of one another, 1 without a common move (one of ``n``
+            independent moves lies, in expectation, ``n - 1`` times as far from their mean
+            as that mean's own noise, in squares); ``inf`` when nothing moved on average
+            but the models did. The local-update error term of local SGD's bounds (Wang and
+            Joshi 2019, their Theorem 1; the workers' model variance that Jiang and Agrawal
+            2020, Adaptive Periodic Averaging, track), relative to the progress.
     """
 
     step: int
@@ -78,28 +102,62 @@ class SyncRound:
     comm_s: float
     compute_s: float
     loss: float | None
+    divergence: float | None = None
+
+
+def loss_factor(loss_ratio: float | None, divergence: float | None = None,
+                threshold: float = DIVERGENCE_THRESHOLD) -> float:
+    """The factor in (0, 1] on the time-aware period: AdaComm's where the models diverge.
+
+    AdaComm (Wang and Joshi 2019, ``H_k = ceil(sqrt(F_k / F_0) H_0)``) shrinks the period as
+    the loss falls because the local-update error term of its bound grows with ``H`` and
+    dominates once the loss approaches its floor. That term is the workers' model divergence,
+    which is measured here (:attr:`SyncRound.divergence`): the factor is ``sqrt(min(1,
+    loss_ratio))`` (a loss above the first does not raise it) when ``divergence`` is None (not
+    measured: AdaComm as published); 1 when ``divergence <= threshold`` (the models moved
+    alike: a longer period costs no progress); above it, ``max(sqrt(min(1, loss_ratio)),
+    threshold / divergence)``: AdaComm's factor reached in proportion to the excess
+    divergence, fully at ``threshold / divergence <= sqrt(...)``.
+
+    Args:
+        loss_ratio: the loss now over the loss at the first decision (>= 0), or None (no loss: 1).
+        divergence: the agreed relative divergence (>= 0, ``inf`` allowed), or None.
+        threshold: the divergence at or under which the factor is 1 (> 0).
+
+    Returns:
+        The factor (float, 0 only for a loss ratio of 0 with divergent models).
+    """
+    adacomm = math.sqrt(min(1.0, loss_ratio)) if loss_ratio is not None else 1.0
+    if divergence is None:
+        return adacomm
+    if divergence <= threshold:
+        return 1.0
+    return max(adacomm, threshold / divergence)
 
 
 def choose_period(current: int, comm_s: float, compute_s: float, *, loss_ratio: float | None = None,
+                  divergence: float | None = None, divergence_threshold: float = DIVERGENCE_THRESHOLD,
                   comm_share: float = COMM_SHARE, min_sync_every: int = 1,
                   max_sync_every: int = MAX_SYNC_EVERY) -> tuple[int, str | None, float]:
     """The next period from agreed measurements (pure; the rule of :class:`SyncPeriod`).
 
     The time-aware period is the least ``H`` with ``comm_s / (comm_s + H x compute_s) <=
-    comm_share``: ``H_time = comm_s (1 - comm_share) / (comm_share x compute_s)``. AdaComm
-    (Wang and Joshi 2019, ``H_k = ceil(sqrt(F_k / F_0) H_0)``) scales it by the square root of
-    the loss ratio, capped at 1 (a loss above the first one does not raise the period):
-    ``H = ceil(sqrt(min(1, loss_ratio)) x H_time)``, clamped to the bounds: one target from
-    both factors. It replaces ``current`` only when the unrounded target ``sqrt(...) x H_time``
-    is at least ``max(1, HYSTERESIS x current)`` away from it (:data:`HYSTERESIS`; at least
-    one whole step, so that a small period does not move between neighbours on noise) or
-    beyond a bound.
+    comm_share``: ``H_time = comm_s (1 - comm_share) / (comm_share x compute_s)``. It is
+    scaled by :func:`loss_factor` (AdaComm's ``sqrt(min(1, loss_ratio))`` where the models
+    diverge, or always without a divergence): ``H = ceil(factor x H_time)``, clamped to the
+    bounds: one target from both factors. It replaces ``current`` only when the unrounded
+    target ``factor x H_time`` is at least ``max(1, HYSTERESIS x current)`` away from it
+    (:data:`HYSTERESIS`; at least one whole step, so that a small period does not move
+    between neighbours on noise) or beyond a bound.
 
     Args:
         current: the period of the round just ended (inner steps).
         comm_s: seconds of one exchange (>= 0).
         compute_s: seconds of one inner step (>= 0; 0 with ``comm_s > 0`` asks for the upper bound).
         loss_ratio: the loss now over the loss at the first decision (>= 0), or None: time only.
+        divergence: the models' agreed relative divergence (>= 0), or None: AdaComm's factor
+            whenever a loss ratio is given.
+        divergence_threshold: see :func:`loss_factor` (> 0).
         comm_share: the target share, in (0, 1).
         min_sync_every, max_sync_every: the bounds (1 <= min <= max).
 
@@ -111,8 +169,11 @@ def choose_period(current: int, comm_s: float, compute_s: float, *, loss_ratio: 
         base = comm_s * (1 - comm_share) / (comm_share * compute_s)
     else:
         base = math.inf if comm_s > 0 else 0.0
-    factor = math.sqrt(min(1.0, loss_ratio)) if loss_ratio is not None else 1.0
-    ideal = factor * base if base < math.inf or factor > 0 else 0.0
+
+    def scaled(factor: float) -> float:
+        return factor * base if base < math.inf or factor > 0 else 0.0
+
+    ideal = scaled(loss_factor(loss_ratio, divergence, divergence_threshold))
 
     def bounded(h: float) -> int:
         if h == math.inf:
@@ -130,9 +191,14 @@ def choose_period(current: int, comm_s: float, compute_s: float, *, loss_ratio: 
         return current, None, ideal
     new = bounded(ideal)
     if new > current:
-        return new, "comm_share_high", ideal
+        # up only because agreeing models lift AdaComm's factor, or because of the link?
+        adacomm = scaled(loss_factor(loss_ratio))
+        lifted = divergence is not None and not (moves(adacomm) and bounded(adacomm) > current)
+        return new, ("divergence_low" if lifted else "comm_share_high"), ideal
     # the time-aware period alone: did the link, or the loss, lower it?
-    return new, ("comm_share_low" if moves(base) and bounded(base) < current else "loss_fell"), ideal
+    if moves(base) and bounded(base) < current:
+        return new, "comm_share_low", ideal
+    return new, ("loss_fell" if divergence is None else "divergence_high"), ideal
 
 
 class SyncPeriod:
@@ -142,12 +208,13 @@ class SyncPeriod:
     from ``min_sync_every``, ``max_sync_every`` and ``comm_share``. At every scheduled
     synchronisation, once the exchange returned, each rank agrees with the others on the
     round's measurements (:class:`SyncRound`) by one ``MAX`` allreduce of ``(-comm_s,
-    compute_s, loss)``: the exchange as the last rank to arrive timed it (no wait for a
-    late peer), the slowest rank's compute per step, the largest mean loss (``-inf`` for
-    none). :func:`choose_period` then gives the next period on every rank alike, from the
-    agreed rounds that hold the latest :data:`WINDOW_STEPS` inner steps (the median exchange
-    of those on the current codec, the compute per step and the loss over their steps) and
-    the loss ratio (that loss over the first decision's). The first :data:`WARMUP_ROUNDS`
+    compute_s, loss, divergence)``: the exchange as the last rank to arrive timed it (no wait
+    for a late peer), the slowest rank's compute per step, the largest mean loss and the
+    largest divergence (``-inf`` for none). :func:`choose_period` then gives the next period
+    on every rank alike, from the agreed rounds that hold the latest :data:`WINDOW_STEPS`
+    inner steps (the median exchange of those on the current codec, the compute per step,
+    the loss and the divergence over their steps) and the loss ratio (that loss over the
+    first decision's). The first :data:`WARMUP_ROUNDS`
     rounds decide nothing. A move the other way than the last one (a reversal) waits until
     ``dwell`` inner steps have passed since that move (:data:`DWELL_STEPS`, doubled by each
     reversal taken up to :data:`MAX_DWELL_STEPS`, reset by a move in the same direction):
@@ -160,6 +227,9 @@ class SyncPeriod:
         max_sync_every: the largest period (>= ``min_sync_every``).
         comm_share: the target share of a round's seconds spent in the exchange, in (0, 1).
         start: the first round's period (within the bounds; default ``min_sync_every``).
+        divergence_threshold: the agreed divergence at or under which the loss factor does
+            not apply (> 0, default :data:`DIVERGENCE_THRESHOLD`); None: AdaComm's factor
+            whenever losses are reported (the divergence is measured and logged, not used).
         clock: zero-argument callable returning seconds (default ``time.perf_counter``).
         timing: optional ``SyncRound -> SyncRound`` hook applied to this rank's
             measurements before the agreement (to inject timings in tests).
@@ -167,7 +237,8 @@ class SyncPeriod:
     Attributes:
         switches: every move, oldest first (JSON-ready dicts: ``kind`` ``"sync_every"``,
             ``step``, ``from``, ``to``, ``reason`` (:data:`REASONS`), the agreed ``comm_s``,
-            ``compute_s`` and ``loss`` over the window of ``rounds`` rounds, ``loss0``,
+            ``compute_s``, ``loss`` and ``divergence`` (None: not measured or infinite) over
+            the window of ``rounds`` rounds, ``loss0``, ``divergence_threshold``,
             ``comm_share`` (the exchange's share at the old period), ``target_share``,
             ``ideal`` (None when infinite) and ``codec`` (the adaptive codec's choice for
             the exchange, or None)).
@@ -181,6 +252,7 @@ class SyncPeriod:
 
     def __init__(self, min_sync_every: int = 1, max_sync_every: int = MAX_SYNC_EVERY, *,
                  comm_share: float = COMM_SHARE, start: int | None = None,
+                 divergence_threshold: float | None = DIVERGENCE_THRESHOLD,
                  clock: Callable[[], float] | None = None,
                  timing: Callable[[SyncRound], SyncRound] | None = None):
         self.min_sync_every = v.integer("min_sync_every", min_sync_every, 1)
@@ -190,6 +262,12 @@ class SyncPeriod:
             raise ValueError(f"comm_share must be in (0, 1) (a share of the round's seconds), got {comm_share!r}")
         self.start = self.min_sync_every if start is None else v.integer(
             "start", start, self.min_sync_every, self.max_sync_every)
+        if divergence_threshold is not None:
+            divergence_threshold = v.real("divergence_threshold", divergence_threshold)
+            if not (math.isfinite(divergence_threshold) and divergence_threshold > 0):
+                raise ValueError(f"divergence_threshold must be a finite number > 0 or None, "
+                                 f"got {divergence_threshold!r}")
+        self.divergence_threshold = divergence_threshold
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds or None, got {type(clock).__name__}")
         if timing is not None and not callable(timing):
@@ -203,14 +281,15 @@ class SyncPeriod:
         self.dwell = DWELL_STEPS
         self._last_move: tuple[int, bool] | None = None  # (step, upward)
         self._warmup = WARMUP_ROUNDS
-        # agreed rounds: (comm, compute, steps, codec, loss)
-        self._rounds: list[tuple[float, float, int, str | None, float | None]] = []
+        # agreed rounds: (comm, compute, steps, codec, loss, divergence)
+        self._rounds: list[tuple[float, float, int, str | None, float | None, float | None]] = []
         self.begin()
 
     def settings(self) -> dict[str, object]:
         """What every rank must share (it decides the schedule)."""
         return {"min_sync_every": self.min_sync_every, "max_sync_every": self.max_sync_every,
-                "comm_share": self.comm_share, "start": self.start}
+                "comm_share": self.comm_share, "start": self.start,
+                "divergence_threshold": self.divergence_threshold}
 
     # ---- measurements (LocalSGD calls these) ---------------------------------------------
     def begin(self) -> None:
@@ -219,6 +298,7 @@ class SyncPeriod:
         self._busy_s = 0.0
         self._comm_s = 0.0
         self._loss_sum, self._loss_count = 0.0, 0
+        self._spread = None  # (spread_sq, progress_sq) of the round's exchange, or None
 
     def report_loss(self, loss) -> None:
         """Add one inner step's training loss (a finite number >= 0, or a one-element tensor) to the round.
@@ -234,6 +314,11 @@ class SyncPeriod:
             raise ValueError(f"loss must be a finite number >= 0, got {loss!r}")
         self._loss_sum += float(loss)
         self._loss_count += 1
+
+    def report_divergence(self, spread_sq: float, progress_sq: float) -> None:
+        """Note the round's exchange: ``spread_sq = ||d_i - d||^2`` (this rank's pseudo-gradient
+        minus the averaged one) and ``progress_sq = ||d||^2`` (:class:`SyncRound`), both >= 0."""
+        self._spread = (float(spread_sq), float(progress_sq))
 
     @contextlib.contextmanager
     def timed(self):
@@ -263,7 +348,8 @@ class SyncPeriod:
 
         Raises:
             TypeError / ValueError: the ``timing`` hook returned something else than a
-                :class:`SyncRound` of finite times (and loss, or None) >= 0.
+                :class:`SyncRound` of finite times (and loss, or None) >= 0, or a
+                divergence < 0.
             TimeoutError / RuntimeError: a peer did not join within ``timeout`` seconds.
         """
         if self._warmup > 0:  # the same on every rank: no agreement needed
@@ -271,25 +357,32 @@ class SyncPeriod:
             self.begin()
             return current
         mine = SyncRound(step=step, steps=steps, comm_s=self._comm_s, compute_s=self._busy_s / max(1, steps),
-                         loss=self._loss_sum / self._loss_count if self._loss_count else None)
+                         loss=self._loss_sum / self._loss_count if self._loss_count else None,
+                         divergence=self._divergence(dist.get_world_size(group)))
         if self.timing is not None:
             mine = self.timing(mine)
             if not isinstance(mine, SyncRound):
                 raise TypeError(f"timing must return a gradcomp.SyncRound, got {type(mine).__name__}")
-        for name in ("comm_s", "compute_s", "loss"):
+        for name in ("comm_s", "compute_s", "loss", "divergence"):
             x = getattr(mine, name)
-            if not (name == "loss" and x is None) and not (math.isfinite(x) and x >= 0):
-                raise ValueError(f"SyncRound.{name} must be a finite number >= 0, got {x!r}")
-        local = [-mine.comm_s, mine.compute_s, -math.inf if mine.loss is None else float(mine.loss)]
-        neg_comm, compute, loss = agree_max(local, group, timeout, device, "gradcomp.SyncPeriod")
-        loss = loss if math.isfinite(loss) else None
-        self._rounds.append((-neg_comm, compute, max(1, steps), codec, loss))
-        comm, compute, loss, window = self._window()
+            if not (name in ("loss", "divergence") and x is None) \
+                    and not ((math.isfinite(x) or name == "divergence") and x >= 0):
+                raise ValueError(f"SyncRound.{name} must be a {'' if name == 'divergence' else 'finite '}"
+                                 f"number >= 0{' or None' if name in ('loss', 'divergence') else ''}, got {x!r}")
+        local = [-mine.comm_s, mine.compute_s] + [-math.inf if x is None else float(x)
+                                                  for x in (mine.loss, mine.divergence)]
+        neg_comm, compute, loss, divergence = agree_max(local, group, timeout, device, "gradcomp.SyncPeriod")
+        self._rounds.append((-neg_comm, compute, max(1, steps), codec, loss if math.isfinite(loss) else None,
+                             divergence if divergence >= 0 else None))  # -inf: no rank measured one
+        comm, compute, loss, divergence, window = self._window()
         if loss is not None and self.loss0 is None:
             self.loss0 = loss
         ratio = None if loss is None or not self.loss0 else loss / self.loss0
-        new, reason, ideal = choose_period(current, comm, compute, loss_ratio=ratio, comm_share=self.comm_share,
-                                           min_sync_every=self.min_sync_every, max_sync_every=self.max_sync_every)
+        used = divergence if self.divergence_threshold is not None else None
+        new, reason, ideal = choose_period(current, comm, compute, loss_ratio=ratio, divergence=used,
+                                           divergence_threshold=self.divergence_threshold or DIVERGENCE_THRESHOLD,
+                                           comm_share=self.comm_share, min_sync_every=self.min_sync_every,
+                                           max_sync_every=self.max_sync_every)
         self.decisions += 1
         if reason is not None:
             new, reason = self._dwelt(step, current, new, reason)
@@ -297,6 +390,8 @@ class SyncPeriod:
             round_s = comm + current * compute
             entry = {"kind": "sync_every", "step": step, "from": current, "to": new, "reason": reason,
                      "comm_s": comm, "compute_s": compute, "loss": loss, "loss0": self.loss0,
+                     "divergence": divergence if divergence is not None and math.isfinite(divergence) else None,
+                     "divergence_threshold": self.divergence_threshold,
                      "comm_share": comm / round_s if round_s > 0 else 0.0, "target_share": self.comm_share,
                      "ideal": ideal if math.isfinite(ideal) else None, "codec": codec, "rounds": window}
             self.switches.append(entry)
@@ -320,11 +415,20 @@ class SyncPeriod:
         self._last_move = (step, up)
         return new, reason
 
-    def _window(self) -> tuple[float, float, float | None, int]:
-        """``(comm_s, compute_s, loss, rounds)`` over the latest agreed rounds that
-        hold :data:`WINDOW_STEPS` inner steps (at least the latest round): the median
-        exchange of those that ran the latest round's codec; the compute per step and
-        the loss (None: none reported), each weighted by the rounds' steps."""
+    def _divergence(self, world: int) -> float | None:
+        """This rank's relative divergence of the round (:class:`SyncRound`), or None (not reported)."""
+        if self._spread is None:
+            return None
+        spread_sq, progress_sq = self._spread
+        if world < 2 or spread_sq == 0:
+            return 0.0  # one model, or every rank moved alike
+        return spread_sq / ((world - 1) * progress_sq) if progress_sq > 0 else math.inf
+
+    def _window(self) -> tuple[float, float, float | None, float | None, int]:
+        """``(comm_s, compute_s, loss, divergence, rounds)`` over the latest agreed rounds
+        that hold :data:`WINDOW_STEPS` inner steps (at least the latest round): the median
+        exchange of those that ran the latest round's codec; the compute per step, the loss
+        and the divergence (None: none reported), each weighted by the rounds' steps."""
         picked, total = [], 0
         for r in reversed(self._rounds):
             picked.append(r)
@@ -333,9 +437,17 @@ class SyncPeriod:
                 break
         del self._rounds[:len(self._rounds) - len(picked)]  # a later window never reaches further back
         comm = statistics.median(r[0] for r in picked if r[3] == picked[0][3])
-        losses = [(r[4], r[2]) for r in picked if r[4] is not None]
-        loss = sum(x * n for x, n in losses) / sum(n for _, n in losses) if losses else None
-        return comm, sum(r[1] * r[2] for r in picked) / total, loss, len(picked)
+        loss, divergence = (self._weighted(picked, i) for i in (4, 5))
+        return comm, sum(r[1] * r[2] for r in picked) / total, loss, divergence, len(picked)
+
+    @staticmethod
+    def _weighted(rounds: list[tuple], i: int) -> float | None:
+        """The mean of the rounds' field ``i`` weighted by their steps, over those that have it (None: none)."""
+        have = [(r[i], r[2]) for r in rounds if r[i] is not None]
+        if not have:
+            return None
+        return sum(x * n for x, n in have) / sum(n for _, n in have) if all(math.isfinite(x) for x, _ in have) \
+            else math.inf
 
     # ---- checkpoints ----------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -384,7 +496,8 @@ class SyncPeriod:
 
     def __repr__(self) -> str:
         return (f"SyncPeriod(min_sync_every={self.min_sync_every}, max_sync_every={self.max_sync_every}, "
-                f"comm_share={self.comm_share:g}, start={self.start})")
+                f"comm_share={self.comm_share:g}, start={self.start}, "
+                f"divergence_threshold={self.divergence_threshold!r})")
 
 
 

@@ -2,8 +2,10 @@
 
 The timings are injected through the period's ``timing`` hook (no sleeps), the losses through
 ``step(loss=...)``; the expected periods are derived by hand from the rule
-``H = ceil(sqrt(min(1, F / F0)) x comm (1 - share) / (share x compute))`` (share 0.1: ``H =
-9 x comm / compute`` before the loss factor), the bounds, the hysteresis (25% and at least one
+``H = ceil(factor x comm (1 - share) / (share x compute))`` (share 0.1: ``H = 9 x comm /
+compute`` before the loss factor), the loss factor AdaComm's ``sqrt(min(1, F / F0))`` without a
+divergence, else 1 at or under the divergence threshold (1.5) and ``max(sqrt(min(1, F / F0)),
+1.5 / divergence)`` above it, the bounds, the hysteresis (25% and at least one
 step), the warm-up round, the window of 16 steps and the dwell before a reversal (16 steps,
 doubled by each reversal). The multi-process scenarios run in one 3-rank gloo launch in which
 rank 1 measures other timings than its peers
@@ -22,7 +24,8 @@ import torch.nn as nn
 
 import gradcomp as gc
 from gradcomp.launch import launch
-from gradcomp.sync_period import DWELL_STEPS, HYSTERESIS, MAX_DWELL_STEPS, WARMUP_ROUNDS, WINDOW_STEPS, choose_period
+from gradcomp.sync_period import (DIVERGENCE_THRESHOLD, DWELL_STEPS, HYSTERESIS, MAX_DWELL_STEPS, WARMUP_ROUNDS,
+                                  WINDOW_STEPS, choose_period, loss_factor)
 
 WORLD = 3
 TIMEOUT = 60
@@ -73,17 +76,23 @@ def _run(rank, period, steps, losses=None, compressor=None):
             "meter": [(e["kind"], e["step"], e["from"], e["to"]) for e in meter.switches if "kind" in e]}
 
 
-def _script(rank, rounds):
-    """A timing hook giving decision ``i`` the timings ``rounds[i]``; rank 1 measures an
-    exchange twice as long and a compute half as long (the agreement takes the least
-    exchange and the largest compute, i.e. the script's)."""
+def _script(rank, rounds, divergences=None):
+    """A timing hook giving decision ``i`` the timings ``rounds[i]`` (and the divergence
+    ``divergences[i]``); rank 1 measures an exchange twice as long and a compute half as long
+    (the agreement takes the least exchange and the largest compute, i.e. the script's), and
+    the script's divergence while its peers measure a third of it (the agreement takes the
+    largest: rank 1's)."""
     seen = []
 
     def timing(r):
-        comm, compute = rounds[min(len(seen), len(rounds) - 1)]
+        i = len(seen)
+        comm, compute = rounds[min(i, len(rounds) - 1)]
         seen.append(r.step)
         if rank == 1:
             comm, compute = 2 * comm, compute / 2
+        if divergences is not None:
+            d = divergences[min(i, len(divergences) - 1)]
+            r = dataclasses.replace(r, divergence=d if rank == 1 else d / 3)
         return dataclasses.replace(r, comm_s=comm, compute_s=compute)
     return timing
 
@@ -107,9 +116,21 @@ def _scenarios(rank, world):
     # holds a 0.01 s one), then 9 x 0.001 / 0.01 = 0.9 -> 1 (synchronous)
     out["fast"] = _run(rank, gc.SyncPeriod(1, 64, start=32, timing=_script(rank, [(0.01, 0.01), (0.001, 0.01)])),
                        32 + 32 + 9 + 5 + 1 + 1)
-    # a falling loss on a steady link (9 x 0.04 / 0.01 = 36): F0 = 2, then F = 1, 0.5, 0.125
-    out["loss"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)])), 2 + 36 + 26 + 18,
-                       losses=[2.0, 1.0, 0.5, 0.125, 0.125])
+    # a falling loss on a steady link (9 x 0.04 / 0.01 = 36): F0 = 2, then F = 1, 0.5, 0.125;
+    # AdaComm's factor as published (no divergence threshold: the models' divergence is not used)
+    out["loss"] = _run(rank, gc.SyncPeriod(1, 64, divergence_threshold=None, timing=_script(rank, [(0.04, 0.01)])),
+                       2 + 36 + 26 + 18, losses=[2.0, 1.0, 0.5, 0.125, 0.125])
+    # the same falling loss with the default rule: models that diverge (3.0, above the
+    # threshold) / agree (1.4, under it) / diverge, then agree again
+    losses = [2.0, 1.0, 0.5, 0.125, 0.125, 0.125]
+    out["diverging"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)], [3.0])),
+                            2 + 36 + 26 + 18 + 18, losses=losses)
+    out["agreeing"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)], [1.4])),
+                           2 + 36 * 3, losses=losses)
+    out["lifted"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)], [3.0, 3.0, 1.0])),
+                         2 + 36 + 18 + 18 + 36, losses=[2.0, 0.5, 0.5, 0.5, 0.5, 0.5])
+    out["spread"] = _spread(rank)
+    out["drift"] = {data: _drift(rank, data) for data in ("own_class", "iid", "shared")}
     # a steady link measured with noise: 900 x 0.00322 = 2.898 and 900 x 0.00122 = 1.098 in turn
     # around H = 2 (+-45%); neither is a whole step away from 2
     out["noisy"] = _run(rank, gc.SyncPeriod(1, 64, start=2, timing=_script(rank, [(0.00322, 0.01), (0.00122, 0.01)] * 30)),
@@ -126,6 +147,52 @@ def _scenarios(rank, world):
     out["pair"] = _run(rank, gc.SyncPeriod(1, 4, timing=_script(rank, [(0.1, 0.001)])), 2 + 4 * 6,
                        compressor=gc.Adaptive(("none", "int8"), timing=_link, **gc.localsgd.ADAPTIVE))
     return out
+
+
+def _spread(rank):
+    """The measured divergence: after the warm-up round, each rank moves its parameters by
+    ``rank + 1`` in every element (no codec), and the next synchronisation's agreed divergence
+    is logged with the move a long exchange forces."""
+    model = _model()
+    seen = []
+
+    def timing(r):
+        seen.append(r.divergence)
+        return dataclasses.replace(r, comm_s=1.0, compute_s=0.01)
+    ls = gc.LocalSGD(model, sync_every=gc.SyncPeriod(1, 8, timing=timing), compressor=gc.NoCompression(),
+                     timeout=TIMEOUT)
+    ls.step()  # the warm-up round
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(rank + 1.0)
+    ls.step()
+    return {"mine": seen, "agreed": [e["divergence"] for e in ls.period.switches],
+            "identical": _identical(_flat(model))}
+
+
+def _drift(rank, data):
+    """Measured divergences of 8-step rounds: ``"own_class"``: every rank's labels are its own
+    class (data that differs between ranks: the models drift apart); ``"iid"``: every rank
+    draws its own batches from one distribution; ``"shared"``: every rank draws the same
+    batches (the models stay identical)."""
+    model = _model()
+    seen = []
+
+    def timing(r):
+        seen.append(r.divergence)
+        return r
+    ls = gc.LocalSGD(model, sync_every=gc.SyncPeriod(8, 8, timing=timing), compressor=gc.NoCompression(),
+                     timeout=TIMEOUT)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for t in range(1, 8 * 6 + 1):
+        g = torch.Generator().manual_seed(t if data == "shared" else 1000 * rank + t)
+        x = torch.randn(8, 10, generator=g)
+        y = torch.full((8,), rank) if data == "own_class" else torch.randint(0, 3, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        ls.step()
+    return seen
 
 
 def _resume(rank):
@@ -188,6 +255,52 @@ def test_a_falling_loss_shrinks_the_period(runs):
     # moves); 1/4: 18; 1/16: 9
     _check(runs, "loss", 1, [1, 2, 38, 64, 82], [1, 36, 26, 18, 9],
            ["comm_share_high", "loss_fell", "loss_fell", "loss_fell"])
+
+
+def test_a_falling_loss_with_diverging_models_shrinks_the_period(runs):
+    # the agreed divergence is rank 1's 3.0 (its peers measure 1.0): the factor is
+    # max(sqrt(F / F0), 1.5 / 3 = 0.5). Step 2: 36; F/F0 = 1/2: 0.707 x 36 = 25.46 -> 26; 1/4:
+    # max(0.5, 0.5) x 36 = 18; 1/16: max(0.25, 0.5) = 0.5: 18 stays (the excess divergence
+    # caps how far the loss factor goes)
+    _check(runs, "diverging", 1, [1, 2, 38, 64, 82, 100], [1, 36, 26, 18, 18, 18],
+           ["comm_share_high", "divergence_high", "divergence_high"])
+
+
+def test_a_falling_loss_with_agreeing_models_does_not_shrink_the_period(runs):
+    # the agreed divergence 1.4 <= 1.5: the factor is 1 whatever the loss; H stays at the
+    # time-aware 36 while the loss falls to 1/16 of F0
+    _check(runs, "agreeing", 1, [1, 2, 38, 74, 110], [1, 36, 36, 36, 36], ["comm_share_high"])
+
+
+def test_models_that_agree_again_lift_the_loss_factor(runs):
+    # step 2: 36; F/F0 = 1/4 with divergence 3.0: 18 (a reversal 36 steps after the move up:
+    # allowed, the dwell doubles to 32); then divergence 1.0: factor 1, 36, held at step 56 (18
+    # steps after the move down) and taken at 74 (36 >= 32); AdaComm's factor alone would have
+    # kept 18, so the reason is the divergence
+    _check(runs, "lifted", 1, [1, 2, 38, 56, 74, 110], [1, 36, 18, 18, 36, 36],
+           ["comm_share_high", "divergence_high", "divergence_low"])
+
+
+def test_the_divergence_is_measured_against_the_averaged_model(runs):
+    # pseudo-gradients -(r + 1) x ones(N): the mean -2, spreads N, 0, N, progress 4N; divided
+    # by (n - 1) = 2: 1/8, 0, 1/8; agreed (the largest) 1/8, logged with the move to the bound 8
+    for rank, r in enumerate(runs):
+        got = r["spread"]
+        assert got["mine"] == [pytest.approx(0.0 if rank == 1 else 0.125, rel=1e-5, abs=1e-9)]
+        assert got["agreed"] == [pytest.approx(0.125, rel=1e-5)] and got["identical"]
+
+
+def test_models_drifting_apart_measure_above_the_threshold_and_iid_ones_about_one(runs):
+    # labels of each rank's own class: the ranks pull the model three ways (measured 8.6-41);
+    # i.i.d. batches of random labels: independent deviations around a small common move,
+    # about 1 or less on average (measured 0.30-1.48 per round); the same batches: identical
+    # models, 0 up to float rounding of the mean
+    for r in runs:
+        got = r["drift"]
+        assert len(got["own_class"]) == len(got["iid"]) == 5  # 6 rounds, the warm-up's not measured
+        assert min(got["own_class"]) > 4 * DIVERGENCE_THRESHOLD
+        assert sum(got["iid"]) / 5 < 1.2 and max(got["iid"]) < 2 * DIVERGENCE_THRESHOLD
+        assert max(got["shared"]) < 1e-12
 
 
 def test_a_noisy_steady_link_does_not_move_the_period(runs):
@@ -263,6 +376,34 @@ def test_choose_period_by_hand(current, comm, compute, ratio, lo, hi, expected):
     assert (HYSTERESIS, WARMUP_ROUNDS, WINDOW_STEPS) == (0.25, 1, 16)  # the derivations in this file use them
 
 
+@pytest.mark.parametrize("current, comm, ratio, divergence, lo, hi, expected", [
+    (36, 0.04, 0.25, 1.0, 1, 64, (36, None)),                # agreeing models: factor 1, H_time 36
+    (36, 0.04, 0.25, 1.5, 1, 64, (36, None)),                # at the threshold: still 1
+    (36, 0.04, 0.25, 3.0, 1, 64, (18, "divergence_high")),   # max(0.5, 0.5) x 36
+    (36, 0.04, 0.25, 2.0, 1, 64, (27, "divergence_high")),   # max(0.5, 0.75) x 36 = 27
+    (36, 0.04, 0.0625, 6.0, 1, 64, (9, "divergence_high")),  # max(0.25, 0.25) x 36
+    (36, 0.04, 0.0625, math.inf, 1, 64, (9, "divergence_high")),  # AdaComm's factor in full
+    (36, 0.04, None, 6.0, 1, 64, (36, None)),                # no loss: no loss factor
+    (9, 0.04, 0.0625, 0.5, 1, 64, (36, "divergence_low")),   # factor lifted: 9 -> 36
+    (9, 0.08, 0.0625, 0.5, 1, 64, (64, "comm_share_high")),  # 72 -> 64; the link alone raises it (18)
+    (9, 0.04, 0.0625, 0.5, 1, 16, (16, "divergence_low")),   # held at the upper bound
+    (36, 0.04, 0.0625, 6.0, 12, 64, (12, "divergence_high")),  # held at the lower bound
+    (36, 0.02, 0.25, 3.0, 1, 64, (9, "comm_share_low")),     # the link alone lowers it to 18: the link
+])
+def test_choose_period_with_divergence_by_hand(current, comm, ratio, divergence, lo, hi, expected):
+    new, reason, _ = choose_period(current, comm, 0.01, loss_ratio=ratio, divergence=divergence, comm_share=0.1,
+                                   min_sync_every=lo, max_sync_every=hi)
+    assert (new, reason) == expected
+    assert DIVERGENCE_THRESHOLD == 1.5  # the derivations in this file use it
+
+
+def test_loss_factor_by_hand():
+    assert loss_factor(0.25) == 0.5 and loss_factor(4.0) == 1.0 and loss_factor(None) == 1.0  # AdaComm
+    assert loss_factor(0.25, 1.0) == 1.0 and loss_factor(0.25, 2.0) == 0.75 and loss_factor(0.25, 3.0) == 0.5
+    assert loss_factor(0.0, math.inf) == 0.0 and loss_factor(None, 3.0) == 1.0
+    assert loss_factor(0.25, 1.0, threshold=0.5) == 0.5 and loss_factor(0.25, 0.4, threshold=0.5) == 1.0
+
+
 def test_choose_period_target_share_holds_time_only():
     for comm, compute in ((0.013, 0.0007), (0.3, 0.02), (0.001, 0.0003)):
         h, _, ideal = choose_period(1, comm, compute, comm_share=0.2, max_sync_every=10**6)
@@ -294,6 +435,11 @@ def test_bad_period_arguments():
         gc.SyncPeriod(1, 8.0)
     with pytest.raises(TypeError, match="timing"):
         gc.SyncPeriod(timing=3)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="divergence_threshold"):
+            gc.SyncPeriod(divergence_threshold=bad)
+    with pytest.raises(TypeError, match="divergence_threshold"):
+        gc.SyncPeriod(divergence_threshold="high")
     p = gc.SyncPeriod()
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="loss"):
@@ -306,7 +452,7 @@ def test_bad_period_arguments():
 def _bad_hooks(rank, world):
     out = []
     for hook in (lambda r: dataclasses.replace(r, comm_s=-1.0), lambda r: dataclasses.replace(r, loss=float("nan")),
-                 lambda r: (r.comm_s, r.compute_s)):
+                 lambda r: (r.comm_s, r.compute_s), lambda r: dataclasses.replace(r, divergence=-0.5)):
         ls = gc.LocalSGD(_model(), sync_every=gc.SyncPeriod(timing=hook), timeout=TIMEOUT)
         try:
             for _ in range(3):
@@ -318,10 +464,11 @@ def _bad_hooks(rank, world):
 
 
 def test_a_timing_hook_returning_bad_measurements_raises():
-    comm, loss, kind = launch(_bad_hooks, 1, timeout=TIMEOUT)[0]
+    comm, loss, kind, divergence = launch(_bad_hooks, 1, timeout=TIMEOUT)[0]
     assert comm.startswith("ValueError") and "comm_s" in comm
     assert loss.startswith("ValueError") and "loss" in loss
     assert kind.startswith("TypeError") and "SyncRound" in kind
+    assert divergence.startswith("ValueError") and "divergence" in divergence
 
 
 def test_the_dwell_survives_a_checkpoint_and_bad_state_raises():

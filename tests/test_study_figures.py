@@ -152,3 +152,10 @@ def test_decisions_png_panels_legend_and_title():
     (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == [t for _, t in REASON_MARKERS.values()] + [
         "link rate changes", "straggler turns slow"]
+
+
+def test_every_reason_the_period_moves_for_has_a_marker():
+    from gradcomp.lab.study.figures import REASON_MARKERS
+    from gradcomp.sync_period import REASONS
+
+    assert set(REASON_MARKERS) == set(REASONS)

@@ -182,7 +182,9 @@ def time_figure(studies, title: str):
 #: marker of each reason the period moved (:data:`gradcomp.sync_period.REASONS`)
 REASON_MARKERS = {"comm_share_high": ("^", "exchange share high: H up"),
                   "comm_share_low": ("v", "exchange share low: H down"),
-                  "loss_fell": ("x", "loss fell: H down (AdaComm)")}
+                  "loss_fell": ("x", "loss fell: H down (AdaComm)"),
+                  "divergence_high": ("D", "models diverge, loss fell: H down"),
+                  "divergence_low": ("d", "models agree: loss factor lifted, H up")}
 
 
 def _step_xy(ts: list[float], ys: list, t_end: float) -> tuple[list[float], list]:
