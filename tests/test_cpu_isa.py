@@ -115,8 +115,8 @@ EDGES = textwrap.dedent("""
 # fall back to the division there. Values within a few ulps of a rounding tie of y (a
 # half-integer; for stochastic rounding, which keeps the division, an integer of y + u, u the
 # reference's draw), blocks of 32 led by their absmax m; m spans normal, tiny (below the fast
-# path's 2**-100) and subnormal blocks. Prints the number of lanes where the shortcut would
-# have given another code.
+# path's 2**-100) and subnormal blocks; the variants without the shortcut divide throughout.
+# Prints the number of lanes where the shortcut would have given another code.
 DOUBT = textwrap.dedent("""
     import sys, numpy as np, torch
     sys.path.insert(0, {here!r})

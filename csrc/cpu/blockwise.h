@@ -111,6 +111,14 @@ inline int32_t floor_clamped(float v) {
 // on y' + w within 6u (Q + 1) of y + w, cost more than the division saved.)
 
 constexpr uint32_t FAST_MIN = 0x0D800000u;  // 2**-100 as float32 bits
+// Only the AVX-512 variant takes the product: with SSE2 (no unsigned max; rint
+// by two additions) and AVX2 the doubt test cost as much as the division or
+// more, measured on an AMD Zen 4 (docs/results/codecs.md, kernel speed).
+#if defined(GC_HAS_AVX512)
+constexpr bool DIVISION_FREE = true;
+#else
+constexpr bool DIVISION_FREE = false;
+#endif
 
 template <int Q>
 constexpr float fast_eps() {
@@ -137,12 +145,12 @@ inline void int_codes_exact(const float* __restrict p, size_t len, float m, floa
 }
 
 // The same codes (and residual), bit for bit: nearest rounding by the
-// division-free product (see above; the tile is redone by int_codes_exact when
-// a lane is in doubt), stochastic rounding by int_codes_exact.
+// division-free product where DIVISION_FREE (see above; the tile is redone by
+// int_codes_exact when a lane is in doubt), else by int_codes_exact.
 template <int Q, bool STOCH, bool EF>
 inline void int_codes(const float* __restrict p, size_t len, float m, float s, uint32_t first, uint32_t key,
                       int8_t* __restrict c, float* __restrict res) {
-    if constexpr (STOCH) {
+    if constexpr (STOCH || !DIVISION_FREE) {
         return int_codes_exact<Q, STOCH, EF>(p, len, m, s, first, key, c, res);
     }
     if (f32_bits(m) < FAST_MIN) return int_codes_exact<Q, STOCH, EF>(p, len, m, s, first, key, c, res);
