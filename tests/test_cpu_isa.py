@@ -110,14 +110,13 @@ EDGES = textwrap.dedent("""
 """).format(here=HERE)
 
 
-# every variant's integer quantizers on lanes whose division-free code (rint(p * (Q / m)))
-# differs from the reference's (rint((p / m) * Q)): the kernels must notice the doubt and
-# fall back to the division there. Values within a few ulps of a rounding tie of y (a
-# half-integer; for stochastic rounding, which keeps the division, an integer of y + u, u the
-# reference's draw), blocks of 32 led by their absmax m; m spans normal, tiny (below the fast
-# path's 2**-100) and subnormal blocks; the variants without the shortcut divide throughout.
-# Prints the number of lanes where the shortcut would have given another code.
-DOUBT = textwrap.dedent("""
+# every variant's integer quantizers against the reference on values within a few ulps of a
+# rounding tie of y = (p / m) * Q (a half-integer; for stochastic rounding an integer of y + u,
+# u the reference's draw), in blocks of 32 led by their absmax m (normal, tiny and subnormal
+# blocks): lanes where a product by the reciprocal, rint(p * (Q / m)), would give another code
+# than the reference's division (the script counts them and prints the count), so a kernel
+# that skipped the division without falling back to it on such lanes fails here.
+NEAR_TIES = textwrap.dedent("""
     import sys, numpy as np, torch
     sys.path.insert(0, {here!r})
     import backend_checks as C
@@ -138,7 +137,7 @@ DOUBT = textwrap.dedent("""
             p = np.where(step > 0, np.nextafter(p, f32(np.inf)), np.where(step < 0, np.nextafter(p, f32(-np.inf)), p))
         p = np.clip(p, -m[:, None], m[:, None]).astype(f32)
         p[:, 0] = m
-        with np.errstate(over="ignore"):  # q / m overflows in the subnormal blocks (their shortcut is off)
+        with np.errstate(over="ignore"):  # q / m overflows in the subnormal blocks
             y, yf = (p / m[:, None]).astype(f32) * f32(q), p * (f32(q) / m)[:, None]
         if stochastic:
             c, cf = np.floor(y + u), np.floor(yf + u)
@@ -153,9 +152,9 @@ DOUBT = textwrap.dedent("""
             for scale in (1.0, 2.0 ** -105, 2.0 ** -130):
                 x, wrong = near_ties(q, r == "stochastic", scale)
                 if scale == 1.0 and r == "nearest":
-                    assert wrong > 0, q  # the shortcut is wrong somewhere: the fallback must run
+                    assert wrong > 0, q  # the data does separate the division from the reciprocal
                     total += wrong
-                res = torch.randn(x.numel()) * 0  # +0: p = x + 0 keeps the ties
+                res = torch.zeros(x.numel())  # p = x + 0 keeps the ties
                 if bits == 8:
                     both(lambda b: K.quantize_int8(x, BS, r, 4, 2, backend=b), "int8")
                     both(lambda b: (*K.quantize_int8_ef(x, e := res.clone(), BS, r, 4, 2, backend=b), e), "int8 ef")
@@ -207,11 +206,11 @@ def test_every_variant_matches_the_reference_on_vector_tails_and_rounding_ties()
 
 
 @pytest.mark.slow
-def test_every_variant_falls_back_to_the_division_where_the_shortcut_is_in_doubt():
+def test_every_variant_matches_the_reference_where_a_reciprocal_would_round_otherwise():
     from gradcomp.kernels import cpu
 
     for isa in cpu.isas():
-        r = _run(DOUBT, isa)
+        r = _run(NEAR_TIES, isa)
         assert r.returncode == 0, f"{isa}:\n{r.stderr[-3000:]}"
         name, wrong = r.stdout.split()
         assert name == isa and int(wrong) > 0

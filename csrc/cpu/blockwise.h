@@ -83,91 +83,23 @@ inline int32_t floor_clamped(float v) {
     return c < -Q ? -Q : (c > Q ? Q : c);
 }
 
-// ---------------------------------------------------- division-free codes
-//
-// The reference's nearest code is rint(y) with y = (p / m) * Q: a float32
-// division, then a product, each rounded. The product by a reciprocal,
-// y' = p * (Q / m), saves the vector division but rounds differently in the
-// last bits. The kernels take y', whose code provably equals the reference's
-// unless y' lies within EPS of a half-integer, and redo the tile (at most 256
-// lanes) with the division when one of its lanes does. For values whose
-// fraction is spread evenly (Q + 1) * 2**-20 of the lanes are in doubt: a
-// tile of 256 is redone once in 32 at int8, once in 512 at int4.
-//
-// The bound. u = 2**-24 (float32's unit roundoff), v = p * Q / m exactly,
-// |p| <= m (m is the block's absmax) so |v| <= Q; a quotient or product below
-// the normal range errs by at most h = 2**-150 more. With 2**-100 <= m
-// (FAST_MIN), Q / m (Q <= 127) is a finite normal float32 and:
-//   reference y = fl(fl(p / m) * Q):  |y - v| <= (2u + u*u) Q + (2Q + 1) h
-//   fast      y' = fl(p * fl(Q / m)): |y' - v| <= (2u + u*u) Q + h
-// so |y - y'| <= (4u + 2u*u) Q + (2Q + 2) h < EPS = 8u (Q + 1) = (Q + 1) * 2**-21.
-// If y' is farther than EPS from every half-integer, no half-integer lies
-// between y and y' (nor on y), so rint(y) = rint(y'). The distance of y' to
-// the nearest integer, |y' - rint(y')|, is computed exactly (Sterbenz:
-// |y'| < 2**22 and rint(y') within 0.5 of it); a lane is in doubt when it is
-// >= 0.5 - EPS. tests/test_cpu_isa.py checks every variant on lanes where y'
-// and y give different codes. (Stochastic rounding, floor(y + w), keeps the
-// division: there the hash of the draws bounds the loop, and the same test,
-// on y' + w within 6u (Q + 1) of y + w, cost more than the division saved.)
-
-constexpr uint32_t FAST_MIN = 0x0D800000u;  // 2**-100 as float32 bits
-// Only the AVX-512 variant takes the product: with SSE2 (no unsigned max; rint
-// by two additions) and AVX2 the doubt test cost as much as the division or
-// more, measured on an AMD Zen 4 (docs/results/codecs.md, kernel speed).
-#if defined(GC_HAS_AVX512)
-constexpr bool DIVISION_FREE = true;
-#else
-constexpr bool DIVISION_FREE = false;
-#endif
-
-template <int Q>
-constexpr float fast_eps() {
-    return float(Q + 1) * 0x1p-21f;
-}
-
-// codes rint((p / m) * Q) (nearest) or floor((p / m) * Q + w) clamped to
-// [-Q, Q] (stochastic, w of element first + i) by the reference's operations
-// (a division, then a product). EF: also the error-feedback residual
-// res = p - code * s, in the same loop.
+// codes rint((p / m) * Q) (nearest) or floor((p / m) * Q + u) clamped to
+// [-Q, Q] (stochastic, u of element first + i): the reference's operations in
+// its order (a division, then a product). |p| <= m, so nearest needs no clamp.
+// EF: also the error-feedback residual res = p - code * s, in the same loop.
 template <int Q, bool STOCH, bool EF>
-inline void int_codes_exact(const float* __restrict p, size_t len, float m, float s, uint32_t first,
-                            uint32_t key, int8_t* __restrict c, float* __restrict res) {
+inline void int_codes(const float* __restrict p, size_t len, float m, float s, uint32_t first, uint32_t key,
+                      int8_t* __restrict c, float* __restrict res) {
     for (uint32_t i = 0; i < uint32_t(len); ++i) {
         const float y = (p[i] / m) * float(Q);
         int32_t ci;
         if constexpr (STOCH)
             ci = floor_clamped<Q>(y + uniform24(first + i, key));
         else
-            ci = static_cast<int32_t>(rint_small(y));  // |p| <= m: |y| <= Q, no clamp
+            ci = static_cast<int32_t>(rint_small(y));
         c[i] = int8_t(ci);
         if constexpr (EF) res[i] = p[i] - static_cast<float>(ci) * s;
     }
-}
-
-// The same codes (and residual), bit for bit: nearest rounding by the
-// division-free product where DIVISION_FREE (see above; the tile is redone by
-// int_codes_exact when a lane is in doubt), else by int_codes_exact.
-template <int Q, bool STOCH, bool EF>
-inline void int_codes(const float* __restrict p, size_t len, float m, float s, uint32_t first, uint32_t key,
-                      int8_t* __restrict c, float* __restrict res) {
-    if constexpr (STOCH || !DIVISION_FREE) {
-        return int_codes_exact<Q, STOCH, EF>(p, len, m, s, first, key, c, res);
-    }
-    if (f32_bits(m) < FAST_MIN) return int_codes_exact<Q, STOCH, EF>(p, len, m, s, first, key, c, res);
-    const float r = float(Q) / m;
-    // the farthest lane from an integer: max |y' - rint(y')| as bits (non-negative
-    // floats order as their bits; a max vectorises as one instruction, a flag as several)
-    uint32_t far = 0;
-    for (uint32_t i = 0; i < uint32_t(len); ++i) {
-        const float y = p[i] * r;
-        const float ry = rint_small(y);
-        far = std::max(far, f32_bits(y - ry) & 0x7FFFFFFFu);  // y - ry is exact
-        const int32_t ci = static_cast<int32_t>(ry);
-        c[i] = int8_t(ci);
-        if constexpr (EF) res[i] = p[i] - static_cast<float>(ci) * s;
-    }
-    // in doubt: a lane within EPS of a half-integer
-    if (far >= f32_bits(0.5f - fast_eps<Q>())) int_codes_exact<Q, STOCH, EF>(p, len, m, s, first, key, c, res);
 }
 
 // p = acc + code * scale over one tile (dequantize_int8_add's addition; a
