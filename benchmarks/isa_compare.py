@@ -4,8 +4,9 @@ Loads the installed ``gradcomp._C`` and a second build of it (``--other``: the p
 ``_C*.so``, e.g. one built with ``GRADCOMP_NATIVE_ARCH=1`` in another checkout) and times the
 same kernel calls on the same buffers alternately, round by round, so that a load change on a
 shared machine hits both alike. Prints per kernel the median time of each and the median of
-the per-round ratios (other / installed: above 1, the installed build is faster). One thread
-each (``set_num_threads(1)``), float32, ``--numel`` elements, block 256 (sign: 1024).
+the per-round ratios (other / installed: above 1, the installed build is faster), in wall time
+and in the calling thread's CPU time (which leaves out the time other jobs hold the core). One
+thread each (``set_num_threads(1)``), float32, ``--numel`` elements, block 256 (sign: 1024).
 
     python benchmarks/isa_compare.py --other /path/to/gradcomp/_C.cpython-311-x86_64-linux-gnu.so
 """
@@ -58,18 +59,22 @@ def main(argv=None) -> None:
         m.set_num_threads(1)
     print(f"installed: {installed.build_info()}\nother:     {other.build_info()}")
     a, b = calls(installed, args.numel, 0), calls(other, args.numel, 0)
-    print(f"{'kernel':<20}{'installed ms':>14}{'other ms':>10}{'other/installed':>17}")
+    print(f"{'kernel':<20}{'installed ms':>14}{'other ms':>10}{'other/installed':>17}"
+          f"{'cpu: installed ms':>19}{'other ms':>10}{'other/installed':>17}")
     for name in a:
-        ta, tb, ratio = [], [], []
+        ta, tb, ca, cb = [], [], [], []
         for r in range(args.rounds):
-            pair = ((a[name], ta), (b[name], tb))
-            for fn, ts in pair if r % 2 == 0 else pair[::-1]:  # either goes first in turn
-                t0 = time.perf_counter()
+            pair = ((a[name], ta, ca), (b[name], tb, cb))
+            for fn, ts, cs in pair if r % 2 == 0 else pair[::-1]:  # either goes first in turn
+                t0, c0 = time.perf_counter(), time.thread_time()
                 fn()
                 ts.append(time.perf_counter() - t0)
-            ratio.append(tb[-1] / ta[-1])
-        print(f"{name:<20}{1e3 * statistics.median(ta):>14.2f}{1e3 * statistics.median(tb):>10.2f}"
-              f"{statistics.median(ratio):>17.2f}")
+                cs.append(time.thread_time() - c0)
+        med = [1e3 * statistics.median(v) for v in (ta, tb, ca, cb)]
+        ratio = statistics.median(y / x for x, y in zip(ta, tb))
+        cpu_ratio = statistics.median(y / x for x, y in zip(ca, cb) if x > 0)
+        print(f"{name:<20}{med[0]:>14.2f}{med[1]:>10.2f}{ratio:>17.2f}"
+              f"{med[2]:>19.2f}{med[3]:>10.2f}{cpu_ratio:>17.2f}")
 
 
 if __name__ == "__main__":

@@ -110,6 +110,62 @@ EDGES = textwrap.dedent("""
 """).format(here=HERE)
 
 
+# every variant's integer quantizers against the reference on values within a few ulps of a
+# rounding tie of y = (p / m) * Q (a half-integer; for stochastic rounding an integer of y + u,
+# u the reference's draw), in blocks of 32 led by their absmax m (normal, tiny and subnormal
+# blocks): lanes where a product by the reciprocal, rint(p * (Q / m)), would give another code
+# than the reference's division (the script counts them and prints the count), so a kernel
+# that skipped the division without falling back to it on such lanes fails here.
+NEAR_TIES = textwrap.dedent("""
+    import sys, numpy as np, torch
+    sys.path.insert(0, {here!r})
+    import backend_checks as C
+    import gradcomp.kernels as K
+    from gradcomp.kernels import cpu, reference as R
+    both = C.cpu_matches_reference
+    f32, BS, NB = np.float32, 32, 384
+    rng = np.random.default_rng(11)
+
+    def near_ties(q, stochastic, scale):
+        m = (rng.uniform(0.3, 5.0, NB) * scale).astype(f32)
+        k = rng.integers(-q, q, (NB, BS)).astype(f32)
+        u = R.uniform(NB * BS, 4, 2).numpy().reshape(NB, BS)
+        t = k + (f32(1) - u) if stochastic else k + f32(0.5)  # y on the tie, exactly
+        p = (t * m[:, None] / f32(q)).astype(f32)
+        for _ in range(3):  # a few ulps either way
+            step = rng.integers(-1, 2, p.shape)
+            p = np.where(step > 0, np.nextafter(p, f32(np.inf)), np.where(step < 0, np.nextafter(p, f32(-np.inf)), p))
+        p = np.clip(p, -m[:, None], m[:, None]).astype(f32)
+        p[:, 0] = m
+        with np.errstate(over="ignore"):  # q / m overflows in the subnormal blocks
+            y, yf = (p / m[:, None]).astype(f32) * f32(q), p * (f32(q) / m)[:, None]
+        if stochastic:
+            c, cf = np.floor(y + u), np.floor(yf + u)
+        else:
+            c, cf = np.rint(y), np.rint(yf)
+        wrong = int((np.clip(c, -q, q) != np.clip(cf, -q, q)).sum())
+        return torch.from_numpy(p.reshape(-1)), wrong
+
+    total = 0
+    for q, bits in ((127, 8), (7, 4), (1, 2)):
+        for r in ("nearest", "stochastic"):
+            for scale in (1.0, 2.0 ** -105, 2.0 ** -130):
+                x, wrong = near_ties(q, r == "stochastic", scale)
+                if scale == 1.0 and r == "nearest":
+                    assert wrong > 0, q  # the data does separate the division from the reciprocal
+                    total += wrong
+                res = torch.zeros(x.numel())  # p = x + 0 keeps the ties
+                if bits == 8:
+                    both(lambda b: K.quantize_int8(x, BS, r, 4, 2, backend=b), "int8")
+                    both(lambda b: (*K.quantize_int8_ef(x, e := res.clone(), BS, r, 4, 2, backend=b), e), "int8 ef")
+                else:
+                    both(lambda b: K.quantize_packed(x, bits, BS, r, 4, 2, backend=b), f"int{{bits}}")
+                    both(lambda b: (*K.quantize_packed_ef(x, e := res.clone(), bits, BS, r, 4, 2, backend=b), e),
+                         f"int{{bits}} ef")
+    print(cpu.isa(), total)
+""").format(here=HERE)
+
+
 def _run(code: str, isa: str | None):
     env = dict(os.environ)
     env.pop("GRADCOMP_CPU_ISA", None)
@@ -147,6 +203,17 @@ def test_every_variant_matches_the_reference_on_vector_tails_and_rounding_ties()
         r = _run(EDGES, isa)
         assert r.returncode == 0, f"{isa}:\n{r.stderr[-3000:]}"
         assert r.stdout.strip() == isa
+
+
+@pytest.mark.slow
+def test_every_variant_matches_the_reference_where_a_reciprocal_would_round_otherwise():
+    from gradcomp.kernels import cpu
+
+    for isa in cpu.isas():
+        r = _run(NEAR_TIES, isa)
+        assert r.returncode == 0, f"{isa}:\n{r.stderr[-3000:]}"
+        name, wrong = r.stdout.split()
+        assert name == isa and int(wrong) > 0
 
 
 @pytest.mark.slow
