@@ -113,9 +113,9 @@ def aggregate(a, C, g, e, pieces, owner: int) -> torch.Tensor:
         acc = with_ef((owner + 1) % w)
         for k in range(2, w):
             r = (owner + k) % w
-            acc = C(acc + g[r] + e[r], pieces)
+            acc = C((g[r] + e[r]) + acc, pieces)  # the hop's own data plus the partial sum, as the ring adds
             e[r].zero_()
-    s = (acc + g[owner] + e[owner]) / w
+    s = ((g[owner] + e[owner]) + acc) / w
     e[owner].zero_()
     c = C(s, pieces)
     if a.server_ef:  # kept in the owner's residual, in the units before the division
