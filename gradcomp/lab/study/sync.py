@@ -84,7 +84,8 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
     )
     if state is not None:
         ddp.register_comm_hook(state, compressed_allreduce_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=optimizer_momentum(choice.dgc, cfg))
+    lr, momentum = choice.optimizer(cfg.lr, optimizer_momentum(choice.dgc, cfg))
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
     log = RankLog(rank)
     delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed, cfg.straggler_from_s)
     # the first layer's weight gets its gradient last: a slow worker's gradients come late
