@@ -71,6 +71,9 @@ class CompressorChoice:
             ``lr / (1 - momentum)`` (the momentum run's long-run step): EF-SignSGD's own
             algorithm (Karimireddy et al. 2019), since momentum on top of the sign code's
             error feedback loses accuracy (docs/results/codecs.md#why-sign-ef-loses-on-text-gpt).
+        server_ef: the row runs ``two_phase`` whatever ``--algorithm`` says, its owners
+            compressing the average with a residual of their own (server error feedback,
+            DoubleSqueeze, Tang et al. 2019): every compression of the exchange has error feedback.
     """
 
     name: str
@@ -83,6 +86,7 @@ class CompressorChoice:
     torch_hook: bool = False
     entry: str | None = None
     momentum_free: bool = False
+    server_ef: bool = False
 
     def build(self, threshold: float | None = None, link: tuple[float, float] | None = None,
               start_iter: int = 0) -> "Compressor | Adaptive | TorchPowerSGD":
@@ -144,8 +148,10 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
     # the study's own rows: a policy over catalog codecs, and the backend's uncompressed collective
     CompressorChoice("auto", "auto", True, modes=("sync", "auto")),
     CompressorChoice("native", "all_reduce f32", False, modes=("sync",), native=True),
-    # sign + EF under plain SGD at the momentum run's long-run step (EF-SignSGD's algorithm)
-    CompressorChoice("sign-ef-sgd", "sign+ef sgd", True, modes=("sync",), entry="sign-ef", momentum_free=True),
+    # sign + EF under plain SGD at the momentum run's long-run step (EF-SignSGD's algorithm), with
+    # error feedback on both sides of two-phase (the ring re-compresses partial sums without one)
+    CompressorChoice("sign-ef-sgd", "sign+ef2 sgd", True, modes=("sync",), entry="sign-ef", momentum_free=True,
+                     server_ef=True),
     # PowerSGD rank 4 (FP16 factors, error feedback per parameter): the DDP hook and local SGD
     CompressorChoice("powersgd4", "powersgd r4", True, modes=("sync", "local"), low_rank=4),
     # PyTorch's own powerSGD_hook at rank 4 with its defaults, beside it (the DDP hook only)
@@ -264,6 +270,8 @@ class TrainConfig:
 
     def algorithm_for(self, choice: CompressorChoice) -> str:
         """The allreduce algorithm of ``choice``'s sync and local runs (see the attributes)."""
+        if choice.server_ef:
+            return "two_phase"  # the one algorithm whose owners keep a residual
         if choice.sparse:
             return self.sparse_algorithm if choice.name in _TOPK_ROWS else "allgather"
         if choice.name == "auto" and self.algorithm not in _POLICY_ALGORITHMS:

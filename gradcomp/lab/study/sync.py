@@ -76,6 +76,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         compressor=codec,
         error_feedback=choice.error_feedback,
         algorithm=cfg.algorithm_for(choice),
+        server_error_feedback=choice.server_ef,
         min_compress_numel=sys.maxsize if choice.native else 0,  # native: every bucket a plain allreduce
         start_iter=0,
         meter=meter,
