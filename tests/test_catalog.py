@@ -138,6 +138,9 @@ def test_the_study_menu_is_the_catalog():
     assert (plain.error_feedback, plain.sparse, plain.modes) == (True, False, ("sync",))
     assert plain.optimizer(0.1, 0.9) == pytest.approx((1.0, 0.0)) and sign.optimizer(0.1, 0.9) == (0.1, 0.9)
     assert plain.optimizer(0.05, 0.0) == (0.05, 0.0)
+    cfg = study.TrainConfig(algorithm="ring")
+    assert (cfg.algorithm_for(plain), cfg.algorithm_for(sign)) == ("two_phase", "ring")  # owners keep a residual
+    assert plain.server_ef and not sign.server_ef
     for name in ("fp8", "fp8-e5m2", "int4", "int4-ef", "int2-ef", "sign-ef"):  # the low-bit rows
         assert study.parse_compressors(name) == (name,)
     with pytest.raises(ValueError, match="unknown compressor name"):
