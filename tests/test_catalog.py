@@ -15,7 +15,7 @@ from gradcomp.lab.plan import model as plan
 from gradcomp.lab.study import config as study
 
 # the study's rows that are not compressors: a policy over catalog codecs, the backend's collective
-STUDY_OWN_ROWS = {"auto", "native", "powersgd4", "torch-powersgd4"}
+STUDY_OWN_ROWS = {"auto", "native", "powersgd4", "torch-powersgd4", "sign-ef-sgd"}
 
 
 def _pad8(n: int) -> int:
@@ -132,6 +132,15 @@ def test_the_study_menu_is_the_catalog():
         _same(row.build(threshold=threshold), e.build(threshold=threshold))
     _same(study.COMPRESSORS["native"].build(), catalog.build("none"))
     assert repr(study.COMPRESSORS["powersgd4"].build()) == repr(gc.PowerSGD(rank=4))
+    # sign-ef-sgd: the catalog's sign-ef, only the optimizer differs
+    plain, sign = study.COMPRESSORS["sign-ef-sgd"], study.COMPRESSORS["sign-ef"]
+    _same(plain.build(), catalog.build("sign-ef"))
+    assert (plain.error_feedback, plain.sparse, plain.modes) == (True, False, ("sync",))
+    assert plain.optimizer(0.1, 0.9) == pytest.approx((1.0, 0.0)) and sign.optimizer(0.1, 0.9) == (0.1, 0.9)
+    assert plain.optimizer(0.05, 0.0) == (0.05, 0.0)
+    cfg = study.TrainConfig(algorithm="ring")
+    assert (cfg.algorithm_for(plain), cfg.algorithm_for(sign)) == ("two_phase", "ring")  # owners keep a residual
+    assert plain.server_ef and not sign.server_ef
     for name in ("fp8", "fp8-e5m2", "int4", "int4-ef", "int2-ef", "sign-ef"):  # the low-bit rows
         assert study.parse_compressors(name) == (name,)
     with pytest.raises(ValueError, match="unknown compressor name"):

@@ -88,7 +88,8 @@ def test_compressor_menu():
         if choice.native:  # uncompressed on the backend's all_reduce: DDP's plain path, sync only
             assert isinstance(c, gc.NoCompression) and choice.modes == ("sync",)
         assert c.sparse == choice.sparse, name
-        assert choice.error_feedback == (name.endswith("-ef") or choice.dgc)  # DGC keeps a residual
+        # DGC keeps a residual; sign-ef-sgd is the catalog's sign-ef under another optimizer
+        assert choice.error_feedback == ((choice.entry or name).endswith("-ef") or choice.dgc)
     with pytest.raises(ValueError, match="threshold"):
         COMPRESSORS["threshold-ef"].build(None)
 
@@ -309,6 +310,17 @@ def test_a_failing_worker_stops_the_study_with_its_error():
     data = load_digits_split(cfg.test_fraction, cfg.seed)
     with pytest.raises(WorkerError, match="KeyError: 'no-such-codec'"):
         _launch_local("sync", [(cfg, "no-such-codec", 0)], [data], None)
+
+
+def test_the_sign_sgd_row_runs_two_phase_with_server_error_feedback(tmp_path):
+    argv = ["--mode", "sync", "--workers", "2", "--compressors", "sign-ef,sign-ef-sgd", "--steps", "12",
+            "--eval-every", "6", "--out", str(tmp_path), "--no-progress"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert command.main(argv) == 0
+    runs = {r["compressor"]: r for r in json.loads((tmp_path / "results.json").read_text())["runs"]}
+    assert (runs["sign-ef-sgd"]["algorithm"], runs["sign-ef"]["algorithm"]) == ("two_phase", "ring")
+    # same codec and bytes per element; plain SGD at lr / (1 - momentum) moves the model elsewhere
+    assert runs["sign-ef-sgd"]["test_loss"] != runs["sign-ef"]["test_loss"]
 
 
 @pytest.mark.slow

@@ -66,6 +66,14 @@ class CompressorChoice:
         torch_hook: with ``low_rank``: PyTorch's own ``powerSGD_hook`` at that rank
             (:class:`gradcomp.lab.study.torch_powersgd.TorchPowerSGD`, sync mode) instead of
             gradcomp's.
+        entry: the catalog name it builds, where it differs from ``name``.
+        momentum_free: the optimizer runs without momentum at the learning rate
+            ``lr / (1 - momentum)`` (the momentum run's long-run step): EF-SignSGD's own
+            algorithm (Karimireddy et al. 2019), since momentum on top of the sign code's
+            error feedback loses accuracy (docs/results/codecs.md#why-sign-ef-loses-on-text-gpt).
+        server_ef: the row runs ``two_phase`` whatever ``--algorithm`` says, its owners
+            compressing the average with a residual of their own (server error feedback,
+            DoubleSqueeze, Tang et al. 2019): every compression of the exchange has error feedback.
     """
 
     name: str
@@ -76,6 +84,9 @@ class CompressorChoice:
     native: bool = False
     low_rank: int = 0
     torch_hook: bool = False
+    entry: str | None = None
+    momentum_free: bool = False
+    server_ef: bool = False
 
     def build(self, threshold: float | None = None, link: tuple[float, float] | None = None,
               start_iter: int = 0) -> "Compressor | Adaptive | TorchPowerSGD":
@@ -105,14 +116,20 @@ class CompressorChoice:
             from gradcomp.powersgd import PowerSGD  # imports torch: loaded on use (see the module docstring)
 
             return PowerSGD(rank=self.low_rank, start_iter=start_iter)
-        entry = catalog.entry("none" if self.native else self.name)
+        entry = catalog.entry("none" if self.native else self.entry or self.name)
         if entry.kind == "threshold" and threshold is None:
             raise ValueError(f"{self.name} needs a threshold")
         return entry.build(threshold=threshold if entry.kind == "threshold" else None)
 
     @property
     def sparse(self) -> bool:
-        return self.name in catalog.ENTRIES and catalog.ENTRIES[self.name].sparse
+        name = self.entry or self.name
+        return name in catalog.ENTRIES and catalog.ENTRIES[name].sparse
+
+    def optimizer(self, lr: float, momentum: float) -> tuple[float, float]:
+        """The SGD ``(lr, momentum)`` of this row's runs given the study's: unchanged, or for a
+        ``momentum_free`` row ``(lr / (1 - momentum), 0)``."""
+        return (lr / (1.0 - momentum), 0.0) if self.momentum_free else (lr, momentum)
 
 
 def _catalog_row(name: str) -> CompressorChoice:
@@ -131,6 +148,10 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
     # the study's own rows: a policy over catalog codecs, and the backend's uncompressed collective
     CompressorChoice("auto", "auto", True, modes=("sync", "auto")),
     CompressorChoice("native", "all_reduce f32", False, modes=("sync",), native=True),
+    # sign + EF under plain SGD at the momentum run's long-run step (EF-SignSGD's algorithm), with
+    # error feedback on both sides of two-phase (the ring re-compresses partial sums without one)
+    CompressorChoice("sign-ef-sgd", "sign+ef2 sgd", True, modes=("sync",), entry="sign-ef", momentum_free=True,
+                     server_ef=True),
     # PowerSGD rank 4 (FP16 factors, error feedback per parameter): the DDP hook and local SGD
     CompressorChoice("powersgd4", "powersgd r4", True, modes=("sync", "local"), low_rank=4),
     # PyTorch's own powerSGD_hook at rank 4 with its defaults, beside it (the DDP hook only)
@@ -249,6 +270,8 @@ class TrainConfig:
 
     def algorithm_for(self, choice: CompressorChoice) -> str:
         """The allreduce algorithm of ``choice``'s sync and local runs (see the attributes)."""
+        if choice.server_ef:
+            return "two_phase"  # the one algorithm whose owners keep a residual
         if choice.sparse:
             return self.sparse_algorithm if choice.name in _TOPK_ROWS else "allgather"
         if choice.name == "auto" and self.algorithm not in _POLICY_ALGORITHMS:

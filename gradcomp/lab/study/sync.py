@@ -76,6 +76,7 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         compressor=codec,
         error_feedback=choice.error_feedback,
         algorithm=cfg.algorithm_for(choice),
+        server_error_feedback=choice.server_ef,
         min_compress_numel=sys.maxsize if choice.native else 0,  # native: every bucket a plain allreduce
         start_iter=0,
         meter=meter,
@@ -84,7 +85,8 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
     )
     if state is not None:
         ddp.register_comm_hook(state, compressed_allreduce_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=cfg.lr, momentum=optimizer_momentum(choice.dgc, cfg))
+    lr, momentum = choice.optimizer(cfg.lr, optimizer_momentum(choice.dgc, cfg))
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
     log = RankLog(rank)
     delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed, cfg.straggler_from_s)
     # the first layer's weight gets its gradient last: a slow worker's gradients come late
