@@ -18,7 +18,7 @@ from gradcomp.lab.study.config import COMPRESSORS
 from gradcomp.lab.study.output import json_ready
 from gradcomp.lab.study.study import RunResult, StudyResult
 
-__all__ = ["write_decisions_plot", "title", "link_line", "write_json", "write_csv", "write_plot", "write_time_plot",
+__all__ = ["write_decisions_plot", "title", "link_line", "write_json", "model_record", "write_csv", "write_plot", "write_time_plot",
            "write_all", "json_ready", "run_record", "granularity_pp"]
 
 #: Columns of the CSV: (CSV field, meaning).
