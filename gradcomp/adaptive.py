@@ -403,6 +403,9 @@ class Adaptive(CodecPolicy):
             own ``error_feedback``).
         clock: zero-argument callable returning seconds (default ``time.perf_counter``).
         timing: optional ``Timing -> Timing`` hook applied to every measurement.
+        objective: ``"step"`` (the rule above) or ``"exchange"``: the candidates of the least
+            convergence factor ranked by their exchange seconds alone, for a caller that sets how
+            often the exchange runs (``gradcomp.LocalSGD`` with an adaptive period; docs/local-sgd.md).
 
     Attributes:
         candidates: the compressors; names: their names (``repr`` for instances).
@@ -438,6 +441,7 @@ class Adaptive(CodecPolicy):
         error_feedback: bool = True,
         clock: Callable[[], float] | None = None,
         timing: Callable[[Timing], Timing] | None = None,
+        objective: str = "step",
     ):
         self.candidates, self.names = _candidates(candidates)
         self.convergence = _convergence(convergence, self.names)
@@ -458,9 +462,8 @@ class Adaptive(CodecPolicy):
         if timing is not None and not callable(timing):
             raise TypeError(f"timing must be a callable Timing -> Timing or None, got {type(timing).__name__}")
         self.clock = clock if clock is not None else time.perf_counter
-        self.timing = timing
-        self.switches: list[dict] = []
-        self.decisions = 0
+        self.timing, self.objective = timing, v.choice("objective", objective, ("step", "exchange"))
+        self.switches, self.decisions = [], 0  # every switch made; decisions taken so far
         self.residuals: dict[Hashable, torch.Tensor] = {}
         # bucket -> (residual, its version counter) after the native codec delivered and zeroed it
         self._cleared: dict[Hashable, tuple[torch.Tensor, int]] = {}
@@ -697,13 +700,16 @@ class Adaptive(CodecPolicy):
             if not t.hysteresis(new, number, self.patience):
                 continue
             rho = comm / compute if compute > 0 else math.inf
-            self._switch(t, new, step, preds, meter, kernel, rho=rho, comm_s=comm, compute_s=compute,
-                         exposed_s=exposed, wait_s=wait, latency_s=alpha, s_per_byte=beta)
+            self._switch(t, new, step, preds, meter, kernel, rho=rho, comm_s=comm, compute_s=compute, exposed_s=exposed,
+                         wait_s=wait, latency_s=alpha, s_per_byte=beta, objective=self.objective)
 
     def _choose(self, t: _Track, comm: float, compute: float, wait: float, seen: dict[int, float],
                 kernel: list[float]):
-        """:func:`choose` for ``t``'s agreed window with these kernel costs."""
-        return choose(t.level, comm, compute, kernel, t.nbytes, seen, [self.convergence[i] for i in t.ladder],
+        """:func:`choose` for ``t``'s agreed window with these kernel costs (and the objective)."""
+        conv = [self.convergence[i] for i in t.ladder]
+        if self.objective == "exchange":  # step = the exchange; a slower-converging candidate is left out
+            compute, wait, conv = 0.0, 0.0, [1.0 if c == min(conv) else MAX_CONVERGENCE ** 2 for c in conv]
+        return choose(t.level, comm, compute, kernel, t.nbytes, seen, conv,
                       upper=self.upper, lower=self.lower, lighter_allowed=t.hold == 0,
                       sparse=[self.candidates[i].sparse for i in t.ladder], native=self._natives(t),
                       link=self.link, messages=t.messages, wait_s=wait, after_start=t.from_start)

@@ -90,9 +90,9 @@ OUTER_MOMENTUM = 0.9
 #: names ``outer_optimizer`` accepts besides None and a factory
 OUTER_OPTIMIZERS = ("avg", "nesterov")
 #: the :class:`~gradcomp.Adaptive` of ``compressor="auto"``: it decides every other exchange
-#: (one per round; a new codec is measured once before the next decision), and the exchange
-#: (``overlap=0``) hides behind none of the round's compute, so it is ranked by round time
-#: (compute + exchange) x convergence factor (``upper`` near 0)
+#: (one per round; a new codec is measured once before the next decision); the exchange
+#: (``overlap=0``) hides behind none of the round's compute (``upper`` near 0): ranked by round
+#: time x convergence factor, or by the exchange alone below an adaptive period's upper bound
 ADAPTIVE = {"interval": 2, "probe": 1, "upper": 1e-3, "lower": 5e-4}
 
 
@@ -146,8 +146,7 @@ def _codec(compressor, algorithm) -> tuple[Compressor | Adaptive | PowerSGD, str
     if isinstance(algorithm, AutoAlgorithm):  # a configured chooser of algorithm "auto"
         check_algorithm("auto", compressor, auto=True)
         return compressor, algorithm
-    if algorithm is None:
-        algorithm = "allgather" if compressor.sparse else "ring"
+    algorithm = ("allgather" if compressor.sparse else "ring") if algorithm is None else algorithm
     check_algorithm(algorithm, compressor, auto=True)
     return compressor, algorithm
 
@@ -174,7 +173,8 @@ class LocalSGD:
         compressor: a gradcomp compressor (default :class:`~gradcomp.Int8Quantizer`),
             not wrapped in ErrorFeedback (residuals are kept here); ``"auto"`` or a
             :class:`~gradcomp.Adaptive`: the codec chosen online, per fragment
-            (``"auto"``: with :data:`ADAPTIVE`; its state is not checkpointed).
+            (``"auto"``: with :data:`ADAPTIVE`; its state is not checkpointed); with an adaptive
+            period below its upper bound, its ``objective`` is ``"exchange"`` (docs/local-sgd.md).
         outer_optimizer: None or ``"avg"`` (averaging: local SGD),
             ``"nesterov"`` (DiLoCo: SGD, lr :data:`OUTER_LR`, Nesterov momentum
             :data:`OUTER_MOMENTUM`), or a callable taking the list of anchor
@@ -399,6 +399,8 @@ class LocalSGD:
                 self.sync_every = self.period.decide(self.steps, self.steps - self._round_start, self.sync_every,
                                                      self._group, self.timeout, self._frags[0].anchor.device,
                                                      self.meter, self.codec)
+                if isinstance(self.compressor, Adaptive):  # below its bound, the period holds the share
+                    self.compressor.objective = "step" if self.sync_every >= self.period.max_sync_every else "exchange"
                 self._round_start = self.steps
         if self.meter is not None:
             self.meter.step()
@@ -481,10 +483,8 @@ class LocalSGD:
             frag.anchor.sub_(mean_delta)
         else:
             mine = {id(t) for t in frag.views}
-            off = 0
-            for t in frag.views:
-                t.grad = mean_delta[off:off + t.numel()].view(t.shape)
-                off += t.numel()
+            for t, g in zip(frag.views, mean_delta.split([t.numel() for t in frag.views])):
+                t.grad = g.view(t.shape)
             for group in self.outer_optimizer.param_groups:  # other fragments' anchors stay put
                 for t in group["params"]:
                     if id(t) not in mine:
@@ -535,10 +535,9 @@ class LocalSGD:
                 raise ValueError(f"state was saved with {name}={state.get(name)!r}, this LocalSGD has "
                                  f"{name}={getattr(self, name)!r}")
         if (state.get("outer_optimizer") is None) != (self.outer_optimizer is None):
-            raise ValueError("state was saved with " + ("averaging" if state.get("outer_optimizer") is None
-                                                        else "an outer optimizer")
-                             + ", this LocalSGD uses " + ("averaging" if self.outer_optimizer is None
-                                                          else "an outer optimizer"))
+            kind = ("averaging", "an outer optimizer")
+            raise ValueError(f"state was saved with {kind[state.get('outer_optimizer') is not None]}, "
+                             f"this LocalSGD uses {kind[self.outer_optimizer is not None]}")
         anchors, residuals = state.get("anchors"), state.get("residuals")
         if not isinstance(anchors, list) or not isinstance(residuals, list) \
                 or len(anchors) != self.fragments or len(residuals) != self.fragments:

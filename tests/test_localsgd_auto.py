@@ -146,6 +146,14 @@ def _scenarios(rank, world):
     # then the codec moves off float32
     out["pair"] = _run(rank, gc.SyncPeriod(1, 4, timing=_script(rank, [(0.1, 0.001)])), 2 + 4 * 6,
                        compressor=gc.Adaptive(("none", "int8"), timing=_link, **gc.localsgd.ADAPTIVE))
+    # below the period's bound the codec is ranked by its exchange alone: the same period (9 x
+    # 0.002 / 0.001 = 18) with the bound above it or at it, and the codec's timings of
+    # :func:`_busy_link`
+    for name, bound in (("pair_exchange", 64), ("pair_bound", 18)):
+        codec = gc.Adaptive(("none", "int8", "topk-int8"), timing=_busy_link, **gc.localsgd.ADAPTIVE)
+        out[name] = _run(rank, gc.SyncPeriod(1, bound, timing=_script(rank, [(0.002, 0.001)])), 2 + 18 * 5,
+                         compressor=codec)
+        out[name]["objectives"] = [e["objective"] for e in codec.switches]
     return out
 
 
@@ -220,6 +228,14 @@ def _resume(rank):
 def _link(t):
     """The adaptive codec's timing hook: an exchange takes its wire bytes at 1 kB/s."""
     return dataclasses.replace(t, comm_s=t.wire_bytes / 1e3)
+
+
+def _busy_link(t):
+    """The adaptive codec's timing hook: an exchange takes its wire bytes at 100 kB/s (float32's
+    2,256 bytes: 22.6 ms), against a round's compute of 0.2 s."""
+    if t.kind != "comm":
+        return t
+    return dataclasses.replace(t, comm_s=t.wire_bytes / 1e5, compute_s=None if t.compute_s is None else 0.2)
 
 
 @pytest.fixture(scope="module")
@@ -350,6 +366,19 @@ def test_the_codec_and_the_period_together(runs):
         got = r["pair"]
         assert got["codecs"] == ["none"]  # the period moved while the exchange ran float32
         assert got["codec_moves"] == [("none", "int8")] and got["codec"] == "int8", got
+
+
+def test_below_its_bound_the_period_takes_the_lighter_exchange(runs):
+    # by round time float32 is within NEAR (10%) of int8 (0.2 + 0.0226 against 0.2 + 0.0064 s
+    # and int8's kernels) and stays; by the exchange alone int8 is about 3.5x faster, which the
+    # period turns into a shorter round at the same share; top-k + int8 (the fewest bytes, but a
+    # convergence factor of 1.47: more steps) is left out below the bound
+    for r in runs:
+        below, bound = r["pair_exchange"], r["pair_bound"]
+        for got in (below, bound):
+            assert got["periods"][1:] == [18] * 6 and all(got["identical"]), got
+        assert below["codec_moves"] == [("none", "int8")] and below["objectives"] == ["exchange"], below
+        assert bound["codec_moves"] == [] and bound["codec"] == "none", bound
 
 
 @pytest.mark.parametrize("current, comm, compute, ratio, lo, hi, expected", [
