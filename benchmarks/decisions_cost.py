@@ -9,7 +9,7 @@ they share the host's load as closely as this allows. Per seed it prints both ti
 target accuracy (training clock) and their ratio auto / fixed; over the seeds the mean ratio
 with its 95% Student-t interval, and ``met`` / ``MISSED`` against the target: auto within 5% of
 its final choice (mean ratio <= 1.05). With ``--against H:ROW`` the fixed run is that local row
-instead (auto against a chosen fixed row, paired by seed).
+instead (auto against a chosen fixed row, paired by seed; the target: within 10%, ratio <= 1.10).
 
 Every option of ``gradcomp train`` that sets the workload, the link and the schedule passes
 through (``--mode`` and ``--compressors`` excepted); ``--target-acc`` is required (the auto
@@ -34,6 +34,8 @@ from gradcomp.lab.study.study import run_study
 
 #: the largest mean ratio auto / fixed that meets the target
 TARGET = 1.05
+#: the steady scenarios' target against the best fixed row (auto within 10%)
+AGAINST = 1.10
 
 
 def fixed_row(codec: str) -> str:
@@ -92,9 +94,10 @@ def main(argv=None) -> int:
     ratios = [r["ratio"] for r in records if r["ratio"] is not None]
     if ratios:
         mean = statistics.fmean(ratios)
-        print(f"auto / fixed final choice: {mean:.3f} +- {_interval(ratios):.3f} (95%, {len(ratios)} of "
-              f"{len(records)} seeds reached the target in both) -> {'met' if mean <= TARGET else 'MISSED'} "
-              f"(target <= {TARGET})")
+        what, target = ("final choice", TARGET) if ours.against is None else (f"row local {ours.against}", AGAINST)
+        print(f"auto / fixed {what}: {mean:.3f} +- {_interval(ratios):.3f} (95%, {len(ratios)} of "
+              f"{len(records)} seeds reached the target in both) -> {'met' if mean <= target else 'MISSED'} "
+              f"(target <= {target})")
     else:
         print("no seed reached the target in both runs")
     if ours.json:
