@@ -395,13 +395,14 @@ class LocalSGD:
         f = self.fragment_due(self.steps)
         if f is not None:
             self._start(f, self.overlap)
-            if self.period is not None:  # fragments=1: every round ends with its exchange
+            coupled = self.period is not None and isinstance(self.compressor, Adaptive)  # fragments=1 then
+            if self.period is not None and (not coupled or self.compressor.decisions):  # the codec decides first
                 self.sync_every = self.period.decide(self.steps, self.steps - self._round_start, self.sync_every,
                                                      self._group, self.timeout, self._frags[0].anchor.device,
                                                      self.meter, self.codec)
-                if isinstance(self.compressor, Adaptive):  # below its bound, the period holds the share
-                    self.compressor.objective = "step" if self.sync_every >= self.period.max_sync_every else "exchange"
                 self._round_start = self.steps
+            if coupled:  # below its bound, the period holds the exchange's share
+                self.compressor.objective = "step" if self.sync_every >= self.period.max_sync_every else "exchange"
         if self.meter is not None:
             self.meter.step()
 

@@ -142,16 +142,16 @@ def _scenarios(rank, world):
     # measured timings (no hook): whatever they are, the ranks agree and the bounds hold
     out["measured"] = _run(rank, "auto", 24)
     # the codec and the period together: a link of 1 kB/s for the codec, and
-    # for the period an exchange of 0.1 s per 1 ms step: the period reaches its bound at once,
-    # then the codec moves off float32
-    out["pair"] = _run(rank, gc.SyncPeriod(1, 4, timing=_script(rank, [(0.1, 0.001)])), 2 + 4 * 6,
+    # for the period an exchange of 0.1 s per 1 ms step: the codec moves off float32 first, then
+    # the period reaches its bound
+    out["pair"] = _run(rank, gc.SyncPeriod(1, 4, timing=_script(rank, [(0.1, 0.001)])), 4 + 4 * 5,
                        compressor=gc.Adaptive(("none", "int8"), timing=_link, **gc.localsgd.ADAPTIVE))
-    # below the period's bound the codec is ranked by its exchange alone: the same period (9 x
-    # 0.002 / 0.001 = 18) with the bound above it or at it, and the codec's timings of
-    # :func:`_busy_link`
-    for name, bound in (("pair_exchange", 64), ("pair_bound", 18)):
+    # below the period's bound the codec is ranked by its exchange alone: a period of 9 x 0.002 /
+    # 0.001 = 18 reached from 1 (below the bound), or bounded to 18 from the start, and the codec's
+    # timings of :func:`_busy_link`
+    for name, lo, hi, steps in (("pair_exchange", 1, 64, 4 + 18 * 5), ("pair_bound", 18, 18, 18 * 5)):
         codec = gc.Adaptive(("none", "int8", "topk-int8"), timing=_busy_link, **gc.localsgd.ADAPTIVE)
-        out[name] = _run(rank, gc.SyncPeriod(1, bound, timing=_script(rank, [(0.002, 0.001)])), 2 + 18 * 5,
+        out[name] = _run(rank, gc.SyncPeriod(lo, hi, timing=_script(rank, [(0.002, 0.001)])), steps,
                          compressor=codec)
         out[name]["objectives"] = [e["objective"] for e in codec.switches]
     return out
@@ -358,13 +358,13 @@ def test_measured_timings_keep_the_ranks_identical_within_the_bounds(runs):
 
 
 def test_the_codec_and_the_period_together(runs):
-    # the period first: at step 2 (after the warm-up round), 9 x 0.1 / 0.001 = 900, bounded to 4; the codec then sees an
-    # exchange of float32 (2256 bytes: 2.3 s at 1 kB/s) against the round's measured compute and
-    # moves to int8 (about 3.5x fewer bytes)
-    _check(runs, "pair", 1, [1] + [2 + 4 * k for k in range(7)], [1] + [4] * 7, ["comm_share_high"])
+    # the codec first: at the third exchange (its first decision) it sees float32's exchange
+    # (2256 bytes: 2.3 s at 1 kB/s) and moves to int8 (about 3.5x fewer bytes); the period waits
+    # for it: its warm-up round ends at step 3, and at step 4 9 x 0.1 / 0.001 = 900, bounded to 4
+    _check(runs, "pair", 1, [1, 2, 3] + [4 + 4 * k for k in range(6)], [1, 1, 1] + [4] * 6, ["comm_share_high"])
     for r in runs:
         got = r["pair"]
-        assert got["codecs"] == ["none"]  # the period moved while the exchange ran float32
+        assert got["codecs"] == ["int8"]  # the period moved on int8's exchange
         assert got["codec_moves"] == [("none", "int8")] and got["codec"] == "int8", got
 
 
@@ -375,10 +375,11 @@ def test_below_its_bound_the_period_takes_the_lighter_exchange(runs):
     # convergence factor of 1.47: more steps) is left out below the bound
     for r in runs:
         below, bound = r["pair_exchange"], r["pair_bound"]
-        for got in (below, bound):
-            assert got["periods"][1:] == [18] * 6 and all(got["identical"]), got
+        assert below["syncs"] == [1, 2, 3] + [4 + 18 * k for k in range(6)], below
+        assert below["periods"] == [1, 1, 1] + [18] * 6 and all(below["identical"]), below
         assert below["codec_moves"] == [("none", "int8")] and below["objectives"] == ["exchange"], below
-        assert bound["codec_moves"] == [] and bound["codec"] == "none", bound
+        assert bound["syncs"] == [18 * k for k in range(1, 6)] and bound["periods"] == [18] * 5, bound
+        assert bound["codec_moves"] == [] and bound["codec"] == "none" and all(bound["identical"]), bound
 
 
 @pytest.mark.parametrize("current, comm, compute, ratio, lo, hi, expected", [
