@@ -41,19 +41,26 @@ def test_auto_options_need_the_auto_mode():
         assert command.main(["--mode", "auto", "--min-sync-every", "9", "--max-sync-every", "8",
                              "--no-progress"]) == 2
     assert "max_sync_every" in err.getvalue()
+    with contextlib.redirect_stderr(err):
+        assert command.main(["--mode", "sync", "--comm-share", "0.2", "--no-progress"]) == 2
+    assert "--comm-share only apply to --mode auto" in err.getvalue()
+    with contextlib.redirect_stderr(err):
+        assert command.main(["--mode", "auto", "--comm-share", "1.5", "--no-progress"]) == 2
+    assert "comm_share must be in (0, 1)" in err.getvalue()
 
 
 @pytest.mark.slow
 def test_auto_beside_the_fixed_rows(tmp_path):
     out = tmp_path / "study"
     argv = ["--mode", "sync,auto", "--workers", "2", "--compressors", "int8", "--steps", "40",
-            "--eval-every", "10", "--max-sync-every", "8", "--out", str(out), "--no-progress"]
+            "--eval-every", "10", "--max-sync-every", "8", "--comm-share", "0.3", "--out", str(out), "--no-progress"]
     with contextlib.redirect_stdout(io.StringIO()):
         assert command.main(argv) == 0
     doc = json.loads((out / "results.json").read_text())
     rows = [(r["mode"], r["compressor"]) for r in doc["runs"]]
     assert rows == [("sync", "none"), ("sync", "int8"), ("auto", "auto")]
     sync_none, auto = doc["runs"][0], doc["runs"][2]
+    assert doc["config"]["comm_share"] == 0.3
     assert auto["accuracy_gap_pp"] == pytest.approx(100 * (sync_none["test_accuracy"] - auto["test_accuracy"]))
     decisions = auto["extra"]["decisions"]
     assert decisions[0]["step"] == 1 and all(1 <= d["sync_every"] <= 8 for d in decisions)

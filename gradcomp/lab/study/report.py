@@ -89,7 +89,8 @@ def title(study: StudyResult) -> str:
         streaming = f", {c.fragments} fragments, overlap {c.overlap}" if c.fragments > 1 or c.overlap else ""
         algorithm += f", local: sync every {c.sync_every} steps, outer {c.outer}{streaming}"
     if "auto" in modes:
-        algorithm += f", auto: period chosen in {c.min_sync_every}..{c.max_sync_every} steps, outer {c.outer}"
+        share = "" if c.comm_share is None else f" at an exchange share of {c.comm_share:g}"
+        algorithm += f", auto: period chosen in {c.min_sync_every}..{c.max_sync_every} steps{share}, outer {c.outer}"
     what = (f"digits ({study.train_samples} train / {study.test_samples} test), "
             f"MLP {'-'.join(map(str, (64, *c.hidden, 10)))} ({study.num_parameters:,} params)")
     if c.workload != "digits-mlp":
