@@ -94,6 +94,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "auto rows on a scenario of that link start on the codec the profile predicts "
                         "fastest (gc.Adaptive(link=)); every scenario needs one (default: none, auto "
                         "starts on the lightest codec)")
+    p.add_argument("--label-skew", type=float, default=None, metavar="ALPHA",
+                   help="data that differ between workers (sync, local and auto modes): each worker's "
+                        "shard takes every class in proportions drawn from Dirichlet(ALPHA), e.g. 0.1 "
+                        "(few classes per worker) to 100 (nearly i.i.d.); default: i.i.d. batches")
     p.add_argument("--seed", type=A.seed_type, default=d.seed,
                    help="seed of the model, the data split and the data order (default 0)")
     p.add_argument("--algorithm", choices=ALGORITHMS, default=d.algorithm,
@@ -243,6 +247,9 @@ def _check_row_options(args: argparse.Namespace) -> None:
     if args.auto_profile is not None and ("auto" not in args.compressors or "sync" not in args.mode):
         raise ValueError(f"--auto-profile only applies to the auto row (--compressors auto, --mode sync), "
                          f"got --compressors {','.join(args.compressors)} --mode {','.join(args.mode)}")
+    other = [m for m in args.mode if m not in ("sync", "local", "auto")]
+    if args.label_skew is not None and other:
+        raise ValueError(f"--label-skew only applies to --mode sync, local and auto, got --mode {','.join(args.mode)}")
     if args.backup_workers is not None and "sync" not in args.mode:
         raise ValueError(f"--backup-workers only applies to --mode sync, got --mode {','.join(args.mode)}")
     if args.algorithm == "hierarchical" and "auto" in args.compressors:
@@ -296,7 +303,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
                        threshold=args.threshold, timeout=args.timeout,
                        straggler=args.straggler[:2] if args.straggler else None,
                        straggler_from_s=args.straggler[2] if args.straggler else 0.0,
-                       compute_jitter=args.compute_jitter,
+                       compute_jitter=args.compute_jitter, label_skew=args.label_skew,
                        backup_workers=args.backup_workers,
                        **({} if getattr(args, "ft_timeout", None) is None else {"ft_timeout": args.ft_timeout}),
                        **local)

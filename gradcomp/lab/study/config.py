@@ -223,6 +223,8 @@ class TrainConfig:
         ft_timeout: the ft mode's quorum join timeout in seconds (torchft's
             lighthouse ``join_timeout_ms``): a worker that asks to join a step's
             quorum later than this after the first is left out of it, in (0, 60].
+        label_skew: None (i.i.d. batches) or the Dirichlet concentration of the workers'
+            class proportions (:func:`gradcomp.lab.study.data.skewed_shard`; > 0).
         compute_jitter: coefficient of variation of every worker's per-step
             compute stretch (lognormal, seeded; 0: none).
         sync_every, outer, fragments, overlap: the local mode's schedule
@@ -257,6 +259,7 @@ class TrainConfig:
     straggler: tuple[int, float] | None = None
     straggler_from_s: float = 0.0
     compute_jitter: float = 0.0
+    label_skew: float | None = None
     backup_workers: int | None = None
     ft_timeout: float = 0.05
     sync_every: int = 32
@@ -339,6 +342,9 @@ class TrainConfig:
         if (isinstance(self.ft_timeout, bool) or not isinstance(self.ft_timeout, (int, float))
                 or not 0 < self.ft_timeout <= 60):
             raise ValueError(f"ft_timeout must be a number of seconds in (0, 60], got {self.ft_timeout!r}")
+        if self.label_skew is not None and not (isinstance(self.label_skew, (int, float))
+                                                and 0 < self.label_skew < float("inf")):
+            raise ValueError(f"label_skew must be a Dirichlet concentration > 0 or None, got {self.label_skew!r}")
         if not 0 <= self.compute_jitter <= 10:
             raise ValueError(f"compute_jitter must be a CV in [0, 10], got {self.compute_jitter!r}")
         check_schedule(self.sync_every, self.fragments, self.overlap)

@@ -9,7 +9,11 @@ Every run of a study sees the same data order: at epoch ``e`` the training
 set is permuted by a generator seeded with ``(seed, e)``, cut into global
 batches of ``workers * batch_size`` samples (the incomplete tail is dropped),
 and worker ``r`` takes the ``r``-th slice of ``batch_size`` samples of each
-global batch.
+global batch. With ``label_skew`` (sync, local and auto modes) the data differ between
+workers instead: :func:`skewed_shard` gives each worker its own shard, with class
+proportions drawn from a Dirichlet distribution (Hsu et al. 2019, "Measuring the Effects of
+Non-Identical Data Distribution for Federated Visual Classification"), and each worker reads
+its shard in its own seeded order.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["Digits", "load_digits_split", "worker_batches", "steps_per_epoch"]
+__all__ = ["Digits", "load_digits_split", "worker_batches", "skewed_shard", "steps_per_epoch"]
 
 
 @dataclass
@@ -73,14 +77,45 @@ def steps_per_epoch(num_samples: int, workers: int, batch_size: int) -> int:
     return num_samples // (workers * batch_size)
 
 
-def worker_batches(num_samples: int, workers: int, rank: int, batch_size: int, seed: int,
-                   steps: int) -> Iterator[torch.Tensor]:
-    """Yield the sample indices (int64, ``(batch_size,)``) of ``rank``'s batch at
-    each of ``steps`` steps; see the module docstring for the order.
+def skewed_shard(labels: torch.Tensor, workers: int, rank: int, alpha: float, seed: int) -> torch.Tensor:
+    """The sample indices (int64, sorted) of ``rank``'s shard when every class's samples are
+    split between the ``workers`` in proportions drawn from ``Dirichlet(alpha, ..., alpha)``
+    (one draw per class, seeded by ``seed``: the same partition on every rank). Small
+    ``alpha`` (e.g. 0.1) gives each worker few classes; large (e.g. 100) nearly i.i.d. shards.
 
     Raises:
-        ValueError: one global batch needs more samples than the training set has.
+        ValueError: ``alpha`` is not a finite number > 0.
     """
+    if not (isinstance(alpha, (int, float)) and 0 < alpha < float("inf")):
+        raise ValueError(f"label_skew must be a Dirichlet concentration > 0, got {alpha!r}")
+    mine = []
+    with torch.random.fork_rng(devices=[]):  # the caller's global generator is left as it was
+        torch.manual_seed(seed * 1_000_003 + 7)
+        dirichlet = torch.distributions.Dirichlet(torch.full((workers,), float(alpha), dtype=torch.float64))
+        for c in torch.unique(labels).tolist():
+            idx = torch.nonzero(labels == c).flatten()
+            idx = idx[torch.randperm(len(idx))]
+            cuts = torch.round(torch.cumsum(dirichlet.sample(), 0) * len(idx)).to(torch.int64).tolist()
+            mine.append(idx[(cuts[rank - 1] if rank else 0):cuts[rank]])
+    return torch.sort(torch.cat(mine)).values
+
+
+def worker_batches(num_samples: int, workers: int, rank: int, batch_size: int, seed: int,
+                   steps: int, *, labels: torch.Tensor | None = None,
+                   label_skew: float | None = None) -> Iterator[torch.Tensor]:
+    """Yield the sample indices (int64, ``(batch_size,)``) of ``rank``'s batch at
+    each of ``steps`` steps; see the module docstring for the order. With
+    ``label_skew`` (and ``labels``, int64 ``(num_samples,)``): batches of ``rank``'s
+    :func:`skewed_shard`, permuted per epoch by a generator seeded with ``(seed, rank, epoch)``.
+
+    Raises:
+        ValueError: one global batch needs more samples than the training set has, or
+            (skewed) ``rank``'s shard holds fewer than ``batch_size`` samples.
+    """
+    if label_skew is not None:
+        yield from _shard_batches(skewed_shard(labels, workers, rank, label_skew, seed), rank, batch_size,
+                                  seed, steps)
+        return
     per_epoch = steps_per_epoch(num_samples, workers, batch_size)
     if per_epoch < 1:
         raise ValueError(f"a global batch of {workers} workers x {batch_size} samples exceeds "
@@ -95,5 +130,22 @@ def worker_batches(num_samples: int, workers: int, rank: int, batch_size: int, s
                 return
             start = (b * workers + rank) * batch_size
             yield perm[start:start + batch_size]
+            step += 1
+        epoch += 1
+
+
+def _shard_batches(shard: torch.Tensor, rank: int, batch_size: int, seed: int, steps: int) -> Iterator[torch.Tensor]:
+    if len(shard) < batch_size:
+        raise ValueError(f"worker {rank}'s shard holds {len(shard)} samples, fewer than a batch of {batch_size}: "
+                         "raise label_skew (less skew) or lower the batch size")
+    g = torch.Generator()
+    step, epoch = 0, 0
+    while True:
+        g.manual_seed((seed * 1_000_003 + epoch) * 1_009 + rank)
+        perm = shard[torch.randperm(len(shard), generator=g)]
+        for b in range(len(shard) // batch_size):
+            if step >= steps:
+                return
+            yield perm[b * batch_size:(b + 1) * batch_size]
             step += 1
         epoch += 1

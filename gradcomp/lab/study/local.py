@@ -92,7 +92,8 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     decisions: list[dict] = []
     delay = ComputeDelay(rank, cfg.straggler, cfg.compute_jitter, cfg.seed, cfg.straggler_from_s)
     start_together(log, rank, delay, link_clock)
-    batches = worker_batches(len(data.y_train), cfg.workers, rank, cfg.batch_size, cfg.seed, cfg.steps)
+    batches = worker_batches(len(data.y_train), cfg.workers, rank, cfg.batch_size, cfg.seed, cfg.steps,
+                             labels=data.y_train, label_skew=cfg.label_skew)
     for step, idx in enumerate(batches, 1):
         t0 = now()
         timeline.begin_step(t0)

@@ -88,6 +88,8 @@ def title(study: StudyResult) -> str:
     if "local" in modes:
         streaming = f", {c.fragments} fragments, overlap {c.overlap}" if c.fragments > 1 or c.overlap else ""
         algorithm += f", local: sync every {c.sync_every} steps, outer {c.outer}{streaming}"
+    if c.label_skew is not None:
+        algorithm += f", data: each worker's classes in Dirichlet({c.label_skew:g}) proportions"
     if "auto" in modes:
         share = "" if c.comm_share is None else f" at an exchange share of {c.comm_share:g}"
         algorithm += f", auto: period chosen in {c.min_sync_every}..{c.max_sync_every} steps{share}, outer {c.outer}"
