@@ -20,7 +20,7 @@ from gradcomp.launch import WorkerError
 from gradcomp.ps import protocol as P
 from gradcomp.lab.study import command
 from gradcomp.lab.study.config import COMPRESSORS, DEFAULT_COMPRESSORS, TrainConfig, parse_compressors
-from gradcomp.lab.study.data import load_digits_split, steps_per_epoch, worker_batches
+from gradcomp.lab.study.data import load_digits_split, skewed_shard, steps_per_epoch, worker_batches
 from gradcomp.lab.study.model import make_model, num_parameters
 from gradcomp.lab.study.study import _launch_local, calibrate_threshold
 from gradcomp.lab.study.torch_powersgd import TorchPowerSGD
@@ -55,6 +55,47 @@ def test_worker_batches_partition_each_global_batch_and_repeat():
     assert steps_per_epoch(n, workers, bs) == 4
     with pytest.raises(ValueError, match="exceeds"):
         next(worker_batches(10, 2, 0, 8, seed=0, steps=1))
+
+
+def test_skewed_shards_partition_the_data_with_dirichlet_class_proportions():
+    y = torch.arange(2000) % 10  # 200 samples per class
+    for alpha in (0.05, 1000.0):
+        shards = [skewed_shard(y, 4, r, alpha, seed=3) for r in range(4)]
+        together = torch.cat(shards)
+        assert together.numel() == 2000 and together.unique().numel() == 2000  # disjoint and complete
+        assert all(torch.equal(s, skewed_shard(y, 4, r, alpha, seed=3)) for r, s in enumerate(shards))
+        # per class, the share each worker holds
+        shares = torch.stack([torch.bincount(y[s], minlength=10) for s in shards]).double() / 200
+        if alpha < 1:  # nearly every class sits on one worker
+            assert shares.max(dim=0).values.mean() > 0.8, shares
+        else:  # nearly even: each worker holds about a quarter of every class
+            assert (shares - 0.25).abs().max() < 0.06, shares
+    assert not torch.equal(skewed_shard(y, 4, 0, 0.5, seed=3), skewed_shard(y, 4, 0, 0.5, seed=4))
+    torch.manual_seed(11)
+    expected = torch.rand(3)
+    torch.manual_seed(11)
+    skewed_shard(y, 4, 1, 0.5, seed=0)
+    assert torch.equal(torch.rand(3), expected)  # the caller's generator is untouched
+    for bad in (0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="label_skew must be a Dirichlet concentration > 0"):
+            skewed_shard(y, 4, 0, bad, seed=0)
+
+
+def test_skewed_worker_batches_read_only_the_workers_shard():
+    y = torch.arange(400) % 10
+    shard = set(skewed_shard(y, 4, 2, 1.0, seed=0).tolist())
+    batches = list(worker_batches(400, 4, 2, 8, seed=0, steps=30, labels=y, label_skew=1.0))
+    assert len(batches) == 30 and all(b.numel() == 8 for b in batches)
+    assert set(torch.cat(batches).tolist()) <= shard
+    per_epoch = len(shard) // 8
+    first = torch.cat(batches[:per_epoch])
+    assert first.unique().numel() == first.numel()  # no repeat inside an epoch
+    with pytest.raises(ValueError, match="fewer than a batch of 500"):
+        next(worker_batches(400, 4, 2, 500, seed=0, steps=1, labels=y, label_skew=1.0))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert command.main(["--mode", "async", "--label-skew", "0.5", "--no-progress"]) == 2
+    assert "--label-skew only applies to --mode sync, local and auto" in err.getvalue()
 
 
 def test_default_model_has_at_least_100k_parameters_and_is_seeded():
