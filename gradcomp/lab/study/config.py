@@ -342,9 +342,10 @@ class TrainConfig:
         if (isinstance(self.ft_timeout, bool) or not isinstance(self.ft_timeout, (int, float))
                 or not 0 < self.ft_timeout <= 60):
             raise ValueError(f"ft_timeout must be a number of seconds in (0, 60], got {self.ft_timeout!r}")
-        if self.label_skew is not None and not (isinstance(self.label_skew, (int, float))
-                                                and 0 < self.label_skew < float("inf")):
-            raise ValueError(f"label_skew must be a Dirichlet concentration > 0 or None, got {self.label_skew!r}")
+        if self.label_skew is not None:
+            from gradcomp.lab.study.data import check_label_skew
+
+            check_label_skew(self.label_skew)
         if not 0 <= self.compute_jitter <= 10:
             raise ValueError(f"compute_jitter must be a CV in [0, 10], got {self.compute_jitter!r}")
         check_schedule(self.sync_every, self.fragments, self.overlap)

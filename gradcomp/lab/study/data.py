@@ -23,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["Digits", "load_digits_split", "worker_batches", "skewed_shard", "steps_per_epoch"]
+__all__ = ["Digits", "load_digits_split", "worker_batches", "skewed_shard", "check_label_skew", "steps_per_epoch"]
 
 
 @dataclass
@@ -77,6 +77,13 @@ def steps_per_epoch(num_samples: int, workers: int, batch_size: int) -> int:
     return num_samples // (workers * batch_size)
 
 
+def check_label_skew(alpha) -> float:
+    """``alpha`` as a float: a finite Dirichlet concentration > 0, else ValueError naming ``label_skew``."""
+    if not (isinstance(alpha, (int, float)) and 0 < alpha < float("inf")):
+        raise ValueError(f"label_skew must be a Dirichlet concentration > 0 (or None: i.i.d.), got {alpha!r}")
+    return float(alpha)
+
+
 def skewed_shard(labels: torch.Tensor, workers: int, rank: int, alpha: float, seed: int) -> torch.Tensor:
     """The sample indices (int64, sorted) of ``rank``'s shard when every class's samples are
     split between the ``workers`` in proportions drawn from ``Dirichlet(alpha, ..., alpha)``
@@ -86,12 +93,11 @@ def skewed_shard(labels: torch.Tensor, workers: int, rank: int, alpha: float, se
     Raises:
         ValueError: ``alpha`` is not a finite number > 0.
     """
-    if not (isinstance(alpha, (int, float)) and 0 < alpha < float("inf")):
-        raise ValueError(f"label_skew must be a Dirichlet concentration > 0, got {alpha!r}")
+    alpha = check_label_skew(alpha)
     mine = []
     with torch.random.fork_rng(devices=[]):  # the caller's global generator is left as it was
         torch.manual_seed(seed * 1_000_003 + 7)
-        dirichlet = torch.distributions.Dirichlet(torch.full((workers,), float(alpha), dtype=torch.float64))
+        dirichlet = torch.distributions.Dirichlet(torch.full((workers,), alpha, dtype=torch.float64))
         for c in torch.unique(labels).tolist():
             idx = torch.nonzero(labels == c).flatten()
             idx = idx[torch.randperm(len(idx))]
@@ -120,32 +126,29 @@ def worker_batches(num_samples: int, workers: int, rank: int, batch_size: int, s
     if per_epoch < 1:
         raise ValueError(f"a global batch of {workers} workers x {batch_size} samples exceeds "
                          f"the {num_samples} training samples")
-    step, epoch = 0, 0
     g = torch.Generator()
-    while step < steps:
-        g.manual_seed(seed * 1_000_003 + epoch)
-        perm = torch.randperm(num_samples, generator=g)
-        for b in range(per_epoch):
-            if step >= steps:
-                return
-            start = (b * workers + rank) * batch_size
-            yield perm[start:start + batch_size]
-            step += 1
-        epoch += 1
+    yield from _epochs(lambda e: torch.randperm(num_samples, generator=g.manual_seed(seed * 1_000_003 + e)),
+                       per_epoch, lambda b: (b * workers + rank) * batch_size, batch_size, steps)
 
 
 def _shard_batches(shard: torch.Tensor, rank: int, batch_size: int, seed: int, steps: int) -> Iterator[torch.Tensor]:
     if len(shard) < batch_size:
         raise ValueError(f"worker {rank}'s shard holds {len(shard)} samples, fewer than a batch of {batch_size}: "
                          "raise label_skew (less skew) or lower the batch size")
-    g = torch.Generator()
+
+    def order(epoch: int) -> torch.Tensor:  # the rank's own seeded order of its shard
+        g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) * 1_009 + rank)
+        return shard[torch.randperm(len(shard), generator=g)]
+    yield from _epochs(order, len(shard) // batch_size, lambda b: b * batch_size, batch_size, steps)
+
+
+def _epochs(order, per_epoch: int, start, batch_size: int, steps: int) -> Iterator[torch.Tensor]:
+    """``steps`` batches: epoch ``e``'s sample order ``order(e)`` cut into ``per_epoch`` batches,
+    batch ``b`` of them beginning at ``start(b)``."""
     step, epoch = 0, 0
-    while True:
-        g.manual_seed((seed * 1_000_003 + epoch) * 1_009 + rank)
-        perm = shard[torch.randperm(len(shard), generator=g)]
-        for b in range(len(shard) // batch_size):
-            if step >= steps:
-                return
-            yield perm[b * batch_size:(b + 1) * batch_size]
-            step += 1
+    while step < steps:
+        perm = order(epoch)
+        for b in range(min(per_epoch, steps - step)):
+            yield perm[start(b):start(b) + batch_size]
+        step += per_epoch
         epoch += 1
