@@ -11,6 +11,8 @@ def data(n, dtype, seed=0, special=True):
         x[41] = 1.25
         x[42] = -1.25  # ties in |x|
         x[50:53] = torch.tensor([1e-41, -3e-39, 2e-45])  # float32 subnormals
+        if n > 160:  # a block of subnormals alone for block_size 32 (1 / absmax overflows)
+            x[96:128] = torch.tensor([1e-41, -3e-39] * 16)
         x[n // 2] = float("nan")
         x[n - 5] = float("inf")
         x[n - 40] = -float("inf")

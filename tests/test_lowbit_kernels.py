@@ -124,7 +124,9 @@ def test_fp8_codes_are_torch_casts_of_the_scaled_block(fmt, dtype, top):
     x = torch.randn(100, generator=g) * torch.exp2(torch.randint(-20, 20, (100,), generator=g).float())
     codes, scales = L.quantize_fp8(x, fmt, 32)
     m = torch.cat([x, x.new_zeros(28)]).view(4, 32).abs().amax(1)
-    want = ((torch.cat([x, x.new_zeros(28)]).view(4, 32) / m[:, None]) * top).to(dtype).view(torch.uint8)
+    # top / m correctly rounded to float32: the float64 quotient rounded once more is (53 >= 2 * 24 + 2)
+    inv = (top / m.double()).float()
+    want = (torch.cat([x, x.new_zeros(28)]).view(4, 32) * inv[:, None]).to(dtype).view(torch.uint8)
     assert torch.equal(codes, want.reshape(-1)[:100])
     assert torch.equal(scales, m / top)
     assert int(codes.view(dtype).float().abs().max()) == int(top)  # each block's absmax maps to the top
@@ -338,3 +340,17 @@ def test_public_functions_trace_under_torch_compile():
     for a, b in zip(got, eager):
         _same(a, b, "compiled")
     _same(compiled_args[1], eager_args[1], "residual")
+
+
+@pytest.mark.parametrize("fmt,top_code", [("e4m3", 0x7E), ("e5m2", 0x7B)])
+def test_fp8_absmax_scaled_past_the_top_still_codes_the_top(fmt, top_code):
+    # m * RN(F / m) rounds one ulp above F for this m (checked below); the code stays F's
+    m = 6.257877826690674
+    f = L.FP8_MAX[fmt]
+    assert (torch.tensor([m]) * (torch.full((1,), f) / torch.tensor([m]))).item() > f
+    x = torch.tensor([m, -m] + [0.5] * 30)
+    want = [top_code, top_code | 0x80]
+    backends = ["reference"] + (["cpu"] if CPU else [])
+    for b in backends:
+        codes, _ = K.quantize_fp8(x, fmt, 32, backend=b)
+        assert codes[:2].tolist() == want, b

@@ -16,6 +16,33 @@ constexpr size_t TILE = 256;
 constexpr uint32_t NAN_BITS = 0x7FC00000u;
 constexpr size_t PAR_MIN = size_t(1) << 16;  // elements below which one thread is faster
 
+// Inputs of at least this many elements (8 MiB of float32, beyond the caches)
+// get their codes written with non-temporal stores: the input streaming through
+// would evict the codes anyway, and a plain store first reads each line it
+// overwrites (read-for-ownership), a fifth more memory traffic for int8 codes.
+constexpr size_t STREAM_CODES_MIN = size_t(1) << 21;
+
+// dst[0, bytes) = src[0, bytes), non-temporal where dst is 16-byte aligned
+// (SSE2, which every x86-64 has; plain stores at the edges and elsewhere).
+// The caller issues stream_fence() before another thread may read dst.
+inline void stream_bytes(uint8_t* __restrict dst, const uint8_t* __restrict src, size_t bytes) {
+    size_t i = 0;
+#if defined(__SSE2__)
+    for (; i < bytes && (reinterpret_cast<uintptr_t>(dst + i) & 15u) != 0; ++i) dst[i] = src[i];
+    for (; i + 16 <= bytes; i += 16)
+        _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i), _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+#endif
+    std::memcpy(dst + i, src + i, bytes - i);
+}
+
+// this thread's non-temporal stores ordered before its later stores (and so
+// visible to the threads that synchronise with it afterwards)
+inline void stream_fence() {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
 // The float32 values p of one tile: float(x) (+ residual for error feedback).
 // Returns x itself for float32 input without residual (no copy).
 template <class E, bool EF>
@@ -90,7 +117,24 @@ inline int32_t floor_clamped(float v) {
 template <int Q, bool STOCH, bool EF>
 inline void int_codes(const float* __restrict p, size_t len, float m, float s, uint32_t first, uint32_t key,
                       int8_t* __restrict c, float* __restrict res) {
-    for (uint32_t i = 0; i < uint32_t(len); ++i) {
+    uint32_t i = 0;
+#if defined(GC_HAS_AVX512)
+    // nearest: 16 lanes per step with the conversion's own round-to-nearest-even
+    // (the same integer as rint for |y| <= Q, whatever MXCSR says) and one
+    // narrowing to bytes; the compiler's loop takes rint, a truncating
+    // conversion and two narrowing steps for the same codes
+    if constexpr (!STOCH) {
+        const __m512 vm = _mm512_set1_ps(m), vq = _mm512_set1_ps(float(Q)), vs = _mm512_set1_ps(s);
+        for (; i + 16 <= uint32_t(len); i += 16) {
+            const __m512 pv = _mm512_loadu_ps(p + i);
+            const __m512i ci =
+                _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_div_ps(pv, vm), vq), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(ci));
+            if constexpr (EF) _mm512_storeu_ps(res + i, _mm512_sub_ps(pv, _mm512_mul_ps(_mm512_cvtepi32_ps(ci), vs)));
+        }
+    }
+#endif
+    for (; i < uint32_t(len); ++i) {
         const float y = (p[i] / m) * float(Q);
         int32_t ci;
         if constexpr (STOCH)

@@ -17,6 +17,7 @@
 #include "kernels.h"
 
 #include <cmath>
+#include <limits>
 
 namespace gradcomp {
 namespace GC_ISA_NS {
@@ -172,42 +173,79 @@ inline float fp8_value(uint32_t c) {
     return bits_f32(v | ((c & 0x80u) << 24));
 }
 
-// fp8 codes of (p / m) * max over one tile
+#if defined(GC_HAS_AVX512)
+// to_fp8 of 16 lanes, each code in its lane's low byte: the same operations,
+// the select by a mask register and the sign merged by one ternary-logic step
+// (the compiler's loop narrows the operands and takes several more shuffles)
+template <Fp8 F>
+inline __m512i to_fp8_x16(__m512 f) {
+    using T = Fp8Traits<F>;
+    const __m512i bits = _mm512_castps_si512(f);
+    const __m512i b = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
+    const __m512i denorm = _mm512_set1_epi32(int32_t(T::DENORM));
+    const __m512i sub = _mm512_sub_epi32(
+        _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(b), _mm512_castsi512_ps(denorm))), denorm);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, T::SHIFT), _mm512_set1_epi32(1));
+    const __m512i bias = _mm512_set1_epi32(int32_t(T::BIAS + ((1u << (T::SHIFT - 1)) - 1u)));
+    const __m512i nrm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, bias), lsb), T::SHIFT);
+    const __mmask16 small = _mm512_cmplt_epi32_mask(b, _mm512_set1_epi32(int32_t(T::NORMAL_MIN)));
+    const __m512i code = _mm512_mask_blend_epi32(small, nrm, sub);
+    // code | ((bits >> 24) & 0x80): ternary logic A | (B & C)
+    return _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
+}
+#endif
+
+// fp8 codes of p * (max / m) over one tile (|p * (max / m)| <= max rounded up
+// by at most one ulp, which to_fp8 rounds to max), or of (p / m) * max where
+// max / m overflows (m below max / FLT_MAX)
 template <Fp8 F>
 inline void fp8_codes(const float* __restrict p, size_t len, float m, uint8_t* __restrict o) {
-    for (size_t i = 0; i < len; ++i) o[i] = to_fp8<F>((p[i] / m) * Fp8Traits<F>::MAX);
+    const float inv = Fp8Traits<F>::MAX / m;
+    if (!(inv <= std::numeric_limits<float>::max())) {
+        for (size_t i = 0; i < len; ++i) o[i] = to_fp8<F>((p[i] / m) * Fp8Traits<F>::MAX);
+        return;
+    }
+    size_t i = 0;
+#if defined(GC_HAS_AVX512)
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; i + 16 <= len; i += 16) {
+        const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(p + i), vinv);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), _mm512_cvtepi32_epi8(to_fp8_x16<F>(y)));
+    }
+#endif
+    for (; i < len; ++i) o[i] = to_fp8<F>(p[i] * inv);
 }
 
 // ------------------------------------------------------------------ codecs
 // Each codec: scale(m, sum, len) of a live block, codes(p, len, m, s, first,
-// key, codes, res) of one tile starting at element `first` of the tensor.
+// key, o, res) of one tile starting at element `first` of the tensor, its
+// nbytes(len) bytes written to o (the codes' byte byte_of(first), or a buffer).
 
 template <int BITS, bool STOCH>
 struct PackedCodec {
     static constexpr bool SUM = false;
     static constexpr int32_t Q = (1 << (BITS - 1)) - 1;
-    static size_t byte_of(size_t i) { return i * BITS / 8; }
-    static size_t nbytes(size_t len) { return (len * BITS + 7) / 8; }
+    static constexpr size_t byte_of(size_t i) { return i * BITS / 8; }
+    static constexpr size_t nbytes(size_t len) { return (len * BITS + 7) / 8; }
     static float scale(float m, float, size_t) { return m / float(Q); }
     template <bool EF>
-    static void codes(const float* p, size_t len, float m, float s, size_t first, uint32_t key, uint8_t* out,
+    static void codes(const float* p, size_t len, float m, float s, size_t first, uint32_t key, uint8_t* o,
                       float* res) {
         alignas(64) int8_t c[TILE];
         // the element index mod 2**32, as the reference
         int_codes<Q, STOCH, EF>(p, len, m, s, uint32_t(first), key, c, res);
-        pack_tile<BITS>(c, len, out + byte_of(first));
+        pack_tile<BITS>(c, len, o);
     }
 };
 
 struct SignCodec {
     static constexpr bool SUM = true;
-    static size_t byte_of(size_t i) { return i / 8; }
-    static size_t nbytes(size_t len) { return (len + 7) / 8; }
+    static constexpr size_t byte_of(size_t i) { return i / 8; }
+    static constexpr size_t nbytes(size_t len) { return (len + 7) / 8; }
     static float scale(float m, float sum, size_t len) { return std::min(sum / float(len), m); }
     template <bool EF>
-    static void codes(const float* p, size_t len, float, float s, size_t first, uint32_t, uint8_t* out,
-                      float* res) {
-        sign_bits(p, len, out + first / 8);
+    static void codes(const float* p, size_t len, float, float s, size_t, uint32_t, uint8_t* o, float* res) {
+        sign_bits(p, len, o);
         if constexpr (EF)
             for (size_t i = 0; i < len; ++i) res[i] = p[i] - (p[i] < 0.0f ? -s : s);
     }
@@ -216,13 +254,11 @@ struct SignCodec {
 template <Fp8 F>
 struct Fp8Codec {
     static constexpr bool SUM = false;
-    static size_t byte_of(size_t i) { return i; }
-    static size_t nbytes(size_t len) { return len; }
+    static constexpr size_t byte_of(size_t i) { return i; }
+    static constexpr size_t nbytes(size_t len) { return len; }
     static float scale(float m, float, size_t) { return m / Fp8Traits<F>::MAX; }
     template <bool EF>
-    static void codes(const float* p, size_t len, float m, float s, size_t first, uint32_t, uint8_t* out,
-                      float* res) {
-        uint8_t* o = out + first;
+    static void codes(const float* p, size_t len, float m, float s, size_t, uint32_t, uint8_t* o, float* res) {
         fp8_codes<F>(p, len, m, o);
         if constexpr (EF)
             for (size_t i = 0; i < len; ++i) res[i] = p[i] - fp8_value<F>(o[i]) * s;
@@ -258,10 +294,17 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
     const size_t nb = (n + block - 1) / block;
     const size_t tile = std::min(block, TILE);
     const int nt = n >= PAR_MIN ? max_threads() : 1;
+    // streamed only where a whole tile's codes fill whole cache lines (not the
+    // sign codes' 32 bytes: half-written lines would leave the write-combining
+    // buffers one by one, and a thirty-second of the traffic is all they save)
+    const bool stream = C::nbytes(TILE) % 64 == 0 && n >= STREAM_CODES_MIN && block >= TILE;
     (void)nt;
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#pragma omp for schedule(static)
     for (size_t b = 0; b < nb; ++b) {
         alignas(64) float buf[TILE];
+        alignas(64) uint8_t cbuf[TILE];  // a tile's codes, when they are streamed out
         const size_t lo = b * block, len = std::min(block, n - lo);
         uint32_t mx = 0;
         float sum = 0.0f;
@@ -299,11 +342,15 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
             const size_t tl = std::min(tile, len - t);
             const float* p = len <= tile ? last : load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
             float* r = EF ? res + lo + t : nullptr;
+            uint8_t* o = stream ? cbuf : codes + C::byte_of(lo + t);
             if (tl == TILE)  // the common case: a constant length, loops without remainders
-                C::template codes<EF>(p, TILE, m, s, lo + t, key, codes, r);
+                C::template codes<EF>(p, TILE, m, s, lo + t, key, o, r);
             else
-                C::template codes<EF>(p, tl, m, s, lo + t, key, codes, r);
+                C::template codes<EF>(p, tl, m, s, lo + t, key, o, r);
+            if (stream) stream_bytes(codes + C::byte_of(lo + t), cbuf, C::nbytes(tl));
         }
+    }
+    if (stream) stream_fence();
     }
 }
 
@@ -432,7 +479,7 @@ void reduce_packed_impl(float* acc, const uint8_t* cin, const float* sin, size_t
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
             const float* p = whole ? buf : a + t;
-            C::template codes<false>(p, tl, m, s, lo + t, key, codes, nullptr);
+            C::template codes<false>(p, tl, m, s, lo + t, key, codes + C::byte_of(lo + t), nullptr);
             if (decode) {
                 PackedValues<BITS>::decode(codes, lo + t, tl, s, a + t);
             } else if (whole) {

@@ -70,10 +70,14 @@ void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, u
     const size_t nb = (n + block - 1) / block;
     const size_t tile = std::min(block, TILE);
     const int nt = n >= PAR_MIN ? max_threads() : 1;
+    const bool stream = n >= STREAM_CODES_MIN;
     (void)nt;
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+#pragma omp for schedule(static)
     for (size_t b = 0; b < nb; ++b) {
         alignas(64) float buf[TILE];
+        alignas(64) int8_t cbuf[TILE];  // a tile's codes, when they are streamed out
         const size_t lo = b * block, len = std::min(block, n - lo);
         uint32_t mx = 0;
         const float* last = nullptr;  // the loaded tile: reused below when it is the whole block
@@ -110,11 +114,16 @@ void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, u
             const float* p =
                 len <= tile ? last : load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
             float* r = EF ? res + lo + t : nullptr;
+            int8_t* c = stream ? cbuf : q + lo + t;
             if (tl == TILE)  // the common case: a constant length, loops without remainders
-                int_codes<127, STOCH, EF>(p, TILE, m, s, uint32_t(lo + t), key, q + lo + t, r);
+                int_codes<127, STOCH, EF>(p, TILE, m, s, uint32_t(lo + t), key, c, r);
             else
-                int_codes<127, STOCH, EF>(p, tl, m, s, uint32_t(lo + t), key, q + lo + t, r);
+                int_codes<127, STOCH, EF>(p, tl, m, s, uint32_t(lo + t), key, c, r);
+            if (stream)
+                stream_bytes(reinterpret_cast<uint8_t*>(q + lo + t), reinterpret_cast<const uint8_t*>(cbuf), tl);
         }
+    }
+    if (stream) stream_fence();
     }
 }
 

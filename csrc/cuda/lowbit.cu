@@ -57,7 +57,11 @@ struct GcCodec {
 // the code (field bits) of p in a live block of absmax m, element index i
 __device__ __forceinline__ gc_u32 gc_code(float p, float m, gc_i64 i, gc_u32 key, GcCodec k) {
   if (k.kind == GC_SIGN) return p < 0.0f ? 1u : 0u;
-  if (k.kind == GC_FP8) return gc_to_fp8(__fmul_rn(__fdiv_rn(p, m), k.fmt == 0 ? 448.0f : 57344.0f), k.fmt);
+  if (k.kind == GC_FP8) {
+    const float top = k.fmt == 0 ? 448.0f : 57344.0f, inv = __fdiv_rn(top, m);
+    // p * (top / m); (p / m) * top where top / m overflows (m below top / FLT_MAX)
+    return gc_to_fp8(inv <= 3.4028234663852886e38f ? __fmul_rn(p, inv) : __fmul_rn(__fdiv_rn(p, m), top), k.fmt);
+  }
   const float q = (float)((1 << (k.bits - 1)) - 1);
   const float y = __fmul_rn(__fdiv_rn(p, m), q);
   float c;

@@ -25,7 +25,7 @@ class FP8(Compressor):
     magnitude to the format's largest finite value F (448 for ``"e4m3"``, PyTorch's
     ``float8_e4m3fn``: 3 mantissa bits, relative rounding error up to 2**-4; 57344 for
     ``"e5m2"``, ``float8_e5m2``: 2 mantissa bits, a wider range for the small elements of a
-    block). Codes are ``fp8((x / absmax) * F)`` rounded half to even, decoded
+    block). Codes are ``fp8(x * (F / absmax))`` rounded half to even, decoded
     ``float(code) * scale``. A block holding NaN or Inf decodes to NaN, so AMP's
     GradScaler sees a non-finite gradient and skips the step, as with the other codecs.
 

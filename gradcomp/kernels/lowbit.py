@@ -240,7 +240,7 @@ def quantize_fp8(x: torch.Tensor, format: str = "e4m3", block_size: int = 256, *
                  out_scales=None, backend=None):
     """Blockwise-scaled fp8: per block ``scale = absmax / F`` (F = 448 for e4m3, 57344 for
     e5m2, the largest finite values of float8_e4m3fn / float8_e5m2) and the codes
-    ``fp8((x / absmax) * F)``, rounded half to even.
+    ``fp8(x * (F / absmax))``, rounded half to even (one division per block).
 
     Args:
         x: floating tensor, n elements. format: ``"e4m3"`` or ``"e5m2"``.

@@ -13,8 +13,11 @@ one may be short) with one float32 scale each; a block holding NaN/Inf gets scal
 * sign (EF-SignSGD, Karimireddy et al. 2019): one bit per element, 1 when ``x < 0``, packed
   8 to a byte (element ``j`` in bit ``j``); ``scale = min(mean |x|, max |x|)`` of the block,
   the sum of ``|x|`` taken in the order of :func:`block_abs_sum`; decoded ``+-scale``.
-* fp8 (``"e4m3"``: float8_e4m3fn, ``"e5m2"``): ``y = (x / m) * F`` (F the format's largest
-  finite value, 448 or 57344) cast to the format with round half to even (PyTorch's cast);
+* fp8 (``"e4m3"``: float8_e4m3fn, ``"e5m2"``): ``y = x * (F / m)`` (F the format's largest
+  finite value, 448 or 57344; one float32 division per block, then a product per element, as
+  torchao's and Transformer Engine's scaled casts; ``(x / m) * F`` where ``F / m`` overflows,
+  m below ``F / 3.4e38``) cast to the format with round half to even (PyTorch's cast; ``|y|``
+  exceeds F by at most one ulp, which the cast rounds to F);
   ``scale = m / F``; decoded ``float(code) * scale``.
 
 Decoding is the float32 product ``code * scale``; adding is ``acc + product``.
@@ -233,7 +236,10 @@ def quantize_fp8(x: torch.Tensor, fmt: str, block_size: int):
     b = _blocks(x, block_size)
     m, finite, safe_m = _absmax(b)
     f = FP8_MAX[fmt]
-    y = (b / safe_m[:, None]) * f
+    # F / m correctly rounded (a tensor division: ``f / tensor`` is reciprocal-then-multiply);
+    # where it overflows (m below F / FLT_MAX) the codes are (x / m) * F
+    inv = (torch.full_like(safe_m, f) / safe_m)[:, None]
+    y = torch.where(inv.isfinite(), b * inv, (b / safe_m[:, None]) * f)
     c = y.to(fp8_dtype(fmt)).view(torch.uint8)
     c = torch.where((finite & (m > 0))[:, None], c, torch.zeros_like(c))
     scales = torch.where(finite, m / f, _nan(x.device))

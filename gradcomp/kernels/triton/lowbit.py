@@ -100,7 +100,9 @@ def _code(p, m, live, key, offs, CODEC: tl.constexpr, BITS: tl.constexpr, STOCHA
         c = (p < 0.0).to(tl.int32)
     else:
         fmax: tl.constexpr = 448.0 if FMT == 0 else 57344.0
-        c = _to_fp8(tl.math.div_rn(p, m) * fmax, FMT)
+        inv = tl.math.div_rn(fmax, m)
+        y = tl.where(inv <= 3.4028234663852886e38, p * inv, tl.math.div_rn(p, m) * fmax)
+        c = _to_fp8(y, FMT)
     return tl.where(live, c, 0)
 
 
