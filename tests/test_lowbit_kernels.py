@@ -354,3 +354,27 @@ def test_fp8_absmax_scaled_past_the_top_still_codes_the_top(fmt, top_code):
     for b in backends:
         codes, _ = K.quantize_fp8(x, fmt, 32, backend=b)
         assert codes[:2].tolist() == want, b
+
+
+@pytest.mark.parametrize("fmt,dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+def test_fp8_codes_round_ties_to_even_in_blocks_of_normals(fmt, dtype):
+    # every midpoint between neighbouring normal fp8 values, one ulp either side, both signs,
+    # in blocks led by the format's top (scale factor exactly 1, so each code is the torch cast
+    # of the value itself); no zero or subnormal in a block: the kernels' all-normal path
+    top = L.FP8_MAX[fmt]
+    vals = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    normal = vals[(vals >= 2.0 ** (-6 if fmt == "e4m3" else -14)) & (vals <= top)].unique()
+    mid = (normal[:-1] + normal[1:]) / 2
+    up, down = torch.nextafter(mid, mid * 2), torch.nextafter(mid, mid / 2)
+    v = torch.cat([mid, up, down, normal])
+    v = torch.cat([v, -v])
+    per = 255
+    nb = -(-v.numel() // per)
+    body = torch.full((nb * per,), top / 2)
+    body[: v.numel()] = v
+    x = torch.cat([torch.full((nb, 1), top), body.view(nb, per)], 1).reshape(-1)
+    want = x.to(dtype).view(torch.uint8)
+    for b in ["reference"] + (["cpu"] if CPU else []):
+        codes, scales = K.quantize_fp8(x, fmt, 256, backend=b)
+        assert torch.equal(codes, want), b
+        assert torch.equal(scales, torch.full((nb,), 1.0))

@@ -22,6 +22,11 @@
 #elif defined(GC_ISA_PRAGMA)
 #pragma GCC target("arch=x86-64-v4")
 #endif
+// GCC 12 warns that the intrinsics' deliberately undefined pass-through operands
+// (`__Y = __Y` in its headers) may be used uninitialized: they are not
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include "lowbit_body.h"
 #include "quantize_body.h"
 #if defined(GC_ISA_PRAGMA) && defined(__clang__)

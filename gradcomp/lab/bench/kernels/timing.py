@@ -1,6 +1,7 @@
 """The kernel benchmark's timing harness: thread settings, warm-up, interleaved rounds, statistics.
 
-Every candidate of a case is called once per round, round after round, so a
+Every candidate of a case is called once per round (the order rotated by one each
+round), round after round, so a
 change in the machine's load hits them alike; the statistics are the median
 and the 10th / 90th percentiles of the per-call wall times (seconds).
 """
@@ -61,11 +62,15 @@ def warm(case: Case, timed: dict[str, Timed], block: int, notes: list) -> dict[s
 
 
 def measure(timed: dict[str, Timed], repeat: int, budget: float, sync) -> None:
-    """Interleaved rounds: each round times every function once; no new round starts
-    once 3 are done and ``budget`` seconds have passed."""
+    """Interleaved rounds: each round times every function once, the order rotated by one
+    each round (so no function always runs right after the same one: the reference leaves
+    the caches full of its temporaries' dirty lines); no new round starts once 3 are done
+    and ``budget`` seconds have passed."""
     start = time.perf_counter()
+    order = list(timed.values())
     for r in range(repeat):
-        for t in timed.values():
+        k = r % len(order)
+        for t in order[k:] + order[:k]:
             t0 = time.perf_counter()
             t.fn()
             sync()
