@@ -303,6 +303,21 @@ struct Fp8Codec {
 // zero) by halving, as reference_lowbit.block_abs_sum: the first halving reads
 // p directly, the others work in place on half a tile
 inline float fold_abs(const float* p, size_t len, size_t width) {
+#if defined(GC_HAS_AVX512)
+    static_assert(TILE == 256, "the register fold below halves 16 vectors of 16");
+    if (len == TILE && width == TILE) {  // the common case, in registers: the same pairs, the same order
+        const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF);
+        __m512 v[16];
+        for (int k = 0; k < 16; ++k) v[k] = _mm512_castsi512_ps(_mm512_and_si512(_mm512_loadu_si512(p + 16 * k), abs));
+        for (int h = 8; h > 0; h /= 2)  // element i + 16 h joins element i
+            for (int k = 0; k < h; ++k) v[k] = _mm512_add_ps(v[k], v[k + h]);
+        __m256 y = _mm256_add_ps(_mm512_castps512_ps256(v[0]), _mm512_extractf32x8_ps(v[0], 1));  // i + 8
+        __m128 x = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));           // i + 4
+        x = _mm_add_ps(x, _mm_movehl_ps(x, x));                                                   // i + 2
+        x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));                                               // i + 1
+        return _mm_cvtss_f32(x);
+    }
+#endif
     alignas(64) float a[TILE / 2];
     size_t h = width / 2;
     if (width == 1) return bits_f32(f32_bits(p[0]) & 0x7FFFFFFFu);
