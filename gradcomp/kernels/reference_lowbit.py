@@ -13,12 +13,9 @@ one may be short) with one float32 scale each; a block holding NaN/Inf gets scal
 * sign (EF-SignSGD, Karimireddy et al. 2019): one bit per element, 1 when ``x < 0``, packed
   8 to a byte (element ``j`` in bit ``j``); ``scale = min(mean |x|, max |x|)`` of the block,
   the sum of ``|x|`` taken in the order of :func:`block_abs_sum`; decoded ``+-scale``.
-* fp8 (``"e4m3"``: float8_e4m3fn, ``"e5m2"``): ``y = x * (F / m)`` (F the format's largest
-  finite value, 448 or 57344; one float32 division per block, then a product per element, as
-  torchao's and Transformer Engine's scaled casts; ``(x / m) * F`` where ``F / m`` overflows,
-  m below ``F / 3.4e38``) cast to the format with round half to even (PyTorch's cast; ``|y|``
-  exceeds F by at most one ulp, which the cast rounds to F);
-  ``scale = m / F``; decoded ``float(code) * scale``.
+* fp8 (``"e4m3"``: float8_e4m3fn, ``"e5m2"``): ``y = x * (F / m)`` (F = 448 or 57344, the
+  largest finite value; ``(x / m) * F`` where ``F / m`` overflows) cast half to even (PyTorch's
+  cast; ``|y|`` tops F by one ulp at most: cast to F); ``scale = m / F``; decoded ``code * scale``.
 
 Decoding is the float32 product ``code * scale``; adding is ``acc + product``.
 """
