@@ -208,14 +208,43 @@ inline __m512i to_fp8_normal_x16(__m512 f) {
     return _mm512_ternarylogic_epi32(t, _mm512_srli_epi32(t, 24 - T::SHIFT), _mm512_set1_epi32(0x7F), 0xE4);
 }
 
+#endif
+
+#if defined(GC_HAS_AVX2)
+// to_fp8_normal_x16's operations on 8 lanes (no ternary logic: two ands and an or)
+template <Fp8 F>
+inline __m256i to_fp8_normal_x8(__m256 f) {
+    using T = Fp8Traits<F>;
+    const __m256i bits = _mm256_castps_si256(f);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, T::SHIFT), _mm256_set1_epi32(1));
+    const __m256i bias = _mm256_set1_epi32(int32_t(T::BIAS + ((1u << (T::SHIFT - 1)) - 1u)));
+    const __m256i t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, bias), lsb), T::SHIFT);
+    return _mm256_or_si256(_mm256_and_si256(t, _mm256_set1_epi32(0x7F)),
+                           _mm256_and_si256(_mm256_srli_epi32(t, 24 - T::SHIFT), _mm256_set1_epi32(0x80)));
+}
+
 // the smallest |p| of a tile, as bits
 inline uint32_t absmin_bits(const float* p, size_t len) {
+    uint32_t m = 0x7FFFFFFFu;
+    size_t i = 0;
+#if defined(GC_HAS_AVX512)
     __m512i mn = _mm512_set1_epi32(0x7FFFFFFF);
     const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF);
     const size_t whole = len / 16 * 16;
-    for (size_t i = 0; i < whole; i += 16) mn = _mm512_min_epu32(mn, _mm512_and_si512(_mm512_loadu_si512(p + i), abs));
-    uint32_t m = _mm512_reduce_min_epu32(mn);
-    for (size_t i = whole; i < len; ++i) m = std::min(m, f32_bits(p[i]) & 0x7FFFFFFFu);
+    for (; i < whole; i += 16) mn = _mm512_min_epu32(mn, _mm512_and_si512(_mm512_loadu_si512(p + i), abs));
+    m = _mm512_reduce_min_epu32(mn);
+#else
+    __m256i mn = _mm256_set1_epi32(0x7FFFFFFF);
+    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF);
+    const size_t whole = len / 8 * 8;
+    for (; i < whole; i += 8)
+        mn = _mm256_min_epu32(mn, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), abs));
+    __m128i h = _mm_min_epu32(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1));
+    h = _mm_min_epu32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_min_epu32(h, _mm_shuffle_epi32(h, 0xB1));
+    m = uint32_t(_mm_cvtsi128_si32(h));
+#endif
+    for (; i < len; ++i) m = std::min(m, f32_bits(p[i]) & 0x7FFFFFFFu);
     return m;
 }
 #endif
@@ -245,6 +274,20 @@ inline void fp8_codes(const float* __restrict p, size_t len, float m, uint8_t* _
     for (; i + 16 <= len; i += 16) {
         const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(p + i), vinv);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), _mm512_cvtepi32_epi8(to_fp8_x16<F>(y)));
+    }
+#elif defined(GC_HAS_AVX2)
+    // as above, the all-normal path only; 32 codes per step: two in-lane packs
+    // to bytes, then the dwords back in order
+    if (bits_f32(absmin_bits(p, len)) * inv >= bits_f32(Fp8Traits<F>::NORMAL_MIN)) {
+        const __m256 vinv = _mm256_set1_ps(inv);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (; i + 32 <= len; i += 32) {
+            __m256i c[4];
+            for (int k = 0; k < 4; ++k)
+                c[k] = to_fp8_normal_x8<F>(_mm256_mul_ps(_mm256_loadu_ps(p + i + 8 * k), vinv));
+            const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm256_permutevar8x32_epi32(w, order));
+        }
     }
 #endif
     for (; i < len; ++i) o[i] = to_fp8<F>(p[i] * inv);
@@ -303,8 +346,8 @@ struct Fp8Codec {
 // zero) by halving, as reference_lowbit.block_abs_sum: the first halving reads
 // p directly, the others work in place on half a tile
 inline float fold_abs(const float* p, size_t len, size_t width) {
+    static_assert(TILE == 256, "the register folds below halve 16 vectors of 16 (or 2 x 16 of 8)");
 #if defined(GC_HAS_AVX512)
-    static_assert(TILE == 256, "the register fold below halves 16 vectors of 16");
     if (len == TILE && width == TILE) {  // the common case, in registers: the same pairs, the same order
         const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF);
         __m512 v[16];
@@ -315,6 +358,20 @@ inline float fold_abs(const float* p, size_t len, size_t width) {
         __m128 x = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));           // i + 4
         x = _mm_add_ps(x, _mm_movehl_ps(x, x));                                                   // i + 2
         x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));                                               // i + 1
+        return _mm_cvtss_f32(x);
+    }
+#elif defined(GC_HAS_AVX2)
+    if (len == TILE && width == TILE) {  // as above, in 8-lane registers
+        const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 v[16];
+        for (int k = 0; k < 16; ++k)  // element i + 128 joins element i
+            v[k] = _mm256_add_ps(_mm256_and_ps(_mm256_loadu_ps(p + 8 * k), abs),
+                                 _mm256_and_ps(_mm256_loadu_ps(p + 128 + 8 * k), abs));
+        for (int h = 8; h > 0; h /= 2)  // element i + 8 h joins element i
+            for (int k = 0; k < h; ++k) v[k] = _mm256_add_ps(v[k], v[k + h]);
+        __m128 x = _mm_add_ps(_mm256_castps256_ps128(v[0]), _mm256_extractf128_ps(v[0], 1));  // i + 4
+        x = _mm_add_ps(x, _mm_movehl_ps(x, x));                                                // i + 2
+        x = _mm_add_ss(x, _mm_shuffle_ps(x, x, 1));                                            // i + 1
         return _mm_cvtss_f32(x);
     }
 #endif
