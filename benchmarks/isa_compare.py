@@ -30,13 +30,23 @@ def load(path: str):
     return mod
 
 
-def calls(mod, n: int, seed: int) -> dict:
-    """Zero-argument calls of the hot kernels of ``mod`` on fresh buffers of ``n`` elements."""
-    x = np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
-    q, s = np.empty(n, np.int8), np.empty(n // 256, np.float32)
-    c4, c2, c1, c8 = (np.empty(n // 2, np.uint8), np.empty(n // 4, np.uint8), np.empty(n // 8, np.uint8),
-                      np.empty(n, np.uint8))
-    s1k, out = np.empty(n // 1024, np.float32), np.empty(n, np.float32)
+def calls(mod, n: int, seed: int, buffers: str = "numpy") -> dict:
+    """Zero-argument calls of the hot kernels of ``mod`` on fresh buffers of ``n`` elements:
+    numpy's (which numpy backs with transparent huge pages when the kernel allows them) or
+    torch tensors' (4 KiB pages, as a model's gradients)."""
+    if buffers == "torch":
+        import torch
+
+        def empty(k, dtype):
+            return torch.empty(k, dtype=getattr(torch, np.dtype(dtype).name)).numpy()
+
+        x = torch.randn(n, generator=torch.Generator().manual_seed(seed)).numpy()
+    else:
+        empty = np.empty
+        x = np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
+    q, s = empty(n, np.int8), empty(n // 256, np.float32)
+    c4, c2, c1, c8 = empty(n // 2, np.uint8), empty(n // 4, np.uint8), empty(n // 8, np.uint8), empty(n, np.uint8)
+    s1k, out = empty(n // 1024, np.float32), empty(n, np.float32)
     mod.quantize_int8(x, "float32", 256, False, 0, q, s)
     return {
         "quantize_int8": lambda: mod.quantize_int8(x, "float32", 256, False, 0, q, s),
@@ -53,12 +63,14 @@ def main(argv=None) -> None:
     ap.add_argument("--other", required=True, help="path of the other build's _C*.so")
     ap.add_argument("--numel", type=int, default=2**24)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--buffers", choices=("numpy", "torch"), default="numpy",
+                    help="numpy arrays (huge pages where the kernel gives them) or torch tensors (4 KiB pages)")
     args = ap.parse_args(argv)
     other = load(args.other)
     for m in (installed, other):
         m.set_num_threads(1)
     print(f"installed: {installed.build_info()}\nother:     {other.build_info()}")
-    a, b = calls(installed, args.numel, 0), calls(other, args.numel, 0)
+    a, b = calls(installed, args.numel, 0, args.buffers), calls(other, args.numel, 0, args.buffers)
     print(f"{'kernel':<20}{'installed ms':>14}{'other ms':>10}{'other/installed':>17}"
           f"{'cpu: installed ms':>19}{'other ms':>10}{'other/installed':>17}")
     for name in a:
