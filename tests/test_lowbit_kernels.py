@@ -378,3 +378,32 @@ def test_fp8_codes_round_ties_to_even_in_blocks_of_normals(fmt, dtype):
         codes, scales = K.quantize_fp8(x, fmt, 256, backend=b)
         assert torch.equal(codes, want), b
         assert torch.equal(scales, torch.full((nb,), 1.0))
+
+
+@pytest.mark.skipif(not CPU, reason="gradcomp._C is not built")
+@pytest.mark.parametrize("offset", [0, 1])
+def test_codes_streamed_past_the_caches_match_the_reference(offset):
+    # inputs of 2**21 elements or more take the non-temporal stores; offset 1 starts the codes
+    # off their alignment (plain stores at the head); block 4096 spans tiles, 64 streams nothing
+    n = (1 << 21) + 100
+    x = C.data(n, torch.float32, seed=21)
+    res = torch.randn(n, generator=torch.Generator().manual_seed(2)) * 0.01
+
+    def out(nbytes):
+        return torch.empty(nbytes + offset, dtype=torch.uint8)[offset:]
+
+    for bs in (64, 256, 4096):
+        nb = -(-n // bs)
+        runs = {
+            "int8": lambda b: K.quantize_int8(x, bs, "nearest", 0, 0, out_q=out(n).view(torch.int8),
+                                              out_scales=torch.empty(nb), backend=b),
+            "int8 sr ef": lambda b: (*K.quantize_int8_ef(x, r := res.clone(), bs, "stochastic", 3, 1,
+                                                         out_q=out(n).view(torch.int8), backend=b), r),
+            "int4": lambda b: K.quantize_packed(x, 4, bs, out_codes=out(-(-n // 2)), backend=b),
+            "int2 ef": lambda b: (*K.quantize_packed_ef(x, r := res.clone(), 2, bs, out_codes=out(-(-n // 4)),
+                                                        backend=b), r),
+            "fp8": lambda b: K.quantize_fp8(x, "e5m2", bs, out_codes=out(n), backend=b),
+            "fp8 ef": lambda b: (*K.quantize_fp8_ef(x, r := res.clone(), "e4m3", bs, out_codes=out(n), backend=b), r),
+        }
+        for name, fn in runs.items():
+            C.cpu_matches_reference(fn, f"{name} block {bs}")

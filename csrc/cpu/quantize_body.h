@@ -70,7 +70,7 @@ void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, u
     const size_t nb = (n + block - 1) / block;
     const size_t tile = std::min(block, TILE);
     const int nt = n >= PAR_MIN ? max_threads() : 1;
-    const bool stream = n >= STREAM_CODES_MIN;
+    const bool stream = n >= STREAM_CODES_MIN && block >= TILE;  // whole tiles of whole lines (as lowbit_body.h)
     (void)nt;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
