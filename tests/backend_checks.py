@@ -10,6 +10,7 @@ def data(n, dtype, seed=0, special=True):
         x[3:40] = 0.0  # an all-zero block for block_size 32
         x[41] = 1.25
         x[42] = -1.25  # ties in |x|
+        x[43] = -0.0  # in a live block: its code is 0, its residual -0
         x[50:53] = torch.tensor([1e-41, -3e-39, 2e-45])  # float32 subnormals
         if n > 160:  # a block of subnormals alone for block_size 32 (1 / absmax overflows)
             x[96:128] = torch.tensor([1e-41, -3e-39] * 16)

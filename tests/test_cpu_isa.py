@@ -37,6 +37,12 @@ CHECK = textwrap.dedent("""
                     for bits in (4, 2):
                         both(lambda b: K.quantize_packed(x, bits, bs, r, 3, 9, backend=b), f"int{{bits}}")
                 both(lambda b: K.quantize_sign(x, bs, backend=b), "sign")
+                if dtype == torch.float32:  # fused error feedback; residual -0 keeps p = x (x[43] = -0)
+                    for r in ("nearest", "stochastic"):
+                        both(lambda b: (*K.quantize_int8_ef(x, e := torch.zeros(n).neg(), bs, r, 3, 9, backend=b), e),
+                             "int8 ef")
+                        both(lambda b: (*K.quantize_packed_ef(x, e := torch.zeros(n).neg(), 4, bs, r, 3, 9, backend=b), e),
+                             "int4 ef")
                 for f in ("e4m3", "e5m2"):
                     both(lambda b: K.quantize_fp8(x, f, bs, backend=b), f)
     x = C.data(70003, torch.float32, seed=1)

@@ -133,6 +133,26 @@ inline void int_codes(const float* __restrict p, size_t len, float m, float s, u
             if constexpr (EF) _mm512_storeu_ps(res + i, _mm512_sub_ps(pv, _mm512_mul_ps(_mm512_cvtepi32_ps(ci), vs)));
         }
     }
+#elif defined(GC_HAS_AVX2)
+    // nearest, 32 lanes per step: roundps to nearest even (not MXCSR's mode), an
+    // exact truncating conversion, two in-lane packs to bytes, the dwords back in order
+    if constexpr (!STOCH) {
+        const __m256 vm = _mm256_set1_ps(m), vq = _mm256_set1_ps(float(Q)), vs = _mm256_set1_ps(s);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (; i + 32 <= uint32_t(len); i += 32) {
+            __m256i ci[4];
+            for (int k = 0; k < 4; ++k) {
+                const __m256 pv = _mm256_loadu_ps(p + i + 8 * k);
+                const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_div_ps(pv, vm), vq),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                ci[k] = _mm256_cvttps_epi32(r);
+                if constexpr (EF)  // the code as a float (r may be -0: p = -0 then leaves -0 - -0 = +0)
+                    _mm256_storeu_ps(res + i + 8 * k, _mm256_sub_ps(pv, _mm256_mul_ps(_mm256_cvtepi32_ps(ci[k]), vs)));
+            }
+            const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(ci[0], ci[1]), _mm256_packs_epi32(ci[2], ci[3]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + i), _mm256_permutevar8x32_epi32(w, order));
+        }
+    }
 #endif
     for (; i < uint32_t(len); ++i) {
         const float y = (p[i] / m) * float(Q);
