@@ -22,6 +22,12 @@ constexpr size_t PAR_MIN = size_t(1) << 16;  // elements below which one thread 
 // overwrites (read-for-ownership), a fifth more memory traffic for int8 codes.
 constexpr size_t STREAM_CODES_MIN = size_t(1) << 21;
 
+// Whether a quantizer streams its codes: a large input, in blocks of whole
+// tiles (a codec whose tile of codes does not fill whole cache lines, as
+// sign's 32 bytes, streams nothing: half-written lines leave the write-combining
+// buffers one by one; the caller checks that)
+inline bool streams_codes(size_t n, size_t block) { return n >= STREAM_CODES_MIN && block >= TILE; }
+
 // dst[0, bytes) = src[0, bytes), non-temporal where dst is 16-byte aligned
 // (SSE2, which every x86-64 has; plain stores at the edges and elsewhere).
 // The caller issues stream_fence() before another thread may read dst.

@@ -260,12 +260,15 @@ inline void fp8_codes(const float* __restrict p, size_t len, float m, uint8_t* _
         return;
     }
     size_t i = 0;
-#if defined(GC_HAS_AVX512)
-    const __m512 vinv = _mm512_set1_ps(inv);
+#if defined(GC_HAS_AVX2)
     // every lane normal when the smallest is (|p| * inv rounds monotonically): no
     // subnormal path, no select (typical gradients: no zeros, min |p| / m well
     // above 2**-6 / 448)
-    if (bits_f32(absmin_bits(p, len)) * inv >= bits_f32(Fp8Traits<F>::NORMAL_MIN)) {
+    const bool all_normal = bits_f32(absmin_bits(p, len)) * inv >= bits_f32(Fp8Traits<F>::NORMAL_MIN);
+#endif
+#if defined(GC_HAS_AVX512)
+    const __m512 vinv = _mm512_set1_ps(inv);
+    if (all_normal) {
         for (; i + 16 <= len; i += 16) {
             const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(p + i), vinv);
             _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), _mm512_cvtepi32_epi8(to_fp8_normal_x16<F>(y)));
@@ -276,9 +279,9 @@ inline void fp8_codes(const float* __restrict p, size_t len, float m, uint8_t* _
         _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), _mm512_cvtepi32_epi8(to_fp8_x16<F>(y)));
     }
 #elif defined(GC_HAS_AVX2)
-    // as above, the all-normal path only; 32 codes per step: two in-lane packs
-    // to bytes, then the dwords back in order
-    if (bits_f32(absmin_bits(p, len)) * inv >= bits_f32(Fp8Traits<F>::NORMAL_MIN)) {
+    // the all-normal path only; 32 codes per step: two in-lane packs to bytes,
+    // then the dwords back in order
+    if (all_normal) {
         const __m256 vinv = _mm256_set1_ps(inv);
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
         for (; i + 32 <= len; i += 32) {
@@ -400,10 +403,7 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
     const size_t nb = (n + block - 1) / block;
     const size_t tile = std::min(block, TILE);
     const int nt = n >= PAR_MIN ? max_threads() : 1;
-    // streamed only where a whole tile's codes fill whole cache lines (not the
-    // sign codes' 32 bytes: half-written lines would leave the write-combining
-    // buffers one by one, and a thirty-second of the traffic is all they save)
-    const bool stream = C::nbytes(TILE) % 64 == 0 && n >= STREAM_CODES_MIN && block >= TILE;
+    const bool stream = C::nbytes(TILE) % 64 == 0 && streams_codes(n, block);  // whole lines
     (void)nt;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {

@@ -20,9 +20,6 @@
 #include <type_traits>
 
 #include <cstring>
-#if defined(GC_HAS_SSE41)
-#define GRADCOMP_STREAM_STORES 1
-#endif
 
 namespace gradcomp {
 namespace GC_ISA_NS {
@@ -70,7 +67,7 @@ void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, u
     const size_t nb = (n + block - 1) / block;
     const size_t tile = std::min(block, TILE);
     const int nt = n >= PAR_MIN ? max_threads() : 1;
-    const bool stream = n >= STREAM_CODES_MIN && block >= TILE;  // whole tiles of whole lines (as lowbit_body.h)
+    const bool stream = streams_codes(n, block);
     (void)nt;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -201,9 +198,7 @@ bool dequantize_impl(const int8_t* q, const float* scales, size_t n, size_t bloc
                 }
             }
         }
-#if defined(GRADCOMP_STREAM_STORES)
-        if (stream) _mm_sfence();  // this thread's non-temporal stores are visible before the join
-#endif
+        if (stream) stream_fence();  // this thread's non-temporal stores are visible before the join
     }
     return check.ok();
 }
