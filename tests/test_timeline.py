@@ -159,12 +159,20 @@ def test_a_straggler_shows_in_its_compute_and_in_the_others_wait():
     out = summarize_time("sync", cfg, straggled)
     first = 10  # past the warm-up steps, whose compute the base (a median of 5) still holds
     steps = straggled[2].steps[first:]
-    ratios = []
+    stretch, ratios = [], []
     for rec in steps:
         delay = interval_overlap(rec.spans, rec.start, rec.end, "delay")
+        slept_from = min(a for p, a, _ in rec.spans if p == "delay")
+        # the sleep is (factor - 1) x the step's own compute up to the hook (the forward and the
+        # backward but the first layer's weight); the rest of the backward up to the handoff is
+        # not stretched, so the whole compute grows by less than the factor (by how much less
+        # depends on the host's load: a fixed 3.0 +- 20% failed on a loaded host)
+        stretch.append(delay / (slept_from - rec.start))
         compute = rec.marks["handoff"] - rec.start
         ratios.append(compute / (compute - delay))
-    assert statistics.median(ratios) == pytest.approx(3.0, rel=0.2)
+    # a sleep never ends early and oversleeps on a loaded host (the CI's other tests run beside)
+    assert 1.99 <= statistics.median(stretch) < 3.0
+    assert 1.8 < statistics.median(ratios) <= 3.6
     # the fast workers wait for most of the straggler's extra compute; it waits for no one
     extra = statistics.fmean(interval_overlap(r.spans, r.start, r.end, "delay") for r in steps)
     fast_wait = [statistics.fmean(p["wait"] for p in (sync_step_phases(
