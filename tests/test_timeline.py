@@ -149,8 +149,10 @@ def test_a_straggler_shows_in_its_compute_and_in_the_others_wait():
     from gradcomp.lab.study.data import load_digits_split
     from gradcomp.lab.study.study import _launch_local
 
+    # the wide MLP: a step's compute of milliseconds, not a fraction of one, so that the
+    # scheduler's lateness in waking a sleeper is small beside the sleep
     cfg = TrainConfig(workers=3, steps=30, batch_size=64, eval_every=10, timeout=120,
-                      straggler=(2, 3.0))
+                      straggler=(2, 3.0), hidden=(1024, 1024))
     data = load_digits_split(cfg.test_fraction, cfg.seed)
     logs, link = _launch_local("sync", [(cfg, "int8", 0), (replace(cfg, straggler=None), "int8", 0)],
                                [data], None)
