@@ -155,7 +155,7 @@ NEAR_TIES = textwrap.dedent("""
     total = 0
     for q, bits in ((127, 8), (7, 4), (1, 2)):
         for r in ("nearest", "stochastic"):
-            for scale in (1.0, 2.0 ** -105, 2.0 ** -130):
+            for scale in (1.0, 2.0 ** -99, 2.0 ** -105, 2.0 ** -130):
                 x, wrong = near_ties(q, r == "stochastic", scale)
                 if scale == 1.0 and r == "nearest":
                     assert wrong > 0, q  # the data does separate the division from the reciprocal

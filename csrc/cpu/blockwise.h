@@ -116,6 +116,16 @@ inline int32_t floor_clamped(float v) {
     return c < -Q ? -Q : (c > Q ? Q : c);
 }
 
+// Whether the int2 (Q = 1) nearest codes may skip the division: rint(p / m)
+// is +-1 exactly when |p| > m / 2 (m / 2 exact). If |p| <= m / 2, the rounded
+// quotient is at most 0.5, a tie to even: 0. If |p| > m / 2, then |p| is at
+// least m / 2 + ulp(m / 2) > m (0.5 + 2**-25), so the quotient rounds above
+// 0.5. Both steps hold for normal m / 2; m >= 2**-100 keeps well clear.
+template <int Q>
+inline bool int2_by_compare(float m) {
+    return Q == 1 && m >= 0x1p-100f;
+}
+
 // codes rint((p / m) * Q) (nearest) or floor((p / m) * Q + u) clamped to
 // [-Q, Q] (stochastic, u of element first + i): the reference's operations in
 // its order (a division, then a product). |p| <= m, so nearest needs no clamp.
@@ -131,6 +141,17 @@ inline void int_codes(const float* __restrict p, size_t len, float m, float s, u
     // conversion and two narrowing steps for the same codes
     if constexpr (!STOCH) {
         const __m512 vm = _mm512_set1_ps(m), vq = _mm512_set1_ps(float(Q)), vs = _mm512_set1_ps(s);
+        if (int2_by_compare<Q>(m)) {  // +-1 where |p| > m / 2, else 0
+            const __m512 half = _mm512_set1_ps(m * 0.5f), abs = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+            const __m512i one = _mm512_set1_epi32(1);
+            for (; i + 16 <= uint32_t(len); i += 16) {
+                const __m512 pv = _mm512_loadu_ps(p + i);
+                const __m512i ci = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(_mm512_and_ps(pv, abs), half, _CMP_GT_OQ),
+                                                          _mm512_or_si512(_mm512_srai_epi32(_mm512_castps_si512(pv), 31), one));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(ci));
+                if constexpr (EF) _mm512_storeu_ps(res + i, _mm512_sub_ps(pv, _mm512_mul_ps(_mm512_cvtepi32_ps(ci), vs)));
+            }
+        }
         for (; i + 16 <= uint32_t(len); i += 16) {
             const __m512 pv = _mm512_loadu_ps(p + i);
             const __m512i ci =
@@ -145,13 +166,22 @@ inline void int_codes(const float* __restrict p, size_t len, float m, float s, u
     if constexpr (!STOCH) {
         const __m256 vm = _mm256_set1_ps(m), vq = _mm256_set1_ps(float(Q)), vs = _mm256_set1_ps(s);
         const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        const __m256 half = _mm256_set1_ps(m * 0.5f);
+        const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        const __m256i one = _mm256_set1_epi32(1);
+        const bool compare = int2_by_compare<Q>(m);
         for (; i + 32 <= uint32_t(len); i += 32) {
             __m256i ci[4];
             for (int k = 0; k < 4; ++k) {
                 const __m256 pv = _mm256_loadu_ps(p + i + 8 * k);
-                const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_div_ps(pv, vm), vq),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                ci[k] = _mm256_cvttps_epi32(r);
+                if (compare) {  // +-1 where |p| > m / 2 (an all-ones compare), else 0
+                    const __m256 nz = _mm256_cmp_ps(_mm256_and_ps(pv, abs), half, _CMP_GT_OQ);
+                    ci[k] = _mm256_and_si256(_mm256_castps_si256(nz),
+                                             _mm256_or_si256(_mm256_srai_epi32(_mm256_castps_si256(pv), 31), one));
+                } else {
+                    ci[k] = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_div_ps(pv, vm), vq),
+                                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                }
                 if constexpr (EF)  // the code as a float (r may be -0: p = -0 then leaves -0 - -0 = +0)
                     _mm256_storeu_ps(res + i + 8 * k, _mm256_sub_ps(pv, _mm256_mul_ps(_mm256_cvtepi32_ps(ci[k]), vs)));
             }
