@@ -391,9 +391,10 @@ class _Corrupting(gc.Int8Quantizer):
 
 def _failures(rank, world, case):
     x = torch.randn(1000)
+    dist.barrier()  # the others' 3 s timeout and the absent rank's stay count from here
     try:
         if case == "missing" and rank == 1:
-            time.sleep(5)  # never joins (but stays alive): the others must time out, not hang
+            time.sleep(8)  # never joins (but stays alive past the others' timeout): they time out, not hang
             return "absent"
         comp = gc.Int8Quantizer() if case == "missing" else _Corrupting(case)
         gc.allreduce(x, comp, algorithm="two_phase" if case == "bad_code_two_phase" else "ring", timeout=3)

@@ -39,9 +39,9 @@ def test_parse_straggler_onset_errors(text, words):
 def test_a_straggler_turns_slow_at_its_onset():
     d = ComputeDelay(worker=1, straggler=(1, 3.0), straggler_from_s=0.3)
     assert d.factor(1) == 1.0  # not started: its onset has not come
-    d.start(time.perf_counter())
+    d.start(time.perf_counter() + 60)  # its clock started now would reach the onset in 60.3 s
     assert d.factor(1) == 1.0 and not d.slow_now()
-    time.sleep(0.35)
+    d.start(time.perf_counter() - 0.31)  # started 0.31 s ago: past the onset
     assert d.factor(2) == 3.0 and d.slow_now()
     assert ComputeDelay(worker=0, straggler=(1, 3.0), straggler_from_s=0.0).factor(1) == 1.0
     with pytest.raises(ValueError, match="straggler_from_s must be a finite number of seconds >= 0"):
@@ -78,9 +78,10 @@ def test_a_straggler_onset_delays_only_the_steps_after_it():
     data = load_digits_split(test_fraction=cfg.test_fraction, seed=cfg.seed)
     logs, _ = _launch_local("sync", [(replace(cfg), "none", 0)], [data], None)
     worker1 = logs[1][0]
-    t0 = worker1.steps[0].start  # the clock started just before (log.start(), then the first step)
+    t0 = worker1._t0  # the training clock's start, from which the onset counts
     delays = [[a for p, a, _ in s.spans if p == "delay"] for s in worker1.steps]
-    assert all(a - t0 >= onset - 0.02 for d in delays for a in d)  # no delay before the onset
+    # no delay before the onset (the hook reads the clock just before it asks whether it is slow)
+    assert all(a - t0 >= onset - 1e-3 for d in delays for a in d)
     late = [d for s, d in zip(worker1.steps, delays) if s.start - t0 >= onset]
     assert late and all(late) and len(late) < len(delays)  # every step begun after it is delayed
     assert not any(p == "delay" for s in logs[0][0].steps for p, _, _ in s.spans)

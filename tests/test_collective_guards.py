@@ -265,9 +265,12 @@ def test_tags_tell_calls_apart_across_threads():
 def _concurrent(rank, world, rank1_order):
     """Rank 0's second thread calls while its first thread's call is in flight;
     rank 1 calls in ``rank1_order``."""
+    from gradcomp.comm import guard
+
     n = 1 << 16
+    dist.barrier()  # from here rank 1 sleeps, so rank 0's first call is in flight meanwhile
     if rank == 1:
-        time.sleep(1.5)  # rank 0's first call is waiting inside the collective meanwhile
+        time.sleep(1.5)
         got = {}
         for name in rank1_order:
             try:
@@ -276,22 +279,22 @@ def _concurrent(rank, world, rank1_order):
             except ValueError as e:
                 got[name] = str(e)
         return got
-    out, entered = {}, threading.Event()
+    out = {}
 
     def call(name, value):
-        if name == "A":
-            entered.set()
         t0 = time.perf_counter()
         try:
-            out[name] = (float(gc.allreduce(torch.full((n,), value), gc.NoCompression(), op="sum",
-                                            timeout=30, tag=name)[0]), time.perf_counter() - t0)
+            got = float(gc.allreduce(torch.full((n,), value), gc.NoCompression(), op="sum", timeout=30,
+                                     tag=name)[0])
         except ValueError as e:
-            out[name] = (str(e), time.perf_counter() - t0)
+            got = str(e)
+        out[name] = (got, t0, time.perf_counter())
 
     a = threading.Thread(target=call, args=("A", 1.0), name="thread-A")
     a.start()
-    entered.wait(10)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 10  # until A holds the group
+    while not any(held[1] == "thread-A" for held in guard._IN_USE.values()) and time.monotonic() < deadline:
+        time.sleep(0.005)
     call("B", 2.0)  # this thread, while A's call is in flight: it waits for it
     a.join(30)
     return out
@@ -304,7 +307,8 @@ def test_a_second_call_on_one_group_waits_for_the_first(rank1_order):
     out, got1 = launch(_concurrent, 2, (rank1_order,), timeout=TIMEOUT)
     if rank1_order == "AB":  # the same order on both ranks: both sums right
         assert out["A"][0] == 11.0 and out["B"][0] == 12.0 and got1 == {"A": 11.0, "B": 12.0}
-        assert out["B"][1] > 1.0  # it waited for A, which waited for rank 1
+        # B was called while A was in flight (A waits for rank 1's sleep) and ended after A
+        assert out["B"][1] < out["A"][2] <= out["B"][2], out
     else:  # A met B, then B met A: each named on both ranks, no mixed sum
         for mine, theirs in ("AB", "BA"):
             assert "tags or calling threads" in out[mine][0] and got1[theirs] == out[mine][0], (out, got1)
