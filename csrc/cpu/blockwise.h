@@ -182,7 +182,7 @@ inline void int_codes(const float* __restrict p, size_t len, float m, float s, u
                     ci[k] = _mm256_cvttps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_div_ps(pv, vm), vq),
                                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
                 }
-                if constexpr (EF)  // the code as a float (r may be -0: p = -0 then leaves -0 - -0 = +0)
+                if constexpr (EF)  // the integer code as a float (a rounded -0 would leave -0 - -0 = +0 for p = -0)
                     _mm256_storeu_ps(res + i + 8 * k, _mm256_sub_ps(pv, _mm256_mul_ps(_mm256_cvtepi32_ps(ci[k]), vs)));
             }
             const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(ci[0], ci[1]), _mm256_packs_epi32(ci[2], ci[3]));
