@@ -347,18 +347,30 @@ def _slow_rank(rank, world_size, flag_path):
     worker = ps.Worker(params, compressor=gc.Int8Quantizer())
     g = {"x": torch.ones(16)}
     results = []
+    count_path = flag_path + ".pushes"  # the fast worker's pushes so far
+
+    def pushes() -> int:
+        try:
+            with open(count_path) as f:
+                return int(f.read() or 0)
+        except FileNotFoundError:
+            return 0
+
     with worker:
         if rank == 1:  # fast: keeps pushing until the slow worker is done
-            for _ in range(3000):
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag_path) and time.monotonic() < deadline:
                 worker.pull()
                 results.append(worker.push(g).statuses[0])
-                if os.path.exists(flag_path):
-                    break
+                with open(count_path + ".tmp", "w") as f:
+                    f.write(str(len(results)))
+                os.replace(count_path + ".tmp", count_path)
                 time.sleep(0.002)
-        else:  # slow: its gradients arrive many versions late
+        else:  # slow: its gradients arrive many versions late (waits for 3 of the fast one's pushes)
             for _ in range(4):
                 worker.pull()
-                time.sleep(0.15)
+                n0 = pushes()
+                PP.wait_until(lambda: pushes() >= n0 + 3, 30.0, "the fast worker's pushes")
                 results.append(worker.push(g).statuses[0])
             open(flag_path, "w").close()
     return results

@@ -176,7 +176,8 @@ def _takeover_rank(rank, world_size, tmp):
         accepted = sum(worker.push(_onehot(world_size, 1)).accepted for _ in range(5))
         _write(started, "")
         PP.wait_until(lambda: os.path.exists(told), 60.0, "the takeover")
-        time.sleep(1.0)  # heartbeats (every 0.2 s) are answered: taken over
+        # its heartbeats (every 0.2 s) are answered: taken over (polled: a loaded host answers late)
+        PP.wait_until(lambda: worker._heartbeat.evicted(0) is not None, 15.0, "the takeover notice")
         t0 = time.monotonic()
         try:
             worker.push(_onehot(world_size, 1))
