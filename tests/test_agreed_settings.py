@@ -19,7 +19,9 @@ from gradcomp.ddp import GradCompState, compressed_allreduce_hook
 from gradcomp.launch import launch
 
 TIMEOUT = 240
-NAMED_WITHIN_S = 5.0
+#: a mismatch named on every rank within this many seconds (loopback): half the collectives' own
+#: 20 s timeout, so the agreement named it, not a timeout (8 processes on 2 cores may lag seconds)
+NAMED_WITHIN_S = 10.0
 PRIOR = (1e-4, 1.25e8)  # 0.1 ms per message, 1 Gbit/s
 
 

@@ -19,8 +19,9 @@ from gradcomp.comm.pipelined import MIN_SEGMENT_NUMEL
 from gradcomp.launch import launch
 
 TIMEOUT = 240
-#: the promise: a mismatch named on every rank within this many seconds (loopback)
-NAMED_WITHIN_S = 5.0
+#: a mismatch named on every rank within this many seconds (loopback): half the collectives' own
+#: 20 s timeout, so the agreement named it, not a timeout (8 processes on 2 cores may lag seconds)
+NAMED_WITHIN_S = 10.0
 
 #: compressor builders by name (the cases travel to the ranks as names)
 COMPRESSORS = {
