@@ -18,6 +18,8 @@ from gradcomp.comm import native, reduce_scatter
 from gradcomp.comm.pipelined import MIN_SEGMENT_NUMEL
 from gradcomp.launch import launch
 
+import ps_peers as PP
+
 TIMEOUT = 240
 #: a mismatch named on every rank within this many seconds (loopback): half the collectives' own
 #: 20 s timeout, so the agreement named it, not a timeout (8 processes on 2 cores may lag seconds)
@@ -293,9 +295,7 @@ def _concurrent(rank, world, rank1_order):
 
     a = threading.Thread(target=call, args=("A", 1.0), name="thread-A")
     a.start()
-    deadline = time.monotonic() + 10  # until A holds the group
-    while not any(held[1] == "thread-A" for held in guard._IN_USE.values()) and time.monotonic() < deadline:
-        time.sleep(0.005)
+    PP.wait_until(lambda: any(held[1] == "thread-A" for held in guard._IN_USE.values()), 10, "A to hold the group")
     call("B", 2.0)  # this thread, while A's call is in flight: it waits for it
     a.join(30)
     return out

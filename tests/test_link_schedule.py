@@ -14,6 +14,8 @@ from gradcomp.lab.cluster import PREFIX, LocalCluster, requirements_missing
 from gradcomp.lab.shaping import RateSchedule, Shaper, link_schedule
 from gradcomp.lab.units import format_rate, format_schedule, parse_rate, parse_schedule
 
+import ps_peers as PP
+
 REASON = requirements_missing()
 needs_netns = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
 
@@ -87,21 +89,17 @@ def test_shaper_applies_each_phase_on_time_and_restarts():
     s = RateSchedule(((0.0, 1000), (0.5, 500), (1.0, 250)))
     shaper = Shaper(s, lambda t: calls.append((t, time.monotonic())))
 
-    def wait_for(k):  # polls (a loaded host wakes a sleeper late: no fixed sleep decides)
-        deadline = time.monotonic() + 10
-        while len(calls) < k and time.monotonic() < deadline:
-            time.sleep(0.01)
-
     shaper.start("test-shaper")
     try:
-        wait_for(2)
+        # polled: a loaded host wakes a sleeper late, so no fixed sleep decides
+        PP.wait_until(lambda: len(calls) >= 2, 10, "the schedule's two changes")
         assert [t for t, _ in calls] == [0.5, 1.0]
         for t, wall in calls:
             assert 0 <= wall - (shaper.origin + t) < 0.5  # never early; late by less than a phase
         calls.clear()
         origin = shaper.restart()
         assert calls[0][0] == 0.0 and calls[0][1] <= origin  # phase 0 is in force on return
-        wait_for(2)
+        PP.wait_until(lambda: len(calls) >= 2, 10, "the restarted schedule's first change")
         assert [t for t, _ in calls][:2] == [0.0, 0.5]  # the schedule runs again from its start
     finally:
         shaper.stop()
