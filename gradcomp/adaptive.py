@@ -598,7 +598,16 @@ class Adaptive(CodecPolicy):
             t = self._tracks[bucket] = _Track(bucket, numel, ladder, [sizes[i] for i in ladder], messages,
                                               self.patience, self.probe)
             t.dtype = dtype
+            if self.objective == "exchange" and self.link is None:
+                t.level = self._lightest(t)
         return t
+
+    def _lightest(self, t: _Track) -> int:
+        """The exchange objective's start without a link prior: the ladder position of the
+        fewest wire bytes among the candidates of the least convergence factor (the lightest
+        exchange wherever the bytes dominate it; measurements move it from there)."""
+        least = min(self.convergence[i] for i in t.ladder)
+        return max(j for j, i in enumerate(t.ladder) if self.convergence[i] == least)
 
     def _residual(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
         r = self.residuals.get(key)

@@ -168,8 +168,10 @@ class LocalSGD:
             parameter (>= 1); ``"auto"`` or a :class:`~gradcomp.SyncPeriod`: chosen
             online at every synchronisation (:mod:`gradcomp.sync_period`; then
             ``fragments=1``, ``overlap=0``).
-        min_sync_every, max_sync_every, comm_share: the bounds and the target
-            exchange share of ``sync_every="auto"`` (default 1, 64, 0.1).
+        min_sync_every, max_sync_every, period_cost, comm_share: the bounds and the
+            rule of ``sync_every="auto"`` (default 1, 64, the cost rule with
+            :data:`gradcomp.sync_period.PERIOD_COST`; ``comm_share``: the share rule;
+            :class:`~gradcomp.SyncPeriod`).
         compressor: a gradcomp compressor (default :class:`~gradcomp.Int8Quantizer`),
             not wrapped in ErrorFeedback (residuals are kept here); ``"auto"`` or a
             :class:`~gradcomp.Adaptive`: the codec chosen online, per fragment
@@ -236,14 +238,17 @@ class LocalSGD:
         min_sync_every: int | None = None,
         max_sync_every: int | None = None,
         comm_share: float | None = None,
+        period_cost: float | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.period = period_argument(sync_every, min_sync_every, max_sync_every, comm_share,
-                                      fragments=fragments, overlap=overlap)
+                                      period_cost=period_cost, fragments=fragments, overlap=overlap)
         self.sync_every, self.fragments, self.overlap = check_schedule(
             sync_every if self.period is None else self.period.start, fragments, overlap)
         compressor, algorithm = _codec(compressor, algorithm)
+        if self.period is not None and isinstance(compressor, Adaptive):  # from the first exchange on
+            compressor.objective = "step" if self.period.start >= self.period.max_sync_every else "exchange"
         v.flag("error_feedback", error_feedback)
         #: the chooser of algorithm "auto" (its tracks keyed by fragment), else None
         self.auto = algorithm if isinstance(algorithm, AutoAlgorithm) else None

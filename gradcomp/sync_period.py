@@ -2,8 +2,10 @@
 
 ``gc.LocalSGD(model, sync_every="auto")`` (or ``sync_every=gc.SyncPeriod(...)``) starts
 synchronous (``H = min_sync_every``) and, at every synchronisation, sets the period for the
-next round: the period that keeps the exchange's share of a round at ``comm_share``, so a
-slow link raises ``H``, a fast one lowers it (``H = 1``: synchronous training), times
+next round: the period of the least modelled time to a target, ``sqrt((1 - a) comm / (a x
+compute))`` for a period cost ``a`` (or, given ``comm_share``, the period that holds the
+exchange at that share of a round), so a slow link raises ``H``, a fast one lowers it
+(``H = 1``: synchronous training), times
 AdaComm's loss factor (Wang and Joshi 2019: ``H`` shrinks with the square root of the loss)
 where the workers' models measurably diverge (:func:`loss_factor`, :func:`choose_period`).
 Invariant: every rank decides from the same agreed numbers (one float64 allreduce of four
@@ -28,23 +30,32 @@ from gradcomp import _validate as v
 from gradcomp.comm.consensus import agree_max
 from gradcomp.meter import TrafficMeter
 
-__all__ = ["SyncPeriod", "SyncRound", "choose_period", "loss_factor", "period_argument", "COMM_SHARE",
-           "DIVERGENCE_THRESHOLD", "DWELL_STEPS", "HYSTERESIS", "MAX_DWELL_STEPS", "MAX_SYNC_EVERY", "REASONS",
+__all__ = ["SyncPeriod", "SyncRound", "choose_period", "loss_factor", "period_argument", "time_aware_period",
+           "COMM_SHARE", "DIVERGENCE_THRESHOLD", "DWELL_STEPS", "HYSTERESIS", "MAX_DWELL_STEPS", "MAX_SYNC_EVERY",
+           "PERIOD_COST", "REASONS",
            "WARMUP_ROUNDS", "WINDOW_STEPS"]
 
-#: default target share of a round's time spent in the exchange: ``comm / (comm + H x compute)``
+#: a target share of a round's time spent in the exchange, ``comm / (comm + H x compute)``, used
+#: in the studies (``SyncPeriod(comm_share=...)`` chooses the share rule instead of the cost rule)
 COMM_SHARE = 0.1
+#: default period cost ``a``: the fraction of the steps to a target that each inner step of
+#: period adds, ``steps(H) = steps(1) (1 + a (H - 1))``. Wang and Joshi 2019's error-runtime
+#: bound grows the same way with ``H`` (its local-update term); the value is measured on the
+#: study's mnist-cnn rows (steps to 96% at H = 4, 16, 64: 0.06 between 4 and 16, 0.02 between
+#: 4 and 64): docs/local-sgd.md#the-period-chosen-online
+PERIOD_COST = 0.05
 #: default upper bound of the period (inner steps)
 MAX_SYNC_EVERY = 64
 #: the period moves only when the new one is at least this fraction above or below it, and
 #: at least one step (or beyond a bound): one round's timings are noisy, and a period that
 #: flips by one step each round would log a switch per round for no gain
 HYSTERESIS = 0.25
-#: why the period moved: the exchange took more / less than ``comm_share`` of the round at the
-#: old period (the link slowed / sped up against the compute); the loss fell (AdaComm's factor,
+#: why the period moved: the time-aware period rose / fell (the exchange grew / shrank against
+#: the compute: the link slowed / sped up, or the codec or the step changed); the loss fell (AdaComm's factor,
 #: no divergence measured or the rule without it); the loss factor applies because the models
 #: diverge above :data:`DIVERGENCE_THRESHOLD` (down), or no longer does because they agree (up)
 REASONS = ("comm_share_high", "comm_share_low", "loss_fell", "divergence_high", "divergence_low")
+
 #: the relative divergence (:class:`SyncRound`) at or under which the loss factor does not
 #: apply. Deviations of the ranks' moves that are independent of one another (sampling noise,
 #: of any size, and the drift it causes) give a divergence of at most about 1: averaging
@@ -135,20 +146,42 @@ def loss_factor(loss_ratio: float | None, divergence: float | None = None,
     return max(adacomm, threshold / divergence)
 
 
+def time_aware_period(comm_s: float, compute_s: float, *, comm_share: float | None = None,
+                      period_cost: float = PERIOD_COST) -> float:
+    """The unrounded, unbounded time-aware period (``inf`` when ``compute_s`` is 0 and ``comm_s`` is not).
+
+    The cost rule (``comm_share`` None): a round of ``H`` steps lasts ``H x compute_s +
+    comm_s`` and a target takes ``steps(1) (1 + a (H - 1))`` steps (``a = period_cost``), so
+    the time to the target is proportional to ``(1 - a + a H) (compute_s + comm_s / H)``,
+    least at ``H = sqrt((1 - a) comm_s / (a x compute_s))``: the square-root form of Wang and
+    Joshi 2019's error-runtime optimum (their ``tau*`` grows as the square root of the
+    communication-to-computation ratio). The share rule: the least ``H`` with ``comm_s /
+    (comm_s + H x compute_s) <= comm_share``, ``comm_s (1 - comm_share) / (comm_share x compute_s)``.
+    """
+    if compute_s <= 0:
+        return math.inf if comm_s > 0 else 0.0
+    if comm_share is not None:
+        return comm_s * (1 - comm_share) / (comm_share * compute_s)
+    return math.sqrt((1 - period_cost) * comm_s / (period_cost * compute_s))
+
+
 def choose_period(current: int, comm_s: float, compute_s: float, *, loss_ratio: float | None = None,
                   divergence: float | None = None, divergence_threshold: float = DIVERGENCE_THRESHOLD,
-                  comm_share: float = COMM_SHARE, min_sync_every: int = 1,
+                  comm_share: float | None = None, period_cost: float = PERIOD_COST, min_sync_every: int = 1,
                   max_sync_every: int = MAX_SYNC_EVERY) -> tuple[int, str | None, float]:
     """The next period from agreed measurements (pure; the rule of :class:`SyncPeriod`).
 
-    The time-aware period is the least ``H`` with ``comm_s / (comm_s + H x compute_s) <=
-    comm_share``: ``H_time = comm_s (1 - comm_share) / (comm_share x compute_s)``. It is
-    scaled by :func:`loss_factor` (AdaComm's ``sqrt(min(1, loss_ratio))`` where the models
-    diverge, or always without a divergence): ``H = ceil(factor x H_time)``, clamped to the
-    bounds: one target from both factors. It replaces ``current`` only when the unrounded
-    target ``factor x H_time`` is at least ``max(1, HYSTERESIS x current)`` away from it
-    (:data:`HYSTERESIS`; at least one whole step, so that a small period does not move
-    between neighbours on noise) or beyond a bound.
+    The time-aware period ``H_time`` is :func:`time_aware_period`'s (the cost rule, or the
+    share rule when ``comm_share`` is given). It is scaled by :func:`loss_factor` (AdaComm's
+    ``sqrt(min(1, loss_ratio))`` where the models diverge, or always without a divergence)
+    and made whole: under the cost rule the whole period of the least modelled time next to
+    ``h = factor x H_time`` (``floor(h)`` while ``h^2 < floor(h) (floor(h) + 1)``, else one
+    more: the modelled time of ``n`` and ``n + 1`` is equal at ``h = sqrt(n (n + 1))``), under
+    the share rule ``ceil(h)`` (the least period that holds the share); clamped to the bounds:
+    one target from both factors. It replaces
+    ``current`` only when the unrounded target ``factor x H_time`` is at least ``max(1,
+    HYSTERESIS x current)`` away from it (:data:`HYSTERESIS`; at least one whole step, so that
+    a small period does not move between neighbours on noise) or beyond a bound.
 
     Args:
         current: the period of the round just ended (inner steps).
@@ -158,17 +191,15 @@ def choose_period(current: int, comm_s: float, compute_s: float, *, loss_ratio: 
         divergence: the models' agreed relative divergence (>= 0), or None: AdaComm's factor
             whenever a loss ratio is given.
         divergence_threshold: see :func:`loss_factor` (> 0).
-        comm_share: the target share, in (0, 1).
+        comm_share: the target share, in (0, 1), or None: the cost rule.
+        period_cost: the cost rule's ``a``, in (0, 1).
         min_sync_every, max_sync_every: the bounds (1 <= min <= max).
 
     Returns:
         ``(period, reason, ideal)``: the next period, the reason (one of :data:`REASONS`) or
         None when it stays, and the unrounded, unbounded ``H`` (``inf`` when ``compute_s`` is 0).
     """
-    if compute_s > 0:
-        base = comm_s * (1 - comm_share) / (comm_share * compute_s)
-    else:
-        base = math.inf if comm_s > 0 else 0.0
+    base = time_aware_period(comm_s, compute_s, comm_share=comm_share, period_cost=period_cost)
 
     def scaled(factor: float) -> float:
         return factor * base if base < math.inf or factor > 0 else 0.0
@@ -178,7 +209,12 @@ def choose_period(current: int, comm_s: float, compute_s: float, *, loss_ratio: 
     def bounded(h: float) -> int:
         if h == math.inf:
             return max_sync_every
-        return min(max_sync_every, max(min_sync_every, math.ceil(h * (1 - _ROUNDING))))
+        if comm_share is not None:  # the least period within the share
+            whole = math.ceil(h * (1 - _ROUNDING))
+        else:  # the whole period of the least modelled time: n beats n + 1 while h^2 < n (n + 1)
+            n = math.floor(h)
+            whole = n if h * h < n * (n + 1) else n + 1
+        return min(max_sync_every, max(min_sync_every, whole))
 
     band = max(1.0, HYSTERESIS * current)
 
@@ -205,7 +241,7 @@ class SyncPeriod:
     """The adaptive period of :class:`gradcomp.LocalSGD` (see the module docstring).
 
     Pass it as ``LocalSGD(sync_every=SyncPeriod(...))``; ``sync_every="auto"`` builds one
-    from ``min_sync_every``, ``max_sync_every`` and ``comm_share``. At every scheduled
+    from ``min_sync_every``, ``max_sync_every``, ``period_cost`` and ``comm_share``. At every scheduled
     synchronisation, once the exchange returned, each rank agrees with the others on the
     round's measurements (:class:`SyncRound`) by one ``MAX`` allreduce of ``(-comm_s,
     compute_s, loss, divergence)``: the exchange as the last rank to arrive timed it (no wait
@@ -225,7 +261,10 @@ class SyncPeriod:
     Args:
         min_sync_every: the least period, and the start unless ``start`` is given (>= 1).
         max_sync_every: the largest period (>= ``min_sync_every``).
-        comm_share: the target share of a round's seconds spent in the exchange, in (0, 1).
+        period_cost: the cost rule's ``a`` (:data:`PERIOD_COST`; :func:`time_aware_period`),
+            in (0, 1).
+        comm_share: None (the cost rule), or the share rule's target share of a round's
+            seconds spent in the exchange, in (0, 1); not with ``period_cost``.
         start: the first round's period (within the bounds; default ``min_sync_every``).
         divergence_threshold: the agreed divergence at or under which the loss factor does
             not apply (> 0, default :data:`DIVERGENCE_THRESHOLD`); None: AdaComm's factor
@@ -239,7 +278,8 @@ class SyncPeriod:
             ``step``, ``from``, ``to``, ``reason`` (:data:`REASONS`), the agreed ``comm_s``,
             ``compute_s``, ``loss`` and ``divergence`` (None: not measured or infinite) over
             the window of ``rounds`` rounds, ``loss0``, ``divergence_threshold``,
-            ``comm_share`` (the exchange's share at the old period), ``target_share``,
+            ``comm_share`` (the exchange's share at the old period), ``target_share`` (None
+            under the cost rule), ``period_cost`` (None under the share rule),
             ``ideal`` (None when infinite) and ``codec`` (the adaptive codec's choice for
             the exchange, or None)).
         decisions: decisions taken so far; loss0: the first agreed loss, or None.
@@ -251,15 +291,23 @@ class SyncPeriod:
     """
 
     def __init__(self, min_sync_every: int = 1, max_sync_every: int = MAX_SYNC_EVERY, *,
-                 comm_share: float = COMM_SHARE, start: int | None = None,
+                 period_cost: float | None = None, comm_share: float | None = None, start: int | None = None,
                  divergence_threshold: float | None = DIVERGENCE_THRESHOLD,
                  clock: Callable[[], float] | None = None,
                  timing: Callable[[SyncRound], SyncRound] | None = None):
         self.min_sync_every = v.integer("min_sync_every", min_sync_every, 1)
         self.max_sync_every = v.integer("max_sync_every", max_sync_every, self.min_sync_every)
-        self.comm_share = v.real("comm_share", comm_share)
-        if not 0 < self.comm_share < 1:
-            raise ValueError(f"comm_share must be in (0, 1) (a share of the round's seconds), got {comm_share!r}")
+        if period_cost is not None and comm_share is not None:
+            raise ValueError(f"give period_cost (the cost rule) or comm_share (the share rule), not both: "
+                             f"got period_cost={period_cost!r}, comm_share={comm_share!r}")
+        self.comm_share = None if comm_share is None else v.real("comm_share", comm_share)
+        if self.comm_share is not None and not 0 < self.comm_share < 1:
+            raise ValueError(f"comm_share must be in (0, 1) (a share of the round's seconds) or None, "
+                             f"got {comm_share!r}")
+        self.period_cost = None if self.comm_share is not None else \
+            v.real("period_cost", PERIOD_COST if period_cost is None else period_cost)
+        if self.period_cost is not None and not 0 < self.period_cost < 1:
+            raise ValueError(f"period_cost must be in (0, 1) (steps added per step of period), got {period_cost!r}")
         self.start = self.min_sync_every if start is None else v.integer(
             "start", start, self.min_sync_every, self.max_sync_every)
         if divergence_threshold is not None:
@@ -288,7 +336,7 @@ class SyncPeriod:
     def settings(self) -> dict[str, object]:
         """What every rank must share (it decides the schedule)."""
         return {"min_sync_every": self.min_sync_every, "max_sync_every": self.max_sync_every,
-                "comm_share": self.comm_share, "start": self.start,
+                "period_cost": self.period_cost, "comm_share": self.comm_share, "start": self.start,
                 "divergence_threshold": self.divergence_threshold}
 
     # ---- measurements (LocalSGD calls these) ---------------------------------------------
@@ -381,7 +429,8 @@ class SyncPeriod:
         used = divergence if self.divergence_threshold is not None else None
         new, reason, ideal = choose_period(current, comm, compute, loss_ratio=ratio, divergence=used,
                                            divergence_threshold=self.divergence_threshold or DIVERGENCE_THRESHOLD,
-                                           comm_share=self.comm_share, min_sync_every=self.min_sync_every,
+                                           comm_share=self.comm_share, period_cost=self.period_cost or PERIOD_COST,
+                                           min_sync_every=self.min_sync_every,
                                            max_sync_every=self.max_sync_every)
         self.decisions += 1
         if reason is not None:
@@ -393,6 +442,7 @@ class SyncPeriod:
                      "divergence": divergence if divergence is not None and math.isfinite(divergence) else None,
                      "divergence_threshold": self.divergence_threshold,
                      "comm_share": comm / round_s if round_s > 0 else 0.0, "target_share": self.comm_share,
+                     "period_cost": self.period_cost,
                      "ideal": ideal if math.isfinite(ideal) else None, "codec": codec, "rounds": window}
             self.switches.append(entry)
             if meter is not None:
@@ -496,30 +546,32 @@ class SyncPeriod:
 
     def __repr__(self) -> str:
         return (f"SyncPeriod(min_sync_every={self.min_sync_every}, max_sync_every={self.max_sync_every}, "
-                f"comm_share={self.comm_share:g}, start={self.start}, "
+                f"period_cost={self.period_cost!r}, comm_share={self.comm_share!r}, start={self.start}, "
                 f"divergence_threshold={self.divergence_threshold!r})")
 
 
 
 def period_argument(sync_every, min_sync_every=None, max_sync_every=None, comm_share=None, *,
-                    fragments: int = 1, overlap: int = 0) -> SyncPeriod | None:
+                    period_cost=None, fragments: int = 1, overlap: int = 0) -> SyncPeriod | None:
     """The :class:`SyncPeriod` that :class:`gradcomp.LocalSGD`'s arguments ask for, or None (a fixed period).
 
-    ``sync_every="auto"`` builds one from the other three (None: 1, :data:`MAX_SYNC_EVERY`,
-    :data:`COMM_SHARE`); a :class:`SyncPeriod` is taken as it is; an int is a fixed period.
+    ``sync_every="auto"`` builds one from the other four (None: 1, :data:`MAX_SYNC_EVERY`,
+    the cost rule with :data:`PERIOD_COST`); a :class:`SyncPeriod` is taken as it is; an int
+    is a fixed period.
 
     Raises:
-        ValueError: ``sync_every`` is another string; the bounds or ``comm_share`` are given
-            with a fixed period or a SyncPeriod; an adaptive period with ``fragments != 1``
-            or ``overlap != 0`` (its rounds end where every parameter was just synchronised).
+        ValueError: ``sync_every`` is another string; the bounds, ``comm_share`` or
+            ``period_cost`` are given with a fixed period or a SyncPeriod, or both of the
+            latter two; an adaptive period with ``fragments != 1`` or ``overlap != 0`` (its
+            rounds end where every parameter was just synchronised).
     """
     given = {n: x for n, x in (("min_sync_every", min_sync_every), ("max_sync_every", max_sync_every),
-                               ("comm_share", comm_share)) if x is not None}
+                               ("comm_share", comm_share), ("period_cost", period_cost)) if x is not None}
     if isinstance(sync_every, str) and sync_every != "auto":
         raise ValueError(f"sync_every must be an int >= 1, 'auto' or a gradcomp.SyncPeriod, got {sync_every!r}")
     if sync_every == "auto":
         period = SyncPeriod(given.get("min_sync_every", 1), given.get("max_sync_every", MAX_SYNC_EVERY),
-                            comm_share=given.get("comm_share", COMM_SHARE))
+                            period_cost=period_cost, comm_share=comm_share)
     elif given:
         raise ValueError(f"{', '.join(given)} apply to sync_every='auto' only (a SyncPeriod takes its own), "
                          f"got sync_every={sync_every!r}")

@@ -171,8 +171,11 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     auto.add_argument("--max-sync-every", type=A.positive_int_type, default=None, metavar="H",
                       help=f"the largest period the auto mode chooses (default {d.max_sync_every})")
     auto.add_argument("--comm-share", type=float, default=None, metavar="S",
-                      help=f"the auto mode's target share of a round spent in the exchange, in (0, 1) "
-                           "(default: gc.SyncPeriod's comm_share, gradcomp.sync_period.COMM_SHARE)")
+                      help="the auto mode's period by the share rule: the exchange held at this share "
+                           "of a round, in (0, 1) (default: the cost rule)")
+    auto.add_argument("--period-cost", type=float, default=None, metavar="A",
+                      help="the auto mode's cost rule: each step of period adds this fraction of the steps "
+                           "to a target, in (0, 1) (default: gradcomp.sync_period.PERIOD_COST)")
     p.add_argument("--out", default=None,
                    help=f"directory for the results (results.json/.csv/.png, time.png, decision.md/"
                         f".json); default: a new timestamped directory under {DEFAULT_OUT}/. "
@@ -276,7 +279,7 @@ def _check_row_options(args: argparse.Namespace) -> None:
 
 #: options of the auto mode only, with their TrainConfig field
 AUTO_OPTIONS = {"--min-sync-every": "min_sync_every", "--max-sync-every": "max_sync_every",
-                "--comm-share": "comm_share"}
+                "--comm-share": "comm_share", "--period-cost": "period_cost"}
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:

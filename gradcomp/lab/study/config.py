@@ -230,9 +230,9 @@ class TrainConfig:
         sync_every, outer, fragments, overlap: the local mode's schedule
             (:class:`gradcomp.LocalSGD`: ``H``, ``"avg"`` or ``"nesterov"``,
             ``F``, ``tau``).
-        min_sync_every, max_sync_every, comm_share: the auto mode's bounds of the period
-            and its target share of a round in the exchange (``LocalSGD(sync_every="auto")``,
-            None: its default; its outer step is ``outer``).
+        min_sync_every, max_sync_every, period_cost, comm_share: the auto mode's bounds of
+            the period and its rule (``LocalSGD(sync_every="auto")``, None: its default;
+            its outer step is ``outer``).
         workload: a name of :data:`gradcomp.lab.study.workloads.WORKLOADS`
             (``hidden`` applies to ``digits-mlp`` only).
         data_dir: CIFAR-10's folder (``cifar10-resnet18``); data_file: the
@@ -269,6 +269,7 @@ class TrainConfig:
     min_sync_every: int = 1
     max_sync_every: int = 64
     comm_share: float | None = None
+    period_cost: float | None = None
     workload: str = DEFAULT_WORKLOAD
     data_dir: str | None = None
     data_file: str | None = None
@@ -351,8 +352,8 @@ class TrainConfig:
         check_schedule(self.sync_every, self.fragments, self.overlap)
         from gradcomp.sync_period import SyncPeriod
 
-        share = {} if self.comm_share is None else {"comm_share": self.comm_share}
-        SyncPeriod(self.min_sync_every, self.max_sync_every, **share)  # raises for bad bounds, naming them
+        # raises for bad bounds or rules, naming them
+        SyncPeriod(self.min_sync_every, self.max_sync_every, comm_share=self.comm_share, period_cost=self.period_cost)
         if self.workload not in WORKLOADS:
             raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         if self.outer not in OUTER_OPTIMIZERS:

@@ -180,8 +180,8 @@ def time_figure(studies, title: str):
 
 
 #: marker of each reason the period moved (:data:`gradcomp.sync_period.REASONS`)
-REASON_MARKERS = {"comm_share_high": ("^", "exchange share high: H up"),
-                  "comm_share_low": ("v", "exchange share low: H down"),
+REASON_MARKERS = {"comm_share_high": ("^", "exchange grew against compute: H up"),
+                  "comm_share_low": ("v", "exchange shrank against compute: H down"),
                   "loss_fell": ("x", "loss fell: H down (AdaComm)"),
                   "divergence_high": ("D", "models diverge, loss fell: H down"),
                   "divergence_low": ("d", "models agree: loss factor lifted, H up")}

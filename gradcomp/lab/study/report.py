@@ -92,6 +92,7 @@ def title(study: StudyResult) -> str:
         algorithm += f", data: each worker's classes in Dirichlet({c.label_skew:g}) proportions"
     if "auto" in modes:
         share = "" if c.comm_share is None else f" at an exchange share of {c.comm_share:g}"
+        share += "" if c.period_cost is None else f" at a period cost of {c.period_cost:g}"
         algorithm += f", auto: period chosen in {c.min_sync_every}..{c.max_sync_every} steps{share}, outer {c.outer}"
     what = (f"digits ({study.train_samples} train / {study.test_samples} test), "
             f"MLP {'-'.join(map(str, (64, *c.hidden, 10)))} ({study.num_parameters:,} params)")
