@@ -78,7 +78,7 @@ from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
 from gradcomp.localsgd_fragments import Fragment, partition
 from gradcomp.meter import TrafficMeter
 from gradcomp.powersgd import PowerSGD
-from gradcomp.sync_period import SyncPeriod, period_argument
+from gradcomp.sync_period import WINDOW_STEPS, SyncPeriod, period_argument
 from gradcomp.timeline import StepTimeline
 
 __all__ = ["LocalSGD", "ADAPTIVE", "OUTER_LR", "OUTER_MOMENTUM", "OUTER_OPTIMIZERS", "check_schedule"]
@@ -249,6 +249,7 @@ class LocalSGD:
         compressor, algorithm = _codec(compressor, algorithm)
         if self.period is not None and isinstance(compressor, Adaptive):  # from the first exchange on
             compressor.objective = "step" if self.period.start >= self.period.max_sync_every else "exchange"
+            self._codec_interval = compressor.interval
         v.flag("error_feedback", error_feedback)
         #: the chooser of algorithm "auto" (its tracks keyed by fragment), else None
         self.auto = algorithm if isinstance(algorithm, AutoAlgorithm) else None
@@ -406,8 +407,10 @@ class LocalSGD:
                                                      self._group, self.timeout, self._frags[0].anchor.device,
                                                      self.meter, self.codec)
                 self._round_start = self.steps
-            if coupled:  # below its bound, the period holds the exchange's share
+            if coupled:  # below its bound, the codec of the lightest exchange; decisions a window apart
                 self.compressor.objective = "step" if self.sync_every >= self.period.max_sync_every else "exchange"
+                if self.period.decisions:  # after the first decision (which waits for the codec's)
+                    self.compressor.interval = max(self._codec_interval, -(-WINDOW_STEPS // self.sync_every))
         if self.meter is not None:
             self.meter.step()
 
@@ -434,10 +437,12 @@ class LocalSGD:
         frag = self._frags[f]
         delta = frag.pseudo_gradient()
         if overlap == 0:
-            held = None if self.period is None else frag.residual_copy()  # the codec's error is no divergence
+            # the divergence of a round that a decision reads (the codec's error is no divergence)
+            measure = self.period is not None and self.period.due(self.steps)
+            held = frag.residual_copy() if measure else None
             with self.period.timed() if self.period is not None else contextlib.nullcontext():
                 mean = self._exchange(frag, delta, None, self.syncs)
-            if self.period is not None:  # the parameters still hold this rank's local model
+            if measure:  # the parameters still hold this rank's local model
                 self.period.report_divergence(*frag.divergence(mean, held))
             self._apply(f, mean)
             return

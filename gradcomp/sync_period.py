@@ -241,10 +241,12 @@ class SyncPeriod:
     """The adaptive period of :class:`gradcomp.LocalSGD` (see the module docstring).
 
     Pass it as ``LocalSGD(sync_every=SyncPeriod(...))``; ``sync_every="auto"`` builds one
-    from ``min_sync_every``, ``max_sync_every``, ``period_cost`` and ``comm_share``. At every scheduled
-    synchronisation, once the exchange returned, each rank agrees with the others on the
-    round's measurements (:class:`SyncRound`) by one ``MAX`` allreduce of ``(-comm_s,
-    compute_s, loss, divergence)``: the exchange as the last rank to arrive timed it (no wait
+    from ``min_sync_every``, ``max_sync_every``, ``period_cost`` and ``comm_share``. Each rank
+    measures every round (:class:`SyncRound`); at a decision (the first after the warm-up,
+    then the first synchronisation at least :data:`WINDOW_STEPS` inner steps after the last
+    one: :meth:`due`), once the exchange returned, the ranks agree on the rounds since the
+    last decision by one ``MAX`` allreduce of ``(-comm_s, compute_s, loss, divergence)`` per
+    round: the exchange as the last rank to arrive timed it (no wait
     for a late peer), the slowest rank's compute per step, the largest mean loss and the
     largest divergence (``-inf`` for none). :func:`choose_period` then gives the next period
     on every rank alike, from the agreed rounds that hold the latest :data:`WINDOW_STEPS`
@@ -329,6 +331,8 @@ class SyncPeriod:
         self.dwell = DWELL_STEPS
         self._last_move: tuple[int, bool] | None = None  # (step, upward)
         self._warmup = WARMUP_ROUNDS
+        self._decided_at: int | None = None  # the step of the last decision (None: decide at the next call)
+        self._local: list[tuple[SyncRound, int, str | None]] = []  # this rank's rounds since then
         # agreed rounds: (comm, compute, steps, codec, loss, divergence)
         self._rounds: list[tuple[float, float, int, str | None, float | None, float | None]] = []
         self.begin()
@@ -382,7 +386,8 @@ class SyncPeriod:
     # ---- the decision ---------------------------------------------------------------------
     def decide(self, step: int, steps: int, current: int, group, timeout: float, device,
                meter: TrafficMeter | None = None, codec: str | None = None) -> int:
-        """Agree on the round's measurements over ``group`` and return the next period.
+        """Note the round's measurements; when :meth:`due`, agree on those of the rounds since
+        the last decision over ``group`` and return the next period (else ``current``).
 
         Every rank of ``group`` must call it at the same synchronisation. The first
         :data:`WARMUP_ROUNDS` calls only drop their round's measurements (and return ``current``).
@@ -404,24 +409,19 @@ class SyncPeriod:
             self._warmup -= 1
             self.begin()
             return current
-        mine = SyncRound(step=step, steps=steps, comm_s=self._comm_s, compute_s=self._busy_s / max(1, steps),
-                         loss=self._loss_sum / self._loss_count if self._loss_count else None,
-                         divergence=self._divergence(dist.get_world_size(group)))
-        if self.timing is not None:
-            mine = self.timing(mine)
-            if not isinstance(mine, SyncRound):
-                raise TypeError(f"timing must return a gradcomp.SyncRound, got {type(mine).__name__}")
-        for name in ("comm_s", "compute_s", "loss", "divergence"):
-            x = getattr(mine, name)
-            if not (name in ("loss", "divergence") and x is None) \
-                    and not ((math.isfinite(x) or name == "divergence") and x >= 0):
-                raise ValueError(f"SyncRound.{name} must be a {'' if name == 'divergence' else 'finite '}"
-                                 f"number >= 0{' or None' if name in ('loss', 'divergence') else ''}, got {x!r}")
-        local = [-mine.comm_s, mine.compute_s] + [-math.inf if x is None else float(x)
-                                                  for x in (mine.loss, mine.divergence)]
-        neg_comm, compute, loss, divergence = agree_max(local, group, timeout, device, "gradcomp.SyncPeriod")
-        self._rounds.append((-neg_comm, compute, max(1, steps), codec, loss if math.isfinite(loss) else None,
-                             divergence if divergence >= 0 else None))  # -inf: no rank measured one
+        mine = self._measured(step, steps, dist.get_world_size(group))
+        self._local.append((mine, max(1, steps), codec))
+        if not self.due(step):  # fewer than a window's steps since the last decision: no agreement
+            self.begin()
+            return current
+        agreed = agree_max([x for r, _, _ in self._local for x in (
+            -r.comm_s, r.compute_s, -math.inf if r.loss is None else float(r.loss),
+            -math.inf if r.divergence is None else float(r.divergence))], group, timeout, device, "gradcomp.SyncPeriod")
+        for at, (_, n, used_codec) in zip(range(0, len(agreed), 4), self._local):
+            neg_comm, compute, loss, divergence = agreed[at:at + 4]
+            self._rounds.append((-neg_comm, compute, n, used_codec, loss if math.isfinite(loss) else None,
+                                 divergence if divergence >= 0 else None))  # -inf: no rank measured one
+        self._local, self._decided_at = [], step
         comm, compute, loss, divergence, window = self._window()
         if loss is not None and self.loss0 is None:
             self.loss0 = loss
@@ -449,6 +449,30 @@ class SyncPeriod:
                 meter.record_switch(entry)
         self.begin()  # the agreement's own seconds are neither compute nor exchange
         return new
+
+    def due(self, step: int) -> bool:
+        """Whether the :meth:`decide` call at ``step`` agrees and decides: after the warm-up, the
+        first call, then the first call at least :data:`WINDOW_STEPS` inner steps after the last
+        decision (a decision reads a window of that many steps; the rounds in between are agreed
+        with it, in the same allreduce). The same on every rank."""
+        return self._warmup == 0 and (self._decided_at is None or step - self._decided_at >= WINDOW_STEPS)
+
+    def _measured(self, step: int, steps: int, world: int) -> SyncRound:
+        """This rank's round just ended, through the ``timing`` hook, checked."""
+        mine = SyncRound(step=step, steps=steps, comm_s=self._comm_s, compute_s=self._busy_s / max(1, steps),
+                         loss=self._loss_sum / self._loss_count if self._loss_count else None,
+                         divergence=self._divergence(world))
+        if self.timing is not None:
+            mine = self.timing(mine)
+            if not isinstance(mine, SyncRound):
+                raise TypeError(f"timing must return a gradcomp.SyncRound, got {type(mine).__name__}")
+        for name in ("comm_s", "compute_s", "loss", "divergence"):
+            x = getattr(mine, name)
+            if not (name in ("loss", "divergence") and x is None) \
+                    and not ((math.isfinite(x) or name == "divergence") and x >= 0):
+                raise ValueError(f"SyncRound.{name} must be a {'' if name == 'divergence' else 'finite '}"
+                                 f"number >= 0{' or None' if name in ('loss', 'divergence') else ''}, got {x!r}")
+        return mine
 
     def _dwelt(self, step: int, current: int, new: int, reason: str) -> tuple[int, str | None]:
         """The move ``current -> new`` at ``step`` after the dwell: ``(current, None)`` when
@@ -533,7 +557,7 @@ class SyncPeriod:
         self.held, self.dwell = held, dwell
         self._last_move = None if last is None else (int(last[0]), bool(last[1]))
         self._warmup = WARMUP_ROUNDS  # a resumed run's first exchange is a new group's first again
-        self._rounds = []
+        self._rounds, self._local, self._decided_at = [], [], None
         self.switches = [dict(e) for e in switches]
         self.begin()
 

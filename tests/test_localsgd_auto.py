@@ -1,20 +1,24 @@
 """gc.LocalSGD(sync_every="auto"): the period chosen online (gradcomp.sync_period).
 
 The timings are injected through the period's ``timing`` hook (no sleeps), the losses through
-``step(loss=...)``; the expected periods are derived by hand from the rule
+``step(loss=...)``; the expected periods are derived by hand from the rules: the default cost
+rule ``H_time = sqrt((1 - a) comm / (a compute))`` (``a = 0.05``: ``sqrt(19 comm / compute)``)
+made whole (``n = floor(h)`` while ``h^2 < n (n + 1)``, else ``n + 1``), and the share rule
 ``H = ceil(factor x comm (1 - share) / (share x compute))`` (share 0.1: ``H = 9 x comm /
-compute`` before the loss factor), the loss factor AdaComm's ``sqrt(min(1, F / F0))`` without a
+compute`` before the loss factor), which most scenarios use; the loss factor AdaComm's
+``sqrt(min(1, F / F0))`` without a
 divergence, else 1 at or under the divergence threshold (1.5) and ``max(sqrt(min(1, F / F0)),
 1.5 / divergence)`` above it, the bounds, the hysteresis (25% and at least one
 step), the warm-up round, the window of 16 steps and the dwell before a reversal (16 steps,
 doubled by each reversal). The multi-process scenarios run in one 3-rank gloo launch in which
 rank 1 measures other timings than its peers
-(twice the exchange, half the compute: alone it would choose 4x the period) and every rank
+(twice the exchange, half the compute: alone it would choose another period) and every rank
 reports a different loss: every rank must still move to the same period at the same step, with
 bit-identical parameters after every synchronisation.
 """
 
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -24,11 +28,13 @@ import torch.nn as nn
 
 import gradcomp as gc
 from gradcomp.launch import launch
-from gradcomp.sync_period import (DIVERGENCE_THRESHOLD, DWELL_STEPS, HYSTERESIS, MAX_DWELL_STEPS, WARMUP_ROUNDS,
-                                  WINDOW_STEPS, choose_period, loss_factor)
+from gradcomp.sync_period import (DIVERGENCE_THRESHOLD, DWELL_STEPS, HYSTERESIS, MAX_DWELL_STEPS, PERIOD_COST,
+                                  WARMUP_ROUNDS, WINDOW_STEPS, choose_period, loss_factor)
 
 WORLD = 3
 TIMEOUT = 60
+#: the share rule at a share of 0.1 (``H = 9 x comm / compute``)
+_share = functools.partial(gc.SyncPeriod, comm_share=0.1)
 
 
 def _model():
@@ -110,48 +116,55 @@ def _biased(rank):
 def _scenarios(rank, world):
     out = {}
     # a slowing link: 9 x 0.02 / 0.01 = 18; then 9 x 0.05 / 0.01 = 45, above the bound 32
-    out["slow"] = _run(rank, gc.SyncPeriod(1, 32, timing=_script(rank, [(0.02, 0.01), (0.02, 0.01),
+    out["slow"] = _run(rank, _share(1, 32, timing=_script(rank, [(0.02, 0.01), (0.02, 0.01),
                                                                         (0.05, 0.01)])), 2 + 18 + 18 + 32)
-    # a fast link from H = 32: 9 x 0.01 / 0.01 = 9; then 0.001 s exchanges: 5 (the window still
-    # holds a 0.01 s one), then 9 x 0.001 / 0.01 = 0.9 -> 1 (synchronous)
-    out["fast"] = _run(rank, gc.SyncPeriod(1, 64, start=32, timing=_script(rank, [(0.01, 0.01), (0.001, 0.01)])),
-                       32 + 32 + 9 + 5 + 1 + 1)
+    # a fast link from H = 32: 9 x 0.01 / 0.01 = 9; then 0.001 s exchanges: the next decision,
+    # 16 steps on, reads two rounds of 9 steps: 9 x 0.001 / 0.01 = 0.9 -> 1 (synchronous)
+    out["fast"] = _run(rank, _share(1, 64, start=32, timing=_script(rank, [(0.01, 0.01), (0.001, 0.01)])),
+                       32 + 32 + 9 + 9 + 1 + 1)
     # a falling loss on a steady link (9 x 0.04 / 0.01 = 36): F0 = 2, then F = 1, 0.5, 0.125;
     # AdaComm's factor as published (no divergence threshold: the models' divergence is not used)
-    out["loss"] = _run(rank, gc.SyncPeriod(1, 64, divergence_threshold=None, timing=_script(rank, [(0.04, 0.01)])),
+    out["loss"] = _run(rank, _share(1, 64, divergence_threshold=None, timing=_script(rank, [(0.04, 0.01)])),
                        2 + 36 + 26 + 18, losses=[2.0, 1.0, 0.5, 0.125, 0.125])
     # the same falling loss with the default rule: models that diverge (3.0, above the
     # threshold) / agree (1.4, under it) / diverge, then agree again
     losses = [2.0, 1.0, 0.5, 0.125, 0.125, 0.125]
-    out["diverging"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)], [3.0])),
+    out["diverging"] = _run(rank, _share(1, 64, timing=_script(rank, [(0.04, 0.01)], [3.0])),
                             2 + 36 + 26 + 18 + 18, losses=losses)
-    out["agreeing"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)], [1.4])),
+    out["agreeing"] = _run(rank, _share(1, 64, timing=_script(rank, [(0.04, 0.01)], [1.4])),
                            2 + 36 * 3, losses=losses)
-    out["lifted"] = _run(rank, gc.SyncPeriod(1, 64, timing=_script(rank, [(0.04, 0.01)], [3.0, 3.0, 1.0])),
+    out["lifted"] = _run(rank, _share(1, 64, timing=_script(rank, [(0.04, 0.01)], [3.0, 3.0, 1.0])),
                          2 + 36 + 18 + 18 + 36, losses=[2.0, 0.5, 0.5, 0.5, 0.5, 0.5])
+    # the default cost rule, sqrt(19 x comm / compute): 2 -> 6.16 -> 6; three rounds of 6
+    # steps later (18 >= 16), 16 -> 17.44 -> 17 (306 > 304)
+    out["cost_slow"] = _run(rank, gc.SyncPeriod(1, 32, timing=_script(rank, [(0.02, 0.01), (0.16, 0.01)])),
+                            2 + 6 * 3 + 17 * 2)
+    # a fast link from H = 32: 0.1 -> 1.38 -> 1 (1.9 < 1 x 2)
+    out["cost_fast"] = _run(rank, gc.SyncPeriod(1, 64, start=32, timing=_script(rank, [(0.001, 0.01)])),
+                            32 + 32 + 2)
     out["spread"] = _spread(rank)
     out["drift"] = {data: _drift(rank, data) for data in ("own_class", "iid", "shared")}
     # a steady link measured with noise: 900 x 0.00322 = 2.898 and 900 x 0.00122 = 1.098 in turn
     # around H = 2 (+-45%); neither is a whole step away from 2
-    out["noisy"] = _run(rank, gc.SyncPeriod(1, 64, start=2, timing=_script(rank, [(0.00322, 0.01), (0.00122, 0.01)] * 30)),
+    out["noisy"] = _run(rank, _share(1, 64, start=2, timing=_script(rank, [(0.00322, 0.01), (0.00122, 0.01)] * 30)),
                         2 + 2 * 30)
     # a period that biases its own measurement: a round of 16 steps times the exchange as 0.0261 s
     # (900 x 0.0261 = 23.49 -> 24), a round of 24 as 0.0172 s (15.48 -> 16)
-    out["biased"] = _run(rank, gc.SyncPeriod(1, 64, start=16, timing=_biased(rank)), 300)
+    out["biased"] = _run(rank, _share(1, 64, start=16, timing=_biased(rank)), 300)
     out["resume"] = _resume(rank)
     # measured timings (no hook): whatever they are, the ranks agree and the bounds hold
     out["measured"] = _run(rank, "auto", 24)
     # the codec and the period together: a link of 1 kB/s for the codec, and
     # for the period an exchange of 0.1 s per 1 ms step: the codec moves off float32 first, then
     # the period reaches its bound
-    out["pair"] = _run(rank, gc.SyncPeriod(1, 4, timing=_script(rank, [(0.1, 0.001)])), 4 + 4 * 5,
+    out["pair"] = _run(rank, _share(1, 4, timing=_script(rank, [(0.1, 0.001)])), 4 + 4 * 5,
                        compressor=gc.Adaptive(("none", "int8"), timing=_link, **gc.localsgd.ADAPTIVE))
     # below the period's bound the codec is ranked by its exchange alone: a period of 9 x 0.002 /
     # 0.001 = 18 reached from 1 (below the bound), or bounded to 18 from the start, and the codec's
     # timings of :func:`_busy_link`
     for name, lo, hi, steps in (("pair_exchange", 1, 64, 4 + 18 * 5), ("pair_bound", 18, 18, 18 * 5)):
         codec = gc.Adaptive(("none", "int8", "topk-int8"), timing=_busy_link, **gc.localsgd.ADAPTIVE)
-        out[name] = _run(rank, gc.SyncPeriod(lo, hi, timing=_script(rank, [(0.002, 0.001)])), steps,
+        out[name] = _run(rank, _share(lo, hi, timing=_script(rank, [(0.002, 0.001)])), steps,
                          compressor=codec)
         out[name]["objectives"] = [e["objective"] for e in codec.switches]
     return out
@@ -206,12 +219,12 @@ def _drift(rank, data):
 def _resume(rank):
     """A checkpoint taken at H = 18 restores the period, the round and F0 into a new LocalSGD."""
     model = _model()
-    period = gc.SyncPeriod(1, 32, timing=_script(rank, [(0.02, 0.01)]))
+    period = _share(1, 32, timing=_script(rank, [(0.02, 0.01)]))
     ls = gc.LocalSGD(model, sync_every=period, timeout=TIMEOUT)
     for _ in range(2 + 5):  # the warm-up round, the decision at step 2 (-> 18), 5 steps into the next
         ls.step(loss=2.0)
     state = ls.state_dict()
-    again = gc.LocalSGD(model, sync_every=gc.SyncPeriod(1, 32), timeout=TIMEOUT)
+    again = gc.LocalSGD(model, sync_every=_share(1, 32), timeout=TIMEOUT)
     again.load_state_dict(state)
     errors = []
     for other in (gc.LocalSGD(model, sync_every=18, timeout=TIMEOUT), gc.LocalSGD(model, sync_every="auto",
@@ -260,10 +273,19 @@ def test_a_slow_link_raises_the_period_up_to_the_bound(runs):
 
 
 def test_a_fast_link_lowers_the_period_to_synchronous(runs):
-    # the warm-up round ends at step 32 (stays 32); step 64 -> 9; the round of 9 steps is read
-    # with the one before (16 steps at least): median exchange (0.01 + 0.001) / 2, 9 x 0.55 = 4.95
-    # -> 5; at step 78 the window (5 + 9 + 32 steps) has the median 0.001: 0.9 -> 1
-    _check(runs, "fast", 32, [32, 64, 73, 78, 79, 80], [32, 9, 5, 1, 1, 1], ["comm_share_low"] * 3)
+    # the warm-up round ends at step 32 (stays 32); step 64 -> 9; step 73 decides nothing (9
+    # steps since the last decision); step 82 agrees on both rounds of 9 (18 >= 16 steps): the
+    # window's median 0.001: 0.9 -> 1
+    _check(runs, "fast", 32, [32, 64, 73, 82, 83, 84], [32, 9, 9, 1, 1, 1], ["comm_share_low"] * 2)
+
+
+def test_the_cost_rule_follows_the_square_root_of_the_exchange_against_the_compute(runs):
+    # step 1: warm-up; step 2: sqrt(19 x 2) = 6.16 -> 6; steps 8 and 14 decide nothing; step 20
+    # agrees on the three rounds of 6 (0.16 s): sqrt(304) = 17.44 -> 17 (>= 6 + 1.5), then it stays
+    assert PERIOD_COST == 0.05  # the derivations use (1 - a) / a = 19
+    _check(runs, "cost_slow", 1, [1, 2, 8, 14, 20, 37, 54], [1, 6, 6, 6, 17, 17, 17], ["comm_share_high"] * 2)
+    # from 32: step 32 warm-up, step 64: sqrt(1.9) = 1.38 -> 1: synchronous
+    _check(runs, "cost_fast", 32, [32, 64, 65, 66], [32, 1, 1, 1], ["comm_share_low"])
 
 
 def test_a_falling_loss_shrinks_the_period(runs):
@@ -311,11 +333,13 @@ def test_models_drifting_apart_measure_above_the_threshold_and_iid_ones_about_on
     # i.i.d. batches of random labels: independent deviations around a small common move,
     # about 1 or less on average (measured 0.30-1.48 per round); the same batches: identical
     # models, 0 up to float rounding of the mean
+    # (6 rounds of 8 steps: the warm-up's is not measured, and of the others those that a
+    # decision reads, at steps 16, 32 and 48, 16 steps apart)
     for r in runs:
-        got = r["drift"]
-        assert len(got["own_class"]) == len(got["iid"]) == 5  # 6 rounds, the warm-up's not measured
+        got = {data: [d for d in seen if d is not None] for data, seen in r["drift"].items()}
+        assert all([d is None for d in seen] == [False, True, False, True, False] for seen in r["drift"].values())
         assert min(got["own_class"]) > 4 * DIVERGENCE_THRESHOLD
-        assert sum(got["iid"]) / 5 < 1.2 and max(got["iid"]) < 2 * DIVERGENCE_THRESHOLD
+        assert sum(got["iid"]) / 3 < 1.2 and max(got["iid"]) < 2 * DIVERGENCE_THRESHOLD
         assert max(got["shared"]) < 1e-12
 
 
@@ -358,26 +382,28 @@ def test_measured_timings_keep_the_ranks_identical_within_the_bounds(runs):
 
 
 def test_the_codec_and_the_period_together(runs):
-    # the codec first: at the third exchange (its first decision) it sees float32's exchange
-    # (2256 bytes: 2.3 s at 1 kB/s) and moves to int8 (about 3.5x fewer bytes); the period waits
-    # for it: its warm-up round ends at step 3, and at step 4 9 x 0.1 / 0.001 = 900, bounded to 4
+    # below the period's bound the codec starts on int8 (the fewest bytes of the least
+    # convergence factor) and at the third exchange (its first decision) stays there (float32's
+    # 2256 bytes would take 2.3 s at 1 kB/s, about 3.5x int8's); the period waits for it: its
+    # warm-up round ends at step 3, and at step 4 9 x 0.1 / 0.001 = 900, bounded to 4
     _check(runs, "pair", 1, [1, 2, 3] + [4 + 4 * k for k in range(6)], [1, 1, 1] + [4] * 6, ["comm_share_high"])
     for r in runs:
         got = r["pair"]
         assert got["codecs"] == ["int8"]  # the period moved on int8's exchange
-        assert got["codec_moves"] == [("none", "int8")] and got["codec"] == "int8", got
+        assert got["codec_moves"] == [] and got["codec"] == "int8", got
 
 
 def test_below_its_bound_the_period_takes_the_lighter_exchange(runs):
     # by round time float32 is within NEAR (10%) of int8 (0.2 + 0.0226 against 0.2 + 0.0064 s
-    # and int8's kernels) and stays; by the exchange alone int8 is about 3.5x faster, which the
-    # period turns into a shorter round at the same share; top-k + int8 (the fewest bytes, but a
-    # convergence factor of 1.47: more steps) is left out below the bound
+    # and int8's kernels) and stays (at the bound: float32 from the start); by the exchange alone
+    # int8 is about 3.5x faster, which the period turns into a shorter round: below the bound the
+    # codec starts on int8 and stays; top-k + int8 (the fewest bytes, but a convergence factor of
+    # 1.47: more steps) is left out below the bound
     for r in runs:
         below, bound = r["pair_exchange"], r["pair_bound"]
         assert below["syncs"] == [1, 2, 3] + [4 + 18 * k for k in range(6)], below
         assert below["periods"] == [1, 1, 1] + [18] * 6 and all(below["identical"]), below
-        assert below["codec_moves"] == [("none", "int8")] and below["objectives"] == ["exchange"], below
+        assert below["codec_moves"] == [] and below["codec"] == "int8" and below["objectives"] == [], below
         assert bound["syncs"] == [18 * k for k in range(1, 6)] and bound["periods"] == [18] * 5, bound
         assert bound["codec_moves"] == [] and bound["codec"] == "none" and all(bound["identical"]), bound
 
@@ -404,6 +430,33 @@ def test_choose_period_by_hand(current, comm, compute, ratio, lo, hi, expected):
                                    min_sync_every=lo, max_sync_every=hi)
     assert (new, reason) == expected
     assert (HYSTERESIS, WARMUP_ROUNDS, WINDOW_STEPS) == (0.25, 1, 16)  # the derivations in this file use them
+
+
+@pytest.mark.parametrize("current, comm, compute, ratio, cost, expected", [
+    (1, 0.02, 0.01, None, 0.05, (6, "comm_share_high")),    # sqrt(19 x 2) = 6.16 -> 6
+    (6, 0.02, 0.01, None, 0.05, (6, None)),                 # the same: stays
+    (6, 0.0125, 0.01, None, 0.05, (6, None)),               # 4.87: within 1.5 of 6
+    (6, 0.01, 0.01, None, 0.05, (4, "comm_share_low")),     # 4.36 -> 4 (19 < 20)
+    (1, 0.005, 0.01, None, 0.05, (3, "comm_share_high")),   # 3.08 -> 3 (ceil would give 4)
+    (1, 0.0064, 0.01, None, 0.05, (4, "comm_share_high")),  # 3.49 -> 4 (12.16 >= 3 x 4)
+    (1, 0.04, 0.01, None, 0.2, (4, "comm_share_high")),     # a = 0.2: sqrt(4 x 4) = 4
+    (9, 0.04, 0.01, 0.25, 0.05, (4, "loss_fell")),          # 0.5 x sqrt(76) = 4.36 -> 4
+    (4, 0.0, 0.01, None, 0.05, (1, "comm_share_low")),      # no exchange time: synchronous
+    (4, 0.01, 0.0, None, 0.05, (64, "comm_share_high")),    # no compute time: the upper bound
+])
+def test_choose_period_cost_rule_by_hand(current, comm, compute, ratio, cost, expected):
+    new, reason, _ = choose_period(current, comm, compute, loss_ratio=ratio, period_cost=cost)
+    assert (new, reason) == expected
+
+
+def test_the_cost_rule_picks_the_whole_period_of_the_least_modelled_time():
+    def modelled(h, comm, compute, a):  # steps x seconds per step, up to a constant
+        return (1 - a + a * h) * (compute + comm / h)
+    for comm, compute, a in ((0.013, 0.0007, 0.05), (0.3, 0.02, 0.1), (0.001, 0.0003, 0.02), (0.05, 0.01, 0.3)):
+        h, _, ideal = choose_period(10**5, comm, compute, period_cost=a, max_sync_every=10**6)
+        assert math.isclose(ideal, math.sqrt((1 - a) * comm / (a * compute)))
+        best = min(range(1, 10**4), key=lambda n: modelled(n, comm, compute, a))
+        assert h == best
 
 
 @pytest.mark.parametrize("current, comm, ratio, divergence, lo, hi, expected", [
@@ -450,6 +503,10 @@ def test_choose_period_target_share_holds_time_only():
     ({"sync_every": "auto", "comm_share": 0}, "comm_share"),
     ({"sync_every": 8, "max_sync_every": 16}, "max_sync_every"),
     ({"sync_every": gc.SyncPeriod(), "comm_share": 0.2}, "comm_share"),
+    ({"sync_every": "auto", "period_cost": 1.0}, "period_cost"),
+    ({"sync_every": "auto", "period_cost": 0.0}, "period_cost"),
+    ({"sync_every": "auto", "period_cost": 0.1, "comm_share": 0.1}, "not both"),
+    ({"sync_every": 8, "period_cost": 0.1}, "period_cost"),
     ({"sync_every": "auto", "fragments": 2}, "fragments"),
     ({"sync_every": "auto", "overlap": 1}, "overlap"),
 ])
