@@ -58,7 +58,8 @@ def _run_record(r) -> dict:
             "period_moves": [{k: e.get(k) for k in ("step", "from", "to", "reason", "divergence", "loss", "loss0")}
                              for e in (r.meter or {}).get("switches", []) if e.get("kind") == "sync_every"],
             "step_time_median_s": (r.time or {}).get("step_time_median_s"),
-            "phases_mean_s": (r.time or {}).get("phases_mean_s"), "background_load": r.host.get("background_load"),
+            "phases_mean_s": (r.time or {}).get("phases_mean_s"),
+            "curve": {"marks": r.marks, "clock_at_marks": r.clock_at_marks, "accuracy_at_marks": r.accuracy_at_marks}, "background_load": r.host.get("background_load"),
             "achieved_bps": r.link.get("achieved_bps"), "phases": r.link.get("phases")}
 
 

@@ -405,7 +405,9 @@ class Adaptive(CodecPolicy):
         timing: optional ``Timing -> Timing`` hook applied to every measurement.
         objective: ``"step"`` (the rule above) or ``"exchange"``: the candidates of the least
             convergence factor ranked by their exchange seconds alone, for a caller that sets how
-            often the exchange runs (``gradcomp.LocalSGD`` with an adaptive period; docs/local-sgd.md).
+            often the exchange runs (``gradcomp.LocalSGD`` with an adaptive period; docs/local-sgd.md);
+            without a ``link`` prior a new bucket then starts on the candidate of the fewest wire
+            bytes among those of the least convergence factor.
 
     Attributes:
         candidates: the compressors; names: their names (``repr`` for instances).
@@ -446,16 +448,13 @@ class Adaptive(CodecPolicy):
         self.candidates, self.names = _candidates(candidates)
         self.convergence = _convergence(convergence, self.names)
         self.link = _link_prior(link)
-        self.interval = v.integer("interval", interval, 1)
-        self.probe = v.integer("probe", probe, 1)
-        self.upper = v.real("upper", upper)
-        self.lower = v.real("lower", lower)
+        self.interval, self.probe = v.integer("interval", interval, 1), v.integer("probe", probe, 1)
+        self.upper, self.lower = v.real("upper", upper), v.real("lower", lower)
         if not (math.isfinite(self.upper) and self.upper > 0):
             raise ValueError(f"upper must be a finite number > 0, got {upper!r}")
         if not 0 < self.lower < self.upper:
             raise ValueError(f"lower must be > 0 and < upper ({self.upper:g}), got {lower!r}")
-        self.patience = v.integer("patience", patience, 0, MAX_PATIENCE)
-        self.memory = v.integer("memory", memory, 0)
+        self.patience, self.memory = v.integer("patience", patience, 0, MAX_PATIENCE), v.integer("memory", memory, 0)
         self.error_feedback = v.flag("error_feedback", error_feedback)
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds or None, got {type(clock).__name__}")
@@ -465,12 +464,10 @@ class Adaptive(CodecPolicy):
         self.timing, self.objective = timing, v.choice("objective", objective, ("step", "exchange"))
         self.switches, self.decisions = [], 0  # every switch made; decisions taken so far
         self.residuals: dict[Hashable, torch.Tensor] = {}
-        # bucket -> (residual, its version counter) after the native codec delivered and zeroed it
-        self._cleared: dict[Hashable, tuple[torch.Tensor, int]] = {}
+        self._cleared: dict[Hashable, tuple[torch.Tensor, int]] = {}  # bucket -> (residual, version) delivered
         self._tracks: dict[Hashable, _Track] = {}
         self._kernel_times: dict[int, dict[int, float]] = {}  # candidate -> {numel: agreed s} timed
-        # DDP step bookkeeping (communication thread)
-        self._step: int | None = None
+        self._step: int | None = None  # DDP step bookkeeping (communication thread)
         self._free: float | None = None  # when the training thread last handed over / was released
         self._in_step: list[tuple[_Track, Timing, float]] = []  # (track, sample, end) of the open step
         # collective bookkeeping: key -> (calls, end of the last call)
@@ -598,16 +595,10 @@ class Adaptive(CodecPolicy):
             t = self._tracks[bucket] = _Track(bucket, numel, ladder, [sizes[i] for i in ladder], messages,
                                               self.patience, self.probe)
             t.dtype = dtype
-            if self.objective == "exchange" and self.link is None:
-                t.level = self._lightest(t)
+            if self.objective == "exchange" and self.link is None:  # the fewest bytes of the least factor
+                least = min(self.convergence[i] for i in ladder)
+                t.level = max(j for j, i in enumerate(ladder) if self.convergence[i] == least)
         return t
-
-    def _lightest(self, t: _Track) -> int:
-        """The exchange objective's start without a link prior: the ladder position of the
-        fewest wire bytes among the candidates of the least convergence factor (the lightest
-        exchange wherever the bytes dominate it; measurements move it from there)."""
-        least = min(self.convergence[i] for i in t.ladder)
-        return max(j for j, i in enumerate(t.ladder) if self.convergence[i] == least)
 
     def _residual(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor:
         r = self.residuals.get(key)

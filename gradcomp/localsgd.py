@@ -75,7 +75,7 @@ from gradcomp.comm import (DEFAULT_TIMEOUT, FLAT_DENSE_ALGORITHMS, INPUT_DTYPES,
 from gradcomp.comm.settings import agree_settings, compressor_text, setting_text
 from gradcomp.comm.topology import layout
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
-from gradcomp.localsgd_fragments import Fragment, partition
+from gradcomp.localsgd_fragments import Fragment, check_schedule, cpu_copy, partition
 from gradcomp.meter import TrafficMeter
 from gradcomp.powersgd import PowerSGD
 from gradcomp.sync_period import WINDOW_STEPS, SyncPeriod, period_argument
@@ -90,45 +90,11 @@ OUTER_MOMENTUM = 0.9
 #: names ``outer_optimizer`` accepts besides None and a factory
 OUTER_OPTIMIZERS = ("avg", "nesterov")
 #: the :class:`~gradcomp.Adaptive` of ``compressor="auto"``: it decides every other exchange
-#: (one per round; a new codec is measured once before the next decision); the exchange
+#: (a new codec is measured once before the next decision; with an adaptive period, once its
+#: first decision is taken, every ``ceil(WINDOW_STEPS / H)`` exchanges if more); the exchange
 #: (``overlap=0``) hides behind none of the round's compute (``upper`` near 0): ranked by round
 #: time x convergence factor, or by the exchange alone below an adaptive period's upper bound
 ADAPTIVE = {"interval": 2, "probe": 1, "upper": 1e-3, "lower": 5e-4}
-
-
-def check_schedule(sync_every, fragments=1, overlap=0) -> tuple[int, int, int]:
-    """Validate a synchronisation schedule.
-
-    Returns:
-        ``(sync_every, fragments, overlap)`` as ints.
-
-    Raises:
-        TypeError: a value is not an int.
-        ValueError: ``sync_every < 1``, ``fragments < 1`` or not dividing
-            ``sync_every``, ``overlap < 0`` or ``overlap >= sync_every / fragments``.
-    """
-    sync_every = v.integer("sync_every", sync_every, 1)
-    fragments = v.integer("fragments", fragments, 1)
-    if sync_every % fragments:
-        raise ValueError(f"fragments must divide sync_every (one fragment every sync_every / fragments "
-                         f"steps), got fragments={fragments}, sync_every={sync_every}")
-    overlap = v.integer("overlap", overlap, 0)
-    interval = sync_every // fragments
-    if overlap >= interval:
-        raise ValueError(f"overlap must be < sync_every / fragments = {interval} (an exchange must be "
-                         f"applied before the next one starts), got overlap={overlap}")
-    return sync_every, fragments, overlap
-
-
-def _cpu_copy(x):
-    """``x`` with every tensor inside (dicts, lists, tuples) replaced by a CPU copy."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().clone()
-    if isinstance(x, dict):
-        return {k: _cpu_copy(val) for k, val in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_cpu_copy(val) for val in x)
-    return x
 
 
 def _codec(compressor, algorithm) -> tuple[Compressor | Adaptive | PowerSGD, str | AutoAlgorithm]:
@@ -176,7 +142,9 @@ class LocalSGD:
             not wrapped in ErrorFeedback (residuals are kept here); ``"auto"`` or a
             :class:`~gradcomp.Adaptive`: the codec chosen online, per fragment
             (``"auto"``: with :data:`ADAPTIVE`; its state is not checkpointed); with an adaptive
-            period below its upper bound, its ``objective`` is ``"exchange"`` (docs/local-sgd.md).
+            period below its upper bound, its ``objective`` is ``"exchange"`` (it then starts on
+            the candidate of the fewest bytes), and its ``interval`` at least ``ceil(16 / H)``
+            once the period decided (docs/local-sgd.md).
         outer_optimizer: None or ``"avg"`` (averaging: local SGD),
             ``"nesterov"`` (DiLoCo: SGD, lr :data:`OUTER_LR`, Nesterov momentum
             :data:`OUTER_MOMENTUM`), or a callable taking the list of anchor
@@ -524,7 +492,7 @@ class LocalSGD:
             "period": None if self.period is None else self.period.state_dict(),
             "anchors": [f.anchor.cpu().clone() for f in self._frags],
             "residuals": [None if f.residual is None else f.residual.cpu().clone() for f in self._frags],
-            "outer_optimizer": None if self.outer_optimizer is None else _cpu_copy(self.outer_optimizer.state_dict()),
+            "outer_optimizer": None if self.outer_optimizer is None else cpu_copy(self.outer_optimizer.state_dict()),
             "compressor": self.compressor.state_dict() if isinstance(self.compressor, Compressor) else {},
             "pending": pending,
         }

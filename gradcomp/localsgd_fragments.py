@@ -1,8 +1,8 @@
 """The fragments of local SGD: runs of parameters synchronised together, each with its float32 memory.
 
 :class:`gradcomp.LocalSGD` keeps one :class:`Fragment` per run of parameters that it
-synchronises together (Streaming DiLoCo; one fragment for plain local SGD and DiLoCo).
-See docs/local-sgd.md.
+synchronises together (Streaming DiLoCo; one fragment for plain local SGD and DiLoCo), on
+a schedule :func:`check_schedule` validates. See docs/local-sgd.md.
 """
 
 from __future__ import annotations
@@ -10,9 +10,45 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gradcomp import _validate as v
 from gradcomp.powersgd import Segment
 
-__all__ = ["Fragment", "partition"]
+__all__ = ["Fragment", "check_schedule", "cpu_copy", "partition"]
+
+
+def check_schedule(sync_every, fragments=1, overlap=0) -> tuple[int, int, int]:
+    """Validate a synchronisation schedule.
+
+    Returns:
+        ``(sync_every, fragments, overlap)`` as ints.
+
+    Raises:
+        TypeError: a value is not an int.
+        ValueError: ``sync_every < 1``, ``fragments < 1`` or not dividing
+            ``sync_every``, ``overlap < 0`` or ``overlap >= sync_every / fragments``.
+    """
+    sync_every = v.integer("sync_every", sync_every, 1)
+    fragments = v.integer("fragments", fragments, 1)
+    if sync_every % fragments:
+        raise ValueError(f"fragments must divide sync_every (one fragment every sync_every / fragments "
+                         f"steps), got fragments={fragments}, sync_every={sync_every}")
+    overlap = v.integer("overlap", overlap, 0)
+    interval = sync_every // fragments
+    if overlap >= interval:
+        raise ValueError(f"overlap must be < sync_every / fragments = {interval} (an exchange must be "
+                         f"applied before the next one starts), got overlap={overlap}")
+    return sync_every, fragments, overlap
+
+
+def cpu_copy(x):
+    """``x`` with every tensor inside (dicts, lists, tuples) replaced by a CPU copy."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().clone()
+    if isinstance(x, dict):
+        return {k: cpu_copy(val) for k, val in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(cpu_copy(val) for val in x)
+    return x
 
 
 def partition(sizes: list[int], fragments: int) -> list[list[int]]:

@@ -1,17 +1,17 @@
 """The local SGD period ``H``, chosen online from what each round measured.
 
 ``gc.LocalSGD(model, sync_every="auto")`` (or ``sync_every=gc.SyncPeriod(...)``) starts
-synchronous (``H = min_sync_every``) and, at every synchronisation, sets the period for the
-next round: the period of the least modelled time to a target, ``sqrt((1 - a) comm / (a x
+synchronous (``H = min_sync_every``) and, at a synchronisation every window of inner steps,
+sets the period: the one of the least modelled time to a target, ``sqrt((1 - a) comm / (a x
 compute))`` for a period cost ``a`` (or, given ``comm_share``, the period that holds the
 exchange at that share of a round), so a slow link raises ``H``, a fast one lowers it
-(``H = 1``: synchronous training), times
-AdaComm's loss factor (Wang and Joshi 2019: ``H`` shrinks with the square root of the loss)
-where the workers' models measurably diverge (:func:`loss_factor`, :func:`choose_period`).
-Invariant: every rank decides from the same agreed numbers (one float64 allreduce of four
-values per synchronisation), so every rank moves at the same step and the parameters stay
-bit-identical. Every move is logged with its reason (:attr:`SyncPeriod.switches`,
-:attr:`gradcomp.TrafficMeter.switches`). The rule in full, with the adaptive codec beside it: docs/local-sgd.md.
+(``H = 1``: synchronous training), times AdaComm's loss factor (Wang and Joshi 2019: ``H``
+shrinks with the square root of the loss) where the workers' models measurably diverge
+(:func:`loss_factor`, :func:`choose_period`). Invariant: every rank decides from the same
+agreed numbers (one float64 allreduce per decision, four values per round), so every rank
+moves at the same step and the parameters stay bit-identical. Every move is logged with its
+reason (:attr:`SyncPeriod.switches`, :attr:`gradcomp.TrafficMeter.switches`). The rule in
+full, with the adaptive codec beside it: docs/local-sgd.md.
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ MAX_SYNC_EVERY = 64
 #: flips by one step each round would log a switch per round for no gain
 HYSTERESIS = 0.25
 #: why the period moved: the time-aware period rose / fell (the exchange grew / shrank against
-#: the compute: the link slowed / sped up, or the codec or the step changed); the loss fell (AdaComm's factor,
-#: no divergence measured or the rule without it); the loss factor applies because the models
-#: diverge above :data:`DIVERGENCE_THRESHOLD` (down), or no longer does because they agree (up)
+#: the compute: the link slowed / sped up, or the codec or the step changed); the loss fell
+#: (AdaComm's factor, no divergence measured or the rule without it); the loss factor applies
+#: because the models diverge above :data:`DIVERGENCE_THRESHOLD` (down), or no longer does
+#: because they agree (up)
 REASONS = ("comm_share_high", "comm_share_low", "loss_fell", "divergence_high", "divergence_low")
-
 #: the relative divergence (:class:`SyncRound`) at or under which the loss factor does not
 #: apply. Deviations of the ranks' moves that are independent of one another (sampling noise,
 #: of any size, and the drift it causes) give a divergence of at most about 1: averaging
@@ -242,18 +242,16 @@ class SyncPeriod:
 
     Pass it as ``LocalSGD(sync_every=SyncPeriod(...))``; ``sync_every="auto"`` builds one
     from ``min_sync_every``, ``max_sync_every``, ``period_cost`` and ``comm_share``. Each rank
-    measures every round (:class:`SyncRound`); at a decision (the first after the warm-up,
-    then the first synchronisation at least :data:`WINDOW_STEPS` inner steps after the last
-    one: :meth:`due`), once the exchange returned, the ranks agree on the rounds since the
-    last decision by one ``MAX`` allreduce of ``(-comm_s, compute_s, loss, divergence)`` per
-    round: the exchange as the last rank to arrive timed it (no wait
-    for a late peer), the slowest rank's compute per step, the largest mean loss and the
-    largest divergence (``-inf`` for none). :func:`choose_period` then gives the next period
-    on every rank alike, from the agreed rounds that hold the latest :data:`WINDOW_STEPS`
-    inner steps (the median exchange of those on the current codec, the compute per step,
-    the loss and the divergence over their steps) and the loss ratio (that loss over the
-    first decision's). The first :data:`WARMUP_ROUNDS`
-    rounds decide nothing. A move the other way than the last one (a reversal) waits until
+    measures every round (:class:`SyncRound`); at a decision (:meth:`due`), once the exchange
+    returned, the ranks agree on the rounds since the last decision by one ``MAX`` allreduce
+    of ``(-comm_s, compute_s, loss, divergence)`` per round: the exchange as the last rank to
+    arrive timed it (no wait for a late peer), the slowest rank's compute per step, the
+    largest mean loss and the largest divergence (``-inf`` for none). :func:`choose_period`
+    then gives the next period on every rank alike, from the agreed rounds that hold the
+    latest :data:`WINDOW_STEPS` inner steps (the median exchange of those on the current
+    codec, the compute per step, the loss and the divergence over their steps) and the loss
+    ratio (that loss over the first decision's). The first :data:`WARMUP_ROUNDS` rounds
+    decide nothing. A move the other way than the last one (a reversal) waits until
     ``dwell`` inner steps have passed since that move (:data:`DWELL_STEPS`, doubled by each
     reversal taken up to :data:`MAX_DWELL_STEPS`, reset by a move in the same direction):
     a period whose own length biases its measurements then moves back and forth a number of
@@ -263,8 +261,7 @@ class SyncPeriod:
     Args:
         min_sync_every: the least period, and the start unless ``start`` is given (>= 1).
         max_sync_every: the largest period (>= ``min_sync_every``).
-        period_cost: the cost rule's ``a`` (:data:`PERIOD_COST`; :func:`time_aware_period`),
-            in (0, 1).
+        period_cost: the cost rule's ``a``, in (0, 1) (:data:`PERIOD_COST`; :func:`time_aware_period`).
         comm_share: None (the cost rule), or the share rule's target share of a round's
             seconds spent in the exchange, in (0, 1); not with ``period_cost``.
         start: the first round's period (within the bounds; default ``min_sync_every``).
@@ -280,10 +277,9 @@ class SyncPeriod:
             ``step``, ``from``, ``to``, ``reason`` (:data:`REASONS`), the agreed ``comm_s``,
             ``compute_s``, ``loss`` and ``divergence`` (None: not measured or infinite) over
             the window of ``rounds`` rounds, ``loss0``, ``divergence_threshold``,
-            ``comm_share`` (the exchange's share at the old period), ``target_share`` (None
-            under the cost rule), ``period_cost`` (None under the share rule),
-            ``ideal`` (None when infinite) and ``codec`` (the adaptive codec's choice for
-            the exchange, or None)).
+            ``comm_share`` (the exchange's share at the old period), ``target_share`` and
+            ``period_cost`` (the rule's; the other None), ``ideal`` (None when infinite) and
+            ``codec`` (the adaptive codec's choice for the exchange, or None)).
         decisions: decisions taken so far; loss0: the first agreed loss, or None.
         held: decisions whose reversal the dwell held back (the period stayed).
         dwell: inner steps a reversal must wait after the last move, now.
@@ -302,14 +298,12 @@ class SyncPeriod:
         if period_cost is not None and comm_share is not None:
             raise ValueError(f"give period_cost (the cost rule) or comm_share (the share rule), not both: "
                              f"got period_cost={period_cost!r}, comm_share={comm_share!r}")
-        self.comm_share = None if comm_share is None else v.real("comm_share", comm_share)
-        if self.comm_share is not None and not 0 < self.comm_share < 1:
-            raise ValueError(f"comm_share must be in (0, 1) (a share of the round's seconds) or None, "
-                             f"got {comm_share!r}")
-        self.period_cost = None if self.comm_share is not None else \
-            v.real("period_cost", PERIOD_COST if period_cost is None else period_cost)
-        if self.period_cost is not None and not 0 < self.period_cost < 1:
-            raise ValueError(f"period_cost must be in (0, 1) (steps added per step of period), got {period_cost!r}")
+        rule, given = (("comm_share", comm_share) if comm_share is not None
+                       else ("period_cost", PERIOD_COST if period_cost is None else period_cost))
+        if not 0 < v.real(rule, given) < 1:
+            what = "a share of a round's seconds" if rule == "comm_share" else "steps added per step of period"
+            raise ValueError(f"{rule} must be in (0, 1) ({what}), got {given!r}")
+        self.comm_share, self.period_cost = (float(given), None) if rule == "comm_share" else (None, float(given))
         self.start = self.min_sync_every if start is None else v.integer(
             "start", start, self.min_sync_every, self.max_sync_every)
         if divergence_threshold is not None:
@@ -572,7 +566,6 @@ class SyncPeriod:
         return (f"SyncPeriod(min_sync_every={self.min_sync_every}, max_sync_every={self.max_sync_every}, "
                 f"period_cost={self.period_cost!r}, comm_share={self.comm_share!r}, start={self.start}, "
                 f"divergence_threshold={self.divergence_threshold!r})")
-
 
 
 def period_argument(sync_every, min_sync_every=None, max_sync_every=None, comm_share=None, *,

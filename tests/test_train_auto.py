@@ -47,6 +47,12 @@ def test_auto_options_need_the_auto_mode():
     with contextlib.redirect_stderr(err):
         assert command.main(["--mode", "auto", "--comm-share", "1.5", "--no-progress"]) == 2
     assert "comm_share must be in (0, 1)" in err.getvalue()
+    with contextlib.redirect_stderr(err):
+        assert command.main(["--mode", "auto", "--period-cost", "0", "--no-progress"]) == 2
+    assert "period_cost must be in (0, 1)" in err.getvalue()
+    with contextlib.redirect_stderr(err):
+        assert command.main(["--mode", "auto", "--period-cost", "0.1", "--comm-share", "0.2", "--no-progress"]) == 2
+    assert "not both" in err.getvalue()
 
 
 @pytest.mark.slow
