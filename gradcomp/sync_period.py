@@ -40,10 +40,10 @@ __all__ = ["SyncPeriod", "SyncRound", "choose_period", "loss_factor", "period_ar
 COMM_SHARE = 0.1
 #: default period cost ``a``: the fraction of the steps to a target that each inner step of
 #: period adds, ``steps(H) = steps(1) (1 + a (H - 1))``. Wang and Joshi 2019's error-runtime
-#: bound grows the same way with ``H`` (its local-update term); the value is measured on the
-#: study's mnist-cnn rows (steps to 96% at H = 4, 16, 64: 0.06 between 4 and 16, 0.02 between
-#: 4 and 64): docs/local-sgd.md#the-period-chosen-online
-PERIOD_COST = 0.05
+#: bound grows the same way with ``H`` (its local-update term); the value is the least-squares
+#: line through the study's mnist-cnn rows (steps to 96% at H = 1, 4, 16, 64: 0.018):
+#: docs/local-sgd.md#the-period-chosen-online
+PERIOD_COST = 0.02
 #: default upper bound of the period (inner steps)
 MAX_SYNC_EVERY = 64
 #: the period moves only when the new one is at least this fraction above or below it, and

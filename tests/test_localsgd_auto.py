@@ -1,8 +1,8 @@
 """gc.LocalSGD(sync_every="auto"): the period chosen online (gradcomp.sync_period).
 
 The timings are injected through the period's ``timing`` hook (no sleeps), the losses through
-``step(loss=...)``; the expected periods are derived by hand from the rules: the default cost
-rule ``H_time = sqrt((1 - a) comm / (a compute))`` (``a = 0.05``: ``sqrt(19 comm / compute)``)
+``step(loss=...)``; the expected periods are derived by hand from the rules: the cost rule
+``H_time = sqrt((1 - a) comm / (a compute))`` (``a = 0.05``: ``sqrt(19 comm / compute)``)
 made whole (``n = floor(h)`` while ``h^2 < n (n + 1)``, else ``n + 1``), and the share rule
 ``H = ceil(factor x comm (1 - share) / (share x compute))`` (share 0.1: ``H = 9 x comm /
 compute`` before the loss factor), which most scenarios use; the loss factor AdaComm's
@@ -135,13 +135,13 @@ def _scenarios(rank, world):
                            2 + 36 * 3, losses=losses)
     out["lifted"] = _run(rank, _share(1, 64, timing=_script(rank, [(0.04, 0.01)], [3.0, 3.0, 1.0])),
                          2 + 36 + 18 + 18 + 36, losses=[2.0, 0.5, 0.5, 0.5, 0.5, 0.5])
-    # the default cost rule, sqrt(19 x comm / compute): 2 -> 6.16 -> 6; three rounds of 6
+    # the cost rule at a = 0.05, sqrt(19 x comm / compute): 2 -> 6.16 -> 6; three rounds of 6
     # steps later (18 >= 16), 16 -> 17.44 -> 17 (306 > 304)
-    out["cost_slow"] = _run(rank, gc.SyncPeriod(1, 32, timing=_script(rank, [(0.02, 0.01), (0.16, 0.01)])),
+    cost = functools.partial(gc.SyncPeriod, period_cost=0.05)
+    out["cost_slow"] = _run(rank, cost(1, 32, timing=_script(rank, [(0.02, 0.01), (0.16, 0.01)])),
                             2 + 6 * 3 + 17 * 2)
     # a fast link from H = 32: 0.1 -> 1.38 -> 1 (1.9 < 1 x 2)
-    out["cost_fast"] = _run(rank, gc.SyncPeriod(1, 64, start=32, timing=_script(rank, [(0.001, 0.01)])),
-                            32 + 32 + 2)
+    out["cost_fast"] = _run(rank, cost(1, 64, start=32, timing=_script(rank, [(0.001, 0.01)])), 32 + 32 + 2)
     out["spread"] = _spread(rank)
     out["drift"] = {data: _drift(rank, data) for data in ("own_class", "iid", "shared")}
     # a steady link measured with noise: 900 x 0.00322 = 2.898 and 900 x 0.00122 = 1.098 in turn
@@ -282,7 +282,6 @@ def test_a_fast_link_lowers_the_period_to_synchronous(runs):
 def test_the_cost_rule_follows_the_square_root_of_the_exchange_against_the_compute(runs):
     # step 1: warm-up; step 2: sqrt(19 x 2) = 6.16 -> 6; steps 8 and 14 decide nothing; step 20
     # agrees on the three rounds of 6 (0.16 s): sqrt(304) = 17.44 -> 17 (>= 6 + 1.5), then it stays
-    assert PERIOD_COST == 0.05  # the derivations use (1 - a) / a = 19
     _check(runs, "cost_slow", 1, [1, 2, 8, 14, 20, 37, 54], [1, 6, 6, 6, 17, 17, 17], ["comm_share_high"] * 2)
     # from 32: step 32 warm-up, step 64: sqrt(1.9) = 1.38 -> 1: synchronous
     _check(runs, "cost_fast", 32, [32, 64, 65, 66], [32, 1, 1, 1], ["comm_share_low"])
@@ -447,6 +446,13 @@ def test_choose_period_by_hand(current, comm, compute, ratio, lo, hi, expected):
 def test_choose_period_cost_rule_by_hand(current, comm, compute, ratio, cost, expected):
     new, reason, _ = choose_period(current, comm, compute, loss_ratio=ratio, period_cost=cost)
     assert (new, reason) == expected
+
+
+def test_the_default_rule_is_the_cost_rule_at_the_fitted_period_cost():
+    assert PERIOD_COST == 0.02 and gc.SyncPeriod().period_cost == 0.02 and gc.SyncPeriod().comm_share is None
+    # sqrt(49 x 2) = 9.90 -> 10 (98 >= 9 x 10); sqrt(49 x 0.5) = 4.95 -> 5 (24.5 >= 4 x 5)
+    assert choose_period(1, 0.02, 0.01)[:2] == (10, "comm_share_high")
+    assert choose_period(1, 0.005, 0.01)[:2] == (5, "comm_share_high")
 
 
 def test_the_cost_rule_picks_the_whole_period_of_the_least_modelled_time():
