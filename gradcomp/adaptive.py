@@ -464,7 +464,7 @@ class Adaptive(CodecPolicy):
         self.timing, self.objective = timing, v.choice("objective", objective, ("step", "exchange"))
         self.switches, self.decisions = [], 0  # every switch made; decisions taken so far
         self.residuals: dict[Hashable, torch.Tensor] = {}
-        self._cleared: dict[Hashable, tuple[torch.Tensor, int]] = {}  # bucket -> (residual, version) delivered
+        self._cleared: dict[Hashable, tuple[torch.Tensor, int]] = {}  # bucket -> (residual, version) zeroed natively
         self._tracks: dict[Hashable, _Track] = {}
         self._kernel_times: dict[int, dict[int, float]] = {}  # candidate -> {numel: agreed s} timed
         self._step: int | None = None  # DDP step bookkeeping (communication thread)

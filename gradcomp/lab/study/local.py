@@ -81,7 +81,8 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     if adaptive:
         ls = LocalSGD(model, sync_every="auto", compressor="auto", min_sync_every=cfg.min_sync_every,
                       max_sync_every=cfg.max_sync_every, comm_share=cfg.comm_share, period_cost=cfg.period_cost,
-                      outer_optimizer=cfg.outer, meter=meter, algorithm=cfg.algorithm_for(choice), timeout=cfg.timeout, timeline=timeline)
+                      outer_optimizer=cfg.outer, meter=meter, algorithm=cfg.algorithm_for(choice), timeout=cfg.timeout,
+                      timeline=timeline)
     else:
         ls = LocalSGD(model, sync_every=cfg.sync_every, compressor=choice.build(cfg.threshold),
                       outer_optimizer=cfg.outer, meter=meter, error_feedback=choice.error_feedback,
