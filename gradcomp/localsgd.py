@@ -370,9 +370,7 @@ class LocalSGD:
         if f is not None:
             self._start(f, self.overlap)
             coupled = self.period is not None and isinstance(self.compressor, Adaptive)  # fragments=1 then
-            # a codec that starts on float32 (at the period's bound) decides first
-            if self.period is not None and (not coupled or self.compressor.decisions
-                                            or self.compressor.objective == "exchange"):
+            if self.period is not None and (not coupled or self.compressor.decisions):  # the codec decides first
                 self.sync_every = self.period.decide(self.steps, self.steps - self._round_start, self.sync_every,
                                                      self._group, self.timeout, self._frags[0].anchor.device,
                                                      self.meter, self.codec)
