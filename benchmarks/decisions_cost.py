@@ -59,7 +59,8 @@ def _run_record(r) -> dict:
                              for e in (r.meter or {}).get("switches", []) if e.get("kind") == "sync_every"],
             "step_time_median_s": (r.time or {}).get("step_time_median_s"),
             "phases_mean_s": (r.time or {}).get("phases_mean_s"),
-            "curve": {"marks": r.marks, "clock_at_marks": r.clock_at_marks, "accuracy_at_marks": r.accuracy_at_marks}, "background_load": r.host.get("background_load"),
+            "curve": {"marks": r.marks, "clock_at_marks": r.clock_at_marks, "accuracy_at_marks": r.accuracy_at_marks},
+            "background_load": r.host.get("background_load"),
             "achieved_bps": r.link.get("achieved_bps"), "phases": r.link.get("phases")}
 
 

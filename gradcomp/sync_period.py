@@ -31,13 +31,10 @@ from gradcomp.comm.consensus import agree_max
 from gradcomp.meter import TrafficMeter
 
 __all__ = ["SyncPeriod", "SyncRound", "choose_period", "loss_factor", "period_argument", "time_aware_period",
-           "COMM_SHARE", "DIVERGENCE_THRESHOLD", "DWELL_STEPS", "HYSTERESIS", "MAX_DWELL_STEPS", "MAX_SYNC_EVERY",
+           "DIVERGENCE_THRESHOLD", "DWELL_STEPS", "HYSTERESIS", "MAX_DWELL_STEPS", "MAX_SYNC_EVERY",
            "PERIOD_COST", "REASONS",
            "WARMUP_ROUNDS", "WINDOW_STEPS"]
 
-#: a target share of a round's time spent in the exchange, ``comm / (comm + H x compute)``, used
-#: in the studies (``SyncPeriod(comm_share=...)`` chooses the share rule instead of the cost rule)
-COMM_SHARE = 0.1
 #: default period cost ``a``: the fraction of the steps to a target that each inner step of
 #: period adds, ``steps(H) = steps(1) (1 + a (H - 1))``. Wang and Joshi 2019's error-runtime
 #: bound grows the same way with ``H`` (its local-update term); the value is the least-squares
