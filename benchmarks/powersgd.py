@@ -12,7 +12,10 @@ interleaved (a barrier before each step, so that load from other processes hits 
 * ``gradcomp-f32``: the same with ``gc.PowerSGD(rank=R, compressor=gc.NoCompression())`` (float32
   factors on the backend's allreduce: PyTorch's bytes in two collectives instead of three);
 * ``gradcomp-ring``: ``gc.PowerSGD(rank=R, exchange="gradcomp")`` (the FP16 codec on gradcomp's
-  own ring).
+  own ring);
+* ``gradcomp-alt``: ``gc.PowerSGD(rank=R, alternating=True)`` (FP16 factors on the backend's
+  allreduce, half a power iteration per step: the P's, then the Q's on the next step, the
+  vectors riding with either: one collective).
 
 ``--profile`` then times, on the same ranks and link, the parts of a step: the local
 forward, backward and optimizer step without DDP; each collective of each variant alone
@@ -24,7 +27,7 @@ Bytes per step: as the meter counts them (bytes this rank sent): a backend allre
 nominal ring volume ``2 (N - 1) / N * s n`` (``s`` bytes per element: gloo picks its own
 algorithm), gradcomp's ring at its wire bytes, headers included; torch's hook counted per bucket
 by :class:`gradcomp.lab.study.torch_powersgd.TorchPowerSGD` from the bucket's gradient shapes. Collectives per step: torch's hook waits on three
-per bucket, gradcomp's on two. Step time: the median over the steps after ``--warmup`` of the
+per bucket, gradcomp's on two (``gradcomp-alt`` on one). Step time: the median over the steps after ``--warmup`` of the
 slowest rank. Final loss: each variant's training loss at the last step (the same data). Every
 variant runs DDP with one bucket (``bucket_cap_mb=64``: see :data:`BUCKET_MB`).
 
@@ -55,7 +58,7 @@ from gradcomp.ddp import GradCompState, compressed_allreduce_hook
 from gradcomp.lab.study.torch_powersgd import TorchPowerSGD
 from gradcomp.launch import launch
 
-VARIANTS = ("torch", "gradcomp", "gradcomp-f32", "gradcomp-ring")
+VARIANTS = ("torch", "gradcomp", "gradcomp-f32", "gradcomp-ring", "gradcomp-alt")
 HIDDEN = (1024, 1024)
 BATCH = 64
 #: one bucket for every variant: powerSGD_hook waits on its next allreduce inside a future's
@@ -83,7 +86,8 @@ def _rank(rank: int, world: int, r: int, steps: int, warmup: int, batch: int, pr
             ddp.register_comm_hook(None, counted.hook)
         else:
             comp = gc.PowerSGD(rank=r, compressor=gc.NoCompression() if variant == "gradcomp-f32" else None,
-                               exchange="gradcomp" if variant == "gradcomp-ring" else "auto")
+                               exchange="gradcomp" if variant == "gradcomp-ring" else "auto",
+                               alternating=variant == "gradcomp-alt")
             ddp.register_comm_hook(GradCompState(compressor=comp, start_iter=2, meter=meters[variant], timeout=300),
                                    compressed_allreduce_hook)
         ddps[variant] = (ddp, torch.optim.SGD(ddp.parameters(), lr=0.05))
@@ -172,7 +176,8 @@ def _profile(r: int, batch: int, w: torch.Tensor, gen: torch.Generator) -> dict:
                            ("torch: allreduce f32 P's", n_p, torch.float32),
                            ("torch: allreduce f32 Q's", n_q, torch.float32),
                            ("gradcomp: allreduce f16 P's+vectors", n_p + n_vec, torch.float16),
-                           ("gradcomp: allreduce f16 Q's", n_q, torch.float16)):
+                           ("gradcomp: allreduce f16 Q's", n_q, torch.float16),
+                           ("gradcomp-alt: allreduce f16 Q's+vectors", n_q + n_vec, torch.float16)):
         t = torch.randn(n).to(dtype)
         out[name] = _timed(lambda t=t: dist.all_reduce(t))
     for name, n in (("gradcomp-ring: FP16 ring P's+vectors", n_p + n_vec), ("gradcomp-ring: FP16 ring Q's", n_q)):

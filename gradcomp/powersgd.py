@@ -6,7 +6,9 @@ error feedback ``M = g + e`` and a warm-started ``Q`` (``cols x r``, orthonormal
 update is ``P Q^T`` (Vogels, Karimireddy and Jaggi 2019, Algorithms 1 and 2). Vectors and
 matrices whose compression rate ``rows cols / ((rows + cols) r)`` is under
 ``min_compression_rate`` ride uncompressed in the P exchange: two collectives per call
-where PyTorch's ``powerSGD_hook`` waits on three, each one flat buffer: FP16 by default
+where PyTorch's ``powerSGD_hook`` waits on three (``alternating=True``: one, half a power
+iteration per call, the factor sent alternating: PowerGossip's scheme, Vogels, Karimireddy
+and Jaggi 2020), each one flat buffer: FP16 by default
 (half of the float32 bytes), summed in float16 by the backend's allreduce under a
 power-of-two scale every rank derives from the exchange's last sum, or a gradcomp codec
 on gradcomp's allreduce.
@@ -94,7 +96,7 @@ class _Layout:
     batched orthonormalization per group of equal shapes), the ranges sent whole, and the
     exchanges' preallocated float32 buffers (P's then the ranges; Q's) and float16 twins."""
 
-    def __init__(self, key, mats: list[_Matrix], rest: list[tuple[int, int]], device):
+    def __init__(self, key, mats: list[_Matrix], rest: list[tuple[int, int]], device, rest_with_q: bool = False):
         self.key = key  # (segments, numel): names the exchanges' FP16 exponents
         self.mats = sorted(mats, key=lambda m: (m.rows, m.cols, m.rank, m.seg.offset))
         self.rest = rest
@@ -111,10 +113,11 @@ class _Layout:
             self.p_at.append(n_p)
             self.q_at.append(n_q)
             n_p, n_q = n_p + m.rows * m.rank, n_q + m.cols * m.rank
-        self.n_p = n_p
+        self.n_p, self.n_q = n_p, n_q
         n_rest = sum(hi - lo for lo, hi in rest)
+        self.rest_with_q = rest_with_q  # the alternating scheme's Q exchange carries the ranges too
         self.first = torch.empty(n_p + n_rest, dtype=torch.float32, device=device)
-        self.second = torch.empty(n_q, dtype=torch.float32, device=device)
+        self.second = torch.empty(n_q + (n_rest if rest_with_q else 0), dtype=torch.float32, device=device)
         self.loss = torch.empty(n_rest, dtype=torch.float32, device=device)
         self._half: list[torch.Tensor | None] = [None, None]
         self._codec_residual: list[torch.Tensor | None] = [None, None]
@@ -128,6 +131,10 @@ class _Layout:
         """Matrix ``i``'s ``Q`` (cols x r) in ``buf``."""
         m = self.mats[i]
         return buf[self.q_at[i]: self.q_at[i] + m.cols * m.rank].view(m.cols, m.rank)
+
+    def rest_at(self, which: int) -> int | None:
+        """Where exchange ``which``'s buffer holds the ranges sent whole, or None."""
+        return self.n_p if which == 0 else (self.n_q if self.rest_with_q else None)
 
     def half(self, which: int) -> torch.Tensor:
         """The float16 twin of exchange ``which``'s buffer (0: P's, 1: Q's)."""
@@ -177,6 +184,14 @@ class PowerSGD(CodecPolicy):
             the same on every rank).
         error_feedback: the collective keeps a residual per key when no ``residual`` is
             given (the DDP state and LocalSGD follow their own ``error_feedback``).
+        alternating: one collective per call instead of two: half a power iteration, the
+            factor sent alternating between calls (PowerGossip's scheme, Vogels, Karimireddy
+            and Jaggi 2020): ``P = M Q`` on the shared orthonormal ``Q`` of the last call
+            (the update ``P Q^T``; ``P``'s orthonormal basis kept), then ``Q = M^T P`` on that
+            basis (the update ``P Q^T``; ``Q`` kept), the uncompressed parameters riding with
+            either. Each update is the exact projection of the average onto a subspace one
+            call old; half the rounds and, on average, half the factor bytes. Needs
+            ``warm_start``.
 
     Raises:
         TypeError / ValueError: a bad argument (named in the message).
@@ -184,7 +199,7 @@ class PowerSGD(CodecPolicy):
 
     def __init__(self, rank: int = 4, *, warm_start: bool = True, min_compression_rate: float = 2.0,
                  start_iter: int = 0, compressor: Compressor | None = None, exchange: str = "auto",
-                 seed: int = 0, error_feedback: bool = True):
+                 seed: int = 0, error_feedback: bool = True, alternating: bool = False):
         self.rank = v.integer("rank", rank, 1)
         self.warm_start = v.flag("warm_start", warm_start)
         self.min_compression_rate = v.real("min_compression_rate", min_compression_rate)
@@ -203,8 +218,14 @@ class PowerSGD(CodecPolicy):
         self.exchange = ("backend" if summable else "gradcomp") if exchange == "auto" else exchange
         self.seed = v.integer("seed", seed)
         self.error_feedback = v.flag("error_feedback", error_feedback)
+        self.alternating = v.flag("alternating", alternating)
+        if self.alternating and not self.warm_start:
+            raise ValueError("alternating=True keeps each factor for the next call: it needs warm_start=True")
         #: matrix key -> its last ``Q`` (cols x r, float32): the warm start
         self.q: dict[Hashable, torch.Tensor] = {}
+        #: matrix key -> the orthonormal ``P`` (rows x r, float32) the alternating scheme's next
+        #: call projects on (present between a P call and the Q call after it)
+        self.p: dict[Hashable, torch.Tensor] = {}
         #: key -> flat float32 residual of the collective's calls without ``residual``
         self.residuals: dict[Hashable, torch.Tensor] = {}
         self._calls: dict[Hashable, int] = {}  # collective key -> calls so far
@@ -219,7 +240,7 @@ class PowerSGD(CodecPolicy):
     def settings(self) -> dict:
         return {"rank": self.rank, "warm_start": self.warm_start, "min_compression_rate": self.min_compression_rate,
                 "start_iter": self.start_iter, "compressor": compressor_text(self.compressor), "exchange": self.exchange,
-                "seed": self.seed}
+                "seed": self.seed, "alternating": self.alternating}
 
     def matrix(self, shape: Sequence[int]) -> tuple[int, int, int] | None:
         """``(rows, cols, rank)`` of a parameter of ``shape`` if PowerSGD compresses it, else
@@ -300,6 +321,8 @@ class PowerSGD(CodecPolicy):
                 residual.zero_()
             native.allreduce(work, op="avg", group=group, meter=meter, timeout=timeout, out=work, check=check,
                              tag=tag)
+        elif self.alternating:
+            self._half_step(work, lay, residual, step, check, comm)
         else:
             self._power_step(work, lay, residual, step, check, comm)
 
@@ -312,7 +335,7 @@ class PowerSGD(CodecPolicy):
             raise TypeError("segments must hold gradcomp.powersgd.Segment with hashable keys") from None
         if lay is None:
             mats, rest = self._split(work.numel(), segments)
-            lay = self._layouts[(key, str(work.device))] = _Layout(key, mats, rest, work.device)
+            lay = self._layouts[(key, str(work.device))] = _Layout(key, mats, rest, work.device, self.alternating)
         return lay
 
     def _split(self, n: int, segments) -> tuple[list[_Matrix], list[tuple[int, int]]]:
@@ -341,24 +364,14 @@ class PowerSGD(CodecPolicy):
         """One compressed call: the P exchange (with the uncompressed ranges), then the Q one."""
         mats, first, second = lay.mats, lay.first, lay.second
         views = [work[m.seg.offset: m.seg.offset + m.seg.numel].view(m.rows, m.cols) for m in mats]
-        if residual is not None:  # M = g + e
-            for m in mats:
-                work[m.seg.offset: m.seg.offset + m.seg.numel].add_(residual[m.seg.offset: m.seg.offset + m.seg.numel])
+        self._add_residual(work, mats, residual)
         for i0, k in lay.groups:  # P = M Q, from one batched orthonormalization of the group's Qs
             qs = self._start_qs(mats[i0: i0 + k], step, work.device)
             for j in range(k):
                 torch.mm(views[i0 + j], qs[j], out=lay.p(first, i0 + j))
-        at = lay.n_p
-        for lo, hi in lay.rest:  # the ranges sent whole ride with P (with their residual)
-            first[at: at + hi - lo].copy_(work[lo:hi])
-            if residual is not None:
-                first[at: at + hi - lo].add_(residual[lo:hi])
-            at += hi - lo
+        self._pack_rest(first, lay.n_p, lay, work, residual)
         loss = self._exchange(first, lay, 0, check, comm)
-        for i0, k in lay.groups:  # the same decoded P on every rank: the same basis
-            m = mats[i0]
-            block = first[lay.p_at[i0]: lay.p_at[i0] + k * m.rows * m.rank].view(k, m.rows, m.rank)
-            block.copy_(orthonormalize(block))
+        self._orthonormalize_ps(first, lay)  # the same decoded P on every rank: the same basis
         for i, M in enumerate(views):
             torch.mm(M.t(), lay.p(first, i), out=lay.q(second, i))  # this rank's Q
 
@@ -374,14 +387,85 @@ class PowerSGD(CodecPolicy):
             torch.mm(lay.p(first, i), lay.q(second, i).t(), out=M)
             if self.warm_start:
                 self.q[m.seg.key] = lay.q(kept, i)
-        at = lay.n_p
+        self._unpack_rest(first, lay.n_p, lay, work, residual, loss)
+
+    def _half_step(self, work, lay: _Layout, residual, step, check, comm) -> None:
+        """One compressed call of the alternating scheme: the P exchange on the last call's
+        ``Q``, or, where every matrix keeps a ``P`` basis from the last call, the Q exchange
+        on it; the uncompressed ranges ride with either."""
+        mats = lay.mats
+        views = [work[m.seg.offset: m.seg.offset + m.seg.numel].view(m.rows, m.cols) for m in mats]
+        self._add_residual(work, mats, residual)
+        sends_q = bool(mats) and all(self.p.get(m.seg.key) is not None
+                                     and self.p[m.seg.key].shape == (m.rows, m.rank) for m in mats)
+        which, buf = (1, lay.second) if sends_q else (0, lay.first)
+        if sends_q:  # Q = M^T P on the P basis every rank kept
+            bases = [self.p.pop(m.seg.key).to(device=work.device) for m in mats]
+            for i, M in enumerate(views):
+                torch.mm(M.t(), bases[i], out=lay.q(buf, i))
+        else:  # P = M Q on the orthonormal Q of the last call (or a seeded one)
+            bases = []
+            for i0, k in lay.groups:
+                bases.extend(self._start_qs(mats[i0: i0 + k], step, work.device).unbind(0))
+            for i, M in enumerate(views):
+                torch.mm(M, bases[i], out=lay.p(buf, i))
+        self._pack_rest(buf, lay.rest_at(which), lay, work, residual)
+
+        def residuals():  # what this rank's matrix loses to the projection (its own factor)
+            for i, (m, M) in enumerate(zip(mats, views)):
+                e = residual[m.seg.offset: m.seg.offset + m.seg.numel].view(m.rows, m.cols)
+                p, q = (bases[i], lay.q(buf, i)) if sends_q else (lay.p(buf, i), bases[i])
+                torch.addmm(M, p, q.t(), beta=1.0, alpha=-1.0, out=e)
+
+        loss = self._exchange(buf, lay, which, check, comm, meanwhile=residuals if residual is not None else None)
+        for i, M in enumerate(views):  # the update: the average projected on the basis
+            p, q = (bases[i], lay.q(buf, i)) if sends_q else (lay.p(buf, i), bases[i])
+            torch.mm(p, q.t(), out=M)
+        if sends_q:  # the averaged Q: the next call's start (orthonormalized there)
+            for i, m in enumerate(mats):
+                self.q[m.seg.key] = lay.q(buf, i).clone()
+        elif mats:  # the averaged P's orthonormal basis: the next call's
+            self._orthonormalize_ps(buf, lay)
+            for i, m in enumerate(mats):
+                self.p[m.seg.key] = lay.p(buf, i).clone()
+        self._unpack_rest(buf, lay.rest_at(which), lay, work, residual, loss)
+
+    @staticmethod
+    def _add_residual(work, mats, residual) -> None:
+        """``M = g + e`` for the compressed matrices."""
+        if residual is not None:
+            for m in mats:
+                work[m.seg.offset: m.seg.offset + m.seg.numel].add_(residual[m.seg.offset: m.seg.offset + m.seg.numel])
+
+    @staticmethod
+    def _orthonormalize_ps(buf, lay: _Layout) -> None:
+        """Orthonormalize the P's in ``buf`` in place, one batched QR per group of equal shapes."""
+        for i0, k in lay.groups:
+            m = lay.mats[i0]
+            block = buf[lay.p_at[i0]: lay.p_at[i0] + k * m.rows * m.rank].view(k, m.rows, m.rank)
+            block.copy_(orthonormalize(block))
+
+    @staticmethod
+    def _pack_rest(buf, at: int, lay: _Layout, work, residual) -> None:
+        """Copy the ranges sent whole (plus their residual) into ``buf`` from ``at`` on."""
         for lo, hi in lay.rest:
-            work[lo:hi].copy_(first[at: at + hi - lo])
-            if residual is not None:  # what the wire's rounding took from this rank's elements
+            buf[at: at + hi - lo].copy_(work[lo:hi])
+            if residual is not None:
+                buf[at: at + hi - lo].add_(residual[lo:hi])
+            at += hi - lo
+
+    @staticmethod
+    def _unpack_rest(buf, at: int, lay: _Layout, work, residual, loss) -> None:
+        """Copy the averaged ranges back to ``work``; their residual is what the wire's
+        rounding took from this rank's elements (``loss``, laid out from 0; None: nothing)."""
+        start = at
+        for lo, hi in lay.rest:
+            work[lo:hi].copy_(buf[at: at + hi - lo])
+            if residual is not None:
                 if loss is None:
                     residual[lo:hi].zero_()
                 else:
-                    residual[lo:hi].copy_(loss[at - lay.n_p: at - lay.n_p + hi - lo])
+                    residual[lo:hi].copy_(loss[at - start: at - start + hi - lo])
             at += hi - lo
 
     def _exchange(self, buf: torch.Tensor, lay: _Layout, which: int, check: bool, comm,
@@ -391,7 +475,7 @@ class PowerSGD(CodecPolicy):
         sum is in flight, else before the exchange.
 
         Returns:
-            What the wire's rounding took from this rank's elements past the P's (the ranges
+            What the wire's rounding took from this rank's elements past the factors (the ranges
             sent whole; for their error feedback), or None where it took nothing.
         """
         group, meter, timeout = comm["group"], comm["meter"], comm["timeout"]
@@ -403,16 +487,16 @@ class PowerSGD(CodecPolicy):
             if self.exchange == "gradcomp":
                 res = lay.codec_residual(which)
                 allreduce(buf, self.compressor, op="avg", residual=res, out=buf, check=check, **comm)
-                return res[lay.n_p:]
+                return None if lay.rest_at(which) is None else res[lay.rest_at(which):]
             native.allreduce(buf, op="avg", group=group, meter=meter, timeout=timeout, out=buf, check=check,
                              tag=comm["tag"])
             exponents[which] = _next_exponent(buf, dist.get_world_size(group))
             return None
-        half, loss = lay.half(which), lay.loss
+        half, loss, at = lay.half(which), lay.loss, lay.rest_at(which)
         torch.mul(buf, math.ldexp(1.0, e), out=half)  # a power of two: exact before the cast, the same everywhere
-        if which == 0:  # this rank's rounding of the ranges sent whole, before the sum
-            loss.copy_(half[lay.n_p:]).mul_(math.ldexp(1.0, -e))
-            torch.sub(buf[lay.n_p:], loss, out=loss)
+        if at is not None:  # this rank's rounding of the ranges sent whole, before the sum
+            loss.copy_(half[at:]).mul_(math.ldexp(1.0, -e))
+            torch.sub(buf[at:], loss, out=loss)
         with exclusive(group, timeout=timeout):
             wait = native.allreduce_start(half, group=group, meter=meter)  # summed in float16
             if meanwhile is not None:
@@ -426,7 +510,7 @@ class PowerSGD(CodecPolicy):
             return None
         buf.copy_(half).mul_(math.ldexp(1.0, -e)).div_(world)
         exponents[which] = _next_exponent(buf, world)
-        return loss if which == 0 else None
+        return None if at is None else loss
 
     def _start_qs(self, mats: Sequence[_Matrix], step: int, device) -> torch.Tensor:
         """The orthonormal ``Q``s (``k x cols x r``) that matrices of one shape start from:
@@ -472,10 +556,12 @@ class PowerSGD(CodecPolicy):
         return out.copy_(work.view(out.shape))
 
     def state_dict(self) -> dict:
-        """The warm-start ``Q`` of every matrix (on CPU), the collective's call counts and
-        residuals, and each call layout's FP16 exponents (a rank restored from it sends what
-        its peers send); the DDP state's and LocalSGD's residuals stay with their owner."""
-        return {"q": {k: q.detach().cpu().clone() for k, q in self.q.items()}, "calls": dict(self._calls),
+        """The warm-start ``Q`` of every matrix (on CPU), the alternating scheme's kept ``P``
+        bases, the collective's call counts and residuals, and each call layout's FP16
+        exponents (a rank restored from it sends what its peers send); the DDP state's and
+        LocalSGD's residuals stay with their owner."""
+        return {"q": {k: q.detach().cpu().clone() for k, q in self.q.items()},
+                "p": {k: p.detach().cpu().clone() for k, p in self.p.items()}, "calls": dict(self._calls),
                 "residuals": {k: r.detach().cpu().clone() for k, r in self.residuals.items()},
                 "exponents": {k: list(e) for k, e in self._exponents.items()}}
 
@@ -483,13 +569,15 @@ class PowerSGD(CodecPolicy):
         """Restore :meth:`state_dict`'s output (an empty mapping restores nothing).
 
         Raises:
-            ValueError: a ``q`` that is not a mapping of 2-D float32 tensors.
+            ValueError: a ``q`` or ``p`` that is not a mapping of 2-D float32 tensors.
         """
-        q = state.get("q", {})
-        if not isinstance(q, dict) or any(not isinstance(t, torch.Tensor) or t.dim() != 2
-                                          or t.dtype != torch.float32 for t in q.values()):
-            raise ValueError("state['q'] must map keys to 2-D float32 tensors (cols x rank)")
+        q, p = state.get("q", {}), state.get("p", {})
+        for name, factors, dims in (("q", q, "cols x rank"), ("p", p, "rows x rank")):
+            if not isinstance(factors, dict) or any(not isinstance(t, torch.Tensor) or t.dim() != 2
+                                                    or t.dtype != torch.float32 for t in factors.values()):
+                raise ValueError(f"state['{name}'] must map keys to 2-D float32 tensors ({dims})")
         self.q = {k: t.clone() for k, t in q.items()}
+        self.p = {k: t.clone() for k, t in p.items()}
         self._calls = dict(state.get("calls", {}))
         self.residuals = {k: r.clone() for k, r in state.get("residuals", {}).items()}
         self._exponents = {k: list(e) for k, e in state.get("exponents", {}).items()}
@@ -508,4 +596,4 @@ class PowerSGD(CodecPolicy):
     def __repr__(self) -> str:
         return (f"PowerSGD(rank={self.rank}, warm_start={self.warm_start}, "
                 f"min_compression_rate={self.min_compression_rate:g}, start_iter={self.start_iter}, "
-                f"compressor={self.compressor!r}, exchange={self.exchange!r})")
+                f"compressor={self.compressor!r}, exchange={self.exchange!r}, alternating={self.alternating})")

@@ -15,7 +15,7 @@ from gradcomp.lab.plan import model as plan
 from gradcomp.lab.study import config as study
 
 # the study's rows that are not compressors: a policy over catalog codecs, the backend's collective
-STUDY_OWN_ROWS = {"auto", "native", "powersgd4", "torch-powersgd4", "sign-ef-sgd"}
+STUDY_OWN_ROWS = {"auto", "native", "powersgd4", "powersgd4-alt", "torch-powersgd4", "sign-ef-sgd"}
 
 
 def _pad8(n: int) -> int:

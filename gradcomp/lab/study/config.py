@@ -66,6 +66,8 @@ class CompressorChoice:
         torch_hook: with ``low_rank``: PyTorch's own ``powerSGD_hook`` at that rank
             (:class:`gradcomp.lab.study.torch_powersgd.TorchPowerSGD`, sync mode) instead of
             gradcomp's.
+        alternating: with ``low_rank`` (gradcomp's): half a power iteration per step, one
+            collective (``gc.PowerSGD(alternating=True)``).
         entry: the catalog name it builds, where it differs from ``name``.
         momentum_free: the optimizer runs without momentum at the learning rate
             ``lr / (1 - momentum)`` (the momentum run's long-run step): EF-SignSGD's own
@@ -84,6 +86,7 @@ class CompressorChoice:
     native: bool = False
     low_rank: int = 0
     torch_hook: bool = False
+    alternating: bool = False
     entry: str | None = None
     momentum_free: bool = False
     server_ef: bool = False
@@ -115,7 +118,7 @@ class CompressorChoice:
         if self.low_rank:
             from gradcomp.powersgd import PowerSGD  # imports torch: loaded on use (see the module docstring)
 
-            return PowerSGD(rank=self.low_rank, start_iter=start_iter)
+            return PowerSGD(rank=self.low_rank, start_iter=start_iter, alternating=self.alternating)
         entry = catalog.entry("none" if self.native else self.entry or self.name)
         if entry.kind == "threshold" and threshold is None:
             raise ValueError(f"{self.name} needs a threshold")
@@ -154,6 +157,9 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
                      server_ef=True),
     # PowerSGD rank 4 (FP16 factors, error feedback per parameter): the DDP hook and local SGD
     CompressorChoice("powersgd4", "powersgd r4", True, modes=("sync", "local"), low_rank=4),
+    # the same with one collective per step: P's and Q's on alternate steps
+    CompressorChoice("powersgd4-alt", "powersgd r4 alt", True, modes=("sync", "local"), low_rank=4,
+                     alternating=True),
     # PyTorch's own powerSGD_hook at rank 4 with its defaults, beside it (the DDP hook only)
     CompressorChoice("torch-powersgd4", "torch powerSGD r4", True, modes=("sync",), low_rank=4, torch_hook=True),
 )}
