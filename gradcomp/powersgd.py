@@ -94,7 +94,8 @@ def _next_exponent(avg: torch.Tensor, world: int) -> int | None:
 class _Layout:
     """One call layout's plan and buffers: the compressed matrices ordered by shape (one
     batched orthonormalization per group of equal shapes), the ranges sent whole, and the
-    exchanges' preallocated float32 buffers (P's then the ranges; Q's) and float16 twins."""
+    exchanges' preallocated float32 buffers (P's then the ranges; Q's, then the ranges too in
+    the alternating scheme) and float16 twins."""
 
     def __init__(self, key, mats: list[_Matrix], rest: list[tuple[int, int]], device, rest_with_q: bool = False):
         self.key = key  # (segments, numel): names the exchanges' FP16 exponents
