@@ -365,6 +365,18 @@ def test_the_sign_sgd_row_runs_two_phase_with_server_error_feedback(tmp_path):
 
 
 @pytest.mark.slow
+def test_low_rank_rows_run_one_bucket_on_a_model_of_two():
+    # the wide MLP's 4.5 MB make DDP two buckets, on which PyTorch's hook hangs on gloo (each
+    # waits inside a callback); the low-rank rows run one bucket; the alternating row beside it
+    cfg = TrainConfig(workers=2, steps=5, timeout=60, hidden=(1024, 1024))
+    data = load_digits_split(cfg.test_fraction, cfg.seed)
+    logs, _ = _launch_local("sync", [(cfg, "torch-powersgd4", 0), (cfg, "powersgd4-alt", 0)], [data, data], None)
+    for run in range(2):
+        assert logs[0][run].extra["param_sha256"] == logs[1][run].extra["param_sha256"]
+    assert logs[0][1].meter["bytes_sent"] < logs[0][0].meter["bytes_sent"]  # one factor a step, in float16
+
+
+@pytest.mark.slow
 def test_pytorchs_powersgd_hook_row_beside_gradcomps():
     # both low-rank rows exact for two steps, then rank 4 on 2 workers; PyTorch's bytes counted
     # at a ring allreduce's float32 volume of its three allreduces a step

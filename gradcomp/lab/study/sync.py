@@ -21,6 +21,7 @@ allreduces, counted in the meter's ``"plain_allreduce"`` phase.)
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -63,7 +64,11 @@ def train_sync_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: st
         raise ValueError(f"sync mode needs {cfg.workers} ranks (one per worker), got {world_size}")
     choice = COMPRESSORS[compressor]
     model = build_model(cfg, data)
-    ddp = DistributedDataParallel(model)
+    # the low-rank rows run one bucket: PyTorch's powerSGD_hook waits on its next allreduce inside
+    # a future's callback, and on gloo two buckets in flight then issue collectives in different
+    # orders on different ranks and hang (the wide MLP's 4.5 MB make two); gradcomp's alike
+    one_bucket_mb = math.ceil(sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20) + 1
+    ddp = DistributedDataParallel(model, bucket_cap_mb=one_bucket_mb if choice.low_rank else None)
     meter = TrafficMeter()
     timeline = StepTimeline()
     codec = choice.build(cfg.threshold, link=cfg.auto_link, start_iter=LOW_RANK_START if choice.low_rank else 0)
