@@ -185,14 +185,12 @@ class PowerSGD(CodecPolicy):
             the same on every rank).
         error_feedback: the collective keeps a residual per key when no ``residual`` is
             given (the DDP state and LocalSGD follow their own ``error_feedback``).
-        alternating: one collective per call instead of two: half a power iteration, the
-            factor sent alternating between calls (PowerGossip's scheme, Vogels, Karimireddy
-            and Jaggi 2020): ``P = M Q`` on the shared orthonormal ``Q`` of the last call
-            (the update ``P Q^T``; ``P``'s orthonormal basis kept), then ``Q = M^T P`` on that
-            basis (the update ``P Q^T``; ``Q`` kept), the uncompressed parameters riding with
-            either. Each update is the exact projection of the average onto a subspace one
-            call old; half the rounds and, on average, half the factor bytes. Needs
-            ``warm_start``.
+        alternating: one collective per call: half a power iteration, the factor sent
+            alternating (PowerGossip's scheme, Vogels et al. 2020): ``P = M Q`` on the last
+            call's orthonormal ``Q``, then ``Q = M^T P`` on the kept basis of that ``P``, the
+            uncompressed parameters riding with either; each update projects the average on
+            a basis one call old (half the rounds and factor bytes). Needs ``warm_start``;
+            loses accuracy where the gradient's subspace moves fast (docs/powersgd.md).
 
     Raises:
         TypeError / ValueError: a bad argument (named in the message).
