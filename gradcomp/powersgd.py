@@ -2,16 +2,14 @@
 
 Per parameter viewed as a matrix ``M`` (``rows = shape[0]``, ``cols = numel / rows``), with
 error feedback ``M = g + e`` and a warm-started ``Q`` (``cols x r``, orthonormal columns):
-``P = M Q``; allreduce ``P``; orthonormalize ``P``; ``Q = M^T P``; allreduce ``Q``; the
-update is ``P Q^T`` (Vogels, Karimireddy and Jaggi 2019, Algorithms 1 and 2). Vectors and
-matrices whose compression rate ``rows cols / ((rows + cols) r)`` is under
-``min_compression_rate`` ride uncompressed in the P exchange: two collectives per call
-where PyTorch's ``powerSGD_hook`` waits on three (``alternating=True``: one, half a power
-iteration per call, the factor sent alternating: PowerGossip's scheme, Vogels, Karimireddy
-and Jaggi 2020), each one flat buffer: FP16 by default
-(half of the float32 bytes), summed in float16 by the backend's allreduce under a
-power-of-two scale every rank derives from the exchange's last sum, or a gradcomp codec
-on gradcomp's allreduce.
+``P = M Q``; allreduce ``P``; orthonormalize ``P``; ``Q = M^T P``; allreduce ``Q``; the update
+is ``P Q^T`` (Vogels, Karimireddy and Jaggi 2019, Algorithms 1 and 2). Vectors and matrices
+whose compression rate ``rows cols / ((rows + cols) r)`` is under ``min_compression_rate``
+ride uncompressed in the P exchange: two collectives per call where PyTorch's
+``powerSGD_hook`` waits on three (``alternating=True``: one, half a power iteration per call:
+PowerGossip's scheme, Vogels et al. 2020), each one flat buffer: FP16 by default (half of the
+float32 bytes), summed in float16 by the backend's allreduce under a power-of-two scale every
+rank derives from the exchange's last sum, or a gradcomp codec on gradcomp's allreduce.
 
 Invariant: every rank orthonormalizes the same decoded ``P`` and applies the same decoded
 ``Q``, so the result is bit-identical on every rank; a rank's residual is what its own
@@ -25,7 +23,6 @@ import math
 import threading
 import zlib
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -37,25 +34,9 @@ from gradcomp.comm.guard import exclusive
 from gradcomp.comm.policy import CodecPolicy
 from gradcomp.comm.settings import compressor_text
 from gradcomp.compressors import FP16, Compressor, NoCompression, unwrapped
+from gradcomp.powersgd_layout import FactorLayout, Matrix, Segment
 
 __all__ = ["PowerSGD", "Segment", "orthonormalize"]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One parameter's place in a flat buffer: its key (names its warm-start ``Q``), the
-    offset of its first element and its shape (elements, contiguous in the buffer)."""
-
-    key: Hashable
-    offset: int
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
 
 
 def orthonormalize(x: torch.Tensor) -> torch.Tensor:
@@ -63,14 +44,6 @@ def orthonormalize(x: torch.Tensor) -> torch.Tensor:
     of a Householder QR, which, unlike Gram-Schmidt without an epsilon, gives no NaN for a
     zero column (a vanishing gradient)."""
     return torch.linalg.qr(x, mode="reduced").Q
-
-
-@dataclass(frozen=True)
-class _Matrix:
-    seg: Segment
-    rows: int
-    cols: int
-    rank: int
 
 
 #: where the FP16 factors' exponent puts the absolute maximum of the last sum: 2^6 of headroom
@@ -89,66 +62,6 @@ def _next_exponent(avg: torch.Tensor, world: int) -> int | None:
     if not math.isfinite(amax) or amax == 0.0:
         return None
     return min(max(_SUM_TARGET_LOG2 - math.ceil(math.log2(amax * world)), -100), 100)  # 2^e stays normal
-
-
-class _Layout:
-    """One call layout's plan and buffers: the compressed matrices ordered by shape (one
-    batched orthonormalization per group of equal shapes), the ranges sent whole, and the
-    exchanges' preallocated float32 buffers (P's then the ranges; Q's, then the ranges too in
-    the alternating scheme) and float16 twins."""
-
-    def __init__(self, key, mats: list[_Matrix], rest: list[tuple[int, int]], device, rest_with_q: bool = False):
-        self.key = key  # (segments, numel): names the exchanges' FP16 exponents
-        self.mats = sorted(mats, key=lambda m: (m.rows, m.cols, m.rank, m.seg.offset))
-        self.rest = rest
-        self.groups: list[tuple[int, int]] = []  # (first matrix, count) of equal shapes
-        self.p_at, self.q_at, n_p, n_q = [], [], 0, 0
-        prev = None
-        for i, m in enumerate(self.mats):
-            shape = (m.rows, m.cols, m.rank)
-            if shape == prev:
-                self.groups[-1] = (self.groups[-1][0], self.groups[-1][1] + 1)
-            else:
-                self.groups.append((i, 1))
-            prev = shape
-            self.p_at.append(n_p)
-            self.q_at.append(n_q)
-            n_p, n_q = n_p + m.rows * m.rank, n_q + m.cols * m.rank
-        self.n_p, self.n_q = n_p, n_q
-        n_rest = sum(hi - lo for lo, hi in rest)
-        self.rest_with_q = rest_with_q  # the alternating scheme's Q exchange carries the ranges too
-        self.first = torch.empty(n_p + n_rest, dtype=torch.float32, device=device)
-        self.second = torch.empty(n_q + (n_rest if rest_with_q else 0), dtype=torch.float32, device=device)
-        self.loss = torch.empty(n_rest, dtype=torch.float32, device=device)
-        self._half: list[torch.Tensor | None] = [None, None]
-        self._codec_residual: list[torch.Tensor | None] = [None, None]
-
-    def p(self, buf: torch.Tensor, i: int) -> torch.Tensor:
-        """Matrix ``i``'s ``P`` (rows x r) in ``buf``."""
-        m = self.mats[i]
-        return buf[self.p_at[i]: self.p_at[i] + m.rows * m.rank].view(m.rows, m.rank)
-
-    def q(self, buf: torch.Tensor, i: int) -> torch.Tensor:
-        """Matrix ``i``'s ``Q`` (cols x r) in ``buf``."""
-        m = self.mats[i]
-        return buf[self.q_at[i]: self.q_at[i] + m.cols * m.rank].view(m.cols, m.rank)
-
-    def rest_at(self, which: int) -> int | None:
-        """Where exchange ``which``'s buffer holds the ranges sent whole, or None."""
-        return self.n_p if which == 0 else (self.n_q if self.rest_with_q else None)
-
-    def half(self, which: int) -> torch.Tensor:
-        """The float16 twin of exchange ``which``'s buffer (0: P's, 1: Q's)."""
-        if self._half[which] is None:
-            src = self.first if which == 0 else self.second
-            self._half[which] = torch.empty(src.numel(), dtype=torch.float16, device=src.device)
-        return self._half[which]
-
-    def codec_residual(self, which: int) -> torch.Tensor:
-        """A zeroed float32 residual for a gradcomp codec's exchange ``which``."""
-        if self._codec_residual[which] is None:
-            self._codec_residual[which] = torch.empty_like(self.first if which == 0 else self.second)
-        return self._codec_residual[which].zero_()
 
 
 class PowerSGD(CodecPolicy):
@@ -191,6 +104,9 @@ class PowerSGD(CodecPolicy):
             uncompressed parameters riding with either; each update projects the average on
             a basis one call old (half the rounds and factor bytes). Needs ``warm_start``;
             loses accuracy where the gradient's subspace moves fast (docs/powersgd.md).
+        alternate_after: with ``alternating``: compressed calls of the full iteration (the
+            paper's, two collectives) before the first alternating one (>= 0), counted like
+            ``start_iter`` from it: the fast-moving first steps find their basis.
 
     Raises:
         TypeError / ValueError: a bad argument (named in the message).
@@ -198,7 +114,7 @@ class PowerSGD(CodecPolicy):
 
     def __init__(self, rank: int = 4, *, warm_start: bool = True, min_compression_rate: float = 2.0,
                  start_iter: int = 0, compressor: Compressor | None = None, exchange: str = "auto",
-                 seed: int = 0, error_feedback: bool = True, alternating: bool = False):
+                 seed: int = 0, error_feedback: bool = True, alternating: bool = False, alternate_after: int = 0):
         self.rank = v.integer("rank", rank, 1)
         self.warm_start = v.flag("warm_start", warm_start)
         self.min_compression_rate = v.real("min_compression_rate", min_compression_rate)
@@ -218,12 +134,12 @@ class PowerSGD(CodecPolicy):
         self.seed = v.integer("seed", seed)
         self.error_feedback = v.flag("error_feedback", error_feedback)
         self.alternating = v.flag("alternating", alternating)
+        self.alternate_after = v.integer("alternate_after", alternate_after, 0)
         if self.alternating and not self.warm_start:
             raise ValueError("alternating=True keeps each factor for the next call: it needs warm_start=True")
         #: matrix key -> its last ``Q`` (cols x r, float32): the warm start
         self.q: dict[Hashable, torch.Tensor] = {}
-        #: matrix key -> the orthonormal ``P`` (rows x r, float32) the alternating scheme's next
-        #: call projects on (present between a P call and the Q call after it)
+        #: matrix key -> the orthonormal ``P`` (rows x r) the alternating scheme's next call projects on
         self.p: dict[Hashable, torch.Tensor] = {}
         #: key -> flat float32 residual of the collective's calls without ``residual``
         self.residuals: dict[Hashable, torch.Tensor] = {}
@@ -231,7 +147,7 @@ class PowerSGD(CodecPolicy):
         self._checked: set[int] = set()  # ids of the groups whose ranks agreed on the first call
         #: call layout -> the FP16 exponent of its P and Q exchanges (None: float32 next)
         self._exponents: dict[Hashable, list[int | None]] = {}
-        self._layouts: dict[Hashable, _Layout] = {}  # (call layout, device) -> plan and buffers
+        self._layouts: dict[Hashable, FactorLayout] = {}  # (call layout, device) -> plan and buffers
         self._busy = threading.Lock()  # one call at a time: the layouts' buffers are shared
 
     lossy = True  # the projection drops what lies outside the rank-r subspace
@@ -239,7 +155,7 @@ class PowerSGD(CodecPolicy):
     def settings(self) -> dict:
         return {"rank": self.rank, "warm_start": self.warm_start, "min_compression_rate": self.min_compression_rate,
                 "start_iter": self.start_iter, "compressor": compressor_text(self.compressor), "exchange": self.exchange,
-                "seed": self.seed, "alternating": self.alternating}
+                "seed": self.seed, "alternating": self.alternating, "alternate_after": self.alternate_after}
 
     def matrix(self, shape: Sequence[int]) -> tuple[int, int, int] | None:
         """``(rows, cols, rank)`` of a parameter of ``shape`` if PowerSGD compresses it, else
@@ -311,7 +227,7 @@ class PowerSGD(CodecPolicy):
             buf.copy_(work)
         return buf
 
-    def _reduce(self, work, lay: _Layout, residual, step, check, comm) -> None:
+    def _reduce(self, work, lay: FactorLayout, residual, step, check, comm) -> None:
         """:meth:`reduce_` on float32 ``work``: exact before :attr:`start_iter`, else compressed."""
         group, meter, timeout, tag = comm["group"], comm["meter"], comm["timeout"], comm["tag"]
         if step < self.start_iter or dist.get_world_size(group) == 1:
@@ -320,12 +236,12 @@ class PowerSGD(CodecPolicy):
                 residual.zero_()
             native.allreduce(work, op="avg", group=group, meter=meter, timeout=timeout, out=work, check=check,
                              tag=tag)
-        elif self.alternating:
+        elif self.alternating and step >= self.start_iter + self.alternate_after:
             self._half_step(work, lay, residual, step, check, comm)
         else:
             self._power_step(work, lay, residual, step, check, comm)
 
-    def _layout(self, work: torch.Tensor, segments) -> _Layout:
+    def _layout(self, work: torch.Tensor, segments) -> FactorLayout:
         """The plan and buffers of a call on ``work`` with ``segments`` (made once per layout)."""
         try:
             key = (tuple(segments), work.numel())
@@ -334,10 +250,10 @@ class PowerSGD(CodecPolicy):
             raise TypeError("segments must hold gradcomp.powersgd.Segment with hashable keys") from None
         if lay is None:
             mats, rest = self._split(work.numel(), segments)
-            lay = self._layouts[(key, str(work.device))] = _Layout(key, mats, rest, work.device, self.alternating)
+            lay = self._layouts[(key, str(work.device))] = FactorLayout(key, mats, rest, work.device)
         return lay
 
-    def _split(self, n: int, segments) -> tuple[list[_Matrix], list[tuple[int, int]]]:
+    def _split(self, n: int, segments) -> tuple[list[Matrix], list[tuple[int, int]]]:
         """The compressed matrices, and the ``[lo, hi)`` ranges sent whole (everything else)."""
         for seg in segments:
             if not isinstance(seg, Segment):
@@ -350,7 +266,7 @@ class PowerSGD(CodecPolicy):
             end = hi
             m = self.matrix(seg.shape)
             if m is not None:
-                mats.append(_Matrix(seg, *m))
+                mats.append(Matrix(seg, *m))
                 covered.append((lo, hi))
         rest, at = [], 0
         for lo, hi in covered + [(n, n)]:
@@ -359,7 +275,7 @@ class PowerSGD(CodecPolicy):
             at = hi
         return mats, rest
 
-    def _power_step(self, work, lay: _Layout, residual, step, check, comm) -> None:
+    def _power_step(self, work, lay: FactorLayout, residual, step, check, comm) -> None:
         """One compressed call: the P exchange (with the uncompressed ranges), then the Q one."""
         mats, first, second = lay.mats, lay.first, lay.second
         views = [work[m.seg.offset: m.seg.offset + m.seg.numel].view(m.rows, m.cols) for m in mats]
@@ -388,7 +304,7 @@ class PowerSGD(CodecPolicy):
                 self.q[m.seg.key] = lay.q(kept, i)
         self._unpack_rest(first, lay.n_p, lay, work, residual, loss)
 
-    def _half_step(self, work, lay: _Layout, residual, step, check, comm) -> None:
+    def _half_step(self, work, lay: FactorLayout, residual, step, check, comm) -> None:
         """One compressed call of the alternating scheme: the P exchange on the last call's
         ``Q``, or, where every matrix keeps a ``P`` basis from the last call, the Q exchange
         on it; the uncompressed ranges ride with either."""
@@ -397,7 +313,8 @@ class PowerSGD(CodecPolicy):
         self._add_residual(work, mats, residual)
         sends_q = bool(mats) and all(self.p.get(m.seg.key) is not None
                                      and self.p[m.seg.key].shape == (m.rows, m.rank) for m in mats)
-        which, buf = (1, lay.second) if sends_q else (0, lay.first)
+        which = 2 if sends_q else 0
+        buf = lay.buffer(which)
         if sends_q:  # Q = M^T P on the P basis every rank kept
             bases = [self.p.pop(m.seg.key).to(device=work.device) for m in mats]
             for i, M in enumerate(views):
@@ -437,7 +354,7 @@ class PowerSGD(CodecPolicy):
                 work[m.seg.offset: m.seg.offset + m.seg.numel].add_(residual[m.seg.offset: m.seg.offset + m.seg.numel])
 
     @staticmethod
-    def _orthonormalize_ps(buf, lay: _Layout) -> None:
+    def _orthonormalize_ps(buf, lay: FactorLayout) -> None:
         """Orthonormalize the P's in ``buf`` in place, one batched QR per group of equal shapes."""
         for i0, k in lay.groups:
             m = lay.mats[i0]
@@ -445,7 +362,7 @@ class PowerSGD(CodecPolicy):
             block.copy_(orthonormalize(block))
 
     @staticmethod
-    def _pack_rest(buf, at: int, lay: _Layout, work, residual) -> None:
+    def _pack_rest(buf, at: int, lay: FactorLayout, work, residual) -> None:
         """Copy the ranges sent whole (plus their residual) into ``buf`` from ``at`` on."""
         for lo, hi in lay.rest:
             buf[at: at + hi - lo].copy_(work[lo:hi])
@@ -454,7 +371,7 @@ class PowerSGD(CodecPolicy):
             at += hi - lo
 
     @staticmethod
-    def _unpack_rest(buf, at: int, lay: _Layout, work, residual, loss) -> None:
+    def _unpack_rest(buf, at: int, lay: FactorLayout, work, residual, loss) -> None:
         """Copy the averaged ranges back to ``work``; their residual is what the wire's
         rounding took from this rank's elements (``loss``, laid out from 0; None: nothing)."""
         start = at
@@ -467,9 +384,9 @@ class PowerSGD(CodecPolicy):
                     residual[lo:hi].copy_(loss[at - start: at - start + hi - lo])
             at += hi - lo
 
-    def _exchange(self, buf: torch.Tensor, lay: _Layout, which: int, check: bool, comm,
+    def _exchange(self, buf: torch.Tensor, lay: FactorLayout, which: int, check: bool, comm,
                   meanwhile=None) -> torch.Tensor | None:
-        """Average ``buf`` (the layout's P buffer, ``which`` 0, or its Q buffer, 1) in place;
+        """Average ``buf`` (the layout's buffer ``which``, :meth:`FactorLayout.buffer`) in place;
         ``meanwhile()`` (reading ``buf``'s values before the exchange) runs while a float16
         sum is in flight, else before the exchange.
 
@@ -479,6 +396,7 @@ class PowerSGD(CodecPolicy):
         """
         group, meter, timeout = comm["group"], comm["meter"], comm["timeout"]
         exponents = self._exponents.setdefault(lay.key, [None, None])
+        exponents += [None] * (which + 1 - len(exponents))  # the alternating scheme's Q's + ranges: a third
         e = exponents[which]
         if self.exchange == "gradcomp" or e is None or type(self.compressor) is NoCompression:
             if meanwhile is not None:
@@ -511,7 +429,7 @@ class PowerSGD(CodecPolicy):
         exponents[which] = _next_exponent(buf, world)
         return None if at is None else loss
 
-    def _start_qs(self, mats: Sequence[_Matrix], step: int, device) -> torch.Tensor:
+    def _start_qs(self, mats: Sequence[Matrix], step: int, device) -> torch.Tensor:
         """The orthonormal ``Q``s (``k x cols x r``) that matrices of one shape start from:
         the warm start's, else a fresh standard-normal one drawn from ``(seed, key, step)``
         (the same on every rank)."""
@@ -595,4 +513,5 @@ class PowerSGD(CodecPolicy):
     def __repr__(self) -> str:
         return (f"PowerSGD(rank={self.rank}, warm_start={self.warm_start}, "
                 f"min_compression_rate={self.min_compression_rate:g}, start_iter={self.start_iter}, "
-                f"compressor={self.compressor!r}, exchange={self.exchange!r}, alternating={self.alternating})")
+                f"compressor={self.compressor!r}, exchange={self.exchange!r}, alternating={self.alternating}, "
+                f"alternate_after={self.alternate_after})")

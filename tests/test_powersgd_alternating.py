@@ -1,7 +1,7 @@
 """gc.PowerSGD(alternating=True): half a power iteration per call on real gloo groups: a rank-1
 example worked by hand over a P call and the Q call after it, the exact recovery of a low-rank
-average, nothing lost to error feedback on either exchange, one collective per call, the DDP
-hook bit-identical across ranks."""
+average, nothing lost to error feedback on either exchange, one collective per call, the full
+iteration first with ``alternate_after``, the DDP hook bit-identical across ranks."""
 
 import math
 
@@ -87,6 +87,23 @@ def _nothing_lost(rank, world):
     return rows
 
 
+def _alternate_after(rank, world):
+    # start_iter 1, alternate_after 2: call 0 exact, calls 1-2 the paper's (as a PowerSGD without
+    # alternating, bit for bit), then a P call and a Q call
+    segs = [Segment("a", 0, (24, 20)), Segment("b", 480, (7,))]
+    late = gc.PowerSGD(rank=2, compressor=gc.NoCompression(), alternating=True, alternate_after=2, start_iter=1)
+    paper = gc.PowerSGD(rank=2, compressor=gc.NoCompression(), start_iter=1)
+    res_late, res_paper, sent, same = torch.zeros(487), torch.zeros(487), [], []
+    for step in range(5):
+        g = torch.randn(487, generator=torch.Generator().manual_seed(7 * step + rank))
+        meter = gc.TrafficMeter()
+        a = late.reduce_(g.clone(), segs, step=step, residual=res_late, meter=meter, timeout=TIMEOUT, check=False)
+        b = paper.reduce_(g.clone(), segs, step=step, residual=res_paper, timeout=TIMEOUT, check=False)
+        sent.append(meter.as_dict()["bytes_sent"])
+        same.append(torch.equal(a, b))
+    return sent, same
+
+
 def _ddp(rank, world):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
@@ -112,7 +129,7 @@ def _ddp(rank, world):
 def _two_ranks(rank, world):
     dist.barrier()
     return {"hand": _hand_example(rank, world), "low": _low_rank_average(rank, world),
-            "lost": _nothing_lost(rank, world)}
+            "lost": _nothing_lost(rank, world), "after": _alternate_after(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +190,18 @@ def test_one_collective_per_call_alternating_its_size(two):
         fp16 = two["lost"][rank]["fp16-meter"]
         # float32 until each exchange has an exponent (the first P and Q calls), float16 after
         assert fp16[:2] == f32[:2] and fp16[2:] == [native.sent_bytes(n, 2, rank) // 2 for n in (p_call, q_call)]
+
+
+def test_alternate_after_runs_the_full_iteration_first(two):
+    p_call, q_call = 24 * 2 + 7, 20 * 2
+    for rank in range(2):
+        sent, same = two["after"][rank]
+        two_rounds = native.sent_bytes(p_call, 2, rank) + native.sent_bytes(q_call, 2, rank)
+        assert sent == [native.sent_bytes(487, 2, rank), two_rounds, two_rounds,
+                        native.sent_bytes(p_call, 2, rank), native.sent_bytes(q_call + 7, 2, rank)]
+        assert same == [True, True, True, False, False]  # the paper's updates until it alternates
+    with pytest.raises(ValueError, match="alternate_after"):
+        gc.PowerSGD(alternating=True, alternate_after=-1)
 
 
 @pytest.mark.slow

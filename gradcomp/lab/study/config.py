@@ -37,6 +37,9 @@ _TOPK_ROWS = ("topk-ef", "topk-int8-ef")
 #: the dense algorithms ``auto``'s policy runs (gradcomp.comm.FLAT_DENSE_ALGORITHMS; plain data
 #: here: ``gradcomp train --help`` imports no torch)
 _POLICY_ALGORITHMS = ("ring", "two_phase")
+#: compressed steps of the full power iteration before the ``powersgd4-alt`` row alternates: the
+#: first steps' leading subspace moves too fast for a basis one step old (docs/powersgd.md)
+ALTERNATE_AFTER = 50
 #: Largest ``timeout`` of a run, in seconds.
 MAX_TIMEOUT = 1e7
 #: Largest ``dgc_warmup_epochs`` (a warm-up in steps then stays an exact int64
@@ -67,7 +70,8 @@ class CompressorChoice:
             (:class:`gradcomp.lab.study.torch_powersgd.TorchPowerSGD`, sync mode) instead of
             gradcomp's.
         alternating: with ``low_rank`` (gradcomp's): half a power iteration per step, one
-            collective (``gc.PowerSGD(alternating=True)``).
+            collective, after :data:`ALTERNATE_AFTER` steps of the full iteration
+            (``gc.PowerSGD(alternating=True, alternate_after=ALTERNATE_AFTER)``).
         entry: the catalog name it builds, where it differs from ``name``.
         momentum_free: the optimizer runs without momentum at the learning rate
             ``lr / (1 - momentum)`` (the momentum run's long-run step): EF-SignSGD's own
@@ -118,7 +122,8 @@ class CompressorChoice:
         if self.low_rank:
             from gradcomp.powersgd import PowerSGD  # imports torch: loaded on use (see the module docstring)
 
-            return PowerSGD(rank=self.low_rank, start_iter=start_iter, alternating=self.alternating)
+            return PowerSGD(rank=self.low_rank, start_iter=start_iter, alternating=self.alternating,
+                            alternate_after=ALTERNATE_AFTER if self.alternating else 0)
         entry = catalog.entry("none" if self.native else self.entry or self.name)
         if entry.kind == "threshold" and threshold is None:
             raise ValueError(f"{self.name} needs a threshold")
@@ -157,7 +162,7 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
                      server_ef=True),
     # PowerSGD rank 4 (FP16 factors, error feedback per parameter): the DDP hook and local SGD
     CompressorChoice("powersgd4", "powersgd r4", True, modes=("sync", "local"), low_rank=4),
-    # the same with one collective per step: P's and Q's on alternate steps
+    # the same with one collective per step (P's and Q's on alternate steps) after ALTERNATE_AFTER
     CompressorChoice("powersgd4-alt", "powersgd r4 alt", True, modes=("sync", "local"), low_rank=4,
                      alternating=True),
     # PyTorch's own powerSGD_hook at rank 4 with its defaults, beside it (the DDP hook only)
