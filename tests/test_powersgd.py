@@ -216,11 +216,12 @@ def _allreduce_and_localsgd(rank, world):
     return outs, [q.clone() for q in p.q.values()], torch.cat([w.detach().reshape(-1) for w in model.parameters()])
 
 
-def _ddp(rank, world):
+def _ddp(rank, world, alternating):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
     ddp = DDP(model)
-    state = GradCompState(compressor=gc.PowerSGD(rank=2), start_iter=1, min_compress_numel=0, timeout=TIMEOUT)
+    state = GradCompState(compressor=gc.PowerSGD(rank=2, alternating=alternating), start_iter=1, min_compress_numel=0,
+                          timeout=TIMEOUT)
     ddp.register_comm_hook(state, compressed_allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.2)
     gen = torch.Generator().manual_seed(rank)
@@ -349,8 +350,9 @@ def test_collective_and_localsgd_across_three_ranks():
 
 
 @pytest.mark.slow
-def test_ddp_hook_trains_bit_identical_on_three_ranks():
-    res = launch(_ddp, 3, timeout=TIMEOUT)
+@pytest.mark.parametrize("alternating", [False, True])  # two collectives a step, or one
+def test_ddp_hook_trains_bit_identical_on_three_ranks(alternating):
+    res = launch(_ddp, 3, (alternating,), timeout=TIMEOUT)
     for r in res[1:]:
         assert all(torch.equal(a, b) for a, b in zip(r[1], res[0][1]))
     losses = res[0][0]
