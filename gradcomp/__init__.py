@@ -56,6 +56,8 @@ _EXPORTS = {
     "sync_period": "gradcomp.sync_period",
     "SyncPeriod": "gradcomp.sync_period",
     "SyncRound": "gradcomp.sync_period",
+    "partial_work": "gradcomp.partial_work",
+    "PartialWork": "gradcomp.partial_work",
     "ps": "gradcomp.ps",
     "fsdp": "gradcomp.fsdp",
 }

@@ -77,6 +77,7 @@ from gradcomp.comm.topology import layout
 from gradcomp.compressors import Compressor, Int8Quantizer, unwrapped
 from gradcomp.localsgd_fragments import Fragment, check_schedule, cpu_copy, partition
 from gradcomp.meter import TrafficMeter
+from gradcomp.partial_work import PartialWork, partial_work_argument
 from gradcomp.powersgd import PowerSGD
 from gradcomp.sync_period import WINDOW_STEPS, SyncPeriod, period_argument
 from gradcomp.timeline import StepTimeline
@@ -171,6 +172,9 @@ class LocalSGD:
             on whichever thread runs it.
         topology: a :class:`gradcomp.Topology` for ``algorithm="hierarchical"``
             or ``"auto"`` (None: hosts from the environment), resolved here (collective).
+        partial_work: True or a :class:`~gradcomp.partial_work.PartialWork`: a rank slower than
+            the others runs fewer inner steps of a round instead of holding it up (the loop asks
+            :attr:`should_compute`; ``fragments=1``, ``overlap=0``; :mod:`gradcomp.partial_work`).
 
     Attributes:
         sync_every: the period now (inner steps; it changes at synchronisations when adaptive).
@@ -207,6 +211,7 @@ class LocalSGD:
         max_sync_every: int | None = None,
         comm_share: float | None = None,
         period_cost: float | None = None,
+        partial_work: bool | PartialWork = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -242,6 +247,7 @@ class LocalSGD:
             raise TypeError(f"timeline must be a gradcomp.timeline.StepTimeline or None, "
                             f"got {type(timeline).__name__}")
         self.timeline = timeline
+        self.partial = partial_work_argument(partial_work, self.fragments, self.overlap)
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model has no parameter that requires grad")
@@ -309,7 +315,7 @@ class LocalSGD:
                 "algorithm": self.algorithm if self.auto is None else self.auto,
                 "error_feedback": self.error_feedback,
                 "outer_optimizer": "avg" if outer is None else setting_text(outer),
-                "topology": self.topology, "parameters": len(params), **shapes}
+                "topology": self.topology, "partial_work": repr(self.partial), "parameters": len(params), **shapes}
 
     def _make_outer(self, spec) -> torch.optim.Optimizer | None:
         if spec is None or spec == "avg":
@@ -327,6 +333,12 @@ class LocalSGD:
     def codec(self) -> str | None:
         """The adaptive codec's choice for the first fragment now (None: not adaptive, or before its first exchange)."""
         return self.compressor.codec(0) if isinstance(self.compressor, Adaptive) else None
+
+    @property
+    def should_compute(self) -> bool:
+        """Whether this rank runs its next inner step; False only under ``partial_work`` once
+        this rank has run its share of the round (call :meth:`step` without computing)."""
+        return self.partial is None or self.partial.should_compute
 
     @property
     def parameter_fragments(self) -> list[list[nn.Parameter]]:
@@ -363,6 +375,8 @@ class LocalSGD:
         """
         if loss is not None and self.period is not None:
             self.period.report_loss(loss)
+        if self.partial is not None:
+            self.partial.stepped(self.meter)
         self.steps += 1
         if self._pending is not None and self._pending[1] == self.steps:
             self._finish_pending()
@@ -379,8 +393,13 @@ class LocalSGD:
                 self.compressor.objective = "step" if self.sync_every >= self.period.max_sync_every else "exchange"
                 if self.period.decisions:  # after the first decision (which waits for the codec's)
                     self.compressor.interval = max(self._codec_interval, -(-WINDOW_STEPS // self.sync_every))
+            if self.partial is not None:  # this rank's share of the next round
+                self.partial.new_round(self.steps, self.sync_every, self._group, self.timeout,
+                                       self._frags[0].anchor.device, self.meter)
         if self.meter is not None:
             self.meter.step()
+        if self.partial is not None:
+            self.partial.returned()
 
     def sync(self) -> None:
         """Synchronise every fragment now (after applying a pending exchange),
@@ -406,7 +425,8 @@ class LocalSGD:
         delta = frag.pseudo_gradient()
         if overlap == 0:
             # the divergence of a round that a decision reads (the codec's error is no divergence)
-            measure = self.period is not None and self.period.due(self.steps)
+            measure = self.period is not None and self.period.due(self.steps) and (
+                self.partial is None or self.partial.full(self.sync_every))  # a partial round: no divergence
             held = frag.residual_copy() if measure else None
             with self.period.timed() if self.period is not None else contextlib.nullcontext():
                 mean = self._exchange(frag, delta, None, self.syncs)

@@ -53,6 +53,9 @@ def test_auto_options_need_the_auto_mode():
     with contextlib.redirect_stderr(err):
         assert command.main(["--mode", "auto", "--period-cost", "0.1", "--comm-share", "0.2", "--no-progress"]) == 2
     assert "not both" in err.getvalue()
+    with contextlib.redirect_stderr(err):
+        assert command.main(["--mode", "sync", "--partial-work", "on", "--no-progress"]) == 2
+    assert "--partial-work only applies to --mode local and auto" in err.getvalue()
 
 
 @pytest.mark.slow
@@ -82,3 +85,23 @@ def test_auto_beside_the_fixed_rows(tmp_path):
     assert len(series["t_s"]) == 40 and all(0 <= x <= 1 for x in series["idle_share"])
     assert series["t_s"] == sorted(series["t_s"])
     assert (out / "decisions.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_partial_work_cuts_the_stragglers_round_only(tmp_path):
+    # worker 1 three times slower: with partial work it runs a third of each round of 8 steps,
+    # the others all 8 (their compute is within 1.25x of the median)
+    out = tmp_path / "study"
+    argv = ["--mode", "local", "--workers", "3", "--compressors", "int8", "--steps", "48", "--sync-every", "8",
+            "--straggler", "1:3", "--partial-work", "on", "--eval-every", "16", "--out", str(out), "--no-progress"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert command.main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["config"]["partial_work"] is True
+    for run in doc["runs"]:
+        cuts = [e for e in run["meter"]["switches"] if e.get("kind") == "partial_work"]
+        assert cuts and cuts[0]["step"] == 8 and cuts[0]["sync_every"] == 8
+        compute = cuts[0]["compute_s"]
+        assert compute[1] > 2 * max(compute[0], compute[2])
+        assert cuts[0]["quotas"][0] == cuts[0]["quotas"][2] == 8 and 1 <= cuts[0]["quotas"][1] <= 4
+        assert 0 < run["meter"]["events"]["idle_step"] <= 40  # worker 1's only, from step 9 on

@@ -176,6 +176,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     auto.add_argument("--period-cost", type=float, default=None, metavar="A",
                       help="the auto mode's cost rule: each step of period adds this fraction of the steps "
                            "to a target, in (0, 1) (default: gradcomp.sync_period.PERIOD_COST)")
+    p.add_argument("--partial-work", choices=("on", "off"), default=None,
+                   help="local and auto modes: a slow worker runs fewer inner steps of a round instead of "
+                        "holding it up (gradcomp.partial_work; default: on for auto, off for local)")
     p.add_argument("--out", default=None,
                    help=f"directory for the results (results.json/.csv/.png, time.png, decision.md/"
                         f".json); default: a new timestamped directory under {DEFAULT_OUT}/. "
@@ -264,6 +267,8 @@ def _check_row_options(args: argparse.Namespace) -> None:
                          "run on ring, two_phase or halving_doubling): drop it from --compressors")
     if getattr(args, "ft_timeout", None) is not None and "ft" not in args.mode:
         raise ValueError(f"--ft-timeout only applies to --mode ft, got --mode {','.join(args.mode)}")
+    if getattr(args, "partial_work", None) is not None and not set(args.mode) & {"local", "auto"}:
+        raise ValueError(f"--partial-work only applies to --mode local and auto, got --mode {','.join(args.mode)}")
     if args.async_momentum is not None and "async" not in args.mode:
         raise ValueError(f"--async-momentum only applies to --mode async, got --mode {','.join(args.mode)}")
     if args.mode == ("pipeline",) and ("@" in args.link or (args.straggler and args.straggler[2] > 0)):
@@ -308,6 +313,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
                        straggler_from_s=args.straggler[2] if args.straggler else 0.0,
                        compute_jitter=args.compute_jitter, label_skew=args.label_skew,
                        backup_workers=args.backup_workers,
+                       partial_work=None if getattr(args, "partial_work", None) is None else args.partial_work == "on",
                        **({} if getattr(args, "ft_timeout", None) is None else {"ft_timeout": args.ft_timeout}),
                        **local)
 

@@ -244,6 +244,9 @@ class TrainConfig:
         min_sync_every, max_sync_every, period_cost, comm_share: the auto mode's bounds of
             the period and its rule (``LocalSGD(sync_every="auto")``, None: its default;
             its outer step is ``outer``).
+        partial_work: whether a slow worker runs fewer inner steps of a round instead of holding
+            it up (``LocalSGD(partial_work=True)``) in the local and auto modes; None: the auto
+            mode only.
         workload: a name of :data:`gradcomp.lab.study.workloads.WORKLOADS`
             (``hidden`` applies to ``digits-mlp`` only).
         data_dir: CIFAR-10's folder (``cifar10-resnet18``); data_file: the
@@ -281,6 +284,7 @@ class TrainConfig:
     max_sync_every: int = 64
     comm_share: float | None = None
     period_cost: float | None = None
+    partial_work: bool | None = None
     workload: str = DEFAULT_WORKLOAD
     data_dir: str | None = None
     data_file: str | None = None

@@ -70,7 +70,8 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
         This rank's :class:`RankLog`; ``extra`` holds the number of fragment
         exchanges (``local_syncs``) and, adaptive, on rank 0, ``decisions``: the
         period and codec in force from each change on (``t_s`` on the training
-        clock, ``step``, ``sync_every``, ``codec``).
+        clock, ``step``, ``sync_every``, ``codec``, ``quotas``: each worker's inner steps per
+        round under partial work, or None).
     """
     if world_size != cfg.workers:
         raise ValueError(f"local mode needs {cfg.workers} ranks (one per worker), got {world_size}")
@@ -78,16 +79,17 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     model = build_model(cfg, data)
     meter = TrafficMeter()
     timeline = StepTimeline()
+    partial = adaptive if cfg.partial_work is None else cfg.partial_work
     if adaptive:
         ls = LocalSGD(model, sync_every="auto", compressor="auto", min_sync_every=cfg.min_sync_every,
                       max_sync_every=cfg.max_sync_every, comm_share=cfg.comm_share, period_cost=cfg.period_cost,
                       outer_optimizer=cfg.outer, meter=meter, algorithm=cfg.algorithm_for(choice), timeout=cfg.timeout,
-                      timeline=timeline)
+                      timeline=timeline, partial_work=partial)
     else:
         ls = LocalSGD(model, sync_every=cfg.sync_every, compressor=choice.build(cfg.threshold),
                       outer_optimizer=cfg.outer, meter=meter, error_feedback=choice.error_feedback,
-                      algorithm=cfg.algorithm_for(choice),
-                      fragments=cfg.fragments, overlap=cfg.overlap, timeout=cfg.timeout, timeline=timeline)
+                      algorithm=cfg.algorithm_for(choice), fragments=cfg.fragments, overlap=cfg.overlap,
+                      timeout=cfg.timeout, timeline=timeline, partial_work=partial)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     log = RankLog(rank)
     decisions: list[dict] = []
@@ -95,30 +97,36 @@ def train_local_rank(rank: int, world_size: int, cfg: TrainConfig, compressor: s
     start_together(log, rank, delay, link_clock)
     batches = worker_batches(len(data.y_train), cfg.workers, rank, cfg.batch_size, cfg.seed, cfg.steps,
                              labels=data.y_train, label_skew=cfg.label_skew)
+    lossf = float("nan")
     for step, idx in enumerate(batches, 1):
         t0 = now()
         timeline.begin_step(t0)
-        loss = batch_loss(model, data.x_train[idx], data.y_train[idx])
-        with timeline.span("delay"):  # a slow worker reaches the synchronisation late
-            slept = delay.sleep(step, now() - t0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        computes = ls.should_compute  # False: partial work, this worker's share of the round is done
+        if computes:
+            loss = batch_loss(model, data.x_train[idx], data.y_train[idx])
+            with timeline.span("delay"):  # a slow worker reaches the synchronisation late
+                slept = delay.sleep(step, now() - t0)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
         handoff = now()
         timeline.mark("handoff", handoff)
-        delay.observe(handoff - t0 - slept)
-        if adaptive:
+        if computes:
+            delay.observe(handoff - t0 - slept)
+        if adaptive and computes:
             ls.step(loss=loss.detach())  # the loss factor of the period (AdaComm)
         else:
             ls.step()
-        if adaptive and (not decisions or (decisions[-1]["sync_every"], decisions[-1]["codec"])
-                         != (ls.sync_every, ls.codec)):
-            decisions.append({"t_s": log.elapsed(), "step": step, "sync_every": ls.sync_every, "codec": ls.codec})
+        quotas = None if ls.partial is None else ls.partial.quotas
+        if adaptive and (not decisions or (decisions[-1]["sync_every"], decisions[-1]["codec"],
+                                           decisions[-1].get("quotas")) != (ls.sync_every, ls.codec, quotas)):
+            decisions.append({"t_s": log.elapsed(), "step": step, "sync_every": ls.sync_every, "codec": ls.codec,
+                              "quotas": quotas})
         if step == cfg.steps:
             ls.sync()  # the evaluated model is the one every rank holds
         timeline.mark("backward_end")  # the end of the exposed window: the exchange returned
         timeline.mark("apply_start")
-        lossf = loss.item()
+        lossf = loss.item() if computes else lossf  # an idle step repeats the last loss
         timeline.end_step()
         log.record(cfg, LOCAL, step, lossf, meter, model if rank == 0 else None, data,
                    progress if rank == 0 else None)

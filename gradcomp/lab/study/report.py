@@ -94,6 +94,10 @@ def title(study: StudyResult) -> str:
         share = "" if c.comm_share is None else f" at an exchange share of {c.comm_share:g}"
         share += "" if c.period_cost is None else f" at a period cost of {c.period_cost:g}"
         algorithm += f", auto: period chosen in {c.min_sync_every}..{c.max_sync_every} steps{share}, outer {c.outer}"
+    if modes & {"local", "auto"} and c.partial_work is not None:
+        algorithm += f", partial work {'on' if c.partial_work else 'off'} (local and auto)"
+    elif "auto" in modes:
+        algorithm += ", partial work in auto"
     what = (f"digits ({study.train_samples} train / {study.test_samples} test), "
             f"MLP {'-'.join(map(str, (64, *c.hidden, 10)))} ({study.num_parameters:,} params)")
     if c.workload != "digits-mlp":

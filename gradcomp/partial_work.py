@@ -1,0 +1,169 @@
+"""Partial work: a slow rank runs fewer inner steps of a local SGD round instead of holding it up.
+
+``gc.LocalSGD(model, H, partial_work=True)``: every rank times its own inner steps (the
+seconds from the return of one :meth:`~gradcomp.LocalSGD.step` to the next call, computed
+steps only, the median of the latest :data:`WINDOW`); at a synchronisation at least
+:data:`AGREE_EVERY` inner steps after the last agreement the ranks share those medians (one
+small ``MAX`` allreduce, a slot per rank). A rank slower than :data:`TOLERANCE` times the
+ranks' median then runs ``floor(budget / own)`` inner steps of each round (at least one), ``budget``
+being ``H`` times the slowest compute within the tolerance: it reaches the synchronisation
+about when the others do. Its remaining steps of the round are idle (the training loop asks
+:attr:`gradcomp.LocalSGD.should_compute` and calls ``step()`` without computing), so the
+exchange schedule, and the bit-identical parameters after it, are unchanged; the
+pseudo-gradients are averaged as before, each rank's over the steps it ran. FedProx's partial
+work for systems heterogeneity (Li et al., "Federated Optimization in Heterogeneous
+Networks", MLSys 2020); on data that differ between ranks the slow rank's data then weighs
+less (FedNova's objective inconsistency, Wang et al. 2020, is not corrected here).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from gradcomp import _validate as v
+from gradcomp.comm.consensus import agree_max
+
+__all__ = ["PartialWork", "partial_work_argument", "quotas", "AGREE_EVERY", "TOLERANCE", "WINDOW"]
+
+#: a rank whose compute per inner step is at most this many times the ranks' median runs
+#: every step of a round: jitter, a shared host's scheduling and a rank's own small chores (an
+#: evaluation, a checkpoint) must not cut its work; the median, not the fastest, so that one
+#: fast rank does not make the others stragglers
+TOLERANCE = 1.25
+#: computed inner steps whose median is a rank's compute per step
+WINDOW = 8
+#: inner steps between two agreements at least (an agreement is due at the first
+#: synchronisation this many steps after the last), so that a period of one step does not
+#: add an allreduce to every step
+AGREE_EVERY = 16
+
+
+def quotas(compute_s: Sequence[float], period: int, tolerance: float = TOLERANCE) -> list[int]:
+    """Each rank's inner steps in a round of ``period`` steps, from each rank's seconds per step.
+
+    Ranks within ``tolerance`` times the median of the ranks' seconds run all ``period`` steps;
+    the round then lasts ``budget = period x`` the slowest of them, and each slower rank runs
+    ``max(1, floor(budget / its seconds))`` steps. A rank that measured nothing (``nan`` or <= 0)
+    runs all.
+
+    >>> quotas([0.010, 0.011, 0.030, 0.010], 64)
+    [64, 64, 23, 64]
+    """
+    measured = [t for t in compute_s if math.isfinite(t) and t > 0]
+    if not measured:
+        return [period] * len(compute_s)
+    bound = tolerance * statistics.median(measured)
+    budget = period * max(t for t in measured if t <= bound)
+    return [period if not (math.isfinite(t) and t > bound)
+            else max(1, min(period, math.floor(budget / t + 1e-9))) for t in compute_s]
+
+
+def partial_work_argument(partial_work, fragments: int, overlap: int) -> "PartialWork | None":
+    """``LocalSGD(partial_work=...)`` checked: a :class:`PartialWork` (``True``: the defaults) or None.
+
+    Raises:
+        TypeError: not a bool or a :class:`PartialWork`.
+        ValueError: with ``fragments != 1`` or ``overlap != 0`` (a round is then no longer one exchange).
+    """
+    if partial_work is False or partial_work is None:
+        return None
+    if partial_work is not True and not isinstance(partial_work, PartialWork):
+        raise TypeError(f"partial_work must be a bool or a gradcomp.PartialWork, got {type(partial_work).__name__}")
+    if (fragments, overlap) != (1, 0):
+        raise ValueError(f"partial_work needs fragments=1 and overlap=0, got fragments={fragments}, "
+                         f"overlap={overlap}")
+    return PartialWork() if partial_work is True else partial_work
+
+
+class PartialWork:
+    """One rank's share of each local SGD round (see the module docstring).
+
+    Args:
+        tolerance: a rank at most this many times slower than the ranks' median runs every step (> 1).
+        clock: seconds, monotonic (default ``time.perf_counter``; tests inject one).
+
+    Attributes:
+        quota: this rank's inner steps in the current round (its period until an agreement cuts it).
+        compute_s: the agreed seconds per inner step of each rank at the last agreement (``nan``:
+            not measured yet), or None before the first.
+        agreed_at: the inner step of the last agreement, or None.
+        quotas: every rank's inner steps per round as last agreed, or None.
+    """
+
+    def __init__(self, tolerance: float = TOLERANCE, *, clock=time.perf_counter):
+        self.tolerance = v.real("tolerance", tolerance)
+        if not (math.isfinite(self.tolerance) and self.tolerance > 1.0):
+            raise ValueError(f"tolerance must be a finite number > 1, got {tolerance!r}")
+        self.clock = clock
+        self.quota: int | None = None
+        self.compute_s: list[float] | None = None
+        self.agreed_at: int | None = None
+        self.quotas: list[int] | None = None
+        self._partial = False  # whether a rank ran part of a round under the last quotas
+        self.done = 0  # inner steps of this round so far
+        self._recent: deque[float] = deque(maxlen=WINDOW)
+        self._returned: float | None = None
+
+    @property
+    def should_compute(self) -> bool:
+        """Whether this rank runs its next inner step (False: its share of the round is done)."""
+        return self.quota is None or self.done < self.quota
+
+    def full(self, period: int) -> bool:
+        """Whether this rank runs every step of a round of ``period`` steps."""
+        return self.quota is None or self.quota >= period
+
+    def stepped(self, meter=None) -> None:
+        """The training loop reached :meth:`gradcomp.LocalSGD.step`: time the step if it computed,
+        else count an ``"idle_step"`` event in ``meter`` (a :class:`~gradcomp.TrafficMeter`)."""
+        now = self.clock()
+        if not self.should_compute:
+            if meter is not None:
+                meter.record_event("idle_step")
+        elif self._returned is not None:
+            self._recent.append(max(0.0, now - self._returned))
+        self.done += 1
+
+    def returned(self) -> None:
+        """:meth:`gradcomp.LocalSGD.step` returns: the next inner step's compute starts."""
+        self._returned = self.clock()
+
+    def new_round(self, step: int, period: int, group, timeout: float, device, meter=None) -> None:
+        """A synchronisation ended after inner step ``step``; the next round lasts ``period`` steps.
+
+        Agrees on every rank's seconds per step when due (every rank calls it at the same
+        synchronisation with the same ``step`` and ``period``) and sets :attr:`quota`. When the
+        agreed quotas change, logs ``{"kind": "partial_work", "step", "sync_every", "quotas",
+        "compute_s"}`` (the same on every rank) in ``meter`` (a :class:`~gradcomp.TrafficMeter`).
+
+        Raises:
+            TimeoutError / RuntimeError: a peer did not join within ``timeout`` seconds.
+        """
+        self.done = 0
+        if period >= 2 and (self.agreed_at is None or step - self.agreed_at >= AGREE_EVERY):
+            world, me = dist.get_world_size(group), dist.get_rank(group)
+            mine = statistics.median(self._recent) if self._recent else math.nan
+            slots = [-math.inf] * world
+            slots[me] = -1.0 if math.isnan(mine) else mine  # -1: nothing measured
+            agreed = agree_max(slots, group, timeout, device, "gradcomp.PartialWork")
+            self.compute_s = [t if t >= 0 else math.nan for t in agreed]
+            self.agreed_at = step
+        if self.compute_s is None:
+            self.quota = period
+            return
+        shares = quotas(self.compute_s, period, self.tolerance)
+        self.quota = shares[dist.get_rank(group)]
+        partial = min(shares) < period
+        if meter is not None and shares != self.quotas and (partial or self._partial):  # a cut, or its end
+            meter.record_switch({"kind": "partial_work", "step": step, "sync_every": period, "quotas": shares,
+                                 "compute_s": self.compute_s})
+        self.quotas, self._partial = shares, partial
+
+    def __repr__(self) -> str:
+        return f"PartialWork(tolerance={self.tolerance}, quota={self.quota})"

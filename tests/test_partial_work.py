@@ -1,0 +1,148 @@
+"""gc.LocalSGD(partial_work=True): a slow rank runs fewer inner steps of a round (gradcomp.partial_work).
+
+The seconds of each inner step come from an injected clock (no sleeps), powers of two so that
+every median and quotient is exact. Hand derivation for the 3-rank launch (``H = 8``, rank 1
+three times slower, 3/64 s a step against 1/64 s, until step 40): the ranks agree at the first
+synchronisation (step 8) and then at the first one at least 16 steps later (24, 40, 56, 72);
+each rank's figure is the median of its latest 8 computed steps. At step 8 rank 1 is 3x the
+fastest (beyond 1.25 times the ranks' median, 1/64 s): the round's budget is ``8 x 1/64``, its quota ``floor(8 /
+3) = 2``. It computes 2 steps a round, so from step 41 on (compute 1/64 s) the window holds
+four slow and four fast steps at the agreement of step 56: median 2/64 s, quota ``8 / 2 = 4``;
+at step 72 eight fast steps: quota 8 again. The other ranks run every step throughout.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import gradcomp as gc
+from gradcomp.launch import launch
+from gradcomp.partial_work import AGREE_EVERY, TOLERANCE, WINDOW, PartialWork, quotas
+
+WORLD = 3
+TIMEOUT = 60
+H = 8
+STEPS = 88
+FAST, SLOW = 1 / 64, 3 / 64
+
+
+class _Clock:
+    """Seconds that move only when the test says so."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(10, 30), nn.Tanh(), nn.Linear(30, 3))
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _run(rank, world_size):
+    clock = _Clock()
+    model = _model()
+    meter = gc.TrafficMeter()
+    ls = gc.LocalSGD(model, H, compressor=gc.NoCompression(), meter=meter, timeout=TIMEOUT,
+                     partial_work=PartialWork(clock=clock))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    computed, rounds, identical, mean_ok = 0, [], [], []
+    for t in range(1, STEPS + 1):
+        if ls.should_compute:
+            g = torch.Generator().manual_seed(1000 * rank + t)
+            x, y = torch.randn(8, 10, generator=g), torch.randint(0, 3, (8,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            computed += 1
+            clock.t += SLOW if rank == 1 and t <= 40 else FAST
+        if t % H == 0:  # the parameters before the exchange: their mean is what averaging gives
+            local = _flat(model)
+            gathered = [torch.empty_like(local) for _ in range(WORLD)]
+            dist.all_gather(gathered, local)
+        ls.step()
+        if t % H == 0:
+            rounds.append(computed)
+            computed = 0
+            after = _flat(model)
+            out = [torch.empty_like(after) for _ in range(WORLD)]
+            dist.all_gather(out, after)
+            identical.append(all(torch.equal(after, o) for o in out))
+            mean_ok.append(torch.allclose(after, torch.stack(gathered).mean(0), rtol=0, atol=1e-6))
+    ls.close()
+    return {"rounds": rounds, "identical": identical, "mean_ok": mean_ok,
+            "logged": [e for e in meter.switches if e.get("kind") == "partial_work"]}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return launch(_run, world_size=WORLD, timeout=120)
+
+
+def test_the_slow_rank_runs_its_hand_derived_share_of_each_round(runs):
+    # rounds end at steps 8, 16, ..., 88: the quota agreed at step s applies from step s + 1
+    assert runs[1]["rounds"] == [8, 2, 2, 2, 2, 2, 2, 4, 4, 8, 8]
+    assert runs[0]["rounds"] == runs[2]["rounds"] == [8] * (STEPS // H)
+
+
+def test_the_ranks_stay_bit_identical_and_average_what_each_ran(runs):
+    for r in runs:
+        assert all(r["identical"]) and all(r["mean_ok"])
+
+
+def test_every_rank_logs_the_same_cuts_and_their_end(runs):
+    logged = runs[0]["logged"]
+    assert [(e["step"], e["quotas"]) for e in logged] == [(8, [8, 2, 8]), (56, [8, 4, 8]), (72, [8, 8, 8])]
+    assert logged[0]["compute_s"] == [FAST, SLOW, FAST]
+    assert runs[1]["logged"] == runs[2]["logged"] == logged
+
+
+@pytest.mark.parametrize("compute, period, expected", [
+    ([0.01, 0.01, 0.01], 16, [16, 16, 16]),            # equal: nobody is cut
+    ([0.016, 0.01, 0.017, 0.018], 16, [16] * 4),      # within 1.25 x the median (0.0165): one fast rank cuts nobody
+    ([0.02, 0.01, 0.011, 0.012], 16, [9, 16, 16, 16]),  # 0.02 > 1.25 x 0.0115: floor(16 x 0.012 / 0.02)
+    ([0.01, 0.0124, 0.01], 16, [16, 16, 16]),          # within the tolerance
+    ([0.01, 0.03, 0.01, 0.012], 64, [64, 25, 64, 64]),  # budget 64 x 0.012 s: floor(0.768 / 0.03)
+    ([0.01, 0.05], 4, [4, 1]),                         # median 0.03; at least one step
+    ([0.01, float("nan"), 0.04], 8, [8, 8, 2]),        # not measured: runs all
+    ([float("nan")] * 2, 8, [8, 8]),
+])
+def test_quotas_by_hand(compute, period, expected):
+    assert quotas(compute, period) == expected
+
+
+def test_the_defaults():
+    assert TOLERANCE > 1 and WINDOW >= 1 and AGREE_EVERY >= 1
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    ({"partial_work": "yes"}, TypeError, "partial_work"),
+    ({"partial_work": True, "fragments": 2, "sync_every": 4}, ValueError, "fragments"),
+    ({"partial_work": True, "overlap": 1, "sync_every": 4}, ValueError, "overlap"),
+])
+def test_bad_arguments_raise_naming_them(kwargs, error, name):
+    from gradcomp.partial_work import partial_work_argument
+    with pytest.raises(error, match=name):
+        partial_work_argument(kwargs["partial_work"], kwargs.get("fragments", 1), kwargs.get("overlap", 0))
+
+
+@pytest.mark.parametrize("tolerance, error", [(1.0, ValueError), (0.5, ValueError), (float("inf"), ValueError),
+                                              ("2", TypeError), (True, TypeError)])
+def test_bad_tolerance(tolerance, error):
+    with pytest.raises(error, match="tolerance"):
+        PartialWork(tolerance)
+
+
+def test_before_an_agreement_a_rank_runs_every_step():
+    work = PartialWork()
+    for _ in range(20):
+        assert work.should_compute and work.full(8)
+        work.stepped()
+        work.returned()
