@@ -4,8 +4,8 @@ For every seed it runs the auto mode (local SGD with ``sync_every="auto"`` and
 ``compressor="auto"``), reads the period and codec in force at the end of that run (the last
 entry of ``extra.decisions``), and runs next, in the same scenario, the local mode with that
 period and codec fixed from the first step (the codec's error-feedback row where the study has
-one: the auto mode's lossy codecs keep residuals). The two runs of a seed follow each other, so
-they share the host's load as closely as this allows. Per seed it prints both times to the
+one: the auto mode's lossy codecs keep residuals), with partial work as the auto mode had it.
+The two runs of a seed follow each other, so they share the host's load as closely as this allows. Per seed it prints both times to the
 target accuracy (training clock) and their ratio auto / fixed; over the seeds the mean ratio
 with its 95% Student-t interval, and ``met`` / ``MISSED`` against the target: auto within 5% of
 its final choice (mean ratio <= 1.05). With ``--against H:ROW`` the fixed run is that local row
@@ -83,7 +83,9 @@ def main(argv=None) -> int:
         h, row = final["sync_every"], fixed_row(final["codec"])
         if ours.against is not None:
             h, row = int(ours.against.split(":")[0]), ours.against.split(":")[1]
-        fixed = run_study(dataclasses.replace(c, sync_every=h), ["local"], [row],
+        # the final choice includes whether a slow worker runs partial work (on in auto unless switched off)
+        partial = cfg.partial_work if ours.against is not None else cfg.partial_work is not False
+        fixed = run_study(dataclasses.replace(c, sync_every=h, partial_work=partial), ["local"], [row],
                           scenario=scenario, target_acc=args.target_acc, baseline=False).runs[0]
         rec = {"seed": c.seed, "sync_every": final["sync_every"], "codec": final["codec"], "fixed_sync_every": h, "row": row,
                "moves": len(auto.extra["decisions"]) - 1, "auto": _run_record(auto), "fixed": _run_record(fixed)}

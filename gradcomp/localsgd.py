@@ -423,10 +423,10 @@ class LocalSGD:
     def _start(self, f: int, overlap: int) -> None:
         frag = self._frags[f]
         delta = frag.pseudo_gradient()
+        uneven = self.partial is not None and self.partial.weigh_(delta)  # partial work: weighed by steps
         if overlap == 0:
-            # the divergence of a round that a decision reads (the codec's error is no divergence)
-            measure = self.period is not None and self.period.due(self.steps) and (
-                self.partial is None or self.partial.full(self.sync_every))  # a partial round: no divergence
+            # the divergence of a round that a decision reads (not of a partial round; the codec's error is none)
+            measure = self.period is not None and self.period.due(self.steps) and not uneven
             held = frag.residual_copy() if measure else None
             with self.period.timed() if self.period is not None else contextlib.nullcontext():
                 mean = self._exchange(frag, delta, None, self.syncs)

@@ -9,11 +9,13 @@ ranks' median then runs ``floor(budget / own)`` inner steps of each round (at le
 being ``H`` times the slowest compute within the tolerance: it reaches the synchronisation
 about when the others do. Its remaining steps of the round are idle (the training loop asks
 :attr:`gradcomp.LocalSGD.should_compute` and calls ``step()`` without computing), so the
-exchange schedule, and the bit-identical parameters after it, are unchanged; the
-pseudo-gradients are averaged as before, each rank's over the steps it ran. FedProx's partial
-work for systems heterogeneity (Li et al., "Federated Optimization in Heterogeneous
-Networks", MLSys 2020); on data that differ between ranks the slow rank's data then weighs
-less (FedNova's objective inconsistency, Wang et al. 2020, is not corrected here).
+exchange schedule, and the bit-identical parameters after it, are unchanged. In a round whose
+ranks ran different numbers of steps each pseudo-gradient is weighted by its steps (``N x
+steps / total``, so that the new anchor is the step-weighted mean of the ranks' models, as
+FedAvg weighs a client by the samples it processed, McMahan et al. 2017). FedProx's partial
+work for systems heterogeneity (Li et al., "Federated Optimization in Heterogeneous Networks",
+MLSys 2020); on data that differ between ranks the slow rank's data weighs less (FedNova's
+objective inconsistency, Wang et al. 2020, is not corrected here).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 
 from gradcomp import _validate as v
@@ -106,6 +109,7 @@ class PartialWork:
         self.agreed_at: int | None = None
         self.quotas: list[int] | None = None
         self._partial = False  # whether a rank ran part of a round under the last quotas
+        self._rank = 0
         self.done = 0  # inner steps of this round so far
         self._recent: deque[float] = deque(maxlen=WINDOW)
         self._returned: float | None = None
@@ -115,9 +119,19 @@ class PartialWork:
         """Whether this rank runs its next inner step (False: its share of the round is done)."""
         return self.quota is None or self.done < self.quota
 
-    def full(self, period: int) -> bool:
-        """Whether this rank runs every step of a round of ``period`` steps."""
-        return self.quota is None or self.quota >= period
+    def steps_run(self) -> list[int] | None:
+        """Every rank's computed inner steps of the round so far (None before the quotas)."""
+        return None if self.quotas is None else [min(self.done, q) for q in self.quotas]
+
+    def weigh_(self, delta: torch.Tensor) -> bool:
+        """Weigh this rank's pseudo-gradient ``delta`` in place by its steps, ``N x steps /
+        total`` over the ranks, before the averaging exchange; True when the ranks ran different
+        numbers of steps (else ``delta`` is untouched)."""
+        run = self.steps_run()
+        if run is None or len(set(run)) == 1 or not sum(run):
+            return False
+        delta.mul_(len(run) * run[self._rank] / sum(run))
+        return True
 
     def stepped(self, meter=None) -> None:
         """The training loop reached :meth:`gradcomp.LocalSGD.step`: time the step if it computed,
@@ -158,7 +172,8 @@ class PartialWork:
             self.quota = period
             return
         shares = quotas(self.compute_s, period, self.tolerance)
-        self.quota = shares[dist.get_rank(group)]
+        self._rank = dist.get_rank(group)
+        self.quota = shares[self._rank]
         partial = min(shares) < period
         if meter is not None and shares != self.quotas and (partial or self._partial):  # a cut, or its end
             meter.record_switch({"kind": "partial_work", "step": step, "sync_every": period, "quotas": shares,

@@ -63,10 +63,12 @@ def _run(rank, world_size):
             opt.step()
             computed += 1
             clock.t += SLOW if rank == 1 and t <= 40 else FAST
-        if t % H == 0:  # the parameters before the exchange: their mean is what averaging gives
+        if t % H == 0:  # the parameters before the exchange and the steps each rank ran
             local = _flat(model)
             gathered = [torch.empty_like(local) for _ in range(WORLD)]
             dist.all_gather(gathered, local)
+            ran = [torch.zeros(1) for _ in range(WORLD)]
+            dist.all_gather(ran, torch.tensor([float(computed)]))
         ls.step()
         if t % H == 0:
             rounds.append(computed)
@@ -75,7 +77,10 @@ def _run(rank, world_size):
             out = [torch.empty_like(after) for _ in range(WORLD)]
             dist.all_gather(out, after)
             identical.append(all(torch.equal(after, o) for o in out))
-            mean_ok.append(torch.allclose(after, torch.stack(gathered).mean(0), rtol=0, atol=1e-6))
+            # the step-weighted mean of the ranks' models: sum_i steps_i x params_i / sum_i steps_i
+            weights = torch.cat(ran)
+            expected = (torch.stack(gathered) * weights[:, None]).sum(0) / weights.sum()
+            mean_ok.append(torch.allclose(after, expected, rtol=0, atol=1e-6))
     ls.close()
     return {"rounds": rounds, "identical": identical, "mean_ok": mean_ok,
             "logged": [e for e in meter.switches if e.get("kind") == "partial_work"]}
@@ -92,7 +97,7 @@ def test_the_slow_rank_runs_its_hand_derived_share_of_each_round(runs):
     assert runs[0]["rounds"] == runs[2]["rounds"] == [8] * (STEPS // H)
 
 
-def test_the_ranks_stay_bit_identical_and_average_what_each_ran(runs):
+def test_the_ranks_stay_bit_identical_and_average_their_models_weighted_by_steps(runs):
     for r in runs:
         assert all(r["identical"]) and all(r["mean_ok"])
 
@@ -143,6 +148,19 @@ def test_bad_tolerance(tolerance, error):
 def test_before_an_agreement_a_rank_runs_every_step():
     work = PartialWork()
     for _ in range(20):
-        assert work.should_compute and work.full(8)
+        assert work.should_compute and work.steps_run() is None
         work.stepped()
         work.returned()
+
+
+def test_weigh_by_hand():
+    work = PartialWork()
+    work.quotas, work._rank, work.done = [8, 2, 8], 1, 8  # a round of 8: rank 1 ran 2 steps
+    delta = torch.ones(4)
+    assert work.weigh_(delta) and torch.equal(delta, torch.full((4,), 3 * 2 / 18))
+    work._rank = 0
+    delta = torch.ones(4)
+    assert work.weigh_(delta) and torch.equal(delta, torch.full((4,), 3 * 8 / 18))
+    work.done = 2  # a synchronisation after two steps of the round: every rank ran 2
+    delta = torch.ones(4)
+    assert not work.weigh_(delta) and torch.equal(delta, torch.ones(4))

@@ -208,7 +208,8 @@ def _events(r) -> list[tuple[float, str]]:
 
 
 def _decision_column(fig, grid, j: int, r) -> None:
-    """The four panels of one auto run: H (with each move's reason), codec, link rate, idle share."""
+    """The four panels of one auto run: H (with each move's reason and the slowest worker's steps
+    a round under partial work), codec, link rate, idle share."""
     from gradcomp.lab.units import format_rate
 
     decisions = r.extra.get("decisions") or []
@@ -218,6 +219,9 @@ def _decision_column(fig, grid, j: int, r) -> None:
     h_ax, c_ax, l_ax, i_ax = (fig.add_subplot(grid[k, j]) for k in range(4))
     ts = [d["t_s"] for d in decisions]
     h_ax.plot(*_step_xy(ts, [d["sync_every"] for d in decisions], t_end), color="#4c72b0", lw=1.2)
+    if any(d.get("quotas") for d in decisions):  # partial work: the slowest worker's share of a round
+        h_ax.plot(*_step_xy(ts, [min(d.get("quotas") or [d["sync_every"]]) for d in decisions], t_end),
+                  color="#8172b3", lw=1, ls="--")
     for e in (e for e in r.meter.get("switches", []) if e.get("kind") == "sync_every"):
         marker, _ = REASON_MARKERS.get(e["reason"], ("o", e["reason"]))
         h_ax.plot([step_t.get(e["step"], 0.0)], [e["to"]], marker=marker, color="k", ms=5, ls="none")
@@ -262,7 +266,8 @@ def decisions_figure(runs, title: str):
     for j, r in enumerate(runs):
         _decision_column(fig, grid, j, r)
     handles = [Line2D([], [], marker=m, color="k", ls="none", label=text) for m, text in REASON_MARKERS.values()]
-    handles += [Line2D([], [], color="k", lw=0.8, ls="--", label="link rate changes"),
+    handles += [Line2D([], [], color="#8172b3", lw=1, ls="--", label="partial work: the slowest worker's steps a round"),
+                Line2D([], [], color="k", lw=0.8, ls="--", label="link rate changes"),
                 Line2D([], [], color="k", lw=0.8, ls=":", label="straggler turns slow")]
     fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8)
     width = int(14 * fig.get_figwidth())
