@@ -39,8 +39,10 @@ __all__ = ["PartialWork", "partial_work_argument", "quotas", "AGREE_EVERY", "TOL
 #: evaluation, a checkpoint) must not cut its work; the median, not the fastest, so that one
 #: fast rank does not make the others stragglers
 TOLERANCE = 1.25
-#: computed inner steps whose median is a rank's compute per step
-WINDOW = 8
+#: computed inner steps whose median is a rank's compute per step: a few, so that a rank turned
+#: slow is cut at the next agreement (three slow steps of four move the median); the tolerance
+#: against the ranks' median, not the window, keeps noise from cutting
+WINDOW = 4
 #: inner steps between two agreements at least (an agreement is due at the first
 #: synchronisation this many steps after the last), so that a period of one step does not
 #: add an allreduce to every step
