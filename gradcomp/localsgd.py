@@ -389,13 +389,14 @@ class LocalSGD:
                                                      self._group, self.timeout, self._frags[0].anchor.device,
                                                      self.meter, self.codec)
                 self._round_start = self.steps
+            if self.partial is not None:  # this rank's share of the next round (an adaptive period fits it)
+                self.sync_every, self._round_start = self.partial.new_round(
+                    self.steps, self.sync_every, self._group, self.timeout, self._frags[0].anchor.device, self.meter,
+                    None if self.period is None else self.period.max_sync_every), self.steps
             if coupled:  # below its bound, the codec of the lightest exchange; decisions a window apart
                 self.compressor.objective = "step" if self.sync_every >= self.period.max_sync_every else "exchange"
                 if self.period.decisions:  # after the first decision (which waits for the codec's)
                     self.compressor.interval = max(self._codec_interval, -(-WINDOW_STEPS // self.sync_every))
-            if self.partial is not None:  # this rank's share of the next round
-                self.partial.new_round(self.steps, self.sync_every, self._group, self.timeout,
-                                       self._frags[0].anchor.device, self.meter)
         if self.meter is not None:
             self.meter.step()
         if self.partial is not None:

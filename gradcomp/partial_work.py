@@ -32,7 +32,7 @@ import torch.distributed as dist
 from gradcomp import _validate as v
 from gradcomp.comm.consensus import agree_max
 
-__all__ = ["PartialWork", "partial_work_argument", "quotas", "AGREE_EVERY", "TOLERANCE", "WINDOW"]
+__all__ = ["PartialWork", "least_period", "partial_work_argument", "quotas", "AGREE_EVERY", "TOLERANCE", "WINDOW"]
 
 #: a rank whose compute per inner step is at most this many times the ranks' median runs
 #: every step of a round: jitter, a shared host's scheduling and a rank's own small chores (an
@@ -60,13 +60,30 @@ def quotas(compute_s: Sequence[float], period: int, tolerance: float = TOLERANCE
     >>> quotas([0.010, 0.011, 0.030, 0.010], 64)
     [64, 64, 23, 64]
     """
+    bound, rate = _budget(compute_s, tolerance)
+    return [period if not (math.isfinite(t) and t > bound)
+            else max(1, min(period, math.floor(period * rate / t + 1e-9))) for t in compute_s]
+
+
+def least_period(compute_s: Sequence[float], tolerance: float = TOLERANCE) -> int:
+    """The least period in which every rank's one inner step fits the round of the ranks within
+    ``tolerance``: ``ceil(slowest / budget rate)`` (1 when no rank is beyond it).
+
+    >>> least_period([0.010, 0.011, 0.030, 0.010])
+    3
+    """
+    bound, rate = _budget(compute_s, tolerance)
+    return max([1] + [math.ceil(t / rate - 1e-9) for t in compute_s if math.isfinite(t) and t > bound])
+
+
+def _budget(compute_s: Sequence[float], tolerance: float) -> tuple[float, float]:
+    """``(bound, rate)``: the seconds per step beyond which a rank is cut (``tolerance`` x the
+    measured ranks' median; ``inf`` when none measured), and the slowest seconds per step within it."""
     measured = [t for t in compute_s if math.isfinite(t) and t > 0]
     if not measured:
-        return [period] * len(compute_s)
+        return math.inf, math.nan
     bound = tolerance * statistics.median(measured)
-    budget = period * max(t for t in measured if t <= bound)
-    return [period if not (math.isfinite(t) and t > bound)
-            else max(1, min(period, math.floor(budget / t + 1e-9))) for t in compute_s]
+    return bound, max(t for t in measured if t <= bound)
 
 
 def partial_work_argument(partial_work, fragments: int, overlap: int) -> "PartialWork | None":
@@ -150,13 +167,19 @@ class PartialWork:
         """:meth:`gradcomp.LocalSGD.step` returns: the next inner step's compute starts."""
         self._returned = self.clock()
 
-    def new_round(self, step: int, period: int, group, timeout: float, device, meter=None) -> None:
+    def new_round(self, step: int, period: int, group, timeout: float, device, meter=None,
+                  most: int | None = None) -> int:
         """A synchronisation ended after inner step ``step``; the next round lasts ``period`` steps.
 
         Agrees on every rank's seconds per step when due (every rank calls it at the same
         synchronisation with the same ``step`` and ``period``) and sets :attr:`quota`. When the
-        agreed quotas change, logs ``{"kind": "partial_work", "step", "sync_every", "quotas",
-        "compute_s"}`` (the same on every rank) in ``meter`` (a :class:`~gradcomp.TrafficMeter`).
+        agreed quotas cut a rank's round (or stop cutting) or the period is raised, logs
+        ``{"kind": "partial_work", "step", "sync_every", "quotas", "compute_s", "raised_from"}``
+        (the same on every rank) in ``meter`` (a :class:`~gradcomp.TrafficMeter`).
+
+        ``most``: an adaptive period's upper bound; the period is then raised to
+        :func:`least_period` (at most ``most``), so that a cut rank's one step fits the round
+        (a shorter round would wait for it). Returns the next round's period.
 
         Raises:
             TimeoutError / RuntimeError: a peer did not join within ``timeout`` seconds.
@@ -172,15 +195,19 @@ class PartialWork:
             self.agreed_at = step
         if self.compute_s is None:
             self.quota = period
-            return
+            return period
+        asked = period
+        if most is not None:
+            period = max(period, min(most, least_period(self.compute_s, self.tolerance)))
         shares = quotas(self.compute_s, period, self.tolerance)
         self._rank = dist.get_rank(group)
         self.quota = shares[self._rank]
         partial = min(shares) < period
-        if meter is not None and shares != self.quotas and (partial or self._partial):  # a cut, or its end
+        if meter is not None and (period != asked or shares != self.quotas and (partial or self._partial)):
             meter.record_switch({"kind": "partial_work", "step": step, "sync_every": period, "quotas": shares,
-                                 "compute_s": self.compute_s})
+                                 "compute_s": self.compute_s, "raised_from": asked if period != asked else None})
         self.quotas, self._partial = shares, partial
+        return period
 
     def __repr__(self) -> str:
         return f"PartialWork(tolerance={self.tolerance}, quota={self.quota})"

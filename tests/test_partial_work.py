@@ -19,7 +19,7 @@ import torch.nn as nn
 
 import gradcomp as gc
 from gradcomp.launch import launch
-from gradcomp.partial_work import AGREE_EVERY, TOLERANCE, WINDOW, PartialWork, quotas
+from gradcomp.partial_work import AGREE_EVERY, TOLERANCE, WINDOW, PartialWork, least_period, quotas
 
 WORLD = 3
 TIMEOUT = 60
@@ -165,3 +165,32 @@ def test_weigh_by_hand():
     work.done = 2  # a synchronisation after two steps of the round: every rank ran 2
     delta = torch.ones(4)
     assert not work.weigh_(delta) and torch.equal(delta, torch.ones(4))
+
+
+def test_least_period_by_hand():
+    assert least_period([0.01, 0.01, 0.01]) == 1                 # nobody beyond the tolerance
+    assert least_period([0.01, 0.03, 0.01]) == 3                 # 0.03 / 0.01
+    assert least_period([0.01, 0.035, 0.012, 0.01]) == 3         # ceil(0.035 / 0.012)
+    assert least_period([0.01, float("nan"), 0.05]) == 5
+
+
+def _raise(rank, world_size):
+    """Rank 1 three times slower (2 ranks: median 2/64 s, bound 2.5/64): its one step needs a
+    round of 3 of rank 0's steps; an adaptive period of 2 is raised to 3 (not past ``most``)."""
+    out = []
+    for most in (8, 2, None):
+        clock, meter = _Clock(), gc.TrafficMeter()
+        work = PartialWork(clock=clock)
+        for _ in range(5):
+            work.stepped()
+            work.returned()
+            clock.t += SLOW if rank == 1 else FAST
+        work.stepped()
+        period = work.new_round(6, 2, dist.group.WORLD, TIMEOUT, torch.device("cpu"), meter, most)
+        out.append((period, work.quotas, [(e["sync_every"], e["raised_from"]) for e in meter.switches]))
+    return out
+
+
+def test_an_adaptive_period_is_raised_to_fit_the_slow_ranks_step():
+    got = launch(_raise, world_size=2, timeout=60)
+    assert got[0] == got[1] == [(3, [3, 1], [(3, 2)]), (2, [2, 1], [(2, None)]), (2, [2, 1], [(2, None)])]
