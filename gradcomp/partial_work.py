@@ -5,7 +5,7 @@ seconds from the return of one :meth:`~gradcomp.LocalSGD.step` to the next call,
 steps only, the median of the latest :data:`WINDOW`); at a synchronisation at least
 :data:`AGREE_EVERY` inner steps after the last agreement the ranks share those medians (one
 small ``MAX`` allreduce, a slot per rank). A rank slower than :data:`TOLERANCE` times the
-ranks' median then runs ``floor(budget / own)`` inner steps of each round (at least one), ``budget``
+ranks' lower median then runs ``floor(budget / own)`` inner steps of each round (at least one), ``budget``
 being ``H`` times the slowest compute within the tolerance: it reaches the synchronisation
 about when the others do. Its remaining steps of the round are idle (the training loop asks
 :attr:`gradcomp.LocalSGD.should_compute` and calls ``step()`` without computing), so the
@@ -34,15 +34,15 @@ from gradcomp.comm.consensus import agree_max
 
 __all__ = ["PartialWork", "least_period", "partial_work_argument", "quotas", "AGREE_EVERY", "TOLERANCE", "WINDOW"]
 
-#: a rank whose compute per inner step is at most this many times the ranks' median runs
-#: every step of a round: jitter, a shared host's scheduling and a rank's own small chores (an
+#: a rank whose compute per inner step is at most this many times the ranks' lower median
+#: runs every step of a round: jitter, a shared host's scheduling (ranks that share cores measure
+#: up to about 1.5x apart from one window to the next) and a rank's own small chores (an
 #: evaluation, a checkpoint) must not cut its work; the median, not the fastest, so that one
-#: fast rank does not make the others stragglers
-TOLERANCE = 1.25
-#: computed inner steps whose median is a rank's compute per step: a few, so that a rank turned
-#: slow is cut at the next agreement (three slow steps of four move the median); the tolerance
-#: against the ranks' median, not the window, keeps noise from cutting
-WINDOW = 4
+#: fast rank does not make the others stragglers (the lower one, so that of two ranks the
+#: faster is the reference)
+TOLERANCE = 1.5
+#: computed inner steps whose median is a rank's compute per step (five slow steps move it)
+WINDOW = 8
 #: inner steps between two agreements at least (an agreement is due at the first
 #: synchronisation this many steps after the last), so that a period of one step does not
 #: add an allreduce to every step
@@ -52,7 +52,7 @@ AGREE_EVERY = 16
 def quotas(compute_s: Sequence[float], period: int, tolerance: float = TOLERANCE) -> list[int]:
     """Each rank's inner steps in a round of ``period`` steps, from each rank's seconds per step.
 
-    Ranks within ``tolerance`` times the median of the ranks' seconds run all ``period`` steps;
+    Ranks within ``tolerance`` times the lower median of the ranks' seconds run all ``period`` steps;
     the round then lasts ``budget = period x`` the slowest of them, and each slower rank runs
     ``max(1, floor(budget / its seconds))`` steps. A rank that measured nothing (``nan`` or <= 0)
     runs all.
@@ -78,11 +78,11 @@ def least_period(compute_s: Sequence[float], tolerance: float = TOLERANCE) -> in
 
 def _budget(compute_s: Sequence[float], tolerance: float) -> tuple[float, float]:
     """``(bound, rate)``: the seconds per step beyond which a rank is cut (``tolerance`` x the
-    measured ranks' median; ``inf`` when none measured), and the slowest seconds per step within it."""
+    measured ranks' lower median; ``inf`` when none measured), and the slowest seconds per step within it."""
     measured = [t for t in compute_s if math.isfinite(t) and t > 0]
     if not measured:
         return math.inf, math.nan
-    bound = tolerance * statistics.median(measured)
+    bound = tolerance * statistics.median_low(measured)
     return bound, max(t for t in measured if t <= bound)
 
 
@@ -107,7 +107,7 @@ class PartialWork:
     """One rank's share of each local SGD round (see the module docstring).
 
     Args:
-        tolerance: a rank at most this many times slower than the ranks' median runs every step (> 1).
+        tolerance: a rank at most this many times slower than the ranks' lower median runs every step (> 1).
         clock: seconds, monotonic (default ``time.perf_counter``; tests inject one).
 
     Attributes:
