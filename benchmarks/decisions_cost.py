@@ -5,10 +5,10 @@ For every seed it runs the auto mode (local SGD with ``sync_every="auto"`` and
 entry of ``extra.decisions``), and runs next, in the same scenario, the local mode with that
 period and codec fixed from the first step (the codec's error-feedback row where the study has
 one: the auto mode's lossy codecs keep residuals), with partial work as the auto mode had it.
-The two runs of a seed follow each other, so they share the host's load as closely as this allows. Per seed it prints both times to the
-target accuracy (training clock) and their ratio auto / fixed; over the seeds the mean ratio
-with its 95% Student-t interval, and ``met`` / ``MISSED`` against the target: auto within 5% of
-its final choice (mean ratio <= 1.05). With ``--against H:ROW`` the fixed run is that local row
+The two runs of a seed follow each other, so they share the host's load as closely as this
+allows. Per seed it prints both times to the target accuracy (training clock) and their ratio
+auto / fixed; over the seeds the mean ratio with its 95% Student-t interval, and ``met`` /
+``MISSED`` against the target: auto within 5% of its final choice (mean ratio <= 1.05). With ``--against H:ROW`` the fixed run is that local row
 instead (auto against a chosen fixed row, paired by seed; the target: within 10%, ratio <= 1.10).
 
 Every option of ``gradcomp train`` that sets the workload, the link and the schedule passes

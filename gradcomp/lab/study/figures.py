@@ -266,7 +266,8 @@ def decisions_figure(runs, title: str):
     for j, r in enumerate(runs):
         _decision_column(fig, grid, j, r)
     handles = [Line2D([], [], marker=m, color="k", ls="none", label=text) for m, text in REASON_MARKERS.values()]
-    handles += [Line2D([], [], color="#8172b3", lw=1, ls="--", label="partial work: the slowest worker's steps a round"),
+    handles += [Line2D([], [], color="#8172b3", lw=1, ls="--",
+                       label="partial work: the slowest worker's steps a round"),
                 Line2D([], [], color="k", lw=0.8, ls="--", label="link rate changes"),
                 Line2D([], [], color="k", lw=0.8, ls=":", label="straggler turns slow")]
     fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8)
