@@ -151,7 +151,19 @@ def test_decisions_png_panels_legend_and_title():
     assert "unshaped loopback" in axes[6].get_title()
     (legend,) = fig.legends
     assert [t.get_text() for t in legend.get_texts()] == [t for _, t in REASON_MARKERS.values()] + [
-        "link rate changes", "straggler turns slow"]
+        "partial work: the slowest worker's steps a round", "link rate changes", "straggler turns slow"]
+    assert not [line for line in h_ax.get_lines() if line.get_linestyle() == "--" and len(set(line.get_xdata())) > 1]
+
+
+def test_decisions_png_draws_the_slowest_workers_share_under_partial_work():
+    from gradcomp.lab.study.figures import decisions_figure
+
+    run = _auto_run("100mbit+straggler", [], {"rank": 1, "factor": 3.0, "from_s": 0.0})
+    for d, quotas in zip(run.extra["decisions"], (None, [16, 5, 16, 16], [16, 5, 16, 16], [4, 1, 4, 4])):
+        d["quotas"] = quotas
+    h_ax = _check(decisions_figure([run], "partial work"))[0]
+    (share,) = [line for line in h_ax.get_lines() if line.get_linestyle() == "--" and len(set(line.get_xdata())) > 1]
+    assert list(share.get_ydata()) == [1, 1, 5, 5, 5, 5, 1, 1]  # the period until a cut, then the least quota
 
 
 def test_every_reason_the_period_moves_for_has_a_marker():
