@@ -45,6 +45,8 @@ LOCALSGD = {  # case -> (setting named, keyword arguments of rank 1; rank 0 take
     "error_feedback": ("error_feedback", {"error_feedback": False}),
     "outer_optimizer": ("outer_optimizer", {"outer_optimizer": "nesterov"}),
     "layout": ("parameter 0", {"model": "transposed"}),
+    "partial_work": ("partial_work", {"partial_work": True}),
+    "partial_work_tolerance": ("partial_work", {"partial_work": gc.PartialWork(tolerance=2.0)}),
     "same": (None, {"compressor": gc.Int8Quantizer(seed=7)}),  # another seed only: agreed
 }
 
@@ -53,7 +55,8 @@ def _localsgd(rank, world):
     out = {}
     for case, (_, theirs) in LOCALSGD.items():
         kw = {"sync_every": 4, "fragments": 1, "overlap": 0, "compressor": gc.Int8Quantizer(),
-              "algorithm": "ring", "error_feedback": True, "outer_optimizer": None, "model": "plain"}
+              "algorithm": "ring", "error_feedback": True, "outer_optimizer": None, "model": "plain",
+              "partial_work": gc.PartialWork() if case == "partial_work_tolerance" else False}
         if rank == 1:
             kw.update(theirs)
         torch.manual_seed(0)
