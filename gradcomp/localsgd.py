@@ -179,6 +179,7 @@ class LocalSGD:
     Attributes:
         sync_every: the period now (inner steps; it changes at synchronisations when adaptive).
         period: the :class:`~gradcomp.SyncPeriod` choosing it, or None (fixed).
+        partial: the :class:`~gradcomp.partial_work.PartialWork` of ``partial_work``, or None.
         steps: calls of :meth:`step` so far.
         syncs: fragment exchanges applied so far (:meth:`sync` included).
 
