@@ -25,22 +25,19 @@ error feedback on the pseudo-gradient, and updates the anchor:
   ``params -> torch.optim.Optimizer`` for any other outer optimizer, e.g.
   ``functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9, nesterov=True)``.
 
-Then every rank loads the new anchor into its parameters, bit-identical on every rank
-(the same decoded bytes, the same float32 arithmetic). The inner optimizer's state stays
-local, as in DiLoCo; buffers (e.g. BatchNorm statistics) are not synchronised.
+Then every rank loads the new anchor into its parameters, bit-identical on every rank (the
+same decoded bytes and float32 arithmetic). The inner optimizer's state stays local, as in
+DiLoCo; buffers (e.g. BatchNorm statistics) are not synchronised.
 
-Error feedback (Seide et al. 2014; Karimireddy et al. 2019) runs on the
-pseudo-gradient: a rank keeps one flat float32 residual per fragment, the
-part of its pseudo-gradients that compression has not delivered yet, and adds
-it to the next one (see :mod:`gradcomp.comm.local` for where it applies inside
-a collective). Over any number of synchronisations with the allgather
-algorithm, ``N * (anchor_0 - anchor_T) + sum_r residual_r = sum_r sum_t delta_{r,t}``
-under averaging: nothing is lost, only delayed.
+Error feedback (Seide et al. 2014; Karimireddy et al. 2019) runs on the pseudo-gradient: a
+rank keeps one flat float32 residual per fragment, the part of its pseudo-gradients that
+compression has not delivered yet, and adds it to the next one (:mod:`gradcomp.comm.local`).
+Over any number of synchronisations with the allgather algorithm,
+``N * (anchor_0 - anchor_T) + sum_r residual_r = sum_r sum_t delta_{r,t}`` under averaging.
 
-Streaming (Streaming DiLoCo, Douillard et al. 2025): ``fragments=F`` splits
-the parameters into ``F`` fragments (contiguous runs of ``model.parameters()``,
-balanced by element count at parameter granularity), each with its own anchor,
-residual and outer-optimizer state. Fragment ``f`` starts its exchange after
+Streaming (Streaming DiLoCo, Douillard et al. 2025): ``fragments=F`` splits the parameters
+into ``F`` fragments (contiguous runs of ``model.parameters()``, balanced by element count),
+each with its own anchor, residual and outer-optimizer state. Fragment ``f`` starts its exchange after
 the inner steps ``t`` with ``t mod H == ((f + 1) H / F) mod H``: one fragment
 every ``H / F`` steps, each parameter once every ``H`` steps, so the peak
 traffic of one exchange is ``1 / F`` of the model's. ``overlap=tau`` (``0 <=
@@ -52,9 +49,9 @@ parameters, so the fragment's last ``tau`` local steps are dropped (the
 paper's mixing factor ``alpha = 0``, torchft's default; it keeps the ranks
 bit-identical). At most one exchange is in flight at a time.
 
-Traffic: the exchanges run on a process group of gradcomp's own, so they never interleave
-with the user's collectives; the constructor agrees the schedule, codec, outer optimizer and
-parameters on every rank, and ``meter`` gets the bytes per phase (docs/local-sgd.md).
+Traffic: the exchanges run on a process group of gradcomp's own (never interleaved with the
+user's collectives); the constructor agrees the settings and parameters on every rank, and
+``meter`` gets the bytes per phase (docs/local-sgd.md).
 """
 
 from __future__ import annotations
@@ -172,14 +169,13 @@ class LocalSGD:
             on whichever thread runs it.
         topology: a :class:`gradcomp.Topology` for ``algorithm="hierarchical"``
             or ``"auto"`` (None: hosts from the environment), resolved here (collective).
-        partial_work: True or a :class:`~gradcomp.partial_work.PartialWork`: a rank slower than
-            the others runs fewer inner steps of a round instead of holding it up (the loop asks
-            :attr:`should_compute`; ``fragments=1``, ``overlap=0``; :mod:`gradcomp.partial_work`).
+        partial_work: True or a :class:`~gradcomp.partial_work.PartialWork` (kept as ``partial``,
+            reset): a rank slower than the others runs fewer inner steps of a round instead of
+            holding it up (the loop asks :attr:`should_compute`; ``fragments=1``, ``overlap=0``).
 
     Attributes:
         sync_every: the period now (inner steps; it changes at synchronisations when adaptive).
         period: the :class:`~gradcomp.SyncPeriod` choosing it, or None (fixed).
-        partial: the :class:`~gradcomp.partial_work.PartialWork` of ``partial_work``, or None.
         steps: calls of :meth:`step` so far.
         syncs: fragment exchanges applied so far (:meth:`sync` included).
 
@@ -316,7 +312,8 @@ class LocalSGD:
                 "algorithm": self.algorithm if self.auto is None else self.auto,
                 "error_feedback": self.error_feedback,
                 "outer_optimizer": "avg" if outer is None else setting_text(outer),
-                "topology": self.topology, "partial_work": repr(self.partial), "parameters": len(params), **shapes}
+                "topology": self.topology, "partial_work": self.partial and self.partial.tolerance,
+                "parameters": len(params), **shapes}
 
     def _make_outer(self, spec) -> torch.optim.Optimizer | None:
         if spec is None or spec == "avg":
@@ -337,8 +334,8 @@ class LocalSGD:
 
     @property
     def should_compute(self) -> bool:
-        """Whether this rank runs its next inner step; False only under ``partial_work`` once
-        this rank has run its share of the round (call :meth:`step` without computing)."""
+        """Whether this rank runs its next inner step; False under ``partial_work`` once its share of the
+        round is run: call :meth:`step` without computing (a step computed anyway is not weighted)."""
         return self.partial is None or self.partial.should_compute
 
     @property
@@ -567,6 +564,8 @@ class LocalSGD:
         elif state.get("period") is not None:
             raise ValueError("state was saved with an adaptive sync_every, this LocalSGD has a fixed one")
         self.close()
+        if self.partial is not None:  # measured again, every rank computing until the next agreement
+            self.partial.reset()
         for frag, a, r in zip(self._frags, anchors, residuals):
             frag.anchor.copy_(a)
             if r is not None:

@@ -96,11 +96,15 @@ def partial_work_argument(partial_work, fragments: int, overlap: int) -> "Partia
     if partial_work is False or partial_work is None:
         return None
     if partial_work is not True and not isinstance(partial_work, PartialWork):
-        raise TypeError(f"partial_work must be a bool or a gradcomp.PartialWork, got {type(partial_work).__name__}")
+        kind = type(partial_work)
+        name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"partial_work must be a bool or a gradcomp.PartialWork, got {name}")
     if (fragments, overlap) != (1, 0):
         raise ValueError(f"partial_work needs fragments=1 and overlap=0, got fragments={fragments}, "
                          f"overlap={overlap}")
-    return PartialWork() if partial_work is True else partial_work
+    work = PartialWork() if partial_work is True else partial_work
+    work.reset()  # an instance given again starts afresh
+    return work
 
 
 class PartialWork:
@@ -122,7 +126,14 @@ class PartialWork:
         self.tolerance = v.real("tolerance", tolerance)
         if not (math.isfinite(self.tolerance) and self.tolerance > 1.0):
             raise ValueError(f"tolerance must be a finite number > 1, got {tolerance!r}")
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
         self.clock = clock
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every measurement and agreement: every rank computes every step until the next
+        agreement (a restored checkpoint, a new :class:`~gradcomp.LocalSGD`)."""
         self.quota: int | None = None
         self.compute_s: list[float] | None = None
         self.agreed_at: int | None = None
@@ -130,6 +141,7 @@ class PartialWork:
         self._partial = False  # whether a rank ran part of a round under the last quotas
         self._rank = 0
         self.done = 0  # inner steps of this round so far
+        self._exchanged = 0  # ``done`` at the round's last exchange (a sync() within the round)
         self._recent: deque[float] = deque(maxlen=WINDOW)
         self._returned: float | None = None
 
@@ -139,14 +151,17 @@ class PartialWork:
         return self.quota is None or self.done < self.quota
 
     def steps_run(self) -> list[int] | None:
-        """Every rank's computed inner steps of the round so far (None before the quotas)."""
-        return None if self.quotas is None else [min(self.done, q) for q in self.quotas]
+        """Every rank's computed inner steps since the last exchange (None before the quotas)."""
+        if self.quotas is None:
+            return None
+        return [min(self.done, q) - min(self._exchanged, q) for q in self.quotas]
 
     def weigh_(self, delta: torch.Tensor) -> bool:
         """Weigh this rank's pseudo-gradient ``delta`` in place by its steps, ``N x steps /
         total`` over the ranks, before the averaging exchange; True when the ranks ran different
         numbers of steps (else ``delta`` is untouched)."""
         run = self.steps_run()
+        self._exchanged = self.done
         if run is None or len(set(run)) == 1 or not sum(run):
             return False
         delta.mul_(len(run) * run[self._rank] / sum(run))
@@ -184,7 +199,7 @@ class PartialWork:
         Raises:
             TimeoutError / RuntimeError: a peer did not join within ``timeout`` seconds.
         """
-        self.done = 0
+        self.done = self._exchanged = 0
         if period >= 2 and (self.agreed_at is None or step - self.agreed_at >= AGREE_EVERY):
             world, me = dist.get_world_size(group), dist.get_rank(group)
             mine = statistics.median(self._recent) if self._recent else math.nan

@@ -162,12 +162,33 @@ def test_weigh_by_hand():
     work.quotas, work._rank, work.done = [8, 2, 8], 1, 8  # a round of 8: rank 1 ran 2 steps
     delta = torch.ones(4)
     assert work.weigh_(delta) and torch.equal(delta, torch.full((4,), 3 * 2 / 18))
-    work._rank = 0
+    work._rank, work._exchanged = 0, 0
     delta = torch.ones(4)
     assert work.weigh_(delta) and torch.equal(delta, torch.full((4,), 3 * 8 / 18))
-    work.done = 2  # a synchronisation after two steps of the round: every rank ran 2
+    work.done, work._exchanged = 2, 0  # a synchronisation after two steps of the round: every rank ran 2
     delta = torch.ones(4)
     assert not work.weigh_(delta) and torch.equal(delta, torch.ones(4))
+    # sync() in the middle of a round (after step 4), then the round's end: the steps since that exchange
+    work.done, work._exchanged = 4, 0
+    assert work.steps_run() == [4, 2, 4]
+    work.weigh_(torch.ones(4))
+    work.done = 8
+    assert work.steps_run() == [4, 0, 4]
+    delta = torch.ones(4)
+    assert work.weigh_(delta) and torch.equal(delta, torch.full((4,), 3 * 4 / 8))
+
+
+def test_reset_forgets_the_round_and_the_measurements():
+    work = PartialWork()
+    work.quota, work.quotas, work.compute_s, work.agreed_at, work.done = 2, [8, 2], [0.1, 0.3], 40, 5
+    work.reset()
+    assert work.should_compute and work.steps_run() is None and work.agreed_at is None and work.done == 0
+
+
+@pytest.mark.parametrize("clock", [None, 5, "x"])
+def test_bad_clock(clock):
+    with pytest.raises(TypeError, match="clock"):
+        PartialWork(clock=clock)
 
 
 def test_least_period_by_hand():
