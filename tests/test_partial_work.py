@@ -218,3 +218,40 @@ def _raise(rank, world_size):
 def test_an_adaptive_period_is_raised_to_fit_the_slow_ranks_step():
     got = launch(_raise, world_size=2, timeout=60)
     assert got[0] == got[1] == [(3, [3, 1], [(3, 2)]), (2, [2, 1], [(2, None)]), (2, [2, 1], [(2, None)])]
+
+
+def _restore(rank, world_size):
+    """Rank 1 slow and cut to 2 of 8 steps; the checkpoint of step 16 restored after step 20
+    (mid-round) rewinds the step count to 16 and resets the cut: every rank computes every step
+    until the next agreement (the restored run's first synchronisation, its step 24, the loop's
+    28), then rank 1 is cut again."""
+    clock = _Clock()
+    model = _model()
+    ls = gc.LocalSGD(model, H, compressor=gc.NoCompression(), timeout=TIMEOUT, partial_work=PartialWork(clock=clock))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    computes, saved = [], None
+    for t in range(1, 41):
+        computes.append(ls.should_compute)
+        if ls.should_compute:
+            g = torch.Generator().manual_seed(1000 * rank + t)
+            nn.functional.cross_entropy(model(torch.randn(8, 10, generator=g)),
+                                        torch.randint(0, 3, (8,), generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+            clock.t += SLOW if rank == 1 else FAST
+        ls.step()
+        if t == 16:
+            saved = ls.state_dict()
+        if t == 20:
+            ls.load_state_dict(saved)
+    ls.close()
+    return computes
+
+
+def test_a_restored_checkpoint_measures_again():
+    got = launch(_restore, world_size=3, timeout=60)
+    assert all(got[0]) and all(got[2])
+    # rank 1 (loop steps): cut after the agreement of step 8 (11-16 and 19-20 idle), every step
+    # after the restore (21-28), cut again from the agreement at the loop's step 28 (31-36, 39-40 idle)
+    idle = [t for t, c in enumerate(got[1], 1) if not c]
+    assert idle == [*range(11, 17), 19, 20, *range(31, 37), 39, 40]
