@@ -8,8 +8,9 @@ one: the auto mode's lossy codecs keep residuals), with partial work as the auto
 The two runs of a seed follow each other, so they share the host's load as closely as this
 allows. Per seed it prints both times to the target accuracy (training clock) and their ratio
 auto / fixed; over the seeds the mean ratio with its 95% Student-t interval, and ``met`` /
-``MISSED`` against the target: auto within 5% of its final choice (mean ratio <= 1.05). With ``--against H:ROW`` the fixed run is that local row
-instead (auto against a chosen fixed row, paired by seed; the target: within 10%, ratio <= 1.10).
+``MISSED`` against the target: auto within 5% of its final choice (mean ratio <= 1.05). With
+``--against H:ROW`` the fixed run is that local row instead (auto against a chosen fixed row,
+paired by seed; the target: within 10%, ratio <= 1.10).
 
 Every option of ``gradcomp train`` that sets the workload, the link and the schedule passes
 through (``--mode`` and ``--compressors`` excepted); ``--target-acc`` is required (the auto

@@ -37,8 +37,8 @@ Over any number of synchronisations with the allgather algorithm,
 
 Streaming (Streaming DiLoCo, Douillard et al. 2025): ``fragments=F`` splits the parameters
 into ``F`` fragments (contiguous runs of ``model.parameters()``, balanced by element count),
-each with its own anchor, residual and outer-optimizer state. Fragment ``f`` starts its exchange after
-the inner steps ``t`` with ``t mod H == ((f + 1) H / F) mod H``: one fragment
+each with its own anchor, residual and outer-optimizer state. Fragment ``f`` starts its
+exchange after the inner steps ``t`` with ``t mod H == ((f + 1) H / F) mod H``: one fragment
 every ``H / F`` steps, each parameter once every ``H`` steps, so the peak
 traffic of one exchange is ``1 / F`` of the model's. ``overlap=tau`` (``0 <=
 tau < H / F``) runs the exchange on a background thread while training goes
@@ -334,8 +334,8 @@ class LocalSGD:
 
     @property
     def should_compute(self) -> bool:
-        """Whether this rank runs its next inner step; False under ``partial_work`` once its share of the
-        round is run: call :meth:`step` without computing (a step computed anyway is not weighted)."""
+        """Whether this rank runs its next inner step; False under ``partial_work`` once its share
+        of the round is run: call :meth:`step` without computing (a step computed anyway is not weighted)."""
         return self.partial is None or self.partial.should_compute
 
     @property

@@ -5,9 +5,9 @@ seconds from the return of one :meth:`~gradcomp.LocalSGD.step` to the next call,
 steps only, the median of the latest :data:`WINDOW`); at a synchronisation at least
 :data:`AGREE_EVERY` inner steps after the last agreement the ranks share those medians (one
 small ``MAX`` allreduce, a slot per rank). A rank slower than :data:`TOLERANCE` times the
-ranks' lower median then runs ``floor(budget / own)`` inner steps of each round (at least one), ``budget``
-being ``H`` times the slowest compute within the tolerance: it reaches the synchronisation
-about when the others do. Its remaining steps of the round are idle (the training loop asks
+ranks' lower median then runs ``floor(budget / own)`` inner steps of each round (at least
+one), ``budget`` being ``H`` times the slowest compute within the tolerance: it reaches the
+synchronisation about when the others do. Its remaining steps of the round are idle (the training loop asks
 :attr:`gradcomp.LocalSGD.should_compute` and calls ``step()`` without computing), so the
 exchange schedule, and the bit-identical parameters after it, are unchanged. In a round whose
 ranks ran different numbers of steps each pseudo-gradient is weighted by its steps (``N x
@@ -138,7 +138,6 @@ class PartialWork:
         self.compute_s: list[float] | None = None
         self.agreed_at: int | None = None
         self.quotas: list[int] | None = None
-        self._partial = False  # whether a rank ran part of a round under the last quotas
         self._rank = 0
         self.done = 0  # inner steps of this round so far
         self._exchanged = 0  # ``done`` at the round's last exchange (a sync() within the round)
@@ -200,11 +199,11 @@ class PartialWork:
             TimeoutError / RuntimeError: a peer did not join within ``timeout`` seconds.
         """
         self.done = self._exchanged = 0
+        self._rank = dist.get_rank(group)
         if period >= 2 and (self.agreed_at is None or step - self.agreed_at >= AGREE_EVERY):
-            world, me = dist.get_world_size(group), dist.get_rank(group)
             mine = statistics.median(self._recent) if self._recent else math.nan
-            slots = [-math.inf] * world
-            slots[me] = -1.0 if math.isnan(mine) else mine  # -1: nothing measured
+            slots = [-math.inf] * dist.get_world_size(group)
+            slots[self._rank] = -1.0 if math.isnan(mine) else mine  # -1: nothing measured
             agreed = agree_max(slots, group, timeout, device, "gradcomp.PartialWork")
             self.compute_s = [t if t >= 0 else math.nan for t in agreed]
             self.agreed_at = step
@@ -215,13 +214,13 @@ class PartialWork:
         if most is not None:
             period = max(period, min(most, least_period(self.compute_s, self.tolerance)))
         shares = quotas(self.compute_s, period, self.tolerance)
-        self._rank = dist.get_rank(group)
         self.quota = shares[self._rank]
-        partial = min(shares) < period
-        if meter is not None and (period != asked or shares != self.quotas and (partial or self._partial)):
+        # a rank within the tolerance always runs the whole round: a cut is min < max
+        cut, was_cut = min(shares) < max(shares), self.quotas is not None and min(self.quotas) < max(self.quotas)
+        if meter is not None and (period != asked or shares != self.quotas and (cut or was_cut)):
             meter.record_switch({"kind": "partial_work", "step": step, "sync_every": period, "quotas": shares,
                                  "compute_s": self.compute_s, "raised_from": asked if period != asked else None})
-        self.quotas, self._partial = shares, partial
+        self.quotas = shares
         return period
 
     def __repr__(self) -> str:
