@@ -15,7 +15,8 @@ from gradcomp.lab.plan import model as plan
 from gradcomp.lab.study import config as study
 
 # the study's rows that are not compressors: a policy over catalog codecs, the backend's collective
-STUDY_OWN_ROWS = {"auto", "native", "powersgd4", "powersgd4-alt", "torch-powersgd4", "sign-ef-sgd"}
+STUDY_OWN_ROWS = {"auto", "native", "powersgd4", "powersgd4-alt", "torch-powersgd4", "sign-ef-sgd",
+                  "powersgd32", "torch-powersgd32"}
 
 
 def _pad8(n: int) -> int:

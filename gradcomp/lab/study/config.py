@@ -167,6 +167,10 @@ COMPRESSORS: dict[str, CompressorChoice] = {c.name: c for c in (
                      alternating=True),
     # PyTorch's own powerSGD_hook at rank 4 with its defaults, beside it (the DDP hook only)
     CompressorChoice("torch-powersgd4", "torch powerSGD r4", True, modes=("sync",), low_rank=4, torch_hook=True),
+    # both at rank 32, where the wide MLP's exchange is hundreds of KB a step (communication-bound
+    # at 100 Mbit; at rank 4 the DDP step's compute dominates)
+    CompressorChoice("powersgd32", "powersgd r32", True, modes=("sync", "local"), low_rank=32),
+    CompressorChoice("torch-powersgd32", "torch powerSGD r32", True, modes=("sync",), low_rank=32, torch_hook=True),
 )}
 
 #: The default study's menu, baseline first.
