@@ -383,7 +383,8 @@ def test_fp8_codes_round_ties_to_even_in_blocks_of_normals(fmt, dtype):
 @pytest.mark.skipif(not CPU, reason="gradcomp._C is not built")
 @pytest.mark.parametrize("offset", [0, 1])
 def test_codes_streamed_past_the_caches_match_the_reference(offset):
-    # inputs of 2**21 elements or more take the non-temporal stores; offset 1 starts the codes
+    # inputs of 2**21 elements or more take the non-temporal stores and the prefetch of the
+    # blocks ahead (the buffer's last blocks prefetch past its end); offset 1 starts the codes
     # off their alignment (plain stores at the head); block 4096 spans tiles, 64 streams nothing
     n = (1 << 21) + 100
     x = C.data(n, torch.float32, seed=21)
@@ -404,6 +405,8 @@ def test_codes_streamed_past_the_caches_match_the_reference(offset):
                                                         backend=b), r),
             "fp8": lambda b: K.quantize_fp8(x, "e5m2", bs, out_codes=out(n), backend=b),
             "fp8 ef": lambda b: (*K.quantize_fp8_ef(x, r := res.clone(), "e4m3", bs, out_codes=out(n), backend=b), r),
+            # (sign's codes of a tile fill half a line: never streamed, but its input is prefetched)
+            "sign ef": lambda b: (*K.quantize_sign_ef(x, r := res.clone(), bs, out_codes=out(-(-n // 8)), backend=b), r),
         }
         for name, fn in runs.items():
             C.cpu_matches_reference(fn, f"{name} block {bs}")

@@ -403,7 +403,8 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
     const size_t nb = (n + block - 1) / block;
     const size_t tile = std::min(block, TILE);
     const int nt = n >= PAR_MIN ? max_threads() : 1;
-    const bool stream = C::nbytes(TILE) % 64 == 0 && streams_codes(n, block);  // whole lines
+    const bool ahead = streams_codes(n, block);  // beyond the caches, in whole tiles
+    const bool stream = C::nbytes(TILE) % 64 == 0 && ahead;  // codes in whole lines
     (void)nt;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -444,6 +445,10 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
         const float m = bits_f32(mx);
         const float s = C::scale(m, sum, len);
         scales[b] = s;
+        if (ahead) {  // beyond the caches: a later block's lines arrive while these codes are computed
+            prefetch_ahead(x + lo, len);
+            if constexpr (EF) prefetch_ahead(res + lo, len);
+        }
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
             const float* p = len <= tile ? last : load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
