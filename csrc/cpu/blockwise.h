@@ -53,12 +53,13 @@ inline void stream_bytes(uint8_t* __restrict dst, const uint8_t* __restrict src,
 constexpr size_t PREFETCH_AHEAD = 4096;
 
 // Prefetch the `count` elements from p, PREFETCH_AHEAD bytes ahead (a hint: an address past
-// the buffer's end is never read and never faults).
+// the buffer's end is never read and never faults; it is formed as an integer, not by
+// pointer arithmetic past the buffer).
 template <class T>
 inline void prefetch_ahead(const T* p, size_t count) {
 #if defined(__SSE__) && !defined(GC_HAS_AVX512)
-    const char* a = reinterpret_cast<const char*>(p) + PREFETCH_AHEAD;
-    for (size_t k = 0; k < count * sizeof(T); k += 64) _mm_prefetch(a + k, _MM_HINT_T0);
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p) + PREFETCH_AHEAD;
+    for (size_t k = 0; k < count * sizeof(T); k += 64) _mm_prefetch(reinterpret_cast<const char*>(a + k), _MM_HINT_T0);
 #else
     (void)p;
     (void)count;
