@@ -30,11 +30,11 @@ def load(path: str):
     return mod
 
 
-def calls(mod, n: int, seed: int, buffers: str = "numpy") -> dict:
-    """Zero-argument calls of the hot kernels of ``mod`` on fresh buffers of ``n`` elements:
-    numpy's (which numpy backs with transparent huge pages when the kernel allows them) or
-    torch tensors' (4 KiB pages, as a model's gradients)."""
-    if buffers == "torch":
+def buffers(n: int, seed: int, kind: str = "numpy") -> dict:
+    """The input and output buffers of ``n`` elements that both modules' calls share (so that
+    neither gets the better pages): numpy's (which numpy backs with transparent huge pages when
+    the kernel allows them) or torch tensors' (4 KiB pages, as a model's gradients)."""
+    if kind == "torch":
         import torch
 
         def empty(k, dtype):
@@ -44,17 +44,22 @@ def calls(mod, n: int, seed: int, buffers: str = "numpy") -> dict:
     else:
         empty = np.empty
         x = np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
-    q, s = empty(n, np.int8), empty(n // 256, np.float32)
-    c4, c2, c1, c8 = empty(n // 2, np.uint8), empty(n // 4, np.uint8), empty(n // 8, np.uint8), empty(n, np.uint8)
-    s1k, out = empty(n // 1024, np.float32), empty(n, np.float32)
+    return {"x": x, "q": empty(n, np.int8), "s": empty(n // 256, np.float32), "c4": empty(n // 2, np.uint8),
+            "c2": empty(n // 4, np.uint8), "c1": empty(n // 8, np.uint8), "c8": empty(n, np.uint8),
+            "s1k": empty(n // 1024, np.float32), "out": empty(n, np.float32)}
+
+
+def calls(mod, b: dict) -> dict:
+    """Zero-argument calls of the hot kernels of ``mod`` on the buffers ``b`` (:func:`buffers`)."""
+    x, q, s, out = b["x"], b["q"], b["s"], b["out"]
     mod.quantize_int8(x, "float32", 256, False, 0, q, s)
     return {
         "quantize_int8": lambda: mod.quantize_int8(x, "float32", 256, False, 0, q, s),
         "dequantize_int8": lambda: mod.dequantize_int8(q, s, 256, out, "float32", False),
-        "quantize int4": lambda: mod.quantize_packed(x, "float32", 4, 256, False, 0, c4, s),
-        "quantize int2": lambda: mod.quantize_packed(x, "float32", 2, 256, False, 0, c2, s),
-        "quantize sign": lambda: mod.quantize_sign(x, "float32", 1024, c1, s1k),
-        "quantize fp8 e4m3": lambda: mod.quantize_fp8(x, "float32", "e4m3", 256, c8, s),
+        "quantize int4": lambda: mod.quantize_packed(x, "float32", 4, 256, False, 0, b["c4"], s),
+        "quantize int2": lambda: mod.quantize_packed(x, "float32", 2, 256, False, 0, b["c2"], s),
+        "quantize sign": lambda: mod.quantize_sign(x, "float32", 1024, b["c1"], b["s1k"]),
+        "quantize fp8 e4m3": lambda: mod.quantize_fp8(x, "float32", "e4m3", 256, b["c8"], s),
     }
 
 
@@ -70,7 +75,8 @@ def main(argv=None) -> None:
     for m in (installed, other):
         m.set_num_threads(1)
     print(f"installed: {installed.build_info()}\nother:     {other.build_info()}")
-    a, b = calls(installed, args.numel, 0, args.buffers), calls(other, args.numel, 0, args.buffers)
+    shared = buffers(args.numel, 0, args.buffers)
+    a, b = calls(installed, shared), calls(other, shared)
     print(f"{'kernel':<20}{'installed ms':>14}{'other ms':>10}{'other/installed':>17}"
           f"{'cpu: installed ms':>19}{'other ms':>10}{'other/installed':>17}")
     for name in a:
