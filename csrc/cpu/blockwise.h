@@ -66,6 +66,14 @@ inline void prefetch_ahead(const T* p, size_t count) {
 #endif
 }
 
+// A block's inputs prefetched ahead: x and, with error feedback, the residual (len elements from
+// each; res is not read without EF)
+template <bool EF, class T>
+inline void prefetch_block(const T* x, const float* res, size_t len) {
+    prefetch_ahead(x, len);
+    if constexpr (EF) prefetch_ahead(res, len);
+}
+
 // this thread's non-temporal stores ordered before its later stores (and so
 // visible to the threads that synchronise with it afterwards)
 inline void stream_fence() {

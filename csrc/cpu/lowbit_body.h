@@ -445,10 +445,8 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
         const float m = bits_f32(mx);
         const float s = C::scale(m, sum, len);
         scales[b] = s;
-        if (ahead) {  // beyond the caches: a later block's lines arrive while these codes are computed
-            prefetch_ahead(x + lo, len);
-            if constexpr (EF) prefetch_ahead(res + lo, len);
-        }
+        // beyond the caches: a later block's lines arrive while these codes are computed
+        if (ahead) prefetch_block<EF>(x + lo, EF ? res + lo : nullptr, len);
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
             const float* p = len <= tile ? last : load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);

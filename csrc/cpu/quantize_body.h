@@ -106,10 +106,8 @@ void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, u
         const float m = bits_f32(mx);
         const float s = m / 127.0f;
         scales[b] = s;
-        if (stream) {  // beyond the caches: a later block's lines arrive while these codes are computed
-            prefetch_ahead(x + lo, len);
-            if constexpr (EF) prefetch_ahead(res + lo, len);
-        }
+        // beyond the caches: a later block's lines arrive while these codes are computed
+        if (stream) prefetch_block<EF>(x + lo, EF ? res + lo : nullptr, len);
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
             const float* p =
