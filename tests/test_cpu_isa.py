@@ -112,6 +112,14 @@ EDGES = textwrap.dedent("""
             for f in ("e4m3", "e5m2"):
                 both(lambda b: K.quantize_fp8(x, f, bs, backend=b), f)
                 both(lambda b: (*K.quantize_fp8_ef(x, e := res.clone(), f, bs, backend=b), e), f + " ef")
+    # fp8: one lane that codes to a subnormal (or to zero) in tile k of block k, blocks of four
+    # tiles: the block's smallest |p| keeps every tile of the block off the all-normal path
+    x = 0.5 + torch.rand(4096, generator=g)
+    for k, tiny in enumerate((3e-5, 2.0 ** -32, -3e-5, -1e-7)):
+        x[1024 * k + 256 * k + 7] = tiny
+    for f in ("e4m3", "e5m2"):
+        both(lambda b: K.quantize_fp8(x, f, 1024, backend=b), f + " small lane")
+        both(lambda b: (*K.quantize_fp8_ef(x, e := torch.zeros(4096), f, 1024, backend=b), e), f + " small lane ef")
     print(cpu.isa())
 """).format(here=HERE)
 

@@ -113,6 +113,20 @@ inline uint32_t absmax_bits(const float* p, size_t len) {
     return m;
 }
 
+// absmax_bits of the tile, with the smallest bits of |p| folded into mn in the
+// same pass (the fp8 codec's test for subnormal codes reads it; a min beside the
+// max costs nothing while the pass waits on memory)
+inline uint32_t absmax_min_bits(const float* p, size_t len, uint32_t& mn) {
+    uint32_t m = 0, lo = mn;
+    for (size_t i = 0; i < len; ++i) {
+        const uint32_t b = f32_bits(p[i]) & 0x7FFFFFFFu;
+        m = b > m ? b : m;
+        lo = b < lo ? b : lo;
+    }
+    mn = lo;
+    return m;
+}
+
 // std::rint for |y| < 2**22 in the default rounding mode: adding 1.5 * 2**23
 // leaves no fraction bits, so the addition itself rounds y to the nearest
 // integer, ties to even, and the subtraction is exact. Plain float arithmetic

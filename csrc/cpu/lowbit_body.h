@@ -211,49 +211,37 @@ inline __m512i to_fp8_normal_x16(__m512 f) {
 #endif
 
 #if defined(GC_HAS_AVX2)
-// to_fp8_normal_x16's operations on 8 lanes (no ternary logic: two ands and an or)
+// to_fp8_normal_x16's rounding on 8 lanes, the sign left where it lands: the
+// code in bits 0-6, the sign at bit 31 - SHIFT (fp8_merge_sign_x16 moves it).
+// The round-to-even bit is subtracted as a compare's all-ones (no shift: this
+// loop's shifts share one port on some cores, compares have several).
 template <Fp8 F>
-inline __m256i to_fp8_normal_x8(__m256 f) {
+inline __m256i fp8_normal_unmerged_x8(__m256 f) {
     using T = Fp8Traits<F>;
     const __m256i bits = _mm256_castps_si256(f);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, T::SHIFT), _mm256_set1_epi32(1));
+    const __m256i lsb_bit = _mm256_set1_epi32(int32_t(1u << T::SHIFT));
+    const __m256i odd = _mm256_cmpeq_epi32(_mm256_and_si256(bits, lsb_bit), lsb_bit);  // -1 where the lsb is set
     const __m256i bias = _mm256_set1_epi32(int32_t(T::BIAS + ((1u << (T::SHIFT - 1)) - 1u)));
-    const __m256i t = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, bias), lsb), T::SHIFT);
-    return _mm256_or_si256(_mm256_and_si256(t, _mm256_set1_epi32(0x7F)),
-                           _mm256_and_si256(_mm256_srli_epi32(t, 24 - T::SHIFT), _mm256_set1_epi32(0x80)));
+    return _mm256_srli_epi32(_mm256_sub_epi32(_mm256_add_epi32(bits, bias), odd), T::SHIFT);
 }
 
-// the smallest |p| of a tile, as bits
-inline uint32_t absmin_bits(const float* p, size_t len) {
-    uint32_t m = 0x7FFFFFFFu;
-    size_t i = 0;
-#if defined(GC_HAS_AVX512)
-    __m512i mn = _mm512_set1_epi32(0x7FFFFFFF);
-    const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF);
-    const size_t whole = len / 16 * 16;
-    for (; i < whole; i += 16) mn = _mm512_min_epu32(mn, _mm512_and_si512(_mm512_loadu_si512(p + i), abs));
-    m = _mm512_reduce_min_epu32(mn);
-#else
-    __m256i mn = _mm256_set1_epi32(0x7FFFFFFF);
-    const __m256i abs = _mm256_set1_epi32(0x7FFFFFFF);
-    const size_t whole = len / 8 * 8;
-    for (; i < whole; i += 8)
-        mn = _mm256_min_epu32(mn, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), abs));
-    __m128i h = _mm_min_epu32(_mm256_castsi256_si128(mn), _mm256_extracti128_si256(mn, 1));
-    h = _mm_min_epu32(h, _mm_shuffle_epi32(h, 0x4E));
-    h = _mm_min_epu32(h, _mm_shuffle_epi32(h, 0xB1));
-    m = uint32_t(_mm_cvtsi128_si32(h));
-#endif
-    for (; i < len; ++i) m = std::min(m, f32_bits(p[i]) & 0x7FFFFFFFu);
-    return m;
+// 16 lanes of fp8_normal_unmerged_x8 packed to 16 bits: a negative lane (above
+// 0x7F) loses 2**(31 - SHIFT) and gains 0x80, so the sign lands on bit 7
+template <Fp8 F>
+inline __m256i fp8_merge_sign_x16(__m256i t) {
+    constexpr int32_t SIGN = int32_t(1u << (31 - Fp8Traits<F>::SHIFT));
+    const __m256i neg = _mm256_cmpgt_epi16(t, _mm256_set1_epi16(0x7F));
+    return _mm256_sub_epi16(t, _mm256_and_si256(neg, _mm256_set1_epi16(int16_t(SIGN - 0x80))));
 }
+
 #endif
 
 // fp8 codes of p * (max / m) over one tile (|p * (max / m)| <= max rounded up
 // by at most one ulp, which to_fp8 rounds to max), or of (p / m) * max where
-// max / m overflows (m below max / FLT_MAX)
+// max / m overflows (m below max / FLT_MAX); mn: the bits of the smallest |p|
+// of the tile or of a range that holds it (the block)
 template <Fp8 F>
-inline void fp8_codes(const float* __restrict p, size_t len, float m, uint8_t* __restrict o) {
+inline void fp8_codes(const float* __restrict p, size_t len, float m, uint32_t mn, uint8_t* __restrict o) {
     const float inv = Fp8Traits<F>::MAX / m;
     if (!(inv <= std::numeric_limits<float>::max())) {
         for (size_t i = 0; i < len; ++i) o[i] = to_fp8<F>((p[i] / m) * Fp8Traits<F>::MAX);
@@ -264,7 +252,9 @@ inline void fp8_codes(const float* __restrict p, size_t len, float m, uint8_t* _
     // every lane normal when the smallest is (|p| * inv rounds monotonically): no
     // subnormal path, no select (typical gradients: no zeros, min |p| / m well
     // above 2**-6 / 448)
-    const bool all_normal = bits_f32(absmin_bits(p, len)) * inv >= bits_f32(Fp8Traits<F>::NORMAL_MIN);
+    const bool all_normal = bits_f32(mn) * inv >= bits_f32(Fp8Traits<F>::NORMAL_MIN);
+#else
+    (void)mn;
 #endif
 #if defined(GC_HAS_AVX512)
     const __m512 vinv = _mm512_set1_ps(inv);
@@ -287,8 +277,10 @@ inline void fp8_codes(const float* __restrict p, size_t len, float m, uint8_t* _
         for (; i + 32 <= len; i += 32) {
             __m256i c[4];
             for (int k = 0; k < 4; ++k)
-                c[k] = to_fp8_normal_x8<F>(_mm256_mul_ps(_mm256_loadu_ps(p + i + 8 * k), vinv));
-            const __m256i w = _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3]));
+                c[k] = fp8_normal_unmerged_x8<F>(_mm256_mul_ps(_mm256_loadu_ps(p + i + 8 * k), vinv));
+            const __m256i lo = fp8_merge_sign_x16<F>(_mm256_packus_epi32(c[0], c[1]));
+            const __m256i hi = fp8_merge_sign_x16<F>(_mm256_packus_epi32(c[2], c[3]));
+            const __m256i w = _mm256_packus_epi16(lo, hi);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm256_permutevar8x32_epi32(w, order));
         }
     }
@@ -297,20 +289,22 @@ inline void fp8_codes(const float* __restrict p, size_t len, float m, uint8_t* _
 }
 
 // ------------------------------------------------------------------ codecs
-// Each codec: scale(m, sum, len) of a live block, codes(p, len, m, s, first,
+// Each codec: scale(m, sum, len) of a live block, codes(p, len, m, s, mn, first,
 // key, o, res) of one tile starting at element `first` of the tensor, its
 // nbytes(len) bytes written to o (the codes' byte byte_of(first), or a buffer).
+// SUM: the block's sum of |p| is computed for scale; MIN: mn is the bits of the
+// block's smallest |p| (otherwise 0).
 
 template <int BITS, bool STOCH>
 struct PackedCodec {
-    static constexpr bool SUM = false;
+    static constexpr bool SUM = false, MIN = false;
     static constexpr int32_t Q = (1 << (BITS - 1)) - 1;
     static constexpr size_t byte_of(size_t i) { return i * BITS / 8; }
     static constexpr size_t nbytes(size_t len) { return (len * BITS + 7) / 8; }
     static float scale(float m, float, size_t) { return m / float(Q); }
     template <bool EF>
-    static void codes(const float* p, size_t len, float m, float s, size_t first, uint32_t key, uint8_t* o,
-                      float* res) {
+    static void codes(const float* p, size_t len, float m, float s, uint32_t, size_t first, uint32_t key,
+                      uint8_t* o, float* res) {
         alignas(64) int8_t c[TILE];
         // the element index mod 2**32, as the reference
         int_codes<Q, STOCH, EF>(p, len, m, s, uint32_t(first), key, c, res);
@@ -319,12 +313,13 @@ struct PackedCodec {
 };
 
 struct SignCodec {
-    static constexpr bool SUM = true;
+    static constexpr bool SUM = true, MIN = false;
     static constexpr size_t byte_of(size_t i) { return i / 8; }
     static constexpr size_t nbytes(size_t len) { return (len + 7) / 8; }
     static float scale(float m, float sum, size_t len) { return std::min(sum / float(len), m); }
     template <bool EF>
-    static void codes(const float* p, size_t len, float, float s, size_t, uint32_t, uint8_t* o, float* res) {
+    static void codes(const float* p, size_t len, float, float s, uint32_t, size_t, uint32_t, uint8_t* o,
+                      float* res) {
         sign_bits(p, len, o);
         if constexpr (EF)
             for (size_t i = 0; i < len; ++i) res[i] = p[i] - (p[i] < 0.0f ? -s : s);
@@ -333,13 +328,14 @@ struct SignCodec {
 
 template <Fp8 F>
 struct Fp8Codec {
-    static constexpr bool SUM = false;
+    static constexpr bool SUM = false, MIN = true;
     static constexpr size_t byte_of(size_t i) { return i; }
     static constexpr size_t nbytes(size_t len) { return len; }
     static float scale(float m, float, size_t) { return m / Fp8Traits<F>::MAX; }
     template <bool EF>
-    static void codes(const float* p, size_t len, float m, float s, size_t, uint32_t, uint8_t* o, float* res) {
-        fp8_codes<F>(p, len, m, o);
+    static void codes(const float* p, size_t len, float m, float s, uint32_t mn, size_t, uint32_t, uint8_t* o,
+                      float* res) {
+        fp8_codes<F>(p, len, m, mn, o);
         if constexpr (EF)
             for (size_t i = 0; i < len; ++i) res[i] = p[i] - fp8_value<F>(o[i]) * s;
     }
@@ -413,13 +409,16 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
         alignas(64) float buf[TILE];
         alignas(64) uint8_t cbuf[TILE];  // a tile's codes, when they are streamed out
         const size_t lo = b * block, len = std::min(block, n - lo);
-        uint32_t mx = 0;
+        uint32_t mx = 0, mn = C::MIN ? 0x7FFFFFFFu : 0u;
         float sum = 0.0f;
         const float* last = nullptr;  // the loaded tile: reused below when it is the whole block
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
             last = load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
-            mx = std::max(mx, tl == TILE ? absmax_bits(last, TILE) : absmax_bits(last, tl));
+            if constexpr (C::MIN)
+                mx = std::max(mx, tl == TILE ? absmax_min_bits(last, TILE, mn) : absmax_min_bits(last, tl, mn));
+            else
+                mx = std::max(mx, tl == TILE ? absmax_bits(last, TILE) : absmax_bits(last, tl));
             if constexpr (C::SUM) {
                 const float f = fold_abs(last, tl, tile);
                 sum = t == 0 ? f : sum + f;
@@ -453,9 +452,9 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
             float* r = EF ? res + lo + t : nullptr;
             uint8_t* o = stream ? cbuf : codes + C::byte_of(lo + t);
             if (tl == TILE)  // the common case: a constant length, loops without remainders
-                C::template codes<EF>(p, TILE, m, s, lo + t, key, o, r);
+                C::template codes<EF>(p, TILE, m, s, mn, lo + t, key, o, r);
             else
-                C::template codes<EF>(p, tl, m, s, lo + t, key, o, r);
+                C::template codes<EF>(p, tl, m, s, mn, lo + t, key, o, r);
             if (stream) stream_bytes(codes + C::byte_of(lo + t), cbuf, C::nbytes(tl));
         }
     }
@@ -588,7 +587,7 @@ void reduce_packed_impl(float* acc, const uint8_t* cin, const float* sin, size_t
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
             const float* p = whole ? buf : a + t;
-            C::template codes<false>(p, tl, m, s, lo + t, key, codes + C::byte_of(lo + t), nullptr);
+            C::template codes<false>(p, tl, m, s, 0u, lo + t, key, codes + C::byte_of(lo + t), nullptr);
             if (decode) {
                 PackedValues<BITS>::decode(codes, lo + t, tl, s, a + t);
             } else if (whole) {
