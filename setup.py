@@ -73,6 +73,10 @@ def _extensions():
 
     cflags = ["-O3", "-ffp-contract=off", "-fno-math-errno"]
     lflags = []
+    if sys.platform != "win32":
+        # hot loops at 32-byte boundaries: their speed then depends less on where the
+        # linker happens to place them (builds of the same kernels differed by up to 10%)
+        cflags.append("-falign-loops=32")
     if sys.platform != "win32" and os.environ.get("GRADCOMP_NO_OPENMP") != "1":
         if _compiler_accepts("-fopenmp"):
             cflags.append("-fopenmp")

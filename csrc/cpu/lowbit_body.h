@@ -445,9 +445,12 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
         const float s = C::scale(m, sum, len);
         scales[b] = s;
         // beyond the caches: a later block's lines arrive while these codes are computed
-        if (ahead) prefetch_block<EF>(x + lo, EF ? res + lo : nullptr, len);
+        // (a block of several tiles tile by tile: its many lines at once stall the core)
+        const bool multi = len > tile;
+        if (ahead && !multi) prefetch_block<EF>(x + lo, EF ? res + lo : nullptr, len);
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
+            if (ahead && multi) prefetch_block<EF>(x + lo + t, EF ? res + lo + t : nullptr, tl);
             const float* p = len <= tile ? last : load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
             float* r = EF ? res + lo + t : nullptr;
             uint8_t* o = stream ? cbuf : codes + C::byte_of(lo + t);
