@@ -213,8 +213,8 @@ inline __m512i to_fp8_normal_x16(__m512 f) {
 #if defined(GC_HAS_AVX2)
 // to_fp8_normal_x16's rounding on 8 lanes, the sign left where it lands: the
 // code in bits 0-6, the sign at bit 31 - SHIFT (fp8_merge_sign_x16 moves it).
-// The round-to-even bit is subtracted as a compare's all-ones (no shift: this
-// loop's shifts share one port on some cores, compares have several).
+// The round-to-even bit is subtracted as a compare's all-ones (-1 where the
+// code's lowest bit is set) rather than shifted down and added.
 template <Fp8 F>
 inline __m256i fp8_normal_unmerged_x8(__m256 f) {
     using T = Fp8Traits<F>;
@@ -444,8 +444,9 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
         const float m = bits_f32(mx);
         const float s = C::scale(m, sum, len);
         scales[b] = s;
-        // beyond the caches: a later block's lines arrive while these codes are computed
-        // (a block of several tiles tile by tile: its many lines at once stall the core)
+        // beyond the caches: a later block's lines arrive while these codes are computed;
+        // a block of several tiles is prefetched tile by tile (all its lines requested at
+        // once stall the core until enough of them arrive)
         const bool multi = len > tile;
         if (ahead && !multi) prefetch_block<EF>(x + lo, EF ? res + lo : nullptr, len);
         for (size_t t = 0; t < len; t += tile) {
