@@ -52,17 +52,18 @@ inline void stream_bytes(uint8_t* __restrict dst, const uint8_t* __restrict src,
 // kind measured slower there (docs/results/codecs.md).
 constexpr size_t PREFETCH_AHEAD = 4096;
 
-// Prefetch the `count` elements from p, PREFETCH_AHEAD bytes ahead (a hint: an address past
-// the buffer's end is never read and never faults; it is formed as an integer, not by
-// pointer arithmetic past the buffer).
+// Prefetch the `count` elements from p, `bytes` ahead (a hint: an address past the buffer's
+// end is never read and never faults; it is formed as an integer, not by pointer arithmetic
+// past the buffer).
 template <class T>
-inline void prefetch_ahead(const T* p, size_t count) {
+inline void prefetch_ahead(const T* p, size_t count, size_t bytes = PREFETCH_AHEAD) {
 #if defined(__SSE__) && !defined(GC_HAS_AVX512)
-    const uintptr_t a = reinterpret_cast<uintptr_t>(p) + PREFETCH_AHEAD;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p) + bytes;
     for (size_t k = 0; k < count * sizeof(T); k += 64) _mm_prefetch(reinterpret_cast<const char*>(a + k), _MM_HINT_T0);
 #else
     (void)p;
     (void)count;
+    (void)bytes;
 #endif
 }
 
@@ -72,6 +73,17 @@ template <bool EF, class T>
 inline void prefetch_block(const T* x, const float* res, size_t len) {
     prefetch_ahead(x, len);
     if constexpr (EF) prefetch_ahead(res, len);
+}
+
+// For a block of several tiles, called once per tile of its codes pass: the same tile of a
+// later block (block_len elements on, or PREFETCH_AHEAD bytes of x where that is further), so
+// that the lines arrive spread over the pass (a whole block's lines requested at once stall
+// the core until enough of them arrive) and are not lines of this block, already in cache.
+template <bool EF, class T>
+inline void prefetch_tile_of_next_block(const T* x, const float* res, size_t tile_len, size_t block_len) {
+    const size_t ahead = std::max(block_len, PREFETCH_AHEAD / sizeof(T));  // elements
+    prefetch_ahead(x, tile_len, ahead * sizeof(T));
+    if constexpr (EF) prefetch_ahead(res, tile_len, ahead * sizeof(float));
 }
 
 // this thread's non-temporal stores ordered before its later stores (and so

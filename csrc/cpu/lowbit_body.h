@@ -444,14 +444,13 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
         const float m = bits_f32(mx);
         const float s = C::scale(m, sum, len);
         scales[b] = s;
-        // beyond the caches: a later block's lines arrive while these codes are computed;
-        // a block of several tiles is prefetched tile by tile (all its lines requested at
-        // once stall the core until enough of them arrive)
+        // beyond the caches: a later block's lines arrive while these codes are computed
+        // (a block of several tiles: the same tile of a later block, tile by tile)
         const bool multi = len > tile;
         if (ahead && !multi) prefetch_block<EF>(x + lo, EF ? res + lo : nullptr, len);
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
-            if (ahead && multi) prefetch_block<EF>(x + lo + t, EF ? res + lo + t : nullptr, tl);
+            if (ahead && multi) prefetch_tile_of_next_block<EF>(x + lo + t, EF ? res + lo + t : nullptr, tl, len);
             const float* p = len <= tile ? last : load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
             float* r = EF ? res + lo + t : nullptr;
             uint8_t* o = stream ? cbuf : codes + C::byte_of(lo + t);

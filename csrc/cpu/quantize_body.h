@@ -107,9 +107,12 @@ void quantize_impl(const typename E::T* x, float* res, size_t n, size_t block, u
         const float s = m / 127.0f;
         scales[b] = s;
         // beyond the caches: a later block's lines arrive while these codes are computed
-        if (stream) prefetch_block<EF>(x + lo, EF ? res + lo : nullptr, len);
+        // (a block of several tiles: the same tile of a later block, tile by tile)
+        const bool multi = len > tile;
+        if (stream && !multi) prefetch_block<EF>(x + lo, EF ? res + lo : nullptr, len);
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
+            if (stream && multi) prefetch_tile_of_next_block<EF>(x + lo + t, EF ? res + lo + t : nullptr, tl, len);
             const float* p =
                 len <= tile ? last : load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
             float* r = EF ? res + lo + t : nullptr;
