@@ -6,7 +6,8 @@ same kernel calls on the same buffers alternately, round by round, so that a loa
 shared machine hits both alike. Prints per kernel the median time of each and the median of
 the per-round ratios (other / installed: above 1, the installed build is faster), in wall time
 and in the calling thread's CPU time (which leaves out the time other jobs hold the core). One
-thread each (``set_num_threads(1)``), float32, ``--numel`` elements, block 256 (sign: 1024).
+thread each (``set_num_threads(1)``), float32, ``--numel`` elements, block 256 (sign: 1024;
+``--block`` sets one block size for every quantizer).
 
     python benchmarks/isa_compare.py --other /path/to/gradcomp/_C.cpython-311-x86_64-linux-gnu.so
 """
@@ -46,20 +47,23 @@ def buffers(n: int, seed: int, kind: str = "numpy") -> dict:
         x = np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
     return {"x": x, "q": empty(n, np.int8), "s": empty(n // 256, np.float32), "c4": empty(n // 2, np.uint8),
             "c2": empty(n // 4, np.uint8), "c1": empty(n // 8, np.uint8), "c8": empty(n, np.uint8),
-            "s1k": empty(n // 1024, np.float32), "out": empty(n, np.float32)}
+            "out": empty(n, np.float32)}
 
 
-def calls(mod, b: dict) -> dict:
-    """Zero-argument calls of the hot kernels of ``mod`` on the buffers ``b`` (:func:`buffers`)."""
-    x, q, s, out = b["x"], b["q"], b["s"], b["out"]
-    mod.quantize_int8(x, "float32", 256, False, 0, q, s)
+def calls(mod, b: dict, block: int | None = None) -> dict:
+    """Zero-argument calls of the hot kernels of ``mod`` on the buffers ``b`` (:func:`buffers`),
+    at block 256 (sign: 1024), or at ``block`` (a multiple of 256) for every quantizer."""
+    x, q, out, n = b["x"], b["q"], b["out"], b["x"].size
+    bs, bs_sign = block or 256, block or 1024
+    s, s_sign = b["s"][: n // bs], b["s"][: n // bs_sign]
+    mod.quantize_int8(x, "float32", bs, False, 0, q, s)
     return {
-        "quantize_int8": lambda: mod.quantize_int8(x, "float32", 256, False, 0, q, s),
-        "dequantize_int8": lambda: mod.dequantize_int8(q, s, 256, out, "float32", False),
-        "quantize int4": lambda: mod.quantize_packed(x, "float32", 4, 256, False, 0, b["c4"], s),
-        "quantize int2": lambda: mod.quantize_packed(x, "float32", 2, 256, False, 0, b["c2"], s),
-        "quantize sign": lambda: mod.quantize_sign(x, "float32", 1024, b["c1"], b["s1k"]),
-        "quantize fp8 e4m3": lambda: mod.quantize_fp8(x, "float32", "e4m3", 256, b["c8"], s),
+        "quantize_int8": lambda: mod.quantize_int8(x, "float32", bs, False, 0, q, s),
+        "dequantize_int8": lambda: mod.dequantize_int8(q, s, bs, out, "float32", False),
+        "quantize int4": lambda: mod.quantize_packed(x, "float32", 4, bs, False, 0, b["c4"], s),
+        "quantize int2": lambda: mod.quantize_packed(x, "float32", 2, bs, False, 0, b["c2"], s),
+        "quantize sign": lambda: mod.quantize_sign(x, "float32", bs_sign, b["c1"], s_sign),
+        "quantize fp8 e4m3": lambda: mod.quantize_fp8(x, "float32", "e4m3", bs, b["c8"], s),
     }
 
 
@@ -68,6 +72,8 @@ def main(argv=None) -> None:
     ap.add_argument("--other", required=True, help="path of the other build's _C*.so")
     ap.add_argument("--numel", type=int, default=2**24)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--block", type=int, default=None,
+                    help="one block size (a multiple of 256) for every quantizer; default 256, sign 1024")
     ap.add_argument("--buffers", choices=("numpy", "torch"), default="numpy",
                     help="numpy arrays (huge pages where the kernel gives them) or torch tensors (4 KiB pages)")
     args = ap.parse_args(argv)
@@ -76,7 +82,9 @@ def main(argv=None) -> None:
         m.set_num_threads(1)
     print(f"installed: {installed.build_info()}\nother:     {other.build_info()}")
     shared = buffers(args.numel, 0, args.buffers)
-    a, b = calls(installed, shared), calls(other, shared)
+    if args.block is not None and (args.block <= 0 or args.block % 256 or args.numel % args.block):
+        ap.error(f"--block must be a positive multiple of 256 that divides --numel, got {args.block}")
+    a, b = calls(installed, shared, args.block), calls(other, shared, args.block)
     print(f"{'kernel':<20}{'installed ms':>14}{'other ms':>10}{'other/installed':>17}"
           f"{'cpu: installed ms':>19}{'other ms':>10}{'other/installed':>17}")
     for name in a:
