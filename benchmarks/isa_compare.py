@@ -77,13 +77,13 @@ def main(argv=None) -> None:
     ap.add_argument("--buffers", choices=("numpy", "torch"), default="numpy",
                     help="numpy arrays (huge pages where the kernel gives them) or torch tensors (4 KiB pages)")
     args = ap.parse_args(argv)
+    if args.block is not None and (args.block <= 0 or args.block % 256 or args.numel % args.block):
+        ap.error(f"--block must be a positive multiple of 256 that divides --numel, got {args.block}")
     other = load(args.other)
     for m in (installed, other):
         m.set_num_threads(1)
     print(f"installed: {installed.build_info()}\nother:     {other.build_info()}")
     shared = buffers(args.numel, 0, args.buffers)
-    if args.block is not None and (args.block <= 0 or args.block % 256 or args.numel % args.block):
-        ap.error(f"--block must be a positive multiple of 256 that divides --numel, got {args.block}")
     a, b = calls(installed, shared, args.block), calls(other, shared, args.block)
     print(f"{'kernel':<20}{'installed ms':>14}{'other ms':>10}{'other/installed':>17}"
           f"{'cpu: installed ms':>19}{'other ms':>10}{'other/installed':>17}")

@@ -415,10 +415,7 @@ void quantize_blocks(const typename E::T* x, float* res, size_t n, size_t block,
         for (size_t t = 0; t < len; t += tile) {
             const size_t tl = std::min(tile, len - t);
             last = load_tile<E, EF>(x + lo + t, EF ? res + lo + t : nullptr, buf, tl);
-            if constexpr (C::MIN)
-                mx = std::max(mx, tl == TILE ? absmax_min_bits(last, TILE, mn) : absmax_min_bits(last, tl, mn));
-            else
-                mx = std::max(mx, tl == TILE ? absmax_bits(last, TILE) : absmax_bits(last, tl));
+            mx = std::max(mx, tl == TILE ? absmax_bits<C::MIN>(last, TILE, &mn) : absmax_bits<C::MIN>(last, tl, &mn));
             if constexpr (C::SUM) {
                 const float f = fold_abs(last, tl, tile);
                 sum = t == 0 ? f : sum + f;
