@@ -36,11 +36,11 @@ __all__ = ["PartialWork", "least_period", "partial_work_argument", "quotas", "AG
 
 #: a rank whose compute per inner step is at most this many times the ranks' lower median
 #: runs every step of a round: jitter, a shared host's scheduling (ranks that share cores measure
-#: up to about 1.5x apart from one window to the next) and a rank's own small chores (an
+#: up to about 2x apart from one window to the next) and a rank's own small chores (an
 #: evaluation, a checkpoint) must not cut its work; the median, not the fastest, so that one
 #: fast rank does not make the others stragglers (the lower one, so that of two ranks the
 #: faster is the reference)
-TOLERANCE = 1.5
+TOLERANCE = 2.0
 #: computed inner steps whose median is a rank's compute per step (five slow steps move it)
 WINDOW = 8
 #: inner steps between two agreements at least (an agreement is due at the first

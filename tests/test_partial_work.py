@@ -27,6 +27,8 @@ TIMEOUT = 60
 H = 8
 STEPS = 88
 FAST, SLOW = 1 / 64, 3 / 64
+#: the tolerance the hand derivations use (the default, TOLERANCE, is tested on its own below)
+HAND = 1.5
 
 
 class _Clock:
@@ -53,7 +55,7 @@ def _run(rank, world_size):
     model = _model()
     meter = gc.TrafficMeter()
     ls = gc.LocalSGD(model, H, compressor=gc.NoCompression(), meter=meter, timeout=TIMEOUT,
-                     partial_work=PartialWork(clock=clock))
+                     partial_work=PartialWork(HAND, clock=clock))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     computed, rounds, identical, mean_ok = 0, [], [], []
     for t in range(1, STEPS + 1):
@@ -124,11 +126,17 @@ def test_every_rank_logs_the_same_cuts_and_their_end(runs):
     ([float("nan")] * 2, 8, [8, 8]),
 ])
 def test_quotas_by_hand(compute, period, expected):
-    assert quotas(compute, period) == expected
+    assert quotas(compute, period, HAND) == expected
 
 
 def test_the_defaults():
     assert TOLERANCE > 1 and WINDOW >= 1 and AGREE_EVERY >= 1
+
+
+def test_the_default_tolerance_keeps_a_rank_twice_as_slow():
+    # ranks that share a host's cores measure up to about 2x apart: not cut; beyond 2x, cut
+    assert quotas([0.01, 0.02, 0.01], 8) == [8, 8, 8]
+    assert quotas([0.01, 0.021, 0.01], 8) == [8, 3, 8]  # floor(8 x 0.01 / 0.021)
 
 
 @pytest.mark.parametrize("kwargs, error, name", [
@@ -204,7 +212,7 @@ def _raise(rank, world_size):
     out = []
     for most in (8, 2, None):
         clock, meter = _Clock(), gc.TrafficMeter()
-        work = PartialWork(clock=clock)
+        work = PartialWork(HAND, clock=clock)
         for _ in range(5):
             work.stepped()
             work.returned()
@@ -227,7 +235,7 @@ def _restore(rank, world_size):
     28), then rank 1 is cut again."""
     clock = _Clock()
     model = _model()
-    ls = gc.LocalSGD(model, H, compressor=gc.NoCompression(), timeout=TIMEOUT, partial_work=PartialWork(clock=clock))
+    ls = gc.LocalSGD(model, H, compressor=gc.NoCompression(), timeout=TIMEOUT, partial_work=PartialWork(HAND, clock=clock))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     computes, saved = [], None
     for t in range(1, 41):
