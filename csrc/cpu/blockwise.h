@@ -80,9 +80,8 @@ inline void prefetch_block(const T* x, const float* res, size_t len) {
 // that the lines arrive spread over the pass (a whole block's lines requested at once stall
 // the core until enough of them arrive) and are not lines of this block, already in cache.
 // The bodies call prefetch_block before their tile loop and this inside it, each under its
-// own condition: one helper that chose between the two per call compiled (GCC 12) to a
-// single merged prefetch loop that ran the int8 / int4 / int2 / fp8 quantizers about 30%
-// slower at blocks of one tile.
+// own condition: one helper that chose between the two per call compiled to a single
+// merged prefetch loop that ran the quantizers slower (docs/results/codecs.md).
 template <bool EF, class T>
 inline void prefetch_tile_of_next_block(const T* x, const float* res, size_t tile_len, size_t block_len) {
     const size_t ahead = std::max(block_len, PREFETCH_AHEAD / sizeof(T));  // elements
